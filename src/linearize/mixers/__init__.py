@@ -1,0 +1,14 @@
+"""Modules that replace a softmax attention; a new mixer is one file plus a line in ``MIXERS``."""
+
+from .base import Mixer
+from .linear import LinearAttention
+from .lolcats import LolcatsAttention
+from .supra import SupraAttention
+
+MIXERS: dict[str, type[Mixer]] = {
+    "linear": LinearAttention,
+    "lolcats": LolcatsAttention,
+    "supra": SupraAttention,
+}
+
+__all__ = ["MIXERS", "Mixer", "LinearAttention", "LolcatsAttention", "SupraAttention"]

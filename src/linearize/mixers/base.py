@@ -1,0 +1,63 @@
+"""What every mixer shares: adopting the teacher's projections, and the prefill / decode switch.
+
+A mixer replaces one attention module in place and answers the same call (``hidden_states``,
+``position_embeddings``, a cache as ``past_key_values`` or ``layer_past``) with ``(output, None)``.
+Subclasses implement ``sequence`` (parallel/chunked form over T tokens, optionally from a state)
+and ``step`` (one token from a state), both returning ``(o [B, H, T, D], state)``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..cache import recurrent_slot
+from ..models.base import Adapter, Geometry
+from ..spec import Spec
+
+
+class Mixer(nn.Module):
+    kind: str = ""
+
+    def __init__(self, attn: nn.Module, adapter: Adapter, geometry: Geometry, spec: Spec,
+                 layer_idx: int, n_layers: int):
+        super().__init__()
+        for name, module in adapter.parts(attn).items():
+            self.add_module(name, module)
+        self.adapter, self.geometry, self.spec = adapter, geometry, spec
+        self.layer_idx, self.n_layers = layer_idx, n_layers
+        self.config = getattr(attn, "config", None)  # kept: some decoder layers read attn.config
+        ref = next(attn.parameters())
+        self.teacher_device, self.teacher_dtype = ref.device, ref.dtype
+
+    def new_parameters_like(self, module: nn.Module) -> nn.Module:
+        """Put a freshly built submodule on the teacher's device and dtype."""
+        return module.to(device=self.teacher_device, dtype=self.teacher_dtype)
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, layer_past=None, **kwargs):
+        cache = past_key_values if past_key_values is not None else layer_past
+        slot = recurrent_slot(cache, self.layer_idx) if cache is not None else None
+        state = slot.state if slot is not None else None
+        q, k, v = self.adapter.qkv(self, hidden_states)
+        if state is not None and q.shape[2] == 1:
+            o, state = self.step(q, k, v, position_embeddings, state)
+        else:
+            o, state = self.sequence(q, k, v, position_embeddings, state, want_state=slot is not None)
+        if slot is not None:
+            slot.store(state, q.shape[2])
+        return self.adapter.out(self, o), None
+
+    def sequence(self, q, k, v, position_embeddings, state, want_state: bool):
+        raise NotImplementedError
+
+    def step(self, q, k, v, position_embeddings, state):
+        raise NotImplementedError
+
+    def state_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of decoding state one sequence holds in this layer (constant in length)."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        g = self.geometry
+        return f"layer={self.layer_idx}, heads={g.n_heads}, kv_heads={g.n_kv_heads}, head_dim={g.head_dim}"

@@ -1,0 +1,55 @@
+"""The LoLCATs hybrid (LoLCATs eq. 7): softmax over the last ``window`` tokens, linear attention
+over older ones, one shared normaliser and a learnable per-head weight gamma = sigmoid(w) on the
+softmax terms (initialised to 0.1 as in LoLCATs). With a window covering the whole sequence it is
+exactly the teacher's softmax attention.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .. import ops
+from .linear import LinearAttention
+
+INIT_WINDOW_WEIGHT = 0.1
+
+
+class LolcatsAttention(LinearAttention):
+    kind = "lolcats"
+
+    def __init__(self, attn, adapter, geometry, spec, layer_idx, n_layers):
+        super().__init__(attn, adapter, geometry, spec, layer_idx, n_layers)
+        logit = math.log(INIT_WINDOW_WEIGHT / (1 - INIT_WINDOW_WEIGHT))
+        self.window_logit = nn.Parameter(torch.full((geometry.n_heads,), logit, device=self.teacher_device))
+
+    def window_weight(self) -> torch.Tensor:
+        return torch.sigmoid(self.window_logit.float())
+
+    def _inputs(self, q, k, position_embeddings):
+        q, k = self.adapter.rope(self, q, k, position_embeddings)
+        return q, k, self.feature_map_q(q), self.feature_map_k(k)
+
+    def _kw(self):
+        g = self.geometry
+        return dict(window=self.spec.window, scale=g.scaling, softcap=g.softcap)
+
+    def sequence(self, q, k, v, position_embeddings, state, want_state):
+        q, k, qf, kf = self._inputs(q, k, position_embeddings)
+        if state is None:
+            return ops.hybrid_attention_chunked(q, k, qf, kf, v, self.window_weight(), **self._kw(),
+                                                output_final_state=want_state)
+        # continuing a sequence with several tokens at once: token by token from the state
+        return ops.hybrid_attention_recurrent(q, k, qf, kf, v, self.window_weight(), **self._kw(), initial_state=state)
+
+    def step(self, q, k, v, position_embeddings, state):
+        q, k, qf, kf = self._inputs(q, k, position_embeddings)
+        return ops.hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw())
+
+    def state_bytes(self, dtype):
+        g = self.geometry
+        elem = torch.tensor([], dtype=dtype).element_size()
+        window = self.spec.window * g.n_kv_heads * (2 * g.head_dim + self.feature_map_k.out_dim) * elem
+        return window + g.n_kv_heads * self.feature_map_k.out_dim * (g.head_dim + 1) * 4

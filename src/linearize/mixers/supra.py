@@ -1,0 +1,64 @@
+"""SUPRA attention (SUPRA eq. 10): a shared kernel phi(x) = ReLU(xW + b), W square (head_dim) and
+shared by queries, keys and heads; RoPE after phi; a fixed per-head decay; GroupNorm per head in
+place of the normaliser.
+
+    o_t = GroupNorm( sum_{s<=t} g_h^(t-s) RoPE(phi(q_t)) . RoPE(phi(k_s)) v_s )
+
+With ``norm="sum"`` the GroupNorm is replaced by the usual normaliser (with ``decay="none"`` this is
+the T2R baseline SUPRA compares against).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import ops
+from .base import Mixer
+from .decay import log_decay
+from .feature_maps import T2R
+
+
+class SupraAttention(Mixer):
+    kind = "supra"
+
+    def __init__(self, attn, adapter, geometry, spec, layer_idx, n_layers):
+        super().__init__(attn, adapter, geometry, spec, layer_idx, n_layers)
+        g = geometry
+        self.feature_map = self.new_parameters_like(T2R(1, g.head_dim, g.head_dim))
+        self.register_buffer("log_decay", log_decay(spec.decay, g.n_heads, layer_idx, n_layers), persistent=False)
+        self.normalize = spec.norm == "sum"
+        if not self.normalize:
+            self.group_norm = self.new_parameters_like(nn.GroupNorm(g.n_heads, g.n_heads * g.head_dim, eps=1e-5))
+
+    def features(self, q, k, position_embeddings):
+        qf, kf = self.feature_map(q), self.feature_map(k)
+        qf, kf = self.adapter.rope(self, qf, kf, position_embeddings)
+        return qf * self.geometry.scaling, kf
+
+    def _norm(self, o):
+        if self.normalize:
+            return o
+        b, h, t, d = o.shape
+        x = o.transpose(1, 2).reshape(b * t, h * d)
+        return self.group_norm(x).view(b, t, h, d).transpose(1, 2)
+
+    def sequence(self, q, k, v, position_embeddings, state, want_state):
+        qf, kf = self.features(q, k, position_embeddings)
+        o, state = ops.linear_attention(
+            qf, kf, v, log_decay=self.log_decay, normalize=self.normalize, eps=self.spec.eps,
+            initial_state=state, output_final_state=want_state, chunk_size=self.spec.chunk_size,
+            backend=self.spec.backend,
+        )
+        return self._norm(o), state
+
+    def step(self, q, k, v, position_embeddings, state):
+        qf, kf = self.features(q, k, position_embeddings)
+        o, state = ops.linear_attention_step(qf, kf, v, state, log_decay=self.log_decay,
+                                             normalize=self.normalize, eps=self.spec.eps)
+        return self._norm(o), state
+
+    def state_bytes(self, dtype):
+        g = self.geometry
+        groups = g.n_heads // g.n_kv_heads if self.log_decay is not None else 1
+        return g.n_kv_heads * groups * g.head_dim * (g.head_dim + int(self.normalize)) * 4

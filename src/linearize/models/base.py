@@ -1,0 +1,70 @@
+"""What a mixer needs to know about a family's attention: where q/k/v/o live and how RoPE is applied.
+
+An adapter reads the teacher's attention module once (``geometry``), names the submodules the mixer
+adopts (``parts``: they keep their names, so checkpoints and LoRA targets match the teacher's), and
+then works on any module holding those parts: ``qkv`` (projections and QK-norm, before RoPE),
+``rope`` and ``out``.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+@dataclass
+class Geometry:
+    """The shape and scoring rules of one attention layer."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    scaling: float  # multiplies q.k in the softmax
+    softcap: float | None  # Gemma 2 style tanh cap on softmax scores, or None
+    rotary: Callable | None  # (q, k, cos, sin) -> (q, k) from the family's modeling file; None: no RoPE
+
+
+class Adapter:
+    """Base adapter; subclasses set ``model_types`` and ``attention_attr`` and the three projections."""
+
+    model_types: tuple[str, ...] = ()
+    attention_attr: str = "self_attn"
+    part_names: tuple[str, ...] = ()
+
+    def layers(self, model: nn.Module) -> nn.ModuleList:
+        return model.base_model.layers
+
+    def attention(self, layer: nn.Module) -> nn.Module:
+        return getattr(layer, self.attention_attr)
+
+    def set_attention(self, layer: nn.Module, module: nn.Module) -> None:
+        setattr(layer, self.attention_attr, module)
+
+    def parts(self, attn: nn.Module) -> dict[str, nn.Module]:
+        return {name: getattr(attn, name) for name in self.part_names if getattr(attn, name, None) is not None}
+
+    def geometry(self, attn: nn.Module, config) -> Geometry:
+        raise NotImplementedError
+
+    def qkv(self, m: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, hidden] -> q [B, H, T, D], k and v [B, Hk, T, D], before RoPE."""
+        raise NotImplementedError
+
+    def rope(self, m: nn.Module, q, k, position_embeddings):
+        if m.geometry.rotary is None or position_embeddings is None:
+            return q, k
+        cos, sin = position_embeddings
+        return m.geometry.rotary(q, k, cos, sin)
+
+    def out(self, m: nn.Module, o: torch.Tensor) -> torch.Tensor:
+        """[B, H, T, D] -> [B, T, hidden]."""
+        raise NotImplementedError
+
+
+def family_function(module: nn.Module, name: str) -> Callable | None:
+    """A function (e.g. ``apply_rotary_pos_emb``) from the modeling file that defines ``module``."""
+    return getattr(sys.modules[type(module).__module__], name, None)

@@ -1,0 +1,39 @@
+"""The Llama family: Llama 2/3, Mistral, Qwen2/Qwen3, SmolLM 2/3, Gemma 1/2/3.
+
+All keep separate ``q_proj``/``k_proj``/``v_proj``/``o_proj`` (with or without biases), grouped or
+multi-query keys, RoPE from their own modeling file, and optionally per-head ``q_norm``/``k_norm``
+(Qwen3, Gemma 3) applied before RoPE, a custom ``scaling`` (Gemma's query_pre_attn_scalar) and a
+score soft-cap (Gemma 2). SmolLM3 skips RoPE on some layers (``use_rope`` False).
+"""
+
+from __future__ import annotations
+
+from .base import Adapter, Geometry, family_function
+
+
+class LlamaFamilyAdapter(Adapter):
+    model_types = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "gemma", "gemma2", "gemma3_text")
+    attention_attr = "self_attn"
+    part_names = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")
+
+    def geometry(self, attn, config) -> Geometry:
+        head_dim = attn.head_dim
+        n_heads = attn.q_proj.out_features // head_dim
+        n_kv = attn.k_proj.out_features // head_dim
+        rotary = family_function(attn, "apply_rotary_pos_emb") if getattr(attn, "use_rope", True) else None
+        softcap = getattr(config, "attn_logit_softcapping", None)
+        return Geometry(n_heads, n_kv, head_dim, float(attn.scaling), softcap, rotary)
+
+    def qkv(self, m, x):
+        b, t, _ = x.shape
+        d = m.geometry.head_dim
+        q = m.q_proj(x).view(b, t, -1, d)
+        k = m.k_proj(x).view(b, t, -1, d)
+        v = m.v_proj(x).view(b, t, -1, d)
+        if getattr(m, "q_norm", None) is not None:
+            q, k = m.q_norm(q), m.k_norm(k)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def out(self, m, o):
+        b, h, t, d = o.shape
+        return m.o_proj(o.transpose(1, 2).reshape(b, t, h * d))

@@ -1,0 +1,44 @@
+"""Pure tensor functions: every mixer's math in a quadratic reference, a chunked form and a step.
+
+No ``nn.Module`` and no model knowledge here. ``linear_attention`` picks the fla CUDA kernels when
+they apply and the PyTorch chunked form otherwise.
+"""
+
+from .fla_backend import fla_available, linear_attention_fla, use_fla
+from .hybrid_attention import (
+    HybridState,
+    empty_hybrid_state,
+    hybrid_attention_chunked,
+    hybrid_attention_naive,
+    hybrid_attention_recurrent,
+    hybrid_attention_step,
+    hybrid_final_state,
+)
+from .linear_attention import (
+    accum_dtype,
+    empty_state,
+    linear_attention_chunked,
+    linear_attention_naive,
+    linear_attention_recurrent,
+    linear_attention_step,
+)
+
+
+def linear_attention(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initial_state=None,
+                     output_final_state=False, chunk_size=64, backend="auto"):
+    """Causal (decayed, normalised) linear attention over a sequence; see ``linear_attention.py``."""
+    if use_fla(q, backend):
+        return linear_attention_fla(q, k, v, log_decay=log_decay, normalize=normalize, eps=eps,
+                                    initial_state=initial_state, output_final_state=output_final_state)
+    return linear_attention_chunked(q, k, v, log_decay=log_decay, normalize=normalize, eps=eps,
+                                    chunk_size=chunk_size, initial_state=initial_state,
+                                    output_final_state=output_final_state)
+
+
+__all__ = [
+    "HybridState", "accum_dtype", "empty_hybrid_state", "empty_state", "fla_available",
+    "hybrid_attention_chunked", "hybrid_attention_naive", "hybrid_attention_recurrent",
+    "hybrid_attention_step", "hybrid_final_state", "linear_attention", "linear_attention_chunked",
+    "linear_attention_fla", "linear_attention_naive", "linear_attention_recurrent",
+    "linear_attention_step", "use_fla",
+]

@@ -1,0 +1,73 @@
+"""CUDA path: flash-linear-attention (fla) kernels computing the same function as the PyTorch forms.
+
+fla's ``chunk_simple_gla`` is causal linear attention with a per-head constant log decay
+(``g_gamma``), laid out ``[B, T, H, *]`` with one key head per query head. Grouped keys are
+repeated here (the kernel has no notion of groups), and the normaliser ``q_t . sum_{s<=t} k_s`` is
+a cumulative sum in PyTorch, as fla's own ``chunk_linear_attn`` does it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+@functools.cache
+def fla_available() -> bool:
+    try:
+        from fla.ops.simple_gla import chunk_simple_gla  # noqa: F401
+    except Exception:  # ImportError, or triton failing to initialise
+        return False
+    return True
+
+
+def use_fla(q: torch.Tensor, backend: str) -> bool:
+    """``backend``: "auto" (fla on CUDA when installed), "fla" (required) or "torch"."""
+    if backend == "torch":
+        return False
+    ok = q.is_cuda and q.dtype != torch.float64 and fla_available()
+    if backend == "fla" and not ok:
+        raise RuntimeError("backend='fla' needs CUDA tensors (not float64) and the flash-linear-attention package")
+    return ok
+
+
+def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initial_state=None,
+                         output_final_state=False):
+    """Same contract as ``linear_attention_chunked``: [B, H, T, F] in, (o, state) out."""
+    from fla.ops.simple_gla import chunk_simple_gla
+
+    b, h, t, f = q.shape
+    n_kv, d = k.shape[1], v.shape[-1]
+    group = h // n_kv
+    decay = log_decay is not None
+    if decay and normalize:  # rare combination: carry the normaliser as an extra value column
+        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    kh = k.repeat_interleave(group, dim=1) if group > 1 else k
+    vh = v.repeat_interleave(group, dim=1) if group > 1 else v
+    h0 = None
+    if initial_state is not None:
+        s0 = initial_state if decay else initial_state.expand(b, n_kv, group, *initial_state.shape[3:])
+        h0 = s0.reshape(b, h, f, -1).float()
+        if normalize and not decay:
+            h0, z0 = h0[..., :-1].contiguous(), initial_state[..., -1]  # [B, Hk, 1, F]
+    o, ht = chunk_simple_gla(
+        q.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2),
+        g_gamma=log_decay.float() if decay else None, scale=1.0,
+        initial_state=h0, output_final_state=output_final_state,
+    )
+    o = o.transpose(1, 2).float()  # [B, H, T, Dv]
+    state = None
+    if ht is not None:
+        state = ht.view(b, n_kv, group, f, -1) if decay else ht.view(b, n_kv, group, f, -1)[:, :, :1]
+    if normalize and decay:
+        o = o[..., :d] / (o[..., d:] + eps)
+    elif normalize:
+        z = torch.cumsum(k.float(), dim=2)  # [B, Hk, T, F]
+        if initial_state is not None:
+            z = z + z0.squeeze(2)[:, :, None, :]
+        den = (q.float().view(b, n_kv, group, t, f) * z.unsqueeze(2)).sum(-1, keepdim=True)
+        o = o / (den.view(b, h, t, 1) + eps)
+        if state is not None:
+            state = torch.cat([state, z[:, :, -1].view(b, n_kv, 1, f, 1)], dim=-1)
+    return o.to(q.dtype), state

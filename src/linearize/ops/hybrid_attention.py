@@ -1,0 +1,178 @@
+"""The LoLCATs hybrid: softmax over the last ``w`` tokens, linear attention over all older ones.
+
+For query t (LoLCATs eq. 7), with one shared normaliser:
+
+    a_ts = gamma * exp(s_ts - c_t)      for t - w < s <= t   (s_ts = scale * q_t . k_s, softcapped)
+    a_ts = phi_q(q_t) . phi_k(k_s)      for s <= t - w
+    y_t  = sum_s a_ts v_s / sum_s a_ts
+
+where ``c_t`` is the largest window score of query t (log-sum-exp stabilisation) and ``gamma`` a
+per-head weight. The window always holds token t itself, so the denominator is at least
+``gamma`` and needs no eps; when the window covers the whole sequence this is exactly softmax.
+
+Shapes: ``q`` ``[B, H, T, D]`` and ``k`` ``[B, Hk, T, D]`` (after RoPE), ``qf`` ``[B, H, T, F]`` and
+``kf`` ``[B, Hk, T, F]`` (their features), ``v`` ``[B, Hk, T, D]``; ``gamma`` ``[H]``. Keys are shared
+by ``G = H / Hk`` query heads without being repeated.
+
+Decoding state (``HybridState``): the last ``w`` keys, key features and values, plus the linear
+state ``sum phi_k(k_s) [v_s, 1]`` over tokens that have left the window: constant in size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .linear_attention import _augment, _group, accum_dtype
+
+
+@dataclass
+class HybridState:
+    keys: torch.Tensor  # [B, Hk, <=w, D] raw keys still in the window
+    key_features: torch.Tensor  # [B, Hk, <=w, F]
+    values: torch.Tensor  # [B, Hk, <=w, D]
+    linear: torch.Tensor  # [B, Hk, 1, F, D + 1] fp32: sum over tokens older than the window
+
+    def map(self, fn) -> "HybridState":
+        """Apply ``fn`` to every tensor (e.g. to select or repeat sequences of the batch)."""
+        return HybridState(*(fn(x) for x in (self.keys, self.key_features, self.values, self.linear)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in (self.keys, self.key_features, self.values, self.linear))
+
+
+def _scores(q, k, scale, softcap):
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    return s
+
+
+def hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None):
+    """The quadratic reference. Returns ``[B, H, T, D]``."""
+    acc = accum_dtype(q.dtype)
+    n_kv, t = k.shape[1], q.shape[2]
+    qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
+    kk, kff, vv = (x.to(acc).unsqueeze(2) for x in (k, kf, v))
+    g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
+    pos = torch.arange(t, device=q.device)
+    dist = pos[:, None] - pos[None, :]
+    in_window = (dist >= 0) & (dist < window)
+    older = dist >= window
+    scores = _scores(qg, kk, scale, softcap)
+    neg = torch.finfo(acc).min
+    c = scores.masked_fill(~in_window, neg).amax(dim=-1, keepdim=True)
+    a = g * torch.exp(scores.masked_fill(~in_window, neg) - c) * in_window
+    a = a + (qfg @ kff.transpose(-1, -2)) * older
+    y = (a @ vv) / a.sum(dim=-1, keepdim=True)
+    b, hk, grp, _, d = y.shape
+    return y.reshape(b, hk * grp, t, d).to(q.dtype)
+
+
+def hybrid_attention_chunked(
+    q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, HybridState | None]:
+    """Linear-time form with chunks of ``window`` tokens.
+
+    Queries of chunk c see keys of chunks c-1 and c (their window and the youngest linear keys,
+    masked exactly) and the linear state of chunks <= c-2, a running sum.
+    """
+    acc = accum_dtype(q.dtype)
+    b, n_kv, t, d = k.shape
+    w = window
+    n = -(-t // w)
+    pad = n * w - t
+    pad_t = lambda x, front: torch.nn.functional.pad(x, (0, 0, front, pad))  # noqa: E731
+    qg = pad_t(_group(q, n_kv).to(acc), 0).unflatten(3, (n, w))  # [B, Hk, G, N, w, D]
+    qfg = pad_t(_group(qf, n_kv).to(acc), 0).unflatten(3, (n, w))
+    # Keys/values with one chunk of zeros in front, then overlapping pairs of chunks (c-1, c).
+    pairs = lambda x: pad_t(x.to(acc), w).unfold(2, 2 * w, w).transpose(-1, -2).unsqueeze(2)  # noqa: E731
+    k2, kf2, v2 = pairs(k), pairs(kf), pairs(v)  # [B, Hk, 1, N, 2w, *]
+    g = gamma.to(acc).reshape(n_kv, -1)[..., None, None, None]  # [Hk, G, 1, 1, 1]
+
+    i = torch.arange(w, device=q.device)[:, None]
+    j = torch.arange(2 * w, device=q.device)[None, :]
+    chunk = torch.arange(n, device=q.device)[:, None, None]
+    # Query i of chunk c is t = c*w + i; key j of the pair is s = (c-1)*w + j; t - s = w + i - j.
+    in_window = (j > i) & (j <= i + w) & ((chunk > 0) | (j >= w))  # [N, w, 2w]
+    older = j <= i  # t - s >= w; in chunk 0 these keys are zero padding
+
+    scores = _scores(qg, k2, scale, softcap)  # [B, Hk, G, N, w, 2w]
+    neg = torch.finfo(acc).min
+    scores = scores.masked_fill(~in_window, neg)
+    c = scores.amax(dim=-1, keepdim=True)
+    a = g * torch.exp(scores - c) * in_window + (qfg @ kf2.transpose(-1, -2)) * older
+    v2a = _augment(v2, True)
+    out = a @ v2a  # numerator and (last column) denominator
+
+    # Linear state of chunks <= c-2: exclusive running sum of per-chunk sums, shifted by one more chunk.
+    kfc = pad_t(kf.to(acc), 0).unflatten(2, (n, w)).unsqueeze(2)
+    vc = _augment(pad_t(v.to(acc), 0), True).unflatten(2, (n, w)).unsqueeze(2)
+    per_chunk = kfc.transpose(-1, -2) @ vc  # [B, Hk, 1, N, F, D+1]
+    before = torch.cumsum(per_chunk, dim=3) - per_chunk  # state before chunk c
+    older_state = torch.cat([torch.zeros_like(before[:, :, :, :1]), before[:, :, :, :-1]], dim=3)
+    out = out + qfg @ older_state
+
+    y = (out[..., :-1] / out[..., -1:]).flatten(3, 4)[..., :t, :]
+    y = y.reshape(b, -1, t, d).to(q.dtype)
+    state = hybrid_final_state(k, kf, v, window) if output_final_state else None
+    return y, state
+
+
+def hybrid_final_state(k, kf, v, window: int) -> HybridState:
+    """The decoding state after a prompt: its last ``window`` tokens raw, the rest summed."""
+    acc = accum_dtype(k.dtype)
+    t = k.shape[2]
+    cut = max(t - window, 0)
+    old_f, old_v = kf[:, :, :cut].to(acc), _augment(v[:, :, :cut].to(acc), True)
+    linear = (old_f.transpose(-1, -2) @ old_v).unsqueeze(2)
+    return HybridState(k[:, :, cut:], kf[:, :, cut:], v[:, :, cut:], linear)
+
+
+def empty_hybrid_state(batch, n_kv, head_dim, feature_dim, *, device=None, dtype=torch.float32) -> HybridState:
+    z = lambda last: torch.zeros(batch, n_kv, 0, last, device=device, dtype=dtype)  # noqa: E731
+    linear = torch.zeros(batch, n_kv, 1, feature_dim, head_dim + 1, device=device, dtype=accum_dtype(dtype))
+    return HybridState(z(head_dim), z(feature_dim), z(head_dim), linear)
+
+
+def hybrid_attention_step(
+    q, k, qf, kf, v, gamma, state: HybridState, *, window: int, scale: float, softcap: float | None = None,
+) -> tuple[torch.Tensor, HybridState]:
+    """One token (``T = 1`` in every input). Returns ``(y [B, H, 1, D], new_state)``."""
+    acc = state.linear.dtype
+    n_kv = k.shape[1]
+    keys = torch.cat([state.keys, k.to(state.keys.dtype)], dim=2)
+    feats = torch.cat([state.key_features, kf.to(state.key_features.dtype)], dim=2)
+    values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
+    linear = state.linear
+    if keys.shape[2] > window:  # the oldest token leaves the window and joins the linear state
+        old_f, old_v = feats[:, :, :1].to(acc), _augment(values[:, :, :1].to(acc), True)
+        linear = linear + (old_f.transpose(-1, -2) @ old_v).unsqueeze(2)
+        keys, feats, values = keys[:, :, 1:], feats[:, :, 1:], values[:, :, 1:]
+    qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
+    g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
+    scores = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap)
+    c = scores.amax(dim=-1, keepdim=True)
+    a = g * torch.exp(scores - c)
+    out = a @ _augment(values.to(acc), True).unsqueeze(2) + qfg @ linear
+    y = out[..., :-1] / out[..., -1:]
+    b, hk, grp, _, d = y.shape
+    return y.reshape(b, hk * grp, 1, d).to(q.dtype), HybridState(keys, feats, values, linear)
+
+
+def hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, scale, softcap=None, initial_state=None):
+    """Token by token through ``hybrid_attention_step`` (reference for the decoding form)."""
+    b, h, t, d = q.shape
+    state = initial_state or empty_hybrid_state(b, k.shape[1], d, kf.shape[-1], device=q.device, dtype=k.dtype)
+    outs = []
+    for i in range(t):
+        sl = slice(i, i + 1)
+        o, state = hybrid_attention_step(
+            q[:, :, sl], k[:, :, sl], qf[:, :, sl], kf[:, :, sl], v[:, :, sl], gamma, state,
+            window=window, scale=scale, softcap=softcap,
+        )
+        outs.append(o)
+    return torch.cat(outs, dim=2), state

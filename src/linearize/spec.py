@@ -1,0 +1,111 @@
+"""One small object describes a student: which mixer, its feature map, window, decay, kept layers.
+
+It is saved in the checkpoint's config (``config.linearize``) and is all ``load`` needs to rebuild
+the model. It can be given as a ``Spec``, a plain dict with the same keys as the CLI flags and YAML
+recipes (``{"kind": "lolcats", "feature_map": "hedgehog", "window": 64}``), or a kind name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from .errors import LinearizeError
+
+KINDS = ("lolcats", "linear", "supra")
+FEATURE_MAPS = ("hedgehog", "t2r", "elu", "relu")
+DECAYS = ("none", "retnet", "lightning")
+NORMS = ("sum", "group")
+BACKENDS = ("auto", "torch", "fla")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A linear-cost student. ``None`` fields take the kind's default (see ``resolved``).
+
+    kind: ``lolcats`` (sliding-window softmax + linear attention, LoLCATs eq. 7), ``linear``
+        (normalised linear attention) or ``supra`` (shared ReLU-MLP kernel, RoPE after it, fixed
+        decay, GroupNorm; SUPRA eq. 10).
+    feature_map: ``hedgehog`` [softmax(xW) | softmax(-xW)], ``t2r`` ReLU(xW+b), ``elu`` elu+1, ``relu``.
+        Applied after RoPE for lolcats/linear; supra always uses a square t2r shared by q and k.
+    feature_dim: learned feature size per head (hedgehog outputs twice this).
+    window: sliding-window size of the lolcats hybrid.
+    decay: fixed per-head decay: ``retnet`` (1 - 2^(-5-h)), ``lightning`` (ALiBi slopes scaled by
+        depth) or ``none``. supra defaults to retnet, the others to none.
+    norm: output normalisation: ``sum`` (divide by phi(q).sum phi(k)) or ``group`` (GroupNorm per
+        head). supra defaults to group (``sum`` with decay none is the T2R baseline), others to sum.
+    keep_softmax: indices of layers that keep their softmax attention (hybrids).
+    backend: ``auto`` (fla CUDA kernels when installed), ``torch`` or ``fla``.
+    """
+
+    kind: str = "lolcats"
+    feature_map: str | None = None
+    feature_dim: int = 64
+    window: int = 64
+    decay: str | None = None
+    norm: str | None = None
+    eps: float = 1e-6
+    chunk_size: int = 64
+    keep_softmax: tuple[int, ...] = field(default_factory=tuple)
+    backend: str = "auto"
+
+    def __post_init__(self):
+        _check_choice("kind", self.kind, KINDS)
+        _check_choice("feature_map", self.feature_map, FEATURE_MAPS, optional=True)
+        _check_choice("decay", self.decay, DECAYS, optional=True)
+        _check_choice("norm", self.norm, NORMS, optional=True)
+        _check_choice("backend", self.backend, BACKENDS)
+        for name in ("feature_dim", "window", "chunk_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LinearizeError(f"spec {name} must be a positive integer, got {value!r}")
+        keep = self.keep_softmax
+        if isinstance(keep, str):
+            keep = [x for x in keep.replace(" ", "").split(",") if x]
+        try:
+            keep = tuple(sorted({int(i) for i in keep}))
+        except (TypeError, ValueError):
+            raise LinearizeError(f"spec keep_softmax must be layer indices like 0,15, got {self.keep_softmax!r}") from None
+        object.__setattr__(self, "keep_softmax", keep)
+
+    def resolved(self) -> "Spec":
+        """The same spec with every kind-dependent default filled in."""
+        supra = self.kind == "supra"
+        return replace(
+            self,
+            feature_map=self.feature_map or ("t2r" if supra else "hedgehog"),
+            decay=self.decay or ("retnet" if supra else "none"),
+            norm=self.norm or ("group" if supra else "sum"),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self.resolved())
+        d["keep_softmax"] = list(d["keep_softmax"])
+        return d
+
+    @classmethod
+    def coerce(cls, spec: "Spec | dict | str | None" = None, **overrides) -> "Spec":
+        """Build a resolved Spec from a Spec, a dict, a kind name or nothing, plus keyword overrides."""
+        if spec is None:
+            base: dict[str, Any] = {}
+        elif isinstance(spec, Spec):
+            base = {f.name: getattr(spec, f.name) for f in fields(cls)}
+        elif isinstance(spec, str):
+            base = {"kind": spec}
+        elif isinstance(spec, dict):
+            base = dict(spec)
+        else:
+            raise LinearizeError(f"a spec must be a Spec, a dict or a kind name, got {type(spec).__name__}")
+        base.update({k: v for k, v in overrides.items() if v is not None})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(base) - known)
+        if unknown:
+            raise LinearizeError(f"unknown spec key(s) {', '.join(unknown)}; accepted: {', '.join(sorted(known))}")
+        return cls(**base).resolved()
+
+
+def _check_choice(name: str, value, choices, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if value not in choices:
+        raise LinearizeError(f"spec {name} must be one of {', '.join(choices)}, got {value!r}")

