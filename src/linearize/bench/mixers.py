@@ -98,8 +98,13 @@ def op_timings(lengths, tokens, device="cuda") -> list[dict]:
             "torch lolcats hybrid (w=64, F=128)": lambda: ops.hybrid_attention_chunked(q, k, qf2, kf2, v, gamma, window=64, scale=d ** -0.5)[0],
         }
         for name, fn in fns.items():
-            rows.append({"table": "ops", "what": name, "T": t, "B": b, **_fwd_bwd(fn)})
+            rows.append(_report({"table": "ops", "what": name, "T": t, "B": b, **_fwd_bwd(fn)}))
     return rows
+
+
+def _report(row: dict) -> dict:
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def _fwd_bwd(fn) -> dict:
@@ -141,7 +146,7 @@ def mixer_timings(lengths, tokens, device="cuda") -> list[dict]:
         pos = rope(x, torch.arange(t, device=device)[None])
         for name, module in modules.items():
             fn = lambda m=module: m(x, position_embeddings=pos, attention_mask=None)[0]  # noqa: E731
-            rows.append({"table": "mixers", "what": name, "T": t, "B": b, **_fwd_bwd(fn)})
+            rows.append(_report({"table": "mixers", "what": name, "T": t, "B": b, **_fwd_bwd(fn)}))
     return rows
 
 
@@ -182,6 +187,8 @@ def main(argv=None):
         raise SystemExit("linearize.bench.mixers: error: needs flash-linear-attention (pip install 'linearize[cuda]')")
     start = time.time()
     agree = agreement()
+    for row in agree:
+        _report(row)
     timings = [] if a.skip_timing else op_timings(a.lengths, a.tokens) + mixer_timings(a.lengths, a.tokens)
     import fla
     import transformers
