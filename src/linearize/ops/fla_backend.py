@@ -41,14 +41,18 @@ def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, i
     n_kv, d = k.shape[1], v.shape[-1]
     group = h // n_kv
     decay = log_decay is not None
-    if decay and normalize:  # rare combination: carry the normaliser as an extra value column
-        v = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
+    if decay and normalize:
+        # rare combination: carry the normaliser as an extra value column (plus a zero column:
+        # fla's backward wants an even value width)
+        v = torch.cat([v, torch.ones_like(v[..., :1]), torch.zeros_like(v[..., :1])], dim=-1)
     kh = k.repeat_interleave(group, dim=1) if group > 1 else k
     vh = v.repeat_interleave(group, dim=1) if group > 1 else v
     h0 = None
     if initial_state is not None:
         s0 = initial_state if decay else initial_state.expand(b, n_kv, group, *initial_state.shape[3:])
         h0 = s0.reshape(b, h, f, -1).float()
+        if decay and normalize:
+            h0 = torch.nn.functional.pad(h0, (0, 1))
         if normalize and not decay:
             h0, z0 = h0[..., :-1].contiguous(), initial_state[..., -1]  # [B, Hk, 1, F]
     o, ht = chunk_simple_gla(
@@ -60,6 +64,8 @@ def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, i
     state = None
     if ht is not None:
         state = ht.view(b, n_kv, group, f, -1) if decay else ht.view(b, n_kv, group, f, -1)[:, :, :1]
+        if decay and normalize:
+            state = state[..., : d + 1]
     if normalize and decay:
         o = o[..., :d] / (o[..., d:] + eps)
     elif normalize:
