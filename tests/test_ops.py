@@ -145,3 +145,37 @@ def test_hybrid_prefill_then_steps_equal_one_pass():
     rest, _ = ops.hybrid_attention_recurrent(*(x[:, :, 14:] for x in xs), gamma, **kw, initial_state=state)
     _close(torch.cat([first, rest], dim=2), whole)
     assert state.keys.shape[2] == 5  # the decoding state holds exactly the window
+
+
+def _fake_chunk_simple_gla(q, k, v, g=None, g_gamma=None, scale=None, initial_state=None, output_final_state=False, **_):
+    """fla's contract ([B, T, H, *] layout, per-head log decay g_gamma), computed by our reference."""
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    assert v.shape[-1] % 2 == 0, "fla's backward needs an even value width"
+    s0 = None if initial_state is None else initial_state.unsqueeze(2)  # [B, H, 1, K, V]
+    o, state = ops.linear_attention_chunked(t(q) * scale, t(k), t(v), log_decay=g_gamma, normalize=False,
+                                            chunk_size=4, initial_state=s0, output_final_state=output_final_state)
+    return t(o), (state.squeeze(2) if state is not None else None)
+
+
+@pytest.mark.parametrize("decay", [None, "on"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_fla_wrapper_layout(monkeypatch, decay, normalize):
+    """The fla path's reshaping, GQA repeat, normaliser and state bookkeeping, with the kernel faked."""
+    import sys
+    import types
+
+    from linearize.ops import fla_backend
+
+    fake = types.ModuleType("fla.ops.simple_gla")
+    fake.chunk_simple_gla = _fake_chunk_simple_gla
+    monkeypatch.setitem(sys.modules, "fla.ops.simple_gla", fake)
+    q, k, v = _inputs(2, 6, 2, 13, f=4, d=4)
+    ld = _decay(6, decay)
+    groups = 3 if decay else 1
+    s0 = torch.rand(2, 2, groups, 4, 4 + int(normalize), dtype=torch.float64) * 0.1
+    ref, ref_state = ops.linear_attention_chunked(q, k, v, log_decay=ld, normalize=normalize, initial_state=s0,
+                                                  output_final_state=True)
+    out, state = fla_backend.linear_attention_fla(q, k, v, log_decay=ld, normalize=normalize, initial_state=s0,
+                                                  output_final_state=True)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(state, ref_state)

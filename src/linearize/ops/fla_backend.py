@@ -67,7 +67,7 @@ def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, i
         if decay and normalize:
             state = state[..., : d + 1]
     if normalize and decay:
-        o = o[..., :d] / (o[..., d:] + eps)
+        o = o[..., :d] / (o[..., d : d + 1] + eps)
     elif normalize:
         z = torch.cumsum(k.float(), dim=2)  # [B, Hk, T, F]
         if initial_state is not None:
