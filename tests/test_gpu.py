@@ -8,7 +8,9 @@ from linearize.ops import fla_available
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not (torch.cuda.is_available() and fla_available()),
                                                   reason="needs CUDA and flash-linear-attention")]
-TOL = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+# fla's Triton kernels multiply fp32 inputs in TF32 (measured ~1.4e-3 relative on an H200), so fp32
+# cannot reach 1e-4 there; the PyTorch path is the full-precision reference.
+TOL = {torch.float32: 3e-3, torch.bfloat16: 1e-2}
 
 
 def test_fla_ops_equal_torch_ops():

@@ -179,6 +179,7 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=32768, help="batch x length per measurement")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--skip-timing", action="store_true", help="only the fla-vs-torch agreement")
+    p.add_argument("--skip-agreement", action="store_true", help="only the timings")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("linearize.bench.mixers: error: needs a CUDA GPU")
@@ -186,7 +187,7 @@ def main(argv=None):
     if not fla_available():
         raise SystemExit("linearize.bench.mixers: error: needs flash-linear-attention (pip install 'linearize[cuda]')")
     start = time.time()
-    agree = agreement()
+    agree = [] if a.skip_agreement else agreement()
     for row in agree:
         _report(row)
     timings = [] if a.skip_timing else op_timings(a.lengths, a.tokens) + mixer_timings(a.lengths, a.tokens)
