@@ -5,6 +5,7 @@ import torch
 
 import linearize
 from linearize import LinearizeError
+from helpers import tiny_tokenizer
 from linearize.cache import LinearizeCache, RecurrentLayer, cache_nbytes
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma2", "gpt_neox"]
@@ -117,23 +118,13 @@ def test_save_load_roundtrip_gives_identical_logits(tiny_model, tmp_path, family
             if "feature_map" in name or "window_logit" in name or "group_norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     linearize.save(student, None, tmp_path / "ckpt")
-    _copy_tiny_tokenizer(tmp_path / "ckpt")
+    tiny_tokenizer().save_pretrained(tmp_path / "ckpt")
     loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")
     ids = _ids()
     torch.testing.assert_close(loaded(ids).logits, student(ids).logits, atol=0, rtol=0)
     assert loaded.config.linearize == student.config.linearize
     out = loaded.generate(ids[:1, :5], max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert out.shape == (1, 9)
-
-
-def _copy_tiny_tokenizer(directory):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(97)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1", pad_token="w0").save_pretrained(directory)
 
 
 def test_load_rejects_bad_folders(tmp_path):
@@ -158,3 +149,12 @@ def test_unsupported_architecture(tiny_model):
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(LinearizeError, match="unsupported architecture 'gpt2'.*llama"):
         linearize.convert(gpt2)
+
+
+@pytest.mark.parametrize("spec", ["lolcats", "linear", "supra", {"kind": "linear", "decay": "lightning"}])
+def test_new_parameters_and_buffers_follow_the_teacher_device(tiny_model, spec):
+    """Converting a model on another device (meta here, CUDA on the GPU) leaves nothing on the CPU."""
+    teacher = tiny_model("llama").to("meta")
+    student = linearize.convert(teacher, spec)
+    devices = {t.device.type for t in [*student.parameters(), *student.buffers()]}
+    assert devices == {"meta"}

@@ -9,12 +9,12 @@ names, then loads the mixers' own tensors and checks that nothing is missing or 
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from transformers.utils import logging as hf_logging
 
 from .convert import convert
 from .errors import LinearizeError
@@ -62,9 +62,8 @@ def load(directory: str | os.PathLike, dtype: torch.dtype | str | None = None, d
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     # The mixers' own tensors are unknown to transformers: quiet its "unused weights" report.
-    hf_logger = logging.getLogger("transformers.modeling_utils")
-    level = hf_logger.level
-    hf_logger.setLevel(logging.ERROR)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
     try:
         if info:
             del config.linearize  # the base architecture alone; the spec is applied below
@@ -73,7 +72,7 @@ def load(directory: str | os.PathLike, dtype: torch.dtype | str | None = None, d
     except Exception as exc:  # corrupt safetensors, mismatched shapes ...
         raise LinearizeError(f"could not load checkpoint {directory}: {str(exc).splitlines()[0]}") from None
     finally:
-        hf_logger.setLevel(level)
+        hf_logging.set_verbosity(verbosity)
     missing = sorted(loading.get("missing_keys", ()))
     if missing:
         raise LinearizeError(f"checkpoint {directory} lacks tensors {missing[:3]}: it is incomplete or corrupt")

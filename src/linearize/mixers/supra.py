@@ -26,7 +26,8 @@ class SupraAttention(Mixer):
         super().__init__(attn, adapter, geometry, spec, layer_idx, n_layers)
         g = geometry
         self.feature_map = self.new_parameters_like(T2R(1, g.head_dim, g.head_dim))
-        self.register_buffer("log_decay", log_decay(spec.decay, g.n_heads, layer_idx, n_layers), persistent=False)
+        decay = log_decay(spec.decay, g.n_heads, layer_idx, n_layers)
+        self.register_buffer("log_decay", None if decay is None else decay.to(self.teacher_device), persistent=False)
         self.normalize = spec.norm == "sum"
         if not self.normalize:
             self.group_norm = self.new_parameters_like(nn.GroupNorm(g.n_heads, g.n_heads * g.head_dim, eps=1e-5))

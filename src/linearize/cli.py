@@ -1,0 +1,198 @@
+"""``linearize <command>``: thin commands over the Python API; every option is documented in --help."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .errors import LinearizeError
+
+TEACHER_HELP = ("the softmax teacher: a Hugging Face id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), a local "
+                "model folder, a .gguf file, or 'default' for the embedded SmolLM2-135M-Instruct (default: %(default)s)")
+DTYPES = ["float32", "bfloat16", "float16"]
+
+
+def _spec_arguments(p: argparse.ArgumentParser) -> None:
+    from .spec import BACKENDS, DECAYS, FEATURE_MAPS, KINDS, NORMS
+
+    g = p.add_argument_group("mixer spec (each flag overrides the same key of --config)")
+    g.add_argument("--kind", choices=KINDS, help="lolcats: softmax over a sliding window + linear attention for "
+                   "older tokens (LoLCATs); linear: normalised linear attention; supra: shared ReLU-MLP kernel, "
+                   "RoPE after it, fixed decay, GroupNorm (SUPRA). Default: lolcats")
+    g.add_argument("--feature-map", choices=FEATURE_MAPS, help="learned feature map for lolcats/linear "
+                   "(default hedgehog; supra always uses its square shared t2r kernel)")
+    g.add_argument("--feature-dim", type=int, help="feature size per head; hedgehog outputs twice this (default 64)")
+    g.add_argument("--window", type=int, help="sliding-window size of the lolcats hybrid (default 64)")
+    g.add_argument("--decay", choices=DECAYS, help="fixed per-head decay (default: retnet for supra, none otherwise)")
+    g.add_argument("--norm", choices=NORMS, help="sum: divide by phi(q).sum phi(k); group: GroupNorm per head "
+                   "(default: group for supra, sum otherwise; supra with --norm sum --decay none is T2R)")
+    g.add_argument("--keep-softmax", metavar="I,J", help="comma-separated layer indices that keep softmax attention")
+    g.add_argument("--backend", choices=BACKENDS, help="auto: fla CUDA kernels when installed; torch: PyTorch only")
+    g.add_argument("--config", type=Path, help="a YAML recipe whose keys are the flags above (kind, feature_map, "
+                   "window, ...) and optionally teacher")
+
+
+def _spec_from_args(args) -> tuple[dict, dict]:
+    """(spec dict, other recipe keys) from --config and the flags, flags winning."""
+    recipe: dict = {}
+    if args.config is not None:
+        import yaml
+
+        if not args.config.is_file():
+            raise LinearizeError(f"no such recipe file: {args.config}")
+        try:
+            recipe = yaml.safe_load(args.config.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise LinearizeError(f"could not parse {args.config}: {str(exc).splitlines()[0]}") from None
+        if not isinstance(recipe, dict):
+            raise LinearizeError(f"{args.config} must hold a mapping of spec keys, got {type(recipe).__name__}")
+    other = {k: recipe.pop(k) for k in ("teacher",) if k in recipe}
+    for key in ("kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "backend"):
+        value = getattr(args, key)
+        if value is not None:
+            recipe[key] = value
+    return recipe, other
+
+
+def _load_any(model: str, dtype, device):
+    """A linearize checkpoint folder, or else any teacher spec."""
+    from . import load, load_teacher
+
+    path = Path(model)
+    if path.is_dir() and (path / "config.json").exists() and '"linearize"' in (path / "config.json").read_text():
+        return load(path, dtype=dtype, device=device)
+    return load_teacher(None if model == "default" else model, dtype=dtype, device=device)
+
+
+def cmd_convert(args) -> int:
+    from . import convert, load_teacher, save
+    from .info import describe
+
+    spec, other = _spec_from_args(args)
+    teacher_spec = args.teacher if args.teacher != "default" else other.get("teacher")
+    teacher, tokenizer = load_teacher(teacher_spec, dtype=args.dtype, device=args.device)
+    student = convert(teacher, spec, inplace=True)
+    out = save(student, tokenizer, args.out)
+    print(describe(student))
+    print(f"saved {out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+    from transformers import TextStreamer
+
+    model, tokenizer = _load_any(args.model, args.dtype, args.device)
+    prompt = args.prompt
+    if args.chat and getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise LinearizeError("the prompt is empty after tokenization; give --prompt some text")
+    ids = ids.to(next(model.parameters()).device)
+    sampling = args.temperature > 0
+    kw = dict(do_sample=sampling, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    if sampling:
+        kw.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+        torch.manual_seed(args.seed)
+    streamer = TextStreamer(tokenizer, skip_prompt=not args.show_prompt, skip_special_tokens=True)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, streamer=streamer, **kw)
+    seconds = time.perf_counter() - start
+    new = out.shape[1] - ids.shape[1]
+    print(f"[{new} tokens in {seconds:.1f}s, {new / seconds:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    from .info import describe
+
+    model, _ = _load_any(args.model, args.dtype, "cpu")
+    print(describe(model))
+    return 0
+
+
+def cmd_data(args) -> int:
+    from . import load_teacher
+    from .data import load_blocks
+
+    _, tokenizer = load_teacher(None if args.tokenizer == "default" else args.tokenizer, device="cpu")
+    for split in ("train", "validation"):
+        blocks = load_blocks(args.source, tokenizer, block_len=args.block_len, split=split)
+        print(f"{split}: {blocks.shape[0]} blocks of {blocks.shape[1]} tokens ({blocks.numel():,} tokens)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = argparse.ArgumentParser(
+        prog="linearize",
+        description="Turn a pretrained softmax-attention language model into a linear-cost one "
+                    "(constant memory while generating). Commands:",
+        epilog="Run 'linearize <command> --help' for each command's options.")
+    p.add_argument("--version", action="version", version=f"linearize {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="<command>", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--dtype", choices=DTYPES, help="weights' dtype (default: float32 on CPU, bfloat16 on CUDA)")
+    common.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: cuda when available)")
+
+    c = sub.add_parser("convert", parents=[common], help="teacher + mixer spec -> standalone checkpoint",
+                       description="Replace the teacher's attention layers by linear-cost mixers (reusing its "
+                                   "q/k/v/o weights; new feature maps start untrained) and save a standalone "
+                                   "checkpoint that 'linearize generate' and linearize.load() read without the teacher.")
+    c.add_argument("--teacher", default="default", help=TEACHER_HELP)
+    c.add_argument("--out", required=True, type=Path, help="folder to write the checkpoint to")
+    _spec_arguments(c)
+    c.set_defaults(func=cmd_convert)
+
+    g = sub.add_parser("generate", parents=[common], help="checkpoint or teacher + prompt -> streamed text",
+                       description="Generate from a linearize checkpoint (recurrent decoding, constant memory) or "
+                                   "from any teacher, streaming tokens as they come.")
+    g.add_argument("model", nargs="?", default="default", help="a checkpoint folder, or a teacher as in convert")
+    g.add_argument("--prompt", default="Once upon a time", help="the prompt text (default: %(default)r)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 for greedy decoding (default), >0 to sample")
+    g.add_argument("--top-k", type=int, default=50, help="sampling: keep the k most likely tokens (default: %(default)s)")
+    g.add_argument("--top-p", type=float, default=1.0, help="sampling: nucleus probability mass (default: %(default)s)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    g.add_argument("--show-prompt", action="store_true", help="echo the prompt before the generated text")
+    g.set_defaults(func=cmd_generate)
+
+    i = sub.add_parser("info", parents=[common], help="what a checkpoint is: base model, mixers, parameters, state size",
+                       description="Print a checkpoint's base model, the mixer of every layer, trainable and total "
+                                   "parameters, and the decoding state one sequence holds.")
+    i.add_argument("model", nargs="?", default="default", help="a checkpoint folder, or a teacher as in convert")
+    i.set_defaults(func=cmd_info)
+
+    d = sub.add_parser("data", help="tokenize and pack a text source; print its train/validation blocks",
+                       description="Check a corpus: read it, tokenize with a teacher's tokenizer, pack into blocks "
+                                   "and split train/validation deterministically (cached for training).")
+    d.add_argument("--source", default=None, help="a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], "
+                   "or nothing for the embedded Gutenberg corpus")
+    d.add_argument("--tokenizer", default="default", help="whose tokenizer: a teacher as in convert (default: %(default)s)")
+    d.add_argument("--block-len", type=int, default=1024, help="tokens per block (default: %(default)s)")
+    d.set_defaults(func=cmd_data)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except LinearizeError as exc:
+        print(f"linearize: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

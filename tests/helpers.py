@@ -1,0 +1,32 @@
+"""Tiny random models and a tiny tokenizer for fast tests."""
+
+
+
+def tiny_config(family: str, **overrides):
+    """A few-layer random model of each supported family, small enough for float64 CPU tests."""
+    from transformers import AutoConfig
+
+    common = dict(vocab_size=97, hidden_size=48, intermediate_size=64, num_hidden_layers=3,
+                  num_attention_heads=6, max_position_embeddings=256)
+    per_family = {
+        "llama": dict(num_key_value_heads=2, attention_bias=False),
+        "qwen2": dict(num_key_value_heads=2),  # q/k/v biases
+        "qwen3": dict(num_key_value_heads=3, head_dim=8),  # per-head q_norm / k_norm
+        "mistral": dict(num_key_value_heads=1, sliding_window=None),  # multi-query
+        "gemma2": dict(num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12,
+                       attn_logit_softcapping=20.0, final_logit_softcapping=None, sliding_window=4096),
+        "gpt_neox": dict(rotary_pct=0.5, use_parallel_residual=True),
+    }[family]
+    cfg = AutoConfig.for_model(family, **{**common, **per_family, **overrides})
+    cfg._attn_implementation = "eager" if family == "gemma2" else "sdpa"
+    return cfg
+
+
+def tiny_tokenizer():
+    """Word-level tokenizer over 'w0' .. 'w96' matching the tiny models' vocabulary."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(97)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1", pad_token="w0")

@@ -1,0 +1,91 @@
+"""The command line: each command on a tiny local teacher, and bad input -> one line, non-zero exit."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from linearize.cli import main
+
+from helpers import tiny_config, tiny_tokenizer
+
+
+@pytest.fixture
+def teacher_dir(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    model.save_pretrained(tmp_path / "teacher")
+    tiny_tokenizer().save_pretrained(tmp_path / "teacher")
+    return tmp_path / "teacher"
+
+
+def test_convert_info_generate(teacher_dir, tmp_path, capsys):
+    out = tmp_path / "student"
+    assert main(["convert", "--teacher", str(teacher_dir), "--out", str(out), "--kind", "supra",
+                 "--keep-softmax", "1", "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "supra [0], softmax [1], supra [2]" in text and f"saved {out}" in text
+    assert main(["info", str(out)]) == 0
+    assert "bytes per token (softmax layers)" in capsys.readouterr().out
+    assert main(["generate", str(out), "--prompt", "w5 w6 w7", "--max-new-tokens", "5", "--device", "cpu"]) == 0
+    assert main(["generate", str(out), "--prompt", "w5 w6 w7", "--max-new-tokens", "5", "--device", "cpu",
+                 "--temperature", "0.8", "--top-p", "0.9"]) == 0
+
+
+def test_convert_from_yaml_recipe_with_flag_override(teacher_dir, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"teacher: {teacher_dir}\nkind: lolcats\nwindow: 8\nfeature_map: t2r\n")
+    out = tmp_path / "student"
+    assert main(["convert", "--config", str(recipe), "--window", "16", "--out", str(out), "--device", "cpu"]) == 0
+    text = capsys.readouterr().out
+    assert "'window': 16" in text and "'feature_map': 't2r'" in text
+
+
+def _run(*args, env_extra=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env_extra or {})}
+    proc = subprocess.run([sys.executable, "-m", "linearize", *args], capture_output=True, text=True, env=env, timeout=300)
+    return proc.returncode, proc.stderr
+
+
+def _assert_one_line_error(code, stderr, fragment):
+    assert code == 2, stderr
+    assert "Traceback" not in stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("linearize: error:")]
+    assert len(errors) == 1 and fragment in errors[0], stderr
+
+
+def test_bad_input_gives_one_line_and_nonzero_exit(tmp_path, teacher_dir):
+    code, err = _run("info", "nonexistent-org/nonexistent-model-xyz")
+    _assert_one_line_error(code, err, "could not load teacher 'nonexistent-org/nonexistent-model-xyz'")
+
+    code, err = _run("convert", "--teacher", str(tmp_path / "missing.gguf"), "--out", str(tmp_path / "o"))
+    _assert_one_line_error(code, err, "missing.gguf")
+
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(os.urandom(1000))
+    code, err = _run("convert", "--teacher", str(corrupt), "--out", str(tmp_path / "o"))
+    _assert_one_line_error(code, err, "could not read GGUF file")
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50)).save_pretrained(tmp_path / "gpt2")
+    code, err = _run("convert", "--teacher", str(tmp_path / "gpt2"), "--out", str(tmp_path / "o"))
+    _assert_one_line_error(code, err, "unsupported architecture 'gpt2'")
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("   \n")
+    code, err = _run("data", "--source", str(empty), "--tokenizer", str(teacher_dir))
+    _assert_one_line_error(code, err, "empty")
+
+    code, err = _run("generate", str(tmp_path / "no-such-checkpoint"))
+    _assert_one_line_error(code, err, "no-such-checkpoint")
+
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("kind: mamba\n")
+    code, err = _run("convert", "--config", str(recipe), "--teacher", str(teacher_dir), "--out", str(tmp_path / "o"))
+    _assert_one_line_error(code, err, "spec kind must be one of")
+    assert not (tmp_path / "o").exists()
