@@ -12,6 +12,8 @@ import functools
 
 import torch
 
+from .linear_attention import accum_dtype
+
 
 @functools.cache
 def fla_available() -> bool:
@@ -39,6 +41,7 @@ def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, i
 
     b, h, t, f = q.shape
     n_kv, d = k.shape[1], v.shape[-1]
+    acc = accum_dtype(q.dtype)  # fla keeps states in fp32; so does the post-processing here
     group = h // n_kv
     decay = log_decay is not None
     if decay and normalize:
@@ -50,17 +53,17 @@ def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, i
     h0 = None
     if initial_state is not None:
         s0 = initial_state if decay else initial_state.expand(b, n_kv, group, *initial_state.shape[3:])
-        h0 = s0.reshape(b, h, f, -1).float()
+        h0 = s0.reshape(b, h, f, -1).to(acc)
         if decay and normalize:
             h0 = torch.nn.functional.pad(h0, (0, 1))
         if normalize and not decay:
             h0, z0 = h0[..., :-1].contiguous(), initial_state[..., -1]  # [B, Hk, 1, F]
     o, ht = chunk_simple_gla(
         q.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2),
-        g_gamma=log_decay.float() if decay else None, scale=1.0,
+        g_gamma=log_decay.to(acc) if decay else None, scale=1.0,
         initial_state=h0, output_final_state=output_final_state,
     )
-    o = o.transpose(1, 2).float()  # [B, H, T, Dv]
+    o = o.transpose(1, 2).to(acc)  # [B, H, T, Dv]
     state = None
     if ht is not None:
         state = ht.view(b, n_kv, group, f, -1) if decay else ht.view(b, n_kv, group, f, -1)[:, :, :1]
@@ -69,10 +72,10 @@ def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, i
     if normalize and decay:
         o = o[..., :d] / (o[..., d : d + 1] + eps)
     elif normalize:
-        z = torch.cumsum(k.float(), dim=2)  # [B, Hk, T, F]
+        z = torch.cumsum(k.to(acc), dim=2)  # [B, Hk, T, F]
         if initial_state is not None:
             z = z + z0.squeeze(2)[:, :, None, :]
-        den = (q.float().view(b, n_kv, group, t, f) * z.unsqueeze(2)).sum(-1, keepdim=True)
+        den = (q.to(acc).view(b, n_kv, group, t, f) * z.unsqueeze(2)).sum(-1, keepdim=True)
         o = o / (den.view(b, h, t, 1) + eps)
         if state is not None:
             state = torch.cat([state, z[:, :, -1].view(b, n_kv, 1, f, 1)], dim=-1)
