@@ -16,9 +16,13 @@ def tiny_config(family: str, **overrides):
         "gemma2": dict(num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=12,
                        attn_logit_softcapping=20.0, final_logit_softcapping=None, sliding_window=4096),
         "gpt_neox": dict(rotary_pct=0.5, use_parallel_residual=True),
+        "gemma": dict(num_key_value_heads=1, head_dim=8),
+        "gemma3_text": dict(num_key_value_heads=2, head_dim=8, query_pre_attn_scalar=8, sliding_window=64,
+                            layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        "smollm3": dict(num_key_value_heads=2, no_rope_layers=[1, 1, 0], pad_token_id=0, bos_token_id=1, eos_token_id=1),  # layer 2 has no RoPE
     }[family]
     cfg = AutoConfig.for_model(family, **{**common, **per_family, **overrides})
-    cfg._attn_implementation = "eager" if family == "gemma2" else "sdpa"
+    cfg._attn_implementation = "eager" if family.startswith("gemma") else "sdpa"
     return cfg
 
 
