@@ -25,13 +25,18 @@ def fla_available() -> bool:
 
 
 def use_fla(q: torch.Tensor, backend: str) -> bool:
-    """``backend``: "auto" (fla on CUDA when installed), "fla" (required) or "torch"."""
+    """``backend``: "auto", "fla" (required) or "torch".
+
+    "auto" takes fla on CUDA for half-precision inputs only: fla's kernels multiply fp32 inputs in
+    TF32 (~1e-3 relative error, docs/RESULTS.md), so fp32 stays on the full-precision PyTorch path
+    unless fla is asked for explicitly.
+    """
     if backend == "torch":
         return False
     ok = q.is_cuda and q.dtype != torch.float64 and fla_available()
     if backend == "fla" and not ok:
         raise RuntimeError("backend='fla' needs CUDA tensors (not float64) and the flash-linear-attention package")
-    return ok
+    return ok and (backend == "fla" or q.dtype in (torch.bfloat16, torch.float16))
 
 
 def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initial_state=None,
