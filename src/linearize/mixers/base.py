@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .. import ops
 from ..cache import recurrent_slot
 from ..models.base import Adapter, Geometry
 from ..spec import Spec
@@ -34,8 +35,21 @@ class Mixer(nn.Module):
         """Put a freshly built submodule on the teacher's device and dtype."""
         return module.to(device=self.teacher_device, dtype=self.teacher_dtype)
 
+    # "student": the linear-cost mixer; "teacher": the softmax attention it replaces, computed from the
+    # same projections; "transfer": both, returning the teacher's output and keeping the MSE between
+    # them in ``transfer_loss`` (LoLCATs attention transfer: every layer sees the teacher's inputs).
+    mode: str = "student"
+    transfer_loss: torch.Tensor | None = None
+
+    def teacher_attention(self, q, k, v, position_embeddings):
+        qr, kr = self.adapter.rope(self, q, k, position_embeddings)
+        g = self.geometry
+        return ops.softmax_attention(qr, kr, v, scale=g.scaling, softcap=g.softcap, window=g.sliding_window)
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, layer_past=None, **kwargs):
+        if self.mode != "student":
+            return self._teacher_forward(hidden_states, position_embeddings), None
         cache = past_key_values if past_key_values is not None else layer_past
         slot = recurrent_slot(cache, self.layer_idx) if cache is not None else None
         state = slot.state if slot is not None else None
@@ -47,6 +61,20 @@ class Mixer(nn.Module):
         if slot is not None:
             slot.store(state, q.shape[2])
         return self.adapter.out(self, o), None
+
+    def _teacher_forward(self, hidden_states, position_embeddings):
+        q, k, v = self.adapter.qkv(self, hidden_states)
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.mode == "transfer"):
+            target = self.adapter.out(self, self.teacher_attention(q, k, v, position_embeddings))
+        if self.mode == "transfer":
+            o, _ = self.sequence(q, k, v, position_embeddings, None, want_state=False)
+            pred = self.adapter.out(self, o)
+            target = target.detach()
+            self.transfer_loss = torch.nn.functional.mse_loss(pred.float(), target.float())
+            # tie the prediction to the layer's output with weight 0, so distributed training sees the
+            # mixer's parameters as used (its gradients come from transfer_loss alone)
+            target = target + 0.0 * pred
+        return target
 
     def sequence(self, q, k, v, position_embeddings, state, want_state: bool):
         raise NotImplementedError

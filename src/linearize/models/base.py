@@ -26,6 +26,7 @@ class Geometry:
     scaling: float  # multiplies q.k in the softmax
     softcap: float | None  # Gemma 2 style tanh cap on softmax scores, or None
     rotary: Callable | None  # (q, k, cos, sin) -> (q, k) from the family's modeling file; None: no RoPE
+    sliding_window: int | None = None  # the teacher layer's own softmax window (Mistral, Gemma 2/3), if any
 
 
 class Adapter:
@@ -34,6 +35,11 @@ class Adapter:
     model_types: tuple[str, ...] = ()
     attention_attr: str = "self_attn"
     part_names: tuple[str, ...] = ()
+
+    @property
+    def lora_targets(self) -> list[str]:
+        """Module names LoRA adapts by default: the attention projections (not the QK-norms)."""
+        return [n for n in self.part_names if not n.endswith("_norm")]
 
     def layers(self, model: nn.Module) -> nn.ModuleList:
         return model.base_model.layers

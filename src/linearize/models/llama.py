@@ -22,7 +22,8 @@ class LlamaFamilyAdapter(Adapter):
         n_kv = attn.k_proj.out_features // head_dim
         rotary = family_function(attn, "apply_rotary_pos_emb") if getattr(attn, "use_rope", True) else None
         softcap = getattr(config, "attn_logit_softcapping", None)
-        return Geometry(n_heads, n_kv, head_dim, float(attn.scaling), softcap, rotary)
+        window = getattr(attn, "sliding_window", None)
+        return Geometry(n_heads, n_kv, head_dim, float(attn.scaling), softcap, rotary, window)
 
     def qkv(self, m, x):
         b, t, _ = x.shape

@@ -14,6 +14,7 @@ from .hybrid_attention import (
     hybrid_attention_step,
     hybrid_final_state,
 )
+from .softmax_attention import softmax_attention
 from .linear_attention import (
     accum_dtype,
     empty_state,
@@ -40,5 +41,5 @@ __all__ = [
     "hybrid_attention_chunked", "hybrid_attention_naive", "hybrid_attention_recurrent",
     "hybrid_attention_step", "hybrid_final_state", "linear_attention", "linear_attention_chunked",
     "linear_attention_fla", "linear_attention_naive", "linear_attention_recurrent",
-    "linear_attention_step", "use_fla",
+    "linear_attention_step", "softmax_attention", "use_fla",
 ]

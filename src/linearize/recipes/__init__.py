@@ -1,0 +1,1 @@
+"""The methods as small programs on one training engine (Hugging Face Trainer / Accelerate)."""

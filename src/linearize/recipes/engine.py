@@ -1,0 +1,170 @@
+"""One training engine for every recipe: the Hugging Face Trainer, driven by a method's loss.
+
+A recipe supplies the model (with ``requires_grad`` set on what it trains), datasets of packed
+blocks, a ``loss_fn(model, batch) -> scalar`` and callbacks. The Trainer brings precision (bf16 on
+CUDA, fp32 on CPU), gradient accumulation, checkpoints and resume, a progress bar, logging,
+seeds, early stopping and multi-GPU through ``accelerate launch`` / ``torchrun``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
+
+from ..errors import LinearizeError
+
+LossFn = Callable[[torch.nn.Module, dict], torch.Tensor]
+
+
+@dataclass
+class TrainConfig:
+    """What the engine needs from a recipe stage; everything else is the Trainer's default."""
+
+    output_dir: str
+    learning_rate: float
+    epochs: float = 1.0
+    max_steps: int = -1  # > 0 overrides epochs
+    batch_size: int = 8  # per device
+    grad_accum: int = 1
+    scheduler: str = "constant"  # any transformers scheduler name: constant, cosine, linear ...
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float = 1.0
+    eval_steps: int = 50
+    save_steps: int | None = None  # default: eval_steps (early stopping needs them aligned)
+    early_stopping_patience: int | None = None
+    logging_steps: int = 10
+    seed: int = 0
+    bf16: bool | None = None  # None: bf16 on CUDA, fp32 elsewhere
+    save_total_limit: int = 2
+    extra: dict = field(default_factory=dict)  # passed straight to TrainingArguments
+
+
+class JsonlLogger(TrainerCallback):
+    """Appends every logged metric (loss, eval_loss, lr, ...) as one JSON line to ``metrics.jsonl``."""
+
+    def __init__(self, path: Path, stage: str):
+        self.path, self.stage = path, stage
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if state.is_world_process_zero and logs:
+            with self.path.open("a") as fh:
+                fh.write(json.dumps({"stage": self.stage, "step": state.global_step, **logs}) + "\n")
+
+
+class NonFiniteLossGuard(TrainerCallback):
+    """Stops the run at the first NaN/inf loss; the last saved checkpoint stays loadable."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        loss = (logs or {}).get("loss")
+        if loss is not None and not math.isfinite(loss):
+            control.should_training_stop = True
+            state.stopped_for_nonfinite_loss = True
+
+
+class RecipeTrainer(Trainer):
+    """A Trainer whose loss comes from the recipe."""
+
+    def __init__(self, *args, loss_fn: LossFn, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loss_fn = loss_fn
+        self.model_accepts_loss_kwargs = False  # the recipe's loss is a per-batch mean
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        loss = self.loss_fn(model, inputs)
+        return (loss, None) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = self.loss_fn(model, inputs).detach()
+        return loss, None, None
+
+
+def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
+    bf16 = torch.cuda.is_available() if cfg.bf16 is None else cfg.bf16
+    save_steps = cfg.save_steps or cfg.eval_steps
+    early = cfg.early_stopping_patience is not None and has_eval
+    return TrainingArguments(
+        output_dir=cfg.output_dir,
+        learning_rate=cfg.learning_rate,
+        num_train_epochs=cfg.epochs,
+        max_steps=cfg.max_steps,
+        per_device_train_batch_size=cfg.batch_size,
+        per_device_eval_batch_size=cfg.batch_size,
+        gradient_accumulation_steps=cfg.grad_accum,
+        lr_scheduler_type=cfg.scheduler,
+        warmup_steps=cfg.warmup_steps,
+        weight_decay=cfg.weight_decay,
+        adam_beta1=cfg.adam_betas[0],
+        adam_beta2=cfg.adam_betas[1],
+        max_grad_norm=cfg.max_grad_norm,
+        eval_strategy="steps" if has_eval else "no",
+        eval_steps=cfg.eval_steps,
+        save_strategy="steps",
+        save_steps=save_steps,
+        save_total_limit=cfg.save_total_limit,
+        load_best_model_at_end=early,
+        metric_for_best_model="eval_loss" if early else None,
+        greater_is_better=False if early else None,
+        logging_steps=cfg.logging_steps,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        bf16=bf16,
+        report_to=[],
+        remove_unused_columns=False,
+        dataloader_num_workers=0,
+        ddp_find_unused_parameters=True,
+        disable_tqdm=False,
+        **cfg.extra,
+    )
+
+
+def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig, *, stage: str,
+          callbacks: list[TrainerCallback] = (), resume: bool | str | None = None,
+          metrics_path: str | Path | None = None) -> RecipeTrainer:
+    """Run one training stage; returns the Trainer (its ``state.log_history`` has the curves).
+
+    ``resume``: True continues from the newest checkpoint in ``output_dir``, a path from that one.
+    Metrics are appended to ``metrics_path`` (default ``output_dir/metrics.jsonl``), tagged with ``stage``.
+    """
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise LinearizeError(f"{stage}: nothing to train (no parameter requires grad)")
+    if len(train_dataset) == 0:
+        raise LinearizeError(f"{stage}: the training data is empty")
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    all_callbacks = [JsonlLogger(Path(metrics_path or out / "metrics.jsonl"), stage), NonFiniteLossGuard(), *callbacks]
+    if cfg.early_stopping_patience is not None and eval_dataset is not None:
+        all_callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
+    trainer = RecipeTrainer(
+        model=model,
+        args=training_arguments(cfg, eval_dataset is not None),
+        train_dataset=train_dataset,
+        eval_dataset=eval_dataset,
+        callbacks=all_callbacks,
+        loss_fn=loss_fn,
+    )
+    if resume is True and not any(out.glob("checkpoint-*")):
+        resume = None
+    trainer.train(resume_from_checkpoint=resume)
+    if getattr(trainer.state, "stopped_for_nonfinite_loss", False):
+        raise LinearizeError(f"{stage}: the loss became NaN/inf at step {trainer.state.global_step}; "
+                             f"the last checkpoint in {out} is kept (lower the learning rate?)")
+    with (out / "train_config.json").open("w") as fh:
+        json.dump({**asdict(cfg), "stage": stage, "world_size": int(os.environ.get("WORLD_SIZE", 1))}, fh, indent=1)
+    return trainer
+
+
+def next_token_loss(model, batch) -> torch.Tensor:
+    """Mean next-token cross-entropy of a batch of packed blocks."""
+    return model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss

@@ -1,0 +1,242 @@
+"""LoLCATs (Zhang et al., 2024): attention transfer, then low-rank linearizing.
+
+Stage 1 — attention transfer. The teacher is frozen; only the feature maps (and the window weights
+gamma) train, so that every converted layer's output matches the teacher's softmax attention on the
+same input: MSE between the two outputs of each layer (scaled by ``mse_factor``, 1000 as in the
+LoLCATs code), with the teacher's output passed on to the next layer. Jointly over all layers, or
+block by block (``layers_per_block = k``; k = 1 is layer by layer), which bounds memory by k layers.
+
+Stage 2 — low-rank linearizing. LoRA (r=8, alpha=16 on q/k/v/o by default) trained on next-token
+loss; the adapters are merged into the saved checkpoint unless ``merge`` is off.
+
+Paper defaults: Hedgehog maps, feature dim 64, window 64, lr 1e-2 (stage 1) and 1e-4 (stage 2),
+2 epochs each on 1024-token packs, batch 8, early stopping on the validation loss.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .. import convert, load_teacher, mixers, save
+from ..data import BlockDataset, load_blocks
+from ..errors import LinearizeError
+from ..eval import perplexity
+from ..models import get_adapter
+from .engine import TrainConfig, next_token_loss, train
+
+DEFAULT_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64}
+# The comparison rows of LoLCATs Table 5, by name -> (stages, spec changes)
+ABLATIONS = {
+    "lolcats": (("stage1", "stage2"), {}),
+    "swap-finetune": (("stage2",), {}),
+    "stage1-only": (("stage1",), {}),
+    "no-window": (("stage1", "stage2"), {"kind": "linear"}),
+}
+
+
+@dataclass
+class LolcatsConfig:
+    teacher: str | None = None
+    out: str = "runs/lolcats"
+    spec: dict = field(default_factory=lambda: dict(DEFAULT_SPEC))
+    keep_softmax: tuple[int, ...] = ()
+    stages: tuple[str, ...] = ("stage1", "stage2")
+    data: str | None = None  # None: the embedded Gutenberg corpus
+    block_len: int = 1024
+    train_blocks: int | None = None  # None: all
+    eval_blocks: int = 16
+    batch_size: int = 8
+    grad_accum: int = 1
+    eval_steps: int = 50
+    patience: int | None = 3  # early stopping, in evaluations without improvement
+    seed: int = 0
+    dtype: str | None = None
+    # stage 1
+    stage1_lr: float = 1e-2
+    stage1_epochs: float = 2.0
+    stage1_steps: int = -1
+    mse_factor: float = 1000.0
+    layers_per_block: int | None = None  # None: all layers jointly
+    # stage 2
+    stage2_lr: float = 1e-4
+    stage2_epochs: float = 2.0
+    stage2_steps: int = -1
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_targets: tuple[str, ...] | None = None  # None: the family's q/k/v/o projections
+    merge: bool = True
+    resume: bool = False
+    sample_prompt: str = "It is a truth universally acknowledged, that"
+
+    def stage_config(self, stage: str, output_dir: Path) -> TrainConfig:
+        first = stage == "stage1"
+        return TrainConfig(
+            output_dir=str(output_dir), learning_rate=self.stage1_lr if first else self.stage2_lr,
+            epochs=self.stage1_epochs if first else self.stage2_epochs,
+            max_steps=self.stage1_steps if first else self.stage2_steps,
+            batch_size=self.batch_size, grad_accum=self.grad_accum, eval_steps=self.eval_steps,
+            early_stopping_patience=self.patience, seed=self.seed, logging_steps=max(1, min(10, self.eval_steps)),
+        )
+
+
+# --- stage 1 -------------------------------------------------------------------------------------
+
+class _StopForward(Exception):
+    pass
+
+
+def _set_modes(student, training: set[int] | None) -> None:
+    """Layers in ``training`` transfer and the other converted layers give the teacher's output;
+    ``None`` puts every layer back to its student (linear-cost) form."""
+    for i, m in mixers(student).items():
+        m.mode = "student" if training is None else ("transfer" if i in training else "teacher")
+        m.transfer_loss = None
+
+
+def attention_transfer_loss(layers: list[int], mse_factor: float):
+    """Mean over ``layers`` of each mixer's output MSE to the teacher, times ``mse_factor``."""
+    def loss_fn(model, batch):
+        inner = getattr(model, "module", model)  # under DDP the Trainer passes the wrapper
+        try:
+            model(input_ids=batch["input_ids"], use_cache=False)
+        except _StopForward:
+            pass
+        ms = mixers(inner)
+        losses = [ms[i].transfer_loss for i in layers]
+        return mse_factor * torch.stack(losses).mean()
+    return loss_fn
+
+
+def _stop_after(student, layer: int):
+    """Cut the forward after ``layer`` (single process only): later layers are not needed."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return None
+    block = get_adapter(student.config).layers(student)[layer]
+
+    def hook(module, args, output):
+        raise _StopForward
+
+    return block.register_forward_hook(hook)
+
+
+def _freeze_all_but(student, layers: set[int]) -> None:
+    for p in student.parameters():
+        p.requires_grad_(False)
+    for i, m in mixers(student).items():
+        if i in layers:
+            for name, p in m.named_parameters():
+                if name.startswith(("feature_map", "window_logit")):
+                    p.requires_grad_(True)
+
+
+@torch.no_grad()
+def layer_mse(student, blocks: torch.Tensor, batch_size: int = 4) -> dict[int, float]:
+    """Each converted layer's attention-output MSE to the teacher on ``blocks`` (teacher-forced)."""
+    converted = sorted(mixers(student))
+    _set_modes(student, set(converted))
+    device = next(student.parameters()).device
+    sums = {i: 0.0 for i in converted}
+    n = 0
+    for s in range(0, len(blocks), batch_size):
+        student(input_ids=blocks[s : s + batch_size].to(device), use_cache=False)
+        for i, m in mixers(student).items():
+            sums[i] += m.transfer_loss.item()
+        n += 1
+    _set_modes(student, None)
+    return {i: v / max(n, 1) for i, v in sums.items()}
+
+
+def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dict:
+    converted = sorted(mixers(student))
+    k = cfg.layers_per_block or len(converted)
+    groups = [converted[i : i + k] for i in range(0, len(converted), k)]
+    start, steps = time.time(), 0
+    for b, group in enumerate(groups):
+        stage_dir = out / "stage1" / (f"block-{b:02d}" if len(groups) > 1 else "joint")
+        if (stage_dir / "done").exists():
+            continue  # resumed run: this block finished before
+        _set_modes(student, set(group))
+        _freeze_all_but(student, set(group))
+        hook = _stop_after(student, group[-1])
+        try:
+            trainer = train(student, train_ds, eval_ds, attention_transfer_loss(group, cfg.mse_factor),
+                            cfg.stage_config("stage1", stage_dir), stage=f"stage1[{b}]",
+                            resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
+        finally:
+            if hook is not None:
+                hook.remove()
+        steps += trainer.state.global_step
+        (stage_dir / "done").write_text("ok\n")
+    _set_modes(student, None)
+    return {"seconds": time.time() - start, "blocks": len(groups), "steps": steps}
+
+
+# --- stage 2 -------------------------------------------------------------------------------------
+
+def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
+    from peft import LoraConfig, get_peft_model
+
+    targets = list(cfg.lora_targets or get_adapter(student.config).lora_targets)
+    for p in student.parameters():
+        p.requires_grad_(False)
+    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets, bias="none")
+    peft_model = get_peft_model(student, lora)
+    start = time.time()
+    trainer = train(peft_model, train_ds, eval_ds, next_token_loss, cfg.stage_config("stage2", out / "stage2"),
+                    stage="stage2", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
+    info = {"seconds": time.time() - start, "steps": trainer.state.global_step, "lora_targets": targets}
+    if cfg.merge:
+        return peft_model.merge_and_unload(), info
+    return peft_model, info
+
+
+# --- the whole recipe ----------------------------------------------------------------------------
+
+def run(cfg: LolcatsConfig) -> dict:
+    """Both stages on ``cfg.teacher``; writes ``out/final`` (a standalone checkpoint) and ``out/results.json``."""
+    unknown = set(cfg.stages) - {"stage1", "stage2"}
+    if unknown or not cfg.stages:
+        raise LinearizeError(f"stages must be a non-empty subset of stage1, stage2; got {list(cfg.stages)}")
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
+    train_blocks = load_blocks(cfg.data, tok, block_len=cfg.block_len, split="train", max_blocks=cfg.train_blocks, seed=cfg.seed)
+    eval_blocks = load_blocks(cfg.data, tok, block_len=cfg.block_len, split="validation", max_blocks=cfg.eval_blocks)
+    train_ds, eval_ds = BlockDataset(train_blocks), BlockDataset(eval_blocks)
+    results: dict = {"config": asdict(cfg), "train_tokens_per_epoch": train_blocks.numel(),
+                     "eval_tokens": eval_blocks.numel(), "perplexity": {}}
+    ppl = results["perplexity"]
+    ppl["teacher"] = perplexity(teacher, eval_blocks)
+    student = convert(teacher, cfg.spec, keep_softmax=list(cfg.keep_softmax) or None, inplace=True)
+    ppl["converted"] = perplexity(student, eval_blocks)
+    if "stage1" in cfg.stages:
+        results["layer_mse_before"] = layer_mse(student, eval_blocks)
+        results["stage1"] = run_stage1(student, train_ds, eval_ds, cfg, out)
+        results["layer_mse_after"] = layer_mse(student, eval_blocks)
+        ppl["after_stage1"] = perplexity(student, eval_blocks)
+    if "stage2" in cfg.stages:
+        student, results["stage2"] = run_stage2(student, train_ds, eval_ds, cfg, out)
+        ppl["after_stage2"] = perplexity(student, eval_blocks)
+    for p in student.parameters():
+        p.requires_grad_(True)
+    save(student, tok, out / "final")
+    prompt = tok(cfg.sample_prompt, return_tensors="pt").input_ids.to(next(student.parameters()).device)
+    with torch.no_grad():
+        sample = student.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
+    results["sample"] = tok.decode(sample[0, prompt.shape[1]:], skip_special_tokens=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+def ablation_config(cfg: LolcatsConfig, row: str) -> LolcatsConfig:
+    """The config of one comparison row (LoLCATs Table 5) at the same token budget."""
+    if row not in ABLATIONS:
+        raise LinearizeError(f"unknown ablation row {row!r}; choose from {', '.join(ABLATIONS)}")
+    stages, spec_changes = ABLATIONS[row]
+    return replace(cfg, stages=stages, spec={**cfg.spec, **spec_changes}, out=str(Path(cfg.out) / row))
