@@ -128,6 +128,27 @@ def cmd_data(args) -> int:
     return 0
 
 
+def cmd_lolcats(args) -> int:
+    from dataclasses import fields, replace
+
+    from .recipes import lolcats
+    from .spec import Spec
+
+    spec, other = _spec_from_args(args)
+    keep = spec.pop("keep_softmax", None)
+    cfg = lolcats.apply_budget(lolcats.LolcatsConfig(out=str(args.out)), args.budget)
+    skip = {"teacher", "out", "spec", "keep_softmax"}
+    overrides = {f.name: getattr(args, f.name) for f in fields(cfg)
+                 if f.name not in skip and getattr(args, f.name, None) is not None}
+    cfg = replace(cfg, teacher=args.teacher if args.teacher != "default" else other.get("teacher"),
+                  spec={**lolcats.DEFAULT_SPEC, **spec},
+                  keep_softmax=Spec(keep_softmax=keep).keep_softmax if keep else (), **overrides)
+    for row in args.rows.split(",") if args.rows else [None]:
+        results = lolcats.run(lolcats.ablation_config(cfg, row) if row else cfg)
+        print(lolcats.summary(results, row or "lolcats"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -170,6 +191,43 @@ def build_parser() -> argparse.ArgumentParser:
                                    "parameters, and the decoding state one sequence holds.")
     i.add_argument("model", nargs="?", default="default", help="a checkpoint folder, or a teacher as in convert")
     i.set_defaults(func=cmd_info)
+
+    lc = sub.add_parser("lolcats", parents=[common], help="LoLCATs: attention transfer, then LoRA (two stages)",
+                        description="Linearize a teacher with LoLCATs: stage 1 trains only the feature maps (and the "
+                                    "window weights) so each layer matches its softmax attention (MSE, teacher-forced); "
+                                    "stage 2 trains LoRA adapters on next-token loss and merges them. Prints held-out "
+                                    "perplexity of the teacher, the converted model and after each stage; writes "
+                                    "OUT/final (a standalone checkpoint), OUT/results.json and OUT/metrics.jsonl.")
+    lc.add_argument("--teacher", default="default", help=TEACHER_HELP)
+    lc.add_argument("--out", type=Path, default=Path("runs/lolcats"), help="run folder (default: %(default)s)")
+    lc.add_argument("--data", default=None, help="training text: a file, folder, .jsonl or hf:NAME (default: Gutenberg)")
+    lc.add_argument("--budget", choices=["cpu", "gpu", "paper"], default=None,
+                    help="token budget preset: cpu (minutes on 2 cores), gpu (~20M tokens), paper (2 epochs per stage); "
+                         "default: gpu on CUDA, cpu otherwise")
+    lc.add_argument("--block-len", type=int, help="tokens per training block (paper: 1024)")
+    lc.add_argument("--batch-size", type=int, help="blocks per device per step (paper: 8)")
+    lc.add_argument("--grad-accum", type=int, help="gradient accumulation steps")
+    lc.add_argument("--train-blocks", type=int, help="use at most this many training blocks")
+    lc.add_argument("--eval-blocks", type=int, help="validation blocks for early stopping and perplexity")
+    lc.add_argument("--eval-steps", type=int, help="evaluate (and checkpoint) every N steps")
+    lc.add_argument("--patience", type=int, help="early stopping: evaluations without improvement")
+    lc.add_argument("--stage1-lr", type=float, help="stage 1 learning rate (paper: 1e-2)")
+    lc.add_argument("--stage1-steps", type=int, help="stage 1 optimizer steps (overrides epochs)")
+    lc.add_argument("--stage1-epochs", type=float, help="stage 1 epochs (paper: 2)")
+    lc.add_argument("--layers-per-block", type=int, help="stage 1 in blocks of k layers (1: layer by layer; "
+                    "default: all layers jointly); bounds memory by k layers")
+    lc.add_argument("--mse-factor", type=float, help="stage 1 loss scale (LoLCATs: 1000)")
+    lc.add_argument("--stage2-lr", type=float, help="stage 2 (LoRA) learning rate (paper: 1e-4)")
+    lc.add_argument("--stage2-steps", type=int, help="stage 2 optimizer steps (overrides epochs)")
+    lc.add_argument("--stage2-epochs", type=float, help="stage 2 epochs (paper: 2)")
+    lc.add_argument("--lora-r", type=int, help="LoRA rank (paper: 8)")
+    lc.add_argument("--lora-alpha", type=int, help="LoRA alpha (paper: 16)")
+    lc.add_argument("--seed", type=int, help="seed for data order and initialisation")
+    lc.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoints in OUT")
+    lc.add_argument("--rows", help="comma-separated comparison rows at the same budget (LoLCATs Table 5): "
+                    "lolcats, swap-finetune, stage1-only, no-window; each writes OUT/<row>")
+    _spec_arguments(lc)
+    lc.set_defaults(func=cmd_lolcats)
 
     d = sub.add_parser("data", help="tokenize and pack a text source; print its train/validation blocks",
                        description="Check a corpus: read it, tokenize with a teacher's tokenizer, pack into blocks "

@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import LinearizeError
 
-KINDS = ("lolcats", "linear", "supra")
+KINDS = ("lolcats", "linear", "supra", "retnet", "striped_mamba")
 FEATURE_MAPS = ("hedgehog", "t2r", "elu", "relu")
 DECAYS = ("none", "retnet", "lightning")
 NORMS = ("sum", "group")
@@ -25,15 +25,18 @@ class Spec:
 
     kind: ``lolcats`` (sliding-window softmax + linear attention, LoLCATs eq. 7), ``linear``
         (normalised linear attention) or ``supra`` (shared ReLU-MLP kernel, RoPE after it, fixed
-        decay, GroupNorm; SUPRA eq. 10).
+        decay, GroupNorm; SUPRA eq. 10), or an XATL architecture trained from the teacher's shared
+        weights (``linearize.xatl.build_xatl``): ``retnet`` (multi-scale retention, new q/k/v/gate,
+        the teacher's W_O) or ``striped_mamba`` (a Mamba mixer in each block, the FFN kept).
     feature_map: ``hedgehog`` [softmax(xW) | softmax(-xW)], ``t2r`` ReLU(xW+b), ``elu`` elu+1, ``relu``.
         Applied after RoPE for lolcats/linear; supra always uses a square t2r shared by q and k.
     feature_dim: learned feature size per head (hedgehog outputs twice this).
     window: sliding-window size of the lolcats hybrid.
     decay: fixed per-head decay: ``retnet`` (1 - 2^(-5-h)), ``lightning`` (ALiBi slopes scaled by
-        depth) or ``none``. supra defaults to retnet, the others to none.
+        depth) or ``none``. supra and retnet default to retnet, the others to none.
     norm: output normalisation: ``sum`` (divide by phi(q).sum phi(k)) or ``group`` (GroupNorm per
-        head). supra defaults to group (``sum`` with decay none is the T2R baseline), others to sum.
+        head). supra and retnet default to group (``sum`` with decay none is the T2R baseline; retnet
+        accepts only group), the others to sum.
     keep_softmax: indices of layers that keep their softmax attention (hybrids).
     backend: ``auto`` (fla CUDA kernels when installed), ``torch`` or ``fla``.
     """
@@ -71,11 +74,12 @@ class Spec:
     def resolved(self) -> "Spec":
         """The same spec with every kind-dependent default filled in."""
         supra = self.kind == "supra"
+        retention = self.kind in ("supra", "retnet")
         return replace(
             self,
             feature_map=self.feature_map or ("t2r" if supra else "hedgehog"),
-            decay=self.decay or ("retnet" if supra else "none"),
-            norm=self.norm or ("group" if supra else "sum"),
+            decay=self.decay or ("retnet" if retention else "none"),
+            norm=self.norm or ("group" if retention else "sum"),
         )
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,5 +1,34 @@
-"""Evaluation: perplexity now; lm-evaluation-harness tasks and reports build on it."""
+"""Evaluation: held-out perplexity, zero-shot tasks through lm-evaluation-harness (offline), JSON
+records and a Markdown report.
 
-from .perplexity import perplexity
+``evaluate(model, tokenizer, tasks="all", limit=40)`` is the one-call API; ``text_perplexity`` and
+``run_tasks`` are its parts; ``LinearizeLM`` is the lm-eval model class (registered as ``linearize``).
+The lm-eval parts import lazily, so perplexity works without lm-eval installed.
+"""
 
-__all__ = ["perplexity"]
+from .perplexity import perplexity, text_perplexity
+
+__all__ = [
+    "LinearizeLM", "available_tasks", "evaluate", "load_model", "load_results", "model_identity", "perplexity",
+    "run_tasks", "save_results", "text_perplexity", "write_report",
+]
+
+
+def __getattr__(name):
+    if name in ("LinearizeLM", "run_tasks"):
+        from . import harness
+
+        return getattr(harness, name)
+    if name in ("evaluate", "load_model", "load_results", "model_identity", "save_results"):
+        from . import results
+
+        return getattr(results, name)
+    if name == "available_tasks":
+        from .tasks import available_tasks
+
+        return available_tasks
+    if name == "write_report":
+        from .report import write_report
+
+        return write_report
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

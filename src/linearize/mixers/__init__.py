@@ -3,12 +3,16 @@
 from .base import Mixer
 from .linear import LinearAttention
 from .lolcats import LolcatsAttention
+from .mamba import MambaMixer
+from .retnet import RetNetRetention
 from .supra import SupraAttention
 
 MIXERS: dict[str, type[Mixer]] = {
     "linear": LinearAttention,
     "lolcats": LolcatsAttention,
     "supra": SupraAttention,
+    "retnet": RetNetRetention,
+    "striped_mamba": MambaMixer,
 }
 
-__all__ = ["MIXERS", "Mixer", "LinearAttention", "LolcatsAttention", "SupraAttention"]
+__all__ = ["MIXERS", "Mixer", "LinearAttention", "LolcatsAttention", "MambaMixer", "RetNetRetention", "SupraAttention"]

@@ -240,3 +240,39 @@ def ablation_config(cfg: LolcatsConfig, row: str) -> LolcatsConfig:
         raise LinearizeError(f"unknown ablation row {row!r}; choose from {', '.join(ABLATIONS)}")
     stages, spec_changes = ABLATIONS[row]
     return replace(cfg, stages=stages, spec={**cfg.spec, **spec_changes}, out=str(Path(cfg.out) / row))
+
+
+BUDGETS = {
+    # minutes on 2 CPU cores: a demonstration that every stage works, not a converged model
+    "cpu": dict(block_len=256, batch_size=2, train_blocks=256, eval_blocks=4, eval_steps=8, patience=None,
+                stage1_steps=16, stage2_steps=8),
+    # one GPU, ~20M tokens per stage at 1024-token packs (batch 8 x 1024 x 2440 steps)
+    "gpu": dict(block_len=1024, batch_size=8, train_blocks=None, eval_blocks=64, eval_steps=200, patience=3,
+                stage1_steps=2440, stage2_steps=2440),
+    # LoLCATs: 2 epochs per stage over the whole corpus, early stopping
+    "paper": dict(block_len=1024, batch_size=8, train_blocks=None, eval_blocks=64, eval_steps=200, patience=3,
+                  stage1_steps=-1, stage2_steps=-1),
+}
+
+
+def apply_budget(cfg: LolcatsConfig, budget: str | None) -> LolcatsConfig:
+    """A token-budget preset; ``None`` picks gpu on CUDA and cpu otherwise."""
+    budget = budget or ("gpu" if torch.cuda.is_available() else "cpu")
+    return replace(cfg, **BUDGETS[budget])
+
+
+def summary(results: dict, row: str = "lolcats") -> str:
+    ppl = results["perplexity"]
+    names = {"teacher": "teacher (softmax)", "converted": "converted, before training",
+             "after_stage1": "after stage 1 (attention transfer)", "after_stage2": "after stage 2 (LoRA)"}
+    lines = [f"[{row}] held-out perplexity ({results['eval_tokens']:,} tokens)"]
+    lines += [f"  {names[k]:<36} {v:10.2f}" for k, v in ppl.items()]
+    for stage in ("stage1", "stage2"):
+        if stage in results:
+            lines.append(f"  {stage}: {results[stage]['steps']} steps in {results[stage]['seconds']:.0f}s")
+    if "layer_mse_before" in results:
+        b, a = results["layer_mse_before"], results["layer_mse_after"]
+        mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
+        lines.append(f"  attention MSE, mean over layers: {mean(b):.3g} -> {mean(a):.3g}")
+    lines.append(f"  sample (recurrent decoding): {results['sample']!r}")
+    return "\n".join(lines)

@@ -1,0 +1,159 @@
+"""Freezing the transferred weights during XATL training: frozen, unfrozen, or LIT.
+
+LIT (XATL's "learning-based incremental thawing", Table 3): the weights copied from the teacher
+start frozen while the new ones learn; at every evaluation interval the average validation loss
+is compared with the previous interval's, and once its relative improvement has stayed below
+``threshold`` (default 1%) for ``patience`` consecutive intervals (default 1), the transferred
+weights are unfrozen for the rest of the run.
+
+``LitRule`` is the decision alone (pure, testable on a scripted loss sequence); ``LitCallback`` is
+the ``transformers.TrainerCallback`` that applies it inside a Trainer run and logs when it fires.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+
+from .errors import LinearizeError
+
+logger = logging.getLogger("linearize.lit")
+
+FREEZE_MODES = ("frozen", "unfrozen", "lit")
+
+
+class LitRule:
+    """Fires once, at the first interval where the relative improvement of the validation loss,
+    ``(previous - current) / |previous|``, has been below ``threshold`` for ``patience`` intervals
+    in a row. The first interval has nothing to compare with and never counts. A non-finite loss
+    counts as no improvement."""
+
+    def __init__(self, threshold: float = 0.01, patience: int = 1):
+        if not isinstance(patience, int) or patience < 1:
+            raise LinearizeError(f"LIT patience must be a positive integer, got {patience!r}")
+        if not math.isfinite(threshold):
+            raise LinearizeError(f"LIT threshold must be a finite number, got {threshold!r}")
+        self.threshold, self.patience = float(threshold), patience
+        self.history: list[float] = []
+        self.strikes = 0
+        self.fired_at: int | None = None  # index into history of the interval that fired
+
+    @property
+    def fired(self) -> bool:
+        return self.fired_at is not None
+
+    def improvement(self, previous: float, current: float) -> float:
+        if not (math.isfinite(previous) and math.isfinite(current)) or previous == 0:
+            return -math.inf
+        return (previous - current) / abs(previous)
+
+    def update(self, loss: float) -> bool:
+        """Record one interval's average validation loss; True exactly when this interval fires."""
+        loss = float(loss)
+        self.history.append(loss)
+        if self.fired or len(self.history) < 2:
+            return False
+        if self.improvement(self.history[-2], loss) < self.threshold:
+            self.strikes += 1
+        else:
+            self.strikes = 0
+        if self.strikes >= self.patience:
+            self.fired_at = len(self.history) - 1
+            return True
+        return False
+
+
+class LitCallback(TrainerCallback, ExportableState):
+    """Freeze the transferred weights for a Trainer run: ``mode`` ``frozen`` (the whole run),
+    ``unfrozen`` (never: the callback does nothing) or ``lit`` (until ``LitRule`` fires on
+    ``metric`` at an evaluation, then unfrozen).
+
+    ``parameters``: names of the parameters to freeze (as in ``model.named_parameters()``), or None
+    for those the XATL record says were transferred (``linearize.xatl.transferred_parameters``).
+    Freezing sets ``requires_grad=False`` at the start of training, after the Trainer has built
+    its optimizer, so the parameters must be trainable (and in the optimizer) when the run starts;
+    a frozen parameter gets no gradient, and AdamW then leaves it, its moments and its weight decay
+    alone. Evaluations must be enabled (``eval_strategy``) for LIT to ever fire. The state is saved
+    with Trainer checkpoints, so a resumed run stays thawed once it has thawed.
+    """
+
+    def __init__(self, mode: str = "lit", threshold: float = 0.01, patience: int = 1, metric: str = "eval_loss",
+                 parameters: list[str] | None = None):
+        if mode not in FREEZE_MODES:
+            raise LinearizeError(f"freeze mode must be one of {', '.join(FREEZE_MODES)}, got {mode!r}")
+        self.mode, self.threshold, self.patience, self.metric = mode, threshold, patience, metric
+        self.parameters = list(parameters) if parameters is not None else None
+        self.rule = LitRule(threshold, patience)
+        self.frozen = False
+        self.unfrozen_at_step: int | None = None
+        self._params: dict = {}
+
+    # --- ExportableState: restored attributes are plain values ---
+    def state(self) -> dict:
+        return {
+            "args": {"mode": self.mode, "threshold": self.threshold, "patience": self.patience,
+                     "metric": self.metric, "parameters": self.parameters},
+            "attributes": {"history": list(self.rule.history), "strikes": self.rule.strikes,
+                           "fired_at": self.rule.fired_at, "unfrozen_at_step": self.unfrozen_at_step},
+        }
+
+    def __setattr__(self, name, value):
+        if name in ("history", "strikes", "fired_at"):  # restoring from a checkpoint: into the rule
+            setattr(self.rule, name, list(value) if name == "history" else value)
+            return
+        super().__setattr__(name, value)
+
+    def _resolve(self, model) -> dict:
+        if self.parameters is None:
+            from .xatl import transferred_parameters
+
+            return transferred_parameters(model)
+        params = dict(model.named_parameters())
+        missing = [n for n in self.parameters if n not in params]
+        if missing:
+            raise LinearizeError(f"LIT: the model has no parameter(s) {missing[:3]}")
+        return {n: params[n] for n in self.parameters}
+
+    def _set(self, trainable: bool) -> None:
+        for p in self._params.values():
+            p.requires_grad_(trainable)
+        self.frozen = not trainable
+
+    def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if self.mode == "unfrozen":
+            return
+        self._params = self._resolve(model)
+        if optimizer is not None:
+            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            outside = [n for n, p in self._params.items() if id(p) not in held]
+            if outside and self.mode == "lit":
+                raise LinearizeError(f"LIT: {len(outside)} transferred parameters (e.g. {outside[0]}) are not in the "
+                                     "optimizer; keep them trainable until the run starts, the callback freezes them")
+        if self.mode == "lit" and self.rule.fired:
+            self._set(True)
+            return
+        self._set(False)
+        n = sum(p.numel() for p in self._params.values())
+        logger.info("%s: %d transferred tensors (%s parameters) frozen%s", self.mode, len(self._params), f"{n:,}",
+                    f"; thawed when the {self.metric} improvement stays below {self.threshold:.2%} for "
+                    f"{self.patience} interval(s)" if self.mode == "lit" else "")
+
+    def on_evaluate(self, args, state, control, metrics=None, **kwargs):
+        if self.mode != "lit" or self.rule.fired or not metrics or self.metric not in metrics:
+            return
+        if self.rule.update(metrics[self.metric]):
+            self._set(True)
+            self.unfrozen_at_step = state.global_step
+            h = self.rule.history
+            message = (f"LIT fired at step {state.global_step}: {self.metric} {h[-2]:.4f} -> {h[-1]:.4f} "
+                       f"improved less than {self.threshold:.2%} for {self.patience} interval(s); "
+                       f"{len(self._params)} transferred tensors unfrozen")
+            logger.warning(message)
+            state.log_history.append({"lit_unfrozen": 1.0, "step": state.global_step})
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.frozen:  # leave the model trainable as it was given
+            self._set(True)
