@@ -2,7 +2,6 @@
 through the cache and generate()), the transfer map (what is copied, what is fresh), checkpoints,
 and the LIT freezing rule and callback."""
 
-import copy
 import logging
 
 import pytest
@@ -188,6 +187,7 @@ def test_greedy_generate_equals_argmax_of_parallel_forwards(arch, hybrid):
     student, report = build_xatl(_teacher(dtype=torch.float32, num_hidden_layers=4), arch,
                                  hybrid_softmax_layers=hybrid, seed=0)
     assert report.softmax_layers == ((2,) if hybrid else ())
+    student.generation_config.eos_token_id = None  # the tiny config's eos (2) would end generation early
     prompt = _ids(b=1, t=7)
     out = student.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     seq = prompt
@@ -340,12 +340,7 @@ def test_save_load_roundtrip_gives_identical_logits(tmp_path, arch, hybrid):
     student, report = build_xatl(_teacher(dtype=torch.float32, num_hidden_layers=4), arch,
                                  hybrid_softmax_layers=hybrid, seed=0)
     linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
-    try:
-        loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")
-    except LinearizeError as exc:
-        if "lacks tensors" in str(exc) and "self_attn.q_proj" in str(exc):
-            pytest.xfail("linearize.load needs the XATL change in checkpoint.py (missing q/k/v are expected)")
-        raise
+    loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")
     ids = _ids()
     torch.testing.assert_close(loaded(ids).logits, student(ids).logits, atol=0, rtol=0)
     assert loaded.config.linearize == student.config.linearize

@@ -73,13 +73,17 @@ def load(directory: str | os.PathLike, dtype: torch.dtype | str | None = None, d
         raise LinearizeError(f"could not load checkpoint {directory}: {str(exc).splitlines()[0]}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
-    missing = sorted(loading.get("missing_keys", ()))
-    if missing:
-        raise LinearizeError(f"checkpoint {directory} lacks tensors {missing[:3]}: it is incomplete or corrupt")
-
+    missing = set(loading.get("missing_keys", ()))
     if info:
         base_keys = set(model.state_dict())
         model = convert(model, Spec.coerce(info["spec"]), inplace=True)
+        # XATL mixers drop the teacher's q/k/v (and Mamba its o_proj): only what the student still has counts
+        missing &= set(model.state_dict())
+        model.config.linearize = info  # the whole saved record (the XATL transfer map rides along)
+    if missing:
+        raise LinearizeError(f"checkpoint {directory} lacks tensors {sorted(missing)[:3]}: it is incomplete or corrupt")
+
+    if info:
         new_keys = [k for k in model.state_dict() if k not in base_keys]  # feature maps, window weights ...
         wanted, saved = set(new_keys), {}
         for f in files:  # read only the mixers' tensors; transformers has loaded the rest

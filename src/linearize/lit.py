@@ -100,11 +100,30 @@ class LitCallback(TrainerCallback, ExportableState):
                            "fired_at": self.rule.fired_at, "unfrozen_at_step": self.unfrozen_at_step},
         }
 
-    def __setattr__(self, name, value):
-        if name in ("history", "strikes", "fired_at"):  # restoring from a checkpoint: into the rule
-            setattr(self.rule, name, list(value) if name == "history" else value)
-            return
-        super().__setattr__(name, value)
+    # the rule's progress, as attributes Trainer can set when it restores the callback on resume
+    @property
+    def history(self) -> list[float]:
+        return self.rule.history
+
+    @history.setter
+    def history(self, value):
+        self.rule.history = [float(x) for x in value]
+
+    @property
+    def strikes(self) -> int:
+        return self.rule.strikes
+
+    @strikes.setter
+    def strikes(self, value):
+        self.rule.strikes = int(value)
+
+    @property
+    def fired_at(self) -> int | None:
+        return self.rule.fired_at
+
+    @fired_at.setter
+    def fired_at(self, value):
+        self.rule.fired_at = value
 
     def _resolve(self, model) -> dict:
         if self.parameters is None:

@@ -19,7 +19,8 @@ weights that follow them:
                 Llama family; Gemma 2/3's pre/post-feedforward norms)
 ``wo``          the mixers' output projection W_O and the attention norm(s) before it
                 (``input_layernorm``; Gemma 2/3 also ``post_attention_layernorm``). RetNet only:
-                Mamba's output projection reads 2 x hidden features and cannot take W_O
+                Mamba's output projection reads 2 x hidden features and cannot take W_O, so
+                the norm before a Mamba mixer is always fresh (reported under ``wo``)
 ``attention``   hybrids: the whole softmax attention layers that stay, with their norms
 =============  ==========================================================================
 

@@ -123,6 +123,9 @@ def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
         remove_unused_columns=False,
         dataloader_num_workers=0,
         ddp_find_unused_parameters=True,
+        # CPU runs (tests, laptops) go multi-process through gloo when started with torchrun
+        use_cpu=not torch.cuda.is_available(),
+        ddp_backend="gloo" if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
         disable_tqdm=False,
         **cfg.extra,
     )
