@@ -1,9 +1,11 @@
+import json
 import os
+import random
 
 import pytest
 import torch
 
-from helpers import tiny_config
+from helpers import tiny_config, tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -20,3 +22,34 @@ def tiny_model():
         return model
 
     return make
+
+
+@pytest.fixture(scope="session")
+def workspace(tmp_path_factory):
+    """A tiny corpus (a counting language) and a tiny Llama teacher trained on it."""
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path_factory.mktemp("lolcats")
+    rng = random.Random(0)
+    docs = []
+    for _ in range(40):  # a learnable language: mostly counting upwards, some noise
+        w = rng.randrange(2, 90)
+        ids = []
+        for _ in range(60):
+            w = w + 1 if rng.random() < 0.8 else rng.randrange(2, 90)
+            ids.append(2 + (w - 2) % 95)
+        docs.append(ids)
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": " ".join(f"w{i}" for i in d)}) + "\n" for d in docs))
+    # A teacher that knows the language: a tiny Llama trained briefly on it.
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    opt = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
+    data = torch.tensor([d[i : i + 32] for d in docs for i in (0, 28)])
+    for step in range(150):
+        batch = data[torch.randint(0, len(data), (8,))]
+        teacher(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    teacher.save_pretrained(root / "teacher")
+    tiny_tokenizer().save_pretrained(root / "teacher")
+    return root

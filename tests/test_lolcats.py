@@ -2,44 +2,13 @@
 the validation loss, a resumed run continues the same run, and the merged checkpoint stands alone."""
 
 import json
-import random
 
 import pytest
 import torch
 
 import linearize
-from helpers import tiny_config, tiny_tokenizer
+
 from linearize.recipes import lolcats
-
-
-@pytest.fixture(scope="module")
-def workspace(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    root = tmp_path_factory.mktemp("lolcats")
-    rng = random.Random(0)
-    docs = []
-    for _ in range(40):  # a learnable language: mostly counting upwards, some noise
-        w = rng.randrange(2, 90)
-        ids = []
-        for _ in range(60):
-            w = w + 1 if rng.random() < 0.8 else rng.randrange(2, 90)
-            ids.append(2 + (w - 2) % 95)
-        docs.append(ids)
-    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": " ".join(f"w{i}" for i in d)}) + "\n" for d in docs))
-    # A teacher that knows the language: a tiny Llama trained briefly on it.
-    torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(tiny_config("llama"))
-    opt = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
-    data = torch.tensor([d[i : i + 32] for d in docs for i in (0, 28)])
-    for step in range(150):
-        batch = data[torch.randint(0, len(data), (8,))]
-        teacher(input_ids=batch, labels=batch).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    teacher.save_pretrained(root / "teacher")
-    tiny_tokenizer().save_pretrained(root / "teacher")
-    return root
 
 
 def _config(ws, out, **kw):
@@ -78,7 +47,7 @@ def test_layer_by_layer_stage1(workspace, monkeypatch, tmp_path):
 
 def test_resume_continues_the_same_run(workspace, monkeypatch, tmp_path):
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
-    straight = lolcats.run(_config(workspace, tmp_path / "a", stages=("stage2",), stage2_steps=20))
+    lolcats.run(_config(workspace, tmp_path / "a", stages=("stage2",), stage2_steps=20))
     lolcats.run(_config(workspace, tmp_path / "b", stages=("stage2",), stage2_steps=10))
     resumed = lolcats.run(_config(workspace, tmp_path / "b", stages=("stage2",), stage2_steps=20, resume=True))
     assert resumed["stage2"]["steps"] == 20

@@ -149,6 +149,52 @@ def cmd_lolcats(args) -> int:
     return 0
 
 
+def _training_arguments(p: argparse.ArgumentParser) -> None:
+    """Options every training recipe shares."""
+    p.add_argument("--teacher", default="default", help=TEACHER_HELP)
+    p.add_argument("--data", default=None, help="training text: a file, folder, .jsonl or hf:NAME (default: Gutenberg)")
+    p.add_argument("--budget", choices=["cpu", "gpu"], default=None,
+                   help="token budget preset: cpu (minutes on 2 cores) or gpu (~20M tokens); default: gpu on CUDA, cpu otherwise")
+    p.add_argument("--block-len", type=int, help="tokens per training block (packed sequences)")
+    p.add_argument("--batch-size", type=int, help="blocks per device per step")
+    p.add_argument("--grad-accum", type=int, help="gradient accumulation steps")
+    p.add_argument("--train-blocks", type=int, help="use at most this many training blocks")
+    p.add_argument("--eval-blocks", type=int, help="validation blocks for early stopping and perplexity")
+    p.add_argument("--eval-steps", type=int, help="evaluate (and checkpoint) every N steps")
+    p.add_argument("--patience", type=int, help="early stopping: evaluations without improvement")
+    p.add_argument("--seed", type=int, help="seed for data order and initialisation")
+    p.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoints in OUT")
+
+
+def _uptrain(args, method: str, spec: dict, **fixed) -> int:
+    from dataclasses import fields, replace
+
+    from .recipes import uptrain
+
+    cfg = uptrain.apply_budget(uptrain.UptrainConfig(method=method, out=str(args.out)), args.budget)
+    skip = {"teacher", "out", "spec", "keep_softmax", "method"}
+    overrides = {f.name: getattr(args, f.name) for f in fields(cfg)
+                 if f.name not in skip and getattr(args, f.name, None) is not None}
+    cfg = replace(cfg, teacher=None if args.teacher == "default" else args.teacher, spec=spec, **{**fixed, **overrides})
+    print(uptrain.summary(uptrain.run(cfg), method))
+    return 0
+
+
+def cmd_supra(args) -> int:
+    from .spec import Spec
+
+    spec, _ = _spec_from_args(args)
+    keep = spec.pop("keep_softmax", None)
+    spec = {"kind": "supra", **spec}
+    if args.variant == "t2r":
+        spec.update(norm="sum", decay="none")
+    return _uptrain(args, "supra", spec, keep_softmax=Spec(keep_softmax=keep).keep_softmax if keep else ())
+
+
+def cmd_xatl(args) -> int:
+    return _uptrain(args, "xatl", {"kind": args.arch}, weight_decay=0.1, min_lr=3e-5)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -228,6 +274,44 @@ def build_parser() -> argparse.ArgumentParser:
                     "lolcats, swap-finetune, stage1-only, no-window; each writes OUT/<row>")
     _spec_arguments(lc)
     lc.set_defaults(func=cmd_lolcats)
+
+    su = sub.add_parser("supra", parents=[common], help="SUPRA: swap in decayed linear attention, uptrain all weights",
+                        description="Convert every attention (but --keep-softmax) to SUPRA attention (shared ReLU-MLP "
+                                    "kernel, RoPE after it, fixed per-head decay, GroupNorm) and train all weights on "
+                                    "next-token loss: Adam betas (0.9, 0.95), warmup then cosine to --min-lr. Writes "
+                                    "OUT/final, OUT/results.json and OUT/metrics.jsonl (the loss curve).")
+    su.add_argument("--out", type=Path, default=Path("runs/supra"), help="run folder (default: %(default)s)")
+    su.add_argument("--variant", choices=["supra", "t2r"], default="supra",
+                    help="t2r: the baseline SUPRA improves on (normaliser instead of GroupNorm, no decay)")
+    su.add_argument("--steps", type=int, help="optimizer steps")
+    su.add_argument("--lr", type=float, help="peak learning rate (SUPRA: 3e-4 for ~1B models)")
+    su.add_argument("--min-lr", type=float, help="cosine floor (SUPRA: 1e-5)")
+    su.add_argument("--warmup-steps", type=int, help="linear warmup steps")
+    su.add_argument("--new-weights-first", type=int, help="SUPRA's 2-step variant: train only the new weights "
+                    "(kernel, GroupNorm) for this many steps first")
+    _training_arguments(su)
+    _spec_arguments(su)
+    su.set_defaults(func=cmd_supra)
+
+    xa = sub.add_parser("xatl", parents=[common], help="XATL: a RetNet/Mamba student built from the teacher's weights",
+                        description="Build an LCI architecture of the teacher's shape (RetNet retention or Mamba in "
+                                    "each block), copy the shared weights named by --transfer, initialise the rest "
+                                    "fresh, and train it with the transferred weights frozen, unfrozen or LIT.")
+    xa.add_argument("--out", type=Path, default=Path("runs/xatl"), help="run folder (default: %(default)s)")
+    xa.add_argument("--arch", choices=["retnet", "striped_mamba"], default="retnet", help="the new token mixer")
+    xa.add_argument("--transfer", help="comma-separated: embeddings, ffn, wo, attention; or 'scratch' "
+                    "(default: embeddings,ffn,wo for retnet, embeddings,ffn for mamba)")
+    xa.add_argument("--hybrid", help="keep softmax attention at these layers: 'xatl' (layers 2 and N/2) or '2,15'")
+    xa.add_argument("--freeze", choices=["frozen", "unfrozen", "lit"], help="transferred weights (default: unfrozen)")
+    xa.add_argument("--lit-threshold", type=float, help="LIT: unfreeze when validation improves by less than this (0.01)")
+    xa.add_argument("--lit-patience", type=int, help="LIT: evaluations below the threshold before unfreezing (1)")
+    xa.add_argument("--steps", type=int, help="optimizer steps")
+    xa.add_argument("--lr", type=float, help="peak learning rate (XATL: 3e-4)")
+    xa.add_argument("--min-lr", type=float, help="cosine floor (XATL: 3e-5)")
+    xa.add_argument("--warmup-steps", type=int, help="linear warmup steps (XATL: 2000)")
+    xa.add_argument("--weight-decay", type=float, help="AdamW weight decay (XATL: 0.1)")
+    _training_arguments(xa)
+    xa.set_defaults(func=cmd_xatl, min_lr=None, weight_decay=None)
 
     d = sub.add_parser("data", help="tokenize and pack a text source; print its train/validation blocks",
                        description="Check a corpus: read it, tokenize with a teacher's tokenizer, pack into blocks "

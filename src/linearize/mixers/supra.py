@@ -10,7 +10,6 @@ the T2R baseline SUPRA compares against).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .. import ops

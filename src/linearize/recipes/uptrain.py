@@ -1,0 +1,165 @@
+"""Uptraining: train a converted (SUPRA) or newly built (XATL) student end to end on next-token loss.
+
+SUPRA (Mercat et al., 2024): swap in SUPRA attention, then train all weights — Adam with betas
+(0.9, 0.95), linear warmup, cosine decay to a floor (3e-4 -> 1e-5 for ~1B models). Variants the paper
+ablates: the decay schedule (``spec.decay``), the T2R baseline (``norm: sum, decay: none``) and the
+2-step variant (``new_weights_first``: train only the new weights for that many steps, then all).
+
+XATL (Chen et al., 2024): build an LCI architecture from the teacher's shared weights
+(``linearize.xatl.build_xatl``) and train it, the transferred weights frozen, unfrozen, or LIT
+(frozen until validation stops improving by ``lit_threshold``, then unfrozen) — AdamW betas
+(0.9, 0.95), weight decay 0.1, cosine 3e-4 -> 3e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from .. import convert, load_teacher, save
+from ..data import BlockDataset, load_blocks
+from ..errors import LinearizeError
+from ..eval import perplexity
+from .engine import TrainConfig, next_token_loss, train
+
+
+@dataclass
+class UptrainConfig:
+    method: str = "supra"  # supra | xatl
+    teacher: str | None = None
+    out: str = "runs/supra"
+    spec: dict = field(default_factory=lambda: {"kind": "supra"})
+    keep_softmax: tuple[int, ...] = ()
+    data: str | None = None
+    block_len: int = 1024
+    train_blocks: int | None = None
+    eval_blocks: int = 16
+    batch_size: int = 8
+    grad_accum: int = 1
+    steps: int = 1000
+    lr: float = 3e-4
+    min_lr: float = 1e-5
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    eval_steps: int = 100
+    patience: int | None = None
+    seed: int = 0
+    dtype: str | None = None
+    resume: bool = False
+    new_weights_first: int = 0  # SUPRA 2-step: steps that train only the new weights first
+    # XATL
+    arch: str = "retnet"
+    transfer: tuple[str, ...] | str | None = None  # None: the architecture's default map
+    hybrid: str | None = None  # "xatl" (layers 2 and N//2) or "2,15"
+    freeze: str = "unfrozen"  # frozen | unfrozen | lit
+    lit_threshold: float = 0.01
+    lit_patience: int = 1
+    sample_prompt: str = "It is a truth universally acknowledged, that"
+
+    def train_config(self, output_dir: Path, steps: int, warmup: int) -> TrainConfig:
+        return TrainConfig(
+            output_dir=str(output_dir), learning_rate=self.lr, max_steps=steps, batch_size=self.batch_size,
+            grad_accum=self.grad_accum, scheduler="cosine_with_min_lr", warmup_steps=warmup,
+            weight_decay=self.weight_decay, adam_betas=(0.9, 0.95), eval_steps=self.eval_steps,
+            early_stopping_patience=self.patience, seed=self.seed, logging_steps=max(1, min(10, self.eval_steps)),
+            extra={"lr_scheduler_kwargs": {"min_lr": self.min_lr}},
+        )
+
+
+BUDGETS = {
+    "cpu": dict(block_len=256, batch_size=2, train_blocks=256, eval_blocks=4, eval_steps=8, steps=16, warmup_steps=2),
+    "gpu": dict(block_len=1024, batch_size=8, train_blocks=None, eval_blocks=64, eval_steps=200, steps=2440,
+                warmup_steps=100),
+}
+
+
+def apply_budget(cfg: UptrainConfig, budget: str | None) -> UptrainConfig:
+    budget = budget or ("gpu" if torch.cuda.is_available() else "cpu")
+    return replace(cfg, **BUDGETS[budget])
+
+
+def _build(teacher, cfg: UptrainConfig):
+    """The student, its new parameters (for SUPRA's 2-step variant) and the XATL transfer report."""
+    if cfg.method == "supra":
+        before = {id(p) for p in teacher.parameters()}
+        student = convert(teacher, cfg.spec, keep_softmax=list(cfg.keep_softmax) or None, inplace=True)
+        new = [p for p in student.parameters() if id(p) not in before]
+        return student, {"new": new}, None
+    if cfg.method == "xatl":
+        from ..xatl import build_xatl
+
+        hybrid = cfg.hybrid
+        if hybrid and hybrid != "xatl":
+            hybrid = [int(i) for i in str(hybrid).split(",") if i]
+        transfer = cfg.transfer.split(",") if isinstance(cfg.transfer, str) else cfg.transfer
+        student, report = build_xatl(teacher, cfg.arch, transfer=transfer, hybrid_softmax_layers=hybrid, seed=cfg.seed)
+        return student, {"new": []}, report
+    raise LinearizeError(f"unknown uptraining method {cfg.method!r}; use supra or xatl")
+
+
+def run(cfg: UptrainConfig) -> dict:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
+    train_blocks = load_blocks(cfg.data, tok, block_len=cfg.block_len, split="train", max_blocks=cfg.train_blocks, seed=cfg.seed)
+    eval_blocks = load_blocks(cfg.data, tok, block_len=cfg.block_len, split="validation", max_blocks=cfg.eval_blocks)
+    train_ds, eval_ds = BlockDataset(train_blocks), BlockDataset(eval_blocks)
+    results: dict = {"config": asdict(cfg), "eval_tokens": eval_blocks.numel(), "perplexity": {}}
+    results["perplexity"]["teacher"] = perplexity(teacher, eval_blocks)
+    student, groups, report = _build(teacher, cfg)
+    if report is not None:
+        results["transfer_report"] = report.summary()
+    results["perplexity"]["student, before training"] = perplexity(student, eval_blocks)
+    for p in student.parameters():
+        p.requires_grad_(True)
+
+    callbacks = []
+    if cfg.method == "xatl":
+        from ..lit import LitCallback
+
+        # the transferred tensors come from the XATL record in the student's config
+        callbacks.append(LitCallback(mode=cfg.freeze, threshold=cfg.lit_threshold, patience=cfg.lit_patience))
+    start = time.time()
+    steps_done = 0
+    if cfg.new_weights_first:
+        new_ids = {id(p) for p in groups.get("new", [])}
+        for p in student.parameters():
+            p.requires_grad_(id(p) in new_ids)
+        first = train(student, train_ds, eval_ds, next_token_loss,
+                      cfg.train_config(out / "new-weights", cfg.new_weights_first, min(cfg.warmup_steps, cfg.new_weights_first)),
+                      stage="new-weights", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
+        steps_done += first.state.global_step
+        for p in student.parameters():
+            p.requires_grad_(True)
+    trainer = train(student, train_ds, eval_ds, next_token_loss, cfg.train_config(out / "train", cfg.steps, cfg.warmup_steps),
+                    stage="uptrain", callbacks=callbacks, resume=True if cfg.resume else None,
+                    metrics_path=out / "metrics.jsonl")
+    steps_done += trainer.state.global_step
+    seconds = time.time() - start
+    tokens = steps_done * cfg.batch_size * cfg.grad_accum * cfg.block_len * trainer.args.world_size
+    results["train"] = {"steps": steps_done, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds}
+    results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
+    for p in student.parameters():
+        p.requires_grad_(True)
+    save(student, tok, out / "final")
+    prompt = tok(cfg.sample_prompt, return_tensors="pt").input_ids.to(next(student.parameters()).device)
+    with torch.no_grad():
+        sample = student.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
+    results["sample"] = tok.decode(sample[0, prompt.shape[1]:], skip_special_tokens=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    return results
+
+
+def summary(results: dict, label: str) -> str:
+    lines = [f"[{label}] held-out perplexity ({results['eval_tokens']:,} tokens)"]
+    lines += [f"  {k:<28} {v:10.2f}" for k, v in results["perplexity"].items()]
+    t = results["train"]
+    lines.append(f"  trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f}s "
+                 f"({t['tokens_per_second']:,.0f} tok/s)")
+    lines.append(f"  sample (recurrent decoding): {results['sample']!r}")
+    return "\n".join(lines)

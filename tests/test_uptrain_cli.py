@@ -1,0 +1,30 @@
+"""`linearize supra` and `linearize xatl` end to end on the tiny teacher."""
+
+import json
+
+from linearize.cli import main
+
+
+def _common(ws, out):
+    return ["--teacher", str(ws / "teacher"), "--data", str(ws / "corpus.jsonl"), "--out", str(out), "--budget", "cpu",
+            "--block-len", "32", "--batch-size", "4", "--eval-blocks", "8", "--steps", "12", "--eval-steps", "4",
+            "--lr", "3e-3", "--dtype", "float32", "--device", "cpu"]
+
+
+def test_xatl_with_lit(workspace, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    assert main(["xatl", *_common(workspace, tmp_path / "x"), "--arch", "retnet", "--transfer", "embeddings,ffn",
+                 "--hybrid", "xatl", "--freeze", "lit", "--lit-threshold", "0.5"]) == 0
+    text = capsys.readouterr().out
+    assert "[xatl]" in text and "after training" in text
+    res = json.loads((tmp_path / "x" / "results.json").read_text())
+    assert "embeddings" in res["transfer_report"]
+    config = json.loads((tmp_path / "x" / "final" / "config.json").read_text())
+    assert config["linearize"]["spec"]["kind"] == "retnet" and config["linearize"]["keep_softmax"] == [1, 2]  # layers N//2 and 2 of 3
+
+
+def test_supra_t2r_variant(workspace, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    assert main(["supra", *_common(workspace, tmp_path / "s"), "--variant", "t2r"]) == 0
+    config = json.loads((tmp_path / "s" / "final" / "config.json").read_text())
+    assert config["linearize"]["spec"]["norm"] == "sum" and config["linearize"]["spec"]["decay"] == "none"
