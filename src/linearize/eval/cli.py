@@ -51,7 +51,8 @@ def cmd_eval(args) -> int:
 
 def summary(record: dict) -> str:
     """A few readable lines of a results record."""
-    lines = [f"model: {record['model']['name']} ({record['model']['kind']}, {record['model']['parameters']:,} parameters)"]
+    model = record["model"]
+    lines = [f"model: {model['name']} ({model['kind']}, {model['parameters']:,} parameters)"]
     ppl = record.get("perplexity")
     if ppl:
         lines.append(f"perplexity: {ppl['value']:.3f} ({ppl['source']} validation, {ppl['blocks']} blocks of "

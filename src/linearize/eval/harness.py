@@ -23,9 +23,6 @@ from linearize.errors import LinearizeError
 
 from . import tasks as suite
 
-logger = logging.getLogger(__name__)
-
-
 def is_student(model) -> bool:
     """Whether ``model`` has linearize mixers (whose attention ignores masks)."""
     from linearize.convert import mixers
@@ -42,7 +39,8 @@ class LinearizeLM(HFLM):
 
     ``pretrained`` is a model instance (give ``tokenizer`` too) or a string accepted by
     :func:`linearize.eval.load_model` (a linearize checkpoint folder, a HF id, a folder, a .gguf,
-    ``default``), so ``lm_eval --model linearize --model_args pretrained=runs/x`` works as well.
+    ``default``). Once this module is imported, lm-eval also knows it by name:
+    ``lm_eval.simple_evaluate(model="linearize", model_args="pretrained=runs/x", tasks=[...])``.
     """
 
     def __init__(self, pretrained, tokenizer=None, batch_size: int | str = 8, max_length: int | None = None,
@@ -103,8 +101,9 @@ def run_tasks(model, tokenizer, tasks, limit: int | float | None = None, batch_s
     ``limit`` caps the documents per task (per subject for MMLU; a float < 1 is a fraction), as
     lm-eval's ``--limit``: the first N in order, so runs with the same limit see the same documents.
     ``model`` may also be a ready ``LinearizeLM`` (then ``batch_size``, ``max_length`` and
-    ``progress`` are its own). Each summary holds the headline ``metric`` and its ``value`` and ``stderr``, every metric lm-eval
-    reported, the number of documents scored, the shots, the task version and the data provenance.
+    ``progress`` are its own). Each summary holds the headline ``metric`` with its ``value`` and
+    ``stderr``, every metric lm-eval reported, the number of documents scored, the shots, the task
+    version and the data provenance.
     """
     import lm_eval
     from lm_eval.tasks import TaskManager
@@ -114,18 +113,18 @@ def run_tasks(model, tokenizer, tasks, limit: int | float | None = None, batch_s
         return {}
     if limit is not None and (isinstance(limit, bool) or limit <= 0):
         raise LinearizeError(f"limit must be a positive number of documents per task, got {limit!r}")
-    objects = [suite.build(name) for name in names]
+    objects = {name: suite.build(name) for name in names}
     lm = model if isinstance(model, HFLM) else LinearizeLM(model, tokenizer, batch_size=batch_size,
                                                             max_length=max_length, progress=progress)
     raw = lm_eval.simple_evaluate(
-        model=lm, tasks=objects, task_manager=TaskManager(include_defaults=False), limit=limit,
+        model=lm, tasks=list(objects.values()), task_manager=TaskManager(include_defaults=False), limit=limit,
         bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed, numpy_random_seed=seed,
         torch_random_seed=seed, fewshot_random_seed=seed, verbosity=None)
-    return {name: _summary(name, raw) for name in names}
+    return {name: _summary(name, built, raw) for name, built in objects.items()}
 
 
-def _summary(name: str, raw: dict) -> dict:
-    """One task's entry from lm-eval's results (groups: aggregated over their subtasks)."""
+def _summary(name: str, built, raw: dict) -> dict:
+    """One task's entry from lm-eval's results (a group's are aggregated over its subtasks)."""
     info = suite.SUITE[name]
     scores = raw["results"].get(name) or raw.get("groups", {}).get(name, {})
     metrics = {key.split(",")[0]: value for key, value in scores.items()
@@ -133,7 +132,7 @@ def _summary(name: str, raw: dict) -> dict:
     stderrs = {key.split(",")[0].replace("_stderr", ""): value for key, value in scores.items()
                if "_stderr," in key and isinstance(value, (int, float))}
     samples = raw.get("n-samples", {})
-    subtasks = [k for k in samples if k == name or k.startswith(f"{name}_")]
+    subtasks = [t.task_name for t in built.get_all_tasks()] if hasattr(built, "get_all_tasks") else [name]
     effective = sum(samples[k]["effective"] for k in subtasks)
     original = sum(samples[k]["original"] for k in subtasks)
     return {

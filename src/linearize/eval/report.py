@@ -23,7 +23,8 @@ def collect(paths) -> list[tuple[Path, dict]]:
         else:
             files.append(path)
     if not files:
-        raise LinearizeError("no results files given; pass JSON files written by 'linearize eval --out' or folders of them")
+        raise LinearizeError("no results files given; pass JSON files written by 'linearize eval --out' "
+                             "or folders of them")
     return [(f, load_results(f)) for f in files]
 
 

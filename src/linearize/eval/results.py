@@ -72,8 +72,10 @@ def model_identity(model, source: str | None = None, name: str | None = None) ->
 
 
 def _default_name(source, spec) -> str:
+    """The source's last path part; a student converted in memory from a teacher adds its kind."""
     base = Path(str(source)).name if source else "model"
-    return base if spec is None or spec.kind in base else f"{base} ({spec.kind})"
+    saved_student = source is not None and (Path(str(source)) / "config.json").is_file()
+    return base if spec is None or saved_student or spec.kind in base else f"{base} ({spec.kind})"
 
 
 def environment() -> dict:

