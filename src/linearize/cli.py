@@ -149,12 +149,14 @@ def cmd_lolcats(args) -> int:
     return 0
 
 
-def _training_arguments(p: argparse.ArgumentParser) -> None:
+def _training_arguments(p: argparse.ArgumentParser, budgets=("cpu", "gpu")) -> None:
     """Options every training recipe shares."""
     p.add_argument("--teacher", default="default", help=TEACHER_HELP)
     p.add_argument("--data", default=None, help="training text: a file, folder, .jsonl or hf:NAME (default: Gutenberg)")
-    p.add_argument("--budget", choices=["cpu", "gpu"], default=None,
-                   help="token budget preset: cpu (minutes on 2 cores) or gpu (~20M tokens); default: gpu on CUDA, cpu otherwise")
+    p.add_argument("--budget", choices=budgets, default=None,
+                   help="token budget preset: cpu (minutes on 2 cores), gpu (~20M tokens)"
+                        + (", paper (2 epochs per stage)" if "paper" in budgets else "")
+                        + "; default: gpu on CUDA, cpu otherwise")
     p.add_argument("--block-len", type=int, help="tokens per training block (packed sequences)")
     p.add_argument("--batch-size", type=int, help="blocks per device per step")
     p.add_argument("--grad-accum", type=int, help="gradient accumulation steps")
@@ -164,6 +166,14 @@ def _training_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--patience", type=int, help="early stopping: evaluations without improvement")
     p.add_argument("--seed", type=int, help="seed for data order and initialisation")
     p.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoints in OUT")
+
+
+def _schedule_arguments(p: argparse.ArgumentParser, lr: str, min_lr: str, warmup: str) -> None:
+    """Steps and the warmup + cosine schedule of the uptraining recipes (the paper's value in brackets)."""
+    p.add_argument("--steps", type=int, help="optimizer steps")
+    p.add_argument("--lr", type=float, help=f"peak learning rate ({lr})")
+    p.add_argument("--min-lr", type=float, help=f"cosine floor ({min_lr})")
+    p.add_argument("--warmup-steps", type=int, help=f"linear warmup steps ({warmup})")
 
 
 def _uptrain(args, method: str, spec: dict, **fixed) -> int:
@@ -244,19 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
                                     "stage 2 trains LoRA adapters on next-token loss and merges them. Prints held-out "
                                     "perplexity of the teacher, the converted model and after each stage; writes "
                                     "OUT/final (a standalone checkpoint), OUT/results.json and OUT/metrics.jsonl.")
-    lc.add_argument("--teacher", default="default", help=TEACHER_HELP)
     lc.add_argument("--out", type=Path, default=Path("runs/lolcats"), help="run folder (default: %(default)s)")
-    lc.add_argument("--data", default=None, help="training text: a file, folder, .jsonl or hf:NAME (default: Gutenberg)")
-    lc.add_argument("--budget", choices=["cpu", "gpu", "paper"], default=None,
-                    help="token budget preset: cpu (minutes on 2 cores), gpu (~20M tokens), paper (2 epochs per stage); "
-                         "default: gpu on CUDA, cpu otherwise")
-    lc.add_argument("--block-len", type=int, help="tokens per training block (paper: 1024)")
-    lc.add_argument("--batch-size", type=int, help="blocks per device per step (paper: 8)")
-    lc.add_argument("--grad-accum", type=int, help="gradient accumulation steps")
-    lc.add_argument("--train-blocks", type=int, help="use at most this many training blocks")
-    lc.add_argument("--eval-blocks", type=int, help="validation blocks for early stopping and perplexity")
-    lc.add_argument("--eval-steps", type=int, help="evaluate (and checkpoint) every N steps")
-    lc.add_argument("--patience", type=int, help="early stopping: evaluations without improvement")
+    _training_arguments(lc, budgets=("cpu", "gpu", "paper"))
     lc.add_argument("--stage1-lr", type=float, help="stage 1 learning rate (paper: 1e-2)")
     lc.add_argument("--stage1-steps", type=int, help="stage 1 optimizer steps (overrides epochs)")
     lc.add_argument("--stage1-epochs", type=float, help="stage 1 epochs (paper: 2)")
@@ -268,8 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--stage2-epochs", type=float, help="stage 2 epochs (paper: 2)")
     lc.add_argument("--lora-r", type=int, help="LoRA rank (paper: 8)")
     lc.add_argument("--lora-alpha", type=int, help="LoRA alpha (paper: 16)")
-    lc.add_argument("--seed", type=int, help="seed for data order and initialisation")
-    lc.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoints in OUT")
     lc.add_argument("--rows", help="comma-separated comparison rows at the same budget (LoLCATs Table 5): "
                     "lolcats, swap-finetune, stage1-only, no-window; each writes OUT/<row>")
     _spec_arguments(lc)
@@ -283,10 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--out", type=Path, default=Path("runs/supra"), help="run folder (default: %(default)s)")
     su.add_argument("--variant", choices=["supra", "t2r"], default="supra",
                     help="t2r: the baseline SUPRA improves on (normaliser instead of GroupNorm, no decay)")
-    su.add_argument("--steps", type=int, help="optimizer steps")
-    su.add_argument("--lr", type=float, help="peak learning rate (SUPRA: 3e-4 for ~1B models)")
-    su.add_argument("--min-lr", type=float, help="cosine floor (SUPRA: 1e-5)")
-    su.add_argument("--warmup-steps", type=int, help="linear warmup steps")
+    _schedule_arguments(su, "SUPRA: 3e-4 for ~1B models", "SUPRA: 1e-5", "SUPRA: 1000")
     su.add_argument("--new-weights-first", type=int, help="SUPRA's 2-step variant: train only the new weights "
                     "(kernel, GroupNorm) for this many steps first")
     _training_arguments(su)
@@ -305,10 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     xa.add_argument("--freeze", choices=["frozen", "unfrozen", "lit"], help="transferred weights (default: unfrozen)")
     xa.add_argument("--lit-threshold", type=float, help="LIT: unfreeze when validation improves by less than this (0.01)")
     xa.add_argument("--lit-patience", type=int, help="LIT: evaluations below the threshold before unfreezing (1)")
-    xa.add_argument("--steps", type=int, help="optimizer steps")
-    xa.add_argument("--lr", type=float, help="peak learning rate (XATL: 3e-4)")
-    xa.add_argument("--min-lr", type=float, help="cosine floor (XATL: 3e-5)")
-    xa.add_argument("--warmup-steps", type=int, help="linear warmup steps (XATL: 2000)")
+    _schedule_arguments(xa, "XATL: 3e-4", "XATL: 3e-5", "XATL: 2000")
     xa.add_argument("--weight-decay", type=float, help="AdamW weight decay (XATL: 0.1)")
     _training_arguments(xa)
     xa.set_defaults(func=cmd_xatl, min_lr=None, weight_decay=None)

@@ -15,18 +15,17 @@ Paper defaults: Hedgehog maps, feature dim 64, window 64, lr 1e-2 (stage 1) and 
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from .. import convert, load_teacher, mixers, save
-from ..data import BlockDataset, load_blocks
+from .. import convert, load_teacher, mixers
 from ..errors import LinearizeError
 from ..eval import perplexity
 from ..models import get_adapter
+from .common import datasets, finish
 from .engine import TrainConfig, next_token_loss, train
 
 DEFAULT_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64}
@@ -206,10 +205,8 @@ def run(cfg: LolcatsConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
-    train_blocks = load_blocks(cfg.data, tok, block_len=cfg.block_len, split="train", max_blocks=cfg.train_blocks, seed=cfg.seed)
-    eval_blocks = load_blocks(cfg.data, tok, block_len=cfg.block_len, split="validation", max_blocks=cfg.eval_blocks)
-    train_ds, eval_ds = BlockDataset(train_blocks), BlockDataset(eval_blocks)
-    results: dict = {"config": asdict(cfg), "train_tokens_per_epoch": train_blocks.numel(),
+    train_ds, eval_ds, eval_blocks = datasets(cfg, tok)
+    results: dict = {"config": asdict(cfg), "train_tokens_per_epoch": train_ds.blocks.numel(),
                      "eval_tokens": eval_blocks.numel(), "perplexity": {}}
     ppl = results["perplexity"]
     ppl["teacher"] = perplexity(teacher, eval_blocks)
@@ -223,15 +220,7 @@ def run(cfg: LolcatsConfig) -> dict:
     if "stage2" in cfg.stages:
         student, results["stage2"] = run_stage2(student, train_ds, eval_ds, cfg, out)
         ppl["after_stage2"] = perplexity(student, eval_blocks)
-    for p in student.parameters():
-        p.requires_grad_(True)
-    save(student, tok, out / "final")
-    prompt = tok(cfg.sample_prompt, return_tensors="pt").input_ids.to(next(student.parameters()).device)
-    with torch.no_grad():
-        sample = student.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
-    results["sample"] = tok.decode(sample[0, prompt.shape[1]:], skip_special_tokens=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    return results
+    return finish(student, tok, out, results, cfg.sample_prompt)
 
 
 def ablation_config(cfg: LolcatsConfig, row: str) -> LolcatsConfig:

@@ -13,17 +13,16 @@ XATL (Chen et al., 2024): build an LCI architecture from the teacher's shared we
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from .. import convert, load_teacher, save
-from ..data import BlockDataset, load_blocks
+from .. import convert, load_teacher
 from ..errors import LinearizeError
 from ..eval import perplexity
+from .common import datasets, finish
 from .engine import TrainConfig, next_token_loss, train
 
 
@@ -71,6 +70,8 @@ class UptrainConfig:
 
 
 BUDGETS = {
+    # departures from the papers, named: warmup is 100 steps at the gpu budget (SUPRA's 1000 and
+    # XATL's 2000 are sized for runs of 20B+ tokens, not ~20M)
     "cpu": dict(block_len=256, batch_size=2, train_blocks=256, eval_blocks=4, eval_steps=8, steps=16, warmup_steps=2),
     "gpu": dict(block_len=1024, batch_size=8, train_blocks=None, eval_blocks=64, eval_steps=200, steps=2440,
                 warmup_steps=100),
@@ -106,9 +107,7 @@ def run(cfg: UptrainConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
-    train_blocks = load_blocks(cfg.data, tok, block_len=cfg.block_len, split="train", max_blocks=cfg.train_blocks, seed=cfg.seed)
-    eval_blocks = load_blocks(cfg.data, tok, block_len=cfg.block_len, split="validation", max_blocks=cfg.eval_blocks)
-    train_ds, eval_ds = BlockDataset(train_blocks), BlockDataset(eval_blocks)
+    train_ds, eval_ds, eval_blocks = datasets(cfg, tok)
     results: dict = {"config": asdict(cfg), "eval_tokens": eval_blocks.numel(), "perplexity": {}}
     results["perplexity"]["teacher"] = perplexity(teacher, eval_blocks)
     student, groups, report = _build(teacher, cfg)
@@ -144,15 +143,7 @@ def run(cfg: UptrainConfig) -> dict:
     tokens = steps_done * cfg.batch_size * cfg.grad_accum * cfg.block_len * trainer.args.world_size
     results["train"] = {"steps": steps_done, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds}
     results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
-    for p in student.parameters():
-        p.requires_grad_(True)
-    save(student, tok, out / "final")
-    prompt = tok(cfg.sample_prompt, return_tensors="pt").input_ids.to(next(student.parameters()).device)
-    with torch.no_grad():
-        sample = student.generate(prompt, max_new_tokens=32, do_sample=False, pad_token_id=tok.pad_token_id)
-    results["sample"] = tok.decode(sample[0, prompt.shape[1]:], skip_special_tokens=True)
-    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    return results
+    return finish(student, tok, out, results, cfg.sample_prompt)
 
 
 def summary(results: dict, label: str) -> str:

@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Here: fetch the pure-Python wheels the GPU machine lacks (it reaches no registry) into .whl/,
+# which every GPU call carries and unpacks onto PYTHONPATH. Keep .whl/ out of git
+# (echo /.whl/ >> .git/info/exclude; likewise /.gpu/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl \
+  flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.2 gguf==0.19.0 pytest pluggy iniconfig
+ls .whl

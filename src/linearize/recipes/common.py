@@ -1,0 +1,32 @@
+"""What every recipe does around its training: data in, checkpoint and results out."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from .. import save
+from ..data import BlockDataset, load_blocks
+
+
+def datasets(cfg, tokenizer):
+    """Train and validation blocks from ``cfg.data`` (None: Gutenberg): (train_ds, eval_ds, eval_blocks)."""
+    train_blocks = load_blocks(cfg.data, tokenizer, block_len=cfg.block_len, split="train",
+                               max_blocks=cfg.train_blocks, seed=cfg.seed)
+    eval_blocks = load_blocks(cfg.data, tokenizer, block_len=cfg.block_len, split="validation", max_blocks=cfg.eval_blocks)
+    return BlockDataset(train_blocks), BlockDataset(eval_blocks), eval_blocks
+
+
+def finish(student, tokenizer, out: Path, results: dict, prompt: str) -> dict:
+    """Save ``out/final``, add a greedy sample decoded recurrently, write ``out/results.json``."""
+    for p in student.parameters():
+        p.requires_grad_(True)
+    save(student, tokenizer, out / "final")
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(next(student.parameters()).device)
+    with torch.no_grad():
+        sample = student.generate(ids, max_new_tokens=32, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    results["sample"] = tokenizer.decode(sample[0, ids.shape[1]:], skip_special_tokens=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    return results
