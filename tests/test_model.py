@@ -158,3 +158,19 @@ def test_new_parameters_and_buffers_follow_the_teacher_device(tiny_model, spec):
     student = linearize.convert(teacher, spec)
     devices = {t.device.type for t in [*student.parameters(), *student.buffers()]}
     assert devices == {"meta"}
+
+
+@pytest.mark.parametrize("spec", [{"kind": "lolcats", "window": 4, "feature_dim": 8}, {"kind": "supra"},
+                                  {"kind": "linear", "decay": "retnet"}, {"kind": "lolcats", "keep_softmax": [1]}])
+def test_left_padded_batch_generates_like_single_sequences(tiny_model, spec):
+    student = linearize.convert(tiny_model("llama"), spec)
+    prompts = [_ids(b=1, t=9, seed=1)[0], _ids(b=1, t=4, seed=2)[0]]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(2, width, dtype=torch.long)
+    mask = torch.zeros(2, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    batch = student.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    for i, p in enumerate(prompts):
+        alone = student.generate(p[None], max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(batch[i, width:], alone[0, len(p):]), spec

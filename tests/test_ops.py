@@ -179,3 +179,28 @@ def test_fla_wrapper_layout(monkeypatch, decay, normalize):
                                                   output_final_state=True)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(state, ref_state)
+
+
+@pytest.mark.parametrize("window", [3, 8])
+def test_hybrid_left_padding_is_invisible(window):
+    """Padding tokens in front (key_mask False) change no real token's output, in every form."""
+    xs, gamma = _hybrid_inputs(2, 4, 2, 19)
+    pad = 5
+    kw = dict(window=window, scale=0.5)
+    key_mask = torch.ones(2, 19, dtype=torch.bool)
+    key_mask[1, :pad] = False  # sequence 1 is left-padded
+    ref = ops.hybrid_attention_naive(*xs, gamma, **kw, key_mask=key_mask)
+    chunked, s_chunk = ops.hybrid_attention_chunked(*xs, gamma, **kw, key_mask=key_mask, output_final_state=True)
+    rec, s_rec = ops.hybrid_attention_recurrent(*xs, gamma, **kw, key_mask=key_mask)
+    _close(chunked, ref)
+    _close(rec, ref)
+    for a, b in zip(s_chunk.tensors(), s_rec.tensors()):
+        assert torch.equal(a, b) if a.dtype == torch.bool else torch.allclose(a, b, atol=TOL, rtol=0)
+    alone = ops.hybrid_attention_naive(*(x[1:, :, pad:] for x in xs), gamma, **kw)
+    _close(ref[1:, :, pad:], alone)
+    # decoding on from the padded prompt's state equals decoding on from the unpadded one
+    nxt, _ = _hybrid_inputs(2, 4, 2, 1, seed=3)
+    step_padded, _ = ops.hybrid_attention_step(*(x[1:] for x in nxt), gamma, s_chunk.map(lambda t: t[1:]), **kw)
+    _, s_alone = ops.hybrid_attention_chunked(*(x[1:, :, pad:] for x in xs), gamma, **kw, output_final_state=True)
+    step_alone, _ = ops.hybrid_attention_step(*(x[1:] for x in nxt), gamma, s_alone, **kw)
+    _close(step_padded, step_alone)

@@ -27,7 +27,7 @@ def _tensors(state) -> list[torch.Tensor]:
     if state is None:
         return []
     if isinstance(state, HybridState):
-        return [state.keys, state.key_features, state.values, state.linear]
+        return list(state.tensors())
     return [state]
 
 

@@ -17,8 +17,37 @@ from ..models.base import Adapter, Geometry
 from ..spec import Spec
 
 
+def key_padding_mask(attention_mask, q_len: int) -> torch.Tensor | None:
+    """Which of the current ``q_len`` tokens are real (not padding): ``[B, q_len]`` bool, or None.
+
+    Read from the mask transformers hands an attention layer: a key is real when some query may
+    attend to it (4-D boolean or additive masks; 2-D padding masks as flash-attention gets them).
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        valid = attention_mask.bool()
+    elif attention_mask.dim() == 4:
+        m = attention_mask[:, 0]
+        allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+        valid = allowed.any(dim=-2)
+    else:
+        return None
+    valid = valid[:, -q_len:]
+    return None if bool(valid.all()) else valid
+
+
+def drop_padding(key_mask, *tensors):
+    """Zero ``[B, H, T, *]`` tensors at padded tokens, so padding adds nothing to a linear state."""
+    if key_mask is None:
+        return tensors
+    keep = key_mask[:, None, :, None]
+    return tuple(torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device)) for t in tensors)
+
+
 class Mixer(nn.Module):
     kind: str = ""
+    key_mask: torch.Tensor | None = None  # the current call's real tokens (left padding), set in forward
 
     def __init__(self, attn: nn.Module, adapter: Adapter, geometry: Geometry, spec: Spec,
                  layer_idx: int, n_layers: int):
@@ -54,6 +83,7 @@ class Mixer(nn.Module):
         slot = recurrent_slot(cache, self.layer_idx) if cache is not None else None
         state = slot.state if slot is not None else None
         q, k, v = self.adapter.qkv(self, hidden_states)
+        self.key_mask = key_padding_mask(attention_mask, q.shape[2])
         if state is not None and q.shape[2] == 1:
             o, state = self.step(q, k, v, position_embeddings, state)
         else:

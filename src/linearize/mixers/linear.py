@@ -9,7 +9,7 @@ repeated for grouped-query teachers, so the state is per key head).
 from __future__ import annotations
 
 from .. import ops
-from .base import Mixer
+from .base import Mixer, drop_padding
 from .decay import log_decay
 from .feature_maps import build_feature_map
 
@@ -31,6 +31,7 @@ class LinearAttention(Mixer):
 
     def sequence(self, q, k, v, position_embeddings, state, want_state):
         qf, kf = self.features(q, k, position_embeddings)
+        kf, v = drop_padding(self.key_mask, kf, v)
         return ops.linear_attention(
             qf, kf, v, log_decay=self.log_decay, normalize=True, eps=self.spec.eps,
             initial_state=state, output_final_state=want_state, chunk_size=self.spec.chunk_size,

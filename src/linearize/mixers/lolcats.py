@@ -40,13 +40,15 @@ class LolcatsAttention(LinearAttention):
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
         if state is None:
             return ops.hybrid_attention_chunked(q, k, qf, kf, v, self.window_weight(), **self._kw(),
-                                                output_final_state=want_state)
+                                                output_final_state=want_state, key_mask=self.key_mask)
         # continuing a sequence with several tokens at once: token by token from the state
-        return ops.hybrid_attention_recurrent(q, k, qf, kf, v, self.window_weight(), **self._kw(), initial_state=state)
+        return ops.hybrid_attention_recurrent(q, k, qf, kf, v, self.window_weight(), **self._kw(), initial_state=state,
+                                              key_mask=self.key_mask)
 
     def step(self, q, k, v, position_embeddings, state):
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
-        return ops.hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw())
+        return ops.hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
+                                         key_mask=self.key_mask)
 
     def state_bytes(self, dtype):
         g = self.geometry

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from .. import ops
-from .base import Mixer
+from .base import Mixer, drop_padding
 from .decay import log_decay
 from .feature_maps import T2R
 
@@ -45,6 +45,7 @@ class SupraAttention(Mixer):
 
     def sequence(self, q, k, v, position_embeddings, state, want_state):
         qf, kf = self.features(q, k, position_embeddings)
+        kf, v = drop_padding(self.key_mask, kf, v)
         o, state = ops.linear_attention(
             qf, kf, v, log_decay=self.log_decay, normalize=self.normalize, eps=self.spec.eps,
             initial_state=state, output_final_state=want_state, chunk_size=self.spec.chunk_size,

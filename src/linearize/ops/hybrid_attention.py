@@ -33,14 +33,18 @@ class HybridState:
     key_features: torch.Tensor  # [B, Hk, <=w, F]
     values: torch.Tensor  # [B, Hk, <=w, D]
     linear: torch.Tensor  # [B, Hk, 1, F, D + 1] fp32: sum over tokens older than the window
+    valid: torch.Tensor  # [B, <=w] bool: False for padding tokens still in the window
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.keys, self.key_features, self.values, self.linear, self.valid)
 
     def map(self, fn) -> "HybridState":
         """Apply ``fn`` to every tensor (e.g. to select or repeat sequences of the batch)."""
-        return HybridState(*(fn(x) for x in (self.keys, self.key_features, self.values, self.linear)))
+        return HybridState(*(fn(x) for x in self.tensors()))
 
     @property
     def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in (self.keys, self.key_features, self.values, self.linear))
+        return sum(x.numel() * x.element_size() for x in self.tensors())
 
 
 def _scores(q, k, scale, softcap):
@@ -50,10 +54,24 @@ def _scores(q, k, scale, softcap):
     return s
 
 
-def hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None):
-    """The quadratic reference. Returns ``[B, H, T, D]``."""
+def _real_keys(key_mask, *tensors):
+    """Zero the features and values of padding tokens (``key_mask`` [B, T], True = real)."""
+    if key_mask is None:
+        return tensors
+    keep = key_mask[:, None, :, None]
+    return tuple(torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device)) for t in tensors)
+
+
+def hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
+                           key_mask: torch.Tensor | None = None):
+    """The quadratic reference. Returns ``[B, H, T, D]``.
+
+    ``key_mask`` ``[B, T]`` (True = real token) leaves padding out of every query's sums; a padding
+    query's own output is zero.
+    """
     acc = accum_dtype(q.dtype)
     n_kv, t = k.shape[1], q.shape[2]
+    kf, v = _real_keys(key_mask, kf, v)
     qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
     kk, kff, vv = (x.to(acc).unsqueeze(2) for x in (k, kf, v))
     g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
@@ -61,19 +79,21 @@ def hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, scale: float,
     dist = pos[:, None] - pos[None, :]
     in_window = (dist >= 0) & (dist < window)
     older = dist >= window
+    if key_mask is not None:
+        in_window = in_window & key_mask[:, None, None, None, :]
     scores = _scores(qg, kk, scale, softcap)
     neg = torch.finfo(acc).min
     c = scores.masked_fill(~in_window, neg).amax(dim=-1, keepdim=True)
     a = g * torch.exp(scores.masked_fill(~in_window, neg) - c) * in_window
     a = a + (qfg @ kff.transpose(-1, -2)) * older
-    y = (a @ vv) / a.sum(dim=-1, keepdim=True)
+    y = (a @ vv) / a.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
     b, hk, grp, _, d = y.shape
     return y.reshape(b, hk * grp, t, d).to(q.dtype)
 
 
 def hybrid_attention_chunked(
     q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
-    output_final_state: bool = False,
+    output_final_state: bool = False, key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridState | None]:
     """Linear-time form with chunks of ``window`` tokens.
 
@@ -83,6 +103,7 @@ def hybrid_attention_chunked(
     acc = accum_dtype(q.dtype)
     b, n_kv, t, d = k.shape
     w = window
+    kf, v = _real_keys(key_mask, kf, v)
     n = -(-t // w)
     pad = n * w - t
     pad_t = lambda x, front: torch.nn.functional.pad(x, (0, 0, front, pad))  # noqa: E731
@@ -99,6 +120,9 @@ def hybrid_attention_chunked(
     # Query i of chunk c is t = c*w + i; key j of the pair is s = (c-1)*w + j; t - s = w + i - j.
     in_window = (j > i) & (j <= i + w) & ((chunk > 0) | (j >= w))  # [N, w, 2w]
     older = j <= i  # t - s >= w; in chunk 0 these keys are zero padding
+    if key_mask is not None:  # real keys of each pair of chunks: [B, 1, 1, N, 1, 2w]
+        real = torch.nn.functional.pad(key_mask, (w, pad)).unfold(1, 2 * w, w)
+        in_window = in_window & real[:, None, None, :, None, :]
 
     scores = _scores(qg, k2, scale, softcap)  # [B, Hk, G, N, w, 2w]
     neg = torch.finfo(acc).min
@@ -116,54 +140,64 @@ def hybrid_attention_chunked(
     older_state = torch.cat([torch.zeros_like(before[:, :, :, :1]), before[:, :, :, :-1]], dim=3)
     out = out + qfg @ older_state
 
-    y = (out[..., :-1] / out[..., -1:]).flatten(3, 4)[..., :t, :]
+    y = (out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)).flatten(3, 4)[..., :t, :]
     y = y.reshape(b, -1, t, d).to(q.dtype)
-    state = hybrid_final_state(k, kf, v, window) if output_final_state else None
+    state = hybrid_final_state(k, kf, v, window, key_mask) if output_final_state else None
     return y, state
 
 
-def hybrid_final_state(k, kf, v, window: int) -> HybridState:
+def hybrid_final_state(k, kf, v, window: int, key_mask=None) -> HybridState:
     """The decoding state after a prompt: its last ``window`` tokens raw, the rest summed."""
     acc = accum_dtype(k.dtype)
-    t = k.shape[2]
+    b, _, t, _ = k.shape
+    kf, v = _real_keys(key_mask, kf, v)
     cut = max(t - window, 0)
     old_f, old_v = kf[:, :, :cut].to(acc), _augment(v[:, :, :cut].to(acc), True)
     linear = (old_f.transpose(-1, -2) @ old_v).unsqueeze(2)
-    return HybridState(k[:, :, cut:], kf[:, :, cut:], v[:, :, cut:], linear)
+    valid = key_mask[:, cut:] if key_mask is not None else torch.ones(b, t - cut, dtype=torch.bool, device=k.device)
+    return HybridState(k[:, :, cut:], kf[:, :, cut:], v[:, :, cut:], linear, valid)
 
 
 def empty_hybrid_state(batch, n_kv, head_dim, feature_dim, *, device=None, dtype=torch.float32) -> HybridState:
     z = lambda last: torch.zeros(batch, n_kv, 0, last, device=device, dtype=dtype)  # noqa: E731
     linear = torch.zeros(batch, n_kv, 1, feature_dim, head_dim + 1, device=device, dtype=accum_dtype(dtype))
-    return HybridState(z(head_dim), z(feature_dim), z(head_dim), linear)
+    return HybridState(z(head_dim), z(feature_dim), z(head_dim), linear,
+                       torch.zeros(batch, 0, dtype=torch.bool, device=device))
 
 
 def hybrid_attention_step(
     q, k, qf, kf, v, gamma, state: HybridState, *, window: int, scale: float, softcap: float | None = None,
+    key_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridState]:
-    """One token (``T = 1`` in every input). Returns ``(y [B, H, 1, D], new_state)``."""
+    """One token (``T = 1`` in every input; ``key_mask`` [B, 1]). Returns ``(y [B, H, 1, D], new_state)``."""
     acc = state.linear.dtype
     n_kv = k.shape[1]
+    b = k.shape[0]
+    real = key_mask if key_mask is not None else torch.ones(b, 1, dtype=torch.bool, device=k.device)
+    kf, v = _real_keys(real, kf, v)
     keys = torch.cat([state.keys, k.to(state.keys.dtype)], dim=2)
     feats = torch.cat([state.key_features, kf.to(state.key_features.dtype)], dim=2)
     values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
+    valid = torch.cat([state.valid, real], dim=1)
     linear = state.linear
     if keys.shape[2] > window:  # the oldest token leaves the window and joins the linear state
         old_f, old_v = feats[:, :, :1].to(acc), _augment(values[:, :, :1].to(acc), True)
         linear = linear + (old_f.transpose(-1, -2) @ old_v).unsqueeze(2)
-        keys, feats, values = keys[:, :, 1:], feats[:, :, 1:], values[:, :, 1:]
+        keys, feats, values, valid = keys[:, :, 1:], feats[:, :, 1:], values[:, :, 1:], valid[:, 1:]
     qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
     g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
-    scores = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap)
+    mask = valid[:, None, None, None, :]
+    scores = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap).masked_fill(~mask, torch.finfo(acc).min)
     c = scores.amax(dim=-1, keepdim=True)
-    a = g * torch.exp(scores - c)
+    a = g * torch.exp(scores - c) * mask
     out = a @ _augment(values.to(acc), True).unsqueeze(2) + qfg @ linear
-    y = out[..., :-1] / out[..., -1:]
+    y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
     b, hk, grp, _, d = y.shape
-    return y.reshape(b, hk * grp, 1, d).to(q.dtype), HybridState(keys, feats, values, linear)
+    return y.reshape(b, hk * grp, 1, d).to(q.dtype), HybridState(keys, feats, values, linear, valid)
 
 
-def hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, scale, softcap=None, initial_state=None):
+def hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, scale, softcap=None, initial_state=None,
+                               key_mask=None):
     """Token by token through ``hybrid_attention_step`` (reference for the decoding form)."""
     b, h, t, d = q.shape
     state = initial_state or empty_hybrid_state(b, k.shape[1], d, kf.shape[-1], device=q.device, dtype=k.dtype)
@@ -172,7 +206,7 @@ def hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, scale, softcap
         sl = slice(i, i + 1)
         o, state = hybrid_attention_step(
             q[:, :, sl], k[:, :, sl], qf[:, :, sl], kf[:, :, sl], v[:, :, sl], gamma, state,
-            window=window, scale=scale, softcap=softcap,
+            window=window, scale=scale, softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl],
         )
         outs.append(o)
     return torch.cat(outs, dim=2), state
