@@ -232,9 +232,9 @@ def ablation_config(cfg: LolcatsConfig, row: str) -> LolcatsConfig:
 
 
 BUDGETS = {
-    # minutes on 2 CPU cores: a demonstration that every stage works, not a converged model
-    "cpu": dict(block_len=256, batch_size=2, train_blocks=256, eval_blocks=4, eval_steps=8, patience=None,
-                stage1_steps=16, stage2_steps=8),
+    # ~10 minutes on 2 CPU cores (make demo): every stage at work, not a converged model
+    "cpu": dict(block_len=256, batch_size=2, train_blocks=256, eval_blocks=4, eval_steps=20, patience=None,
+                stage1_steps=80, stage2_steps=40),
     # one GPU, ~20M tokens per stage at 1024-token packs (batch 8 x 1024 x 2440 steps)
     "gpu": dict(block_len=1024, batch_size=8, train_blocks=None, eval_blocks=64, eval_steps=200, patience=3,
                 stage1_steps=2440, stage2_steps=2440),
