@@ -232,7 +232,7 @@ def ablation_config(cfg: LolcatsConfig, row: str) -> LolcatsConfig:
 
 
 BUDGETS = {
-    # ~10 minutes on 2 CPU cores (make demo): every stage at work, not a converged model
+    # ~5 minutes of training on 2 CPU cores (make demo): every stage at work, not a converged model
     "cpu": dict(block_len=256, batch_size=2, train_blocks=256, eval_blocks=4, eval_steps=20, patience=None,
                 stage1_steps=80, stage2_steps=40),
     # one GPU, ~20M tokens per stage at 1024-token packs (batch 8 x 1024 x 2440 steps)
