@@ -6,14 +6,14 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 job=${1:?job}; shift
-if [ "$job" = stage ]; then mkdir -p /tmp/stage && cp .gpu/a/teacher.gguf.part1 /tmp/stage/ && ls -la /tmp/stage; exit; fi
+if [ "$job" = stage ]; then mkdir -p /tmp/stage && cp -r .gpu/a/teacher.gguf.part1 .gpu/a/gutenberg /tmp/stage/ && ls -la /tmp/stage; exit; fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=/tmp/site:$PWD/src HF_HUB_OFFLINE=1 LINEARIZE_HOME=/tmp/linhome
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
 if [ ! -f /tmp/stage/teacher.gguf ]; then
   cat /tmp/stage/teacher.gguf.part1 .gpu/b/teacher.gguf.part2 > /tmp/stage/teacher.gguf
   [ "$(sha256sum /tmp/stage/teacher.gguf | cut -d' ' -f1)" = "$(cat .gpu/b/teacher.gguf.sha256)" ] || { echo "teacher sha256 mismatch"; exit 1; }
 fi
-mkdir -p $LINEARIZE_HOME && cp -rn .gpu/b/gutenberg $LINEARIZE_HOME/ 2>/dev/null
+mkdir -p $LINEARIZE_HOME && cp -rn /tmp/stage/gutenberg $LINEARIZE_HOME/ 2>/dev/null
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 case "$job" in
   foundation) exec bash scripts/gpu_foundation.sh "$@" ;;
