@@ -101,3 +101,24 @@ def test_two_processes_equal_one(workspace, tmp_path):
         assert la == pytest.approx(lb, rel=2e-2)
     assert json.loads((tmp_path / "two" / "stage2" / "train_config.json").read_text())["world_size"] == 2
     linearize.load(tmp_path / "two" / "final", device="cpu")  # rank 0 wrote a loadable checkpoint
+
+
+@pytest.mark.parametrize("kind", ["lolcats", "linear"])
+def test_attention_weight_cross_entropy(tiny_model, kind):
+    """The optional Hedgehog loss: the mixers' weights are distributions, and a full window is the teacher's."""
+    from linearize.recipes.lolcats import _set_modes, attention_transfer_loss
+
+    student = linearize.convert(tiny_model("llama", dtype=torch.float64), {"kind": kind, "window": 64, "feature_dim": 8})
+    ids = torch.randint(0, 97, (2, 21))
+    _set_modes(student, {0, 1, 2})
+    for m in linearize.mixers(student).values():
+        m.with_xent = True
+    loss = attention_transfer_loss([0, 1, 2], mse_factor=0.0, xent_factor=1.0)(student, {"input_ids": ids})
+    loss.backward()
+    xents = [m.transfer_xent.item() for m in linearize.mixers(student).values()]
+    if kind == "lolcats":  # window >= T: the hybrid's weights are the teacher's, so xent = teacher entropy
+        assert all(m.transfer_loss.item() < 1e-20 for m in linearize.mixers(student).values())
+    assert all(x > 0 for x in xents)
+    if kind == "linear":  # the loss reaches the feature maps
+        grad = linearize.mixers(student)[0].feature_map_q.weight.grad
+        assert grad is not None and grad.abs().sum() > 0

@@ -262,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--layers-per-block", type=int, help="stage 1 in blocks of k layers (1: layer by layer; "
                     "default: all layers jointly); bounds memory by k layers")
     lc.add_argument("--mse-factor", type=float, help="stage 1 loss scale (LoLCATs: 1000)")
+    lc.add_argument("--xent-factor", type=float, help="stage 1: add Hedgehog's cross-entropy on attention weights "
+                    "with this weight (LoLCATs: 0; quadratic memory in the block length)")
     lc.add_argument("--stage2-lr", type=float, help="stage 2 (LoRA) learning rate (paper: 1e-4)")
     lc.add_argument("--stage2-steps", type=int, help="stage 2 optimizer steps (overrides epochs)")
     lc.add_argument("--stage2-epochs", type=float, help="stage 2 epochs (paper: 2)")

@@ -8,6 +8,8 @@ repeated for grouped-query teachers, so the state is per key head).
 
 from __future__ import annotations
 
+import torch
+
 from .. import ops
 from .base import Mixer, drop_padding
 from .decay import log_decay
@@ -37,6 +39,13 @@ class LinearAttention(Mixer):
             initial_state=state, output_final_state=want_state, chunk_size=self.spec.chunk_size,
             backend=self.spec.backend,
         )
+
+    def attention_weights(self, q, k, position_embeddings):
+        if self.log_decay is not None:
+            return super().attention_weights(q, k, position_embeddings)
+        qf, kf = self.features(q, k, position_embeddings)
+        ones = torch.ones(self.geometry.n_heads, device=q.device)
+        return ops.hybrid_attention_weights(q, k, qf, kf, ones, window=0, scale=1.0)  # window 0: all linear
 
     def step(self, q, k, v, position_embeddings, state):
         qf, kf = self.features(q, k, position_embeddings)

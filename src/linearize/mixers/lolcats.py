@@ -45,6 +45,10 @@ class LolcatsAttention(LinearAttention):
         return ops.hybrid_attention_recurrent(q, k, qf, kf, v, self.window_weight(), **self._kw(), initial_state=state,
                                               key_mask=self.key_mask)
 
+    def attention_weights(self, q, k, position_embeddings):
+        q, k, qf, kf = self._inputs(q, k, position_embeddings)
+        return ops.hybrid_attention_weights(q, k, qf, kf, self.window_weight(), **self._kw())
+
     def step(self, q, k, v, position_embeddings, state):
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
         return ops.hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),

@@ -12,9 +12,10 @@ from .hybrid_attention import (
     hybrid_attention_naive,
     hybrid_attention_recurrent,
     hybrid_attention_step,
+    hybrid_attention_weights,
     hybrid_final_state,
 )
-from .softmax_attention import softmax_attention
+from .softmax_attention import softmax_attention, softmax_attention_weights
 from .linear_attention import (
     accum_dtype,
     empty_state,
@@ -41,5 +42,6 @@ __all__ = [
     "hybrid_attention_chunked", "hybrid_attention_naive", "hybrid_attention_recurrent",
     "hybrid_attention_step", "hybrid_final_state", "linear_attention", "linear_attention_chunked",
     "linear_attention_fla", "linear_attention_naive", "linear_attention_recurrent",
-    "linear_attention_step", "softmax_attention", "use_fla",
+    "linear_attention_step", "softmax_attention", "softmax_attention_weights", "hybrid_attention_weights",
+    "use_fla",
 ]

@@ -62,18 +62,18 @@ def _real_keys(key_mask, *tensors):
     return tuple(torch.where(keep, t, torch.zeros((), dtype=t.dtype, device=t.device)) for t in tensors)
 
 
-def hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
-                           key_mask: torch.Tensor | None = None):
-    """The quadratic reference. Returns ``[B, H, T, D]``.
+def hybrid_attention_weights(q, k, qf, kf, gamma, *, window: int, scale: float, softcap: float | None = None,
+                             key_mask: torch.Tensor | None = None):
+    """The hybrid's attention weights ``[B, H, T, T]`` (rows sum to one; zero for a padding query).
 
-    ``key_mask`` ``[B, T]`` (True = real token) leaves padding out of every query's sums; a padding
-    query's own output is zero.
+    Quadratic: for the reference form and for LoLCATs' optional cross-entropy on attention weights.
     """
     acc = accum_dtype(q.dtype)
     n_kv, t = k.shape[1], q.shape[2]
-    kf, v = _real_keys(key_mask, kf, v)
+    if key_mask is not None:
+        (kf,) = _real_keys(key_mask, kf)
     qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
-    kk, kff, vv = (x.to(acc).unsqueeze(2) for x in (k, kf, v))
+    kk, kff = (x.to(acc).unsqueeze(2) for x in (k, kf))
     g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
     pos = torch.arange(t, device=q.device)
     dist = pos[:, None] - pos[None, :]
@@ -86,9 +86,25 @@ def hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, scale: float,
     c = scores.masked_fill(~in_window, neg).amax(dim=-1, keepdim=True)
     a = g * torch.exp(scores.masked_fill(~in_window, neg) - c) * in_window
     a = a + (qfg @ kff.transpose(-1, -2)) * older
-    y = (a @ vv) / a.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
-    b, hk, grp, _, d = y.shape
-    return y.reshape(b, hk * grp, t, d).to(q.dtype)
+    a = a / a.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+    b, hk, grp = a.shape[:3]
+    return a.reshape(b, hk * grp, t, t)
+
+
+def hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
+                           key_mask: torch.Tensor | None = None):
+    """The quadratic reference. Returns ``[B, H, T, D]``.
+
+    ``key_mask`` ``[B, T]`` (True = real token) leaves padding out of every query's sums; a padding
+    query's own output is zero.
+    """
+    weights = hybrid_attention_weights(q, k, qf, kf, gamma, window=window, scale=scale, softcap=softcap,
+                                       key_mask=key_mask)
+    (v,) = _real_keys(key_mask, v)
+    n_kv = k.shape[1]
+    b, h, t, _ = weights.shape
+    y = weights.view(b, n_kv, h // n_kv, t, t) @ v.to(weights.dtype).unsqueeze(2)
+    return y.reshape(b, h, t, -1).to(q.dtype)
 
 
 def hybrid_attention_chunked(

@@ -25,3 +25,17 @@ def softmax_attention(q, k, v, *, scale: float, softcap: float | None = None, wi
     allowed = dist >= 0 if window is None else (dist >= 0) & (dist < window)
     scores = scores.masked_fill(~allowed, float("-inf"))
     return (torch.softmax(scores, dim=-1).to(v.dtype) @ v)
+
+
+def softmax_attention_weights(q, k, *, scale: float, softcap: float | None = None, window: int | None = None):
+    """The teacher's attention weights ``[B, H, T, T]`` (for LoLCATs' optional cross-entropy)."""
+    t = q.shape[2]
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, 1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    pos = torch.arange(t, device=q.device)
+    dist = pos[:, None] - pos[None, :]
+    allowed = dist >= 0 if window is None else (dist >= 0) & (dist < window)
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)

@@ -60,6 +60,7 @@ class LolcatsConfig:
     stage1_epochs: float = 2.0
     stage1_steps: int = -1
     mse_factor: float = 1000.0
+    xent_factor: float = 0.0  # > 0 adds Hedgehog's cross-entropy on attention weights (quadratic in T)
     layers_per_block: int | None = None  # None: all layers jointly
     # stage 2
     stage2_lr: float = 1e-4
@@ -94,11 +95,13 @@ def _set_modes(student, training: set[int] | None) -> None:
     ``None`` puts every layer back to its student (linear-cost) form."""
     for i, m in mixers(student).items():
         m.mode = "student" if training is None else ("transfer" if i in training else "teacher")
-        m.transfer_loss = None
+        m.transfer_loss = m.transfer_xent = None
+        m.with_xent = False
 
 
-def attention_transfer_loss(layers: list[int], mse_factor: float):
-    """Mean over ``layers`` of each mixer's output MSE to the teacher, times ``mse_factor``."""
+def attention_transfer_loss(layers: list[int], mse_factor: float, xent_factor: float = 0.0):
+    """``mse_factor`` x the mean over ``layers`` of each mixer's output MSE to the teacher, plus
+    ``xent_factor`` x the mean cross-entropy of their attention weights (LoLCATs' stage-1 loss)."""
     def loss_fn(model, batch):
         inner = getattr(model, "module", model)  # under DDP the Trainer passes the wrapper
         try:
@@ -106,8 +109,10 @@ def attention_transfer_loss(layers: list[int], mse_factor: float):
         except _StopForward:
             pass
         ms = mixers(inner)
-        losses = [ms[i].transfer_loss for i in layers]
-        return mse_factor * torch.stack(losses).mean()
+        loss = mse_factor * torch.stack([ms[i].transfer_loss for i in layers]).mean()
+        if xent_factor:
+            loss = loss + xent_factor * torch.stack([ms[i].transfer_xent for i in layers]).mean()
+        return loss
     return loss_fn
 
 
@@ -160,10 +165,12 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
         if (stage_dir / "done").exists():
             continue  # resumed run: this block finished before
         _set_modes(student, set(group))
+        for i in group:
+            mixers(student)[i].with_xent = cfg.xent_factor > 0
         _freeze_all_but(student, set(group))
         hook = _stop_after(student, group[-1])
         try:
-            trainer = train(student, train_ds, eval_ds, attention_transfer_loss(group, cfg.mse_factor),
+            trainer = train(student, train_ds, eval_ds, attention_transfer_loss(group, cfg.mse_factor, cfg.xent_factor),
                             cfg.stage_config("stage1", stage_dir), stage=f"stage1[{b}]",
                             resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
         finally:
