@@ -174,3 +174,15 @@ def test_left_padded_batch_generates_like_single_sequences(tiny_model, spec):
     for i, p in enumerate(prompts):
         alone = student.generate(p[None], max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(batch[i, width:], alone[0, len(p):]), spec
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text", "gpt_neox"])
+def test_teacher_mode_reproduces_the_teacher(tiny_model, family):
+    """Attention transfer's target: a mixer in teacher mode computes the softmax attention it replaced."""
+    teacher = tiny_model(family, dtype=torch.float64)
+    student = linearize.convert(teacher, "lolcats", window=4)
+    for m in linearize.mixers(student).values():
+        m.mode = "teacher"
+    ids = _ids()
+    tol = 1e-6 if family.startswith("gemma") else 1e-10
+    torch.testing.assert_close(student(ids).logits, teacher(ids).logits, atol=tol, rtol=0)
