@@ -122,3 +122,11 @@ def test_attention_weight_cross_entropy(tiny_model, kind):
     if kind == "linear":  # the loss reaches the feature maps
         grad = linearize.mixers(student)[0].feature_map_q.weight.grad
         assert grad is not None and grad.abs().sum() > 0
+
+
+def test_layer_mse_plot_is_written(workspace, monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    lolcats.run(_config(workspace, tmp_path / "run", stages=("stage1",), stage1_steps=4))
+    png = tmp_path / "run" / "layer_mse.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -15,6 +15,7 @@ Paper defaults: Hedgehog maps, feature dim 64, window 64, lr 1e-2 (stage 1) and 
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -224,10 +225,24 @@ def run(cfg: LolcatsConfig) -> dict:
         results["stage1"] = run_stage1(student, train_ds, eval_ds, cfg, out)
         results["layer_mse_after"] = layer_mse(student, eval_blocks)
         ppl["after_stage1"] = perplexity(student, eval_blocks)
+        _plot_layer_mse(results, out)
     if "stage2" in cfg.stages:
         student, results["stage2"] = run_stage2(student, train_ds, eval_ds, cfg, out)
         ppl["after_stage2"] = perplexity(student, eval_blocks)
     return finish(student, tok, out, results, cfg.sample_prompt)
+
+
+def _plot_layer_mse(results: dict, out: Path) -> None:
+    """out/layer_mse.png when matplotlib is installed (the figures are in results.json regardless)."""
+    try:
+        from ..eval.plots import layer_mse_plot
+    except ImportError:
+        return
+    (out / "layer_mse.json").write_text(json.dumps({k: results[k] for k in ("layer_mse_before", "layer_mse_after")}))
+    try:
+        layer_mse_plot(out / "layer_mse.json", out / "layer_mse.png")
+    except LinearizeError:
+        pass  # no matplotlib
 
 
 def ablation_config(cfg: LolcatsConfig, row: str) -> LolcatsConfig:

@@ -1,0 +1,66 @@
+"""Pictures of a run: per-layer attention MSE (LoLCATs stage 1) and loss curves against tokens.
+
+Both read the files a recipe writes (``results.json``, ``metrics.jsonl``), so a run made on a GPU
+can be drawn anywhere. Needs matplotlib (the ``eval`` extra).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..errors import LinearizeError
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise LinearizeError("plots need matplotlib: pip install 'linearize[eval]'") from None
+    return plt
+
+
+def layer_mse_plot(results_json: str | Path, out_png: str | Path) -> Path:
+    """Bar chart of each layer's attention-output MSE to the teacher, before and after stage 1."""
+    res = json.loads(Path(results_json).read_text())
+    if "layer_mse_before" not in res:
+        raise LinearizeError(f"{results_json} has no per-layer MSE (was stage 1 run?)")
+    before = {int(k): v for k, v in res["layer_mse_before"].items()}
+    after = {int(k): v for k, v in res["layer_mse_after"].items()}
+    layers = sorted(before)
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(max(6, len(layers) * 0.3), 3.5))
+    width = 0.4
+    ax.bar([i - width / 2 for i in layers], [before[i] for i in layers], width, label="converted (before stage 1)")
+    ax.bar([i + width / 2 for i in layers], [after[i] for i in layers], width, label="after stage 1")
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("attention output MSE to the teacher")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return Path(out_png)
+
+
+def eval_curves(metrics: dict[str, str | Path], out_png: str | Path, tokens_per_step: dict[str, int] | int) -> Path:
+    """Validation loss against training tokens for several runs (``label -> metrics.jsonl``)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, path in metrics.items():
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+        points = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+        if not points:
+            raise LinearizeError(f"{path} holds no eval_loss (were evaluations enabled?)")
+        scale = tokens_per_step[label] if isinstance(tokens_per_step, dict) else tokens_per_step
+        ax.plot([s * scale for s, _ in points], [v for _, v in points], marker="o", label=label)
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("validation loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return Path(out_png)
