@@ -1,7 +1,8 @@
 """One training engine for every recipe: the Hugging Face Trainer, driven by a method's loss.
 
 A recipe supplies the model (with ``requires_grad`` set on what it trains), datasets of packed
-blocks, a ``loss_fn(model, batch) -> scalar`` and callbacks. The Trainer brings precision (bf16 on
+blocks, a ``loss_fn(model, batch) -> scalar`` and callbacks. A NaN/inf loss stops the run with one
+line before the step's update, so the last checkpoint stays good. The Trainer brings precision (bf16 on
 CUDA, fp32 on CPU), gradient accumulation, checkpoints and resume, a progress bar, logging,
 seeds, early stopping and multi-GPU through ``accelerate launch`` / ``torchrun``.
 """
@@ -60,16 +61,6 @@ class JsonlLogger(TrainerCallback):
                 fh.write(json.dumps({"stage": self.stage, "step": state.global_step, **logs}) + "\n")
 
 
-class NonFiniteLossGuard(TrainerCallback):
-    """Stops the run at the first NaN/inf loss; the last saved checkpoint stays loadable."""
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        loss = (logs or {}).get("loss")
-        if loss is not None and not math.isfinite(loss):
-            control.should_training_stop = True
-            state.stopped_for_nonfinite_loss = True
-
-
 class RecipeTrainer(Trainer):
     """A Trainer whose loss comes from the recipe."""
 
@@ -80,6 +71,10 @@ class RecipeTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         loss = self.loss_fn(model, inputs)
+        if model.training and not bool(torch.isfinite(loss.detach())):
+            # stop before this step's update and before any save: the last checkpoint stays good
+            raise LinearizeError(f"the loss became NaN/inf at step {self.state.global_step + 1}; the last checkpoint "
+                                 f"in {self.args.output_dir} is kept (lower the learning rate?)")
         return (loss, None) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -116,6 +111,7 @@ def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
         metric_for_best_model="eval_loss" if early else None,
         greater_is_better=False if early else None,
         logging_steps=cfg.logging_steps,
+        logging_nan_inf_filter=False,  # log a NaN as NaN, not as an average of earlier losses
         seed=cfg.seed,
         data_seed=cfg.seed,
         bf16=bf16,
@@ -146,7 +142,7 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
         raise LinearizeError(f"{stage}: the training data is empty")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    all_callbacks = [JsonlLogger(Path(metrics_path or out / "metrics.jsonl"), stage), NonFiniteLossGuard(), *callbacks]
+    all_callbacks = [JsonlLogger(Path(metrics_path or out / "metrics.jsonl"), stage), *callbacks]
     if cfg.early_stopping_patience is not None and eval_dataset is not None:
         all_callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
     trainer = RecipeTrainer(
@@ -159,10 +155,7 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
     )
     if resume is True and not any(out.glob("checkpoint-*")):
         resume = None
-    trainer.train(resume_from_checkpoint=resume)
-    if getattr(trainer.state, "stopped_for_nonfinite_loss", False):
-        raise LinearizeError(f"{stage}: the loss became NaN/inf at step {trainer.state.global_step}; "
-                             f"the last checkpoint in {out} is kept (lower the learning rate?)")
+    trainer.train(resume_from_checkpoint=resume)  # a NaN/inf loss raises LinearizeError (compute_loss)
     with (out / "train_config.json").open("w") as fh:
         json.dump({**asdict(cfg), "stage": stage, "world_size": int(os.environ.get("WORLD_SIZE", 1))}, fh, indent=1)
     return trainer
