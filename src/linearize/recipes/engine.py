@@ -10,7 +10,6 @@ seeds, early stopping and multi-GPU through ``accelerate launch`` / ``torchrun``
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
