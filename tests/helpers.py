@@ -34,3 +34,24 @@ def tiny_tokenizer():
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(97)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="w1", pad_token="w0")
+
+
+def random_grads(out, inputs):
+    """Gradients of a fixed random projection of ``out`` w.r.t. ``inputs`` (zeros where unused)."""
+    import torch
+
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
+    grads = torch.autograd.grad((out * w).sum(), inputs, allow_unused=True)
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+
+
+def decode_incrementally(model, ids, prefill: int):
+    """Logits of ``ids`` from a prefill of ``prefill`` tokens and then one token at a time through the cache."""
+    import torch
+
+    out = model(ids[:, :prefill], use_cache=True)
+    steps = [out.logits]
+    for t in range(prefill, ids.shape[1]):
+        out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
+        steps.append(out.logits)
+    return torch.cat(steps, dim=1)

@@ -5,7 +5,7 @@ import torch
 
 import linearize
 from linearize import LinearizeError
-from helpers import tiny_tokenizer
+from helpers import decode_incrementally, tiny_tokenizer
 from linearize.cache import LinearizeCache, RecurrentLayer, cache_nbytes
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm3", "gpt_neox"]
@@ -40,12 +40,7 @@ def test_decoding_through_the_cache_equals_parallel_forward(tiny_model, family, 
     student = linearize.convert(tiny_model(family, dtype=torch.float64), {**spec, "chunk_size": 8})
     ids = _ids()
     full = student(ids, use_cache=False).logits
-    out = student(ids[:, :13], use_cache=True)
-    steps = [out.logits]
-    for t in range(13, ids.shape[1]):
-        out = student(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
-        steps.append(out.logits)
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-10, rtol=0)
+    torch.testing.assert_close(decode_incrementally(student, ids, 13), full, atol=1e-10, rtol=0)
 
 
 def test_teacher_untouched_and_spec_recorded(tiny_model):

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from helpers import random_grads
+
 from linearize import ops
 
 TOL = 1e-10
@@ -28,12 +30,6 @@ def _decay(h, kind):
     return torch.log(1 - 2.0 ** (-1 - torch.arange(h, dtype=torch.float64)))  # strong decays stress it
 
 
-def _grads(out, inputs):
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
-    grads = torch.autograd.grad((out * w).sum(), inputs, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
-
-
 def _close(a, b):
     assert torch.allclose(a, b, atol=TOL, rtol=0), (a - b).abs().max().item()
 
@@ -53,7 +49,7 @@ def test_linear_attention_forms_agree(shape, decay, normalize, chunk):
     _close(chunked, ref)
     _close(rec, ref)
     _close(s_chunk, s_rec)
-    for g_ref, g_chunk, g_rec in zip(_grads(ref, (q, k, v)), _grads(chunked, (q, k, v)), _grads(rec, (q, k, v))):
+    for g_ref, g_chunk, g_rec in zip(random_grads(ref, (q, k, v)), random_grads(chunked, (q, k, v)), random_grads(rec, (q, k, v))):
         _close(g_chunk, g_ref)
         _close(g_rec, g_ref)
 
@@ -123,7 +119,7 @@ def test_hybrid_forms_agree(shape, window, softcap):
                      (s_rec.keys, s_rec.key_features, s_rec.values, s_rec.linear)):
         _close(a, b_)
     inputs = (*xs, gamma)
-    for g_ref, g_chunk, g_rec in zip(_grads(ref, inputs), _grads(chunked, inputs), _grads(rec, inputs)):
+    for g_ref, g_chunk, g_rec in zip(random_grads(ref, inputs), random_grads(chunked, inputs), random_grads(rec, inputs)):
         _close(g_chunk, g_ref)
         _close(g_rec, g_ref)
 

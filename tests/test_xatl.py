@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import linearize
-from helpers import tiny_config, tiny_tokenizer
+from helpers import decode_incrementally, random_grads, tiny_config, tiny_tokenizer
 from linearize import LinearizeError, ops
 from linearize.cache import LinearizeCache, RecurrentLayer, cache_nbytes
 from linearize.info import state_bytes
@@ -68,12 +68,6 @@ def _use_naive_ops(monkeypatch):
     monkeypatch.setattr(mamba_module, "causal_conv1d", _naive_conv)
 
 
-def _grads(out, inputs):
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
-    grads = torch.autograd.grad((out * w).sum(), inputs, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
-
-
 def _close(a, b, tol=TOL):
     assert torch.allclose(a, b, atol=tol, rtol=0), (a - b).abs().max().item()
 
@@ -97,7 +91,7 @@ def test_mixer_naive_chunked_recurrent_agree(monkeypatch, kind, t, family):
     assert chunked.abs().mean() > 1e-2  # the mixer's output is not negligible
     _close(chunked, naive)
     _close(recurrent, naive)
-    for g_naive, g_chunk, g_rec in zip(_grads(naive, inputs), _grads(chunked, inputs), _grads(recurrent, inputs)):
+    for g_naive, g_chunk, g_rec in zip(random_grads(naive, inputs), random_grads(chunked, inputs), random_grads(recurrent, inputs)):
         _close(g_chunk, g_naive)
         _close(g_rec, g_naive)
 
@@ -159,12 +153,7 @@ def test_decoding_through_the_cache_equals_parallel_forward(family, kind):
     student, _ = build_xatl(_teacher(family), kind, seed=0, chunk_size=8)
     ids = _ids()
     full = student(ids, use_cache=False).logits
-    out = student(ids[:, :13], use_cache=True)
-    steps = [out.logits]
-    for t in range(13, ids.shape[1]):
-        out = student(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
-        steps.append(out.logits)
-    _close(torch.cat(steps, dim=1), full)
+    _close(decode_incrementally(student, ids, 13), full)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -178,7 +167,7 @@ def test_model_gradients_recurrent_equal_parallel(kind):
     for t in range(ids.shape[1]):
         out = student(ids[:, t : t + 1], past_key_values=out.past_key_values if out else None, use_cache=True)
         steps.append(out.logits)
-    for g_full, g_rec in zip(_grads(full, params), _grads(torch.cat(steps, dim=1), params)):
+    for g_full, g_rec in zip(random_grads(full, params), random_grads(torch.cat(steps, dim=1), params)):
         _close(g_rec, g_full, tol=1e-9)
 
 

@@ -4,6 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers import random_grads
+
 from linearize.ops import selective_scan as ss
 
 TOL = 1e-10
@@ -25,12 +27,6 @@ def _scan_inputs(b, t, dn, n, seed=0, strong=False):
     return xs
 
 
-def _grads(out, inputs):
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
-    grads = torch.autograd.grad((out * w).sum(), inputs, allow_unused=True)
-    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
-
-
 def _close(a, b, tol=TOL):
     assert torch.allclose(a, b, atol=tol, rtol=0), (a - b).abs().max().item()
 
@@ -49,14 +45,14 @@ def test_selective_scan_forms_agree(shape, chunk, with_state, strong):
     _close(chunked, ref)
     _close(rec, ref)
     _close(s_chunk, s_rec)
-    for g_ref, g_chunk, g_rec in zip(_grads(ref, xs), _grads(chunked, xs), _grads(rec, xs)):
+    for g_ref, g_chunk, g_rec in zip(random_grads(ref, xs), random_grads(chunked, xs), random_grads(rec, xs)):
         _close(g_chunk, g_ref)
         _close(g_rec, g_ref)
     # the final state's gradient too (what a carried state feeds into the next segment)
     _, s_chunk = ss.selective_scan_chunked(u, dt, A, B, C, D, chunk_size=chunk, initial_state=s0,
                                            output_final_state=True)
     _, s_rec = ss.selective_scan_recurrent(u, dt, A, B, C, D, initial_state=s0)
-    for g_chunk, g_rec in zip(_grads(s_chunk, xs), _grads(s_rec, xs)):
+    for g_chunk, g_rec in zip(random_grads(s_chunk, xs), random_grads(s_rec, xs)):
         _close(g_chunk, g_rec)
 
 
@@ -117,7 +113,7 @@ def test_causal_conv1d_forms_agree(t, k, with_state):
     _close(fast, ref)
     _close(rec, ref)
     _close(s_fast, s_rec)
-    for g_ref, g_fast, g_rec in zip(_grads(ref, xs), _grads(fast, xs), _grads(rec, xs)):
+    for g_ref, g_fast, g_rec in zip(random_grads(ref, xs), random_grads(fast, xs), random_grads(rec, xs)):
         _close(g_fast, g_ref)
         _close(g_rec, g_ref)
     if not with_state:  # zero state = the usual left zero padding of nn.Conv1d
