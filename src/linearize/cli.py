@@ -205,6 +205,24 @@ def cmd_xatl(args) -> int:
     return _uptrain(args, "xatl", {"kind": args.arch}, weight_decay=0.1, min_lr=3e-5)
 
 
+def cmd_bench(args) -> int:
+    import json
+    from dataclasses import asdict
+
+    from .bench.decode import sweep, table
+
+    student, _ = _load_any(args.model, args.dtype, args.device)
+    models = {"student": student}
+    if args.teacher != "none":
+        teacher, _ = _load_any(args.teacher, args.dtype, args.device)
+        models = {"teacher": teacher, **models}
+    rows = sweep(models, args.batch_sizes, args.new_tokens, prompt_len=args.prompt_len)
+    print(table(rows))
+    if args.out:
+        args.out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
@@ -305,6 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
     xa.add_argument("--weight-decay", type=float, help="AdamW weight decay (XATL: 0.1)")
     _training_arguments(xa)
     xa.set_defaults(func=cmd_xatl, min_lr=None, weight_decay=None)
+
+    be = sub.add_parser("bench", parents=[common], help="prefill / decode throughput and memory vs the teacher",
+                        description="Time generate() for a checkpoint and its teacher over batch sizes and generated "
+                                    "lengths: prefill and decode tokens/s, ms per step, cache bytes and (CUDA) peak "
+                                    "memory. A size that runs out of memory ends that model's batch sweep.")
+    be.add_argument("model", help="a checkpoint folder (or any teacher spec)")
+    be.add_argument("--teacher", default="default", help="the model to compare with ('none' to skip; default: %(default)s)")
+    be.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64], help="default: %(default)s")
+    be.add_argument("--new-tokens", type=int, nargs="+", default=[128], help="generated lengths (default: %(default)s)")
+    be.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: %(default)s)")
+    be.add_argument("--out", type=Path, help="write the rows as JSON here")
+    be.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("data", help="tokenize and pack a text source; print its train/validation blocks",
                        description="Check a corpus: read it, tokenize with a teacher's tokenizer, pack into blocks "
