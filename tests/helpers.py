@@ -55,3 +55,14 @@ def decode_incrementally(model, ids, prefill: int):
         out = model(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
         steps.append(out.logits)
     return torch.cat(steps, dim=1)
+
+
+def greedy_by_full_forwards(model, prompt, n: int):
+    """Greedy continuation by argmax of a full parallel forward per token (no cache): the reference for generate()."""
+    import torch
+
+    seq = prompt
+    for _ in range(n):
+        nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+    return seq

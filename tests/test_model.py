@@ -5,7 +5,7 @@ import torch
 
 import linearize
 from linearize import LinearizeError
-from helpers import decode_incrementally, tiny_tokenizer
+from helpers import decode_incrementally, greedy_by_full_forwards, tiny_tokenizer
 from linearize.cache import LinearizeCache, RecurrentLayer, cache_nbytes
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm3", "gpt_neox"]
@@ -63,11 +63,7 @@ def test_greedy_generate_equals_argmax_of_parallel_forwards(tiny_model, spec):
     student = linearize.convert(tiny_model("llama"), spec)
     prompt = _ids(b=1, t=7)
     out = student.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    seq = prompt
-    for _ in range(12):
-        nxt = student(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-        seq = torch.cat([seq, nxt], dim=1)
-    assert torch.equal(out, seq)
+    assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
 
 
 def test_generate_with_explicit_linearize_cache(tiny_model):

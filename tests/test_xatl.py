@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import linearize
-from helpers import decode_incrementally, random_grads, tiny_config, tiny_tokenizer
+from helpers import decode_incrementally, greedy_by_full_forwards, random_grads, tiny_config, tiny_tokenizer
 from linearize import LinearizeError, ops
 from linearize.cache import LinearizeCache, RecurrentLayer, cache_nbytes
 from linearize.info import state_bytes
@@ -179,11 +179,7 @@ def test_greedy_generate_equals_argmax_of_parallel_forwards(arch, hybrid):
     student.generation_config.eos_token_id = None  # the tiny config's eos (2) would end generation early
     prompt = _ids(b=1, t=7)
     out = student.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    seq = prompt
-    for _ in range(12):
-        nxt = student(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
-        seq = torch.cat([seq, nxt], dim=1)
-    assert torch.equal(out, seq)
+    assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
 
 
 @pytest.mark.parametrize("arch", ["retnet", "mamba"])

@@ -23,6 +23,14 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, ax, out_png) -> Path:
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return Path(out_png)
+
+
 def layer_mse_plot(results_json: str | Path, out_png: str | Path) -> Path:
     """Bar chart of each layer's attention-output MSE to the teacher, before and after stage 1."""
     res = json.loads(Path(results_json).read_text())
@@ -39,11 +47,7 @@ def layer_mse_plot(results_json: str | Path, out_png: str | Path) -> Path:
     ax.set_yscale("log")
     ax.set_xlabel("layer")
     ax.set_ylabel("attention output MSE to the teacher")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return Path(out_png)
+    return _save(plt, fig, ax, out_png)
 
 
 def eval_curves(metrics: dict[str, str | Path], out_png: str | Path, tokens_per_step: dict[str, int] | int) -> Path:
@@ -59,8 +63,4 @@ def eval_curves(metrics: dict[str, str | Path], out_png: str | Path, tokens_per_
         ax.plot([s * scale for s, _ in points], [v for _, v in points], marker="o", label=label)
     ax.set_xlabel("training tokens")
     ax.set_ylabel("validation loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out_png, dpi=120)
-    plt.close(fig)
-    return Path(out_png)
+    return _save(plt, fig, ax, out_png)
