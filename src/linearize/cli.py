@@ -132,6 +132,7 @@ def cmd_lolcats(args) -> int:
     from dataclasses import fields, replace
 
     from .recipes import lolcats
+    from .recipes.engine import is_main_process
     from .spec import Spec
 
     spec, other = _spec_from_args(args)
@@ -145,7 +146,8 @@ def cmd_lolcats(args) -> int:
                   keep_softmax=Spec(keep_softmax=keep).keep_softmax if keep else (), **overrides)
     for row in args.rows.split(",") if args.rows else [None]:
         results = lolcats.run(lolcats.ablation_config(cfg, row) if row else cfg)
-        print(lolcats.summary(results, row or "lolcats"))
+        if is_main_process():
+            print(lolcats.summary(results, row or "lolcats"))
     return 0
 
 
@@ -180,13 +182,16 @@ def _uptrain(args, method: str, spec: dict, **fixed) -> int:
     from dataclasses import fields, replace
 
     from .recipes import uptrain
+    from .recipes.engine import is_main_process
 
     cfg = uptrain.apply_budget(uptrain.UptrainConfig(method=method, out=str(args.out)), args.budget)
     skip = {"teacher", "out", "spec", "keep_softmax", "method"}
     overrides = {f.name: getattr(args, f.name) for f in fields(cfg)
                  if f.name not in skip and getattr(args, f.name, None) is not None}
     cfg = replace(cfg, teacher=None if args.teacher == "default" else args.teacher, spec=spec, **{**fixed, **overrides})
-    print(uptrain.summary(uptrain.run(cfg), method))
+    results = uptrain.run(cfg)
+    if is_main_process():
+        print(uptrain.summary(results, method))
     return 0
 
 

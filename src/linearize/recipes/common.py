@@ -9,6 +9,7 @@ import torch
 
 from .. import save
 from ..data import BlockDataset, load_blocks
+from .engine import is_main_process
 
 
 def datasets(cfg, tokenizer):
@@ -20,9 +21,14 @@ def datasets(cfg, tokenizer):
 
 
 def finish(student, tokenizer, out: Path, results: dict, prompt: str) -> dict:
-    """Save ``out/final``, add a greedy sample decoded recurrently, write ``out/results.json``."""
+    """Save ``out/final``, add a greedy sample decoded recurrently, write ``out/results.json``.
+
+    Only the main process writes; the other ranks of a multi-process run return the results as they are.
+    """
     for p in student.parameters():
         p.requires_grad_(True)
+    if not is_main_process():
+        return results
     save(student, tokenizer, out / "final")
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(next(student.parameters()).device)
     with torch.no_grad():

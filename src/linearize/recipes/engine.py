@@ -23,6 +23,12 @@ from ..errors import LinearizeError
 LossFn = Callable[[torch.nn.Module, dict], torch.Tensor]
 
 
+def is_main_process() -> bool:
+    """True in a single-process run and on global rank 0 of a torchrun/accelerate launch: the one
+    process that writes files (two ranks writing one checkpoint would corrupt it)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 @dataclass
 class TrainConfig:
     """What the engine needs from a recipe stage; everything else is the Trainer's default."""
@@ -83,7 +89,23 @@ class RecipeTrainer(Trainer):
         return loss, None, None
 
 
+def _gloo_on_one_host() -> None:
+    """Gloo finds its network device by resolving the host name; on machines whose name does not
+    resolve (containers, CI) a single-host run would fail, so it uses the loopback device instead."""
+    import socket
+
+    if os.environ.get("GLOO_SOCKET_IFNAME") or os.environ.get("LOCAL_WORLD_SIZE") != os.environ.get("WORLD_SIZE"):
+        return
+    try:
+        socket.getaddrinfo(socket.gethostname(), None)
+    except OSError:
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+
+
 def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
+    multi_process_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if multi_process_cpu:
+        _gloo_on_one_host()
     bf16 = torch.cuda.is_available() if cfg.bf16 is None else cfg.bf16
     save_steps = cfg.save_steps or cfg.eval_steps
     early = cfg.early_stopping_patience is not None and has_eval
@@ -120,7 +142,7 @@ def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
         ddp_find_unused_parameters=True,
         # CPU runs (tests, laptops) go multi-process through gloo when started with torchrun
         use_cpu=not torch.cuda.is_available(),
-        ddp_backend="gloo" if not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1 else None,
+        ddp_backend="gloo" if multi_process_cpu else None,
         disable_tqdm=False,
         **cfg.extra,
     )
@@ -155,8 +177,9 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
     if resume is True and not any(out.glob("checkpoint-*")):
         resume = None
     trainer.train(resume_from_checkpoint=resume)  # a NaN/inf loss raises LinearizeError (compute_loss)
-    with (out / "train_config.json").open("w") as fh:
-        json.dump({**asdict(cfg), "stage": stage, "world_size": int(os.environ.get("WORLD_SIZE", 1))}, fh, indent=1)
+    if is_main_process():
+        with (out / "train_config.json").open("w") as fh:
+            json.dump({**asdict(cfg), "stage": stage, "world_size": int(os.environ.get("WORLD_SIZE", 1))}, fh, indent=1)
     return trainer
 
 

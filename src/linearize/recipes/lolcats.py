@@ -27,7 +27,7 @@ from ..errors import LinearizeError
 from ..eval import perplexity
 from ..models import get_adapter
 from .common import datasets, finish
-from .engine import TrainConfig, next_token_loss, train
+from .engine import TrainConfig, is_main_process, next_token_loss, train
 
 DEFAULT_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64}
 # The comparison rows of LoLCATs Table 5, by name -> (stages, spec changes)
@@ -178,7 +178,8 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
             if hook is not None:
                 hook.remove()
         steps += trainer.state.global_step
-        (stage_dir / "done").write_text("ok\n")
+        if is_main_process():
+            (stage_dir / "done").write_text("ok\n")
     _set_modes(student, None)
     return {"seconds": time.time() - start, "blocks": len(groups), "steps": steps}
 
@@ -234,6 +235,8 @@ def run(cfg: LolcatsConfig) -> dict:
 
 def _plot_layer_mse(results: dict, out: Path) -> None:
     """out/layer_mse.png when matplotlib is installed (the figures are in results.json regardless)."""
+    if not is_main_process():
+        return
     try:
         from ..eval.plots import layer_mse_plot
     except ImportError:
