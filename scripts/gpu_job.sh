@@ -3,6 +3,7 @@
 #   stage                       keep part 1 of the teacher outside the repo copy (survives while warm)
 #   lolcats | supra | xatl      join the teacher, then run that recipe at the gpu budget; figures in $OUT
 #   foundation                  the kernel/mixer benchmark (scripts/gpu_foundation.sh)
+#   decode                      fast decoding: CUDA-graph tests and linearize bench (scripts/gpu_decode.sh)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 job=${1:?job}; shift
@@ -17,6 +18,7 @@ mkdir -p $LINEARIZE_HOME && cp -rn /tmp/stage/gutenberg $LINEARIZE_HOME/ 2>/dev/
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt"
 case "$job" in
   foundation) exec bash scripts/gpu_foundation.sh "$@" ;;
+  decode) exec bash scripts/gpu_decode.sh "$@" ;;
   lolcats|supra|xatl) timeout ${JOB_TIMEOUT:-540} python3 -m linearize "$job" --teacher /tmp/stage/teacher.gguf \
       --budget gpu --out /tmp/runs/$job "$@" 2>&1 | grep -v "it/s]" | tee "$OUT/$job.log" | tail -40
       cp /tmp/runs/$job/results.json /tmp/runs/$job/metrics.jsonl "$OUT/" 2>/dev/null ;;

@@ -34,6 +34,13 @@ def test_convert_info_generate(teacher_dir, tmp_path, capsys):
     assert main(["generate", str(out), "--prompt", "w5 w6 w7", "--max-new-tokens", "5", "--device", "cpu"]) == 0
     assert main(["generate", str(out), "--prompt", "w5 w6 w7", "--max-new-tokens", "5", "--device", "cpu",
                  "--temperature", "0.8", "--top-p", "0.9"]) == 0
+    capsys.readouterr()
+    texts = {}
+    for decoder in ("fast", "generate"):
+        assert main(["generate", str(out), "--prompt", "w5 w6 w7", "--max-new-tokens", "6", "--device", "cpu",
+                     "--decoder", decoder]) == 0
+        texts[decoder] = capsys.readouterr().out
+    assert texts["fast"] == texts["generate"] and texts["fast"].strip()
 
 
 def test_convert_from_yaml_recipe_with_flag_override(teacher_dir, tmp_path, capsys):

@@ -66,3 +66,26 @@ def test_real_supra_decodes_like_its_parallel_form(teacher, ids):
             out = student(ids[:, t : t + 1], past_key_values=out.past_key_values, use_cache=True)
             steps.append(out.logits)
     torch.testing.assert_close(torch.cat(steps, 1), full, atol=2e-3, rtol=1e-3)
+
+
+def test_real_fast_decoding_equals_generate(teacher, ids):
+    """linearize.fast on the real teacher's LoLCATs student (the ring window wraps twice) and on the
+    teacher itself: the greedy tokens of generate(), also for a left-padded batch."""
+    from linearize.fast import fast_generate
+
+    model, tokenizer = teacher
+    student = linearize.convert(model, {"kind": "lolcats", "window": 16}, keep_softmax=[0])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    short, long_ = ids[0, 5:17], ids[0, :30]
+    batch = torch.full((2, 30), pad, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    batch[0], mask[0] = long_, 1
+    batch[1, 18:], mask[1, 18:] = short, 1
+    with torch.no_grad():
+        for m in (student, model):
+            fast = fast_generate(m, batch, mask, max_new_tokens=32, eos_token_id=None, pad_token_id=pad)
+            ref = m.generate(batch, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=pad,
+                             eos_token_id=None)
+            assert torch.equal(fast, ref)
+            alone = fast_generate(m, short[None], max_new_tokens=32, eos_token_id=None, pad_token_id=pad)
+            assert torch.equal(fast[1, 30:], alone[0, 12:])

@@ -100,9 +100,17 @@ def cmd_generate(args) -> int:
         kw.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         torch.manual_seed(args.seed)
     streamer = TextStreamer(tokenizer, skip_prompt=not args.show_prompt, skip_special_tokens=True)
+    decoder = args.decoder
+    if decoder == "auto":
+        decoder = "fast" if getattr(model.config, "linearize", None) else "generate"
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(ids, streamer=streamer, **kw)
+        if decoder == "fast":
+            from .fast import fast_generate
+
+            out = fast_generate(model, ids, streamer=streamer, **kw)
+        else:
+            out = model.generate(ids, streamer=streamer, **kw)
     seconds = time.perf_counter() - start
     new = out.shape[1] - ids.shape[1]
     print(f"[{new} tokens in {seconds:.1f}s, {new / seconds:.1f} tok/s]", file=sys.stderr)
@@ -214,17 +222,22 @@ def cmd_bench(args) -> int:
     import json
     from dataclasses import asdict
 
-    from .bench.decode import sweep, table
+    from .bench.decode import plots, sweep, table
 
-    student, _ = _load_any(args.model, args.dtype, args.device)
-    models = {"student": student}
+    model, _ = _load_any(args.model, args.dtype, args.device)
+    linearized = bool(getattr(model.config, "linearize", None))
+    paths = args.paths or (["fast", "generate"] if linearized else ["generate", "static", "fast"])
+    entries = [("student" if linearized else "teacher", model, path) for path in paths]
     if args.teacher != "none":
         teacher, _ = _load_any(args.teacher, args.dtype, args.device)
-        models = {"teacher": teacher, **models}
-    rows = sweep(models, args.batch_sizes, args.new_tokens, prompt_len=args.prompt_len)
+        entries = [("teacher", teacher, path) for path in args.teacher_paths] + entries
+    rows = sweep(entries, args.batch_sizes, args.new_tokens, prompt_len=args.prompt_len)
     print(table(rows))
     if args.out:
         args.out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    if args.plots:
+        for path in plots(rows, args.plots):
+            print(f"wrote {path}")
     return 0
 
 
@@ -263,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default: %(default)s)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     g.add_argument("--show-prompt", action="store_true", help="echo the prompt before the generated text")
+    g.add_argument("--decoder", choices=["auto", "fast", "generate"], default="auto",
+                   help="fast = linearize.fast (static state buffers, one CUDA graph per step on GPUs); generate = "
+                        "plain transformers generate(); auto = fast for linearized checkpoints (default: %(default)s)")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", parents=[common], help="what a checkpoint is: base model, mixers, parameters, state size",
@@ -330,15 +346,27 @@ def build_parser() -> argparse.ArgumentParser:
     xa.set_defaults(func=cmd_xatl, min_lr=None, weight_decay=None)
 
     be = sub.add_parser("bench", parents=[common], help="prefill / decode throughput and memory vs the teacher",
-                        description="Time generate() for a checkpoint and its teacher over batch sizes and generated "
-                                    "lengths: prefill and decode tokens/s, ms per step, cache bytes and (CUDA) peak "
-                                    "memory. A size that runs out of memory ends that model's batch sweep.")
-    be.add_argument("model", help="a checkpoint folder (or any teacher spec)")
+                        description="Time a checkpoint and its teacher over batch sizes and generated lengths, each "
+                                    "through the chosen decoding paths: prefill and decode tokens/s, ms per step, "
+                                    "cache bytes and (CUDA) peak memory. A size that runs out of memory ends that "
+                                    "path's batch sweep. Example (the issue's sweep): --batch-sizes 1 16 256 1024 "
+                                    "--new-tokens 1024 4096 32768")
+    be.add_argument("model", help="a checkpoint folder, or a teacher spec to time the teacher alone (--teacher none)")
     be.add_argument("--teacher", default="default", help="the model to compare with ('none' to skip; default: %(default)s)")
     be.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64], help="default: %(default)s")
     be.add_argument("--new-tokens", type=int, nargs="+", default=[128], help="generated lengths (default: %(default)s)")
     be.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (default: %(default)s)")
+    be.add_argument("--paths", nargs="+", choices=["generate", "static", "fast"],
+                    help="how MODEL decodes: fast = linearize.fast (static state buffers, CUDA graph), generate = "
+                         "plain generate(), static = generate() with a static cache (softmax models only; compiled "
+                         "on CUDA). Default: fast generate for a linearized checkpoint, all three for a teacher")
+    be.add_argument("--teacher-paths", nargs="+", choices=["generate", "static", "fast"],
+                    default=["generate", "static"],
+                    help="how the teacher decodes: generate = plain generate(), static = generate with a static "
+                         "cache (compiled on CUDA), fast = linearize.fast's static KV + CUDA graph "
+                         "(default: %(default)s)")
     be.add_argument("--out", type=Path, help="write the rows as JSON here")
+    be.add_argument("--plots", type=Path, metavar="DIR", help="write tok_s_vs_batch.png and memory_vs_length.png here")
     be.set_defaults(func=cmd_bench)
 
     d = sub.add_parser("data", help="tokenize and pack a text source; print its train/validation blocks",

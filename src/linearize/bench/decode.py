@@ -1,10 +1,17 @@
-"""Prefill and decode throughput and memory of a student against its teacher, through ``generate()``.
+"""Prefill and decode throughput and memory of a student against its teacher.
 
-For each model, batch size and generated length: a random prompt of ``prompt_len`` tokens, one
-warm-up, then the timed ``generate`` (greedy, exactly ``new_tokens`` tokens). Prefill is timed
-alone (one forward that fills the cache). Memory is the cache's bytes after generation and, on
-CUDA, the peak allocated during it. A size that runs out of memory is recorded and ends that
-model's sweep over larger batches.
+Each (model, path) pair is timed over batch sizes and generated lengths. Paths:
+
+- ``generate``: plain ``model.generate()`` (dynamic cache; the student's recurrent slots);
+- ``static``: ``generate(cache_implementation="static")``, the fastest softmax path transformers
+  offers (on CUDA it compiles the forward for a static cache);
+- ``fast``: ``linearize.fast`` (static state buffers, the decode step as one CUDA graph).
+
+For each size: a random prompt of ``prompt_len`` tokens, one untimed warm-up at the same size (it
+also pays compilation / graph capture), then the timed run generating exactly ``new_tokens``
+tokens. Prefill is timed alone; decode tokens/s counts the new tokens over the decode time.
+Memory: the bytes the cache/state holds and, on CUDA, the peak allocated during the run. A size
+that runs out of memory is recorded and ends that pair's sweep over larger batches.
 """
 
 from __future__ import annotations
@@ -16,11 +23,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..cache import LinearizeCache, cache_nbytes
+from ..errors import LinearizeError
+
+PATHS = ("generate", "static", "fast")
 
 
 @dataclass
 class DecodeRow:
     model: str
+    path: str
     batch: int
     prompt_len: int
     new_tokens: int
@@ -41,42 +52,73 @@ def _cache_for(model):
     return LinearizeCache(model) if getattr(model.config, "linearize", None) else None
 
 
-@torch.no_grad()
-def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> DecodeRow:
-    device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    prompt = torch.randint(0, vocab, (batch, prompt_len), generator=torch.Generator().manual_seed(seed)).to(device)
+def _generate_run(model, prompt, new_tokens, path):
+    """(prefill seconds, decode seconds, cache bytes) through generate()."""
+    device = prompt.device
     kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
               return_dict_in_generate=True)
+    if path == "static":
+        if getattr(model.config, "linearize", None):
+            raise LinearizeError("the static path is for softmax teachers; students use 'fast'")
+        kw["cache_implementation"] = "static"
+    else:
+        kw["past_key_values"] = _cache_for(model)
+    _sync(device)
+    start = time.perf_counter()
+    model(prompt, past_key_values=_cache_for(model), use_cache=True, logits_to_keep=1)
+    _sync(device)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    out = model.generate(prompt, **kw)
+    _sync(device)
+    total = time.perf_counter() - start
+    return prefill, max(total - prefill, 1e-9), cache_nbytes(out.past_key_values)
+
+
+def _fast_run(model, prompt, new_tokens, decoder):
+    decoder.generate(prompt, max_new_tokens=new_tokens, pad_token_id=0)
+    t = decoder.timings
+    # the first token comes from the prefill's logits; the loop makes the other new_tokens - 1
+    per_step = t["decode_s"] / max(t["new_tokens"] - 1, 1)
+    return t["prefill_s"], per_step * new_tokens, t["state_bytes"]
+
+
+@torch.no_grad()
+def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, path: str = "generate",
+            seed: int = 0) -> DecodeRow:
+    if path not in PATHS:
+        raise LinearizeError(f"unknown path {path!r}: expected one of {', '.join(PATHS)}")
+    device = next(model.parameters()).device
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
+                           generator=torch.Generator().manual_seed(seed)).to(device)
     try:
-        model.generate(prompt[:, :8], do_sample=False, max_new_tokens=2, pad_token_id=0)  # warm-up
-        _sync(device)
-        start = time.perf_counter()
-        model(prompt, past_key_values=_cache_for(model), use_cache=True)
-        _sync(device)
-        prefill = time.perf_counter() - start
+        if path == "fast":
+            from ..fast import FastDecoder
+
+            decoder = FastDecoder(model)
+            run = lambda: _fast_run(model, prompt, new_tokens, decoder)  # noqa: E731
+        else:
+            run = lambda: _generate_run(model, prompt, new_tokens, path)  # noqa: E731
+        run()  # warm-up at this size: compilation, graph capture, allocator
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
-        out = model.generate(prompt, past_key_values=_cache_for(model), **kw)
-        _sync(device)
-        total = time.perf_counter() - start
+        prefill, decode, held = run()
     except torch.OutOfMemoryError:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return DecodeRow(label, batch, prompt_len, new_tokens, None, None, None, None, None, "out of memory")
-    decode = max(total - prefill, 1e-9)
+        return DecodeRow(label, path, batch, prompt_len, new_tokens, None, None, None, None, None, "out of memory")
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return DecodeRow(label, batch, prompt_len, new_tokens, batch * prompt_len / prefill,
-                     batch * new_tokens / decode, 1000 * decode / new_tokens, cache_nbytes(out.past_key_values), peak)
+    return DecodeRow(label, path, batch, prompt_len, new_tokens, batch * prompt_len / prefill,
+                     batch * new_tokens / decode, 1000 * decode / new_tokens, held, peak)
 
 
-def sweep(models: dict, batches, lengths, prompt_len: int = 128) -> list[DecodeRow]:
+def sweep(entries, batches, lengths, prompt_len: int = 128) -> list[DecodeRow]:
+    """``entries``: (label, model, path) triples. Rows are printed as JSON lines as they come."""
     rows = []
-    for label, model in models.items():
+    for label, model, path in entries:
         for n in lengths:
             for b in batches:
-                row = measure(model, label, b, prompt_len, n)
+                row = measure(model, label, b, prompt_len, n, path)
                 rows.append(row)
                 print(json.dumps(asdict(row)), flush=True)
                 if row.note:
@@ -85,12 +127,42 @@ def sweep(models: dict, batches, lengths, prompt_len: int = 128) -> list[DecodeR
 
 
 def table(rows: list[DecodeRow]) -> str:
-    lines = ["| model | batch | new tokens | prefill tok/s | decode tok/s | ms/step | cache MB | peak MB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | path | batch | new tokens | prefill tok/s | decode tok/s | ms/step | cache MB | peak MB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
     for r in rows:
-        lines.append(f"| {r.model} | {r.batch} | {r.new_tokens} | {fmt(r.prefill_tok_s, ',.0f')} | "
-                     f"{fmt(r.decode_tok_s, ',.1f')} | {fmt(r.ms_per_step, '.1f')} | "
+        lines.append(f"| {r.model} | {r.path} | {r.batch} | {r.new_tokens} | {fmt(r.prefill_tok_s, ',.0f')} | "
+                     f"{fmt(r.decode_tok_s, ',.1f')} | {fmt(r.ms_per_step, '.2f')} | "
                      f"{fmt(None if r.cache_bytes is None else r.cache_bytes / 2**20, '.2f')} | "
                      f"{fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, '.0f')} |" + (f" {r.note}" if r.note else ""))
     return "\n".join(lines)
+
+
+def plots(rows: list[DecodeRow], out_dir) -> list:
+    """``tok_s_vs_batch.png`` (decode tokens/s against batch, one line per model/path and length)
+    and ``memory_vs_length.png`` (peak memory, else cache bytes, against generated length, per
+    model/path at the smallest batch). Needs matplotlib."""
+    from pathlib import Path
+
+    from ..eval.plots import _pyplot, _save
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ok = [r for r in rows if r.decode_tok_s is not None]
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for key in sorted({(r.model, r.path, r.new_tokens) for r in ok}):
+        pts = sorted((r.batch, r.decode_tok_s) for r in ok if (r.model, r.path, r.new_tokens) == key)
+        ax.plot(*zip(*pts), marker="o", label=f"{key[0]} {key[1]} ({key[2]} new)")
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s")
+    paths = [_save(plt, fig, ax, out_dir / "tok_s_vs_batch.png")]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for key in sorted({(r.model, r.path) for r in ok}):
+        mine = [r for r in ok if (r.model, r.path) == key]
+        b = min(r.batch for r in mine)
+        pts = sorted((r.new_tokens, (r.peak_bytes if r.peak_bytes is not None else r.cache_bytes) / 2**20)
+                     for r in mine if r.batch == b)
+        ax.plot(*zip(*pts), marker="o", label=f"{key[0]} {key[1]} (batch {b})")
+    ax.set(xscale="log", xlabel="generated tokens", ylabel="peak MB (CUDA) / cache MB (CPU)")
+    paths.append(_save(plt, fig, ax, out_dir / "memory_vs_length.png"))
+    return paths

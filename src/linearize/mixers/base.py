@@ -38,6 +38,12 @@ def key_padding_mask(attention_mask, q_len: int) -> torch.Tensor | None:
     return None if bool(valid.all()) else valid
 
 
+def is_static(slot) -> bool:
+    """A fast decoder's slot (``linearize.fast``): decode steps only, every token real, the mask is
+    not the mixer's business (reading it would cost a host sync inside a CUDA graph)."""
+    return getattr(slot, "static", False)
+
+
 def drop_padding(key_mask, *tensors):
     """Zero ``[B, H, T, *]`` tensors at padded tokens, so padding adds nothing to a linear state."""
     if key_mask is None:
@@ -87,7 +93,7 @@ class Mixer(nn.Module):
         slot = recurrent_slot(cache, self.layer_idx) if cache is not None else None
         state = slot.state if slot is not None else None
         q, k, v = self.adapter.qkv(self, hidden_states)
-        self.key_mask = key_padding_mask(attention_mask, q.shape[2])
+        self.key_mask = key_padding_mask(attention_mask, q.shape[2]) if not is_static(slot) else None
         if state is not None and q.shape[2] == 1:
             o, state = self.step(q, k, v, position_embeddings, state)
         else:

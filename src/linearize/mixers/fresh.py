@@ -10,7 +10,9 @@ projection of the teacher is dropped. New parameters are drawn like the teacher'
 The forward answers the attention call like every mixer (``(output, None)``, state in the cache
 slot); subclasses implement ``mix(x, state, offset, want_state) -> (y, state)`` where ``x`` is the
 normalised hidden state ``[B, T, hidden]``, ``state`` the slot's state (None before the first
-token) and ``offset`` the number of tokens the slot has absorbed (the position of ``x[:, 0]``).
+token) and ``offset`` the number of tokens the slot has absorbed (the position of ``x[:, 0]``; an
+int, or a 0-d tensor when a fast decoder keeps it on the device). ``self.key_mask`` ([B, T] bool or
+None) marks the real tokens of a left-padded batch: padding must leave the state untouched.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from ..cache import recurrent_slot
 from ..errors import LinearizeError
-from .base import Mixer
+from .base import Mixer, is_static, key_padding_mask
 
 
 def output_projection_name(adapter) -> str:
@@ -65,7 +67,11 @@ class FreshMixer(Mixer):
         cache = past_key_values if past_key_values is not None else layer_past
         slot = recurrent_slot(cache, self.layer_idx) if cache is not None else None
         state = slot.state if slot is not None else None
-        offset = slot.seen if slot is not None else 0
+        if is_static(slot):  # fast decoding: the position lives on the device, every token is real
+            offset, self.key_mask = slot.position, None
+        else:
+            offset = slot.seen if slot is not None else 0
+            self.key_mask = key_padding_mask(attention_mask, hidden_states.shape[1])
         y, state = self.mix(hidden_states, state, offset, want_state=slot is not None)
         if slot is not None:
             slot.store(state, hidden_states.shape[1])

@@ -51,6 +51,10 @@ class LolcatsAttention(LinearAttention):
 
     def step(self, q, k, v, position_embeddings, state):
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
+        if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
+            g = self.geometry
+            return ops.hybrid_attention_step_ring(q, k, qf, kf, v, self.window_weight(), state,
+                                                  scale=g.scaling, softcap=g.softcap)
         return ops.hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
                                          key_mask=self.key_mask)
 

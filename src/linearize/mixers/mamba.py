@@ -74,13 +74,19 @@ class MambaMixer(FreshMixer):
         conv_state, ssm_state = self._split_state(state)
         xs, z = self.in_proj(x).chunk(2, dim=-1)
         xs = xs.transpose(1, 2)  # [B, Dn, T]
+        real = None if self.key_mask is None else self.key_mask[:, None, :]  # left padding: [B, 1, T]
+        if real is not None:  # padding enters neither the convolution's window nor the scan
+            xs = xs.masked_fill(~real, 0.0)
         w, bias = self.conv1d.weight, self.conv1d.bias
         if step:
             xc, conv_state = causal_conv1d_step(xs[..., 0], w, bias, conv_state)
             xc = xc[..., None]
         else:
             xc, conv_state = causal_conv1d(xs, w, bias, initial_state=conv_state, output_final_state=want_state)
-        xc = F.silu(xc).transpose(1, 2)  # [B, T, Dn]
+        xc = F.silu(xc)
+        if real is not None:
+            xc = xc.masked_fill(~real, 0.0)
+        xc = xc.transpose(1, 2)  # [B, T, Dn]
         dt, Bm, Cm = self.x_proj(xc).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
         dt = F.softplus(self.dt_proj(dt).to(acc))
         A = -torch.exp(self.A_log.to(acc))

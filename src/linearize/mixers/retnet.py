@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from .. import ops
 from ..errors import LinearizeError
+from .base import drop_padding
 from .decay import log_decay
 from .fresh import FreshMixer
 
@@ -62,7 +63,7 @@ class RetNetRetention(FreshMixer):
         """RetNet's relative position: rotate q_t and k_t by t * theta (t counted from the cache)."""
         t = q.shape[2]
         acc = torch.promote_types(q.dtype, torch.float32)
-        pos = torch.arange(offset, offset + t, device=q.device, dtype=acc)
+        pos = torch.arange(t, device=q.device, dtype=acc) + offset  # offset: int or 0-d tensor
         angles = pos[:, None] * self.inv_freq.to(acc)[None, :]
         angles = torch.cat([angles, angles], dim=-1)
         cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
@@ -83,6 +84,7 @@ class RetNetRetention(FreshMixer):
         v = self._heads(x, self.wv, self.value_dim)
         q, k = self.rotate(q, k, offset)
         k = k * self.key_dim ** -0.5
+        k, v = drop_padding(self.key_mask, k, v)  # left padding: the state stays zero until the first real token
         if state is not None and x.shape[1] == 1:
             o, state = ops.linear_attention_step(q, k, v, state, log_decay=self.log_decay, normalize=False)
         else:

@@ -7,11 +7,13 @@ they apply and the PyTorch chunked form otherwise.
 from .fla_backend import fla_available, linear_attention_fla, use_fla
 from .hybrid_attention import (
     HybridState,
+    RingHybridState,
     empty_hybrid_state,
     hybrid_attention_chunked,
     hybrid_attention_naive,
     hybrid_attention_recurrent,
     hybrid_attention_step,
+    hybrid_attention_step_ring,
     hybrid_attention_weights,
     hybrid_final_state,
 )
@@ -38,9 +40,9 @@ def linear_attention(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initi
 
 
 __all__ = [
-    "HybridState", "accum_dtype", "empty_hybrid_state", "empty_state", "fla_available",
+    "HybridState", "RingHybridState", "accum_dtype", "empty_hybrid_state", "empty_state", "fla_available",
     "hybrid_attention_chunked", "hybrid_attention_naive", "hybrid_attention_recurrent",
-    "hybrid_attention_step", "hybrid_final_state", "linear_attention", "linear_attention_chunked",
+    "hybrid_attention_step", "hybrid_attention_step_ring", "hybrid_final_state", "linear_attention", "linear_attention_chunked",
     "linear_attention_fla", "linear_attention_naive", "linear_attention_recurrent",
     "linear_attention_step", "softmax_attention", "softmax_attention_weights", "hybrid_attention_weights",
     "use_fla",

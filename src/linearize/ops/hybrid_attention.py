@@ -212,6 +212,75 @@ def hybrid_attention_step(
     return y.reshape(b, hk * grp, 1, d).to(q.dtype), HybridState(keys, feats, values, linear, valid)
 
 
+@dataclass
+class RingHybridState(HybridState):
+    """A ``HybridState`` whose window is a fixed ring of exactly ``w`` slots, updated in place.
+
+    The window's softmax does not depend on the order of its keys (RoPE is already applied), so a
+    new token can overwrite the oldest slot instead of shifting the window: every decode step then
+    has the same shapes and touches the same buffers (what a CUDA graph needs). Empty slots hold
+    zeros and ``valid = False``; ``slot`` (a 0-d long tensor) is the next slot to overwrite.
+    """
+
+    slot: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.keys, self.key_features, self.values, self.linear, self.valid, self.slot)
+
+    def map(self, fn) -> "RingHybridState":
+        return RingHybridState(*(fn(x) for x in self.tensors()[:5]), slot=self.slot.clone())
+
+    @classmethod
+    def from_state(cls, state: HybridState, window: int) -> "RingHybridState":
+        """A ring of ``window`` slots holding ``state``'s window (oldest first, empty slots in front):
+        the oldest slot is slot 0, so overwriting 0, 1, ... evicts tokens in the order they came."""
+        have = state.keys.shape[2]
+        if have > window:
+            raise ValueError(f"the state holds {have} window tokens, more than the window ({window})")
+        pad = window - have
+
+        def front(x, dim):
+            shape = list(x.shape)
+            shape[dim] = pad
+            return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim=dim)
+
+        valid = front(state.valid, 1)
+        keep = valid[:, None, :, None]
+        keys, feats, values = (front(x, 2) * keep for x in (state.keys, state.key_features, state.values))
+        slot = torch.zeros((), dtype=torch.long, device=state.keys.device)
+        return cls(keys.contiguous(), feats.contiguous(), values.contiguous(), state.linear.clone(), valid.contiguous(),
+                   slot=slot)
+
+
+def hybrid_attention_step_ring(
+    q, k, qf, kf, v, gamma, state: RingHybridState, *, scale: float, softcap: float | None = None,
+) -> tuple[torch.Tensor, RingHybridState]:
+    """``hybrid_attention_step`` on a ring state, in place and with fixed shapes (no padding: every
+    decoded token is real). The evicted slot's features and values join the linear state (an empty
+    slot adds zero), the new token takes its place. Returns ``(y [B, H, 1, D], state)``."""
+    acc = state.linear.dtype
+    n_kv = k.shape[1]
+    idx = state.slot.view(1)
+    old_f = state.key_features.index_select(2, idx).to(acc)
+    old_v = _augment(state.values.index_select(2, idx).to(acc), True)
+    state.linear.add_((old_f.transpose(-1, -2) @ old_v).unsqueeze(2))
+    state.keys.index_copy_(2, idx, k.to(state.keys.dtype))
+    state.key_features.index_copy_(2, idx, kf.to(state.key_features.dtype))
+    state.values.index_copy_(2, idx, v.to(state.values.dtype))
+    state.valid.index_fill_(1, idx, True)
+    state.slot.add_(1).remainder_(state.keys.shape[2])
+    qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
+    g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
+    mask = state.valid[:, None, None, None, :]
+    scores = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap).masked_fill(~mask, torch.finfo(acc).min)
+    c = scores.amax(dim=-1, keepdim=True)
+    a = g * torch.exp(scores - c) * mask
+    out = a @ _augment(state.values.to(acc), True).unsqueeze(2) + qfg @ state.linear
+    y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
+    b, hk, grp, _, d = y.shape
+    return y.reshape(b, hk * grp, 1, d).to(q.dtype), state
+
+
 def hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, scale, softcap=None, initial_state=None,
                                key_mask=None):
     """Token by token through ``hybrid_attention_step`` (reference for the decoding form)."""

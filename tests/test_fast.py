@@ -1,0 +1,236 @@
+"""The fast decoding path: the ring-window op, greedy tokens equal to generate() for every mixer,
+left padding, sampling on the device, generate(custom_generate=...), EOS, streaming, fixed memory."""
+
+import pytest
+import torch
+
+import linearize
+from helpers import greedy_by_full_forwards
+from linearize import LinearizeError, ops
+from linearize.fast import FastDecoder, Sampling, decode, fast_generate, filter_logits, next_tokens
+from linearize.xatl import build_xatl
+
+TOL = 1e-10
+
+STUDENTS = [
+    ("llama", {"kind": "lolcats", "window": 4, "feature_dim": 8}),
+    ("llama", {"kind": "lolcats", "window": 16, "feature_dim": 8}),  # the prompt fits in the window
+    ("llama", {"kind": "linear", "feature_map": "hedgehog", "feature_dim": 8}),
+    ("llama", {"kind": "linear", "feature_map": "relu", "decay": "retnet"}),
+    ("llama", {"kind": "supra"}),
+    ("llama", {"kind": "supra", "norm": "sum", "decay": "none"}),
+    ("llama", {"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [1]}),
+    ("qwen3", {"kind": "lolcats", "window": 4, "feature_dim": 8}),
+    ("gpt_neox", {"kind": "lolcats", "window": 4, "feature_dim": 8}),
+    ("gpt_neox", {"kind": "supra"}),
+]
+XATL = [("retnet", None), ("mamba", None), ("retnet", "xatl"), ("mamba", "xatl")]
+
+
+def _ids(b=1, t=9, seed=0):
+    return torch.randint(2, 97, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _student(tiny_model, family, spec, dtype=torch.float64):
+    model = linearize.convert(tiny_model(family, dtype=dtype), spec)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _xatl(tiny_model, arch, hybrid, dtype=torch.float64):
+    model, _ = build_xatl(tiny_model("llama", dtype=dtype, num_hidden_layers=4), arch,
+                          hybrid_softmax_layers=hybrid, seed=0)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _all_models(tiny_model):
+    for family, spec in STUDENTS:
+        yield f"{family}-{spec}", _student(tiny_model, family, spec)
+    for arch, hybrid in XATL:
+        yield f"xatl-{arch}-{hybrid}", _xatl(tiny_model, arch, hybrid)
+    teacher = tiny_model("llama", dtype=torch.float64)
+    teacher.generation_config.eos_token_id = None
+    yield "teacher", teacher  # every layer softmax: static key/value buffers only
+
+
+# --------------------------------------------------------------------------- the ring window
+
+
+@pytest.mark.parametrize("t,window", [(3, 8), (8, 8), (13, 4), (1, 1)])
+def test_ring_step_equals_the_shifting_step(t, window):
+    """Decoding from a ring of w slots gives the outputs of the shifting window, token after token."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    b, h, hk, d, f, n = 2, 6, 2, 4, 5, 12
+    xs = [r(b, h, t + n, d), r(b, hk, t + n, d), r(b, h, t + n, f).exp(), r(b, hk, t + n, f).exp(), r(b, hk, t + n, d)]
+    gamma = torch.sigmoid(r(h))
+    key_mask = torch.ones(b, t, dtype=torch.bool)
+    key_mask[1, : t // 2] = False  # left padding inside the prompt
+    kw = dict(scale=0.5, softcap=None)
+    _, state = ops.hybrid_attention_chunked(*(x[:, :, :t] for x in xs), gamma, window=window, **kw,
+                                            output_final_state=True, key_mask=key_mask)
+    ring = ops.RingHybridState.from_state(state, window)
+    assert ring.keys.shape[2] == window
+    for i in range(t, t + n):
+        one = [x[:, :, i : i + 1] for x in xs]
+        ref, state = ops.hybrid_attention_step(*one, gamma, state, window=window, **kw)
+        out, ring = ops.hybrid_attention_step_ring(*one, gamma, ring, **kw)
+        assert torch.allclose(out, ref, atol=TOL, rtol=0), (out - ref).abs().max()
+    assert torch.allclose(ring.linear, state.linear, atol=1e-9, rtol=0)
+
+
+# --------------------------------------------------------------------------- the fast path = generate()
+
+
+def test_fast_greedy_equals_generate_for_every_mixer(tiny_model):
+    prompt = _ids(b=2, t=9)
+    for name, model in _all_models(tiny_model):
+        ref = model.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=0)
+        fast = fast_generate(model, prompt, max_new_tokens=14, pad_token_id=0)
+        assert torch.equal(fast, ref), name
+
+
+def test_fast_greedy_equals_full_forwards_past_the_window(tiny_model):
+    """Long enough for tokens to leave the window many times over (the ring wraps around)."""
+    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 3, "feature_dim": 8})
+    prompt = _ids(b=1, t=5, seed=4)
+    assert torch.equal(fast_generate(model, prompt, max_new_tokens=20), greedy_by_full_forwards(model, prompt, 20))
+
+
+def test_left_padded_batch_equals_each_sequence_alone(tiny_model):
+    prompts = [_ids(t=9, seed=1)[0], _ids(t=4, seed=2)[0], _ids(t=6, seed=3)[0]]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    for name, model in _all_models(tiny_model):
+        batch = fast_generate(model, ids, mask, max_new_tokens=10, pad_token_id=0)
+        for i, p in enumerate(prompts):
+            alone = fast_generate(model, p[None], max_new_tokens=10, pad_token_id=0)
+            assert torch.equal(batch[i, width:], alone[0, len(p):]), (name, i)
+
+
+@pytest.mark.parametrize("arch", ["retnet", "mamba"])
+def test_xatl_left_padding_through_plain_generate(tiny_model, arch):
+    """RetNet and Mamba leave padding out of their states in the ordinary path too."""
+    model = _xatl(tiny_model, arch, None)
+    prompts = [_ids(t=8, seed=1)[0], _ids(t=3, seed=2)[0]]
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, 8 - len(p):], mask[i, 8 - len(p):] = p, 1
+    batch = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for i, p in enumerate(prompts):
+        alone = model.generate(p[None], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(batch[i, 8:], alone[0, len(p):]), i
+
+
+def test_reachable_through_generate(tiny_model):
+    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
+    prompt = _ids(b=2, t=7)
+    ref = model.generate(prompt, max_new_tokens=9, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, max_new_tokens=9, do_sample=False, pad_token_id=0, custom_generate=decode), ref)
+    with pytest.raises(LinearizeError, match="num_beams"):
+        model.generate(prompt, max_new_tokens=3, num_beams=2, custom_generate=decode)
+
+
+def test_eos_ends_a_sequence_and_pads_the_rest(tiny_model):
+    model = _student(tiny_model, "llama", {"kind": "supra"})
+    prompt = _ids(b=2, t=6)
+    free = fast_generate(model, prompt, max_new_tokens=12, pad_token_id=0)
+    eos = int(free[0, 6 + 3])  # sequence 0's fourth new token becomes the EOS
+    out = fast_generate(model, prompt, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    row = out[0, 6:]
+    first = int((row == eos).nonzero()[0])
+    assert torch.equal(row[: first + 1], free[0, 6 : 6 + first + 1])
+    assert (row[first + 1 :] == 0).all()
+    ref = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(out[:, : ref.shape[1]], ref)
+
+
+def test_streamer_sees_every_token(tiny_model):
+    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
+
+    class Collect:
+        def __init__(self):
+            self.parts, self.ended = [], False
+
+        def put(self, x):
+            self.parts.append(x.reshape(-1))
+
+        def end(self):
+            self.ended = True
+
+    streamer = Collect()
+    out = fast_generate(model, _ids(t=5), max_new_tokens=7, streamer=streamer)
+    assert streamer.ended and torch.equal(torch.cat(streamer.parts), out[0])
+
+
+def test_state_buffers_do_not_grow_with_new_tokens(tiny_model):
+    """Converted layers hold the same bytes whatever the length; only kept softmax layers size
+    their key/value buffers for the whole output."""
+    from linearize.fast import StaticKVLayer
+
+    def held(model, n):
+        dec = FastDecoder(model)
+        prompt = _ids(t=6)
+        _, cache = dec._prefill(prompt, torch.ones_like(prompt))
+        static = dec._static_cache(cache, 6 + n, torch.tensor(6))
+        return sum(layer.nbytes for layer in static.layers if not isinstance(layer, StaticKVLayer))
+
+    for spec in ({"kind": "lolcats", "window": 4, "feature_dim": 8}, {"kind": "supra"}):
+        model = _student(tiny_model, "llama", spec)
+        assert held(model, 10) == held(model, 1000) > 0
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def test_filters_keep_what_they_should():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = lambda s: torch.isfinite(filter_logits(logits, s))[0].tolist()  # noqa: E731
+    assert kept(Sampling(True, top_k=2)) == [True, True, False, False]
+    assert kept(Sampling(True, top_p=0.5)) == [True, False, False, False]
+    assert kept(Sampling(True, top_p=0.79)) == [True, True, False, False]
+    assert kept(Sampling(True, top_p=0.81)) == [True, True, True, False]
+    assert kept(Sampling(True, top_p=1.0)) == [True] * 4
+    with pytest.raises(LinearizeError):
+        Sampling(True, temperature=0.0)
+
+
+def test_draws_follow_the_distribution():
+    torch.manual_seed(0)
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(40000, 1)
+    counts = torch.bincount(next_tokens(logits, Sampling(True)), minlength=4).float() / 40000
+    assert torch.allclose(counts, probs, atol=0.01), counts
+    hot = torch.bincount(next_tokens(logits, Sampling(True, temperature=0.5)), minlength=4).float() / 40000
+    sharp = probs**2 / (probs**2).sum()
+    assert torch.allclose(hot, sharp, atol=0.01), hot
+    assert set(next_tokens(logits[:2000], Sampling(True, top_k=2)).tolist()) == {0, 1}
+
+
+def test_sampling_with_one_candidate_is_greedy(tiny_model):
+    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
+    prompt = _ids(b=2, t=6)
+    greedy = fast_generate(model, prompt, max_new_tokens=8)
+    assert torch.equal(fast_generate(model, prompt, max_new_tokens=8, do_sample=True, top_k=1), greedy)
+    assert torch.equal(fast_generate(model, prompt, max_new_tokens=8, do_sample=True, top_p=1e-6), greedy)
+    torch.manual_seed(3)
+    a = fast_generate(model, prompt, max_new_tokens=8, do_sample=True, temperature=1.5)
+    torch.manual_seed(3)
+    assert torch.equal(a, fast_generate(model, prompt, max_new_tokens=8, do_sample=True, temperature=1.5))
+
+
+def test_bad_input_fails_with_one_line(tiny_model):
+    model = _student(tiny_model, "llama", {"kind": "supra"})
+    with pytest.raises(LinearizeError, match="max_new_tokens"):
+        fast_generate(model, _ids(), max_new_tokens=0)
+    with pytest.raises(LinearizeError, match="CUDA"):
+        FastDecoder(model, cuda_graph=True) if not torch.cuda.is_available() else (_ for _ in ()).throw(
+            LinearizeError("CUDA present"))
+    gemma = linearize.convert(tiny_model("gemma3_text"), {"kind": "lolcats", "keep_softmax": [0]})
+    with pytest.raises(LinearizeError, match="sliding-window"):
+        FastDecoder(gemma)
