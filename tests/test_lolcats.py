@@ -133,3 +133,44 @@ def test_layer_mse_plot_is_written(workspace, monkeypatch, tmp_path):
     lolcats.run(_config(workspace, tmp_path / "run", stages=("stage1",), stage1_steps=4))
     png = tmp_path / "run" / "layer_mse.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_of_a_run_has_its_tokens_curves_mse_and_attention_maps(workspace, monkeypatch, tmp_path, capsys):
+    """The #6 report on a real recipe run: eval its checkpoint, then one page with the run's figures."""
+    from linearize.cli import main
+
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    res = lolcats.run(_config(workspace, tmp_path / "run", stage1_steps=4, stage2_steps=4, eval_steps=2))
+    assert res["train"]["tokens"] == (res["stage1"]["steps"] + res["stage2"]["steps"]) * 4 * 32
+    assert res["stage1"]["tokens_per_second"] > 0
+    record = tmp_path / "eval.json"
+    assert main(["eval", str(tmp_path / "run" / "final"), "--source", str(workspace / "corpus.jsonl"),
+                 "--block-len", "32", "--max-blocks", "2", "--device", "cpu", "--quiet", "--out", str(record)]) == 0
+    page = tmp_path / "report" / "page.md"
+    assert main(["report", str(record), "--out", str(page), "--attention-maps"]) == 0
+    text = page.read_text()
+    assert "| train tokens | train time |" in text and f"{res['train']['tokens'] / 1e6:.1f}M" in text
+    links = [line.split("](")[1].rstrip(")") for line in text.splitlines() if line.startswith("![")]
+    assert len(links) == 3, text  # curves, per-layer MSE, attention maps
+    for link in links:
+        assert (page.parent / link).stat().st_size > 1000
+
+
+def test_full_window_mixer_weights_are_the_teachers(tiny_model):
+    """The attention maps compare like with like: a hybrid whose window covers the sequence draws
+    exactly the teacher's softmax weights; a mixer without normalised weights is refused."""
+    from linearize.eval.attention_maps import attention_weights
+
+    ids = torch.randint(0, 97, (1, 12), generator=torch.Generator().manual_seed(0))
+    student = linearize.convert(tiny_model("llama", dtype=torch.float64), {"kind": "lolcats", "window": 16})
+    maps = attention_weights(student, ids)
+    assert set(maps) == {0, 1, 2}
+    for teacher, mine in maps.values():
+        assert teacher.shape == (6, 12, 12)
+        torch.testing.assert_close(mine, teacher, atol=1e-6, rtol=0)
+    short = linearize.convert(tiny_model("llama", dtype=torch.float64), {"kind": "lolcats", "window": 2})
+    teacher, mine = attention_weights(short, ids)[0]
+    assert (mine - teacher).abs().max() > 1e-3
+    torch.testing.assert_close(mine.sum(-1), torch.ones(6, 12), atol=1e-6, rtol=0)
+    with pytest.raises(linearize.LinearizeError, match="no normalised attention weights"):
+        attention_weights(linearize.convert(tiny_model("llama"), "supra"), ids)

@@ -70,7 +70,10 @@ def summary(record: dict) -> str:
 def cmd_report(args) -> int:
     from .report import write_report
 
-    text = write_report(args.results, args.out, title=args.title)
+    if (args.runs or args.attention_maps) and args.out is None:
+        raise LinearizeError("figures need a page to sit beside: give --out with --runs / --attention-maps")
+    text = write_report(args.results, args.out, title=args.title, runs=args.runs or (),
+                        attention_maps=args.attention_maps)
     if args.out is None:
         sys.stdout.write(text)
     else:
@@ -118,10 +121,17 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
     e.set_defaults(func=cmd_eval)
 
     r = subparsers.add_parser(
-        "report", help="results JSON files -> one Markdown table",
+        "report", help="results JSON files -> one Markdown page with figures",
         description="Render 'linearize eval --out' records as one Markdown page: models x perplexity, each "
-                    "task's headline metric and their average, with each row's settings.")
+                    "task's headline metric and their average, training tokens and time of recipe runs, with each "
+                    "row's settings; with --out also the runs' validation curves, per-layer attention MSE and "
+                    "(--attention-maps) attention-weight maps as PNGs linked from the page.")
     r.add_argument("results", nargs="+", help="results JSON files, or folders of them")
     r.add_argument("--out", type=Path, default=None, help="write the Markdown here (default: print it)")
     r.add_argument("--title", default="Evaluation", help="page title (default: %(default)s)")
+    r.add_argument("--runs", nargs="+", type=Path, default=None, metavar="RUN",
+                   help="recipe output folders (with results.json, metrics.jsonl) whose curves and per-layer MSE "
+                        "to draw; the runs of evaluated 'RUN/final' checkpoints are found without this")
+    r.add_argument("--attention-maps", action="store_true",
+                   help="draw teacher-vs-mixer attention weights (3 layers, 2 heads) of each evaluated checkpoint")
     r.set_defaults(func=cmd_report)

@@ -50,13 +50,16 @@ def layer_mse_plot(results_json: str | Path, out_png: str | Path) -> Path:
     return _save(plt, fig, ax, out_png)
 
 
-def eval_curves(metrics: dict[str, str | Path], out_png: str | Path, tokens_per_step: dict[str, int] | int) -> Path:
-    """Validation loss against training tokens for several runs (``label -> metrics.jsonl``)."""
+def eval_curves(metrics: dict[str, str | Path], out_png: str | Path, tokens_per_step: dict[str, int] | int,
+                stages: dict[str, str] | None = None) -> Path:
+    """Validation loss against training tokens for several runs (``label -> metrics.jsonl``);
+    ``stages`` (label -> stage name) keeps one stage of a multi-stage run (e.g. LoLCATs' stage2)."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for label, path in metrics.items():
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        points = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+        want = (stages or {}).get(label)
+        points = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r and (want is None or r.get("stage") == want)]
         if not points:
             raise LinearizeError(f"{path} holds no eval_loss (were evaluations enabled?)")
         scale = tokens_per_step[label] if isinstance(tokens_per_step, dict) else tokens_per_step

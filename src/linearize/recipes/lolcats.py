@@ -181,7 +181,17 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
         if is_main_process():
             (stage_dir / "done").write_text("ok\n")
     _set_modes(student, None)
-    return {"seconds": time.time() - start, "blocks": len(groups), "steps": steps}
+    return _timed({"blocks": len(groups), "steps": steps}, start, cfg)
+
+
+def _timed(info: dict, start: float, cfg: LolcatsConfig) -> dict:
+    """Add a stage's wall time, training tokens and tokens/s to ``info`` (tokens over every process)."""
+    import os
+
+    seconds = time.time() - start
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    tokens = info["steps"] * cfg.batch_size * cfg.grad_accum * cfg.block_len * world
+    return {**info, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / max(seconds, 1e-9)}
 
 
 # --- stage 2 -------------------------------------------------------------------------------------
@@ -197,7 +207,7 @@ def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
     start = time.time()
     trainer = train(peft_model, train_ds, eval_ds, next_token_loss, cfg.stage_config("stage2", out / "stage2"),
                     stage="stage2", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
-    info = {"seconds": time.time() - start, "steps": trainer.state.global_step, "lora_targets": targets}
+    info = _timed({"steps": trainer.state.global_step, "lora_targets": targets}, start, cfg)
     if cfg.merge:
         return peft_model.merge_and_unload(), info
     return peft_model, info
@@ -230,6 +240,11 @@ def run(cfg: LolcatsConfig) -> dict:
     if "stage2" in cfg.stages:
         student, results["stage2"] = run_stage2(student, train_ds, eval_ds, cfg, out)
         ppl["after_stage2"] = perplexity(student, eval_blocks)
+    stages = [results[s] for s in ("stage1", "stage2") if s in results]
+    seconds = sum(s["seconds"] for s in stages)
+    tokens = sum(s["tokens"] for s in stages)
+    results["train"] = {"steps": sum(s["steps"] for s in stages), "seconds": seconds, "tokens": tokens,
+                        "tokens_per_second": tokens / max(seconds, 1e-9)}
     return finish(student, tok, out, results, cfg.sample_prompt)
 
 
@@ -283,7 +298,9 @@ def summary(results: dict, row: str = "lolcats") -> str:
     lines += [f"  {names[k]:<36} {v:10.2f}" for k, v in ppl.items()]
     for stage in ("stage1", "stage2"):
         if stage in results:
-            lines.append(f"  {stage}: {results[stage]['steps']} steps in {results[stage]['seconds']:.0f}s")
+            r = results[stage]
+            lines.append(f"  {stage}: {r['steps']} steps, {r['tokens']:,} tokens in {r['seconds']:.0f}s "
+                         f"({r['tokens_per_second']:,.0f} tok/s)")
     if "layer_mse_before" in results:
         b, a = results["layer_mse_before"], results["layer_mse_after"]
         mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
