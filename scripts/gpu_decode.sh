@@ -13,7 +13,7 @@ for kind in ${KINDS:-lolcats supra}; do
 done
 bench() { timeout ${BENCH_TIMEOUT:-200} python3 -m linearize bench "$@" --dtype bfloat16 2>&1 | grep -v "it/s]"; }
 for kind in ${KINDS:-lolcats supra}; do
-  bench /tmp/ckpt/$kind --teacher none --paths fast --batch-sizes ${BATCHES:-1 16 256 1024} \
+  bench /tmp/ckpt/$kind --teacher none --paths fast ${COMPILE:+--compile} --batch-sizes ${BATCHES:-1 16 256 1024} \
     --new-tokens ${LENGTHS:-1024 4096 32768} --prompt-len 128 --out "$OUT/bench_${kind}_fast.json" --plots "$OUT/plots_$kind" \
     | tee "$OUT/bench_${kind}_fast.md" | tail -20
 done
@@ -23,3 +23,9 @@ for ctx in ${CONTEXTS:-1024 4096}; do
   bench $T --teacher none --paths static fast --batch-sizes ${BATCHES:-1 16 256 1024} \
     --new-tokens 256 --prompt-len $ctx --out "$OUT/bench_teacher_static_$ctx.json" | tee "$OUT/bench_teacher_static_$ctx.md" | tail -12
 done
+if [ -n "${MAXBATCH:-}" ]; then  # the largest batch that fits at 4k generated tokens (opt-in: long)
+  bench /tmp/ckpt/lolcats --teacher none --paths fast --batch-sizes 2048 4096 8192 16384 --new-tokens 4096 \
+    --prompt-len 128 --out "$OUT/maxbatch_student.json" | tail -6
+  bench $T --teacher none --paths static --batch-sizes 256 512 768 1024 --new-tokens 4096 --prompt-len 128 \
+    --out "$OUT/maxbatch_teacher.json" | tail -6
+fi

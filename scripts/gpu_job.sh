@@ -4,6 +4,8 @@
 #   lolcats | supra | xatl      join the teacher, then run that recipe at the gpu budget; figures in $OUT
 #   foundation                  the kernel/mixer benchmark (scripts/gpu_foundation.sh)
 #   decode                      fast decoding: CUDA-graph tests and linearize bench (scripts/gpu_decode.sh)
+#   trainbench                  training tokens/s of teacher vs SUPRA/T2R/RetNet/StripedMamba (bench/train.py)
+#   memory                      LoLCATs stage-1 peak memory, joint vs blocks of 5 and 1 layers
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 job=${1:?job}; shift
@@ -19,6 +21,15 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/devic
 case "$job" in
   foundation) exec bash scripts/gpu_foundation.sh "$@" ;;
   decode) exec bash scripts/gpu_decode.sh "$@" ;;
+  trainbench) timeout ${JOB_TIMEOUT:-540} python3 -m linearize.bench.train --teacher /tmp/stage/teacher.gguf \
+      --out "$OUT/train.json" "$@" 2>&1 | tee "$OUT/train.md" | tail -25 ;;
+  memory) for k in joint 5 1; do  # LoLCATs stage 1 peak memory: all layers jointly vs blocks of k layers
+      extra=(); [ "$k" = joint ] || extra=(--layers-per-block $k)
+      timeout ${JOB_TIMEOUT:-150} python3 -m linearize lolcats --teacher /tmp/stage/teacher.gguf --budget gpu \
+        --rows stage1-only --stage1-steps ${STEPS:-5} --eval-steps 1000 "${extra[@]}" --out /tmp/runs/mem-$k "$@" 2>&1 \
+        | grep -v "it/s]" | tail -4
+      cp /tmp/runs/mem-$k/stage1-only/results.json "$OUT/memory-$k.json" 2>/dev/null
+    done ;;
   lolcats|supra|xatl) timeout ${JOB_TIMEOUT:-540} python3 -m linearize "$job" --teacher /tmp/stage/teacher.gguf \
       --budget gpu --out /tmp/runs/$job "$@" 2>&1 | grep -v "it/s]" | tee "$OUT/$job.log" | tail -40
       cp /tmp/runs/$job/results.json /tmp/runs/$job/metrics.jsonl "$OUT/" 2>/dev/null ;;

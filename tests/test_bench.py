@@ -28,3 +28,24 @@ def test_bench_cli_on_tiny_models(tiny_model, tmp_path, capsys):
     assert "| student | fast |" in text and "| teacher | static |" in text
     assert (tmp_path / "plots" / "tok_s_vs_batch.png").stat().st_size > 0
     assert (tmp_path / "plots" / "memory_vs_length.png").stat().st_size > 0
+
+
+def test_train_throughput_bench_on_a_tiny_teacher(tiny_model, tmp_path, capsys):
+    import pytest
+
+    from linearize.bench.train import main as bench_train
+
+    teacher = tiny_model("llama")
+    save(teacher, tiny_tokenizer(), tmp_path / "teacher")
+    out = tmp_path / "train.json"
+    assert bench_train(["--teacher", str(tmp_path / "teacher"), "--models", "teacher", "supra", "t2r", "retnet",
+                        "striped_mamba", "--shapes", "2x16", "1x32", "--steps", "1", "--warmup", "1",
+                        "--device", "cpu", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["model"], r["batch"], r["length"]) for r in rows][:2] == [("teacher", 2, 16), ("teacher", 1, 32)]
+    assert len(rows) == 10 and all(r["tokens_per_s"] > 0 for r in rows)
+    assert all(r["ratio_to_teacher"] == 1.0 for r in rows if r["model"] == "teacher")
+    assert "| striped_mamba | 1x32 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        bench_train(["--teacher", str(tmp_path / "teacher"), "--shapes", "16by1024", "--device", "cpu"])
+    assert exit_info.value.code == 2

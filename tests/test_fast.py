@@ -57,27 +57,40 @@ def _all_models(tiny_model):
 # --------------------------------------------------------------------------- the ring window
 
 
+@pytest.mark.parametrize("keep_features", [True, False])
 @pytest.mark.parametrize("t,window", [(3, 8), (8, 8), (13, 4), (1, 1)])
-def test_ring_step_equals_the_shifting_step(t, window):
-    """Decoding from a ring of w slots gives the outputs of the shifting window, token after token."""
+def test_ring_step_equals_the_shifting_step(t, window, keep_features):
+    """Decoding from a ring of w slots gives the outputs of the shifting window, token after token,
+    whether the ring stores the window's key features or recomputes them on eviction."""
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     b, h, hk, d, f, n = 2, 6, 2, 4, 5, 12
-    xs = [r(b, h, t + n, d), r(b, hk, t + n, d), r(b, h, t + n, f).exp(), r(b, hk, t + n, f).exp(), r(b, hk, t + n, d)]
+    w_feat = r(d, f)
+    fmap = lambda x: torch.nn.functional.softplus(x @ w_feat)  # noqa: E731
+    q, k, v = r(b, h, t + n, d), r(b, hk, t + n, d), r(b, hk, t + n, d)
+    xs = [q, k, r(b, h, t + n, f).exp(), fmap(k), v]
     gamma = torch.sigmoid(r(h))
     key_mask = torch.ones(b, t, dtype=torch.bool)
     key_mask[1, : t // 2] = False  # left padding inside the prompt
     kw = dict(scale=0.5, softcap=None)
     _, state = ops.hybrid_attention_chunked(*(x[:, :, :t] for x in xs), gamma, window=window, **kw,
                                             output_final_state=True, key_mask=key_mask)
-    ring = ops.RingHybridState.from_state(state, window)
-    assert ring.keys.shape[2] == window
+    ring = ops.RingHybridState.from_state(state, window, keep_key_features=keep_features)
+    assert ring.keys.shape[2] == window and ring.key_features.shape[2] == (window if keep_features else 0)
     for i in range(t, t + n):
         one = [x[:, :, i : i + 1] for x in xs]
         ref, state = ops.hybrid_attention_step(*one, gamma, state, window=window, **kw)
-        out, ring = ops.hybrid_attention_step_ring(*one, gamma, ring, **kw)
+        out, ring = ops.hybrid_attention_step_ring(*one, gamma, ring, **kw, key_feature_map=fmap)
         assert torch.allclose(out, ref, atol=TOL, rtol=0), (out - ref).abs().max()
     assert torch.allclose(ring.linear, state.linear, atol=1e-9, rtol=0)
+
+
+def test_dropping_key_features_shrinks_the_state(tiny_model):
+    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
+    prompt = _ids(b=2, t=9)
+    lean, full = FastDecoder(model), FastDecoder(model, keep_key_features=True)
+    assert torch.equal(lean.generate(prompt, max_new_tokens=12), full.generate(prompt, max_new_tokens=12))
+    assert lean.timings["state_bytes"] < full.timings["state_bytes"]
 
 
 # --------------------------------------------------------------------------- the fast path = generate()
@@ -234,3 +247,18 @@ def test_bad_input_fails_with_one_line(tiny_model):
     gemma = linearize.convert(tiny_model("gemma3_text"), {"kind": "lolcats", "keep_softmax": [0]})
     with pytest.raises(LinearizeError, match="sliding-window"):
         FastDecoder(gemma)
+
+
+@pytest.mark.slow
+def test_compiled_step_compiles_once_and_decodes_the_same(tiny_model):
+    """torch.compile of the decode step: the same tokens, and no recompilation per token (a Python
+    counter changing every step would recompile it each time)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8}, dtype=torch.float32)
+    prompt = _ids(b=2, t=9)
+    eager = fast_generate(model, prompt, max_new_tokens=12)
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        assert torch.equal(fast_generate(model, prompt, max_new_tokens=12, compile=True), eager)
+        assert torch.equal(fast_generate(model, prompt, max_new_tokens=12, compile=True), eager)

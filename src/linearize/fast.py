@@ -95,10 +95,11 @@ class StaticStateLayer(RecurrentLayer):
         self.position = position  # 0-d long: tokens absorbed so far (shared by every layer)
 
     def store(self, state, n_tokens: int) -> None:
+        # ``seen`` stays as the prefill left it: the count lives on the device (``position``), and a
+        # Python counter would be frozen by a CUDA graph and recompile a compiled step every token
         if state is not self.state:  # an out-of-place step: copy into the buffers the graph reads
             for buf, new in zip(_state_tensors(self.state), _state_tensors(state)):
                 buf.copy_(new)
-        self.seen += n_tokens
 
 
 def _state_tensors(state):
@@ -175,13 +176,22 @@ class FastDecoder:
     """Decode a batch of prompts with fixed buffers and, on CUDA, one CUDA graph per step.
 
     ``cuda_graph``: None = on CUDA devices; False = run the step eagerly (the graph's twin).
+    ``keep_key_features``: keep the LoLCATs window's key features in the state (more memory) instead
+    of recomputing a key's features when it leaves the window (the default).
+    ``compile``: compile the decode step with ``torch.compile`` (fewer, fused kernels; the first
+    call pays the compilation).
     After each call, ``timings`` holds the seconds of prefill, setup (state buffers, graph capture)
     and decoding, the number of new tokens and the bytes of the decoding state.
     """
 
-    def __init__(self, model, *, cuda_graph: bool | None = None):
+    def __init__(self, model, *, cuda_graph: bool | None = None, keep_key_features: bool = False,
+                 compile: bool = False):
         _check_supported(model)
         self.model = model
+        self.keep_key_features = keep_key_features
+        # torch.compile fuses the step's many small kernels (feature maps, norms, window softmax);
+        # the prefill stays eager (its shapes change with every prompt)
+        self.step_forward = torch.compile(model.forward, dynamic=False) if compile else model.forward
         self.device = next(model.parameters()).device
         self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         if self.cuda_graph and self.device.type != "cuda":
@@ -200,7 +210,8 @@ class FastDecoder:
             if isinstance(layer, RecurrentLayer):
                 state = layer.state
                 if isinstance(state, ops.HybridState):
-                    state = ops.RingHybridState.from_state(state, self._window(i))
+                    state = ops.RingHybridState.from_state(state, self._window(i),
+                                                           keep_key_features=self.keep_key_features)
                 else:
                     state = state.clone()
                 layers.append(StaticStateLayer(state, position))
@@ -265,7 +276,7 @@ class FastDecoder:
             if has_kv:
                 kv_valid.index_fill_(1, position.view(1), True)
                 kv_mask.zero_().masked_fill_(~kv_valid[:, None, None, :], torch.finfo(dtype).min)
-            logits = self.model(token, attention_mask=kv_mask, position_ids=position_ids,
+            logits = self.step_forward(token, attention_mask=kv_mask, position_ids=position_ids,
                                 cache_position=position.view(1), past_key_values=static, use_cache=True).logits
             nxt = next_tokens(logits[:, -1], sampling)
             nxt = torch.where(finished, torch.full_like(nxt, pad), nxt)
@@ -349,7 +360,8 @@ def _as_list(x) -> list[int]:
 
 def fast_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int = 32, do_sample: bool = False,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
-                  eos_token_id=None, pad_token_id=None, streamer=None, cuda_graph: bool | None = None) -> torch.Tensor:
+                  eos_token_id=None, pad_token_id=None, streamer=None, cuda_graph: bool | None = None,
+                  compile: bool = False) -> torch.Tensor:
     """Generate with the fast path; returns ``[B, T + n]`` ids like ``generate()``.
 
     Defaults for ``eos_token_id`` / ``pad_token_id`` come from the model's generation config.
@@ -360,7 +372,7 @@ def fast_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int 
     if pad_token_id is None and gen is not None:
         pad_token_id = gen.pad_token_id
     sampling = Sampling(do_sample, temperature, top_k, top_p)
-    return FastDecoder(model, cuda_graph=cuda_graph).generate(
+    return FastDecoder(model, cuda_graph=cuda_graph, compile=compile).generate(
         input_ids, attention_mask, max_new_tokens=max_new_tokens, sampling=sampling,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer)
 

@@ -5,11 +5,12 @@ Each (model, path) pair is timed over batch sizes and generated lengths. Paths:
 - ``generate``: plain ``model.generate()`` (dynamic cache; the student's recurrent slots);
 - ``static``: ``generate(cache_implementation="static")``, the fastest softmax path transformers
   offers (on CUDA it compiles the forward for a static cache);
-- ``fast``: ``linearize.fast`` (static state buffers, the decode step as one CUDA graph).
+- ``fast``: ``linearize.fast`` (static state buffers, the decode step as one CUDA graph;
+  ``fast+compile`` with the step compiled by ``torch.compile``).
 
-For each size: a random prompt of ``prompt_len`` tokens, one untimed warm-up at the same size (it
-also pays compilation / graph capture), then the timed run generating exactly ``new_tokens``
-tokens. Prefill is timed alone; decode tokens/s counts the new tokens over the decode time.
+For each size: a random prompt of ``prompt_len`` tokens, one untimed warm-up at the same size (for
+the fast path a short one: its buffers and graph are made per call and timed apart from the
+decode loop), then the timed run generating exactly ``new_tokens`` tokens. Prefill is timed alone; decode tokens/s counts the new tokens over the decode time.
 Memory: the bytes the cache/state holds and, on CUDA, the peak allocated during the run. A size
 that runs out of memory is recorded and ends that pair's sweep over larger batches.
 """
@@ -75,7 +76,10 @@ def _generate_run(model, prompt, new_tokens, path):
     return prefill, max(total - prefill, 1e-9), cache_nbytes(out.past_key_values)
 
 
-def _fast_run(model, prompt, new_tokens, decoder):
+def _fast_run(model, prompt, new_tokens, decoder, warmup: bool = False):
+    if warmup:  # buffers and the graph are made per call: a short run warms the allocator and kernels
+        decoder.generate(prompt, max_new_tokens=min(new_tokens, 8), pad_token_id=0)
+        return None
     decoder.generate(prompt, max_new_tokens=new_tokens, pad_token_id=0)
     t = decoder.timings
     # the first token comes from the prefill's logits; the loop makes the other new_tokens - 1
@@ -85,7 +89,7 @@ def _fast_run(model, prompt, new_tokens, decoder):
 
 @torch.no_grad()
 def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, path: str = "generate",
-            seed: int = 0) -> DecodeRow:
+            seed: int = 0, compile: bool = False) -> DecodeRow:
     if path not in PATHS:
         raise LinearizeError(f"unknown path {path!r}: expected one of {', '.join(PATHS)}")
     device = next(model.parameters()).device
@@ -95,11 +99,12 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
         if path == "fast":
             from ..fast import FastDecoder
 
-            decoder = FastDecoder(model)
+            decoder = FastDecoder(model, compile=compile)
             run = lambda: _fast_run(model, prompt, new_tokens, decoder)  # noqa: E731
+            _fast_run(model, prompt, new_tokens, decoder, warmup=True)
         else:
             run = lambda: _generate_run(model, prompt, new_tokens, path)  # noqa: E731
-        run()  # warm-up at this size: compilation, graph capture, allocator
+            run()  # warm-up at this size: compilation (the static path's cache length), allocator
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         prefill, decode, held = run()
@@ -112,13 +117,16 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
                      batch * new_tokens / decode, 1000 * decode / new_tokens, held, peak)
 
 
-def sweep(entries, batches, lengths, prompt_len: int = 128) -> list[DecodeRow]:
-    """``entries``: (label, model, path) triples. Rows are printed as JSON lines as they come."""
+def sweep(entries, batches, lengths, prompt_len: int = 128, compile: bool = False) -> list[DecodeRow]:
+    """``entries``: (label, model, path) triples. Rows are printed as JSON lines as they come.
+    ``compile``: the fast path compiles its decode step (its row's path reads ``fast+compile``)."""
     rows = []
     for label, model, path in entries:
         for n in lengths:
             for b in batches:
-                row = measure(model, label, b, prompt_len, n, path)
+                row = measure(model, label, b, prompt_len, n, path, compile=compile and path == "fast")
+                if compile and path == "fast":
+                    row.path = "fast+compile"
                 rows.append(row)
                 print(json.dumps(asdict(row)), flush=True)
                 if row.note:

@@ -54,7 +54,8 @@ class LolcatsAttention(LinearAttention):
         if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
             g = self.geometry
             return ops.hybrid_attention_step_ring(q, k, qf, kf, v, self.window_weight(), state,
-                                                  scale=g.scaling, softcap=g.softcap)
+                                                  scale=g.scaling, softcap=g.softcap,
+                                                  key_feature_map=self.feature_map_k)
         return ops.hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
                                          key_mask=self.key_mask)
 

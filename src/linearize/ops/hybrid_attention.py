@@ -220,6 +220,10 @@ class RingHybridState(HybridState):
     new token can overwrite the oldest slot instead of shifting the window: every decode step then
     has the same shapes and touches the same buffers (what a CUDA graph needs). Empty slots hold
     zeros and ``valid = False``; ``slot`` (a 0-d long tensor) is the next slot to overwrite.
+
+    ``key_features`` may be empty (``[B, Hk, 0, F]``): the features of a key are then recomputed
+    from the key when it leaves the window, which saves their memory (half the window's state
+    with Hedgehog maps) at the price of one small feature map per layer and step.
     """
 
     slot: torch.Tensor | None = None
@@ -231,9 +235,10 @@ class RingHybridState(HybridState):
         return RingHybridState(*(fn(x) for x in self.tensors()[:5]), slot=self.slot.clone())
 
     @classmethod
-    def from_state(cls, state: HybridState, window: int) -> "RingHybridState":
+    def from_state(cls, state: HybridState, window: int, keep_key_features: bool = True) -> "RingHybridState":
         """A ring of ``window`` slots holding ``state``'s window (oldest first, empty slots in front):
-        the oldest slot is slot 0, so overwriting 0, 1, ... evicts tokens in the order they came."""
+        the oldest slot is slot 0, so overwriting 0, 1, ... evicts tokens in the order they came.
+        ``keep_key_features=False`` drops the window's key features (see the class)."""
         have = state.keys.shape[2]
         if have > window:
             raise ValueError(f"the state holds {have} window tokens, more than the window ({window})")
@@ -248,24 +253,36 @@ class RingHybridState(HybridState):
         keep = valid[:, None, :, None]
         keys, feats, values = (front(x, 2) * keep for x in (state.keys, state.key_features, state.values))
         slot = torch.zeros((), dtype=torch.long, device=state.keys.device)
+        if not keep_key_features:
+            feats = feats[:, :, :0]
         return cls(keys.contiguous(), feats.contiguous(), values.contiguous(), state.linear.clone(), valid.contiguous(),
                    slot=slot)
 
 
 def hybrid_attention_step_ring(
     q, k, qf, kf, v, gamma, state: RingHybridState, *, scale: float, softcap: float | None = None,
+    key_feature_map=None,
 ) -> tuple[torch.Tensor, RingHybridState]:
     """``hybrid_attention_step`` on a ring state, in place and with fixed shapes (no padding: every
     decoded token is real). The evicted slot's features and values join the linear state (an empty
-    slot adds zero), the new token takes its place. Returns ``(y [B, H, 1, D], state)``."""
+    slot adds zero), the new token takes its place. ``key_feature_map`` recomputes the evicted
+    key's features when the state keeps none. Returns ``(y [B, H, 1, D], state)``."""
     acc = state.linear.dtype
     n_kv = k.shape[1]
     idx = state.slot.view(1)
-    old_f = state.key_features.index_select(2, idx).to(acc)
+    stored = state.key_features.shape[2] > 0
+    if stored:
+        old_f = state.key_features.index_select(2, idx).to(acc)
+    else:
+        if key_feature_map is None:
+            raise ValueError("this ring state keeps no key features: pass key_feature_map")
+        old_valid = state.valid.index_select(1, idx)[:, None, :, None]  # an empty slot's zeros are not a key
+        old_f = key_feature_map(state.keys.index_select(2, idx)).to(acc) * old_valid
     old_v = _augment(state.values.index_select(2, idx).to(acc), True)
     state.linear.add_((old_f.transpose(-1, -2) @ old_v).unsqueeze(2))
     state.keys.index_copy_(2, idx, k.to(state.keys.dtype))
-    state.key_features.index_copy_(2, idx, kf.to(state.key_features.dtype))
+    if stored:
+        state.key_features.index_copy_(2, idx, kf.to(state.key_features.dtype))
     state.values.index_copy_(2, idx, v.to(state.values.dtype))
     state.valid.index_fill_(1, idx, True)
     state.slot.add_(1).remainder_(state.keys.shape[2])

@@ -160,7 +160,7 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
     converted = sorted(mixers(student))
     k = cfg.layers_per_block or len(converted)
     groups = [converted[i : i + k] for i in range(0, len(converted), k)]
-    start, steps = time.time(), 0
+    start, steps = _start_clock(), 0
     for b, group in enumerate(groups):
         stage_dir = out / "stage1" / (f"block-{b:02d}" if len(groups) > 1 else "joint")
         if (stage_dir / "done").exists():
@@ -184,14 +184,25 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
     return _timed({"blocks": len(groups), "steps": steps}, start, cfg)
 
 
+def _start_clock() -> float:
+    """A stage's start: its wall clock, and a fresh peak-memory count on CUDA."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    return time.time()
+
+
 def _timed(info: dict, start: float, cfg: LolcatsConfig) -> dict:
-    """Add a stage's wall time, training tokens and tokens/s to ``info`` (tokens over every process)."""
+    """Add a stage's wall time, training tokens, tokens/s (tokens over every process) and, on CUDA,
+    this process's peak allocated memory to ``info``."""
     import os
 
     seconds = time.time() - start
     world = int(os.environ.get("WORLD_SIZE", "1"))
     tokens = info["steps"] * cfg.batch_size * cfg.grad_accum * cfg.block_len * world
-    return {**info, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / max(seconds, 1e-9)}
+    info = {**info, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / max(seconds, 1e-9)}
+    if torch.cuda.is_available():
+        info["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    return info
 
 
 # --- stage 2 -------------------------------------------------------------------------------------
@@ -204,7 +215,7 @@ def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
         p.requires_grad_(False)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets, bias="none")
     peft_model = get_peft_model(student, lora)
-    start = time.time()
+    start = _start_clock()
     trainer = train(peft_model, train_ds, eval_ds, next_token_loss, cfg.stage_config("stage2", out / "stage2"),
                     stage="stage2", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
     info = _timed({"steps": trainer.state.global_step, "lora_targets": targets}, start, cfg)
@@ -299,8 +310,9 @@ def summary(results: dict, row: str = "lolcats") -> str:
     for stage in ("stage1", "stage2"):
         if stage in results:
             r = results[stage]
+            peak = f", peak {r['peak_gpu_bytes'] / 2**30:.2f} GiB" if "peak_gpu_bytes" in r else ""
             lines.append(f"  {stage}: {r['steps']} steps, {r['tokens']:,} tokens in {r['seconds']:.0f}s "
-                         f"({r['tokens_per_second']:,.0f} tok/s)")
+                         f"({r['tokens_per_second']:,.0f} tok/s{peak})")
     if "layer_mse_before" in results:
         b, a = results["layer_mse_before"], results["layer_mse_after"]
         mean = lambda d: sum(d.values()) / len(d)  # noqa: E731

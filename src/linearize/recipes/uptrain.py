@@ -123,6 +123,8 @@ def run(cfg: UptrainConfig) -> dict:
 
         # the transferred tensors come from the XATL record in the student's config
         callbacks.append(LitCallback(mode=cfg.freeze, threshold=cfg.lit_threshold, patience=cfg.lit_patience))
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
     start = time.time()
     steps_done = 0
     if cfg.new_weights_first:
@@ -142,6 +144,8 @@ def run(cfg: UptrainConfig) -> dict:
     seconds = time.time() - start
     tokens = steps_done * cfg.batch_size * cfg.grad_accum * cfg.block_len * trainer.args.world_size
     results["train"] = {"steps": steps_done, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds}
+    if torch.cuda.is_available():
+        results["train"]["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
     return finish(student, tok, out, results, cfg.sample_prompt)
 

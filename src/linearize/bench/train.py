@@ -1,0 +1,173 @@
+"""Training throughput: tokens/s of a full fine-tuning step (forward, backward, AdamW) of the
+teacher and of the students the uptraining recipes train, at several batch x length shapes.
+
+    python -m linearize.bench.train [--teacher default] [--models teacher supra t2r retnet striped_mamba]
+                                    [--shapes 16x1024 8x2048 2x8192] [--steps 10] [--out train.json]
+
+Every model trains all its weights, as in SUPRA uptraining and XATL with unfrozen transfer: fp32
+master weights with bf16 autocast on CUDA (the Trainer's ``bf16=True``), fp32 on CPU. Each shape
+gets ``--warmup`` untimed steps (compilation, fla autotuning, allocator) and ``--steps`` timed
+ones; tokens/s = batch x length x steps / seconds, with the peak memory on CUDA. A shape that runs
+out of memory is recorded as such. The ratio column compares each model with the teacher at the
+same shape: the SUPRA target is >= 0.8 at 16x1024 and >= 1.5 at 8k-token sequences; the XATL target
+is >= 1 at 2k and > 1 at 8k.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..errors import LinearizeError
+
+MODELS = ("teacher", "supra", "t2r", "lolcats", "retnet", "striped_mamba")
+
+
+@dataclass
+class TrainRow:
+    model: str
+    batch: int
+    length: int
+    tokens_per_s: float | None
+    ms_per_step: float | None
+    peak_bytes: int | None
+    ratio_to_teacher: float | None = None
+    note: str = ""
+
+
+def build(teacher, name: str, backend: str = "auto"):
+    """The model ``name`` trains, built from ``teacher`` (which stays untouched)."""
+    import linearize
+    from linearize.xatl import build_xatl
+
+    if name == "teacher":
+        import copy
+
+        return copy.deepcopy(teacher)
+    if name == "supra":
+        return linearize.convert(teacher, {"kind": "supra", "backend": backend})
+    if name == "t2r":
+        return linearize.convert(teacher, {"kind": "supra", "norm": "sum", "decay": "none", "backend": backend})
+    if name == "lolcats":
+        return linearize.convert(teacher, {"kind": "lolcats"})
+    if name in ("retnet", "striped_mamba"):
+        return build_xatl(teacher, name, backend=backend, seed=0)[0]
+    raise LinearizeError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def _step(model, optimizer, ids, autocast: bool):
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure(model, name: str, batch: int, length: int, steps: int, warmup: int) -> TrainRow:
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=cuda)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    try:
+        for _ in range(warmup):
+            _step(model, optimizer, ids, cuda)
+        if cuda:
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            _step(model, optimizer, ids, cuda)
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - start
+    except torch.OutOfMemoryError:
+        optimizer.zero_grad(set_to_none=True)
+        del optimizer
+        if cuda:
+            torch.cuda.empty_cache()
+        return TrainRow(name, batch, length, None, None, None, note="out of memory")
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    del optimizer
+    return TrainRow(name, batch, length, batch * length * steps / seconds, 1000 * seconds / steps, peak)
+
+
+def parse_shape(text: str) -> tuple[int, int]:
+    try:
+        b, t = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise LinearizeError(f"a shape is BATCHxLENGTH (e.g. 16x1024), not {text!r}") from None
+    if b < 1 or t < 2:
+        raise LinearizeError(f"shape {text!r}: batch must be >= 1 and length >= 2")
+    return b, t
+
+
+def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str = "auto") -> list[TrainRow]:
+    rows = []
+    for name in models:
+        model = build(teacher, name, backend)
+        for b, t in shapes:
+            row = measure(model, name, b, t, steps, warmup)
+            rows.append(row)
+            print(json.dumps(asdict(row)), flush=True)
+        del model
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    base = {(r.batch, r.length): r.tokens_per_s for r in rows if r.model == "teacher"}
+    for r in rows:
+        if r.tokens_per_s and base.get((r.batch, r.length)):
+            r.ratio_to_teacher = r.tokens_per_s / base[(r.batch, r.length)]
+    return rows
+
+
+def table(rows: list[TrainRow]) -> str:
+    lines = ["| model | batch x length | tokens/s | ms/step | peak GB | vs teacher |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        tok = "—" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}"
+        ms = "—" if r.ms_per_step is None else f"{r.ms_per_step:.1f}"
+        peak = "—" if r.peak_bytes is None else f"{r.peak_bytes / 2**30:.1f}"
+        ratio = "—" if r.ratio_to_teacher is None else f"{r.ratio_to_teacher:.2f}x"
+        lines.append(f"| {r.model} | {r.batch}x{r.length} | {tok} | {ms} | {peak} | {ratio} |" + (f" {r.note}" if r.note else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import linearize
+
+    p = argparse.ArgumentParser(prog="python -m linearize.bench.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--teacher", default=None, help="a teacher as in 'linearize convert' (default: embedded SmolLM2)")
+    p.add_argument("--models", nargs="+", default=["teacher", "supra", "t2r", "retnet", "striped_mamba"],
+                   choices=MODELS, help="what to train (default: %(default)s)")
+    p.add_argument("--shapes", nargs="+", default=["16x1024", "8x2048", "2x8192"],
+                   help="BATCHxLENGTH shapes (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=10, help="timed steps per shape (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "fla"], help="linear-attention backend")
+    p.add_argument("--device", default=None, help="default: cuda when available")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = p.parse_args(argv)
+    try:
+        shapes = [parse_shape(s) for s in args.shapes]
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        teacher, _ = linearize.load_teacher(args.teacher, dtype="float32", device=device)
+        rows = run(teacher, args.models, shapes, args.steps, args.warmup, args.backend)
+    except LinearizeError as e:
+        p.exit(2, f"linearize: error: {e}\n")
+    print(table(rows))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                       "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
