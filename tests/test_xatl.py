@@ -52,7 +52,8 @@ def _naive_linear_attention(q, k, v, *, log_decay=None, normalize=True, eps=1e-6
                                       initial_state=initial_state), None
 
 
-def _naive_scan(u, dt, A, B, C, D=None, *, chunk_size=64, initial_state=None, output_final_state=False):
+def _naive_scan(u, dt, A, B, C, D=None, *, chunk_size=64, initial_state=None, output_final_state=False,
+                backend="auto"):
     assert not output_final_state
     return ss.selective_scan_naive(u, dt, A, B, C, D, initial_state=initial_state), None
 
@@ -64,7 +65,7 @@ def _naive_conv(x, weight, bias=None, *, initial_state=None, output_final_state=
 
 def _use_naive_ops(monkeypatch):
     monkeypatch.setattr(ops, "linear_attention", _naive_linear_attention)
-    monkeypatch.setattr(mamba_module, "selective_scan_chunked", _naive_scan)
+    monkeypatch.setattr(mamba_module, "selective_scan", _naive_scan)
     monkeypatch.setattr(mamba_module, "causal_conv1d", _naive_conv)
 
 

@@ -119,3 +119,17 @@ def test_causal_conv1d_forms_agree(t, k, with_state):
     if not with_state:  # zero state = the usual left zero padding of nn.Conv1d
         torch_conv = F.conv1d(x, w, bias, padding=k - 1, groups=5)[..., :t]
         _close(fast, torch_conv)
+
+
+def test_triton_selective_scan_equals_the_pytorch_scan():
+    """The fused CUDA kernels, run on the CPU by Triton's interpreter: values and every gradient."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    here = Path(__file__).parent
+    done = subprocess.run([sys.executable, str(here / "triton_interpret_scan.py")], capture_output=True, text=True,
+                          timeout=600, env={**__import__("os").environ,
+                                            "PYTHONPATH": str(here.parent / "src")})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..ops.linear_attention import accum_dtype
-from ..ops.selective_scan import causal_conv1d, causal_conv1d_step, selective_scan_chunked, selective_scan_step
+from ..ops.selective_scan import causal_conv1d, causal_conv1d_step, selective_scan, selective_scan_step
 from .fresh import FreshMixer
 
 
@@ -94,8 +94,9 @@ class MambaMixer(FreshMixer):
             y, ssm_state = selective_scan_step(xc[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], self.D, ssm_state)
             y = y[:, None]
         else:
-            y, ssm_state = selective_scan_chunked(xc, dt, A, Bm, Cm, self.D, chunk_size=self.spec.chunk_size,
-                                                  initial_state=ssm_state, output_final_state=want_state)
+            y, ssm_state = selective_scan(xc, dt, A, Bm, Cm, self.D, chunk_size=self.spec.chunk_size,
+                                          initial_state=ssm_state, output_final_state=want_state,
+                                          backend=self.spec.backend)
         out = self.out_proj(y * F.silu(z))
         new_state = torch.cat([conv_state, ssm_state], dim=-1) if (step or want_state) else None
         return out, new_state

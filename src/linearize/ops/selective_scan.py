@@ -11,6 +11,8 @@ is ``[Dn]`` or None. State: one ``[B, Dn, N]`` tensor in the accumulation dtype 
 for float64 inputs).
 
 Three forms, equal up to rounding (the tests prove it in float64, values and gradients):
+On CUDA, ``selective_scan`` runs the fused Triton kernels of ``selective_scan_triton.py`` instead.
+
 ``selective_scan_naive`` (quadratic: every pair s <= t with its decay exp(sum_{s<r<=t} dt_r A),
 materialised; the reference), ``selective_scan_chunked`` (linear in T: a scan of ``chunk_size``
 steps run for every chunk at once, then a scan over chunks that carries the state between them;
@@ -152,6 +154,30 @@ def selective_scan_chunked(
     y = y + ((torch.exp(L) * starts[:, :, None]) * cc[:, :, :, None, :]).sum(-1)
     y = y.flatten(1, 2)[:, :t]
     return _skip(y, uu, D).to(u.dtype), (state if output_final_state else None)
+
+
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def selective_scan(
+    u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+    D: torch.Tensor | None = None, *, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False, backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The linear-time scan: the fused Triton kernels on CUDA (``backend`` auto/fla/triton, when
+    Triton is installed), else ``selective_scan_chunked``. Same contract as the latter."""
+    if backend != "torch" and u.is_cuda and triton_available():
+        from .selective_scan_triton import selective_scan_triton
+
+        return selective_scan_triton(u, dt, A, B, C, D, initial_state=initial_state,
+                                     output_final_state=output_final_state)
+    return selective_scan_chunked(u, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state,
+                                  output_final_state=output_final_state)
 
 
 # --------------------------------------------------------------------------- causal conv1d
