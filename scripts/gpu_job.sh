@@ -32,6 +32,6 @@ case "$job" in
     done ;;
   lolcats|supra|xatl) timeout ${JOB_TIMEOUT:-540} python3 -m linearize "$job" --teacher /tmp/stage/teacher.gguf \
       --budget gpu --out /tmp/runs/$job "$@" 2>&1 | grep -v "it/s]" | tee "$OUT/$job.log" | tail -40
-      cp /tmp/runs/$job/results.json /tmp/runs/$job/metrics.jsonl "$OUT/" 2>/dev/null ;;
+      cp /tmp/runs/$job/results.json /tmp/runs/$job/metrics.jsonl /tmp/runs/$job/layer_mse.png "$OUT/" 2>/dev/null ;;
   *) echo "unknown job $job"; exit 2 ;;
 esac
