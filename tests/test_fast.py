@@ -23,6 +23,8 @@ STUDENTS = [
     ("qwen3", {"kind": "lolcats", "window": 4, "feature_dim": 8}),
     ("gpt_neox", {"kind": "lolcats", "window": 4, "feature_dim": 8}),
     ("gpt_neox", {"kind": "supra"}),
+    ("gemma2", {"kind": "lolcats", "window": 4, "feature_dim": 8}),  # soft-capping, scaled embeddings
+    ("smollm3", {"kind": "supra"}),  # a layer without RoPE
 ]
 XATL = [("retnet", None), ("mamba", None), ("retnet", "xatl"), ("mamba", "xatl")]
 
@@ -147,6 +149,11 @@ def test_reachable_through_generate(tiny_model):
     assert torch.equal(model.generate(prompt, max_new_tokens=9, do_sample=False, pad_token_id=0, custom_generate=decode), ref)
     with pytest.raises(LinearizeError, match="num_beams"):
         model.generate(prompt, max_new_tokens=3, num_beams=2, custom_generate=decode)
+    with pytest.raises(LinearizeError, match="repetition_penalty"):
+        model.generate(prompt, max_new_tokens=3, repetition_penalty=1.3, custom_generate=decode)
+    torch.manual_seed(0)
+    sampled = model.generate(prompt, max_new_tokens=9, do_sample=True, top_k=1, pad_token_id=0, custom_generate=decode)
+    assert torch.equal(sampled, ref)  # top-k 1 through generate()'s config is greedy
 
 
 def test_eos_ends_a_sequence_and_pads_the_rest(tiny_model):

@@ -377,8 +377,12 @@ def fast_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int 
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer)
 
 
+# generation settings the fast loop does not implement, with the value that means "off"
 _UNSUPPORTED = {"num_beams": 1, "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "min_new_tokens": None,
-                "min_length": 0, "num_return_sequences": 1}
+                "min_length": 0, "num_return_sequences": 1, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+                "eta_cutoff": 0.0, "bad_words_ids": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+                "forced_bos_token_id": None, "forced_eos_token_id": None, "sequence_bias": None,
+                "guidance_scale": None, "encoder_repetition_penalty": 1.0, "exponential_decay_length_penalty": None}
 
 
 def decode(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
