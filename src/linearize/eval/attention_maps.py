@@ -67,15 +67,18 @@ def attention_map_plot(model, ids: torch.Tensor, out_png: str | Path, layers=Non
 
     maps = attention_weights(model, ids, layers)
     rows = [(layer, h) for layer in sorted(maps) for h in heads if h < maps[layer][0].shape[0]]
-    plt = _pyplot()
-    fig, axes = plt.subplots(len(rows), 2, figsize=(6, 2.8 * len(rows)), squeeze=False)
+    plt = _pyplot()  # one clear error when matplotlib is missing
+    from matplotlib.colors import PowerNorm
+
+    fig, axes = plt.subplots(len(rows), 2, figsize=(8, 3.8 * len(rows)), squeeze=False)
     for r, (layer, h) in enumerate(rows):
         teacher, mine = maps[layer]
         # the first queries have few keys and weights near 1: leave them out of the colour scale
         vmax = float(teacher[h][min(4, teacher.shape[1] - 1):].max())
         for c, (name, w) in enumerate((("teacher softmax", teacher), ("learned mixer", mine))):
             ax = axes[r][c]
-            ax.imshow(w[h].numpy(), cmap="viridis", vmin=0.0, vmax=vmax)
+            # a power scale: most weights are small next to the attention sink and the diagonal
+            ax.imshow(w[h].numpy(), cmap="viridis", norm=PowerNorm(0.4, vmin=0.0, vmax=vmax))
             ax.set_title(f"layer {layer} head {h}: {name}", fontsize=8)
             ax.set_xticks([])
             ax.set_yticks([])

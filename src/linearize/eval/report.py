@@ -154,9 +154,15 @@ def figures(records, runs, out_dir: Path, attention_maps: bool = False) -> list[
     return made
 
 
-SAMPLE = ("It was a bright cold day in April, and the clocks were striking thirteen. The old house at the end "
+# long enough (~170 tokens) that a 64-token window leaves older tokens to the linear attention
+SAMPLE = ("On the first warm morning of April the bells in the valley rang later than usual. The old house at the end "
           "of the lane had stood empty for years, and the children who passed it on their way to school walked "
-          "a little faster, as if something in its dark windows might follow them home.")
+          "a little faster, as if something in its dark windows might follow them home. Nobody in the village "
+          "remembered who had lived there last. The baker said a sea captain had built it and gone back to sea; "
+          "the schoolmistress said a family of musicians had left it in a single night, their piano still in the "
+          "parlour. Every spring the ivy climbed a little higher, and every autumn the wind took a few more tiles "
+          "from the roof, until one morning a removal van stopped at the gate and a woman in a green coat stepped "
+          "out, looked up at the house for a long moment, and took a key from her pocket.")
 
 
 def _attention_maps(records, out_dir: Path) -> list[tuple[str, Path]]:
@@ -170,7 +176,7 @@ def _attention_maps(records, out_dir: Path) -> list[tuple[str, Path]]:
         if not model_info.get("spec") or not source or not Path(source).is_dir():
             continue
         model, tokenizer = load(source, device="cpu", dtype="float32")
-        ids = tokenizer(SAMPLE, return_tensors="pt").input_ids[:, :64]
+        ids = tokenizer(SAMPLE, return_tensors="pt").input_ids[:, :160]
         n = model.config.num_hidden_layers
         run = training_run(record)
         name = model_info.get("name") or path.stem
