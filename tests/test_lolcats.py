@@ -45,6 +45,26 @@ def test_layer_by_layer_stage1(workspace, monkeypatch, tmp_path):
     assert all(res["layer_mse_after"][i] < res["layer_mse_before"][i] for i in range(3))
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_blocks_from_cached_inputs_train_like_recomputed_ones(workspace, monkeypatch, tmp_path, k):
+    """LoLCATs §3.3.2: a block trained on the teacher's cached hidden states sees exactly what it
+    sees when the earlier layers run at every step; the full layer list is back afterwards."""
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    curves, results = {}, {}
+    for how in ("cache", "recompute"):
+        results[how] = lolcats.run(_config(workspace, tmp_path / how, stages=("stage1",), layers_per_block=k,
+                                           stage1_steps=4, eval_steps=2, block_inputs=how))
+        rows = [json.loads(x) for x in (tmp_path / how / "metrics.jsonl").read_text().splitlines()]
+        curves[how] = [(r["stage"], r["step"], r.get("loss", r.get("eval_loss"))) for r in rows
+                       if "loss" in r or "eval_loss" in r]
+    assert [c[:2] for c in curves["cache"]] == [c[:2] for c in curves["recompute"]]
+    for (_, _, a), (_, _, b) in zip(curves["cache"], curves["recompute"]):
+        assert a == pytest.approx(b, rel=1e-4)
+    assert results["cache"]["layer_mse_after"] == pytest.approx(results["recompute"]["layer_mse_after"], rel=1e-4)
+    model, _ = linearize.load(tmp_path / "cache" / "final", device="cpu")
+    assert len(linearize.mixers(model)) == 3
+
+
 def test_resume_continues_the_same_run(workspace, monkeypatch, tmp_path):
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
     lolcats.run(_config(workspace, tmp_path / "a", stages=("stage2",), stage2_steps=20))

@@ -300,6 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--stage1-epochs", type=float, help="stage 1 epochs (paper: 2)")
     lc.add_argument("--layers-per-block", type=int, help="stage 1 in blocks of k layers (1: layer by layer; "
                     "default: all layers jointly); bounds memory by k layers")
+    lc.add_argument("--block-inputs", choices=["cache", "recompute"],
+                    help="block-wise stage 1: train each block on the teacher's hidden states entering it, "
+                         "computed once and kept in CPU memory (cache, the default, as LoLCATs), or run the "
+                         "earlier layers at every step (recompute: no host memory)")
     lc.add_argument("--mse-factor", type=float, help="stage 1 loss scale (LoLCATs: 1000)")
     lc.add_argument("--xent-factor", type=float, help="stage 1: add Hedgehog's cross-entropy on attention weights "
                     "with this weight (LoLCATs: 0; quadratic memory in the block length)")

@@ -53,7 +53,8 @@ def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_soft
 def mixers(model: nn.Module) -> dict[int, Mixer]:
     """The converted layers of a student, by layer index."""
     adapter = get_adapter(model.config)
-    return {i: m for i, layer in enumerate(adapter.layers(model)) if isinstance(m := adapter.attention(layer), Mixer)}
+    # keyed by the mixer's own index: a model may run a slice of its layers (block-wise training)
+    return {m.layer_idx: m for layer in adapter.layers(model) if isinstance(m := adapter.attention(layer), Mixer)}
 
 
 def spec_of(model: nn.Module) -> Spec | None:

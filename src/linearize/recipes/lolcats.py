@@ -5,6 +5,8 @@ gamma) train, so that every converted layer's output matches the teacher's softm
 same input: MSE between the two outputs of each layer (scaled by ``mse_factor``, 1000 as in the
 LoLCATs code), with the teacher's output passed on to the next layer. Jointly over all layers, or
 block by block (``layers_per_block = k``; k = 1 is layer by layer), which bounds memory by k layers.
+A block trains on the teacher's hidden states entering it, computed once and kept in CPU memory
+(LoLCATs §3.3.2; ``block_inputs="recompute"`` runs the earlier layers at every step instead).
 
 Stage 2 — low-rank linearizing. LoRA (r=8, alpha=16 on q/k/v/o by default) trained on next-token
 loss; the adapters are merged into the saved checkpoint unless ``merge`` is off.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -63,6 +66,7 @@ class LolcatsConfig:
     mse_factor: float = 1000.0
     xent_factor: float = 0.0  # > 0 adds Hedgehog's cross-entropy on attention weights (quadratic in T)
     layers_per_block: int | None = None  # None: all layers jointly
+    block_inputs: str = "cache"  # blocks train on cached teacher states entering them, or "recompute" them
     # stage 2
     stage2_lr: float = 1e-4
     stage2_epochs: float = 2.0
@@ -121,12 +125,87 @@ def _stop_after(student, layer: int):
     """Cut the forward after ``layer`` (single process only): later layers are not needed."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return None
-    block = get_adapter(student.config).layers(student)[layer]
+    block = mixers(student)[layer]  # its attention: the layer's own output is not needed either
 
     def hook(module, args, output):
         raise _StopForward
 
     return block.register_forward_hook(hook)
+
+
+class _CachedInputs(torch.utils.data.Dataset):
+    """Training blocks with the teacher's hidden states entering a block of layers."""
+
+    def __init__(self, blocks: torch.Tensor, hidden: torch.Tensor):
+        self.blocks, self.hidden = blocks, hidden
+
+    def __len__(self):
+        return len(self.blocks)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.blocks[i], "labels": self.blocks[i], "hidden": self.hidden[i]}
+
+
+@torch.no_grad()
+def _inputs_of(student, layer: torch.nn.Module, blocks: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """The hidden states entering ``layer`` for every block (teacher-forced), on the CPU."""
+    device = next(student.parameters()).device
+    found = []
+
+    def grab(module, args, kwargs):
+        found.append((args[0] if args else kwargs["hidden_states"]).cpu())
+        raise _StopForward
+
+    handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for s in range(0, len(blocks), batch_size):
+            try:
+                student(input_ids=blocks[s : s + batch_size].to(device), use_cache=False)
+            except _StopForward:
+                pass
+    finally:
+        handle.remove()
+    return torch.cat(found)
+
+
+def _feeding(loss_fn, feed):
+    def loss(model, batch):
+        feed(batch)
+        return loss_fn(model, batch)
+    return loss
+
+
+def _keep_layers(layer_list: torch.nn.ModuleList, modules) -> None:
+    for key in list(layer_list._modules):
+        del layer_list._modules[key]
+    for i, module in enumerate(modules):
+        layer_list.add_module(str(i), module)
+
+
+@contextmanager
+def _block_from_cache(student, first: int, last: int, train_ds, eval_ds, batch_size: int):
+    """Layers ``first..last`` alone, fed the teacher's hidden states entering ``first``, computed
+    once (LoLCATs §3.3.2): the earlier layers do not run while the block trains. Yields the
+    datasets with those states and ``feed``, which the loss calls with each batch."""
+    layer_list = get_adapter(student.config).layers(student)
+    saved = list(layer_list)
+    entry = saved[first]
+    train = _CachedInputs(train_ds.blocks, _inputs_of(student, entry, train_ds.blocks, batch_size))
+    evals = None if eval_ds is None else _CachedInputs(eval_ds.blocks, _inputs_of(student, entry, eval_ds.blocks, batch_size))
+    current = {}
+
+    def inject(module, args, kwargs):
+        ref = kwargs.get("hidden_states", args[0] if args else None)
+        hidden = current["hidden"].to(device=ref.device, dtype=ref.dtype)
+        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+
+    handle = entry.register_forward_pre_hook(inject, with_kwargs=True)
+    _keep_layers(layer_list, saved[first : last + 1])
+    try:
+        yield train, evals, lambda batch: current.update(hidden=batch["hidden"])
+    finally:
+        handle.remove()
+        _keep_layers(layer_list, saved)
 
 
 def _freeze_all_but(student, layers: set[int]) -> None:
@@ -169,14 +248,19 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
         for i in group:
             mixers(student)[i].with_xent = cfg.xent_factor > 0
         _freeze_all_but(student, set(group))
-        hook = _stop_after(student, group[-1])
-        try:
-            trainer = train(student, train_ds, eval_ds, attention_transfer_loss(group, cfg.mse_factor, cfg.xent_factor),
-                            cfg.stage_config("stage1", stage_dir), stage=f"stage1[{b}]",
-                            resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
-        finally:
+        loss = attention_transfer_loss(group, cfg.mse_factor, cfg.xent_factor)
+        with ExitStack() as stack:
+            block_train, block_eval = train_ds, eval_ds
+            if len(groups) > 1 and cfg.block_inputs == "cache":
+                block_train, block_eval, feed = stack.enter_context(
+                    _block_from_cache(student, group[0], group[-1], train_ds, eval_ds, cfg.batch_size))
+                loss = _feeding(loss, feed)
+            hook = _stop_after(student, group[-1])
             if hook is not None:
-                hook.remove()
+                stack.callback(hook.remove)
+            trainer = train(student, block_train, block_eval, loss, cfg.stage_config("stage1", stage_dir),
+                            stage=f"stage1[{b}]", resume=True if cfg.resume else None,
+                            metrics_path=out / "metrics.jsonl")
         steps += trainer.state.global_step
         if is_main_process():
             (stage_dir / "done").write_text("ok\n")
