@@ -26,7 +26,7 @@ case "$job" in
   memory) for k in joint 5 1; do  # LoLCATs stage 1 peak memory: all layers jointly vs blocks of k layers
       extra=(); [ "$k" = joint ] || extra=(--layers-per-block $k)
       timeout ${JOB_TIMEOUT:-150} python3 -m linearize lolcats --teacher /tmp/stage/teacher.gguf --budget gpu \
-        --rows stage1-only --stage1-steps ${STEPS:-5} --eval-steps 1000 "${extra[@]}" --out /tmp/runs/mem-$k "$@" 2>&1 \
+        --rows stage1-only --stage1-steps ${STEPS:-5} --eval-steps 1000 --train-blocks 64 "${extra[@]}" --out /tmp/runs/mem-$k "$@" 2>&1 \
         | grep -v "it/s]" | tail -4
       cp /tmp/runs/mem-$k/stage1-only/results.json "$OUT/memory-$k.json" 2>/dev/null
     done ;;

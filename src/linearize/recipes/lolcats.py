@@ -146,25 +146,42 @@ class _CachedInputs(torch.utils.data.Dataset):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i], "hidden": self.hidden[i]}
 
 
+def _injecting(layer: torch.nn.Module, current: dict):
+    """Make ``layer`` take ``current["hidden"]`` as its input hidden states (a forward pre-hook)."""
+    def inject(module, args, kwargs):
+        ref = kwargs.get("hidden_states", args[0] if args else None)
+        hidden = current["hidden"].to(device=ref.device, dtype=ref.dtype)
+        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
+    return layer.register_forward_pre_hook(inject, with_kwargs=True)
+
+
 @torch.no_grad()
-def _inputs_of(student, layer: torch.nn.Module, blocks: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """The hidden states entering ``layer`` for every block (teacher-forced), on the CPU."""
+def _inputs_of(student, layer: torch.nn.Module, blocks: torch.Tensor, batch_size: int, start=None) -> torch.Tensor:
+    """The hidden states entering ``layer`` for every block (teacher-forced), on the CPU.
+
+    ``start = (module, hidden)``: begin at ``module`` from those cached states rather than at the
+    embeddings (the model's layer list must then begin at ``module``)."""
     device = next(student.parameters()).device
-    found = []
+    found, current = [], {}
 
     def grab(module, args, kwargs):
         found.append((args[0] if args else kwargs["hidden_states"]).cpu())
         raise _StopForward
 
-    handle = layer.register_forward_pre_hook(grab, with_kwargs=True)
+    handles = [layer.register_forward_pre_hook(grab, with_kwargs=True)]
+    if start is not None:
+        handles.append(_injecting(start[0], current))
     try:
         for s in range(0, len(blocks), batch_size):
+            if start is not None:
+                current["hidden"] = start[1][s : s + batch_size]
             try:
                 student(input_ids=blocks[s : s + batch_size].to(device), use_cache=False)
             except _StopForward:
                 pass
     finally:
-        handle.remove()
+        for h in handles:
+            h.remove()
     return torch.cat(found)
 
 
@@ -183,26 +200,33 @@ def _keep_layers(layer_list: torch.nn.ModuleList, modules) -> None:
 
 
 @contextmanager
-def _block_from_cache(student, first: int, last: int, train_ds, eval_ds, batch_size: int):
+def _block_from_cache(student, first: int, last: int, train_ds, eval_ds, batch_size: int, previous=None):
     """Layers ``first..last`` alone, fed the teacher's hidden states entering ``first``, computed
-    once (LoLCATs §3.3.2): the earlier layers do not run while the block trains. Yields the
-    datasets with those states and ``feed``, which the loss calls with each batch."""
+    once (LoLCATs §3.3.2): the earlier layers do not run while the block trains. ``previous`` (what
+    the previous block yielded as its record) lets those states come from the previous block's
+    cached inputs through its layers only, so caching every block costs one teacher forward.
+    Yields the datasets with the states, ``feed`` (the loss calls it with each batch) and the record."""
     layer_list = get_adapter(student.config).layers(student)
     saved = list(layer_list)
     entry = saved[first]
-    train = _CachedInputs(train_ds.blocks, _inputs_of(student, entry, train_ds.blocks, batch_size))
-    evals = None if eval_ds is None else _CachedInputs(eval_ds.blocks, _inputs_of(student, entry, eval_ds.blocks, batch_size))
+    sets = [("train", train_ds), ("eval", eval_ds)]
+    if previous is None:
+        hidden = {name: _inputs_of(student, entry, ds.blocks, batch_size) for name, ds in sets if ds is not None}
+    else:
+        start, before = previous[0], previous[1]
+        _keep_layers(layer_list, saved[start : first + 1])
+        try:
+            hidden = {name: _inputs_of(student, entry, ds.blocks, batch_size, start=(saved[start], before[name]))
+                      for name, ds in sets if ds is not None}
+        finally:
+            _keep_layers(layer_list, saved)
+    train = _CachedInputs(train_ds.blocks, hidden["train"])
+    evals = None if eval_ds is None else _CachedInputs(eval_ds.blocks, hidden["eval"])
     current = {}
-
-    def inject(module, args, kwargs):
-        ref = kwargs.get("hidden_states", args[0] if args else None)
-        hidden = current["hidden"].to(device=ref.device, dtype=ref.dtype)
-        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
-
-    handle = entry.register_forward_pre_hook(inject, with_kwargs=True)
+    handle = _injecting(entry, current)
     _keep_layers(layer_list, saved[first : last + 1])
     try:
-        yield train, evals, lambda batch: current.update(hidden=batch["hidden"])
+        yield train, evals, lambda batch: current.update(hidden=batch["hidden"]), (first, hidden)
     finally:
         handle.remove()
         _keep_layers(layer_list, saved)
@@ -240,9 +264,11 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
     k = cfg.layers_per_block or len(converted)
     groups = [converted[i : i + k] for i in range(0, len(converted), k)]
     start, steps = _start_clock(), 0
+    previous = None  # the previous block's cached inputs, from which the next block's are made
     for b, group in enumerate(groups):
         stage_dir = out / "stage1" / (f"block-{b:02d}" if len(groups) > 1 else "joint")
         if (stage_dir / "done").exists():
+            previous = None
             continue  # resumed run: this block finished before
         _set_modes(student, set(group))
         for i in group:
@@ -252,8 +278,8 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
         with ExitStack() as stack:
             block_train, block_eval = train_ds, eval_ds
             if len(groups) > 1 and cfg.block_inputs == "cache":
-                block_train, block_eval, feed = stack.enter_context(
-                    _block_from_cache(student, group[0], group[-1], train_ds, eval_ds, cfg.batch_size))
+                block_train, block_eval, feed, previous = stack.enter_context(
+                    _block_from_cache(student, group[0], group[-1], train_ds, eval_ds, cfg.batch_size, previous))
                 loss = _feeding(loss, feed)
             hook = _stop_after(student, group[-1])
             if hook is not None:
