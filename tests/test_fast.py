@@ -269,3 +269,20 @@ def test_compiled_step_compiles_once_and_decodes_the_same(tiny_model):
     with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
         assert torch.equal(fast_generate(model, prompt, max_new_tokens=12, compile=True), eager)
         assert torch.equal(fast_generate(model, prompt, max_new_tokens=12, compile=True), eager)
+
+
+def test_info_reports_the_fast_state(tiny_model):
+    """``linearize info``'s figure for the fast path is what the fast decoder's converted layers hold
+    (their ring buffers, less the one-byte validity flags and the slot counters)."""
+    from linearize.fast import StaticKVLayer
+    from linearize.info import state_bytes
+
+    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8}, dtype=torch.float32)
+    dec = FastDecoder(model)
+    prompt = _ids(b=1, t=6)
+    _, cache = dec._prefill(prompt, torch.ones_like(prompt))
+    static = dec._static_cache(cache, 10, torch.tensor(6))
+    held = sum(x.numel() * x.element_size() for layer in static.layers if not isinstance(layer, StaticKVLayer)
+               for x in layer.state.tensors()[:4])
+    info = state_bytes(model)
+    assert info["fast_fixed"] == held < info["fixed"]

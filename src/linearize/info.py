@@ -20,18 +20,20 @@ def _runs(labels: list[str]) -> str:
 
 
 def state_bytes(model) -> dict[str, int]:
-    """Decoding memory per sequence: fixed bytes of the linear layers, bytes per token of softmax layers."""
+    """Decoding memory per sequence: fixed bytes of the linear layers (``fast_fixed``: under
+    ``linearize.fast``), bytes per token of softmax layers."""
     dtype = next(model.parameters()).dtype
     adapter = get_adapter(model.config)
     converted = mixers(model)
     fixed = sum(m.state_bytes(dtype) for m in converted.values())
+    fast = sum(m.fast_state_bytes(dtype) for m in converted.values())
     per_token = 0
     for i, layer in enumerate(adapter.layers(model)):
         if i not in converted:
             attn = adapter.attention(layer)
             g = adapter.geometry(attn, model.config)
             per_token += 2 * g.n_kv_heads * g.head_dim * torch.tensor([], dtype=dtype).element_size()
-    return {"fixed": fixed, "per_token": per_token}
+    return {"fixed": fixed, "per_token": per_token, "fast_fixed": fast}
 
 
 def describe(model) -> str:
@@ -55,4 +57,6 @@ def describe(model) -> str:
         f"decode state: {mem['fixed']:,} bytes per sequence fixed"
         + (f" + {mem['per_token']:,} bytes per token (softmax layers)" if mem["per_token"] else " (constant in length)"),
     ]
+    if mem["fast_fixed"] != mem["fixed"]:
+        lines.append(f"              {mem['fast_fixed']:,} bytes fixed under linearize.fast (window key features recomputed)")
     return "\n".join(lines)

@@ -140,6 +140,10 @@ class Mixer(nn.Module):
         """Bytes of decoding state one sequence holds in this layer (constant in length)."""
         raise NotImplementedError
 
+    def fast_state_bytes(self, dtype: torch.dtype) -> int:
+        """The same under ``linearize.fast`` (which may keep less)."""
+        return self.state_bytes(dtype)
+
     def extra_repr(self) -> str:
         g = self.geometry
         return f"layer={self.layer_idx}, heads={g.n_heads}, kv_heads={g.n_kv_heads}, head_dim={g.head_dim}"

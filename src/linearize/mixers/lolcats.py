@@ -59,8 +59,12 @@ class LolcatsAttention(LinearAttention):
         return ops.hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
                                          key_mask=self.key_mask)
 
-    def state_bytes(self, dtype):
+    def state_bytes(self, dtype, key_features: bool = True):
         g = self.geometry
         elem = torch.tensor([], dtype=dtype).element_size()
-        window = self.spec.window * g.n_kv_heads * (2 * g.head_dim + self.feature_map_k.out_dim) * elem
+        per_token = 2 * g.head_dim + (self.feature_map_k.out_dim if key_features else 0)
+        window = self.spec.window * g.n_kv_heads * per_token * elem
         return window + g.n_kv_heads * self.feature_map_k.out_dim * (g.head_dim + 1) * 4
+
+    def fast_state_bytes(self, dtype):
+        return self.state_bytes(dtype, key_features=False)  # the fast path recomputes them on eviction
