@@ -32,8 +32,15 @@ def finish(student, tokenizer, out: Path, results: dict, prompt: str) -> dict:
     save(student, tokenizer, out / "final")
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(next(student.parameters()).device)
     with torch.no_grad():
-        # long enough to run past a LoLCATs window (64), where the linear attention takes over
-        sample = student.generate(ids, max_new_tokens=80, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        # long enough to run past a LoLCATs window (64), where the linear attention takes over;
+        # through the fast decoder (the same greedy tokens as generate()) where it applies
+        from ..errors import LinearizeError
+        from ..fast import fast_generate
+
+        try:
+            sample = fast_generate(student, ids, max_new_tokens=80, pad_token_id=tokenizer.pad_token_id)
+        except LinearizeError:
+            sample = student.generate(ids, max_new_tokens=80, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     results["sample"] = tokenizer.decode(sample[0, ids.shape[1]:], skip_special_tokens=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     return results
