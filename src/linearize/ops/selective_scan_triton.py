@@ -28,6 +28,15 @@ BLOCK_D = 32
 
 
 @triton.jit
+def _inputs(u_ptr, dt_ptr, b_ptr, row, DN, N, d, n, dm, nm):
+    """Token ``row``'s inputs u_t, dt_t (this block's channels) and B_t, in fp32."""
+    u = tl.load(u_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
+    bt = tl.load(b_ptr + row * N + n, mask=nm, other=0.0).to(tl.float32)
+    return u, dt, bt
+
+
+@triton.jit
 def _scan_fwd(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, h0_ptr, y_ptr, ckpt_ptr, hT_ptr,
               T, DN, N, n_chunks,
               HAS_D: tl.constexpr, HAS_H0: tl.constexpr, CHUNK: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
@@ -49,9 +58,7 @@ def _scan_fwd(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, h0_ptr, y_ptr, ckpt_ptr
         if t % CHUNK == 0:
             tl.store(ckpt_ptr + (bi * n_chunks + t // CHUNK) * DN * N + tile, h, mask=m2)
         row = bi * T + t
-        u = tl.load(u_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
-        bt = tl.load(b_ptr + row * N + n, mask=nm, other=0.0).to(tl.float32)
+        u, dt, bt = _inputs(u_ptr, dt_ptr, b_ptr, row, DN, N, d, n, dm, nm)
         ct = tl.load(c_ptr + row * N + n, mask=nm, other=0.0).to(tl.float32)
         h = tl.exp(dt[:, None] * a) * h + (dt * u)[:, None] * bt[None, :]
         y = tl.sum(h * ct[None, :], axis=1)
@@ -93,9 +100,7 @@ def _scan_bwd(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, ckpt_ptr, dy_ptr, dhT_p
             t = j * CHUNK + i
             if t < T:
                 row = bi * T + t
-                u = tl.load(u_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
-                dt = tl.load(dt_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
-                bt = tl.load(b_ptr + row * N + n, mask=nm, other=0.0).to(tl.float32)
+                u, dt, bt = _inputs(u_ptr, dt_ptr, b_ptr, row, DN, N, d, n, dm, nm)
                 h = tl.exp(dt[:, None] * a) * h + (dt * u)[:, None] * bt[None, :]
                 tl.store(scratch + i * BD * BN + local, h)
         tl.debug_barrier()
@@ -104,9 +109,7 @@ def _scan_bwd(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, ckpt_ptr, dy_ptr, dhT_p
             t = j * CHUNK + i
             if t < T:
                 row = bi * T + t
-                u = tl.load(u_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
-                dt = tl.load(dt_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
-                bt = tl.load(b_ptr + row * N + n, mask=nm, other=0.0).to(tl.float32)
+                u, dt, bt = _inputs(u_ptr, dt_ptr, b_ptr, row, DN, N, d, n, dm, nm)
                 ct = tl.load(c_ptr + row * N + n, mask=nm, other=0.0).to(tl.float32)
                 dy = tl.load(dy_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
                 h_t = tl.load(scratch + i * BD * BN + local)
