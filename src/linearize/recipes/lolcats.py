@@ -365,7 +365,8 @@ def run(cfg: LolcatsConfig) -> dict:
     seconds = sum(s["seconds"] for s in stages)
     tokens = sum(s["tokens"] for s in stages)
     results["train"] = {"steps": sum(s["steps"] for s in stages), "seconds": seconds, "tokens": tokens,
-                        "tokens_per_second": tokens / max(seconds, 1e-9)}
+                        "tokens_per_second": tokens / max(seconds, 1e-9),
+                        "epochs": tokens / max(results["train_tokens_per_epoch"], 1)}  # passes over the corpus, both stages
     return finish(student, tok, out, results, cfg.sample_prompt)
 
 

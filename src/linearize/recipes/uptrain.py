@@ -108,7 +108,8 @@ def run(cfg: UptrainConfig) -> dict:
     torch.manual_seed(cfg.seed)
     teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
     train_ds, eval_ds, eval_blocks = datasets(cfg, tok)
-    results: dict = {"config": asdict(cfg), "eval_tokens": eval_blocks.numel(), "perplexity": {}}
+    results: dict = {"config": asdict(cfg), "train_tokens_per_epoch": train_ds.blocks.numel(),
+                     "eval_tokens": eval_blocks.numel(), "perplexity": {}}
     results["perplexity"]["teacher"] = perplexity(teacher, eval_blocks)
     student, groups, report = _build(teacher, cfg)
     if report is not None:
@@ -143,7 +144,8 @@ def run(cfg: UptrainConfig) -> dict:
     steps_done += trainer.state.global_step
     seconds = time.time() - start
     tokens = steps_done * cfg.batch_size * cfg.grad_accum * cfg.block_len * trainer.args.world_size
-    results["train"] = {"steps": steps_done, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds}
+    results["train"] = {"steps": steps_done, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
+                        "epochs": tokens / max(results["train_tokens_per_epoch"], 1)}  # passes over the corpus
     if torch.cuda.is_available():
         results["train"]["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
     results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
@@ -154,7 +156,7 @@ def summary(results: dict, label: str) -> str:
     lines = [f"[{label}] held-out perplexity ({results['eval_tokens']:,} tokens)"]
     lines += [f"  {k:<28} {v:10.2f}" for k, v in results["perplexity"].items()]
     t = results["train"]
-    lines.append(f"  trained {t['steps']} steps, {t['tokens']:,} tokens in {t['seconds']:.0f}s "
-                 f"({t['tokens_per_second']:,.0f} tok/s)")
+    lines.append(f"  trained {t['steps']} steps, {t['tokens']:,} tokens ({t['epochs']:.2f} epochs of the corpus) in "
+                 f"{t['seconds']:.0f}s ({t['tokens_per_second']:,.0f} tok/s)")
     lines.append(f"  sample (recurrent decoding): {results['sample']!r}")
     return "\n".join(lines)
