@@ -17,6 +17,9 @@ for kind in ${KINDS:-lolcats supra}; do
     --new-tokens ${LENGTHS:-1024 4096 32768} --prompt-len 128 --out "$OUT/bench_${kind}_fast.json" --plots "$OUT/plots_$kind" \
     | tee "$OUT/bench_${kind}_fast.md" | tail -20
 done
+# the decode step compiled (torch.compile fuses the step's ~2,500 small kernels; compiling costs minutes)
+bench /tmp/ckpt/lolcats --teacher none --paths fast --compile --batch-sizes ${BATCHES_COMPILE:-1 256} \
+  --new-tokens ${LENGTHS_COMPILE:-1024} --prompt-len 128 --out "$OUT/bench_lolcats_compiled.json" | tail -6
 for ctx in ${CONTEXTS:-1024 4096}; do
   bench $T --teacher none --paths generate --batch-sizes ${BATCHES:-1 16 256 1024} --new-tokens 64 \
     --prompt-len $ctx --out "$OUT/bench_teacher_generate_$ctx.json" | tee "$OUT/bench_teacher_generate_$ctx.md" | tail -8
