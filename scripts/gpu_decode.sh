@@ -7,7 +7,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 T=/tmp/stage/teacher.gguf
-timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_decode.py 2>&1 | tee "$OUT/decode_tests.txt" | tail -5
+timeout ${TEST_TIMEOUT:-200} python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_kernels.py 2>&1 | tee "$OUT/decode_tests.txt" | tail -5
 for kind in ${KINDS:-lolcats supra}; do
   [ -d /tmp/ckpt/$kind ] || python3 -m linearize convert --teacher $T --kind $kind --out /tmp/ckpt/$kind --dtype bfloat16 2>&1 | tail -2
 done

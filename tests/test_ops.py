@@ -200,3 +200,17 @@ def test_hybrid_left_padding_is_invisible(window):
     _, s_alone = ops.hybrid_attention_chunked(*(x[1:, :, pad:] for x in xs), gamma, **kw, output_final_state=True)
     step_alone, _ = ops.hybrid_attention_step(*(x[1:] for x in nxt), gamma, s_alone, **kw)
     _close(step_padded, step_alone)
+
+
+def test_triton_hybrid_decode_step_equals_the_ring_step():
+    """The fused CUDA kernel of the LoLCATs decode step, run on the CPU by Triton's interpreter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    here = Path(__file__).parent
+    done = subprocess.run([sys.executable, str(here / "triton_interpret_hybrid.py")], capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHONPATH": str(here.parent / "src")})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -6,19 +6,8 @@ import os
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 
 import torch  # noqa: E402
-import triton.runtime.interpreter as interpreter  # noqa: E402
 
-# Triton 3.6's interpreter converts 1-element arrays with int(), which NumPy >= 2.4 refuses
-_patch = interpreter._patch_lang_tensor
-
-
-def _patch_lang_tensor(tensor, scope):
-    _patch(tensor, scope)
-    scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-
-interpreter._patch_lang_tensor = _patch_lang_tensor
-
+import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 from linearize.ops.selective_scan import selective_scan_chunked  # noqa: E402
 from linearize.ops.selective_scan_triton import CHUNK, BLOCK_D, selective_scan_triton  # noqa: E402
 

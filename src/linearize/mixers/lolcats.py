@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..ops.selective_scan import triton_available
 from .linear import LinearAttention
 
 INIT_WINDOW_WEIGHT = 0.1
@@ -53,6 +54,13 @@ class LolcatsAttention(LinearAttention):
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
         if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
             g = self.geometry
+            if q.is_cuda and state.key_features.shape[2] == 0 and triton_available():
+                from ..ops.hybrid_step_triton import hybrid_step_ring_triton
+
+                evicted = self.feature_map_k(state.keys.index_select(2, state.slot.view(1)))
+                y = hybrid_step_ring_triton(q, k, qf, v, self.window_weight(), evicted, state,
+                                            scale=g.scaling, softcap=g.softcap)
+                return y, state
             return ops.hybrid_attention_step_ring(q, k, qf, kf, v, self.window_weight(), state,
                                                   scale=g.scaling, softcap=g.softcap,
                                                   key_feature_map=self.feature_map_k)

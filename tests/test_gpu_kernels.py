@@ -1,0 +1,58 @@
+"""Our Triton kernels against their PyTorch twins on CUDA (skipped elsewhere): the selective scan
+and the LoLCATs decode step."""
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_triton_scan_equals_torch_scan_on_cuda(dtype, tol):
+    from linearize.ops.selective_scan import selective_scan_chunked
+    from linearize.ops.selective_scan_triton import selective_scan_triton
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, t, dn, n = 2, 300, 1152, 16  # StripedMamba's width for SmolLM2 (expand 2 x 576)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    ins = [r(b, t, dn), torch.nn.functional.softplus(r(b, t, dn)) * 0.1, -torch.exp(r(dn, n)), r(b, t, n),
+           r(b, t, n), r(dn), r(b, dn, n) * 0.1]
+    w = r(b, t, dn)
+    out = {}
+    for name, fn in (("torch", lambda *a, **k: selective_scan_chunked(*a, **k, chunk_size=64)),
+                     ("triton", selective_scan_triton)):
+        xs = [x.double() if name == "torch" else x.to(dtype) for x in ins]
+        xs = [x.detach().requires_grad_(True) for x in xs]
+        y, h = fn(*xs[:6], initial_state=xs[6], output_final_state=True)
+        grads = torch.autograd.grad((y.double() * w).sum() + h.double().sum(), xs)
+        out[name] = [y, h, *grads]
+    for a, e in zip(out["triton"], out["torch"]):
+        assert ((a.double() - e).norm() / e.norm()).item() < tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_triton_hybrid_step_equals_the_ring_step_on_cuda(dtype, tol):
+    from linearize import ops
+    from linearize.ops.hybrid_step_triton import hybrid_step_ring_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, hk, d, f, window, t, n = 4, 9, 3, 64, 128, 64, 100, 80  # SmolLM2's shape, Hedgehog features
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    w_feat = r(d, f // 2) * 0.1
+    fmap = lambda x: torch.cat([torch.softmax(x @ w_feat, -1), torch.softmax(-x @ w_feat, -1)], -1)  # noqa: E731
+    q, k, v = r(b, h, t + n, d).to(dtype), r(b, hk, t + n, d).to(dtype), r(b, hk, t + n, d).to(dtype)
+    xs = [q, k, fmap(q.float()).to(dtype), fmap(k.float()).to(dtype), v]
+    gamma = torch.sigmoid(r(h))
+    kw = dict(scale=d ** -0.5, softcap=None)
+    _, state = ops.hybrid_attention_chunked(*(x[:, :, :t] for x in xs), gamma, window=window, **kw,
+                                            output_final_state=True)
+    ref = ops.RingHybridState.from_state(state, window, keep_key_features=False)
+    mine = ref.map(lambda x: x.clone())
+    for i in range(t, t + n):
+        qq, kk, qf, _, vv = (x[:, :, i : i + 1] for x in xs)
+        want, ref = ops.hybrid_attention_step_ring(qq, kk, qf, None, vv, gamma, ref, **kw,
+                                                   key_feature_map=lambda x: fmap(x.float()).to(dtype))
+        old = fmap(mine.keys.index_select(2, mine.slot.view(1)).float()).to(dtype)
+        got = hybrid_step_ring_triton(qq, kk, qf, vv, gamma, old, mine, **kw)
+        assert ((got.double() - want.double()).norm() / want.double().norm()).item() < tol
