@@ -56,3 +56,22 @@ def test_triton_hybrid_step_equals_the_ring_step_on_cuda(dtype, tol):
         old = fmap(mine.keys.index_select(2, mine.slot.view(1)).float()).to(dtype)
         got = hybrid_step_ring_triton(qq, kk, qf, vv, gamma, old, mine, **kw)
         assert ((got.double() - want.double()).norm() / want.double().norm()).item() < tol
+
+
+@pytest.mark.parametrize("decay,normalize", [(False, True), (True, False), (True, True)])
+def test_triton_linear_step_equals_the_torch_step_on_cuda(decay, normalize):
+    from linearize import ops
+    from linearize.ops.linear_step_triton import linear_step_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, hk, f, d = 8, 9, 3, 64, 64
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    log_decay = torch.log1p(-(2.0 ** (-5.0 - torch.arange(h, device="cuda")))) if decay else None
+    state = ops.empty_state(b, h, hk, f, d, decay=decay, normalize=normalize, device="cuda")
+    mine = state.clone()
+    for _ in range(50):
+        q, k, v = r(b, h, 1, f).exp() * 0.1, r(b, hk, 1, f).exp() * 0.1, r(b, hk, 1, d)
+        want, state = ops.linear_attention_step(q, k, v, state, log_decay=log_decay, normalize=normalize,
+                                                backend="torch")
+        got, mine = linear_step_triton(q, k, v, mine, log_decay=log_decay, normalize=normalize)
+        assert ((got - want).norm() / want.norm()).item() < 1e-4

@@ -49,7 +49,8 @@ class LinearAttention(Mixer):
 
     def step(self, q, k, v, position_embeddings, state):
         qf, kf = self.features(q, k, position_embeddings)
-        return ops.linear_attention_step(qf, kf, v, state, log_decay=self.log_decay, normalize=True, eps=self.spec.eps)
+        return ops.linear_attention_step(qf, kf, v, state, log_decay=self.log_decay, normalize=True, eps=self.spec.eps,
+                                         backend=self.spec.backend)
 
     def state_bytes(self, dtype):
         g = self.geometry

@@ -86,7 +86,8 @@ class RetNetRetention(FreshMixer):
         k = k * self.key_dim ** -0.5
         k, v = drop_padding(self.key_mask, k, v)  # left padding: the state stays zero until the first real token
         if state is not None and x.shape[1] == 1:
-            o, state = ops.linear_attention_step(q, k, v, state, log_decay=self.log_decay, normalize=False)
+            o, state = ops.linear_attention_step(q, k, v, state, log_decay=self.log_decay, normalize=False,
+                                                 backend=self.spec.backend)
         else:
             o, state = ops.linear_attention(
                 q, k, v, log_decay=self.log_decay, normalize=False, initial_state=state,

@@ -56,7 +56,7 @@ class SupraAttention(Mixer):
     def step(self, q, k, v, position_embeddings, state):
         qf, kf = self.features(q, k, position_embeddings)
         o, state = ops.linear_attention_step(qf, kf, v, state, log_decay=self.log_decay,
-                                             normalize=self.normalize, eps=self.spec.eps)
+                                             normalize=self.normalize, eps=self.spec.eps, backend=self.spec.backend)
         return self._norm(o), state
 
     def state_bytes(self, dtype):

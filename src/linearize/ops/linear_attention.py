@@ -192,12 +192,22 @@ def _final_state(kk, vv, ld, initial_state, acc) -> State:
 
 def linear_attention_step(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: State, *,
-    log_decay: torch.Tensor | None = None, normalize: bool = True, eps: float = 1e-6,
+    log_decay: torch.Tensor | None = None, normalize: bool = True, eps: float = 1e-6, backend: str = "auto",
 ) -> tuple[torch.Tensor, State]:
     """One token: ``q`` is ``[B, H, 1, F]``, ``k`` ``[B, Hk, 1, F]``, ``v`` ``[B, Hk, 1, D]``.
 
-    Returns ``(o [B, H, 1, D], new_state)``; the state is updated out of place.
+    Returns ``(o [B, H, 1, D], new_state)``; the state is updated out of place, except when decoding
+    on CUDA without gradients (``backend`` not ``torch``), where one fused Triton kernel updates it
+    in place (``linear_step_triton.py``).
     """
+    if (backend != "torch" and q.is_cuda and not torch.is_grad_enabled() and state.dtype == torch.float32
+            and state.is_contiguous()):
+        from .selective_scan import triton_available
+
+        if triton_available():
+            from .linear_step_triton import linear_step_triton
+
+            return linear_step_triton(q, k, v, state, log_decay=log_decay, normalize=normalize, eps=eps)
     acc = state.dtype
     n_kv = k.shape[1]
     qg = _group(q, n_kv).to(acc)  # [B, Hk, G, 1, F]
