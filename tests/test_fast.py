@@ -286,3 +286,10 @@ def test_info_reports_the_fast_state(tiny_model):
                for x in layer.state.tensors()[:4])
     info = state_bytes(model)
     assert info["fast_fixed"] == held < info["fixed"]
+
+
+def test_one_new_token_comes_from_the_prefill(tiny_model):
+    model = _student(tiny_model, "llama", {"kind": "supra"})
+    prompt = _ids(b=2, t=5)
+    ref = model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast_generate(model, prompt, max_new_tokens=1), ref)
