@@ -180,8 +180,9 @@ class FastDecoder:
     of recomputing a key's features when it leaves the window (the default).
     ``compile``: compile the decode step with ``torch.compile`` (fewer, fused kernels; the first
     call pays the compilation).
-    After each call, ``timings`` holds the seconds of prefill, setup (state buffers, graph capture)
-    and decoding, the number of new tokens and the bytes of the decoding state.
+    After each call, ``timings`` holds the seconds of prefill, setup (state buffers, the first
+    eager steps, graph capture) and decoding, the number of new tokens, the steps the decoding time
+    covers and the bytes of the decoding state.
     """
 
     def __init__(self, model, *, cuda_graph: bool | None = None, keep_key_features: bool = False,
@@ -209,11 +210,12 @@ class FastDecoder:
         for i, layer in enumerate(cache.layers):
             if isinstance(layer, RecurrentLayer):
                 state = layer.state
+                # the prefill's tensors become the buffers (no copy: the prefill cache is dropped next)
                 if isinstance(state, ops.HybridState):
                     state = ops.RingHybridState.from_state(state, self._window(i),
-                                                           keep_key_features=self.keep_key_features)
+                                                           keep_key_features=self.keep_key_features, copy=False)
                 else:
-                    state = state.clone()
+                    state = state.contiguous()
                 layers.append(StaticStateLayer(state, position))
             else:
                 layers.append(StaticKVLayer(layer.keys, layer.values, total, position))
@@ -269,8 +271,6 @@ class FastDecoder:
             kv_valid[:, :t] = attention_mask.bool()
         dtype = next(self.model.parameters()).dtype
         kv_mask = torch.zeros(b, 1, 1, kv_valid.shape[1], dtype=dtype, device=dev)
-        buffers = [token, finished, out, step_index, position_ids, kv_valid, kv_mask, position,
-                   *(x for layer in static.layers for x in _layer_tensors(layer))]
 
         def step():
             if has_kv:
@@ -287,44 +287,61 @@ class FastDecoder:
             position.add_(1)
             step_index.add_(1)
 
-        run = self._capture(step, buffers) if self.cuda_graph and max_new_tokens > 1 else step
-        clock.lap("setup_s")
         if streamer is not None:
             streamer.put(input_ids.cpu())
             streamer.put(out[:, 0].cpu())
         done = 1
-        while done < max_new_tokens:
+
+        def advance(run) -> bool:
+            """One decode step; False once every sequence has ended (checked now and then)."""
+            nonlocal done
             run()
             done += 1
             if streamer is not None:
                 streamer.put(out[:, done - 1].cpu())
-            if (streamer is not None or done % check_every == 0) and eos_token_id is not None and bool(finished.all()):
+            ended = (streamer is not None or done % check_every == 0) and eos_token_id is not None
+            return not (ended and bool(finished.all()))
+
+        # the first steps run eagerly and are real steps; on CUDA they also warm up what a graph
+        # capture must not see happen (allocator, cuBLAS, Triton and torch.compile), so the graph is
+        # captured from the state they leave, with no copy of the buffers
+        going = True
+        for _ in range(min(_WARMUP_STEPS, max_new_tokens - 1)):
+            going = self._eager(step, advance)
+            if not going:
                 break
+        run = self._capture(step) if self.cuda_graph and going and done < max_new_tokens else step
+        clock.lap("setup_s")
+        timed_from = done
+        while going and done < max_new_tokens:
+            going = advance(run)
         clock.lap("decode_s")
-        self.timings = {**clock.laps, "new_tokens": done, "state_bytes": sum(
+        self.timings = {**clock.laps, "new_tokens": done, "decode_steps": done - timed_from, "state_bytes": sum(
             x.numel() * x.element_size() for layer in static.layers for x in _layer_tensors(layer))}
         if streamer is not None:
             streamer.end()
         return torch.cat([input_ids, out[:, :done]], dim=1)
 
-    def _capture(self, step, buffers):
-        """Capture ``step`` as a CUDA graph: warm up on a side stream (then undo the warm-up's
-        writes to the buffers), capture, and return the graph's replay."""
-        saved = [x.clone() for x in buffers]
+    def _eager(self, step, advance) -> bool:
+        """One real step outside any graph (on a side stream on CUDA, as graph warm-up wants)."""
+        if not self.cuda_graph:
+            return advance(step)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()
+            going = advance(step)
         torch.cuda.current_stream(self.device).wait_stream(stream)
-        for buf, old in zip(buffers, saved):
-            buf.copy_(old)
+        return going
+
+    def _capture(self, step):
+        """Capture ``step`` as a CUDA graph (recording runs nothing) and return its replay."""
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             step()
-        for buf, old in zip(buffers, saved):  # capture records, it does not run; restore anyway
-            buf.copy_(old)
         return graph.replay
+
+
+_WARMUP_STEPS = 2  # eager decode steps before a CUDA graph is captured
 
 
 class _Clock:

@@ -82,8 +82,9 @@ def _fast_run(model, prompt, new_tokens, decoder, warmup: bool = False):
         return None
     decoder.generate(prompt, max_new_tokens=new_tokens, pad_token_id=0)
     t = decoder.timings
-    # the first token comes from the prefill's logits; the loop makes the other new_tokens - 1
-    per_step = t["decode_s"] / max(t["new_tokens"] - 1, 1)
+    # the first token comes from the prefill's logits and the first steps run before the graph
+    # is captured; the decoding time covers the rest
+    per_step = t["decode_s"] / max(t["decode_steps"], 1)
     return t["prefill_s"], per_step * new_tokens, t["state_bytes"]
 
 

@@ -235,10 +235,12 @@ class RingHybridState(HybridState):
         return RingHybridState(*(fn(x) for x in self.tensors()[:5]), slot=self.slot.clone())
 
     @classmethod
-    def from_state(cls, state: HybridState, window: int, keep_key_features: bool = True) -> "RingHybridState":
+    def from_state(cls, state: HybridState, window: int, keep_key_features: bool = True,
+                   copy: bool = True) -> "RingHybridState":
         """A ring of ``window`` slots holding ``state``'s window (oldest first, empty slots in front):
         the oldest slot is slot 0, so overwriting 0, 1, ... evicts tokens in the order they came.
-        ``keep_key_features=False`` drops the window's key features (see the class)."""
+        ``keep_key_features=False`` drops the window's key features (see the class); ``copy=False``
+        lets the ring own ``state``'s linear state (``state`` must not be used afterwards)."""
         have = state.keys.shape[2]
         if have > window:
             raise ValueError(f"the state holds {have} window tokens, more than the window ({window})")
@@ -255,8 +257,8 @@ class RingHybridState(HybridState):
         slot = torch.zeros((), dtype=torch.long, device=state.keys.device)
         if not keep_key_features:
             feats = feats[:, :, :0]
-        return cls(keys.contiguous(), feats.contiguous(), values.contiguous(), state.linear.clone(), valid.contiguous(),
-                   slot=slot)
+        linear = state.linear.clone() if copy else state.linear.contiguous()
+        return cls(keys.contiguous(), feats.contiguous(), values.contiguous(), linear, valid.contiguous(), slot=slot)
 
 
 def hybrid_attention_step_ring(
