@@ -27,7 +27,7 @@ for ctx in ${CONTEXTS:-1024 4096}; do
     --new-tokens 256 --prompt-len $ctx --out "$OUT/bench_teacher_static_$ctx.json" | tee "$OUT/bench_teacher_static_$ctx.md" | tail -12
 done
 if [ -n "${MAXBATCH:-}" ]; then  # the largest batch that fits at 4k generated tokens (opt-in: long)
-  bench /tmp/ckpt/lolcats --teacher none --paths fast --batch-sizes 2048 4096 8192 16384 --new-tokens 4096 \
+  bench /tmp/ckpt/lolcats --teacher none --paths fast --prefill-batch 1024 --batch-sizes 2048 4096 8192 16384 --new-tokens 4096 \
     --prompt-len 128 --out "$OUT/maxbatch_student.json" | tail -6
   bench $T --teacher none --paths static --batch-sizes 256 512 768 1024 --new-tokens 4096 --prompt-len 128 \
     --out "$OUT/maxbatch_teacher.json" | tail -6

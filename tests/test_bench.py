@@ -13,7 +13,7 @@ def test_bench_cli_on_tiny_models(tiny_model, tmp_path, capsys):
     save(convert(teacher, "lolcats", window=4, feature_dim=8), tiny_tokenizer(), tmp_path / "student")
     assert main(["bench", str(tmp_path / "student"), "--teacher", str(tmp_path / "teacher"), "--batch-sizes", "1", "2",
                  "--new-tokens", "8", "32", "--prompt-len", "6", "--device", "cpu", "--out", str(tmp_path / "b.json"),
-                 "--teacher-paths", "generate", "static", "fast", "--paths", "fast", "generate", "--plots", str(tmp_path / "plots")]) == 0
+                 "--teacher-paths", "generate", "static", "fast", "--paths", "fast", "generate", "--prefill-batch", "1", "--plots", str(tmp_path / "plots")]) == 0
     rows = json.loads((tmp_path / "b.json").read_text())
     pairs = {(r["model"], r["path"]) for r in rows}
     assert pairs == {("teacher", "generate"), ("teacher", "static"), ("teacher", "fast"),

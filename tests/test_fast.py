@@ -293,3 +293,18 @@ def test_one_new_token_comes_from_the_prefill(tiny_model):
     prompt = _ids(b=2, t=5)
     ref = model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)
     assert torch.equal(fast_generate(model, prompt, max_new_tokens=1), ref)
+
+
+def test_prefill_in_slices_of_the_batch_changes_nothing(tiny_model):
+    prompts = [_ids(t=9, seed=1)[0], _ids(t=4, seed=2)[0], _ids(t=6, seed=3)[0]]
+    ids = torch.zeros(3, 9, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, 9 - len(p):], mask[i, 9 - len(p):] = p, 1
+    for spec in ({"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [1]}, {"kind": "supra"}):
+        model = _student(tiny_model, "llama", spec)
+        whole = FastDecoder(model).generate(ids, mask, max_new_tokens=10)
+        assert torch.equal(FastDecoder(model, prefill_batch=2).generate(ids, mask, max_new_tokens=10), whole)
+    model = _xatl(tiny_model, "mamba", "xatl")
+    whole = FastDecoder(model).generate(ids, mask, max_new_tokens=10)
+    assert torch.equal(FastDecoder(model, prefill_batch=1).generate(ids, mask, max_new_tokens=10), whole)

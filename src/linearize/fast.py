@@ -179,16 +179,17 @@ class FastDecoder:
     ``keep_key_features``: keep the LoLCATs window's key features in the state (more memory) instead
     of recomputing a key's features when it leaves the window (the default).
     ``compile``: compile the decode step with ``torch.compile`` (fewer, fused kernels; the first
-    call pays the compilation).
+    call pays the compilation). ``prefill_batch``: prefill that many prompts at a time (None: all).
     After each call, ``timings`` holds the seconds of prefill, setup (state buffers, the first
     eager steps, graph capture) and decoding, the number of new tokens, the steps the decoding time
     covers and the bytes of the decoding state.
     """
 
     def __init__(self, model, *, cuda_graph: bool | None = None, keep_key_features: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, prefill_batch: int | None = None):
         _check_supported(model)
         self.model = model
+        self.prefill_batch = prefill_batch
         self.keep_key_features = keep_key_features
         # torch.compile fuses the step's many small kernels (feature maps, norms, window softmax);
         # the prefill stays eager (its shapes change with every prompt)
@@ -200,10 +201,19 @@ class FastDecoder:
 
     # -- prefill ---------------------------------------------------------------------------------
     def _prefill(self, input_ids, attention_mask):
-        cache = LinearizeCache(self.model)
-        out = self.model(input_ids, attention_mask=attention_mask, position_ids=_positions(attention_mask),
-                         past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[:, -1], cache
+        """The prompts through the chunked forms, ``prefill_batch`` sequences at a time (a large
+        batch's prefill activations would otherwise dwarf its decoding state); the pieces' states
+        are joined layer by layer."""
+        n = self.prefill_batch or input_ids.shape[0]
+        logits, caches = [], []
+        for s in range(0, input_ids.shape[0], n):
+            cache = LinearizeCache(self.model)
+            mask = attention_mask[s : s + n]
+            out = self.model(input_ids[s : s + n], attention_mask=mask, position_ids=_positions(mask),
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits.append(out.logits[:, -1])
+            caches.append(cache)
+        return torch.cat(logits), _join(caches)
 
     def _static_cache(self, cache, total: int, position: torch.Tensor) -> StaticCache:
         layers = []
@@ -344,6 +354,30 @@ class FastDecoder:
 _WARMUP_STEPS = 2  # eager decode steps before a CUDA graph is captured
 
 
+def _join(caches: list) -> LinearizeCache:
+    """One cache from the caches of consecutive slices of a batch (the first one, extended)."""
+    if len(caches) == 1:
+        return caches[0]
+    joined = caches[0]
+    for i, layer in enumerate(joined.layers):
+        parts = [c.layers[i] for c in caches]
+        if isinstance(layer, RecurrentLayer):
+            states = [p.state for p in parts]
+            if isinstance(layer.state, ops.HybridState):
+                layer.state = ops.HybridState(*(torch.cat(xs) for xs in zip(*(s.tensors() for s in states))))
+            else:
+                layer.state = torch.cat(states)
+        else:
+            layer.keys = torch.cat([p.keys for p in parts])
+            layer.values = torch.cat([p.values for p in parts])
+        for p in parts[1:]:  # free each piece as soon as it is joined
+            if isinstance(p, RecurrentLayer):
+                p.state = None
+            else:
+                p.keys = p.values = None
+    return joined
+
+
 class _Clock:
     """Wall time of the phases of one call (synchronising the device at each lap only)."""
 
@@ -378,7 +412,7 @@ def _as_list(x) -> list[int]:
 def fast_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int = 32, do_sample: bool = False,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   eos_token_id=None, pad_token_id=None, streamer=None, cuda_graph: bool | None = None,
-                  compile: bool = False) -> torch.Tensor:
+                  compile: bool = False, prefill_batch: int | None = None) -> torch.Tensor:
     """Generate with the fast path; returns ``[B, T + n]`` ids like ``generate()``.
 
     Defaults for ``eos_token_id`` / ``pad_token_id`` come from the model's generation config.
@@ -389,7 +423,7 @@ def fast_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int 
     if pad_token_id is None and gen is not None:
         pad_token_id = gen.pad_token_id
     sampling = Sampling(do_sample, temperature, top_k, top_p)
-    return FastDecoder(model, cuda_graph=cuda_graph, compile=compile).generate(
+    return FastDecoder(model, cuda_graph=cuda_graph, compile=compile, prefill_batch=prefill_batch).generate(
         input_ids, attention_mask, max_new_tokens=max_new_tokens, sampling=sampling,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer)
 

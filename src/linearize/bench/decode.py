@@ -90,7 +90,7 @@ def _fast_run(model, prompt, new_tokens, decoder, warmup: bool = False):
 
 @torch.no_grad()
 def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, path: str = "generate",
-            seed: int = 0, compile: bool = False) -> DecodeRow:
+            seed: int = 0, compile: bool = False, prefill_batch: int | None = None) -> DecodeRow:
     if path not in PATHS:
         raise LinearizeError(f"unknown path {path!r}: expected one of {', '.join(PATHS)}")
     device = next(model.parameters()).device
@@ -100,7 +100,7 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
         if path == "fast":
             from ..fast import FastDecoder
 
-            decoder = FastDecoder(model, compile=compile)
+            decoder = FastDecoder(model, compile=compile, prefill_batch=prefill_batch)
             run = lambda: _fast_run(model, prompt, new_tokens, decoder)  # noqa: E731
             _fast_run(model, prompt, new_tokens, decoder, warmup=True)
         else:
@@ -118,14 +118,16 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
                      batch * new_tokens / decode, 1000 * decode / new_tokens, held, peak)
 
 
-def sweep(entries, batches, lengths, prompt_len: int = 128, compile: bool = False) -> list[DecodeRow]:
+def sweep(entries, batches, lengths, prompt_len: int = 128, compile: bool = False,
+          prefill_batch: int | None = None) -> list[DecodeRow]:
     """``entries``: (label, model, path) triples. Rows are printed as JSON lines as they come.
     ``compile``: the fast path compiles its decode step (its row's path reads ``fast+compile``)."""
     rows = []
     for label, model, path in entries:
         for n in lengths:
             for b in batches:
-                row = measure(model, label, b, prompt_len, n, path, compile=compile and path == "fast")
+                row = measure(model, label, b, prompt_len, n, path, compile=compile and path == "fast",
+                              prefill_batch=prefill_batch)
                 if compile and path == "fast":
                     row.path = "fast+compile"
                 rows.append(row)
