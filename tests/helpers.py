@@ -66,3 +66,20 @@ def greedy_by_full_forwards(model, prompt, n: int):
         nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
         seq = torch.cat([seq, nxt], dim=1)
     return seq
+
+
+def run_triton_interpreter_script(name: str) -> None:
+    """Run ``tests/<name>`` (a check of our Triton kernels through Triton's CPU interpreter) in a
+    fresh process, which must print ``ok``; skipped where Triton is not installed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    pytest.importorskip("triton")
+    here = Path(__file__).parent
+    done = subprocess.run([sys.executable, str(here / name)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(here.parent / "src")})
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import random_grads
+from helpers import random_grads, run_triton_interpreter_script
 
 from linearize import ops
 
@@ -204,28 +204,10 @@ def test_hybrid_left_padding_is_invisible(window):
 
 def test_triton_hybrid_decode_step_equals_the_ring_step():
     """The fused CUDA kernel of the LoLCATs decode step, run on the CPU by Triton's interpreter."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    here = Path(__file__).parent
-    done = subprocess.run([sys.executable, str(here / "triton_interpret_hybrid.py")], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(here.parent / "src")})
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_triton_interpreter_script("triton_interpret_hybrid.py")
 
 
 def test_triton_linear_decode_step_equals_the_pytorch_step():
     """The fused CUDA kernel of the linear-attention decode step (normalised or not, decayed or not,
     GQA), run on the CPU by Triton's interpreter."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    here = Path(__file__).parent
-    done = subprocess.run([sys.executable, str(here / "triton_interpret_linear.py")], capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(here.parent / "src")})
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_triton_interpreter_script("triton_interpret_linear.py")

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import random_grads
+from helpers import random_grads, run_triton_interpreter_script
 
 from linearize.ops import selective_scan as ss
 
@@ -123,13 +123,4 @@ def test_causal_conv1d_forms_agree(t, k, with_state):
 
 def test_triton_selective_scan_equals_the_pytorch_scan():
     """The fused CUDA kernels, run on the CPU by Triton's interpreter: values and every gradient."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    pytest.importorskip("triton")
-    here = Path(__file__).parent
-    done = subprocess.run([sys.executable, str(here / "triton_interpret_scan.py")], capture_output=True, text=True,
-                          timeout=600, env={**__import__("os").environ,
-                                            "PYTHONPATH": str(here.parent / "src")})
-    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    run_triton_interpreter_script("triton_interpret_scan.py")

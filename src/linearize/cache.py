@@ -23,7 +23,7 @@ def _map(state, fn):
     return state.map(fn) if isinstance(state, HybridState) else fn(state)
 
 
-def _tensors(state) -> list[torch.Tensor]:
+def state_tensors(state) -> list[torch.Tensor]:
     if state is None:
         return []
     if isinstance(state, HybridState):
@@ -50,7 +50,7 @@ class RecurrentLayer(CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in _tensors(self.state))
+        return sum(t.numel() * t.element_size() for t in state_tensors(self.state))
 
     # --- CacheLayerMixin contract ---
     def lazy_initialization(self, key_states=None, value_states=None) -> None:

@@ -31,7 +31,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
 from . import ops
-from .cache import LinearizeCache, RecurrentLayer
+from .cache import LinearizeCache, RecurrentLayer, state_tensors
 from .errors import LinearizeError
 
 
@@ -98,14 +98,9 @@ class StaticStateLayer(RecurrentLayer):
         # ``seen`` stays as the prefill left it: the count lives on the device (``position``), and a
         # Python counter would be frozen by a CUDA graph and recompile a compiled step every token
         if state is not self.state:  # an out-of-place step: copy into the buffers the graph reads
-            for buf, new in zip(_state_tensors(self.state), _state_tensors(state)):
+            for buf, new in zip(state_tensors(self.state), state_tensors(state)):
                 buf.copy_(new)
 
-
-def _state_tensors(state):
-    if isinstance(state, ops.HybridState):
-        return state.tensors()[:5]
-    return (state,)
 
 
 class StaticKVLayer(CacheLayerMixin):
@@ -395,10 +390,7 @@ class _Clock:
 
 
 def _layer_tensors(layer):
-    if isinstance(layer, StaticKVLayer):
-        return (layer.keys, layer.values)
-    return ops.RingHybridState.tensors(layer.state) if isinstance(layer.state, ops.RingHybridState) \
-        else _state_tensors(layer.state)
+    return (layer.keys, layer.values) if isinstance(layer, StaticKVLayer) else state_tensors(layer.state)
 
 
 def _as_list(x) -> list[int]:

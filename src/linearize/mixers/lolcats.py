@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from .. import ops
-from ..ops.selective_scan import triton_available
+from ..ops.fla_backend import triton_available
 from .linear import LinearAttention
 
 INIT_WINDOW_WEIGHT = 0.1

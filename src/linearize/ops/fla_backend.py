@@ -24,6 +24,16 @@ def fla_available() -> bool:
     return True
 
 
+@functools.cache
+def triton_available() -> bool:
+    """Triton importable: our own fused kernels (selective scan, decode steps) can run on CUDA."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def use_fla(q: torch.Tensor, backend: str) -> bool:
     """``backend``: "auto", "fla" (required) or "torch".
 

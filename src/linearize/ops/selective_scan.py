@@ -156,14 +156,6 @@ def selective_scan_chunked(
     return _skip(y, uu, D).to(u.dtype), (state if output_final_state else None)
 
 
-def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def selective_scan(
     u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: torch.Tensor | None = None, *, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
@@ -171,6 +163,8 @@ def selective_scan(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The linear-time scan: the fused Triton kernels on CUDA (``backend`` auto/fla/triton, when
     Triton is installed), else ``selective_scan_chunked``. Same contract as the latter."""
+    from .fla_backend import triton_available
+
     if backend != "torch" and u.is_cuda and triton_available():
         from .selective_scan_triton import selective_scan_triton
 

@@ -20,6 +20,26 @@ def datasets(cfg, tokenizer):
     return BlockDataset(train_blocks), BlockDataset(eval_blocks), eval_blocks
 
 
+def begin_run(cfg):
+    """What every recipe run begins with: its output folder, the seed, the teacher, the data and the
+    results record with the teacher's held-out perplexity.
+
+    Returns ``(out, teacher, tokenizer, train_ds, eval_ds, eval_blocks, results)``."""
+    from dataclasses import asdict
+
+    from .. import load_teacher
+    from ..eval import perplexity
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
+    train_ds, eval_ds, eval_blocks = datasets(cfg, tok)
+    results: dict = {"config": asdict(cfg), "train_tokens_per_epoch": train_ds.blocks.numel(),
+                     "eval_tokens": eval_blocks.numel(), "perplexity": {"teacher": perplexity(teacher, eval_blocks)}}
+    return out, teacher, tok, train_ds, eval_ds, eval_blocks, results
+
+
 def finish(student, tokenizer, out: Path, results: dict, prompt: str) -> dict:
     """Save ``out/final``, add a greedy sample decoded recurrently, write ``out/results.json``.
 

@@ -20,16 +20,16 @@ from __future__ import annotations
 import json
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from .. import convert, load_teacher, mixers
+from .. import convert, mixers
 from ..errors import LinearizeError
 from ..eval import perplexity
 from ..models import get_adapter
-from .common import datasets, finish
+from .common import begin_run, finish
 from .engine import TrainConfig, is_main_process, next_token_loss, train
 
 DEFAULT_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64}
@@ -341,15 +341,8 @@ def run(cfg: LolcatsConfig) -> dict:
     unknown = set(cfg.stages) - {"stage1", "stage2"}
     if unknown or not cfg.stages:
         raise LinearizeError(f"stages must be a non-empty subset of stage1, stage2; got {list(cfg.stages)}")
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
-    train_ds, eval_ds, eval_blocks = datasets(cfg, tok)
-    results: dict = {"config": asdict(cfg), "train_tokens_per_epoch": train_ds.blocks.numel(),
-                     "eval_tokens": eval_blocks.numel(), "perplexity": {}}
+    out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
     ppl = results["perplexity"]
-    ppl["teacher"] = perplexity(teacher, eval_blocks)
     student = convert(teacher, cfg.spec, keep_softmax=list(cfg.keep_softmax) or None, inplace=True)
     ppl["converted"] = perplexity(student, eval_blocks)
     if "stage1" in cfg.stages:

@@ -14,15 +14,15 @@ XATL (Chen et al., 2024): build an LCI architecture from the teacher's shared we
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from .. import convert, load_teacher
+from .. import convert
 from ..errors import LinearizeError
 from ..eval import perplexity
-from .common import datasets, finish
+from .common import begin_run, finish
 from .engine import TrainConfig, next_token_loss, train
 
 
@@ -103,14 +103,7 @@ def _build(teacher, cfg: UptrainConfig):
 
 
 def run(cfg: UptrainConfig) -> dict:
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(cfg.seed)
-    teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
-    train_ds, eval_ds, eval_blocks = datasets(cfg, tok)
-    results: dict = {"config": asdict(cfg), "train_tokens_per_epoch": train_ds.blocks.numel(),
-                     "eval_tokens": eval_blocks.numel(), "perplexity": {}}
-    results["perplexity"]["teacher"] = perplexity(teacher, eval_blocks)
+    out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
     student, groups, report = _build(teacher, cfg)
     if report is not None:
         results["transfer_report"] = report.summary()
