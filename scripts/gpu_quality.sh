@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# The training runs of issues #3-#6 on one GPU, each a job for `gpu_session.sh start NAME bash
+# scripts/gpu_quality.sh NAME` (several run side by side; their tokens/s are then shared-GPU figures,
+# the clean ones come from linearize.bench.train). After training, each run's final checkpoint goes
+# through lm-eval (once gpu_session.sh eval-setup has run) at LIMIT documents per task.
+set -uo pipefail
+T=${T:-/tmp/stage/teacher.gguf}; RUNS=/tmp/runs; LIMIT=${LIMIT:-300}
+lin() { python3 -m linearize "$@"; }
+quiet() { grep --line-buffered -v -E "it/s\]|s/it\]"; }
+evaluate() {  # evaluate CHECKPOINT NAME
+  [ -e "$1" ] || { echo "no checkpoint $1"; return 1; }
+  local n=0; until [ -e /tmp/evalsite/.ready ]; do sleep 10; n=$((n + 10)); [ $n -ge 1500 ] && return 1; done
+  PYTHONPATH=/tmp/evalsite:$PYTHONPATH lin eval "$1" --tasks all --limit "$LIMIT" --batch-size ${EVAL_BATCH:-32} \
+    --name "$2" --out $RUNS/eval/$2.json 2>&1 | quiet | tail -20
+}
+mkdir -p $RUNS/eval
+case ${1:?job} in
+  teacher-eval) evaluate $T teacher ;;
+  lolcats)  # >= 20M tokens: 10M per stage (8 x 1024 x 1220 steps each)
+    lin lolcats --teacher $T --budget gpu --stage1-steps 1220 --stage2-steps 1220 --out $RUNS/lolcats 2>&1 | quiet
+    evaluate $RUNS/lolcats/final lolcats ;;
+  supra|t2r)  # the same 20M tokens (8 x 1024 x 2440 steps)
+    lin supra --teacher $T --budget gpu --variant $1 --out $RUNS/$1 2>&1 | quiet
+    evaluate $RUNS/$1/final $1 ;;
+  memory)  # LoLCATs stage 1 peak memory: all layers jointly vs blocks of 5 and 1 layers
+    for k in joint 5 1; do
+      extra=(); [ "$k" = joint ] || extra=(--layers-per-block $k)
+      lin lolcats --teacher $T --budget gpu --rows stage1-only --stage1-steps 5 --eval-steps 1000 \
+        --train-blocks 64 "${extra[@]}" --out $RUNS/memory-$k 2>&1 | quiet | tail -4
+    done ;;
+  ablate-hedgehog|ablate-t2r)  # LoLCATs Table 5 rows at equal tokens (1.2M per stage)
+    lin lolcats --teacher $T --budget gpu --feature-map ${1#ablate-} --rows lolcats,swap-finetune,stage1-only,no-window \
+      --stage1-steps 150 --stage2-steps 150 --eval-steps 50 --out $RUNS/$1 2>&1 | quiet | grep -v "^\s*$" ;;
+  xatl-*)  # RetNet from SmolLM2 at equal tokens (5M: 8 x 1024 x 610 steps)
+    case $1 in
+      xatl-scratch) args=(--transfer scratch) ;;
+      xatl-effn) args=(--transfer embeddings,ffn) ;;
+      xatl-effn-wo) args=(--transfer embeddings,ffn,wo) ;;
+      xatl-hybrid) args=(--transfer embeddings,ffn,wo,attention --hybrid xatl) ;;
+    esac
+    lin xatl --teacher $T --budget gpu --arch retnet "${args[@]}" --steps ${XATL_STEPS:-610} --eval-steps 61 \
+      --out $RUNS/$1 2>&1 | quiet
+    case $1 in xatl-effn-wo|xatl-hybrid) evaluate $RUNS/$1/final $1 ;; esac ;;
+  *) echo "unknown job $1"; exit 2 ;;
+esac
