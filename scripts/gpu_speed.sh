@@ -12,18 +12,18 @@ for part in "$@"; do
   case $part in
     fast)  # the linearized students' fast path over batch sizes and generated lengths
       student lolcats; student supra
-      bench 200 /tmp/ckpt/lolcats --teacher none --paths fast --batch-sizes 1 16 256 1024 --new-tokens 1024 4096 \
+      bench 150 /tmp/ckpt/lolcats --teacher none --paths fast --batch-sizes 1 256 1024 --new-tokens 1024 4096 \
         --prompt-len 128 --out $S/fast_lolcats.json --plots $S/plots | tail -10
-      bench 100 /tmp/ckpt/supra --teacher none --paths fast --batch-sizes 1 256 --new-tokens 1024 4096 \
+      bench 60 /tmp/ckpt/supra --teacher none --paths fast --batch-sizes 1 256 --new-tokens 1024 \
         --prompt-len 128 --out $S/fast_supra.json | tail -6 ;;
     teacher)  # the teacher at a 4k context: plain generate(), static cache + compile, our static-KV fast path
-      bench 120 $T --teacher none --paths generate --batch-sizes 1 256 --new-tokens 64 --prompt-len 4096 \
+      bench 90 $T --teacher none --paths generate --batch-sizes 1 256 --new-tokens 64 --prompt-len 4096 \
         --out $S/teacher_generate_4k.json | tail -4
-      bench 240 $T --teacher none --paths static fast --batch-sizes 1 256 --new-tokens 256 --prompt-len 4096 \
+      bench 180 $T --teacher none --paths static fast --batch-sizes 1 256 --new-tokens 256 --prompt-len 4096 \
         --out $S/teacher_static_4k.json | tail -6 ;;
     long)  # memory growth of the student from 1k to 32k generated tokens
       student lolcats
-      bench 200 /tmp/ckpt/lolcats --teacher none --paths fast --batch-sizes 1 256 --new-tokens 1024 32768 \
+      bench 180 /tmp/ckpt/lolcats --teacher none --paths fast --batch-sizes 1 256 --new-tokens 1024 32768 \
         --prompt-len 128 --out $S/long_lolcats.json | tail -6 ;;
     maxbatch)  # the largest batch at 4k generated tokens: the teacher's static cache vs the student
       student lolcats
@@ -32,8 +32,11 @@ for part in "$@"; do
       bench 300 /tmp/ckpt/lolcats --teacher none --paths fast --prefill-batch 1024 --batch-sizes 8192 12288 16384 \
         --new-tokens 4096 --prompt-len 128 --out $S/maxbatch_student.json | tail -5 ;;
     train)  # training tokens/s: teacher vs SUPRA/T2R/RetNet/StripedMamba (issues #4 and #5 targets)
-      timeout 300 python3 -m linearize.bench.train --teacher $T --shapes 16x1024 8x2048 2x8192 --steps 8 \
+      timeout 200 python3 -m linearize.bench.train --teacher $T --shapes 16x1024 8x2048 2x8192 --steps 6 \
         --out $S/train.json 2>&1 | tail -25 ;;
+    fp32)  # the fla-vs-PyTorch agreement in fp32 with full-precision Triton dots (issue #2)
+      TRITON_F32_DEFAULT=ieee timeout 200 python3 -m linearize.bench.mixers --skip-timing --out $S/agreement_ieee.json \
+        2>&1 | tail -30 ;;
     *) echo "unknown part $part" ;;
   esac
 done
