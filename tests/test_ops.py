@@ -124,6 +124,19 @@ def test_hybrid_forms_agree(shape, window, softcap):
         _close(g_rec, g_ref)
 
 
+@pytest.mark.parametrize("form", ["naive", "chunked"])
+def test_hybrid_runs_under_bfloat16_autocast(form):
+    """Training on the GPU runs under bf16 autocast, where the scores come out bf16: masking must use the
+    scores' own dtype (fp32's minimum overflows bf16; seen on the GPU)."""
+    xs, gamma = _hybrid_inputs(1, 4, 2, 40)
+    ref = ops.hybrid_attention_naive(*xs, gamma, window=8, scale=0.5)
+    fn = getattr(ops, f"hybrid_attention_{form}")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fn(*(x.detach().float() for x in xs), gamma.detach().float(), window=8, scale=0.5)
+    out = out[0] if isinstance(out, tuple) else out
+    torch.testing.assert_close(out.double(), ref.detach(), atol=0.1, rtol=0.05)
+
+
 def test_hybrid_with_full_window_is_softmax():
     xs, gamma = _hybrid_inputs(2, 6, 2, 19)
     q, k, _, _, v = xs

@@ -28,3 +28,12 @@ def test_supra_t2r_variant(workspace, monkeypatch, tmp_path, capsys):
     assert main(["supra", *_common(workspace, tmp_path / "s"), "--variant", "t2r"]) == 0
     config = json.loads((tmp_path / "s" / "final" / "config.json").read_text())
     assert config["linearize"]["spec"]["norm"] == "sum" and config["linearize"]["spec"]["decay"] == "none"
+
+
+def test_xatl_from_scratch_through_the_cli(workspace, monkeypatch, tmp_path):
+    """--transfer scratch (as --help offers it) builds the architecture with nothing copied."""
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    assert main(["xatl", *_common(workspace, tmp_path / "x"), "--arch", "retnet", "--transfer", "scratch",
+                 "--steps", "2", "--eval-steps", "2"]) == 0
+    res = json.loads((tmp_path / "x" / "results.json").read_text())
+    assert "nothing (scratch)" in res["transfer_report"]

@@ -82,7 +82,7 @@ def hybrid_attention_weights(q, k, qf, kf, gamma, *, window: int, scale: float, 
     if key_mask is not None:
         in_window = in_window & key_mask[:, None, None, None, :]
     scores = _scores(qg, kk, scale, softcap)
-    neg = torch.finfo(acc).min
+    neg = torch.finfo(scores.dtype).min
     c = scores.masked_fill(~in_window, neg).amax(dim=-1, keepdim=True)
     a = g * torch.exp(scores.masked_fill(~in_window, neg) - c) * in_window
     a = a + (qfg @ kff.transpose(-1, -2)) * older
@@ -141,7 +141,7 @@ def hybrid_attention_chunked(
         in_window = in_window & real[:, None, None, :, None, :]
 
     scores = _scores(qg, k2, scale, softcap)  # [B, Hk, G, N, w, 2w]
-    neg = torch.finfo(acc).min
+    neg = torch.finfo(scores.dtype).min
     scores = scores.masked_fill(~in_window, neg)
     c = scores.amax(dim=-1, keepdim=True)
     a = g * torch.exp(scores - c) * in_window + (qfg @ kf2.transpose(-1, -2)) * older
