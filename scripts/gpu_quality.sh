@@ -3,6 +3,8 @@
 # scripts/gpu_quality.sh NAME` (several run side by side; their tokens/s are then shared-GPU figures,
 # the clean ones come from linearize.bench.train). After training, each run's final checkpoint goes
 # through lm-eval (once gpu_session.sh eval-setup has run) at LIMIT documents per task.
+# At most SLOTS (default 3) jobs hold the GPU at once; the others wait for a slot. On 2026-11-22,
+# six side by side on one H100 (80 GB) ran out of memory (~14 GB per training, ~28 GB per lm-eval).
 set -uo pipefail
 T=${T:-/tmp/stage/teacher.gguf}; RUNS=/tmp/runs; LIMIT=${LIMIT:-300}
 lin() { python3 -m linearize "$@"; }
@@ -13,7 +15,18 @@ evaluate() {  # evaluate CHECKPOINT NAME
   PYTHONPATH=/tmp/evalsite:$PYTHONPATH lin eval "$1" --tasks all --limit "$LIMIT" --batch-size ${EVAL_BATCH:-32} \
     --name "$2" --out $RUNS/eval/$2.json 2>&1 | quiet | tail -20
 }
+gpu_slot() {  # hold one of SLOTS GPU slots until this script exits
+  while true; do
+    for i in $(seq 1 ${SLOTS:-3}); do
+      exec {fd}>/tmp/gpu-slot.$i
+      flock -n $fd && { echo "holding GPU slot $i"; return 0; }
+      exec {fd}>&-
+    done
+    sleep 5
+  done
+}
 mkdir -p $RUNS/eval
+gpu_slot
 case ${1:?job} in
   teacher-eval) evaluate $T teacher ;;
   lolcats)  # >= 20M tokens: 10M per stage (8 x 1024 x 1220 steps each)

@@ -300,6 +300,27 @@ def test_results_and_report_errors(tmp_path):
         write_report([tmp_path / "empty"])
 
 
+def test_report_draws_the_curve_of_a_run_stopped_before_its_results(tmp_path, monkeypatch):
+    """A run killed mid-way has run_config.json and metrics.jsonl but no results.json: its curve is drawn."""
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    from linearize.eval import evaluate, save_results, write_report
+
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i % 77 + 20}" for i in range(400)))
+    record = evaluate(tiny_llama(), tiny_tokenizer(), source=text, block_len=16, name="teacher", progress=False)
+    save_results(record, tmp_path / "results" / "teacher.json")
+    run = tmp_path / "t2r"
+    run.mkdir()
+    (run / "run_config.json").write_text(json.dumps({"block_len": 16, "batch_size": 2, "grad_accum": 1, "steps": 9}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"stage": "uptrain", "step": s, "eval_loss": 5.0 - s / 10})
+                                               + "\n" for s in (3, 6, 9)))
+    page = write_report([tmp_path / "results"], tmp_path / "page.md", runs=[run])
+    assert "curves.png" in page and (tmp_path / "page-figures" / "curves.png").exists()
+    (tmp_path / "empty-run").mkdir()
+    with pytest.raises(LinearizeError, match="neither results.json nor run_config.json"):
+        write_report([tmp_path / "results"], tmp_path / "page2.md", runs=[tmp_path / "empty-run"])
+
+
 @needs_harness
 def test_cli_eval_and_report_on_a_saved_student(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))

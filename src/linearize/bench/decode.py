@@ -11,12 +11,15 @@ Each (model, path) pair is timed over batch sizes and generated lengths. Paths:
 For each size: a random prompt of ``prompt_len`` tokens, one untimed warm-up at the same size (for
 the fast path a short one: its buffers and graph are made per call and timed apart from the
 decode loop), then the timed run generating exactly ``new_tokens`` tokens. Prefill is timed alone; decode tokens/s counts the new tokens over the decode time.
-Memory: the bytes the cache/state holds and, on CUDA, the peak allocated during the run. A size
+Memory: the bytes the cache/state holds and, on CUDA, the peak allocated during the run and what was
+already allocated when it began (``base_bytes``: the weights and anything an earlier size left; the
+run's own growth is the difference; garbage is collected first). A size
 that runs out of memory is recorded and ends that pair's sweep over larger batches.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -42,6 +45,7 @@ class DecodeRow:
     cache_bytes: int | None
     peak_bytes: int | None
     note: str = ""
+    base_bytes: int | None = None
 
 
 def _sync(device):
@@ -106,8 +110,12 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
         else:
             run = lambda: _generate_run(model, prompt, new_tokens, path)  # noqa: E731
             run()  # warm-up at this size: compilation (the static path's cache length), allocator
+        base = None
         if device.type == "cuda":
+            gc.collect()  # what an earlier size left in reference cycles must not count here
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
         prefill, decode, held = run()
     except torch.OutOfMemoryError:
         if device.type == "cuda":
@@ -115,7 +123,7 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
         return DecodeRow(label, path, batch, prompt_len, new_tokens, None, None, None, None, None, "out of memory")
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return DecodeRow(label, path, batch, prompt_len, new_tokens, batch * prompt_len / prefill,
-                     batch * new_tokens / decode, 1000 * decode / new_tokens, held, peak)
+                     batch * new_tokens / decode, 1000 * decode / new_tokens, held, peak, base_bytes=base)
 
 
 def sweep(entries, batches, lengths, prompt_len: int = 128, compile: bool = False,
@@ -138,14 +146,15 @@ def sweep(entries, batches, lengths, prompt_len: int = 128, compile: bool = Fals
 
 
 def table(rows: list[DecodeRow]) -> str:
-    lines = ["| model | path | batch | new tokens | prefill tok/s | decode tok/s | ms/step | cache MB | peak MB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | path | batch | new tokens | prefill tok/s | decode tok/s | ms/step | cache MB | peak MB "
+             "| base MB |", "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
     for r in rows:
         lines.append(f"| {r.model} | {r.path} | {r.batch} | {r.new_tokens} | {fmt(r.prefill_tok_s, ',.0f')} | "
                      f"{fmt(r.decode_tok_s, ',.1f')} | {fmt(r.ms_per_step, '.2f')} | "
                      f"{fmt(None if r.cache_bytes is None else r.cache_bytes / 2**20, '.2f')} | "
-                     f"{fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, '.0f')} |" + (f" {r.note}" if r.note else ""))
+                     f"{fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, '.0f')} | "
+                     f"{fmt(None if r.base_bytes is None else r.base_bytes / 2**20, '.0f')} |" + (f" {r.note}" if r.note else ""))
     return "\n".join(lines)
 
 

@@ -32,7 +32,7 @@ def _pct(value) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
 
-def render(records: list[tuple[Path, dict]], title: str = "Evaluation") -> str:
+def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=()) -> str:
     """The Markdown page: a table (one row per record) and the settings each row was measured with."""
     from .tasks import SUITE
 
@@ -53,7 +53,7 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation") -> str:
         header.append(f"{info.title} {info.metric}" if info else name)
     if task_names:
         header.append("avg")
-    training = _training_columns(records)
+    training = _training_columns(records, runs)
     if training:
         header += ["train tokens", "train time"]
 
@@ -97,26 +97,35 @@ def _settings_line(index: int, path: Path, record: dict) -> str:
     return f"{index}. " + "; ".join(parts)
 
 
-def training_run(record: dict) -> Path | None:
-    """The recipe run a checkpoint came from: ``RUN/final`` beside ``RUN/results.json``."""
+def training_run(record: dict, runs=()) -> Path | None:
+    """The recipe run a checkpoint came from: ``RUN/final`` beside ``RUN/results.json``. A folder of
+    ``runs`` named like RUN wins over the recorded path (records made on another machine)."""
     source = record.get("model", {}).get("source")
-    if not source:
+    if not source or Path(source).name != "final":
         return None
-    path = Path(source)
-    return path.parent if path.name == "final" and (path.parent / "results.json").exists() else None
+    run = Path(source).parent
+    for given in runs:
+        if Path(given).name == run.name:
+            return Path(given)
+    return run if (run / "results.json").exists() else None
 
 
 def _run_results(run: Path) -> dict:
+    """A run's results.json; for a run stopped before it, ``{"config": run_config.json, "unfinished": True}``."""
     import json
 
-    return json.loads((run / "results.json").read_text())
+    if (run / "results.json").exists():
+        return json.loads((run / "results.json").read_text())
+    if (run / "run_config.json").exists():
+        return {"config": json.loads((run / "run_config.json").read_text()), "unfinished": True}
+    raise LinearizeError(f"{run} is not a recipe run: it has neither results.json nor run_config.json")
 
 
-def _training_columns(records) -> list[list[str]] | None:
+def _training_columns(records, runs=()) -> list[list[str]] | None:
     """'train tokens' and 'train time' per record, from its run's results.json (None: no record has a run)."""
     cells, any_run = [], False
     for _, record in records:
-        run = training_run(record)
+        run = training_run(record, runs)
         train = _run_results(run).get("train") if run else None
         any_run |= bool(train)
         cells.append([f"{train['tokens'] / 1e6:.1f}M", f"{train['seconds'] / 60:.1f} min"] if train else ["–", "–"])
@@ -130,16 +139,16 @@ def figures(records, runs, out_dir: Path, attention_maps: bool = False) -> list[
 
     out_dir.mkdir(parents=True, exist_ok=True)
     made: list[tuple[str, Path]] = []
-    runs = list(dict.fromkeys([*runs, *(r for _, rec in records if (r := training_run(rec)))]))
+    runs = list(dict.fromkeys([*runs, *(r for _, rec in records if (r := training_run(rec, runs)))]))
     metrics, tokens, stages = {}, {}, {}
     for run in runs:
         res = _run_results(run)
         cfg = res.get("config", {})
         if (run / "metrics.jsonl").exists() and cfg.get("block_len"):
-            label = run.name
+            label = run.name + (" (stopped early)" if res.get("unfinished") else "")
             metrics[label] = run / "metrics.jsonl"
             tokens[label] = cfg["block_len"] * cfg.get("batch_size", 1) * cfg.get("grad_accum", 1)
-            stages[label] = "stage2" if "stage2" in res else ("uptrain" if "train" in res else None)
+            stages[label] = "stage2" if "stage2" in res else ("uptrain" if "train" in res or "steps" in cfg else None)
         if "layer_mse_before" in res:
             made.append((f"{run.name}: attention MSE per layer, before and after stage 1",
                          layer_mse_plot(run / "results.json", out_dir / f"{run.name}-layer-mse.png")))
@@ -198,12 +207,13 @@ def write_report(paths, out: str | os.PathLike | None = None, title: str = "Eval
     ``runs``; attention maps when asked) go to ``figures_dir`` (default: beside ``out``) and are
     linked from the page."""
     records = collect(paths)
-    text = render(records, title=title)
+    runs = [Path(r) for r in runs]
+    text = render(records, title=title, runs=runs)
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)
         fig_dir = Path(figures_dir) if figures_dir else out.parent / (out.stem + "-figures")
-        pictures = figures(records, [Path(r) for r in runs], fig_dir, attention_maps)
+        pictures = figures(records, runs, fig_dir, attention_maps)
         if pictures:
             text += "\n## Figures\n\n" + "\n".join(
                 f"![{caption}]({os.path.relpath(png, out.parent)})\n\n*{caption}*\n" for caption, png in pictures)

@@ -37,6 +37,8 @@ def begin_run(cfg):
     train_ds, eval_ds, eval_blocks = datasets(cfg, tok)
     results: dict = {"config": asdict(cfg), "train_tokens_per_epoch": train_ds.blocks.numel(),
                      "eval_tokens": eval_blocks.numel(), "perplexity": {"teacher": perplexity(teacher, eval_blocks)}}
+    if is_main_process():  # a run stopped before results.json still says what its curves mean
+        (out / "run_config.json").write_text(json.dumps(results["config"], indent=1, default=str))
     return out, teacher, tok, train_ds, eval_ds, eval_blocks, results
 
 
