@@ -25,6 +25,8 @@ then this loop.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass
 
 import torch
@@ -331,7 +333,7 @@ class FastDecoder:
         """One real step outside any graph (on a side stream on CUDA, as graph warm-up wants)."""
         if not self.cuda_graph:
             return advance(step)
-        stream = torch.cuda.Stream(self.device)
+        stream = _side_stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             going = advance(step)
@@ -347,6 +349,14 @@ class FastDecoder:
 
 
 _WARMUP_STEPS = 2  # eager decode steps before a CUDA graph is captured
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One warm-up stream per device for every decoder: cuBLAS keeps a workspace (32 MiB on Hopper)
+    for each stream it meets until the process ends, so a new stream per step leaked memory (seen
+    on the H100 as +384 MiB after 12 eager steps)."""
+    return torch.cuda.Stream(device)
 
 
 def _join(caches: list) -> LinearizeCache:
