@@ -51,21 +51,25 @@ class LolcatsAttention(LinearAttention):
         return ops.hybrid_attention_weights(q, k, qf, kf, self.window_weight(), **self._kw())
 
     def step(self, q, k, v, position_embeddings, state):
-        q, k, qf, kf = self._inputs(q, k, position_embeddings)
+        q, k = self.adapter.rope(self, q, k, position_embeddings)
+        qf = self.feature_map_q(q)
         if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
             g = self.geometry
             if q.is_cuda and state.key_features.shape[2] == 0 and triton_available():
                 from ..ops.hybrid_step_triton import hybrid_step_ring_triton
 
+                # the new key's features are not needed until it leaves the window: only the
+                # evicted key's are computed (a decode step is launch-bound: every kernel counts)
                 evicted = self.feature_map_k(state.keys.index_select(2, state.slot.view(1)))
                 y = hybrid_step_ring_triton(q, k, qf, v, self.window_weight(), evicted, state,
                                             scale=g.scaling, softcap=g.softcap)
                 return y, state
+            kf = self.feature_map_k(k) if state.key_features.shape[2] > 0 else None  # kept only when stored
             return ops.hybrid_attention_step_ring(q, k, qf, kf, v, self.window_weight(), state,
                                                   scale=g.scaling, softcap=g.softcap,
                                                   key_feature_map=self.feature_map_k)
-        return ops.hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
-                                         key_mask=self.key_mask)
+        return ops.hybrid_attention_step(q, k, qf, self.feature_map_k(k), v, self.window_weight(), state,
+                                         **self._kw(), key_mask=self.key_mask)
 
     def state_bytes(self, dtype, key_features: bool = True):
         g = self.geometry

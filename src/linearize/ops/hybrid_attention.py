@@ -268,7 +268,7 @@ def hybrid_attention_step_ring(
     """``hybrid_attention_step`` on a ring state, in place and with fixed shapes (no padding: every
     decoded token is real). The evicted slot's features and values join the linear state (an empty
     slot adds zero), the new token takes its place. ``key_feature_map`` recomputes the evicted
-    key's features when the state keeps none. Returns ``(y [B, H, 1, D], state)``."""
+    key's features when the state keeps none (``kf`` may then be None). Returns ``(y [B, H, 1, D], state)``."""
     acc = state.linear.dtype
     n_kv = k.shape[1]
     idx = state.slot.view(1)
