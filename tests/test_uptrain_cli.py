@@ -37,3 +37,14 @@ def test_xatl_from_scratch_through_the_cli(workspace, monkeypatch, tmp_path):
                  "--steps", "2", "--eval-steps", "2"]) == 0
     res = json.loads((tmp_path / "x" / "results.json").read_text())
     assert "nothing (scratch)" in res["transfer_report"]
+
+
+def test_xatl_bad_transfer_fails_before_loading_the_teacher(workspace, monkeypatch, tmp_path, capsys):
+    import linearize
+
+    def no_teacher(*args, **kwargs):
+        raise AssertionError("the teacher was loaded before the transfer map was checked")
+
+    monkeypatch.setattr(linearize, "load_teacher", no_teacher)
+    assert main(["xatl", *_common(workspace, tmp_path / "x"), "--arch", "retnet", "--transfer", "embedings"]) != 0
+    assert "unknown transfer item(s) embedings" in capsys.readouterr().err

@@ -102,6 +102,10 @@ def _build(teacher, cfg: UptrainConfig):
 
 
 def run(cfg: UptrainConfig) -> dict:
+    if cfg.method == "xatl":  # a bad transfer map fails now, not after the teacher and its perplexity
+        from ..xatl import ARCHITECTURES, resolve_transfer
+
+        resolve_transfer(cfg.transfer, ARCHITECTURES.get(cfg.arch, cfg.arch), (0,) if cfg.hybrid else ())
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
     student, groups, report = _build(teacher, cfg)
     if report is not None:
