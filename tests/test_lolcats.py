@@ -95,6 +95,15 @@ def test_cli_runs_the_comparison_rows(workspace, monkeypatch, tmp_path, capsys):
     assert '"kind": "linear"' in (tmp_path / "rows" / "no-window" / "final" / "config.json").read_text()
 
 
+def test_cli_checks_every_row_before_training_any(workspace, monkeypatch, tmp_path, capsys):
+    from linearize.cli import main
+    from linearize.recipes import lolcats
+
+    monkeypatch.setattr(lolcats, "run", lambda cfg: pytest.fail("a row trained before the bad one was caught"))
+    assert main(_cli_args(workspace, tmp_path / "rows", "--rows", "lolcats,no-windw")) != 0
+    assert "unknown ablation row 'no-windw'" in capsys.readouterr().err
+
+
 def test_two_processes_equal_one(workspace, tmp_path):
     """Full-batch steps: 2 gloo processes x 4 blocks see the same 8 blocks as 1 process x 8 blocks."""
     import os

@@ -152,8 +152,10 @@ def cmd_lolcats(args) -> int:
     cfg = replace(cfg, teacher=args.teacher if args.teacher != "default" else other.get("teacher"),
                   spec={**lolcats.DEFAULT_SPEC, **spec},
                   keep_softmax=Spec(keep_softmax=keep).keep_softmax if keep else (), **overrides)
-    for row in args.rows.split(",") if args.rows else [None]:
-        results = lolcats.run(lolcats.ablation_config(cfg, row) if row else cfg)
+    rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else [None]
+    configs = [lolcats.ablation_config(cfg, row) if row else cfg for row in rows]  # every row checked first
+    for row, row_cfg in zip(rows, configs):
+        results = lolcats.run(row_cfg)
         if is_main_process():
             print(lolcats.summary(results, row or "lolcats"))
     return 0
