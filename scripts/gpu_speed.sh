@@ -10,6 +10,9 @@ student() { [ -d /tmp/ckpt/$1 ] || lin convert --teacher $T --kind $1 --out /tmp
 for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
+    tests)  # CUDA graph vs eager vs generate(), our Triton kernels vs their PyTorch twins (fla's own: test_gpu.py)
+      timeout 240 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_kernels.py 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
     fast)  # the linearized students' fast path over batch sizes and generated lengths
       student lolcats; student supra
       bench 150 /tmp/ckpt/lolcats --teacher none --paths fast --batch-sizes 1 256 1024 --new-tokens 1024 4096 \
@@ -21,6 +24,10 @@ for part in "$@"; do
         --out $S/teacher_generate_4k.json | tail -4
       bench 180 $T --teacher none --paths static fast --batch-sizes 1 256 --new-tokens 256 --prompt-len 4096 \
         --out $S/teacher_static_4k.json | tail -6 ;;
+    compiled)  # the student's decode step through torch.compile (the lever for the batch-1 target)
+      student lolcats
+      bench 240 /tmp/ckpt/lolcats --teacher none --paths fast --compile --batch-sizes 1 256 --new-tokens 1024 \
+        --prompt-len 128 --out $S/fast_lolcats_compiled.json | tail -5 ;;
     long)  # memory growth of the student from 1k to 32k generated tokens
       student lolcats
       bench 180 /tmp/ckpt/lolcats --teacher none --paths fast --batch-sizes 1 256 --new-tokens 1024 32768 \

@@ -148,7 +148,7 @@ def figures(records, runs, out_dir: Path, attention_maps: bool = False) -> list[
             label = run.name + (" (stopped early)" if res.get("unfinished") else "")
             metrics[label] = run / "metrics.jsonl"
             tokens[label] = cfg["block_len"] * cfg.get("batch_size", 1) * cfg.get("grad_accum", 1)
-            stages[label] = "stage2" if "stage2" in res else ("uptrain" if "train" in res or "steps" in cfg else None)
+            stages[label] = "stage2" if "stage2" in res else ("uptrain" if "train" in res else None)
         if "layer_mse_before" in res:
             made.append((f"{run.name}: attention MSE per layer, before and after stage 1",
                          layer_mse_plot(run / "results.json", out_dir / f"{run.name}-layer-mse.png")))
