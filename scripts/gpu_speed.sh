@@ -28,19 +28,29 @@ for part in "$@"; do
       student lolcats
       bench 240 /tmp/ckpt/lolcats --teacher none --paths fast --compile --batch-sizes 1 256 --new-tokens 1024 \
         --prompt-len 128 --out $S/fast_lolcats_compiled.json | tail -5 ;;
-    long)  # memory growth of the student from 1k to 32k generated tokens
+    long)  # memory growth of the student from 1k to 32k generated tokens (compiled step: half the time)
       student lolcats
-      bench 180 /tmp/ckpt/lolcats --teacher none --paths fast --batch-sizes 1 256 --new-tokens 1024 32768 \
+      bench 280 /tmp/ckpt/lolcats --teacher none --paths fast --compile --batch-sizes 1 64 --new-tokens 1024 32768 \
         --prompt-len 128 --out $S/long_lolcats.json | tail -6 ;;
-    maxbatch)  # the largest batch at 4k generated tokens: the teacher's static cache vs the student
+    maxbatch)  # the largest batch at a 4k context. The teacher's static cache is allocated for the whole
+      # length up front (4096-token prompt + 32 new); the student's state is constant in length
+      # (the `long` part shows it), so 256 new tokens after a 128-token prompt hold what 4k would.
       student lolcats
-      bench 150 $T --teacher none --paths static --batch-sizes 512 768 1024 --new-tokens 4096 --prompt-len 128 \
-        --out $S/maxbatch_teacher.json | tail -5
-      bench 300 /tmp/ckpt/lolcats --teacher none --paths fast --prefill-batch 1024 --batch-sizes 8192 12288 16384 \
-        --new-tokens 4096 --prompt-len 128 --out $S/maxbatch_student.json | tail -5 ;;
+      bench 240 $T --teacher none --paths static --batch-sizes 320 384 448 512 --new-tokens 32 --prompt-len 4096 \
+        --out $S/maxbatch_teacher.json | tail -6
+      bench 200 /tmp/ckpt/lolcats --teacher none --paths fast --prefill-batch 1024 --batch-sizes 4096 8192 16384 \
+        --new-tokens 256 --prompt-len 128 --out $S/maxbatch_student.json | tail -5 ;;
     train)  # training tokens/s: teacher vs SUPRA/T2R/RetNet/StripedMamba (issues #4 and #5 targets)
       timeout 200 python3 -m linearize.bench.train --teacher $T --shapes 16x1024 8x2048 2x8192 --steps 6 \
         --out $S/train.json 2>&1 | tail -25 ;;
+    profile)  # where the training step and the decode step spend their time (kernels by device time)
+      for m in teacher supra retnet striped_mamba; do
+        timeout 120 python3 -m linearize.bench.profile train --teacher $T --model $m --shape 2x8192 --top 14 \
+          --out $S/profile_train_$m.json 2>&1 | grep -v Warning | tail -17
+      done
+      student lolcats
+      timeout 150 python3 -m linearize.bench.profile decode /tmp/ckpt/lolcats --batch 1 --compile --top 25 \
+        --out $S/profile_decode_compiled.json 2>&1 | grep -v Warning | tail -28 ;;
     fp32)  # the fla-vs-PyTorch agreement in fp32 with full-precision Triton dots (issue #2)
       TRITON_F32_DEFAULT=ieee timeout 200 python3 -m linearize.bench.mixers --skip-timing --out $S/agreement_ieee.json \
         2>&1 | tail -30 ;;

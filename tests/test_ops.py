@@ -224,3 +224,30 @@ def test_triton_linear_decode_step_equals_the_pytorch_step():
     """The fused CUDA kernel of the linear-attention decode step (normalised or not, decayed or not,
     GQA), run on the CPU by Triton's interpreter."""
     run_triton_interpreter_script("triton_interpret_linear.py")
+
+
+def test_autocast_hands_the_kernels_half_precision(monkeypatch):
+    """Under bf16 autocast, fp32 features (RoPE's fp32 cos/sin make them so) reach fla's kernels in bf16;
+    without autocast, or where no kernel applies, the inputs are untouched. (The SUPRA uptraining
+    benchmark on an H100 ran the PyTorch chunked form for want of this.)"""
+    kernel_dtypes = []
+
+    def fake_use_fla(q, backend):  # the real one wants CUDA; a CPU stand-in with the same dtype rule
+        return backend != "torch" and q.dtype in (torch.bfloat16, torch.float16)
+
+    def fake_fla(q, k, v, **kw):
+        kernel_dtypes.append((q.dtype, k.dtype, v.dtype))
+        return ops.linear_attention_chunked(q, k, v, log_decay=kw["log_decay"], normalize=kw["normalize"])
+
+    monkeypatch.setattr(ops, "use_fla", fake_use_fla)
+    monkeypatch.setattr(ops, "linear_attention_fla", fake_fla)
+    q, k, v = (torch.rand(1, 2, 8, 4) for _ in range(3))
+    decay = torch.full((2,), -0.1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o, _ = ops.linear_attention(q, k, v, log_decay=decay, normalize=False)
+        ops.linear_attention(q, k, v, log_decay=decay, normalize=False, backend="torch")
+    assert kernel_dtypes == [(torch.bfloat16,) * 3]
+    assert o.dtype == torch.bfloat16
+    ops.linear_attention(q, k, v, log_decay=decay, normalize=False)  # no autocast: fp32 stays fp32
+    assert len(kernel_dtypes) == 1
+    assert ops.kernel_inputs(q, k, v)[0] is q

@@ -4,6 +4,8 @@ No ``nn.Module`` and no model knowledge here. ``linear_attention`` picks the fla
 they apply and the PyTorch chunked form otherwise.
 """
 
+import torch
+
 from .fla_backend import fla_available, linear_attention_fla, use_fla
 from .hybrid_attention import (
     HybridState,
@@ -28,9 +30,27 @@ from .linear_attention import (
 )
 
 
+def kernel_inputs(q, k, v, backend="auto"):
+    """Under autocast, fp32 inputs in the autocast dtype when that lets fla's kernels take them.
+
+    Training keeps fp32 master weights under bf16 autocast; autocast casts matmul inputs but not
+    elementwise results, so features that pass through RoPE (fp32 cos/sin) arrive here in fp32
+    and the "auto" backend would keep them on the PyTorch path: autocast asks for half precision,
+    so give the kernels what it asks for.
+    """
+    dev = q.device.type
+    if q.dtype != torch.float32 or not torch.is_autocast_enabled(dev):
+        return q, k, v
+    half = torch.get_autocast_dtype(dev)
+    if half not in (torch.bfloat16, torch.float16) or not use_fla(q.new_empty(0, dtype=half), backend):
+        return q, k, v
+    return q.to(half), k.to(half), v.to(half)
+
+
 def linear_attention(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initial_state=None,
                      output_final_state=False, chunk_size=64, backend="auto"):
     """Causal (decayed, normalised) linear attention over a sequence; see ``linear_attention.py``."""
+    q, k, v = kernel_inputs(q, k, v, backend)
     if use_fla(q, backend):
         return linear_attention_fla(q, k, v, log_decay=log_decay, normalize=normalize, eps=eps,
                                     initial_state=initial_state, output_final_state=output_final_state)
@@ -40,7 +60,7 @@ def linear_attention(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initi
 
 
 __all__ = [
-    "HybridState", "RingHybridState", "accum_dtype", "empty_hybrid_state", "empty_state", "fla_available",
+    "HybridState", "RingHybridState", "accum_dtype", "kernel_inputs", "empty_hybrid_state", "empty_state", "fla_available",
     "hybrid_attention_chunked", "hybrid_attention_naive", "hybrid_attention_recurrent",
     "hybrid_attention_step", "hybrid_attention_step_ring", "hybrid_final_state", "linear_attention", "linear_attention_chunked",
     "linear_attention_fla", "linear_attention_naive", "linear_attention_recurrent",

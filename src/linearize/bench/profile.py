@@ -1,0 +1,176 @@
+"""Where a step's time goes: the kernels of one training step or of the decode steps, by time.
+
+    python -m linearize.bench.profile train --model supra --shape 2x8192 [--teacher T] [--top 20]
+    python -m linearize.bench.profile decode CHECKPOINT [--batch 1] [--compile] [--tokens 16]
+
+``train``: a full training step as ``linearize.bench.train`` times it (forward, backward, AdamW,
+bf16 autocast over fp32 weights on CUDA), after warm-up steps, under ``torch.profiler``.
+``decode``: ``linearize.fast`` decoding without the CUDA graph (a graph replays the same kernels;
+the profiler sees them one by one only without it), optionally with the step compiled.
+Prints the kernels grouped by name with their total device time and launch count, per step; on
+the CPU it reports operators instead (no device kernels), which is what the tests check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..errors import LinearizeError
+
+
+def _activities(device: torch.device):
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
+def kernel_table(prof, device: torch.device, steps: int, top: int) -> dict:
+    """Kernels (CUDA) or operators (CPU) grouped by name: per-step time (us) and launches, largest first."""
+    cuda = device.type == "cuda"
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            t = getattr(e, "self_device_time_total", None)
+            t = e.self_cuda_time_total if t is None else t
+            is_kernel = getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA
+            if not is_kernel or t <= 0:
+                continue
+        else:
+            t = e.self_cpu_time_total
+            if not e.key.startswith("aten::") or t <= 0:
+                continue
+        rows.append({"name": e.key, "us_per_step": t / steps, "launches_per_step": e.count / steps})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    total = sum(r["us_per_step"] for r in rows)
+    launches = sum(r["launches_per_step"] for r in rows)
+    return {"unit": "kernel" if cuda else "operator", "steps": steps, "us_per_step": total,
+            "launches_per_step": launches, "top": rows[:top]}
+
+
+def profile_train(teacher, model_name: str, batch: int, length: int, steps: int = 2, warmup: int = 2,
+                  top: int = 20) -> dict:
+    from torch.profiler import profile
+
+    from .train import _step, build
+
+    model = build(teacher, model_name)
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    model.train()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=cuda)
+    ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
+    for _ in range(warmup):
+        _step(model, optimizer, ids, cuda)
+    if cuda:
+        torch.cuda.synchronize(device)
+    with profile(activities=_activities(device)) as prof:
+        for _ in range(steps):
+            _step(model, optimizer, ids, cuda)
+        if cuda:
+            torch.cuda.synchronize(device)
+    out = kernel_table(prof, device, steps, top)
+    out.update(what="train", model=model_name, batch=batch, length=length)
+    return out
+
+
+@torch.no_grad()
+def profile_decode(model, batch: int = 1, tokens: int = 16, prompt_len: int = 32, compile: bool = False,
+                   top: int = 20) -> dict:
+    """Kernels per decode step: two profiled runs of different lengths, differenced, so the prefill cancels."""
+    from torch.profiler import profile
+
+    from ..fast import FastDecoder
+
+    device = next(model.parameters()).device
+    decoder = FastDecoder(model, cuda_graph=False, compile=compile)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+
+    def run(n):
+        decoder.generate(prompt, max_new_tokens=n, eos_token_id=None)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    run(tokens)  # warm-up (compilation)
+    tables = []
+    for n in (1, 1 + tokens):
+        with profile(activities=_activities(device)) as prof:
+            run(n)
+        tables.append({r["name"]: r for r in kernel_table(prof, device, 1, 10**9)["top"]})
+    rows = []
+    for name, r in tables[1].items():
+        base = tables[0].get(name, {"us_per_step": 0.0, "launches_per_step": 0.0})
+        us = (r["us_per_step"] - base["us_per_step"]) / tokens
+        n = (r["launches_per_step"] - base["launches_per_step"]) / tokens
+        if n > 0:
+            rows.append({"name": name, "us_per_step": max(us, 0.0), "launches_per_step": n})
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return {"what": "decode", "batch": batch, "compile": compile, "unit": "kernel" if device.type == "cuda" else "operator",
+            "steps": tokens, "us_per_step": sum(r["us_per_step"] for r in rows),
+            "launches_per_step": sum(r["launches_per_step"] for r in rows), "top": rows[:top]}
+
+
+def render(result: dict) -> str:
+    head = (f"{result['what']}: {result.get('model', '')} "
+            + (f"{result['batch']}x{result['length']}" if result["what"] == "train" else
+               f"batch {result['batch']}{' compiled' if result.get('compile') else ''}")
+            + f" — {result['us_per_step'] / 1000:.2f} ms of {result['unit']} time and "
+              f"{result['launches_per_step']:.0f} {result['unit']} launches per step")
+    lines = [head, f"| {result['unit']} | us/step | launches/step |", "|---|---|---|"]
+    for r in result["top"]:
+        lines.append(f"| {r['name'][:90]} | {r['us_per_step']:.1f} | {r['launches_per_step']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import linearize
+
+    from .train import MODELS, parse_shape
+
+    p = argparse.ArgumentParser(prog="python -m linearize.bench.profile", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    tr = sub.add_parser("train", help="one training step of a model linearize.bench.train builds")
+    tr.add_argument("--model", default="supra", choices=MODELS)
+    tr.add_argument("--shape", default="16x1024", help="BATCHxLENGTH (default: %(default)s)")
+    tr.add_argument("--teacher", default=None, help="default: the embedded SmolLM2")
+    tr.add_argument("--steps", type=int, default=2, help="profiled steps (default: %(default)s)")
+    de = sub.add_parser("decode", help="the decode steps of a checkpoint on the fast path")
+    de.add_argument("model", help="a linearize checkpoint (or a teacher spec)")
+    de.add_argument("--batch", type=int, default=1)
+    de.add_argument("--tokens", type=int, default=16, help="decode steps profiled (default: %(default)s)")
+    de.add_argument("--compile", action="store_true", help="compile the decode step")
+    de.add_argument("--dtype", default="bfloat16")
+    for s in (tr, de):
+        s.add_argument("--top", type=int, default=20, help="rows to print (default: %(default)s)")
+        s.add_argument("--device", default=None, help="default: cuda when available")
+        s.add_argument("--out", default=None, help="write the result as JSON here")
+    args = p.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        if args.what == "train":
+            b, t = parse_shape(args.shape)
+            teacher, _ = linearize.load_teacher(args.teacher, dtype="float32", device=device)
+            result = profile_train(teacher, args.model, b, t, steps=args.steps, top=args.top)
+        else:
+            from ..cli import _load_any
+
+            model, _ = _load_any(args.model, args.dtype, device)
+            result = profile_decode(model, args.batch, args.tokens, compile=args.compile, top=args.top)
+    except LinearizeError as e:
+        p.exit(2, f"linearize: error: {e}\n")
+    print(render(result))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(result, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

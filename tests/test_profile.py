@@ -1,0 +1,35 @@
+"""bench.profile on the CPU: operators per training step and per decode step, from tiny models."""
+
+import torch
+
+from helpers import tiny_config
+
+import linearize
+from linearize.bench import profile
+
+
+def _tiny_teacher():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("llama")).float()
+
+
+def test_train_profile_lists_the_step_operators():
+    out = profile.profile_train(_tiny_teacher(), "supra", 2, 16, steps=1, warmup=1, top=50)
+    names = [r["name"] for r in out["top"]]
+    assert out["unit"] == "operator" and out["us_per_step"] > 0
+    assert "aten::mm" in names or "aten::addmm" in names  # the projections, forward and backward
+    assert "aten::native_group_norm" in names  # SUPRA's GroupNorm ran in the step
+    assert out["launches_per_step"] >= sum(r["launches_per_step"] for r in out["top"][:5])
+
+
+def test_decode_profile_counts_operators_per_step_not_the_prefill():
+    student = linearize.convert(_tiny_teacher(), {"kind": "supra"})
+    short = profile.profile_decode(student, batch=1, tokens=2, prompt_len=8)
+    longer = profile.profile_decode(student, batch=1, tokens=6, prompt_len=8)
+    # per step, the same model launches about the same operators whatever the number of steps
+    assert short["launches_per_step"] > 0
+    assert abs(short["launches_per_step"] - longer["launches_per_step"]) <= 0.25 * longer["launches_per_step"]
+    text = profile.render(longer)
+    assert "decode" in text and "operator launches per step" in text
