@@ -59,3 +59,24 @@ def test_uptraining_lowers_validation_loss(workspace, monkeypatch, tmp_path, var
     out = model(ids[:, :3], use_cache=True)
     step = model(ids[:, 3:4], past_key_values=out.past_key_values, use_cache=True)
     torch.testing.assert_close(step.logits[:, -1], full[:, 3], atol=1e-4, rtol=1e-4)
+
+
+def test_head_group_norm_is_groupnorm_over_the_heads():
+    """The layer-norm form used in training equals nn.GroupNorm(H, H*D) on [B*T, H*D], values and gradients."""
+    from linearize.mixers.base import head_group_norm
+
+    g = torch.Generator().manual_seed(0)
+    b, h, t, d = 2, 3, 5, 4
+    o = torch.randn(b, h, t, d, generator=g, dtype=torch.float64, requires_grad=True)
+    norm = torch.nn.GroupNorm(h, h * d, eps=1e-5).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(h * d, generator=g))
+        norm.bias.copy_(torch.randn(h * d, generator=g))
+    w_out = torch.randn(b, h, t, d, generator=g, dtype=torch.float64)
+    ours = head_group_norm(o, norm)
+    ref = norm(o.transpose(1, 2).reshape(b * t, h * d)).view(b, t, h, d).transpose(1, 2)
+    assert torch.allclose(ours, ref, atol=1e-12, rtol=0)
+    params = [o, norm.weight, norm.bias]
+    for got, want in zip(torch.autograd.grad((ours * w_out).sum(), params),
+                         torch.autograd.grad((ref * w_out).sum(), params)):
+        assert torch.allclose(got, want, atol=1e-12, rtol=0)

@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from .. import ops
 from ..errors import LinearizeError
-from .base import drop_padding
+from .base import drop_padding, head_group_norm
 from .decay import log_decay
 from .fresh import FreshMixer
 
@@ -73,11 +73,6 @@ class RetNetRetention(FreshMixer):
         b, t, _ = x.shape
         return proj(x).view(b, t, self.n_heads, width).transpose(1, 2)
 
-    def _group_norm(self, o):
-        b, h, t, d = o.shape
-        x = o.transpose(1, 2).reshape(b * t, h * d)
-        return self.group_norm(x).view(b, t, h, d).transpose(1, 2)
-
     def mix(self, x, state, offset, want_state):
         q = self._heads(x, self.wq, self.key_dim)
         k = self._heads(x, self.wk, self.key_dim)
@@ -94,7 +89,7 @@ class RetNetRetention(FreshMixer):
                 output_final_state=want_state, chunk_size=self.spec.chunk_size, backend=self.spec.backend,
             )
         gate = F.silu(self._heads(x, self.wg, self.value_dim))
-        return self.adapter.out(self, self._group_norm(o) * gate), state
+        return self.adapter.out(self, head_group_norm(o, self.group_norm) * gate), state
 
     def state_bytes(self, dtype):
         return self.n_heads * self.key_dim * self.value_dim * 4

@@ -13,7 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from .. import ops
-from .base import Mixer, drop_padding
+from .base import Mixer, drop_padding, head_group_norm
 from .decay import log_decay
 from .feature_maps import T2R
 
@@ -39,9 +39,7 @@ class SupraAttention(Mixer):
     def _norm(self, o):
         if self.normalize:
             return o
-        b, h, t, d = o.shape
-        x = o.transpose(1, 2).reshape(b * t, h * d)
-        return self.group_norm(x).view(b, t, h, d).transpose(1, 2)
+        return head_group_norm(o, self.group_norm)
 
     def sequence(self, q, k, v, position_embeddings, state, want_state):
         qf, kf = self.features(q, k, position_embeddings)
