@@ -41,8 +41,12 @@ for part in "$@"; do
       bench 200 /tmp/ckpt/lolcats --teacher none --paths fast --prefill-batch 1024 --batch-sizes 4096 8192 16384 \
         --new-tokens 256 --prompt-len 128 --out $S/maxbatch_student.json | tail -5 ;;
     train)  # training tokens/s: teacher vs SUPRA/T2R/RetNet/StripedMamba (issues #4 and #5 targets)
-      timeout 200 python3 -m linearize.bench.train --teacher $T --shapes 16x1024 8x2048 2x8192 --steps 6 \
+      timeout 400 python3 -m linearize.bench.train --teacher $T --shapes 16x1024 8x2048 2x8192 --steps 6 \
         --out $S/train.json 2>&1 | tail -25 ;;
+    scan)  # the opt-in time-chunked Mamba scan: equal to PyTorch on CUDA, then StripedMamba's training speed with it
+      timeout 240 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_kernels.py -k scan 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed"
+      LINEARIZE_MAMBA_SCAN=chunked timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \
+        --shapes 16x1024 8x2048 2x8192 --steps 6 --out $S/train_scan_chunked.json 2>&1 | tail -8 ;;
     profile)  # where the training step and the decode step spend their time (kernels by device time)
       for m in teacher supra retnet striped_mamba; do
         timeout 120 python3 -m linearize.bench.profile train --teacher $T --model $m --shape 2x8192 --top 14 \

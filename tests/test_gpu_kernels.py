@@ -7,10 +7,14 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+@pytest.mark.parametrize("kernels", ["selective_scan_triton", "selective_scan_triton_chunked"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_triton_scan_equals_torch_scan_on_cuda(dtype, tol):
+def test_triton_scan_equals_torch_scan_on_cuda(dtype, tol, kernels):
+    import importlib
+
     from linearize.ops.selective_scan import selective_scan_chunked
-    from linearize.ops.selective_scan_triton import selective_scan_triton
+
+    selective_scan_triton = importlib.import_module(f"linearize.ops.{kernels}").selective_scan_triton
 
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)

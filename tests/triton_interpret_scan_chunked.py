@@ -1,0 +1,64 @@
+"""Run by test_xatl_ops.py in a subprocess: the fused Triton selective scan (forward and backward)
+against the PyTorch chunked form, on the CPU through Triton's interpreter."""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+
+import torch  # noqa: E402
+
+import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
+from linearize.ops import selective_scan_triton_chunked as sst  # noqa: E402
+from linearize.ops.selective_scan import selective_scan_chunked  # noqa: E402
+
+
+def check(b, t, dn, n, with_d, with_state, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    ins = [r(b, t, dn), torch.nn.functional.softplus(r(b, t, dn)) * 0.5, -torch.exp(r(dn, n)), r(b, t, n), r(b, t, n),
+           r(dn) if with_d else None, r(b, dn, n) if with_state else None]
+    w_y, w_h = r(b, t, dn), r(b, dn, n)
+
+    def run(fn, xs):
+        live = [x for x in xs if x is not None]
+        y, h = fn(*xs[:6], initial_state=xs[6], output_final_state=True)
+        grads = torch.autograd.grad((y.double() * w_y).sum() + (h.double() * w_h).sum(), live)
+        return [y, h, *grads]
+
+    ref = run(lambda *a, **k: selective_scan_chunked(*a, **k, chunk_size=16),
+              [x.requires_grad_(True) if x is not None else None for x in ins])
+    got = run(sst.selective_scan_triton, [x.detach().float().requires_grad_(True) if x is not None else None for x in ins])
+    names = ["y", "final state", "du", "ddt", "dA", "dB", "dC"] + ["dD"] * with_d + ["dh0"] * with_state
+    assert len(got) == len(ref) == len(names)
+    for name, a, e in zip(names, got, ref):
+        rel = ((a.double() - e).norm() / e.norm()).item()
+        assert rel < 1e-5, (name, rel, (b, t, dn, n, with_d, with_state), (sst.CHUNK, sst.CKPT))
+
+
+def final_state_unused(b, t, dn, n):
+    """Only y is used: the final state gets no gradient (and the kernels must cope)."""
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    ins = [r(b, t, dn), torch.nn.functional.softplus(r(b, t, dn)) * 0.5, -torch.exp(r(dn, n)), r(b, t, n), r(b, t, n)]
+    w = r(b, t, dn)
+    outs = []
+    for fn, xs in ((lambda *a: selective_scan_chunked(*a, chunk_size=16), [x.clone().requires_grad_(True) for x in ins]),
+                   (sst.selective_scan_triton, [x.float().requires_grad_(True) for x in ins])):
+        y, _ = fn(*xs)
+        outs.append(torch.autograd.grad((y.double() * w).sum(), xs))
+    for a, e in zip(*outs):
+        assert ((a.double() - e).norm() / e.norm()).item() < 1e-5
+
+
+# tiny time chunks, so that short sequences span several of them (and several checkpoints each)
+sst.CHUNK, sst.CKPT = 8, 4
+check(2, 3 * 8 + 5, sst.BLOCK_D + 8, 5, True, True, 0)  # T off the chunk and checkpoint; Dn off the block
+check(1, 4 * 8, sst.BLOCK_D, 16, False, False, 1)  # T on the chunk
+check(3, 7, 9, 3, True, False, 2)  # T shorter than one chunk
+check(2, 1, 5, 4, False, True, 3)  # T = 1
+check(1, 8 + 4, 6, 2, False, True, 4)  # T on a checkpoint, off the chunk
+final_state_unused(2, 19, 7, 3)
+# the production chunking once
+sst.CHUNK, sst.CKPT = 128, 32
+check(1, 128 + 37, 9, 3, True, True, 5)
+print("ok")
