@@ -2,7 +2,7 @@
 # The training runs of issues #3-#6 on one GPU, each a job for `gpu_session.sh start NAME bash
 # scripts/gpu_quality.sh NAME` (several run side by side; their tokens/s are then shared-GPU figures,
 # the clean ones come from linearize.bench.train). After training, each run's final checkpoint goes
-# through lm-eval (once gpu_session.sh eval-setup has run) at LIMIT documents per task.
+# through lm-eval (once gpu_session.sh eval-setup has run) at LIMIT documents per task (LIMIT=all: all).
 # At most SLOTS (default 3) jobs hold the GPU at once; the others wait for a slot. On 2026-11-22,
 # six side by side on one H100 (80 GB) ran out of memory (~14 GB per training, ~28 GB per lm-eval).
 set -uo pipefail
@@ -12,7 +12,8 @@ quiet() { grep --line-buffered -v -E "it/s\]|s/it\]"; }
 evaluate() {  # evaluate CHECKPOINT NAME
   [ -e "$1" ] || { echo "no checkpoint $1"; return 1; }
   local n=0; until [ -e /tmp/evalsite/.ready ]; do sleep 10; n=$((n + 10)); [ $n -ge 1500 ] && return 1; done
-  PYTHONPATH=/tmp/evalsite:$PYTHONPATH lin eval "$1" --tasks all --limit "$LIMIT" --batch-size ${EVAL_BATCH:-32} \
+  local limit=(--limit "$LIMIT"); [ "$LIMIT" = all ] && limit=()  # LIMIT=all: every document of every task
+  PYTHONPATH=/tmp/evalsite:$PYTHONPATH lin eval "$1" --tasks all "${limit[@]}" --batch-size ${EVAL_BATCH:-32} \
     --name "$2" --out $RUNS/eval/$2.json 2>&1 | quiet | tail -20
 }
 gpu_slot() {  # hold one of SLOTS GPU slots until this script exits
