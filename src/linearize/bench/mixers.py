@@ -30,8 +30,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-def agreement(device="cuda") -> list[dict]:
-    """fla path vs PyTorch chunked path on odd shapes (GQA, T not a multiple of 64, initial state)."""
+def agreement(device="cuda", dtypes=(torch.float32, torch.bfloat16), report=None) -> list[dict]:
+    """fla path vs PyTorch chunked path on odd shapes (GQA, T not a multiple of 64, initial state).
+
+    ``report`` is called with each row as soon as it is measured (a slow compilation then shows
+    which case it is stuck on)."""
     from linearize import ops
 
     rows = []
@@ -42,7 +45,7 @@ def agreement(device="cuda") -> list[dict]:
         "decayed (SUPRA)": dict(log_decay=torch.log1p(-(2.0 ** (-5.0 - torch.arange(h, device=device)))), normalize=False),
         "decayed + normalised": dict(log_decay=torch.log1p(-(2.0 ** (-5.0 - torch.arange(h, device=device)))), normalize=True),
     }
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in dtypes:
         for name, kw in cases.items():
             q = (torch.randn(b, h, t, f, device=device, generator=g) * 0.5).exp().mul(0.1).to(dtype).requires_grad_()
             k = (torch.randn(b, hk, t, f, device=device, generator=g) * 0.5).exp().mul(0.1).to(dtype).requires_grad_()
@@ -61,6 +64,8 @@ def agreement(device="cuda") -> list[dict]:
                 "out": _rel(o1, o2), "state": _rel(s1, s2),
                 "grad_q": _rel(g1[0], g2[0]), "grad_k": _rel(g1[1], g2[1]), "grad_v": _rel(g1[2], g2[2]),
             })
+            if report is not None:
+                report(rows[-1])
     return rows
 
 
@@ -180,6 +185,8 @@ def main(argv=None):
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--skip-timing", action="store_true", help="only the fla-vs-torch agreement")
     p.add_argument("--skip-agreement", action="store_true", help="only the timings")
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                   help="dtypes of the agreement check (default: %(default)s)")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("linearize.bench.mixers: error: needs a CUDA GPU")
@@ -187,9 +194,7 @@ def main(argv=None):
     if not fla_available():
         raise SystemExit("linearize.bench.mixers: error: needs flash-linear-attention (pip install 'linearize[cuda]')")
     start = time.time()
-    agree = [] if a.skip_agreement else agreement()
-    for row in agree:
-        _report(row)
+    agree = [] if a.skip_agreement else agreement(dtypes=[getattr(torch, d) for d in a.dtypes], report=_report)
     timings = [] if a.skip_timing else op_timings(a.lengths, a.tokens) + mixer_timings(a.lengths, a.tokens)
     import fla
     import transformers
