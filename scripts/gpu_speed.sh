@@ -45,6 +45,9 @@ for part in "$@"; do
     train)  # training tokens/s: teacher vs SUPRA/T2R/RetNet/StripedMamba (issues #4 and #5 targets)
       timeout 400 python3 -m linearize.bench.train --teacher $T --shapes 16x1024 8x2048 2x8192 --steps 6 \
         --out $S/train.json 2>&1 | tail -25 ;;
+    train-compiled)  # the same with each model's forward compiled (host overhead is part of the students' step)
+      timeout 500 python3 -m linearize.bench.train --teacher $T --models teacher supra retnet --shapes 16x1024 2x8192 \
+        --steps 6 --compile --out $S/train_compiled.json 2>&1 | grep -v Warning | tail -10 ;;
     scan)  # the opt-in time-chunked Mamba scan: equal to PyTorch on CUDA, then StripedMamba's training speed with it
       timeout 240 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_kernels.py -k scan 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed"
       LINEARIZE_MAMBA_SCAN=chunked timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \

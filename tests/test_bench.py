@@ -49,3 +49,16 @@ def test_train_throughput_bench_on_a_tiny_teacher(tiny_model, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench_train(["--teacher", str(tmp_path / "teacher"), "--shapes", "16by1024", "--device", "cpu"])
     assert exit_info.value.code == 2
+
+
+def test_train_bench_compiled_rows_compare_with_the_teacher(tiny_model):
+    """--compile's plumbing (aot_eager here: the same graph capture without generating kernels)."""
+    from linearize.bench.train import TrainRow, run, with_ratios
+
+    rows = run(tiny_model("llama"), ["teacher", "supra"], [(2, 16)], steps=1, warmup=1, compile="aot_eager")
+    assert [r.model for r in rows] == ["teacher+compile", "supra+compile"]
+    assert rows[0].ratio_to_teacher == 1.0 and rows[1].ratio_to_teacher > 0
+    # an eager teacher row, where one ran, is the reference for every row
+    mixed = with_ratios([TrainRow("teacher", 2, 16, 100.0, 1, 1), TrainRow("teacher+compile", 2, 16, 200.0, 1, 1),
+                         TrainRow("supra+compile", 2, 16, 150.0, 1, 1)])
+    assert [r.ratio_to_teacher for r in mixed] == [1.0, 2.0, 1.5]

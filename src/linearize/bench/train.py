@@ -3,6 +3,7 @@ teacher and of the students the uptraining recipes train, at several batch x len
 
     python -m linearize.bench.train [--teacher default] [--models teacher supra t2r retnet striped_mamba]
                                     [--shapes 16x1024 8x2048 2x8192] [--steps 10] [--out train.json]
+                                    [--compile]
 
 Every model trains all its weights, as in SUPRA uptraining and XATL with unfrozen transfer: fp32
 master weights with bf16 autocast on CUDA (the Trainer's ``bf16=True``), fp32 on CPU. Each shape
@@ -11,6 +12,12 @@ ones; tokens/s = batch x length x steps / seconds, with the peak memory on CUDA.
 out of memory is recorded as such. The ratio column compares each model with the teacher at the
 same shape: the SUPRA target is >= 0.8 at 16x1024 and >= 1.5 at 8k-token sequences; the XATL target
 is >= 1 at 2k and > 1 at 8k.
+
+``--compile`` runs every model's forward through ``torch.compile`` (rows named ``MODEL+compile``;
+each shape compiles anew). On the GPU the eager students spend part of their step launching
+kernels (docs/RESULTS.md: SUPRA's kernels take 144 ms of a 171 ms step at 2 x 8192); compiling fuses
+the mixers' elementwise work around fla's kernels. Ratios compare with the teacher measured the
+same way, and with the eager teacher where both ran.
 """
 
 from __future__ import annotations
@@ -109,18 +116,31 @@ def parse_shape(text: str) -> tuple[int, int]:
     return b, t
 
 
-def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str = "auto") -> list[TrainRow]:
+def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str = "auto",
+        compile: str | None = None) -> list[TrainRow]:
+    """``compile``: a ``torch.compile`` backend ("inductor" on the GPU) to compile each model's forward."""
     rows = []
     for name in models:
         model = build(teacher, name, backend)
+        label = name
+        if compile:
+            model.forward = torch.compile(model.forward, backend=compile)
+            label = f"{name}+compile"
         for b, t in shapes:
-            row = measure(model, name, b, t, steps, warmup)
+            row = measure(model, label, b, t, steps, warmup)
             rows.append(row)
             print(json.dumps(asdict(row)), flush=True)
         del model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    base = {(r.batch, r.length): r.tokens_per_s for r in rows if r.model == "teacher"}
+    return with_ratios(rows)
+
+
+def with_ratios(rows: list[TrainRow]) -> list[TrainRow]:
+    """Each row's tokens/s over the teacher's at its shape: the eager teacher where it ran, else the compiled one."""
+    base = {}
+    for teacher in ("teacher+compile", "teacher"):
+        base.update({(r.batch, r.length): r.tokens_per_s for r in rows if r.model == teacher})
     for r in rows:
         if r.tokens_per_s and base.get((r.batch, r.length)):
             r.ratio_to_teacher = r.tokens_per_s / base[(r.batch, r.length)]
@@ -151,6 +171,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps per shape (default: %(default)s)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "fla"], help="linear-attention backend")
+    p.add_argument("--compile", action="store_true", help="compile each model's forward with torch.compile")
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
@@ -158,7 +179,8 @@ def main(argv=None) -> int:
         shapes = [parse_shape(s) for s in args.shapes]
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         teacher, _ = linearize.load_teacher(args.teacher, dtype="float32", device=device)
-        rows = run(teacher, args.models, shapes, args.steps, args.warmup, args.backend)
+        rows = run(teacher, args.models, shapes, args.steps, args.warmup, args.backend,
+                   compile="inductor" if args.compile else None)
     except LinearizeError as e:
         p.exit(2, f"linearize: error: {e}\n")
     print(table(rows))
