@@ -24,10 +24,15 @@ for part in "$@"; do
         --out $S/teacher_generate_4k.json | tail -4
       bench 180 $T --teacher none --paths static fast --batch-sizes 1 256 --new-tokens 256 --prompt-len 4096 \
         --out $S/teacher_static_4k.json | tail -6 ;;
-    compiled)  # the student's decode step through torch.compile (the lever for the batch-1 target)
+    compiled)  # the student's decode step through torch.compile (the lever for the batch-1 target), with
+      # q/k/v and gate/up fused (the default) and apart, and the fused step's kernels
       student lolcats
       bench 240 /tmp/ckpt/lolcats --teacher none --paths fast --compile --batch-sizes 1 256 --new-tokens 1024 \
-        --prompt-len 128 --out $S/fast_lolcats_compiled.json | tail -5 ;;
+        --prompt-len 128 --out $S/fast_lolcats_compiled.json | tail -5
+      bench 150 /tmp/ckpt/lolcats --teacher none --paths fast --compile --unfused --batch-sizes 1 --new-tokens 1024 \
+        --prompt-len 128 --out $S/fast_lolcats_compiled_unfused.json | tail -3
+      timeout 150 python3 -m linearize.bench.profile decode /tmp/ckpt/lolcats --batch 1 --compile --top 12 \
+        --out $S/profile_decode_compiled.json 2>&1 | grep -v Warning | tail -15 ;;
     long)  # memory growth of the student from 1k to 32k generated tokens (compiled step: half the time)
       student lolcats
       bench 280 /tmp/ckpt/lolcats --teacher none --paths fast --compile --batch-sizes 1 64 --new-tokens 1024 32768 \

@@ -33,3 +33,14 @@ def test_decode_profile_counts_operators_per_step_not_the_prefill():
     assert abs(short["launches_per_step"] - longer["launches_per_step"]) <= 0.25 * longer["launches_per_step"]
     text = profile.render(longer)
     assert "decode" in text and "operator launches per step" in text
+
+
+def test_fused_projections_cut_the_decode_step_operators():
+    """One product for q/k/v and one for gate/up: at least 3 fewer matrix products per layer and step."""
+    student = linearize.convert(_tiny_teacher(), {"kind": "lolcats"})
+    counts = {}
+    for fused in (True, False):
+        out = profile.profile_decode(student, batch=1, tokens=4, prompt_len=8, top=10**6, fuse_projections=fused)
+        counts[fused] = sum(r["launches_per_step"] for r in out["top"] if r["name"] in ("aten::mm", "aten::addmm"))
+    layers = student.config.num_hidden_layers
+    assert counts[False] - counts[True] >= 3 * layers - 0.5, counts

@@ -234,7 +234,7 @@ def cmd_bench(args) -> int:
         teacher, _ = _load_any(args.teacher, args.dtype, args.device)
         entries = [("teacher", teacher, path) for path in args.teacher_paths] + entries
     rows = sweep(entries, args.batch_sizes, args.new_tokens, prompt_len=args.prompt_len, compile=args.compile,
-                 prefill_batch=args.prefill_batch)
+                 prefill_batch=args.prefill_batch, fuse_projections=not args.unfused)
     print(table(rows))
     if args.out:
         args.out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
@@ -373,6 +373,8 @@ def build_parser() -> argparse.ArgumentParser:
                          "cache (compiled on CUDA), fast = linearize.fast's static KV + CUDA graph "
                          "(default: %(default)s)")
     be.add_argument("--compile", action="store_true", help="the fast path compiles its decode step (torch.compile)")
+    be.add_argument("--unfused", action="store_true",
+                    help="the fast path keeps q/k/v and gate/up as separate products (default: one product each)")
     be.add_argument("--prefill-batch", type=int, metavar="N",
                     help="the fast path prefills N prompts at a time (large batches; default: all at once)")
     be.add_argument("--out", type=Path, help="write the rows as JSON here")

@@ -13,6 +13,8 @@ removes that overhead:
 3. **One decode step** — model forward on one token, sampling, writing the token, advancing the
    positions — touches only those buffers and reads nothing back to the host, so on CUDA it is
    captured once as a CUDA graph and replayed per token. On the CPU the same step runs eagerly.
+4. During the call, each converted layer's q/k/v and each gated MLP's gate/up are **one matrix
+   product** (``linearize.fused``, weights concatenated per call): fewer kernel launches per step.
 
 Sampling (greedy, temperature, top-k, top-p) runs on the device; a draw from ``p`` is
 ``argmax(p / E)`` with ``E ~ Exp(1)`` (no host sync, graph-safe). Sequences that hit an EOS token
@@ -35,6 +37,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache
 from . import ops
 from .cache import LinearizeCache, RecurrentLayer, state_tensors
 from .errors import LinearizeError
+from .fused import fused_projections
 
 
 # --- sampling --------------------------------------------------------------------------------------
@@ -177,15 +180,19 @@ class FastDecoder:
     of recomputing a key's features when it leaves the window (the default).
     ``compile``: compile the decode step with ``torch.compile`` (fewer, fused kernels; the first
     call pays the compilation). ``prefill_batch``: prefill that many prompts at a time (None: all).
+    ``fuse_projections``: during each call, compute q/k/v with one matrix product per converted
+    layer and a gated MLP's gate/up with one (``linearize.fused``: fewer kernel launches per step,
+    the same function; weights concatenated afresh on every call, modules restored afterwards).
     After each call, ``timings`` holds the seconds of prefill, setup (state buffers, the first
     eager steps, graph capture) and decoding, the number of new tokens, the steps the decoding time
     covers and the bytes of the decoding state.
     """
 
     def __init__(self, model, *, cuda_graph: bool | None = None, keep_key_features: bool = False,
-                 compile: bool = False, prefill_batch: int | None = None):
+                 compile: bool = False, prefill_batch: int | None = None, fuse_projections: bool = True):
         _check_supported(model)
         self.model = model
+        self.fuse_projections = fuse_projections
         self.prefill_batch = prefill_batch
         self.keep_key_features = keep_key_features
         # torch.compile fuses the step's many small kernels (feature maps, norms, window softmax);
@@ -248,6 +255,13 @@ class FastDecoder:
             raise LinearizeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise LinearizeError("input_ids must be a non-empty [batch, length] tensor")
+        # the fused weights live for this call only: a CUDA graph captured below replays within it
+        with fused_projections(self.model, enabled=self.fuse_projections):
+            return self._generate(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id,
+                                  pad_token_id, streamer, check_every)
+
+    def _generate(self, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, pad_token_id,
+                  streamer, check_every) -> torch.Tensor:
         dev = self.device
         input_ids = input_ids.to(dev)
         b, t = input_ids.shape
@@ -414,7 +428,8 @@ def _as_list(x) -> list[int]:
 def fast_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int = 32, do_sample: bool = False,
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   eos_token_id=None, pad_token_id=None, streamer=None, cuda_graph: bool | None = None,
-                  compile: bool = False, prefill_batch: int | None = None) -> torch.Tensor:
+                  compile: bool = False, prefill_batch: int | None = None,
+                  fuse_projections: bool = True) -> torch.Tensor:
     """Generate with the fast path; returns ``[B, T + n]`` ids like ``generate()``.
 
     Defaults for ``eos_token_id`` / ``pad_token_id`` come from the model's generation config.
@@ -425,7 +440,9 @@ def fast_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int 
     if pad_token_id is None and gen is not None:
         pad_token_id = gen.pad_token_id
     sampling = Sampling(do_sample, temperature, top_k, top_p)
-    return FastDecoder(model, cuda_graph=cuda_graph, compile=compile, prefill_batch=prefill_batch).generate(
+    decoder = FastDecoder(model, cuda_graph=cuda_graph, compile=compile, prefill_batch=prefill_batch,
+                          fuse_projections=fuse_projections)
+    return decoder.generate(
         input_ids, attention_mask, max_new_tokens=max_new_tokens, sampling=sampling,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer)
 

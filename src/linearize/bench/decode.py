@@ -94,7 +94,8 @@ def _fast_run(model, prompt, new_tokens, decoder, warmup: bool = False):
 
 @torch.no_grad()
 def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, path: str = "generate",
-            seed: int = 0, compile: bool = False, prefill_batch: int | None = None) -> DecodeRow:
+            seed: int = 0, compile: bool = False, prefill_batch: int | None = None,
+            fuse_projections: bool = True) -> DecodeRow:
     if path not in PATHS:
         raise LinearizeError(f"unknown path {path!r}: expected one of {', '.join(PATHS)}")
     device = next(model.parameters()).device
@@ -104,7 +105,8 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
         if path == "fast":
             from ..fast import FastDecoder
 
-            decoder = FastDecoder(model, compile=compile, prefill_batch=prefill_batch)
+            decoder = FastDecoder(model, compile=compile, prefill_batch=prefill_batch,
+                                  fuse_projections=fuse_projections)
             run = lambda: _fast_run(model, prompt, new_tokens, decoder)  # noqa: E731
             _fast_run(model, prompt, new_tokens, decoder, warmup=True)
         else:
@@ -127,17 +129,20 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
 
 
 def sweep(entries, batches, lengths, prompt_len: int = 128, compile: bool = False,
-          prefill_batch: int | None = None) -> list[DecodeRow]:
+          prefill_batch: int | None = None, fuse_projections: bool = True) -> list[DecodeRow]:
     """``entries``: (label, model, path) triples. Rows are printed as JSON lines as they come.
-    ``compile``: the fast path compiles its decode step (its row's path reads ``fast+compile``)."""
+    ``compile``: the fast path compiles its decode step (its row's path reads ``fast+compile``).
+    ``fuse_projections=False``: the fast path keeps q/k/v and gate/up apart (path ``...+unfused``)."""
     rows = []
     for label, model, path in entries:
         for n in lengths:
             for b in batches:
                 row = measure(model, label, b, prompt_len, n, path, compile=compile and path == "fast",
-                              prefill_batch=prefill_batch)
+                              prefill_batch=prefill_batch, fuse_projections=fuse_projections)
                 if compile and path == "fast":
                     row.path = "fast+compile"
+                if not fuse_projections and path == "fast":
+                    row.path += "+unfused"
                 rows.append(row)
                 print(json.dumps(asdict(row)), flush=True)
                 if row.note:

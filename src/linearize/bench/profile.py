@@ -81,14 +81,14 @@ def profile_train(teacher, model_name: str, batch: int, length: int, steps: int 
 
 @torch.no_grad()
 def profile_decode(model, batch: int = 1, tokens: int = 16, prompt_len: int = 32, compile: bool = False,
-                   top: int = 20) -> dict:
+                   top: int = 20, fuse_projections: bool = True) -> dict:
     """Kernels per decode step: two profiled runs of different lengths, differenced, so the prefill cancels."""
     from torch.profiler import profile
 
     from ..fast import FastDecoder
 
     device = next(model.parameters()).device
-    decoder = FastDecoder(model, cuda_graph=False, compile=compile)
+    decoder = FastDecoder(model, cuda_graph=False, compile=compile, fuse_projections=fuse_projections)
     prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
                            generator=torch.Generator().manual_seed(0)).to(device)
 
@@ -146,6 +146,7 @@ def main(argv=None) -> int:
     de.add_argument("--batch", type=int, default=1)
     de.add_argument("--tokens", type=int, default=16, help="decode steps profiled (default: %(default)s)")
     de.add_argument("--compile", action="store_true", help="compile the decode step")
+    de.add_argument("--unfused", action="store_true", help="keep q/k/v and gate/up as separate products")
     de.add_argument("--dtype", default="bfloat16")
     for s in (tr, de):
         s.add_argument("--top", type=int, default=20, help="rows to print (default: %(default)s)")
@@ -162,7 +163,8 @@ def main(argv=None) -> int:
             from ..cli import _load_any
 
             model, _ = _load_any(args.model, args.dtype, device)
-            result = profile_decode(model, args.batch, args.tokens, compile=args.compile, top=args.top)
+            result = profile_decode(model, args.batch, args.tokens, compile=args.compile, top=args.top,
+                                    fuse_projections=not args.unfused)
     except LinearizeError as e:
         p.exit(2, f"linearize: error: {e}\n")
     print(render(result))

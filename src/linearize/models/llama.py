@@ -8,6 +8,8 @@ score soft-cap (Gemma 2). SmolLM3 skips RoPE on some layers (``use_rope`` False)
 
 from __future__ import annotations
 
+from torch.nn import functional as F
+
 from .base import Adapter, Geometry, family_function
 
 
@@ -28,9 +30,13 @@ class LlamaFamilyAdapter(Adapter):
     def qkv(self, m, x):
         b, t, _ = x.shape
         d = m.geometry.head_dim
-        q = m.q_proj(x).view(b, t, -1, d)
-        k = m.k_proj(x).view(b, t, -1, d)
-        v = m.v_proj(x).view(b, t, -1, d)
+        fused = getattr(m, "_fused_qkv", None)  # (weight, bias, sizes) while linearize.fused is on
+        if fused is not None:
+            weight, bias, sizes = fused
+            q, k, v = F.linear(x, weight, bias).split(sizes, dim=-1)
+        else:
+            q, k, v = m.q_proj(x), m.k_proj(x), m.v_proj(x)
+        q, k, v = q.view(b, t, -1, d), k.view(b, t, -1, d), v.view(b, t, -1, d)
         if getattr(m, "q_norm", None) is not None:
             q, k = m.q_norm(q), m.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

@@ -1,0 +1,225 @@
+"""Fused projections while decoding (``linearize.fused``): q/k/v and an MLP's gate/up as one product
+each, the same tokens and logits as the separate products, and every module restored afterwards."""
+
+import pytest
+import torch
+from torch import nn
+
+import linearize
+from linearize.convert import mixers
+from linearize.fast import FastDecoder, fast_generate
+from linearize.fused import fusable, fused_projections
+
+LOLCATS = {"kind": "lolcats", "window": 4, "feature_dim": 8}
+CASES = [
+    ("llama", LOLCATS),
+    ("llama", {"kind": "supra"}),
+    ("qwen2", LOLCATS),  # q/k/v biases
+    ("llama", {**LOLCATS, "keep_softmax": [1]}),  # a kept softmax layer stays the teacher's
+    ("qwen3", {"kind": "supra"}),  # q_norm / k_norm after the split
+    ("gemma", LOLCATS),  # gelu MLP, multi-query keys
+]
+
+
+def _ids(b=2, t=9, seed=0):
+    return torch.randint(2, 97, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _student(tiny_model, family, spec, dtype=torch.float64):
+    model = linearize.convert(tiny_model(family, dtype=dtype), spec)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def _mlps(model):
+    return [layer.mlp for layer in model.model.layers]
+
+
+def _snapshot(model):
+    """Every module's own attributes, and every parameter (the object and a copy of its value),
+    after a plain forward (mixers keep the last call's padding mask as an attribute)."""
+    with torch.no_grad():
+        model(_ids(b=1, t=3))
+    attrs = {name: dict(vars(m)) for name, m in model.named_modules()}
+    params = {name: (p, p.detach().clone()) for name, p in model.named_parameters()}
+    return attrs, params
+
+
+def _assert_untouched(model, snapshot):
+    attrs, params = snapshot
+    for name, m in model.named_modules():
+        assert vars(m).keys() == attrs[name].keys(), name
+        assert "_fused_qkv" not in vars(m) and "_fused_gate_up" not in vars(m) and "forward" not in vars(m), name
+    now = dict(model.named_parameters())
+    assert now.keys() == params.keys()
+    for name, (p, value) in params.items():
+        assert now[name] is p and torch.equal(p, value), name
+
+
+class _Watch:
+    """A streamer that looks at the model while the decoder runs."""
+
+    def __init__(self, model):
+        self.model, self.seen = model, []
+
+    def put(self, x):
+        self.seen.append(([hasattr(m, "_fused_qkv") for m in mixers(self.model).values()],
+                          ["forward" in vars(mlp) for mlp in _mlps(self.model)]))
+
+    def end(self):
+        pass
+
+
+# --------------------------------------------------------------------------- same tokens
+
+
+@pytest.mark.parametrize("family,spec", CASES)
+def test_fused_greedy_equals_unfused_and_generate(tiny_model, family, spec):
+    model = _student(tiny_model, family, spec)
+    prompt = _ids()
+    mask = torch.ones_like(prompt)
+    mask[1, :4] = 0  # a left-padded sequence
+    prompt = prompt.masked_fill(mask == 0, 0)
+    snap = _snapshot(model)
+    ref = model.generate(prompt, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    plain = fast_generate(model, prompt, mask, max_new_tokens=12, pad_token_id=0, fuse_projections=False)
+    watch = _Watch(model)
+    fused = fast_generate(model, prompt, mask, max_new_tokens=12, pad_token_id=0, streamer=watch)
+    assert torch.equal(fused, plain) and torch.equal(fused, ref)
+    # fused while it ran (every converted layer, every MLP), untouched afterwards
+    assert watch.seen and all(all(q) and all(f) for q, f in watch.seen)
+    _assert_untouched(model, snap)
+
+
+def test_fusion_off_leaves_the_modules_alone_while_decoding(tiny_model):
+    model = _student(tiny_model, "llama", LOLCATS)
+    watch = _Watch(model)
+    FastDecoder(model, fuse_projections=False).generate(_ids(), max_new_tokens=4, streamer=watch)
+    assert watch.seen and not any(any(q) or any(f) for q, f in watch.seen)
+
+
+# --------------------------------------------------------------------------- same function
+
+
+@pytest.mark.parametrize("family,spec", CASES + [("llama", None)])
+def test_one_forward_inside_equals_outside(tiny_model, family, spec):
+    """float64 logits of a forward (prefill shape and one cached step) with and without fusion;
+    ``spec`` None is the softmax teacher itself (only its MLPs fuse)."""
+    model = _student(tiny_model, family, spec) if spec else tiny_model(family, dtype=torch.float64)
+    ids = _ids(t=10)
+    snap = _snapshot(model)
+    with torch.no_grad():
+        ref = model(ids).logits
+        with fused_projections(model) as n:
+            inside = model(ids).logits
+        n_mixers = len(mixers(model)) if spec else 0
+        assert n == n_mixers + len(_mlps(model))
+    assert torch.allclose(inside, ref, atol=1e-10, rtol=0), (inside - ref).abs().max()
+    _assert_untouched(model, snap)
+
+
+def test_weights_are_read_afresh_on_every_call(tiny_model):
+    model = _student(tiny_model, "qwen2", LOLCATS)
+    prompt = _ids()
+    decoder = FastDecoder(model)
+    before = decoder.generate(prompt, max_new_tokens=10)
+    layer = model.model.layers[0]
+    with torch.no_grad():  # change q/k/v and gate/up between calls
+        for lin in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj):
+            lin.weight.add_(torch.randn(lin.weight.shape, generator=torch.Generator().manual_seed(5),
+                                        dtype=lin.weight.dtype))
+        layer.self_attn.k_proj.bias.add_(1.0)
+    after = decoder.generate(prompt, max_new_tokens=10)
+    assert not torch.equal(after, before)
+    assert torch.equal(after, FastDecoder(model, fuse_projections=False).generate(prompt, max_new_tokens=10))
+    assert torch.equal(after, model.generate(prompt, max_new_tokens=10, do_sample=False))
+
+
+# --------------------------------------------------------------------------- restored
+
+
+def test_restored_after_an_exception(tiny_model):
+    model = _student(tiny_model, "llama", LOLCATS)
+    snap = _snapshot(model)
+    with pytest.raises(RuntimeError, match="boom"), fused_projections(model):
+        assert all(hasattr(m, "_fused_qkv") for m in mixers(model).values())
+        raise RuntimeError("boom")
+    _assert_untouched(model, snap)
+
+    class Fails:
+        def put(self, x):
+            if len(x.shape) == 1:  # a new token: fail in the middle of decoding
+                raise RuntimeError("boom")
+
+        def end(self):
+            pass
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fast_generate(model, _ids(), max_new_tokens=5, streamer=Fails())
+    _assert_untouched(model, snap)
+    # training afterwards sees the separate projections, with gradients to each
+    model.train()
+    model(_ids(), labels=_ids()).loss.backward()
+    assert all(p.grad is not None for n, p in model.named_parameters() if n.endswith(("q_proj.weight", "gate_proj.weight")))
+
+
+def test_only_exactly_equivalent_projections_fuse():
+    def lin(bias=True, dtype=torch.float64, n_in=8):
+        return nn.Linear(n_in, 4, bias=bias, dtype=dtype)
+
+    assert fusable(lin(), lin(), lin()) and fusable(lin(False), lin(False))
+    assert not fusable(lin(), lin(False))  # biases mixed
+    assert not fusable(lin(), lin(dtype=torch.float32))  # dtypes mixed
+    assert not fusable(lin(), lin(n_in=6))
+    assert not fusable(lin(), None)
+    hooked = lin()
+    hooked.register_forward_hook(lambda *a: None)
+    assert not fusable(lin(), hooked)
+
+    class Subclass(nn.Linear):
+        pass
+
+    assert not fusable(lin(), Subclass(8, 4, dtype=torch.float64))
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def test_lora_wrapped_projections_stay_unfused(tiny_model):
+    from peft import LoraConfig, get_peft_model
+
+    model = _student(tiny_model, "llama", LOLCATS)
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                  target_modules=["q_proj", "v_proj"]))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # LoRA starts as a no-op (B = 0): make it count
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.3)
+    student = peft_model.get_base_model()
+    snap = _snapshot(student)
+    with torch.no_grad(), fused_projections(student) as n:
+        assert n == len(_mlps(student))  # the MLPs only: q/k/v of every converted layer stay separate
+        assert not any(hasattr(m, "_fused_qkv") for m in mixers(student).values())
+    prompt = _ids()
+    ref = student.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    unfused = fast_generate(student, prompt, max_new_tokens=10, pad_token_id=0, fuse_projections=False)
+    assert torch.equal(fast_generate(student, prompt, max_new_tokens=10, pad_token_id=0), ref)
+    assert torch.equal(unfused, ref)
+    _assert_untouched(student, snap)
+
+
+@pytest.mark.slow
+def test_compiled_step_with_and_without_fusion(tiny_model):
+    """torch.compile'd steps decode the same tokens fused and unfused, and a second fused call
+    reuses the compiled step (the fused weights are new tensors, the instance forward a new method)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    model = _student(tiny_model, "qwen2", LOLCATS, dtype=torch.float32)
+    prompt = _ids()
+    plain = fast_generate(model, prompt, max_new_tokens=10, fuse_projections=False)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
+        assert torch.equal(fast_generate(model, prompt, max_new_tokens=10, compile=True), plain)
+        assert torch.equal(fast_generate(model, prompt, max_new_tokens=10, compile=True), plain)
