@@ -424,3 +424,35 @@ def test_padded_batch_scores_like_one_by_one_real(teacher):
     # the long passages go past the LoLCATs window (64): its linear part is really exercised
     long = [i for i, (c, x) in enumerate(requests) if len(tokenizer(c + x).input_ids) > 64]
     assert long and all(abs(scores["lolcats"][i] - scores["softmax"][i]) > 1e-3 for i in long)
+
+
+def test_report_tells_runs_of_the_same_name_apart(tmp_path):
+    """Ablation rows live in folders of the same names under each feature map: each keeps its curve."""
+    from linearize.eval.report import figures, run_labels
+
+    runs = [tmp_path / "a" / "hedgehog" / "lolcats", tmp_path / "a" / "t2r" / "lolcats", tmp_path / "b" / "supra"]
+    assert list(run_labels(runs).values()) == ["hedgehog/lolcats", "t2r/lolcats", "supra"]
+    for i, run in enumerate(runs):
+        run.mkdir(parents=True)
+        (run / "run_config.json").write_text(json.dumps({"block_len": 16, "batch_size": 2, "steps": 9}))
+        (run / "metrics.jsonl").write_text("".join(json.dumps({"stage": "uptrain", "step": s, "eval_loss": 5.0 - s / 10 - i})
+                                                   + "\n" for s in (3, 6, 9)))
+    import linearize.eval.plots as plots
+
+    drawn = {}
+    real = plots.eval_curves
+    plots.eval_curves = lambda metrics, out, *a, **k: drawn.update(metrics) or real(metrics, out, *a, **k)
+    try:
+        figures([], runs, tmp_path / "figs")
+    finally:
+        plots.eval_curves = real
+    assert sorted(drawn) == ["hedgehog/lolcats (stopped early)", "supra (stopped early)", "t2r/lolcats (stopped early)"]
+
+
+def test_a_record_finds_its_run_among_runs_of_the_same_name(tmp_path):
+    from linearize.eval.report import training_run
+
+    record = {"model": {"source": "/tmp/runs/lolcats/final"}}
+    ablation, full = tmp_path / "ablate-hedgehog" / "lolcats", tmp_path / "gpu" / "runs" / "lolcats"
+    assert training_run(record, [ablation, full]) == full  # ".../runs/lolcats" shares more of the recorded path
+    assert training_run(record, [ablation]) == ablation

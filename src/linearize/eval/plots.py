@@ -53,15 +53,21 @@ def layer_mse_plot(results_json: str | Path, out_png: str | Path) -> Path:
 def eval_curves(metrics: dict[str, str | Path], out_png: str | Path, tokens_per_step: dict[str, int] | int,
                 stages: dict[str, str] | None = None) -> Path:
     """Validation loss against training tokens for several runs (``label -> metrics.jsonl``);
-    ``stages`` (label -> stage name) keeps one stage of a multi-stage run (e.g. LoLCATs' stage2)."""
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 4))
+    ``stages`` (label -> stage name) keeps one stage of a multi-stage run (e.g. LoLCATs' stage2).
+    A run with no evaluation of its stage is left out (a LoLCATs stage-1-only run evaluates
+    attention MSE, not next-token loss); no run at all is an error."""
+    series = {}
     for label, path in metrics.items():
         rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
         want = (stages or {}).get(label)
         points = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r and (want is None or r.get("stage") == want)]
-        if not points:
-            raise LinearizeError(f"{path} holds no eval_loss (were evaluations enabled?)")
+        if points:
+            series[label] = points
+    if not series:
+        raise LinearizeError(f"{', '.join(map(str, metrics.values()))}: no eval_loss to draw (were evaluations enabled?)")
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label, points in series.items():
         scale = tokens_per_step[label] if isinstance(tokens_per_step, dict) else tokens_per_step
         ax.plot([s * scale for s, _ in points], [v for _, v in points], marker="o", label=label)
     ax.set_xlabel("training tokens")

@@ -99,15 +99,25 @@ def _settings_line(index: int, path: Path, record: dict) -> str:
 
 def training_run(record: dict, runs=()) -> Path | None:
     """The recipe run a checkpoint came from: ``RUN/final`` beside ``RUN/results.json``. A folder of
-    ``runs`` named like RUN wins over the recorded path (records made on another machine)."""
+    ``runs`` named like RUN wins over the recorded path (records made on another machine); among
+    several, the one whose path shares the longest tail with the recorded one."""
     source = record.get("model", {}).get("source")
     if not source or Path(source).name != "final":
         return None
     run = Path(source).parent
-    for given in runs:
-        if Path(given).name == run.name:
-            return Path(given)
+    named = [Path(g) for g in runs if Path(g).name == run.name]
+    if named:  # several of that name (ablation rows): the one whose path ends most like the recorded one
+        return max(named, key=lambda g: _common_tail(g, run))
     return run if (run / "results.json").exists() else None
+
+
+def _common_tail(a: Path, b: Path) -> int:
+    n = 0
+    for x, y in zip(reversed(a.parts), reversed(b.parts)):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _run_results(run: Path) -> dict:
@@ -132,6 +142,23 @@ def _training_columns(records, runs=()) -> list[list[str]] | None:
     return cells if any_run else None
 
 
+def run_labels(runs) -> dict[Path, str]:
+    """A name per run folder: its own name, or with as many parent folders as it takes to tell runs
+    apart (``ablate-t2r/lolcats`` beside ``ablate-hedgehog/lolcats`` and a plain ``lolcats``)."""
+    runs = [Path(r) for r in runs]
+    labels = {}
+    for run in runs:
+        depth = 1
+        while True:
+            label = "/".join(run.parts[-depth:])
+            clash = [o for o in runs if o != run and "/".join(o.parts[-depth:]) == label]
+            if not clash or depth >= len(run.parts):
+                break
+            depth += 1
+        labels[run] = label
+    return labels
+
+
 def figures(records, runs, out_dir: Path, attention_maps: bool = False) -> list[tuple[str, Path]]:
     """The report's pictures: validation-loss curves of the runs, each run's per-layer attention MSE,
     and (``attention_maps``) teacher-vs-mixer weight maps of each converted checkpoint."""
@@ -141,17 +168,20 @@ def figures(records, runs, out_dir: Path, attention_maps: bool = False) -> list[
     made: list[tuple[str, Path]] = []
     runs = list(dict.fromkeys([*runs, *(r for _, rec in records if (r := training_run(rec, runs)))]))
     metrics, tokens, stages = {}, {}, {}
+    labels = run_labels(runs)
     for run in runs:
         res = _run_results(run)
         cfg = res.get("config", {})
+        name = labels[Path(run)]
         if (run / "metrics.jsonl").exists() and cfg.get("block_len"):
-            label = run.name + (" (stopped early)" if res.get("unfinished") else "")
+            label = name + (" (stopped early)" if res.get("unfinished") else "")
             metrics[label] = run / "metrics.jsonl"
             tokens[label] = cfg["block_len"] * cfg.get("batch_size", 1) * cfg.get("grad_accum", 1)
-            stages[label] = "stage2" if "stage2" in res else ("uptrain" if "train" in res else None)
+            # LoLCATs runs: stage 2's next-token loss (stage 1 evaluates attention MSE); else the uptraining
+            stages[label] = "stage2" if ("stage2" in res or "stage1" in res) else ("uptrain" if "train" in res else None)
         if "layer_mse_before" in res:
-            made.append((f"{run.name}: attention MSE per layer, before and after stage 1",
-                         layer_mse_plot(run / "results.json", out_dir / f"{run.name}-layer-mse.png")))
+            made.append((f"{name}: attention MSE per layer, before and after stage 1",
+                         layer_mse_plot(run / "results.json", out_dir / f"{name.replace('/', '-')}-layer-mse.png")))
     if metrics:
         try:
             made.insert(0, ("validation loss against training tokens",
