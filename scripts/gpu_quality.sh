@@ -32,7 +32,9 @@ case ${1:?job} in
   teacher-eval) evaluate $T teacher ;;
   lolcats)  # >= 20M tokens: 10M per stage (8 x 1024 x 1220 steps each)
     lin lolcats --teacher $T --budget gpu --stage1-steps 1220 --stage2-steps 1220 --out $RUNS/lolcats 2>&1 | quiet
-    evaluate $RUNS/lolcats/final lolcats ;;
+    evaluate $RUNS/lolcats/final lolcats
+    # the checkpoint lives only on this machine: draw its attention maps here (PNGs come back with wait)
+    lin report $RUNS/eval/lolcats.json --runs $RUNS/lolcats --attention-maps --out $RUNS/lolcats-report/page.md 2>&1 | tail -2 ;;
   supra|t2r)  # the same 20M tokens (8 x 1024 x 2440 steps)
     lin supra --teacher $T --budget gpu --variant $1 --out $RUNS/$1 2>&1 | quiet
     evaluate $RUNS/$1/final $1 ;;
