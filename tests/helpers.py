@@ -68,9 +68,9 @@ def greedy_by_full_forwards(model, prompt, n: int):
     return seq
 
 
-def run_triton_interpreter_script(name: str) -> None:
-    """Run ``tests/<name>`` (a check of our Triton kernels through Triton's CPU interpreter) in a
-    fresh process, which must print ``ok``; skipped where Triton is not installed."""
+def run_triton_interpreter_script(name: str, *args: str) -> None:
+    """Run ``tests/<name> [args]`` (a check of our Triton kernels through Triton's CPU interpreter) in
+    a fresh process, which must print ``ok``; skipped where Triton is not installed."""
     import os
     import subprocess
     import sys
@@ -80,6 +80,17 @@ def run_triton_interpreter_script(name: str) -> None:
 
     pytest.importorskip("triton")
     here = Path(__file__).parent
-    done = subprocess.run([sys.executable, str(here / name)], capture_output=True, text=True, timeout=600,
+    done = subprocess.run([sys.executable, str(here / name), *args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(here.parent / "src")})
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def tiny_student(tiny_model, family, spec, dtype=None):
+    """A tiny ``family`` model converted with ``spec`` (float64 by default), decoding without EOS."""
+    import torch
+
+    import linearize
+
+    model = linearize.convert(tiny_model(family, dtype=dtype or torch.float64), spec)
+    model.generation_config.eos_token_id = None
+    return model

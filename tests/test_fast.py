@@ -4,8 +4,9 @@ left padding, sampling on the device, generate(custom_generate=...), EOS, stream
 import pytest
 import torch
 
+from helpers import greedy_by_full_forwards, tiny_student
+
 import linearize
-from helpers import greedy_by_full_forwards
 from linearize import LinearizeError, ops
 from linearize.fast import FastDecoder, Sampling, decode, fast_generate, filter_logits, next_tokens
 from linearize.xatl import build_xatl
@@ -33,10 +34,6 @@ def _ids(b=1, t=9, seed=0):
     return torch.randint(2, 97, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-def _student(tiny_model, family, spec, dtype=torch.float64):
-    model = linearize.convert(tiny_model(family, dtype=dtype), spec)
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def _xatl(tiny_model, arch, hybrid, dtype=torch.float64):
@@ -48,7 +45,7 @@ def _xatl(tiny_model, arch, hybrid, dtype=torch.float64):
 
 def _all_models(tiny_model):
     for family, spec in STUDENTS:
-        yield f"{family}-{spec}", _student(tiny_model, family, spec)
+        yield f"{family}-{spec}", tiny_student(tiny_model, family, spec)
     for arch, hybrid in XATL:
         yield f"xatl-{arch}-{hybrid}", _xatl(tiny_model, arch, hybrid)
     teacher = tiny_model("llama", dtype=torch.float64)
@@ -88,7 +85,7 @@ def test_ring_step_equals_the_shifting_step(t, window, keep_features):
 
 
 def test_dropping_key_features_shrinks_the_state(tiny_model):
-    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
+    model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
     prompt = _ids(b=2, t=9)
     lean, full = FastDecoder(model), FastDecoder(model, keep_key_features=True)
     assert torch.equal(lean.generate(prompt, max_new_tokens=12), full.generate(prompt, max_new_tokens=12))
@@ -108,7 +105,7 @@ def test_fast_greedy_equals_generate_for_every_mixer(tiny_model):
 
 def test_fast_greedy_equals_full_forwards_past_the_window(tiny_model):
     """Long enough for tokens to leave the window many times over (the ring wraps around)."""
-    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 3, "feature_dim": 8})
+    model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 3, "feature_dim": 8})
     prompt = _ids(b=1, t=5, seed=4)
     assert torch.equal(fast_generate(model, prompt, max_new_tokens=20), greedy_by_full_forwards(model, prompt, 20))
 
@@ -143,7 +140,7 @@ def test_xatl_left_padding_through_plain_generate(tiny_model, arch):
 
 
 def test_reachable_through_generate(tiny_model):
-    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
+    model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
     prompt = _ids(b=2, t=7)
     ref = model.generate(prompt, max_new_tokens=9, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(prompt, max_new_tokens=9, do_sample=False, pad_token_id=0, custom_generate=decode), ref)
@@ -157,7 +154,7 @@ def test_reachable_through_generate(tiny_model):
 
 
 def test_eos_ends_a_sequence_and_pads_the_rest(tiny_model):
-    model = _student(tiny_model, "llama", {"kind": "supra"})
+    model = tiny_student(tiny_model, "llama", {"kind": "supra"})
     prompt = _ids(b=2, t=6)
     free = fast_generate(model, prompt, max_new_tokens=12, pad_token_id=0)
     eos = int(free[0, 6 + 3])  # sequence 0's fourth new token becomes the EOS
@@ -171,7 +168,7 @@ def test_eos_ends_a_sequence_and_pads_the_rest(tiny_model):
 
 
 def test_streamer_sees_every_token(tiny_model):
-    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
+    model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
 
     class Collect:
         def __init__(self):
@@ -201,7 +198,7 @@ def test_state_buffers_do_not_grow_with_new_tokens(tiny_model):
         return sum(layer.nbytes for layer in static.layers if not isinstance(layer, StaticKVLayer))
 
     for spec in ({"kind": "lolcats", "window": 4, "feature_dim": 8}, {"kind": "supra"}):
-        model = _student(tiny_model, "llama", spec)
+        model = tiny_student(tiny_model, "llama", spec)
         assert held(model, 10) == held(model, 1000) > 0
 
 
@@ -233,7 +230,7 @@ def test_draws_follow_the_distribution():
 
 
 def test_sampling_with_one_candidate_is_greedy(tiny_model):
-    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
+    model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
     prompt = _ids(b=2, t=6)
     greedy = fast_generate(model, prompt, max_new_tokens=8)
     assert torch.equal(fast_generate(model, prompt, max_new_tokens=8, do_sample=True, top_k=1), greedy)
@@ -245,7 +242,7 @@ def test_sampling_with_one_candidate_is_greedy(tiny_model):
 
 
 def test_bad_input_fails_with_one_line(tiny_model):
-    model = _student(tiny_model, "llama", {"kind": "supra"})
+    model = tiny_student(tiny_model, "llama", {"kind": "supra"})
     with pytest.raises(LinearizeError, match="max_new_tokens"):
         fast_generate(model, _ids(), max_new_tokens=0)
     with pytest.raises(LinearizeError, match="CUDA"):
@@ -263,7 +260,7 @@ def test_compiled_step_compiles_once_and_decodes_the_same(tiny_model):
     import torch._dynamo
 
     torch._dynamo.reset()
-    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8}, dtype=torch.float32)
+    model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8}, dtype=torch.float32)
     prompt = _ids(b=2, t=9)
     eager = fast_generate(model, prompt, max_new_tokens=12)
     with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
@@ -277,7 +274,7 @@ def test_info_reports_the_fast_state(tiny_model):
     from linearize.fast import StaticKVLayer
     from linearize.info import state_bytes
 
-    model = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8}, dtype=torch.float32)
+    model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8}, dtype=torch.float32)
     dec = FastDecoder(model)
     prompt = _ids(b=1, t=6)
     _, cache = dec._prefill(prompt, torch.ones_like(prompt))
@@ -289,7 +286,7 @@ def test_info_reports_the_fast_state(tiny_model):
 
 
 def test_one_new_token_comes_from_the_prefill(tiny_model):
-    model = _student(tiny_model, "llama", {"kind": "supra"})
+    model = tiny_student(tiny_model, "llama", {"kind": "supra"})
     prompt = _ids(b=2, t=5)
     ref = model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)
     assert torch.equal(fast_generate(model, prompt, max_new_tokens=1), ref)
@@ -302,7 +299,7 @@ def test_prefill_in_slices_of_the_batch_changes_nothing(tiny_model):
     for i, p in enumerate(prompts):
         ids[i, 9 - len(p):], mask[i, 9 - len(p):] = p, 1
     for spec in ({"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [1]}, {"kind": "supra"}):
-        model = _student(tiny_model, "llama", spec)
+        model = tiny_student(tiny_model, "llama", spec)
         whole = FastDecoder(model).generate(ids, mask, max_new_tokens=10)
         assert torch.equal(FastDecoder(model, prefill_batch=2).generate(ids, mask, max_new_tokens=10), whole)
     model = _xatl(tiny_model, "mamba", "xatl")

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-import linearize
+from helpers import tiny_student
+
 from linearize.convert import mixers
 from linearize.fast import FastDecoder, fast_generate
 from linearize.fused import fusable, fused_projections
@@ -25,10 +26,6 @@ def _ids(b=2, t=9, seed=0):
     return torch.randint(2, 97, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-def _student(tiny_model, family, spec, dtype=torch.float64):
-    model = linearize.convert(tiny_model(family, dtype=dtype), spec)
-    model.generation_config.eos_token_id = None
-    return model
 
 
 def _mlps(model):
@@ -75,7 +72,7 @@ class _Watch:
 
 @pytest.mark.parametrize("family,spec", CASES)
 def test_fused_greedy_equals_unfused_and_generate(tiny_model, family, spec):
-    model = _student(tiny_model, family, spec)
+    model = tiny_student(tiny_model, family, spec)
     prompt = _ids()
     mask = torch.ones_like(prompt)
     mask[1, :4] = 0  # a left-padded sequence
@@ -92,7 +89,7 @@ def test_fused_greedy_equals_unfused_and_generate(tiny_model, family, spec):
 
 
 def test_fusion_off_leaves_the_modules_alone_while_decoding(tiny_model):
-    model = _student(tiny_model, "llama", LOLCATS)
+    model = tiny_student(tiny_model, "llama", LOLCATS)
     watch = _Watch(model)
     FastDecoder(model, fuse_projections=False).generate(_ids(), max_new_tokens=4, streamer=watch)
     assert watch.seen and not any(any(q) or any(f) for q, f in watch.seen)
@@ -105,7 +102,7 @@ def test_fusion_off_leaves_the_modules_alone_while_decoding(tiny_model):
 def test_one_forward_inside_equals_outside(tiny_model, family, spec):
     """float64 logits of a forward (prefill shape and one cached step) with and without fusion;
     ``spec`` None is the softmax teacher itself (only its MLPs fuse)."""
-    model = _student(tiny_model, family, spec) if spec else tiny_model(family, dtype=torch.float64)
+    model = tiny_student(tiny_model, family, spec) if spec else tiny_model(family, dtype=torch.float64)
     ids = _ids(t=10)
     snap = _snapshot(model)
     with torch.no_grad():
@@ -119,7 +116,7 @@ def test_one_forward_inside_equals_outside(tiny_model, family, spec):
 
 
 def test_weights_are_read_afresh_on_every_call(tiny_model):
-    model = _student(tiny_model, "qwen2", LOLCATS)
+    model = tiny_student(tiny_model, "qwen2", LOLCATS)
     prompt = _ids()
     decoder = FastDecoder(model)
     before = decoder.generate(prompt, max_new_tokens=10)
@@ -139,7 +136,7 @@ def test_weights_are_read_afresh_on_every_call(tiny_model):
 
 
 def test_restored_after_an_exception(tiny_model):
-    model = _student(tiny_model, "llama", LOLCATS)
+    model = tiny_student(tiny_model, "llama", LOLCATS)
     snap = _snapshot(model)
     with pytest.raises(RuntimeError, match="boom"), fused_projections(model):
         assert all(hasattr(m, "_fused_qkv") for m in mixers(model).values())
@@ -188,7 +185,7 @@ def test_only_exactly_equivalent_projections_fuse():
 def test_lora_wrapped_projections_stay_unfused(tiny_model):
     from peft import LoraConfig, get_peft_model
 
-    model = _student(tiny_model, "llama", LOLCATS)
+    model = tiny_student(tiny_model, "llama", LOLCATS)
     peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                   target_modules=["q_proj", "v_proj"]))
     g = torch.Generator().manual_seed(3)
@@ -216,7 +213,7 @@ def test_compiled_step_with_and_without_fusion(tiny_model):
     import torch._dynamo
 
     torch._dynamo.reset()
-    model = _student(tiny_model, "qwen2", LOLCATS, dtype=torch.float32)
+    model = tiny_student(tiny_model, "qwen2", LOLCATS, dtype=torch.float32)
     prompt = _ids()
     plain = fast_generate(model, prompt, max_new_tokens=10, fuse_projections=False)
     torch._dynamo.reset()

@@ -232,8 +232,8 @@ def test_autocast_hands_the_kernels_half_precision(monkeypatch):
     benchmark on an H100 ran the PyTorch chunked form for want of this.)"""
     kernel_dtypes = []
 
-    def fake_use_fla(q, backend):  # the real one wants CUDA; a CPU stand-in with the same dtype rule
-        return backend != "torch" and q.dtype in (torch.bfloat16, torch.float16)
+    def fake_use_fla(q, backend, dtype=None):  # the real one wants CUDA; a CPU stand-in with the same dtype rule
+        return backend != "torch" and (dtype or q.dtype) in (torch.bfloat16, torch.float16)
 
     def fake_fla(q, k, v, **kw):
         kernel_dtypes.append((q.dtype, k.dtype, v.dtype))

@@ -128,4 +128,4 @@ def test_triton_selective_scan_equals_the_pytorch_scan():
 
 def test_time_chunked_triton_selective_scan_equals_the_pytorch_scan():
     """The opt-in kernels parallel over time chunks (LINEARIZE_MAMBA_SCAN=chunked), likewise."""
-    run_triton_interpreter_script("triton_interpret_scan_chunked.py")
+    run_triton_interpreter_script("triton_interpret_scan.py", "selective_scan_triton_chunked")

@@ -1,7 +1,10 @@
-"""Run by test_xatl_ops.py in a subprocess: the fused Triton selective scan (forward and backward)
-against the PyTorch chunked form, on the CPU through Triton's interpreter."""
+"""Run by test_xatl_ops.py in a subprocess: a fused Triton selective scan (forward and backward; the
+module named by the first argument) against the PyTorch chunked form, on the CPU through Triton's
+interpreter."""
 
+import importlib
 import os
+import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 
@@ -9,7 +12,9 @@ import torch  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 from linearize.ops.selective_scan import selective_scan_chunked  # noqa: E402
-from linearize.ops.selective_scan_triton import CHUNK, BLOCK_D, selective_scan_triton  # noqa: E402
+
+# which kernels: selective_scan_triton (default) or selective_scan_triton_chunked
+sst = importlib.import_module(f"linearize.ops.{sys.argv[1] if len(sys.argv) > 1 else 'selective_scan_triton'}")
 
 
 def check(b, t, dn, n, with_d, with_state, seed):
@@ -27,14 +32,44 @@ def check(b, t, dn, n, with_d, with_state, seed):
 
     ref = run(lambda *a, **k: selective_scan_chunked(*a, **k, chunk_size=16),
               [x.requires_grad_(True) if x is not None else None for x in ins])
-    got = run(selective_scan_triton, [x.detach().float().requires_grad_(True) if x is not None else None for x in ins])
-    for name, a, e in zip(["y", "final state", "du", "ddt", "dA", "dB", "dC", "dD/dh0", "dh0"], got, ref):
+    got = run(sst.selective_scan_triton, [x.detach().float().requires_grad_(True) if x is not None else None for x in ins])
+    names = ["y", "final state", "du", "ddt", "dA", "dB", "dC"] + ["dD"] * with_d + ["dh0"] * with_state
+    assert len(got) == len(ref) == len(names)
+    for name, a, e in zip(names, got, ref):
         rel = ((a.double() - e).norm() / e.norm()).item()
-        assert rel < 1e-5, (name, rel, (b, t, dn, n, with_d, with_state))
+        assert rel < 1e-5, (name, rel, (b, t, dn, n, with_d, with_state), (sst.CHUNK, sst.CKPT))
 
 
-# lengths on and off the checkpoint chunk, channels on and off the channel block, N not a power of 2
-check(2, CHUNK + 13, BLOCK_D + 8, 5, True, True, 0)
-check(1, 2 * CHUNK, BLOCK_D, 16, False, False, 1)
-check(3, 7, 9, 3, True, False, 2)
+def final_state_unused(b, t, dn, n):
+    """Only y is used: the final state gets no gradient (and the kernels must cope)."""
+    g = torch.Generator().manual_seed(7)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    ins = [r(b, t, dn), torch.nn.functional.softplus(r(b, t, dn)) * 0.5, -torch.exp(r(dn, n)), r(b, t, n), r(b, t, n)]
+    w = r(b, t, dn)
+    outs = []
+    for fn, xs in ((lambda *a: selective_scan_chunked(*a, chunk_size=16), [x.clone().requires_grad_(True) for x in ins]),
+                   (sst.selective_scan_triton, [x.float().requires_grad_(True) for x in ins])):
+        y, _ = fn(*xs)
+        outs.append(torch.autograd.grad((y.double() * w).sum(), xs))
+    for a, e in zip(*outs):
+        assert ((a.double() - e).norm() / e.norm()).item() < 1e-5
+
+
+if hasattr(sst, "CKPT"):  # the time-chunked kernels
+    # tiny time chunks, so that short sequences span several of them (and several checkpoints each)
+    sst.CHUNK, sst.CKPT = 8, 4
+    check(2, 3 * 8 + 5, sst.BLOCK_D + 8, 5, True, True, 0)  # T off the chunk and checkpoint; Dn off the block
+    check(1, 4 * 8, sst.BLOCK_D, 16, False, False, 1)  # T on the chunk
+    check(3, 7, 9, 3, True, False, 2)  # T shorter than one chunk
+    check(2, 1, 5, 4, False, True, 3)  # T = 1
+    check(1, 8 + 4, 6, 2, False, True, 4)  # T on a checkpoint, off the chunk
+    final_state_unused(2, 19, 7, 3)
+    # the production chunking once
+    sst.CHUNK, sst.CKPT = 128, 32
+    check(1, 128 + 37, 9, 3, True, True, 5)
+else:  # lengths on and off the checkpoint chunk, channels on and off the channel block, N not a power of 2
+    check(2, sst.CHUNK + 13, sst.BLOCK_D + 8, 5, True, True, 0)
+    check(1, 2 * sst.CHUNK, sst.BLOCK_D, 16, False, False, 1)
+    check(3, 7, 9, 3, True, False, 2)
+    final_state_unused(2, 19, 7, 3)
 print("ok")

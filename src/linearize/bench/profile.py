@@ -54,17 +54,11 @@ def profile_train(teacher, model_name: str, batch: int, length: int, steps: int 
                   top: int = 20) -> dict:
     from torch.profiler import profile
 
-    from .train import _step, build
+    from .train import _step, build, prepare
 
     model = build(teacher, model_name)
-    device = next(model.parameters()).device
-    cuda = device.type == "cuda"
-    model.train()
-    for p in model.parameters():
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=cuda)
-    ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(device)
+    optimizer, ids, cuda = prepare(model, batch, length)
+    device = ids.device
     for _ in range(warmup):
         _step(model, optimizer, ids, cuda)
     if cuda:

@@ -74,7 +74,8 @@ def _step(model, optimizer, ids, autocast: bool):
     optimizer.zero_grad(set_to_none=True)
 
 
-def measure(model, name: str, batch: int, length: int, steps: int, warmup: int) -> TrainRow:
+def prepare(model, batch: int, length: int):
+    """Every weight trainable, an AdamW (fused on CUDA) and a fixed random batch: ``(optimizer, ids, cuda)``."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     model.train()
@@ -82,7 +83,12 @@ def measure(model, name: str, batch: int, length: int, steps: int, warmup: int) 
         p.requires_grad_(True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=cuda)
     ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
-    ids = ids.to(device)
+    return optimizer, ids.to(device), cuda
+
+
+def measure(model, name: str, batch: int, length: int, steps: int, warmup: int) -> TrainRow:
+    optimizer, ids, cuda = prepare(model, batch, length)
+    device = ids.device
     try:
         for _ in range(warmup):
             _step(model, optimizer, ids, cuda)

@@ -42,7 +42,7 @@ def kernel_inputs(q, k, v, backend="auto"):
     if q.dtype != torch.float32 or not torch.is_autocast_enabled(dev):
         return q, k, v
     half = torch.get_autocast_dtype(dev)
-    if half not in (torch.bfloat16, torch.float16) or not use_fla(q.new_empty(0, dtype=half), backend):
+    if half not in (torch.bfloat16, torch.float16) or not use_fla(q, backend, dtype=half):
         return q, k, v
     return q.to(half), k.to(half), v.to(half)
 

@@ -34,8 +34,8 @@ def triton_available() -> bool:
     return True
 
 
-def use_fla(q: torch.Tensor, backend: str) -> bool:
-    """``backend``: "auto", "fla" (required) or "torch".
+def use_fla(q: torch.Tensor, backend: str, dtype: torch.dtype | None = None) -> bool:
+    """``backend``: "auto", "fla" (required) or "torch"; ``dtype``: decide as if ``q`` had it.
 
     "auto" takes fla on CUDA for half-precision inputs only: fla's kernels multiply fp32 inputs in
     TF32 (~1e-3 relative error, docs/RESULTS.md), so fp32 stays on the full-precision PyTorch path
@@ -43,10 +43,11 @@ def use_fla(q: torch.Tensor, backend: str) -> bool:
     """
     if backend == "torch":
         return False
-    ok = q.is_cuda and q.dtype != torch.float64 and fla_available()
+    dtype = dtype or q.dtype
+    ok = q.is_cuda and dtype != torch.float64 and fla_available()
     if backend == "fla" and not ok:
         raise RuntimeError("backend='fla' needs CUDA tensors (not float64) and the flash-linear-attention package")
-    return ok and (backend == "fla" or q.dtype in (torch.bfloat16, torch.float16))
+    return ok and (backend == "fla" or dtype in (torch.bfloat16, torch.float16))
 
 
 def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initial_state=None,

@@ -45,21 +45,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .selective_scan_triton import _inputs  # token t's u, dt (this block's channels) and B, in fp32
+
 CHUNK = 128  # tokens per program (time chunk); a multiple of CKPT
 CKPT = 32  # the backward pass's checkpoint interval (and scratch length)
 BLOCK_D = 32  # channels per program
 CARRY_BLOCK = 512  # state entries per program of the walks over chunks
 SLOTS_PER_SM = 8  # programs per SM of the persistent backward launch
 CPU_SLOTS = 3  # its programs where there is no SM (Triton's interpreter)
-
-
-@triton.jit
-def _inputs(u_ptr, dt_ptr, b_ptr, row, DN, N, d, n, dm, nm):
-    """Token ``row``'s inputs u_t, dt_t (this block's channels) and B_t, in fp32."""
-    u = tl.load(u_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
-    bt = tl.load(b_ptr + row * N + n, mask=nm, other=0.0).to(tl.float32)
-    return u, dt, bt
 
 
 @triton.jit
