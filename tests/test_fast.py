@@ -4,7 +4,7 @@ left padding, sampling on the device, generate(custom_generate=...), EOS, stream
 import pytest
 import torch
 
-from helpers import greedy_by_full_forwards, tiny_student
+from helpers import greedy_by_full_forwards, run_triton_interpreter_script, tiny_student
 
 import linearize
 from linearize import LinearizeError, ops
@@ -82,6 +82,13 @@ def test_ring_step_equals_the_shifting_step(t, window, keep_features):
         out, ring = ops.hybrid_attention_step_ring(*one, gamma, ring, **kw, key_feature_map=fmap)
         assert torch.allclose(out, ref, atol=TOL, rtol=0), (out - ref).abs().max()
     assert torch.allclose(ring.linear, state.linear, atol=1e-9, rtol=0)
+
+
+def test_fused_decode_step_gives_the_same_tokens():
+    """The fast decoder with the one-launch LoLCATs step (what runs on CUDA), run on the CPU by
+    Triton's interpreter: the tokens of the fast decoder without it (GQA, soft-capping, partial
+    RoPE, a layer without RoPE, left padding)."""
+    run_triton_interpreter_script("triton_interpret_hybrid_fused.py", "decoder")
 
 
 def test_dropping_key_features_shrinks_the_state(tiny_model):
@@ -200,6 +207,23 @@ def test_state_buffers_do_not_grow_with_new_tokens(tiny_model):
     for spec in ({"kind": "lolcats", "window": 4, "feature_dim": 8}, {"kind": "supra"}):
         model = tiny_student(tiny_model, "llama", spec)
         assert held(model, 10) == held(model, 1000) > 0
+
+
+def test_the_prefill_cache_is_emptied_as_the_buffers_take_over(tiny_model):
+    """A large batch must not hold the prefill's states and the decoding buffers both whole: each
+    prefill layer lets go of its tensors once its buffer exists, and the buffers share no memory
+    with what the prefill cache still holds."""
+    model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [1]})
+    dec = FastDecoder(model)
+    prompt = _ids(t=6)
+    _, cache = dec._prefill(prompt, torch.ones_like(prompt))
+    static = dec._static_cache(cache, 16, torch.tensor(6))
+    for layer in cache.layers:
+        assert getattr(layer, "state", None) is None and getattr(layer, "keys", None) is None
+    assert len(static.layers) == len(cache.layers)
+    from linearize.fast import _layer_tensors
+
+    assert all(sum(x.numel() for x in _layer_tensors(layer)) > 0 for layer in static.layers)
 
 
 # --------------------------------------------------------------------------- sampling

@@ -37,6 +37,29 @@ def test_cuda_graph_equals_eager_and_generate(tiny_model):
         assert (graph == ref).float().mean() > 0.95, name  # fp32 on GPU: a rare near-tie may flip
 
 
+def test_lolcats_decodes_with_the_fused_step_compiled_or_not(tiny_model, monkeypatch):
+    """On CUDA each LoLCATs layer's decode step is the one-launch Triton kernel, also inside a
+    torch.compile'd step; its tokens are those of the previous path (RoPE and feature maps in
+    PyTorch, then the ring-step kernel)."""
+    from linearize.convert import mixers
+    from linearize.mixers.lolcats import LolcatsAttention
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = linearize.convert(tiny_model("llama", dtype=torch.float32).cuda(), SPECS[0])
+    model.generation_config.eos_token_id = None
+    assert all(m.fused_decoding() for m in mixers(model).values())
+    ids = torch.randint(2, 97, (3, 11), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0  # left padding: empty slots in the ring
+    kw = dict(max_new_tokens=24, pad_token_id=0)
+    eager = fast_generate(model, ids, mask, **kw, cuda_graph=False)
+    compiled = fast_generate(model, ids, mask, **kw, compile=True)
+    monkeypatch.setattr(LolcatsAttention, "fused_decoding", lambda self: False)
+    before = fast_generate(model, ids, mask, **kw)
+    assert (compiled == eager).float().mean() > 0.95
+    assert (before == eager).float().mean() > 0.95  # fp32 on GPU: a rare near-tie may flip
+
+
 def test_cuda_graph_sampling_runs_on_the_device(tiny_model):
     model = linearize.convert(tiny_model("llama").cuda(), {"kind": "lolcats", "window": 4, "feature_dim": 8})
     ids = torch.randint(2, 97, (4, 6), device="cuda")

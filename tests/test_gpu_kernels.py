@@ -1,5 +1,5 @@
 """Our Triton kernels against their PyTorch twins on CUDA (skipped elsewhere): the selective scan
-and the LoLCATs decode step."""
+and the LoLCATs decode steps."""
 
 import pytest
 import torch
@@ -7,14 +7,10 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("kernels", ["selective_scan_triton", "selective_scan_triton_chunked"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_triton_scan_equals_torch_scan_on_cuda(dtype, tol, kernels):
-    import importlib
-
+def test_triton_scan_equals_torch_scan_on_cuda(dtype, tol):
     from linearize.ops.selective_scan import selective_scan_chunked
-
-    selective_scan_triton = importlib.import_module(f"linearize.ops.{kernels}").selective_scan_triton
+    from linearize.ops.selective_scan_triton import selective_scan_triton
 
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -60,6 +56,51 @@ def test_triton_hybrid_step_equals_the_ring_step_on_cuda(dtype, tol):
         old = fmap(mine.keys.index_select(2, mine.slot.view(1)).float()).to(dtype)
         got = hybrid_step_ring_triton(qq, kk, qf, vv, gamma, old, mine, **kw)
         assert ((got.double() - want.double()).norm() / want.double().norm()).item() < tol
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@torch.no_grad()
+def test_fused_hybrid_step_equals_rope_features_and_the_ring_step_on_cuda(dtype, tol, splits, softcap):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from linearize import ops
+    from linearize.mixers.feature_maps import Hedgehog
+    from linearize.ops.hybrid_step_triton import hybrid_step_fused_triton
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, hk, d, fh, window, t, n = 2, 9, 3, 64, 64, 64, 100, 80  # SmolLM2's shape, Hedgehog features
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    fq, fk = Hedgehog(h, d, fh).to("cuda", dtype), Hedgehog(hk, d, fh).to("cuda", dtype)
+    fq.weight.copy_(r(h, d, fh) * 0.2)
+    fk.weight.copy_(r(hk, d, fh) * 0.2)
+    q, k, v = (x.transpose(1, 2) for x in r(b, t + n, h + 2 * hk, d).to(dtype).split([h, hk, hk], dim=2))
+    angles = torch.arange(t + n, device="cuda")[:, None] * 10000.0 ** (-torch.arange(d // 2, device="cuda") / (d // 2))
+    emb = torch.cat([angles, angles], -1)[None]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [1, T, D]: shared by the batch
+    rq, rk = apply_rotary_pos_emb(q, k, cos, sin)
+    logit = r(h)
+    gamma = torch.sigmoid(logit)
+    key_mask = torch.ones(b, t, dtype=torch.bool, device="cuda")
+    key_mask[1, : t - window // 2] = False  # left padding: empty slots in the ring
+    kw = dict(scale=d ** -0.5, softcap=softcap)
+    pre = slice(0, t)
+    _, state = ops.hybrid_attention_chunked(rq[:, :, pre], rk[:, :, pre], fq(rq[:, :, pre]), fk(rk[:, :, pre]),
+                                            v[:, :, pre], gamma, window=window, **kw, output_final_state=True,
+                                            key_mask=key_mask)
+    ref = ops.RingHybridState.from_state(state, window, keep_key_features=False)
+    mine = ops.FusedRingState.from_ring(ref.map(lambda x: x.clone()), fk, h, splits)
+    for i in range(t, t + n):
+        sl = slice(i, i + 1)
+        want, ref = ops.hybrid_attention_step_ring(rq[:, :, sl], rk[:, :, sl], fq(rq[:, :, sl]), None, v[:, :, sl],
+                                                   gamma, ref, **kw, key_feature_map=fk)
+        got = hybrid_step_fused_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], (cos[:, sl], sin[:, sl]), fq.weight,
+                                       fk.weight, logit, mine, **kw)
+        assert ((got.double() - want.double()).norm() / want.double().norm()).item() < tol, i
+    assert torch.equal(mine.valid, ref.valid) and torch.equal(mine.slot, ref.slot)
+    assert ((mine.ring().linear - ref.linear).norm() / ref.linear.norm()).item() < tol
 
 
 @pytest.mark.parametrize("decay,normalize", [(False, True), (True, False), (True, True)])

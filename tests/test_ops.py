@@ -220,6 +220,30 @@ def test_triton_hybrid_decode_step_equals_the_ring_step():
     run_triton_interpreter_script("triton_interpret_hybrid.py")
 
 
+def test_triton_fused_hybrid_decode_step_equals_rope_features_and_the_ring_step():
+    """The one-launch LoLCATs decode step (RoPE, Hedgehog maps, window, linear state, bookkeeping),
+    run on the CPU by Triton's interpreter: GQA and MQA, left padding, soft-capping, full, partial
+    and no RoPE, split value columns, a window of 1."""
+    run_triton_interpreter_script("triton_interpret_hybrid_fused.py", "kernel")
+
+
+def test_rotates_half_recognises_the_rope_fused_kernels_compute():
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama
+
+    from linearize.models.base import rotates_half
+
+    def interleaved(q, k, cos, sin):  # RoPE on pairs (x0, x1), (x2, x3), ...
+        def turn(x):
+            x1, x2 = x[..., 0::2], x[..., 1::2]
+            return torch.stack([-x2, x1], dim=-1).flatten(-2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * cos + turn(q) * sin, k * cos + turn(k) * sin
+
+    assert rotates_half(llama, 8) and rotates_half(neox, 8) and rotates_half(None, 8)
+    assert not rotates_half(interleaved, 8)
+
+
 def test_triton_linear_decode_step_equals_the_pytorch_step():
     """The fused CUDA kernel of the linear-attention decode step (normalised or not, decayed or not,
     GQA), run on the CPU by Triton's interpreter."""

@@ -8,8 +8,9 @@ removes that overhead:
 1. **Prefill** runs the model once over the (left-padded) prompt through the chunked forms, so a
    long prompt costs linear time.
 2. The cache is then turned into **static buffers** of fixed shape: each converted layer's state
-   (the LoLCATs window becomes a ring of exactly ``w`` slots, ``ops.RingHybridState``); each kept
-   softmax layer gets a key/value buffer sized for the prompt plus every new token, with a mask.
+   (the LoLCATs window becomes a ring of exactly ``w`` slots, ``ops.RingHybridState``, or
+   ``ops.FusedRingState`` where its fused CUDA kernel runs); each kept softmax layer gets a
+   key/value buffer sized for the prompt plus every new token, with a mask.
 3. **One decode step** — model forward on one token, sampling, writing the token, advancing the
    positions — touches only those buffers and reads nothing back to the host, so on CUDA it is
    captured once as a CUDA graph and replayed per token. On the CPU the same step runs eagerly.
@@ -220,25 +221,27 @@ class FastDecoder:
         return torch.cat(logits), _join(caches)
 
     def _static_cache(self, cache, total: int, position: torch.Tensor) -> StaticCache:
+        """The decoding buffers from the prefill's ``cache``, which is emptied layer by layer as its
+        tensors are taken over or copied: a large batch never holds both whole (at 5,120 sequences
+        on an H100 the two together were twice the decoding state and ran out of memory)."""
         layers = []
         for i, layer in enumerate(cache.layers):
             if isinstance(layer, RecurrentLayer):
-                state = layer.state
-                # the prefill's tensors become the buffers (no copy: the prefill cache is dropped next)
+                state, layer.state = layer.state, None
                 if isinstance(state, ops.HybridState):
-                    state = ops.RingHybridState.from_state(state, self._window(i),
-                                                           keep_key_features=self.keep_key_features, copy=False)
+                    state = self._mixer(i).ring_state(state, keep_key_features=self.keep_key_features)
                 else:
                     state = state.contiguous()
                 layers.append(StaticStateLayer(state, position))
             else:
                 layers.append(StaticKVLayer(layer.keys, layer.values, total, position))
+                layer.keys = layer.values = None
         return StaticCache(layers, self.model.config)
 
-    def _window(self, layer_idx: int) -> int:
+    def _mixer(self, layer_idx: int):
         from .convert import mixers
 
-        return mixers(self.model)[layer_idx].spec.window
+        return mixers(self.model)[layer_idx]
 
     # -- the loop --------------------------------------------------------------------------------
     @torch.no_grad()

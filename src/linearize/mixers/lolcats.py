@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from .. import ops
+from ..models.base import rotates_half
 from ..ops.fla_backend import triton_available
+from .feature_maps import Hedgehog
 from .linear import LinearAttention
 
 INIT_WINDOW_WEIGHT = 0.1
@@ -50,7 +52,34 @@ class LolcatsAttention(LinearAttention):
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
         return ops.hybrid_attention_weights(q, k, qf, kf, self.window_weight(), **self._kw())
 
+    def fused_decoding(self) -> bool:
+        """Whether the fast decoder runs this layer's steps as one Triton kernel
+        (``hybrid_step_fused_triton``): on CUDA, with Hedgehog maps and RoPE by rotating halves."""
+        g = self.geometry
+        return (self.window_logit.is_cuda and triton_available() and type(self.feature_map_q) is Hedgehog
+                and type(self.feature_map_k) is Hedgehog and rotates_half(g.rotary, g.head_dim))
+
+    def ring_state(self, state: ops.HybridState, keep_key_features: bool = False) -> ops.HybridState:
+        """The fast decoder's fixed-shape state from a prefill's ``state`` (whose buffers it takes
+        over): a ring of ``window`` slots, laid out for the fused kernel where that runs."""
+        ring = ops.RingHybridState.from_state(state, self.spec.window, keep_key_features=keep_key_features, copy=False)
+        if keep_key_features or not self.fused_decoding():
+            return ring
+        from ..ops.hybrid_step_triton import value_splits
+
+        g = self.geometry
+        return ops.FusedRingState.from_ring(ring, self.feature_map_k, g.n_heads,
+                                            value_splits(ring.keys.shape[0], g.n_heads, g.head_dim))
+
     def step(self, q, k, v, position_embeddings, state):
+        if isinstance(state, ops.FusedRingState):  # everything from RoPE to the output in one launch
+            from ..ops.hybrid_step_triton import hybrid_step_fused_triton
+
+            g = self.geometry
+            y = hybrid_step_fused_triton(q, k, v, position_embeddings if g.rotary is not None else None,
+                                         self.feature_map_q.weight, self.feature_map_k.weight, self.window_logit,
+                                         state, scale=g.scaling, softcap=g.softcap)
+            return y, state
         q, k = self.adapter.rope(self, q, k, position_embeddings)
         qf = self.feature_map_q(q)
         if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
@@ -71,12 +100,13 @@ class LolcatsAttention(LinearAttention):
         return ops.hybrid_attention_step(q, k, qf, self.feature_map_k(k), v, self.window_weight(), state,
                                          **self._kw(), key_mask=self.key_mask)
 
-    def state_bytes(self, dtype, key_features: bool = True):
+    def state_bytes(self, dtype, key_features: bool = True, linear_states: int = 1):
         g = self.geometry
         elem = torch.tensor([], dtype=dtype).element_size()
         per_token = 2 * g.head_dim + (self.feature_map_k.out_dim if key_features else 0)
         window = self.spec.window * g.n_kv_heads * per_token * elem
-        return window + g.n_kv_heads * self.feature_map_k.out_dim * (g.head_dim + 1) * 4
+        return window + linear_states * g.n_kv_heads * self.feature_map_k.out_dim * (g.head_dim + 1) * 4
 
     def fast_state_bytes(self, dtype):
-        return self.state_bytes(dtype, key_features=False)  # the fast path recomputes them on eviction
+        # the fast path recomputes key features on eviction; its fused kernel keeps two linear states
+        return self.state_bytes(dtype, key_features=False, linear_states=2 if self.fused_decoding() else 1)

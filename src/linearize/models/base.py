@@ -8,6 +8,7 @@ then works on any module holding those parts: ``qkv`` (projections and QK-norm, 
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -74,3 +75,29 @@ class Adapter:
 def family_function(module: nn.Module, name: str) -> Callable | None:
     """A function (e.g. ``apply_rotary_pos_emb``) from the modeling file that defines ``module``."""
     return getattr(sys.modules[type(module).__module__], name, None)
+
+
+@functools.cache
+def rotates_half(rotary: Callable | None, head_dim: int) -> bool:
+    """Whether ``rotary`` (a family's ``apply_rotary_pos_emb``, see ``Geometry``) is RoPE by rotating
+    halves over the first ``cos.shape[-1]`` dims of each head, ``x * cos + [-x2, x1] * sin`` and the
+    rest unchanged (what fused kernels compute). No RoPE (None) qualifies. Checked on random
+    inputs with full and half rotary dims (a function that refuses half dims never meets them)."""
+    if rotary is None:
+        return True
+    g = torch.Generator().manual_seed(0)
+    for r in (head_dim, head_dim // 4 * 2):
+        x = torch.randn(2, 1, 1, head_dim, generator=g, dtype=torch.float64)
+        cos, sin = (torch.randn(2, 1, r, generator=g, dtype=torch.float64) for _ in range(2))
+        half = r // 2
+        turned = torch.cat([-x[..., half:r], x[..., :half]], dim=-1)
+        want = torch.cat([x[..., :r] * cos[:, None] + turned * sin[:, None], x[..., r:]], dim=-1)
+        try:
+            got = rotary(x, x.clone(), cos, sin)[0]
+        except Exception:
+            if r == head_dim:
+                return False
+            continue
+        if got.shape != want.shape or not torch.allclose(got, want):
+            return False
+    return True

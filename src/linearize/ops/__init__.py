@@ -8,6 +8,7 @@ import torch
 
 from .fla_backend import fla_available, linear_attention_fla, use_fla
 from .hybrid_attention import (
+    FusedRingState,
     HybridState,
     RingHybridState,
     empty_hybrid_state,
@@ -60,7 +61,7 @@ def linear_attention(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initi
 
 
 __all__ = [
-    "HybridState", "RingHybridState", "accum_dtype", "kernel_inputs", "empty_hybrid_state", "empty_state", "fla_available",
+    "FusedRingState", "HybridState", "RingHybridState", "accum_dtype", "kernel_inputs", "empty_hybrid_state", "empty_state", "fla_available",
     "hybrid_attention_chunked", "hybrid_attention_naive", "hybrid_attention_recurrent",
     "hybrid_attention_step", "hybrid_attention_step_ring", "hybrid_final_state", "linear_attention", "linear_attention_chunked",
     "linear_attention_fla", "linear_attention_naive", "linear_attention_recurrent",

@@ -253,12 +253,72 @@ class RingHybridState(HybridState):
 
         valid = front(state.valid, 1)
         keep = valid[:, None, :, None]
-        keys, feats, values = (front(x, 2) * keep for x in (state.keys, state.key_features, state.values))
+        keys, values = (front(x, 2) * keep for x in (state.keys, state.values))
+        # features that are dropped are not padded first (a large batch's peak memory)
+        feats = front(state.key_features, 2) * keep if keep_key_features else state.key_features[:, :, :0]
         slot = torch.zeros((), dtype=torch.long, device=state.keys.device)
-        if not keep_key_features:
-            feats = feats[:, :, :0]
         linear = state.linear.clone() if copy else state.linear.contiguous()
         return cls(keys.contiguous(), feats.contiguous(), values.contiguous(), linear, valid.contiguous(), slot=slot)
+
+
+def _leaving(state: RingHybridState, key_feature_map=None) -> torch.Tensor:
+    """``phi_k(k) [v, 1]`` ``[B, Hk, 1, F, D + 1]`` of the token in slot ``state.slot``: what it adds
+    to the linear state when it leaves the window (zero for an empty slot)."""
+    acc = state.linear.dtype
+    idx = state.slot.view(1)
+    if state.key_features.shape[2] > 0:
+        old_f = state.key_features.index_select(2, idx).to(acc)
+    else:
+        if key_feature_map is None:
+            raise ValueError("this ring state keeps no key features: pass key_feature_map")
+        old_valid = state.valid.index_select(1, idx)[:, None, :, None]  # an empty slot's zeros are not a key
+        old_f = key_feature_map(state.keys.index_select(2, idx)).to(acc) * old_valid
+    old_v = _augment(state.values.index_select(2, idx).to(acc), True)
+    return (old_f.transpose(-1, -2) @ old_v).unsqueeze(2)
+
+
+@dataclass
+class FusedRingState(HybridState):
+    """A ``RingHybridState`` without key features, laid out for the fused Triton decode step
+    (``ops.hybrid_step_triton.hybrid_step_fused_triton``). That kernel's programs run at once, so
+    none may write what another reads:
+
+    * ``linear`` ``[B, Hk, 2, F, D + 1]`` holds two linear states used by step parity. At tick ``t``
+      the queries read buffer ``t % 2``: the ring's linear state *with* the token this step evicts
+      (slot ``t % w``, which is therefore never read); the step writes buffer ``(t + 1) % 2``, the
+      same plus the token the next step evicts. Between steps, buffer ``(t + 1) % 2`` is the ring's
+      linear state.
+    * ``ticks`` ``[B, H, S]`` int32: steps taken modulo ``2 w``, one copy per program (sequence,
+      query head, part of the value columns), each advanced by its own program.
+    * ``keys``, ``values``, ``valid`` and ``slot`` are kept as ``RingHybridState`` keeps them.
+    """
+
+    slot: torch.Tensor | None = None
+    ticks: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*super().tensors(), self.slot, self.ticks)
+
+    def map(self, fn) -> "FusedRingState":
+        return FusedRingState(*(fn(x) for x in super().tensors()), slot=self.slot.clone(), ticks=fn(self.ticks))
+
+    @classmethod
+    def from_ring(cls, ring: RingHybridState, key_feature_map, n_heads: int, splits: int = 1) -> "FusedRingState":
+        """``ring`` (which keeps no key features; its buffers are taken over) for a kernel with
+        ``n_heads`` query heads and the value columns in ``splits`` parts."""
+        if ring.key_features.shape[2] > 0:
+            raise ValueError("the fused decode step recomputes key features: the ring must keep none")
+        t = int(ring.slot)
+        ahead = ring.linear + _leaving(ring, key_feature_map)
+        linear = torch.cat((ahead, ring.linear) if t % 2 == 0 else (ring.linear, ahead), dim=2)
+        ticks = torch.full((ring.keys.shape[0], n_heads, splits), t, dtype=torch.int32, device=ring.keys.device)
+        return cls(ring.keys, ring.key_features, ring.values, linear, ring.valid, slot=ring.slot, ticks=ticks)
+
+    def ring(self) -> RingHybridState:
+        """The ``RingHybridState`` this holds (sharing the window's buffers; reads a tick on the host)."""
+        t = int(self.ticks.view(-1)[0])
+        linear = self.linear.narrow(2, (t + 1) % 2, 1)
+        return RingHybridState(self.keys, self.key_features, self.values, linear, self.valid, slot=self.slot)
 
 
 def hybrid_attention_step_ring(
@@ -273,15 +333,7 @@ def hybrid_attention_step_ring(
     n_kv = k.shape[1]
     idx = state.slot.view(1)
     stored = state.key_features.shape[2] > 0
-    if stored:
-        old_f = state.key_features.index_select(2, idx).to(acc)
-    else:
-        if key_feature_map is None:
-            raise ValueError("this ring state keeps no key features: pass key_feature_map")
-        old_valid = state.valid.index_select(1, idx)[:, None, :, None]  # an empty slot's zeros are not a key
-        old_f = key_feature_map(state.keys.index_select(2, idx)).to(acc) * old_valid
-    old_v = _augment(state.values.index_select(2, idx).to(acc), True)
-    state.linear.add_((old_f.transpose(-1, -2) @ old_v).unsqueeze(2))
+    state.linear.add_(_leaving(state, key_feature_map))
     state.keys.index_copy_(2, idx, k.to(state.keys.dtype))
     if stored:
         state.key_features.index_copy_(2, idx, kf.to(state.key_features.dtype))

@@ -1,12 +1,15 @@
-"""One fused Triton kernel for the LoLCATs hybrid's decode step on a ring window (CUDA): the twin
-of ``hybrid_attention_step_ring`` for states that keep no key features.
+"""Fused Triton kernels for the LoLCATs hybrid's decode step on a ring window (CUDA).
 
-The PyTorch step is some twenty small kernels per layer (select the evicted slot, fold it into the
-linear state, write the new token, score the window, normalise); here one program per (sequence,
-key head) does all of it for the head's ``G`` query heads with the window, the linear state and
-the new token in registers. What needs the feature map — the evicted key's features — is computed
-before the call; the validity flag and the slot counter are advanced after it (they are shared by
-the key heads of a sequence, so no program may write them while others read).
+``hybrid_step_fused_triton`` is the whole step for Hedgehog feature maps in one launch: RoPE of
+the new query and key, the query's features, the window softmax, the linear terms, the ring and
+linear-state updates and the slot bookkeeping (with RoPE and the feature maps in PyTorch around
+the ring-step kernel below, a layer's step was 27 launches). One program per (sequence, query
+head, part of the value columns); the state is laid out so that no program writes what another
+reads (``FusedRingState``).
+
+``hybrid_step_ring_triton`` is the twin of ``hybrid_attention_step_ring`` for other feature maps:
+one program per (sequence, key head), with the features computed before the call and the validity
+flag and slot counter advanced after it.
 """
 
 from __future__ import annotations
@@ -87,3 +90,155 @@ def hybrid_step_ring_triton(q, k, qf, v, gamma, old_features, state, *, scale: f
     state.valid.index_fill_(1, state.slot.view(1), True)
     state.slot.add_(1).remainder_(w)
     return y.to(q.dtype)
+
+
+@triton.jit
+def _rope(x_ptr, sx, cos_ptr, sin_ptr, sc, d, D, R):
+    """One head ``[BD]`` in fp32, rotated by halves over its first ``R`` dims (none when R = 0)."""
+    half = R // 2
+    rot = d < R
+    x = tl.load(x_ptr + d * sx, mask=d < D, other=0.0).to(tl.float32)
+    partner = tl.load(x_ptr + tl.where(d < half, d + half, d - half) * sx, mask=rot, other=0.0).to(tl.float32)
+    cos = tl.load(cos_ptr + d * sc, mask=rot, other=1.0).to(tl.float32)
+    sin = tl.load(sin_ptr + d * sc, mask=rot, other=0.0).to(tl.float32)
+    return x * cos + tl.where(d < half, -partner, partner) * sin
+
+
+@triton.jit
+def _hedgehog(x, w_ptr, d, f, D, FH):
+    """Hedgehog features of one head ``x`` ``[BD]``: softmax(xW) and softmax(-xW), each ``[BF]``."""
+    fm = f < FH
+    wt = tl.load(w_ptr + d[:, None] * FH + f[None, :], mask=(d < D)[:, None] & fm[None, :], other=0.0)
+    y = tl.sum(x[:, None] * wt.to(tl.float32), axis=0)
+    pos = tl.where(fm, y, float("-inf"))
+    neg = tl.where(fm, -y, float("-inf"))
+    pos = tl.exp(pos - tl.max(pos, axis=0))
+    neg = tl.exp(neg - tl.max(neg, axis=0))
+    return pos / tl.sum(pos, axis=0), neg / tl.sum(neg, axis=0)
+
+
+@triton.jit
+def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, logit_ptr,
+                       keys_ptr, values_ptr, valid_ptr, lin_ptr, slot_ptr, ticks_ptr, y_ptr,
+                       sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, swq, swk,
+                       scale, softcap, H, HK, W, D, FH, R, NS,
+                       HAS_SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                       BF: tl.constexpr):
+    bi = tl.program_id(0)
+    h = tl.program_id(1)
+    c = tl.program_id(2)
+    hk = h // (H // HK)
+    owner = h % (H // HK) == 0  # the one program per key head (and value part) that updates its state
+    w = tl.arange(0, BW)
+    d = tl.arange(0, BD)
+    f = tl.arange(0, BF)
+    dv = c * BDV + tl.arange(0, BDV)  # this program's value columns
+    dm, dvm, fm = d < D, dv < D, f < FH
+    tick = tl.load(ticks_ptr + (bi * H + h) * NS + c)
+    s = tick % W  # the slot the new token takes; its old token is already in the linear state
+    p = tick % 2  # the linear state read now; the other one is written
+    here = w == s
+    old = (w < W) & (w != s)  # slot s is never read: its owner overwrites it during the launch
+
+    q = _rope(q_ptr + bi * sq_b + h * sq_h, sq_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d, D, R)
+    q_pos, q_neg = _hedgehog(q, wq_ptr + h * swq, d, f, D, FH)
+
+    # the window after this step: slot s holds the new token (rounded as the ring stores it)
+    ring = (bi * HK + hk) * W * D
+    k_new = _rope(k_ptr + bi * sk_b + hk * sk_h, sk_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d, D, R)
+    k_new = k_new.to(keys_ptr.dtype.element_ty)
+    v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + dv * sv_d, mask=dvm, other=0.0).to(values_ptr.dtype.element_ty)
+    keys = tl.load(keys_ptr + ring + w[:, None] * D + d[None, :], mask=old[:, None] & dm[None, :], other=0.0)
+    keys = tl.where(here[:, None], k_new.to(tl.float32)[None, :], keys.to(tl.float32))
+    values = tl.load(values_ptr + ring + w[:, None] * D + dv[None, :], mask=old[:, None] & dvm[None, :], other=0.0)
+    values = tl.where(here[:, None], v_new.to(tl.float32)[None, :], values.to(tl.float32))
+    live = tl.load(valid_ptr + bi * W + w, mask=old, other=0).to(tl.int1) | here
+
+    # softmax terms of the window and linear terms, one normaliser
+    scores = tl.sum(keys * q[None, :], axis=1) * scale
+    if HAS_SOFTCAP:
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
+    scores = tl.where(live, scores, float("-inf"))
+    a = tl.sigmoid(tl.load(logit_ptr + h).to(tl.float32)) * tl.exp(scores - tl.max(scores, axis=0))
+    width = D + 1  # a linear-state row: the values, then the normaliser
+    cur = lin_ptr + ((bi * HK + hk) * 2 + p) * 2 * FH * width
+    nxt = lin_ptr + ((bi * HK + hk) * 2 + 1 - p) * 2 * FH * width
+    rows = f[:, None] * width + dv[None, :]
+    lm = fm[:, None] & dvm[None, :]
+    s_pos = tl.load(cur + rows, mask=lm, other=0.0)
+    s_neg = tl.load(cur + FH * width + rows, mask=lm, other=0.0)
+    n_pos = tl.load(cur + f * width + D, mask=fm, other=0.0)
+    n_neg = tl.load(cur + (FH + f) * width + D, mask=fm, other=0.0)
+    num = tl.sum(a[:, None] * values, axis=0)
+    num += tl.sum(q_pos[:, None] * s_pos, axis=0) + tl.sum(q_neg[:, None] * s_neg, axis=0)
+    den = tl.sum(a, axis=0) + tl.sum(q_pos * n_pos, axis=0) + tl.sum(q_neg * n_neg, axis=0)
+    tl.store(y_ptr + (bi * H + h) * D + dv, (num / tl.maximum(den, 1.1754943508222875e-38)).to(y_ptr.dtype.element_ty),
+             mask=dvm)
+    tl.store(ticks_ptr + (bi * H + h) * NS + c, (tick + 1) % (2 * W))
+
+    if owner:
+        # the other linear state: this one plus the token the next step evicts, from slot s + 1
+        # (nobody writes it now), or when w = 1 the new token
+        s1 = (s + 1) % W
+        kept = s1 != s
+        k_old = tl.load(keys_ptr + ring + s1 * D + d, mask=dm & kept, other=0.0).to(tl.float32)
+        k_old = tl.where(kept, k_old, k_new.to(tl.float32))
+        v_old = tl.load(values_ptr + ring + s1 * D + dv, mask=dvm & kept, other=0.0).to(tl.float32)
+        v_old = tl.where(kept, v_old, v_new.to(tl.float32))
+        real = tl.load(valid_ptr + bi * W + s1, mask=kept, other=1).to(tl.float32)  # empty slots hold no key
+        k_pos, k_neg = _hedgehog(k_old, wk_ptr + hk * swk, d, f, D, FH)
+        k_pos, k_neg = k_pos * real, k_neg * real
+        tl.store(nxt + rows, s_pos + k_pos[:, None] * v_old[None, :], mask=lm)
+        tl.store(nxt + FH * width + rows, s_neg + k_neg[:, None] * v_old[None, :], mask=lm)
+        first = c == 0
+        tl.store(nxt + f * width + D, n_pos + k_pos, mask=fm & first)
+        tl.store(nxt + (FH + f) * width + D, n_neg + k_neg, mask=fm & first)
+        tl.store(values_ptr + ring + s * D + dv, v_new, mask=dvm)
+        tl.store(keys_ptr + ring + s * D + d, k_new, mask=dm & first)
+        tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=first & (h == 0))
+        tl.store(slot_ptr, ((s + 1) % W).to(tl.int64), mask=first & (h == 0) & (bi == 0))
+
+
+def value_splits(batch: int, n_heads: int, head_dim: int, programs: int = 32, min_width: int = 16) -> int:
+    """Parts of the value columns per head for ``FusedRingState``: halved until the step has about
+    ``programs`` programs (a batch-1 step would otherwise leave most of the GPU idle), each part at
+    least ``min_width`` wide."""
+    splits = 1
+    while batch * n_heads * splits < programs and head_dim // (2 * splits) >= min_width:
+        splits *= 2
+    return splits
+
+
+def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit, state, *, scale: float,
+                             softcap=None):
+    """The LoLCATs decode step with Hedgehog maps on a ``FusedRingState``, in one launch, in place.
+
+    ``q`` ``[B, H, 1, D]`` and ``k``/``v`` ``[B, Hk, 1, D]`` before RoPE (any strides);
+    ``position_embeddings`` ``(cos, sin)`` ``[B or 1, 1, R]`` for RoPE by rotating halves over the
+    first ``R`` dims of each head, or None for no RoPE; ``wq`` ``[H, D, F/2]`` and ``wk``
+    ``[Hk, D, F/2]`` the Hedgehog weights (a leading 1: shared by all heads); ``window_logit``
+    ``[H]`` (gamma = sigmoid of it). Returns ``y`` ``[B, H, 1, D]``, a view of ``[B, 1, H, D]``
+    memory (what o_proj reads)."""
+    b, h, _, d = q.shape
+    hk, w, fh, splits = k.shape[1], state.keys.shape[2], wq.shape[-1], state.ticks.shape[-1]
+    if state.linear.shape[-2:] != (2 * fh, d + 1) or state.ticks.shape[:2] != (b, h):
+        raise ValueError(f"a state for {tuple(state.ticks.shape[:2])} sequences x query heads and features "
+                         f"{tuple(state.linear.shape[-2:])} does not fit {(b, h)} and Hedgehog features of {fh}")
+    y = torch.empty(b, 1, h, d, device=q.device, dtype=q.dtype)
+    if position_embeddings is None:
+        cos = sin = q  # never read (R = 0)
+        rot, sc_b, sc_d = 0, 0, 0
+    else:
+        cos, sin = position_embeddings
+        rot, sc_b, sc_d = cos.shape[-1], cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1)
+    wq, wk = wq.contiguous(), wk.contiguous()
+    bw, bd = triton.next_power_of_2(w), triton.next_power_of_2(d)
+    # warps: ptxas (sm_90) reports spills at 4 warps for a window of 64 x head dim 64, none at 8
+    _hybrid_fused_step[(b, h, splits)](
+        q, k, v, cos, sin, wq, wk, window_logit, state.keys, state.values, state.valid, state.linear, state.slot,
+        state.ticks, y, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
+        v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, wq.stride(0) if wq.shape[0] > 1 else 0,
+        wk.stride(0) if wk.shape[0] > 1 else 0, float(scale), float(softcap or 1.0), h, hk, w, d, fh, rot, splits,
+        HAS_SOFTCAP=softcap is not None, BW=bw, BD=bd, BDV=triton.next_power_of_2(triton.cdiv(d, splits)),
+        BF=triton.next_power_of_2(fh), num_warps=min(16, max(4, bw * bd // 512)))
+    return y.transpose(1, 2)

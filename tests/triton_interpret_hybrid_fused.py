@@ -1,0 +1,94 @@
+"""Run by test_ops.py / test_fast.py in a subprocess, on the CPU through Triton's interpreter: the
+fused LoLCATs decode step (RoPE, Hedgehog maps, window, linear state, bookkeeping in one kernel).
+
+``kernel``: against the PyTorch ring step after RoPE and the feature maps, token after token.
+``decoder``: the fast decoder with the fused step against the fast decoder without it."""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+
+import torch  # noqa: E402
+
+import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
+from linearize import ops  # noqa: E402
+from linearize.mixers.feature_maps import Hedgehog  # noqa: E402
+from linearize.ops import hybrid_step_triton  # noqa: E402
+from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb  # noqa: E402  (full or partial)
+
+torch.set_grad_enabled(False)
+
+
+def check_kernel(b, h, hk, d, fh, window, t, n, softcap, rot, splits, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    fq, fk = Hedgehog(h, d, fh), Hedgehog(hk, d, fh)
+    fq.weight.copy_(r(h, d, fh) * 0.5)
+    fk.weight.copy_(r(hk, d, fh) * 0.5)
+    # strided q/k/v, as the adapter splits one projection's output
+    q, k, v = (x.transpose(1, 2) for x in r(b, t + n, h + 2 * hk, d).split([h, hk, hk], dim=2))
+    angles = r(b, t + n, rot // 2) * 3
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    rq, rk = apply_rotary_pos_emb(q, k, cos, sin) if rot else (q, k)
+    logit = r(h)
+    gamma = torch.sigmoid(logit)
+    key_mask = torch.ones(b, t, dtype=torch.bool)
+    key_mask[-1, : t // 2] = False  # left padding: empty slots in the last sequence's ring
+    kw = dict(scale=d ** -0.5, softcap=softcap)
+    pre = slice(0, t)
+    _, state = ops.hybrid_attention_chunked(rq[:, :, pre], rk[:, :, pre], fq(rq[:, :, pre]), fk(rk[:, :, pre]),
+                                            v[:, :, pre], gamma, window=window, **kw, output_final_state=True,
+                                            key_mask=key_mask)
+    ref = ops.RingHybridState.from_state(state, window, keep_key_features=False)
+    mine = ops.FusedRingState.from_ring(ref.map(lambda x: x.clone()), fk, h, splits)
+    for i in range(t, t + n):
+        sl = slice(i, i + 1)
+        want, ref = ops.hybrid_attention_step_ring(rq[:, :, sl], rk[:, :, sl], fq(rq[:, :, sl]), None, v[:, :, sl],
+                                                   gamma, ref, **kw, key_feature_map=fk)
+        pe = (cos[:, sl], sin[:, sl]) if rot else None
+        got = hybrid_step_triton.hybrid_step_fused_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], pe, fq.weight,
+                                                          fk.weight, logit, mine, **kw)
+        assert got.shape == want.shape and got.transpose(1, 2).is_contiguous()
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (i, (got - want).abs().max())
+    assert torch.equal(mine.ticks, torch.full_like(mine.ticks, n % (2 * window)))  # from_state starts at slot 0
+    for a, e in zip(mine.ring().tensors(), ref.tensors()):
+        assert torch.equal(a, e) if a.dtype in (torch.bool, torch.long) else torch.allclose(a, e, atol=1e-5), a.dtype
+
+
+def check_decoder():
+    from transformers import AutoModelForCausalLM
+
+    import linearize
+    from helpers import tiny_config
+    from linearize.fast import FastDecoder
+    from linearize.mixers.lolcats import LolcatsAttention
+
+    calls, on_cuda = [], LolcatsAttention.fused_decoding
+    fused_step = hybrid_step_triton.hybrid_step_fused_triton
+    hybrid_step_triton.hybrid_step_fused_triton = lambda *a, **kw: calls.append(1) or fused_step(*a, **kw)
+    ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0  # left padding: an empty slot in the ring
+    # GQA; soft-capping; partial RoPE; a layer without RoPE
+    for family in ("llama", "gemma2", "gpt_neox", "smollm3"):
+        torch.manual_seed(0)
+        teacher = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+        model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8})
+        model.generation_config.eos_token_id = None
+        plain = FastDecoder(model).generate(ids, mask, max_new_tokens=7)
+        LolcatsAttention.fused_decoding = lambda self: True  # as on CUDA
+        fused = FastDecoder(model).generate(ids, mask, max_new_tokens=7)
+        LolcatsAttention.fused_decoding = on_cuda
+        assert calls and torch.equal(fused, plain), family
+        calls.clear()
+
+
+if sys.argv[1:] == ["kernel"]:
+    check_kernel(2, 4, 2, 8, 6, window=4, t=6, n=11, softcap=None, rot=8, splits=1, seed=0)  # GQA, wraps twice
+    check_kernel(2, 3, 1, 16, 8, window=4, t=3, n=10, softcap=20.0, rot=8, splits=2, seed=1)  # MQA, partial RoPE
+    check_kernel(2, 4, 2, 12, 5, window=5, t=9, n=8, softcap=None, rot=12, splits=2, seed=2)  # odd sizes
+    check_kernel(1, 4, 2, 16, 4, window=1, t=4, n=4, softcap=None, rot=0, splits=4, seed=3)  # w = 1, no RoPE
+else:
+    check_decoder()
+print("ok")
