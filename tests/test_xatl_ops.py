@@ -124,8 +124,3 @@ def test_causal_conv1d_forms_agree(t, k, with_state):
 def test_triton_selective_scan_equals_the_pytorch_scan():
     """The fused CUDA kernels, run on the CPU by Triton's interpreter: values and every gradient."""
     run_triton_interpreter_script("triton_interpret_scan.py")
-
-
-def test_time_chunked_triton_selective_scan_equals_the_pytorch_scan():
-    """The opt-in kernels parallel over time chunks (LINEARIZE_MAMBA_SCAN=chunked), likewise."""
-    run_triton_interpreter_script("triton_interpret_scan.py", "selective_scan_triton_chunked")

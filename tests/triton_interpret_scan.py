@@ -1,20 +1,15 @@
-"""Run by test_xatl_ops.py in a subprocess: a fused Triton selective scan (forward and backward; the
-module named by the first argument) against the PyTorch chunked form, on the CPU through Triton's
-interpreter."""
+"""Run by test_xatl_ops.py in a subprocess: the fused Triton selective scan (forward and backward)
+against the PyTorch chunked form, on the CPU through Triton's interpreter."""
 
-import importlib
 import os
-import sys
 
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 
 import torch  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
+import linearize.ops.selective_scan_triton as sst  # noqa: E402
 from linearize.ops.selective_scan import selective_scan_chunked  # noqa: E402
-
-# which kernels: selective_scan_triton (default) or selective_scan_triton_chunked
-sst = importlib.import_module(f"linearize.ops.{sys.argv[1] if len(sys.argv) > 1 else 'selective_scan_triton'}")
 
 
 def check(b, t, dn, n, with_d, with_state, seed):
@@ -55,21 +50,16 @@ def final_state_unused(b, t, dn, n):
         assert ((a.double() - e).norm() / e.norm()).item() < 1e-5
 
 
-if hasattr(sst, "CKPT"):  # the time-chunked kernels
-    # tiny time chunks, so that short sequences span several of them (and several checkpoints each)
-    sst.CHUNK, sst.CKPT = 8, 4
-    check(2, 3 * 8 + 5, sst.BLOCK_D + 8, 5, True, True, 0)  # T off the chunk and checkpoint; Dn off the block
-    check(1, 4 * 8, sst.BLOCK_D, 16, False, False, 1)  # T on the chunk
-    check(3, 7, 9, 3, True, False, 2)  # T shorter than one chunk
-    check(2, 1, 5, 4, False, True, 3)  # T = 1
-    check(1, 8 + 4, 6, 2, False, True, 4)  # T on a checkpoint, off the chunk
-    final_state_unused(2, 19, 7, 3)
-    # the production chunking once
-    sst.CHUNK, sst.CKPT = 128, 32
-    check(1, 128 + 37, 9, 3, True, True, 5)
-else:  # lengths on and off the checkpoint chunk, channels on and off the channel block, N not a power of 2
-    check(2, sst.CHUNK + 13, sst.BLOCK_D + 8, 5, True, True, 0)
-    check(1, 2 * sst.CHUNK, sst.BLOCK_D, 16, False, False, 1)
-    check(3, 7, 9, 3, True, False, 2)
-    final_state_unused(2, 19, 7, 3)
+# tiny time chunks, so that short sequences span several of them (and several checkpoints each);
+# N mostly not a power of 2
+sst.CHUNK, sst.CKPT = 8, 4
+check(2, 3 * 8 + 5, sst.BLOCK_D + 8, 5, True, True, 0)  # T off the chunk and checkpoint; Dn off the block
+check(1, 4 * 8, sst.BLOCK_D, 16, False, False, 1)  # T on the chunk
+check(3, 7, 9, 3, True, False, 2)  # T shorter than one chunk
+check(2, 1, 5, 4, False, True, 3)  # T = 1
+check(1, 8 + 4, 6, 2, False, True, 4)  # T on a checkpoint, off the chunk
+final_state_unused(2, 19, 7, 3)
+# the production chunking once
+sst.CHUNK, sst.CKPT = 128, 32
+check(1, 128 + 37, 9, 3, True, True, 5)
 print("ok")

@@ -26,8 +26,6 @@ first token, which is the same as the usual left zero padding).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -164,17 +162,11 @@ def selective_scan(
     output_final_state: bool = False, backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The linear-time scan: the fused Triton kernels on CUDA (``backend`` auto/fla/triton, when
-    Triton is installed), else ``selective_scan_chunked``. Same contract as the latter.
-
-    ``LINEARIZE_MAMBA_SCAN=chunked`` picks the kernels parallel over time chunks too
-    (``selective_scan_triton_chunked``; not yet checked on a GPU)."""
+    Triton is installed), else ``selective_scan_chunked``. Same contract as the latter."""
     from .fla_backend import triton_available
 
     if backend != "torch" and u.is_cuda and triton_available():
-        if os.environ.get("LINEARIZE_MAMBA_SCAN", "") == "chunked":
-            from .selective_scan_triton_chunked import selective_scan_triton
-        else:
-            from .selective_scan_triton import selective_scan_triton
+        from .selective_scan_triton import selective_scan_triton
 
         return selective_scan_triton(u, dt, A, B, C, D, initial_state=initial_state,
                                      output_final_state=output_final_state)
