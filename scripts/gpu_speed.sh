@@ -53,13 +53,14 @@ for part in "$@"; do
     train-compiled)  # the same with each model's forward compiled (host overhead is part of the students' step)
       timeout 500 python3 -m linearize.bench.train --teacher $T --models teacher supra retnet --shapes 16x1024 2x8192 \
         --steps 6 --compile --out $S/train_compiled.json 2>&1 | grep -v Warning | tail -10 ;;
-    scan)  # the opt-in time-chunked Mamba scan: equal to PyTorch on CUDA, then StripedMamba's training speed with it
+    scan)  # the Triton Mamba scan: equal to PyTorch on CUDA, then StripedMamba's training speed with it vs the teacher
       timeout 240 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_kernels.py -k scan 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed"
-      LINEARIZE_MAMBA_SCAN=chunked timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \
-        --shapes 16x1024 8x2048 2x8192 --steps 6 --out $S/train_scan_chunked.json 2>&1 | tail -8 ;;
-    profile)  # where the training step and the decode step spend their time (kernels by device time)
+      timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \
+        --shapes 16x1024 8x2048 2x8192 --steps 6 --out $S/train_mamba_scan.json 2>&1 | tail -8 ;;
+    profile)  # where the training step and the decode step spend their time (kernels by device time;
+      # PROFILE_SHAPE=16x1024 for the training shape of the #4 target)
       for m in teacher supra retnet striped_mamba; do
-        timeout 120 python3 -m linearize.bench.profile train --teacher $T --model $m --shape 2x8192 --top 14 \
+        timeout 120 python3 -m linearize.bench.profile train --teacher $T --model $m --shape ${PROFILE_SHAPE:-2x8192} --top 14 \
           --out $S/profile_train_$m.json 2>&1 | grep -v Warning | tail -17
       done
       student lolcats

@@ -456,3 +456,19 @@ def test_a_record_finds_its_run_among_runs_of_the_same_name(tmp_path):
     ablation, full = tmp_path / "ablate-hedgehog" / "lolcats", tmp_path / "gpu" / "runs" / "lolcats"
     assert training_run(record, [ablation, full]) == full  # ".../runs/lolcats" shares more of the recorded path
     assert training_run(record, [ablation]) == ablation
+
+
+def test_report_settings_say_how_many_documents_a_row_ran():
+    """A row at --limit and a row on every document must not read alike in the report."""
+    from pathlib import Path
+
+    from linearize.eval.report import _settings_line
+
+    record = {"model": {"source": "x", "fingerprint": "abc"}, "created": "now",
+              "settings": {"tasks": ["piqa"], "limit": None, "batch_size": 64}}
+    assert "every document of each task; lm-eval batch 64" in _settings_line(1, Path("a.json"), record)
+    record["settings"]["limit"] = 300
+    line = _settings_line(1, Path("a.json"), record)
+    assert "limit 300 docs/task" in line and "every document" not in line
+    record["settings"] = {"tasks": [], "limit": None}  # perplexity only: nothing about documents
+    assert "docs" not in _settings_line(1, Path("a.json"), record) and "document" not in _settings_line(1, Path("a.json"), record)

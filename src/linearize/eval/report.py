@@ -88,8 +88,11 @@ def _settings_line(index: int, path: Path, record: dict) -> str:
     parts = [f"`{path.name}`", f"source {model.get('source')}", f"weights {str(model.get('fingerprint'))[:12]}"]
     if model.get("spec"):
         parts.append("spec " + ", ".join(f"{k}={v}" for k, v in model["spec"].items() if v not in (None, [], ())))
-    if settings.get("limit") is not None:
-        parts.append(f"limit {settings['limit']} docs/task")
+    if settings.get("tasks"):  # rows at a --limit and rows on every document must not pass for each other
+        limit = settings.get("limit")
+        parts.append(f"limit {limit} docs/task" if limit is not None else "every document of each task")
+        if settings.get("batch_size"):
+            parts.append(f"lm-eval batch {settings['batch_size']}")
     ppl = record.get("perplexity")
     if ppl:
         parts.append(f"ppl on {ppl['blocks']} x {ppl['block_len']}-token blocks of {ppl['source']}")

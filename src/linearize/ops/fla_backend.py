@@ -79,7 +79,9 @@ def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, i
         g_gamma=log_decay.to(acc) if decay else None, scale=1.0,
         initial_state=h0, output_final_state=output_final_state,
     )
-    o = o.transpose(1, 2).to(acc)  # [B, H, T, Dv]
+    o = o.transpose(1, 2)  # [B, H, T, Dv], in q's dtype: without a normaliser no cast round trip
+    if normalize:
+        o = o.to(acc)
     state = None
     if ht is not None:
         state = ht.view(b, n_kv, group, f, -1) if decay else ht.view(b, n_kv, group, f, -1)[:, :, :1]
