@@ -10,6 +10,8 @@
 #   wait SECONDS       wait until SECONDS pass, every job has ended, or one has failed; then print
 #                      each job's state and last lines and pack /tmp/results and /tmp/runs' figures
 # In CMD: $T is the teacher, lin runs 'python3 -m linearize', waitfor PATH waits for a file.
+# The machine goes back 30 s after a call ends unless another starts, whatever runs in the
+# background: call `wait` again at once (a lease of 2026-11-22 lost its last four parts so).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; R=/tmp/results; mkdir -p "$OUT" $R /tmp/runs
 env_lines() {
