@@ -181,9 +181,9 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
         # (nobody writes it now), or when w = 1 the new token
         s1 = (s + 1) % W
         kept = s1 != s
-        k_old = tl.load(keys_ptr + ring + s1 * D + d, mask=dm & kept, other=0.0).to(tl.float32)
+        k_old = tl.load(keys_ptr + ring + s1 * D + d, mask=tl.where(kept, dm, False), other=0.0).to(tl.float32)
         k_old = tl.where(kept, k_old, k_new.to(tl.float32))
-        v_old = tl.load(values_ptr + ring + s1 * D + dv, mask=dvm & kept, other=0.0).to(tl.float32)
+        v_old = tl.load(values_ptr + ring + s1 * D + dv, mask=tl.where(kept, dvm, False), other=0.0).to(tl.float32)
         v_old = tl.where(kept, v_old, v_new.to(tl.float32))
         real = tl.load(valid_ptr + bi * W + s1, mask=kept, other=1).to(tl.float32)  # empty slots hold no key
         k_pos, k_neg = _hedgehog(k_old, wk_ptr + hk * swk, d, f, D, FH)
@@ -191,10 +191,12 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
         tl.store(nxt + rows, s_pos + k_pos[:, None] * v_old[None, :], mask=lm)
         tl.store(nxt + FH * width + rows, s_neg + k_neg[:, None] * v_old[None, :], mask=lm)
         first = c == 0
-        tl.store(nxt + f * width + D, n_pos + k_pos, mask=fm & first)
-        tl.store(nxt + (FH + f) * width + D, n_neg + k_neg, mask=fm & first)
+        # a vector mask and a scalar condition meet through tl.where: Triton 3.9's interpreter
+        # turns `vector & scalar` into int32 and refuses it as a mask
+        tl.store(nxt + f * width + D, n_pos + k_pos, mask=tl.where(first, fm, False))
+        tl.store(nxt + (FH + f) * width + D, n_neg + k_neg, mask=tl.where(first, fm, False))
         tl.store(values_ptr + ring + s * D + dv, v_new, mask=dvm)
-        tl.store(keys_ptr + ring + s * D + d, k_new, mask=dm & first)
+        tl.store(keys_ptr + ring + s * D + d, k_new, mask=tl.where(first, dm, False))
         tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=first & (h == 0))
         tl.store(slot_ptr, ((s + 1) % W).to(tl.int64), mask=first & (h == 0) & (bi == 0))
 
