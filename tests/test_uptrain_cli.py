@@ -48,3 +48,18 @@ def test_xatl_bad_transfer_fails_before_loading_the_teacher(workspace, monkeypat
     monkeypatch.setattr(linearize, "load_teacher", no_teacher)
     assert main(["xatl", *_common(workspace, tmp_path / "x"), "--arch", "retnet", "--transfer", "embedings"]) != 0
     assert "unknown transfer item(s) embedings" in capsys.readouterr().err
+
+
+def test_compile_flag_reaches_the_trainer(monkeypatch, tmp_path):
+    """`--compile` on supra/xatl sets TrainingArguments.torch_compile (off unless asked)."""
+    from linearize.recipes import uptrain
+    from linearize.recipes.engine import training_arguments
+
+    seen = []
+    monkeypatch.setattr(uptrain, "run", lambda cfg: seen.append(cfg) or {})
+    monkeypatch.setattr(uptrain, "summary", lambda results, method: "")
+    for cmd in (["supra", "--compile"], ["xatl", "--arch", "retnet", "--compile"], ["supra"]):
+        assert main([*cmd, "--out", str(tmp_path / "o"), "--budget", "cpu"]) == 0
+    assert [cfg.compile for cfg in seen] == [True, True, False]
+    flags = [training_arguments(cfg.train_config(tmp_path / "o", 1, 0), has_eval=False).torch_compile for cfg in seen]
+    assert flags == [True, True, False]

@@ -50,6 +50,7 @@ class TrainConfig:
     logging_steps: int = 10
     seed: int = 0
     bf16: bool | None = None  # None: bf16 on CUDA, fp32 elsewhere
+    compile: bool = False  # torch.compile the model (TrainingArguments.torch_compile)
     save_total_limit: int = 2
     extra: dict = field(default_factory=dict)  # passed straight to TrainingArguments
 
@@ -136,6 +137,7 @@ def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
         seed=cfg.seed,
         data_seed=cfg.seed,
         bf16=bf16,
+        torch_compile=cfg.compile,
         report_to=[],
         remove_unused_columns=False,
         dataloader_num_workers=0,

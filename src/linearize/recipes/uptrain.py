@@ -49,6 +49,7 @@ class UptrainConfig:
     seed: int = 0
     dtype: str | None = None
     resume: bool = False
+    compile: bool = False  # torch.compile the model for training (CUDA: fewer, fused kernels)
     new_weights_first: int = 0  # SUPRA 2-step: steps that train only the new weights first
     # XATL
     arch: str = "retnet"
@@ -65,7 +66,7 @@ class UptrainConfig:
             grad_accum=self.grad_accum, scheduler="cosine_with_min_lr", warmup_steps=warmup,
             weight_decay=self.weight_decay, adam_betas=(0.9, 0.95), eval_steps=self.eval_steps,
             early_stopping_patience=self.patience, seed=self.seed, logging_steps=max(1, min(10, self.eval_steps)),
-            extra={"lr_scheduler_kwargs": {"min_lr": self.min_lr}},
+            extra={"lr_scheduler_kwargs": {"min_lr": self.min_lr}}, compile=self.compile,
         )
 
 
