@@ -59,18 +59,26 @@ def _inputs(u_ptr, dt_ptr, b_ptr, row, DN, N, d, n, dm, nm):
 
 
 @triton.jit
-def _fwd_local(u_ptr, dt_ptr, a_ptr, b_ptr, local_ptr, dtsum_ptr, T, DN, N, n_chunks,
-               CHUNK: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
-    """Pass 1: chunk ``c``'s scan from a zero state -> its end state and its ``sum dt``."""
-    bi = tl.program_id(0)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
-    c = tl.program_id(2)
+def _tile(a_ptr, pd, DN, N, BD: tl.constexpr, BN: tl.constexpr):
+    """Channel block ``pd``'s ``[BD, BN]`` tile of the state: channels, state indices, their masks,
+    the offsets and ``A`` on it (fp32)."""
+    d = pd * BD + tl.arange(0, BD)
     n = tl.arange(0, BN)
     dm = d < DN
     nm = n < N
     m2 = dm[:, None] & nm[None, :]
     tile = d[:, None] * N + n[None, :]
     a = tl.load(a_ptr + tile, mask=m2, other=0.0).to(tl.float32)
+    return d, n, dm, nm, m2, tile, a
+
+
+@triton.jit
+def _fwd_local(u_ptr, dt_ptr, a_ptr, b_ptr, local_ptr, dtsum_ptr, T, DN, N, n_chunks,
+               CHUNK: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+    """Pass 1: chunk ``c``'s scan from a zero state -> its end state and its ``sum dt``."""
+    bi = tl.program_id(0)
+    c = tl.program_id(2)
+    d, n, dm, nm, m2, tile, a = _tile(a_ptr, tl.program_id(1), DN, N, BD, BN)
     h = tl.zeros([BD, BN], dtype=tl.float32)
     s = tl.zeros([BD], dtype=tl.float32)
     for i in range(CHUNK):
@@ -109,14 +117,8 @@ def _fwd_out(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr, ckpt_ptr, T, DN, 
              HAS_D: tl.constexpr, CHUNK: tl.constexpr, CKPT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     """Pass 3: chunk ``c``'s scan from its true entering state -> ``y`` and its other checkpoints."""
     bi = tl.program_id(0)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
     c = tl.program_id(2)
-    n = tl.arange(0, BN)
-    dm = d < DN
-    nm = n < N
-    m2 = dm[:, None] & nm[None, :]
-    tile = d[:, None] * N + n[None, :]
-    a = tl.load(a_ptr + tile, mask=m2, other=0.0).to(tl.float32)
+    d, n, dm, nm, m2, tile, a = _tile(a_ptr, tl.program_id(1), DN, N, BD, BN)
     if HAS_D:
         dv = tl.load(d_ptr + d, mask=dm, other=0.0).to(tl.float32)
     h = tl.load(ckpt_ptr + (bi * n_ckpts + c * (CHUNK // CKPT)) * DN * N + tile, mask=m2, other=0.0)
@@ -140,14 +142,8 @@ def _bwd_local(dt_ptr, a_ptr, c_ptr, dy_ptr, dh_ptr, T, DN, N, n_chunks,
                CHUNK: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     """Backward pass 1: dL/d(state entering chunk ``c``) through chunk ``c``'s own outputs."""
     bi = tl.program_id(0)
-    d = tl.program_id(1) * BD + tl.arange(0, BD)
     c = tl.program_id(2)
-    n = tl.arange(0, BN)
-    dm = d < DN
-    nm = n < N
-    m2 = dm[:, None] & nm[None, :]
-    tile = d[:, None] * N + n[None, :]
-    a = tl.load(a_ptr + tile, mask=m2, other=0.0).to(tl.float32)
+    d, n, dm, nm, m2, tile, a = _tile(a_ptr, tl.program_id(1), DN, N, BD, BN)
     dh = tl.zeros([BD, BN], dtype=tl.float32)
     for ii in range(CHUNK):
         t = c * CHUNK + CHUNK - 1 - ii
@@ -200,11 +196,7 @@ def _bwd_chunks(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, ckpt_ptr, dy_ptr, dhe
             c = item % n_chunks
             pd = (item // n_chunks) % n_dblocks
             bi = item // (n_chunks * n_dblocks)
-            d = pd * BD + tl.arange(0, BD)
-            dm = d < DN
-            m2 = dm[:, None] & nm[None, :]
-            tile = d[:, None] * N + n[None, :]
-            a = tl.load(a_ptr + tile, mask=m2, other=0.0).to(tl.float32)
+            d, _, dm, _, m2, tile, a = _tile(a_ptr, pd, DN, N, BD, BN)
             if HAS_D:
                 dv = tl.load(d_ptr + d, mask=dm, other=0.0).to(tl.float32)
             dh = tl.load(dhend_ptr + (bi * n_chunks + c) * DN * N + tile, mask=m2, other=0.0)
