@@ -1,5 +1,6 @@
 """Tiny random models and a tiny tokenizer for fast tests."""
 
+import torch
 
 
 def tiny_config(family: str, **overrides):
@@ -38,8 +39,6 @@ def tiny_tokenizer():
 
 def random_grads(out, inputs):
     """Gradients of a fixed random projection of ``out`` w.r.t. ``inputs`` (zeros where unused)."""
-    import torch
-
     w = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=out.dtype)
     grads = torch.autograd.grad((out * w).sum(), inputs, allow_unused=True)
     return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
@@ -47,8 +46,6 @@ def random_grads(out, inputs):
 
 def decode_incrementally(model, ids, prefill: int):
     """Logits of ``ids`` from a prefill of ``prefill`` tokens and then one token at a time through the cache."""
-    import torch
-
     out = model(ids[:, :prefill], use_cache=True)
     steps = [out.logits]
     for t in range(prefill, ids.shape[1]):
@@ -59,8 +56,6 @@ def decode_incrementally(model, ids, prefill: int):
 
 def greedy_by_full_forwards(model, prompt, n: int):
     """Greedy continuation by argmax of a full parallel forward per token (no cache): the reference for generate()."""
-    import torch
-
     seq = prompt
     for _ in range(n):
         nxt = model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
@@ -87,10 +82,37 @@ def run_triton_interpreter_script(name: str, *args: str) -> None:
 
 def tiny_student(tiny_model, family, spec, dtype=None):
     """A tiny ``family`` model converted with ``spec`` (float64 by default), decoding without EOS."""
-    import torch
-
     import linearize
 
     model = linearize.convert(tiny_model(family, dtype=dtype or torch.float64), spec)
     model.generation_config.eos_token_id = None
     return model
+
+
+def fused_hybrid_steps(q, k, v, cos, sin, fq, fk, logit, key_mask, *, window, t, n, softcap, splits):
+    """The LoLCATs decode step twice from one prefill of ``t`` tokens: the PyTorch ring step after RoPE
+    and the Hedgehog maps ``fq``/``fk``, and the fused Triton step on the raw q/k/v (``cos`` None: no
+    RoPE). Yields ``(fused, reference)`` outputs for tokens ``t .. t + n - 1``, then the two final
+    states as ``(FusedRingState, RingHybridState)``."""
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb  # full or partial
+
+    from linearize import ops
+    from linearize.ops.hybrid_step_triton import hybrid_step_fused_triton
+
+    rq, rk = apply_rotary_pos_emb(q, k, cos, sin) if cos is not None else (q, k)
+    gamma = torch.sigmoid(logit)
+    kw = dict(scale=q.shape[-1] ** -0.5, softcap=softcap)
+    pre = slice(0, t)
+    _, state = ops.hybrid_attention_chunked(rq[:, :, pre], rk[:, :, pre], fq(rq[:, :, pre]), fk(rk[:, :, pre]),
+                                            v[:, :, pre], gamma, window=window, **kw, output_final_state=True,
+                                            key_mask=key_mask)
+    ref = ops.RingHybridState.from_state(state, window, keep_key_features=False)
+    mine = ops.FusedRingState.from_ring(ref.map(lambda x: x.clone()), fk, q.shape[1], splits)
+    for i in range(t, t + n):
+        sl = slice(i, i + 1)
+        want, ref = ops.hybrid_attention_step_ring(rq[:, :, sl], rk[:, :, sl], fq(rq[:, :, sl]), None, v[:, :, sl],
+                                                   gamma, ref, **kw, key_feature_map=fk)
+        pe = (cos[:, sl], sin[:, sl]) if cos is not None else None
+        yield hybrid_step_fused_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], pe, fq.weight, fk.weight, logit, mine,
+                                       **kw), want
+    yield mine, ref

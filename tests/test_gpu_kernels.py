@@ -63,11 +63,8 @@ def test_triton_hybrid_step_equals_the_ring_step_on_cuda(dtype, tol):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 @torch.no_grad()
 def test_fused_hybrid_step_equals_rope_features_and_the_ring_step_on_cuda(dtype, tol, splits, softcap):
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
-    from linearize import ops
+    from helpers import fused_hybrid_steps
     from linearize.mixers.feature_maps import Hedgehog
-    from linearize.ops.hybrid_step_triton import hybrid_step_fused_triton
 
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -80,24 +77,11 @@ def test_fused_hybrid_step_equals_rope_features_and_the_ring_step_on_cuda(dtype,
     angles = torch.arange(t + n, device="cuda")[:, None] * 10000.0 ** (-torch.arange(d // 2, device="cuda") / (d // 2))
     emb = torch.cat([angles, angles], -1)[None]
     cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [1, T, D]: shared by the batch
-    rq, rk = apply_rotary_pos_emb(q, k, cos, sin)
-    logit = r(h)
-    gamma = torch.sigmoid(logit)
     key_mask = torch.ones(b, t, dtype=torch.bool, device="cuda")
     key_mask[1, : t - window // 2] = False  # left padding: empty slots in the ring
-    kw = dict(scale=d ** -0.5, softcap=softcap)
-    pre = slice(0, t)
-    _, state = ops.hybrid_attention_chunked(rq[:, :, pre], rk[:, :, pre], fq(rq[:, :, pre]), fk(rk[:, :, pre]),
-                                            v[:, :, pre], gamma, window=window, **kw, output_final_state=True,
-                                            key_mask=key_mask)
-    ref = ops.RingHybridState.from_state(state, window, keep_key_features=False)
-    mine = ops.FusedRingState.from_ring(ref.map(lambda x: x.clone()), fk, h, splits)
-    for i in range(t, t + n):
-        sl = slice(i, i + 1)
-        want, ref = ops.hybrid_attention_step_ring(rq[:, :, sl], rk[:, :, sl], fq(rq[:, :, sl]), None, v[:, :, sl],
-                                                   gamma, ref, **kw, key_feature_map=fk)
-        got = hybrid_step_fused_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], (cos[:, sl], sin[:, sl]), fq.weight,
-                                       fk.weight, logit, mine, **kw)
+    *steps, (mine, ref) = fused_hybrid_steps(q, k, v, cos, sin, fq, fk, r(h), key_mask, window=window, t=t, n=n,
+                                             softcap=softcap, splits=splits)
+    for i, (got, want) in enumerate(steps):
         assert ((got.double() - want.double()).norm() / want.double().norm()).item() < tol, i
     assert torch.equal(mine.valid, ref.valid) and torch.equal(mine.slot, ref.slot)
     assert ((mine.ring().linear - ref.linear).norm() / ref.linear.norm()).item() < tol

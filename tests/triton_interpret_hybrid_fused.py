@@ -12,10 +12,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 import torch  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
-from linearize import ops  # noqa: E402
+from helpers import fused_hybrid_steps  # noqa: E402
 from linearize.mixers.feature_maps import Hedgehog  # noqa: E402
 from linearize.ops import hybrid_step_triton  # noqa: E402
-from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb  # noqa: E402  (full or partial)
 
 torch.set_grad_enabled(False)
 
@@ -30,25 +29,11 @@ def check_kernel(b, h, hk, d, fh, window, t, n, softcap, rot, splits, seed):
     q, k, v = (x.transpose(1, 2) for x in r(b, t + n, h + 2 * hk, d).split([h, hk, hk], dim=2))
     angles = r(b, t + n, rot // 2) * 3
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
-    rq, rk = apply_rotary_pos_emb(q, k, cos, sin) if rot else (q, k)
-    logit = r(h)
-    gamma = torch.sigmoid(logit)
     key_mask = torch.ones(b, t, dtype=torch.bool)
     key_mask[-1, : t // 2] = False  # left padding: empty slots in the last sequence's ring
-    kw = dict(scale=d ** -0.5, softcap=softcap)
-    pre = slice(0, t)
-    _, state = ops.hybrid_attention_chunked(rq[:, :, pre], rk[:, :, pre], fq(rq[:, :, pre]), fk(rk[:, :, pre]),
-                                            v[:, :, pre], gamma, window=window, **kw, output_final_state=True,
-                                            key_mask=key_mask)
-    ref = ops.RingHybridState.from_state(state, window, keep_key_features=False)
-    mine = ops.FusedRingState.from_ring(ref.map(lambda x: x.clone()), fk, h, splits)
-    for i in range(t, t + n):
-        sl = slice(i, i + 1)
-        want, ref = ops.hybrid_attention_step_ring(rq[:, :, sl], rk[:, :, sl], fq(rq[:, :, sl]), None, v[:, :, sl],
-                                                   gamma, ref, **kw, key_feature_map=fk)
-        pe = (cos[:, sl], sin[:, sl]) if rot else None
-        got = hybrid_step_triton.hybrid_step_fused_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], pe, fq.weight,
-                                                          fk.weight, logit, mine, **kw)
+    *steps, (mine, ref) = fused_hybrid_steps(q, k, v, cos if rot else None, sin, fq, fk, r(h), key_mask, window=window,
+                                             t=t, n=n, softcap=softcap, splits=splits)
+    for i, (got, want) in enumerate(steps):
         assert got.shape == want.shape and got.transpose(1, 2).is_contiguous()
         assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (i, (got - want).abs().max())
     assert torch.equal(mine.ticks, torch.full_like(mine.ticks, n % (2 * window)))  # from_state starts at slot 0

@@ -224,12 +224,14 @@ class FastDecoder:
         """The decoding buffers from the prefill's ``cache``, which is emptied layer by layer as its
         tensors are taken over or copied: a large batch never holds both whole (at 5,120 sequences
         on an H100 the two together were twice the decoding state and ran out of memory)."""
-        layers = []
+        from .convert import mixers
+
+        converted, layers = mixers(self.model), []
         for i, layer in enumerate(cache.layers):
             if isinstance(layer, RecurrentLayer):
                 state, layer.state = layer.state, None
                 if isinstance(state, ops.HybridState):
-                    state = self._mixer(i).ring_state(state, keep_key_features=self.keep_key_features)
+                    state = converted[i].ring_state(state, keep_key_features=self.keep_key_features)
                 else:
                     state = state.contiguous()
                 layers.append(StaticStateLayer(state, position))
@@ -237,11 +239,6 @@ class FastDecoder:
                 layers.append(StaticKVLayer(layer.keys, layer.values, total, position))
                 layer.keys = layer.values = None
         return StaticCache(layers, self.model.config)
-
-    def _mixer(self, layer_idx: int):
-        from .convert import mixers
-
-        return mixers(self.model)[layer_idx]
 
     # -- the loop --------------------------------------------------------------------------------
     @torch.no_grad()
