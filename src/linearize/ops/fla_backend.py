@@ -79,9 +79,9 @@ def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, i
         g_gamma=log_decay.to(acc) if decay else None, scale=1.0,
         initial_state=h0, output_final_state=output_final_state,
     )
-    o = o.transpose(1, 2)  # [B, H, T, Dv], in q's dtype: without a normaliser no cast round trip
-    if normalize:
-        o = o.to(acc)
+    # [B, H, T, Dv] in fp32. Keeping fla's bf16 output here (no cast round trip) made RetNet's
+    # backward hit an illegal memory access in fla 0.6's chunk_bwd_dqkwg on an H100 (2026-11-22).
+    o = o.transpose(1, 2).to(acc)
     state = None
     if ht is not None:
         state = ht.view(b, n_kv, group, f, -1) if decay else ht.view(b, n_kv, group, f, -1)[:, :, :1]
