@@ -244,6 +244,27 @@ def test_rotates_half_recognises_the_rope_fused_kernels_compute():
     assert not rotates_half(interleaved, 8)
 
 
+def test_rope_rotate_half_is_the_families_rope_bit_for_bit():
+    """One tensor through ``rope_rotate_half`` (queries and keys together in SUPRA) gives exactly the
+    family's ``apply_rotary_pos_emb``, values and gradients: full and partial rotary, bf16 features
+    with fp32 cos/sin (autocast training), either head layout."""
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama
+
+    from linearize.models.base import rope_rotate_half
+
+    g = torch.Generator().manual_seed(0)
+    for rotary, r, dtype, trig_dtype in [(llama, 8, torch.float32, torch.float32), (llama, 8, torch.bfloat16, torch.float32),
+                                         (neox, 4, torch.float64, torch.float64), (neox, 4, torch.bfloat16, torch.float32)]:
+        x = torch.randn(2, 3, 5, 8, generator=g).to(dtype).requires_grad_()
+        cos, sin = (torch.randn(2, 5, r, generator=g).to(trig_dtype) for _ in range(2))
+        w = torch.randn(2, 3, 5, 8, generator=g)
+        want = rotary(x, x, cos, sin)[0]
+        for got in (rope_rotate_half(x, cos, sin), rope_rotate_half(x.transpose(1, 2), cos, sin, 2).transpose(1, 2)):
+            assert torch.equal(got, want)
+            assert torch.equal(*(torch.autograd.grad((y * w).sum(), x, retain_graph=True)[0] for y in (got, want)))
+
+
 def test_triton_linear_decode_step_equals_the_pytorch_step():
     """The fused CUDA kernel of the linear-attention decode step (normalised or not, decayed or not,
     GQA), run on the CPU by Triton's interpreter."""

@@ -80,3 +80,34 @@ def test_head_group_norm_is_groupnorm_over_the_heads():
     for got, want in zip(torch.autograd.grad((ours * w_out).sum(), params),
                          torch.autograd.grad((ref * w_out).sum(), params)):
         assert torch.allclose(got, want, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])  # grouped keys and full RoPE; partial RoPE
+def test_features_equal_the_kernel_and_rope_applied_apart(tiny_model, family):
+    """Queries and keys share one product with the kernel and one RoPE: the same as mapping and
+    rotating them apart, values and gradients (float64)."""
+    student = linearize.convert(tiny_model(family, dtype=torch.float64), "supra")
+    mixer = linearize.mixers(student)[0]
+    g, fmap = mixer.geometry, mixer.feature_map
+    with torch.no_grad():
+        fmap.weight.add_(0.3 * torch.randn_like(fmap.weight))
+        fmap.bias.add_(0.3 * torch.randn_like(fmap.bias))
+    gen = torch.Generator().manual_seed(0)
+    b, t = 2, 7
+    hidden = torch.randn(b, t, student.config.hidden_size, generator=gen, dtype=torch.float64, requires_grad=True)
+    q, k, _ = mixer.adapter.qkv(mixer, hidden)
+    position_embeddings = student.base_model.rotary_emb(hidden, torch.arange(t)[None])
+
+    def apart():
+        qf = torch.relu(q @ fmap.weight + fmap.bias)
+        kf = torch.relu(k @ fmap.weight + fmap.bias)
+        qf, kf = g.rotary(qf, kf, *position_embeddings)
+        return qf * g.scaling, kf
+
+    params = [hidden, fmap.weight, fmap.bias]
+    for ours, ref in zip(mixer.features(q, k, position_embeddings), apart()):
+        assert torch.allclose(ours, ref, atol=1e-12, rtol=0)
+        w = torch.randn(ref.shape, generator=gen, dtype=torch.float64)
+        for got, want in zip(torch.autograd.grad((ours * w).sum(), params, retain_graph=True),
+                             torch.autograd.grad((ref * w).sum(), params, retain_graph=True)):
+            assert torch.allclose(got, want, atol=1e-12, rtol=0)

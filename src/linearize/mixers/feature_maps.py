@@ -15,6 +15,18 @@ def _eye_init(n_heads: int, in_dim: int, out_dim: int) -> torch.Tensor:
     return torch.eye(in_dim, out_dim).expand(n_heads, in_dim, out_dim).clone()
 
 
+def _shared_product(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    """``x @ w + b`` for one ``[D, F]`` weight shared by every head: a single 2-D product (bias fused)
+    over the rows of ``x`` in the order they are stored, so a ``[B, H, T, D]`` view of ``[B, T, H, D]``
+    storage (what the q/k projections give, and fla's layout) is read without a copy and the result
+    keeps that layout. A batched product over heads would copy ``x`` to ``[B, H, T, D]`` first."""
+    xt = x.transpose(1, 2)
+    rows = xt if xt.is_contiguous() else x
+    flat = rows.reshape(-1, rows.shape[-1])
+    y = (flat @ w if b is None else torch.addmm(b.view(-1), flat, w)).view(*rows.shape[:-1], -1)
+    return y.transpose(1, 2) if rows is xt else y
+
+
 class FeatureMap(nn.Module):
     out_dim: int
 
@@ -51,8 +63,12 @@ class _Projected(FeatureMap):
         self.bias = nn.Parameter(torch.zeros(n_heads, 1, feature_dim)) if bias else None
 
     def project(self, x):
-        y = x @ self.weight.to(x.dtype)  # [B, H, T, D] @ [H, D, F] broadcasts per head (or shared when H=1)
-        return y if self.bias is None else y + self.bias.to(x.dtype)
+        w = self.weight.to(x.dtype)
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        if w.shape[0] == 1:
+            return _shared_product(x, w.squeeze(0), b)
+        y = x @ w  # [B, H, T, D] @ [H, D, F] broadcasts per head
+        return y if b is None else y + b
 
 
 class T2R(_Projected):

@@ -10,9 +10,11 @@ the T2R baseline SUPRA compares against).
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .. import ops
+from ..models.base import rope_rotate_half, rotates_half
 from .base import Mixer, drop_padding, head_group_norm
 from .decay import log_decay
 from .feature_maps import T2R
@@ -25,6 +27,7 @@ class SupraAttention(Mixer):
         super().__init__(attn, adapter, geometry, spec, layer_idx, n_layers)
         g = geometry
         self.feature_map = self.new_parameters_like(T2R(1, g.head_dim, g.head_dim))
+        self.rope_rotates_half = rotates_half(g.rotary, g.head_dim)
         decay = log_decay(spec.decay, g.n_heads, layer_idx, n_layers)
         self.register_buffer("log_decay", None if decay is None else decay.to(self.teacher_device), persistent=False)
         self.normalize = spec.norm == "sum"
@@ -32,9 +35,20 @@ class SupraAttention(Mixer):
             self.group_norm = self.new_parameters_like(nn.GroupNorm(g.n_heads, g.n_heads * g.head_dim, eps=1e-5))
 
     def features(self, q, k, position_embeddings):
-        qf, kf = self.feature_map(q), self.feature_map(k)
-        qf, kf = self.adapter.rope(self, qf, kf, position_embeddings)
-        return qf * self.geometry.scaling, kf
+        """RoPE(phi(q)) * scaling and RoPE(phi(k)). Queries and keys go through the shared kernel (and
+        RoPE, where the family's is the rotate-half kind) as one tensor of H + Hk heads laid out
+        [B, T, H + Hk, D], the layout of the projections' output and of fla's inputs: one set of
+        launches for both, and no layout copies."""
+        g = self.geometry
+        x = torch.cat([q.transpose(1, 2), k.transpose(1, 2)], dim=2)
+        x = self.feature_map(x.transpose(1, 2)).transpose(1, 2)
+        joint_rope = position_embeddings is not None and g.rotary is not None and self.rope_rotates_half
+        if joint_rope:
+            x = rope_rotate_half(x, *position_embeddings, unsqueeze_dim=2)
+        qf, kf = (y.transpose(1, 2) for y in x.split([q.shape[1], k.shape[1]], dim=2))
+        if not joint_rope:
+            qf, kf = self.adapter.rope(self, qf, kf, position_embeddings)
+        return qf * g.scaling, kf
 
     def _norm(self, o):
         if self.normalize:

@@ -101,3 +101,20 @@ def rotates_half(rotary: Callable | None, head_dim: int) -> bool:
         if got.shape != want.shape or not torch.allclose(got, want):
             return False
     return True
+
+
+def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
+    """RoPE as ``rotates_half`` describes it, on one tensor (queries and keys together, say): ``x``
+    ``[B, H, T, D]`` and ``cos``/``sin`` ``[B, T, R]``, ``R <= D`` (``unsqueeze_dim=2`` for ``[B, T, H, D]``).
+
+    Bit for bit the families' ``x * cos + rotate_half(x) * sin``, with ``rotate_half(x) * sin``
+    computed as ``roll(x) * [-sin1, sin2]``: the sign moves to ``sin``, which needs no gradient, and
+    a roll is one operation forward and backward where splitting, negating and concatenating
+    ``x``'s halves are several (most of them in the backward).
+    """
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    r = cos.shape[-1]
+    half = r // 2
+    rot = x[..., :r] if r < x.shape[-1] else x
+    out = rot * cos + rot.roll(half, dims=-1) * torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return out if rot is x else torch.cat([out, x[..., r:]], dim=-1)

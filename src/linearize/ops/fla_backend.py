@@ -64,8 +64,10 @@ def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, i
         # rare combination: carry the normaliser as an extra value column (plus a zero column:
         # fla's backward wants an even value width)
         v = torch.cat([v, torch.ones_like(v[..., :1]), torch.zeros_like(v[..., :1])], dim=-1)
-    kh = k.repeat_interleave(group, dim=1) if group > 1 else k
-    vh = v.repeat_interleave(group, dim=1) if group > 1 else v
+    # to fla's [B, T, H, *] first, so that the repeat (a copy) writes the layout fla reads
+    kh, vh = k.transpose(1, 2), v.transpose(1, 2)
+    if group > 1:
+        kh, vh = kh.repeat_interleave(group, dim=2), vh.repeat_interleave(group, dim=2)
     h0 = None
     if initial_state is not None:
         s0 = initial_state if decay else initial_state.expand(b, n_kv, group, *initial_state.shape[3:])
@@ -75,7 +77,7 @@ def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, i
         if normalize and not decay:
             h0, z0 = h0[..., :-1].contiguous(), initial_state[..., -1]  # [B, Hk, 1, F]
     o, ht = chunk_simple_gla(
-        q.transpose(1, 2), kh.transpose(1, 2), vh.transpose(1, 2),
+        q.transpose(1, 2), kh, vh,
         g_gamma=log_decay.to(acc) if decay else None, scale=1.0,
         initial_state=h0, output_final_state=output_final_state,
     )
