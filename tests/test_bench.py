@@ -55,8 +55,11 @@ def test_train_bench_compiled_rows_compare_with_the_teacher(tiny_model):
     """--compile's plumbing (aot_eager here: the same graph capture without generating kernels)."""
     from linearize.bench.train import TrainRow, run, with_ratios
 
-    rows = run(tiny_model("llama"), ["teacher", "supra"], [(2, 16)], steps=1, warmup=1, compile="aot_eager")
+    seen = []  # the rows so far after each one: what a run cut short by a timeout still writes
+    rows = run(tiny_model("llama"), ["teacher", "supra"], [(2, 16)], steps=1, warmup=1, compile="aot_eager",
+               report=lambda so_far: seen.append([r.model for r in so_far]))
     assert [r.model for r in rows] == ["teacher+compile", "supra+compile"]
+    assert seen == [["teacher+compile"], ["teacher+compile", "supra+compile"]]
     assert rows[0].ratio_to_teacher == 1.0 and rows[1].ratio_to_teacher > 0
     # an eager teacher row, where one ran, is the reference for every row
     mixed = with_ratios([TrainRow("teacher", 2, 16, 100.0, 1, 1), TrainRow("teacher+compile", 2, 16, 200.0, 1, 1),

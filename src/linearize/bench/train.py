@@ -123,8 +123,9 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str = "auto",
-        compile: str | None = None) -> list[TrainRow]:
-    """``compile``: a ``torch.compile`` backend ("inductor" on the GPU) to compile each model's forward."""
+        compile: str | None = None, report=None) -> list[TrainRow]:
+    """``compile``: a ``torch.compile`` backend ("inductor" on the GPU) to compile each model's forward.
+    ``report``: called with the rows so far after each one (a run cut short by a timeout keeps them)."""
     rows = []
     for name in models:
         model = build(teacher, name, backend)
@@ -136,6 +137,8 @@ def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str 
             row = measure(model, label, b, t, steps, warmup)
             rows.append(row)
             print(json.dumps(asdict(row)), flush=True)
+            if report is not None:
+                report(with_ratios(rows))
         del model
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -185,15 +188,17 @@ def main(argv=None) -> int:
         shapes = [parse_shape(s) for s in args.shapes]
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
         teacher, _ = linearize.load_teacher(args.teacher, dtype="float32", device=device)
+
+        def save(rows):
+            with open(args.out, "w") as fh:
+                json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                           "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, fh, indent=1)
+
         rows = run(teacher, args.models, shapes, args.steps, args.warmup, args.backend,
-                   compile="inductor" if args.compile else None)
+                   compile="inductor" if args.compile else None, report=save if args.out else None)
     except LinearizeError as e:
         p.exit(2, f"linearize: error: {e}\n")
     print(table(rows))
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                       "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, fh, indent=1)
     return 0
 
 
