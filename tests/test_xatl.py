@@ -124,13 +124,70 @@ def test_retnet_follows_the_paper():
     assert m.value_dim == 2 * m.key_dim == 8 and m.n_heads == 6
     assert not hasattr(m, "q_proj") and not hasattr(m, "k_proj") and not hasattr(m, "v_proj")
     assert torch.equal(m.o_proj.weight, teacher.model.layers[0].self_attn.o_proj.weight)
-    # one token from an empty state: retention reduces to (q.k) v, then GroupNorm * swish gate, W_O
+    # one token from an empty state (position 0: no rotation): retention reduces to (q.k) v, then
+    # GroupNorm * swish gate, W_O
     x = torch.randn(1, 1, 48, dtype=torch.float64)
-    q, k = m.rotate(m._heads(x, m.wq, 4), m._heads(x, m.wk, 4), 0)
-    o = (q * k).sum(-1, keepdim=True) / 2 * m._heads(x, m.wv, 8)
+    q, k, v = (lin(x).view(1, 6, -1) for lin in (m.wq, m.wk, m.wv))
+    o = (q * k).sum(-1, keepdim=True) / 2 * v
     o = torch.nn.functional.group_norm(o.reshape(1, 48), 6, m.group_norm.weight, m.group_norm.bias, eps=1e-6)
     gate = torch.nn.functional.silu(m.wg(x)).reshape(1, 48)
     _close(m(x)[0].reshape(1, 48), m.o_proj(o * gate))
+
+
+def _retnet_reference(m, x):
+    """RetNet's mixer written out from its definition: four projections, the rotation by position x theta
+    with rotate_half, keys scaled by d_k^-1/2, retention, GroupNorm over heads * swish gate, W_O."""
+    b, t, _ = x.shape
+    h, dk, dv = m.n_heads, m.key_dim, m.value_dim
+    q, k, v, g = (lin(x).view(b, t, h, -1).transpose(1, 2) for lin in (m.wq, m.wk, m.wv, m.wg))
+    pos = torch.arange(t, dtype=torch.float64)
+    theta = (1.0 / 10000 ** (torch.arange(0, dk, 2, dtype=torch.float64) / dk)).float().double()  # kept in fp32
+    angles = (pos[:, None] * theta).repeat(1, 2)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+    def rot(y):
+        y1, y2 = y.chunk(2, dim=-1)
+        return y * cos + torch.cat([-y2, y1], dim=-1) * sin
+
+    q, k = rot(q), rot(k) * dk ** -0.5
+    o = ops.linear_attention_naive(q, k, v, log_decay=m.log_decay, normalize=False)
+    o = torch.nn.functional.group_norm(o.transpose(1, 2).reshape(b * t, h * dv), h, m.group_norm.weight,
+                                       m.group_norm.bias, eps=m.group_norm.eps)
+    return m.o_proj(o.view(b, t, h * dv) * torch.nn.functional.silu(g.transpose(1, 2).reshape(b, t, h * dv)))
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+def test_retnet_mixer_equals_its_definition(hooked):
+    """The mixer (one product for W_Q, W_K, W_V, W_G; queries and keys rotated as one tensor with the
+    key scale in the tables) against its definition, values and gradients, continuing a prefill (offset 5).
+    hooked: a forward hook on W_Q, so the four projections run one by one (and the hook is seen)."""
+    m = linearize.mixers(linearize.convert(_teacher(), {"kind": "retnet", "chunk_size": 4}))[1]
+    calls = []
+    if hooked:
+        m.wq.register_forward_hook(lambda *a: calls.append(1))
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 24, 48, generator=g, dtype=torch.float64, requires_grad=True)
+    cache = DynamicCache()
+    got = torch.cat([m(x[:, :5], past_key_values=cache)[0], m(x[:, 5:], past_key_values=cache)[0]], dim=1)
+    want = _retnet_reference(m, x)
+    assert not hooked or len(calls) == 3  # prefill, the sequence and the reference
+    inputs = [x, *m.parameters()]
+    _close(got, want, tol=1e-12)
+    for g_got, g_want in zip(random_grads(got, inputs), random_grads(want, inputs)):
+        _close(g_got, g_want, tol=1e-12)
+
+
+def test_retnet_rotation_tables():
+    """Rotation tables: the same at an int offset and at a 0-d tensor one (a fast decoder's); queries and
+    keys come out in fla's layout."""
+    student = linearize.convert(_teacher(dtype=torch.float32), "retnet")
+    a = linearize.mixers(student)[0]
+    qk = torch.randn(2, 2, 7, 6, 4)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for x, y in zip(a.rotation(7, 3, dtype, qk.device), a.rotation(7, torch.tensor(3), dtype, qk.device)):
+            assert x.dtype == dtype and torch.equal(x, y)
+    q, k = a.rotate(qk.permute(1, 2, 0, 3, 4), 3)  # [2, B, T, H, D] views of [B, T, 2, H, D]
+    assert q.transpose(1, 2).is_contiguous() and k.transpose(1, 2).is_contiguous()
 
 
 def test_mamba_follows_the_paper():

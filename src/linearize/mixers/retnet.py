@@ -24,14 +24,10 @@ from torch.nn import functional as F
 
 from .. import ops
 from ..errors import LinearizeError
+from ..fused import fusable
 from .base import drop_padding, head_group_norm
 from .decay import log_decay
 from .fresh import FreshMixer
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat([-b, a], dim=-1)
 
 
 class RetNetRetention(FreshMixer):
@@ -57,28 +53,57 @@ class RetNetRetention(FreshMixer):
         decay = log_decay(spec.decay, h, layer_idx, n_layers)
         self.register_buffer("log_decay", None if decay is None else decay.to(self.teacher_device), persistent=False)
         inv_freq = 1.0 / 10000 ** (torch.arange(0, self.key_dim, 2, dtype=torch.float64) / self.key_dim)
+        inv_freq = inv_freq.repeat(2)  # theta_i for each of the d_k features: the two halves repeat
         self.register_buffer("inv_freq", inv_freq.float().to(self.teacher_device), persistent=False)
 
-    def rotate(self, q, k, offset: int):
-        """RetNet's relative position: rotate q_t and k_t by t * theta (t counted from the cache)."""
-        t = q.shape[2]
-        acc = torch.promote_types(q.dtype, torch.float32)
-        pos = torch.arange(t, device=q.device, dtype=acc) + offset  # offset: int or 0-d tensor
-        angles = pos[:, None] * self.inv_freq.to(acc)[None, :]
-        angles = torch.cat([angles, angles], dim=-1)
-        cos, sin = angles.cos().to(q.dtype), angles.sin().to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def rotation(self, t: int, offset, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of RetNet's angles t * theta for the positions offset .. offset + t - 1 (offset: an
+        int, or a 0-d tensor), as ``[2, 1, T, 1, d_k]`` tables in ``dtype``: row 0 rotates queries, row 1
+        keys with their d_k^-1/2 folded in; sin carries rotate_half's sign (``[-sin, sin]`` over the
+        halves), so that ``x cos + [x2, x1] sin`` is the rotation."""
+        acc = torch.promote_types(dtype, torch.float32)
+        pos = torch.arange(t, device=device, dtype=acc) + offset
+        angles = pos[:, None] * self.inv_freq.to(acc)
+        cos, sin = angles.cos(), angles.sin()
+        half = self.key_dim // 2
+        sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1)
+        scale = self.key_dim ** -0.5
+        return torch.stack([cos, cos * scale, sin, sin * scale]).to(dtype).view(2, 2, 1, t, 1, self.key_dim).unbind(0)
 
-    def _heads(self, x, proj, width):
+    def rotate(self, qk, offset):
+        """RetNet's relative position on ``qk`` ``[2, B, T, H, d_k]`` (queries, keys): rotate q_t and k_t
+        by t * theta (t counted from the cache) and scale the keys by d_k^-1/2. Returns ``(q, k)``,
+        ``[B, H, T, d_k]`` views of ``[B, T, H, d_k]`` storage each (fla's layout: no copy there)."""
+        cos, sin = self.rotation(qk.shape[2], offset, qk.dtype, qk.device)
+        a, b = qk.chunk(2, dim=-1)
+        # the rotated halves first: the cat writes [2, B, T, H, d_k] contiguously, and the sum keeps
+        # its first operand's layout, whatever layout qk has
+        out = torch.cat([b, a], dim=-1) * sin + qk * cos
+        q, k = out.unbind(0)
+        return q.transpose(1, 2), k.transpose(1, 2)
+
+    def project(self, x):
+        """``x [W_Q; W_K; W_V; W_G]``: queries and keys ``[2, B, T, H, d_k]``, values and gate ``[B, H, T, d_v]``.
+
+        Over a sequence (training, prefill) one product with the concatenated weights, where that is
+        the same function (``fused.fusable``): one launch and one cast of ``x`` each way instead of four,
+        for one copy of the small weights; a decode step reads the four weights in place.
+        """
         b, t, _ = x.shape
-        return proj(x).view(b, t, self.n_heads, width).transpose(1, 2)
+        h, dk, dv = self.n_heads, self.key_dim, self.value_dim
+        linears = (self.wq, self.wk, self.wv, self.wg)
+        if t > 1 and fusable(*linears):
+            weight = torch.cat([m.weight for m in linears])
+            bias = None if self.wq.bias is None else torch.cat([m.bias for m in linears])
+            qk, v, gate = F.linear(x, weight, bias).split([2 * h * dk, h * dv, h * dv], dim=-1)
+        else:
+            qk, v, gate = torch.cat([self.wq(x), self.wk(x)], dim=-1), self.wv(x), self.wg(x)
+        qk = qk.view(b, t, 2, h, dk).permute(2, 0, 1, 3, 4)
+        return qk, v.view(b, t, h, dv).transpose(1, 2), gate.view(b, t, h, dv).transpose(1, 2)
 
     def mix(self, x, state, offset, want_state):
-        q = self._heads(x, self.wq, self.key_dim)
-        k = self._heads(x, self.wk, self.key_dim)
-        v = self._heads(x, self.wv, self.value_dim)
-        q, k = self.rotate(q, k, offset)
-        k = k * self.key_dim ** -0.5
+        qk, v, gate = self.project(x)
+        q, k = self.rotate(qk, offset)
         k, v = drop_padding(self.key_mask, k, v)  # left padding: the state stays zero until the first real token
         if state is not None and x.shape[1] == 1:
             o, state = ops.linear_attention_step(q, k, v, state, log_decay=self.log_decay, normalize=False,
@@ -88,8 +113,7 @@ class RetNetRetention(FreshMixer):
                 q, k, v, log_decay=self.log_decay, normalize=False, initial_state=state,
                 output_final_state=want_state, chunk_size=self.spec.chunk_size, backend=self.spec.backend,
             )
-        gate = F.silu(self._heads(x, self.wg, self.value_dim))
-        return self.adapter.out(self, head_group_norm(o, self.group_norm) * gate), state
+        return self.adapter.out(self, head_group_norm(o, self.group_norm) * F.silu(gate)), state
 
     def state_bytes(self, dtype):
         return self.n_heads * self.key_dim * self.value_dim * 4
