@@ -222,8 +222,9 @@ class FastDecoder:
 
     def _static_cache(self, cache, total: int, position: torch.Tensor) -> StaticCache:
         """The decoding buffers from the prefill's ``cache``, which is emptied layer by layer as its
-        tensors are taken over or copied: a large batch never holds both whole (at 5,120 sequences
-        on an H100 the two together were twice the decoding state and ran out of memory)."""
+        tensors are taken over or copied, so a large batch never holds both whole. (The prefill's
+        states own their memory: ``cache.own_storage``; views of the prompt's activations once
+        doubled a large batch's peak.)"""
         from .convert import mixers
 
         converted, layers = mixers(self.model), []

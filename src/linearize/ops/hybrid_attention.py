@@ -254,8 +254,8 @@ class RingHybridState(HybridState):
         valid = front(state.valid, 1)
         keep = valid[:, None, :, None]
         keys, values = (front(x, 2) * keep for x in (state.keys, state.values))
-        # features that are dropped are not padded first (a large batch's peak memory)
-        # (nor kept as an empty slice: a view would hold the prefill's whole feature tensor alive)
+        # dropped features are neither padded first (a large batch's peak memory) nor kept as an empty
+        # slice (a view would hold the prefill's whole feature tensor alive)
         kf = state.key_features
         feats = front(kf, 2) * keep if keep_key_features else kf.new_empty((*kf.shape[:2], 0, kf.shape[3]))
         slot = torch.zeros((), dtype=torch.long, device=state.keys.device)
