@@ -22,6 +22,22 @@ def test_train_profile_lists_the_step_operators():
     assert "aten::mm" in names or "aten::addmm" in names  # the projections, forward and backward
     assert "aten::native_layer_norm" in names  # SUPRA's per-head GroupNorm (as a layer norm) ran in the step
     assert out["launches_per_step"] >= sum(r["launches_per_step"] for r in out["top"][:5])
+    assert out["wall_us_per_step"] > 0 and out["gpu_busy_us_per_step"] == 0.0  # no device kernels on the CPU
+    assert "wall time per step" in profile.render(out)
+
+
+def test_gpu_busy_is_the_union_of_the_kernel_intervals():
+    from types import SimpleNamespace as NS
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def ev(start, end, device=cuda):
+        return NS(device_type=device, time_range=NS(start=start, end=end))
+
+    # kernels [0, 10] and [5, 12] overlap (12 us busy), a gap, then [20, 25]; a host event is ignored
+    prof = NS(events=lambda: [ev(20, 25), ev(0, 10), ev(5, 12), ev(0, 100, cpu)])
+    assert profile.gpu_busy(prof) == (17.0, 25.0)
+    assert profile.gpu_busy(NS(events=lambda: [])) == (0.0, 0.0)
 
 
 def test_decode_profile_counts_operators_per_step_not_the_prefill():

@@ -4,7 +4,11 @@
     python -m linearize.bench.profile decode CHECKPOINT [--batch 1] [--compile] [--tokens 16]
 
 ``train``: a full training step as ``linearize.bench.train`` times it (forward, backward, AdamW,
-bf16 autocast over fp32 weights on CUDA), after warm-up steps, under ``torch.profiler``.
+bf16 autocast over fp32 weights on CUDA), after warm-up steps, under ``torch.profiler``. Beside the
+kernels it reports the step's wall time measured without the profiler, how long the GPU was busy
+(the union of the kernels' intervals) against the profiled span, and the host's CUDA runtime calls
+(launches, synchronisations, copies, allocations): a step whose wall time exceeds its kernel time
+waits on the host, and these say whether on launches or on a synchronisation.
 ``decode``: ``linearize.fast`` decoding without the CUDA graph (a graph replays the same kernels;
 the profiler sees them one by one only without it), optionally with the step compiled.
 Prints the kernels grouped by name with their total device time and launch count, per step; on
@@ -50,8 +54,37 @@ def kernel_table(prof, device: torch.device, steps: int, top: int) -> dict:
             "launches_per_step": launches, "top": rows[:top]}
 
 
+def runtime_calls(prof, steps: int) -> list[dict]:
+    """The host's CUDA runtime / driver calls per step (cudaLaunchKernel, cuLaunchKernelEx,
+    cudaStreamSynchronize, cudaMemcpyAsync, ...): count and host time, largest first."""
+    rows = [{"name": e.key, "us_per_step": e.self_cpu_time_total / steps, "calls_per_step": e.count / steps}
+            for e in prof.key_averages()
+            if e.key.startswith(("cuda", "cu")) and getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def gpu_busy(prof) -> tuple[float, float]:
+    """(busy, span) in us over the profiled steps: the union of the kernels' device intervals, and
+    the time from the first kernel's start to the last one's end."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if getattr(e, "device_type", None) == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return 0.0, 0.0
+    busy, (cur_start, cur_end) = 0.0, spans[0]
+    for start, end in spans[1:]:
+        if start > cur_end:
+            busy += cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    busy += cur_end - cur_start
+    return busy, spans[-1][1] - spans[0][0]
+
+
 def profile_train(teacher, model_name: str, batch: int, length: int, steps: int = 2, warmup: int = 2,
                   top: int = 20) -> dict:
+    import time
+
     from torch.profiler import profile
 
     from .train import _step, build, prepare
@@ -59,17 +92,28 @@ def profile_train(teacher, model_name: str, batch: int, length: int, steps: int 
     model = build(teacher, model_name)
     optimizer, ids, cuda = prepare(model, batch, length)
     device = ids.device
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize(device)
+
     for _ in range(warmup):
         _step(model, optimizer, ids, cuda)
-    if cuda:
-        torch.cuda.synchronize(device)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):  # the wall time, without the profiler's own overhead
+        _step(model, optimizer, ids, cuda)
+    sync()
+    wall = (time.perf_counter() - t0) / steps * 1e6
     with profile(activities=_activities(device)) as prof:
         for _ in range(steps):
             _step(model, optimizer, ids, cuda)
-        if cuda:
-            torch.cuda.synchronize(device)
+        sync()
     out = kernel_table(prof, device, steps, top)
-    out.update(what="train", model=model_name, batch=batch, length=length)
+    busy, span = gpu_busy(prof) if cuda else (0.0, 0.0)
+    out.update(what="train", model=model_name, batch=batch, length=length, wall_us_per_step=wall,
+               gpu_busy_us_per_step=busy / steps, profiled_span_us_per_step=span / steps,
+               runtime=runtime_calls(prof, steps)[:top])
     return out
 
 
@@ -119,6 +163,14 @@ def render(result: dict) -> str:
     lines = [head, f"| {result['unit']} | us/step | launches/step |", "|---|---|---|"]
     for r in result["top"]:
         lines.append(f"| {r['name'][:90]} | {r['us_per_step']:.1f} | {r['launches_per_step']:.1f} |")
+    if "wall_us_per_step" in result:
+        lines.append(f"wall time per step without the profiler: {result['wall_us_per_step'] / 1000:.2f} ms")
+    if result.get("profiled_span_us_per_step"):
+        lines.append(f"GPU busy {result['gpu_busy_us_per_step'] / 1000:.2f} ms of a "
+                     f"{result['profiled_span_us_per_step'] / 1000:.2f} ms profiled span per step")
+    if result.get("runtime"):
+        lines += ["| runtime call | host us/step | calls/step |", "|---|---|---|"]
+        lines += [f"| {r['name'][:60]} | {r['us_per_step']:.1f} | {r['calls_per_step']:.1f} |" for r in result["runtime"]]
     return "\n".join(lines)
 
 
