@@ -1,5 +1,7 @@
-"""Our Triton kernels against their PyTorch twins on CUDA (skipped elsewhere): the selective scan
-and the LoLCATs decode steps."""
+"""Our Triton kernels against their PyTorch twins on CUDA (skipped elsewhere): the selective scan,
+the LoLCATs decode steps and the fused per-head GroupNorm."""
+
+import copy
 
 import pytest
 import torch
@@ -104,3 +106,63 @@ def test_triton_linear_step_equals_the_torch_step_on_cuda(decay, normalize):
                                                 backend="torch")
         got, mine = linear_step_triton(q, k, v, mine, log_decay=log_decay, normalize=normalize)
         assert ((got - want).norm() / want.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("d", [64, 48])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+def test_fused_group_norm_gate_equals_the_torch_path_on_cuda(dtype, tol, gated, d):
+    """``head_group_norm`` through the fused Triton kernels against its PyTorch path in float64: values and
+    the gradients of o, the GroupNorm's weight and bias, and the gate."""
+    from linearize.mixers.base import head_group_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, t = 2, 9, 300
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    o = (r(b, t, h, d) * 3 + 1).transpose(1, 2)  # [B, H, T, D] over [B, T, H, D] storage, as fla returns it
+    gate = r(b, t, (h + 1) * d)[..., : h * d].view(b, t, h, d).transpose(1, 2) if gated else None  # RetNet's
+    norm = torch.nn.GroupNorm(h, h * d, eps=1e-5).cuda()
+    with torch.no_grad():
+        norm.weight.copy_(1 + r(h * d) * 0.5)
+        norm.bias.copy_(r(h * d))
+    w = r(b, h, t, d).double()
+    out = {}
+    for name, dt in (("torch", torch.float64), ("triton", dtype)):
+        nm = copy.deepcopy(norm).to(dt)
+        xs = [o.to(dt).requires_grad_(True), None if gate is None else gate.to(dt).requires_grad_(True)]
+        y = head_group_norm(xs[0], nm, xs[1])
+        assert y.dtype == dt and y.shape == (b, h, t, d)
+        live = [v for v in (xs[0], nm.weight, nm.bias, xs[1]) if v is not None]
+        grads = torch.autograd.grad((y.double() * w).sum(), live)
+        assert all(gr.dtype == v.dtype for gr, v in zip(grads, live))
+        out[name] = [y, *grads]
+    for a, e in zip(out["triton"], out["torch"]):
+        assert ((a.double() - e).norm() / e.norm()).item() < tol
+
+
+@pytest.mark.parametrize("autocast,tol", [(False, 1e-4), (True, 2e-2)])
+def test_retnet_mixer_with_the_fused_group_norm_equals_the_torch_path_on_cuda(tiny_model, monkeypatch, autocast, tol):
+    """RetNet's mixer (fp32 weights, optionally under bf16 autocast as XATL trains) with its GroupNorm and
+    gate on the fused kernels and on the PyTorch path: output and every gradient."""
+    import functools
+
+    import linearize
+    from linearize.mixers import base, retnet
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    teacher = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256).cuda()
+    m = linearize.mixers(linearize.convert(teacher, {"kind": "retnet", "backend": "torch"}))[1]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 300, 256, device="cuda", generator=g, requires_grad=True)
+    w = torch.randn(2, 300, 256, device="cuda", generator=g, dtype=torch.float64)
+    params = [p for p in m.parameters() if p.requires_grad]
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(retnet, "head_group_norm", functools.partial(base.head_group_norm, fused=fused))
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y = m(x)[0]
+        grads = torch.autograd.grad((y.double() * w).sum(), [x, *params], allow_unused=True)
+        out[fused] = [y, *(gr for gr in grads if gr is not None)]
+    assert len(out[True]) == len(out[False]) == len(params) + 2
+    for a, e in zip(out[True], out[False]):
+        assert ((a.double() - e.double()).norm() / e.double().norm()).item() < tol

@@ -124,3 +124,9 @@ def test_causal_conv1d_forms_agree(t, k, with_state):
 def test_triton_selective_scan_equals_the_pytorch_scan():
     """The fused CUDA kernels, run on the CPU by Triton's interpreter: values and every gradient."""
     run_triton_interpreter_script("triton_interpret_scan.py")
+
+
+def test_triton_group_norm_gate_equals_its_definition():
+    """RetNet's and SUPRA's fused per-head GroupNorm (+ affine, + swish gate), run on the CPU by Triton's
+    interpreter: values and the gradients of x, weight, bias and gate."""
+    run_triton_interpreter_script("triton_interpret_group_norm_gate.py")

@@ -113,7 +113,7 @@ class RetNetRetention(FreshMixer):
                 q, k, v, log_decay=self.log_decay, normalize=False, initial_state=state,
                 output_final_state=want_state, chunk_size=self.spec.chunk_size, backend=self.spec.backend,
             )
-        return self.adapter.out(self, head_group_norm(o, self.group_norm) * F.silu(gate)), state
+        return self.adapter.out(self, head_group_norm(o, self.group_norm, gate)), state
 
     def state_bytes(self, dtype):
         return self.n_heads * self.key_dim * self.value_dim * 4
