@@ -63,7 +63,7 @@ for part in "$@"; do
       # PROFILE_SHAPE=16x1024 for the training shape of the #4 target; PROFILE_MODELS, PROFILE_DECODE=0)
       for m in ${PROFILE_MODELS:-teacher supra retnet striped_mamba}; do
         timeout 120 python3 -m linearize.bench.profile train --teacher $T --model $m --shape ${PROFILE_SHAPE:-2x8192} --top 14 \
-          --out $S/profile_train_${m}_${PROFILE_SHAPE:-2x8192}.json 2>&1 | grep -v Warning | tail -17
+          --out $S/profile_train_${m}_${PROFILE_SHAPE:-2x8192}.json 2>&1 | grep -v Warning | tail -45
       done
       [ "${PROFILE_DECODE:-1}" = 0 ] && continue
       student lolcats
