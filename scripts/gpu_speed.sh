@@ -60,10 +60,11 @@ for part in "$@"; do
       timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \
         --shapes 16x1024 8x2048 2x8192 --steps 6 --out $S/train_mamba_scan.json 2>&1 | tail -8 ;;
     profile)  # where the training step and the decode step spend their time (kernels by device time;
-      # PROFILE_SHAPE=16x1024 for the training shape of the #4 target; PROFILE_MODELS, PROFILE_DECODE=0)
+      # PROFILE_SHAPE=16x1024 for the training shape of the #4 target; PROFILE_MODELS, PROFILE_DECODE=0,
+      # PROFILE_ARGS="--python 30" for the Python hot spots, PROFILE_LINES for the log tail)
       for m in ${PROFILE_MODELS:-teacher supra retnet striped_mamba}; do
-        timeout 120 python3 -m linearize.bench.profile train --teacher $T --model $m --shape ${PROFILE_SHAPE:-2x8192} --top 14 \
-          --out $S/profile_train_${m}_${PROFILE_SHAPE:-2x8192}.json 2>&1 | grep -v Warning | tail -45
+        timeout 120 python3 -m linearize.bench.profile train --teacher $T --model $m --shape ${PROFILE_SHAPE:-2x8192} --top 14 ${PROFILE_ARGS:-} \
+          --out $S/profile_train_${m}_${PROFILE_SHAPE:-2x8192}.json 2>&1 | grep -v Warning | tail -${PROFILE_LINES:-45}
       done
       [ "${PROFILE_DECODE:-1}" = 0 ] && continue
       student lolcats

@@ -16,7 +16,7 @@ def _tiny_teacher():
 
 
 def test_train_profile_lists_the_step_operators():
-    out = profile.profile_train(_tiny_teacher(), "supra", 2, 16, steps=1, warmup=1, top=50)
+    out = profile.profile_train(_tiny_teacher(), "supra", 2, 16, steps=1, warmup=1, top=50, python_top=200)
     names = [r["name"] for r in out["top"]]
     assert out["unit"] == "operator" and out["us_per_step"] > 0
     assert "aten::mm" in names or "aten::addmm" in names  # the projections, forward and backward
@@ -24,6 +24,10 @@ def test_train_profile_lists_the_step_operators():
     assert out["launches_per_step"] >= sum(r["launches_per_step"] for r in out["top"][:5])
     assert out["wall_us_per_step"] > 0 and out["gpu_busy_us_per_step"] == 0.0  # no device kernels on the CPU
     assert "wall time per step" in profile.render(out)
+    assert set(out["host_phases_us"]) == {"forward", "backward", "optimizer", "drain"}
+    assert out["host_phases_us"]["backward"] > 0 and out["host_phases_us"]["forward"] > 0
+    python = {r["name"].split(" (")[0]: r for r in out["python"]}
+    assert "forward" in python and python["forward"]["cum_us_per_step"] >= python["forward"]["own_us_per_step"] > 0
 
 
 def test_gpu_busy_is_the_union_of_the_kernel_intervals():

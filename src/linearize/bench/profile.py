@@ -81,8 +81,52 @@ def gpu_busy(prof) -> tuple[float, float]:
     return busy, spans[-1][1] - spans[0][0]
 
 
+def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync) -> dict:
+    """Host time per step of the forward, the backward and the optimizer, with no synchronisation in
+    between: where the host is the bottleneck these add up to the wall time, and say which phase
+    issues its work slowest (the backward's Python autograd functions run on autograd's own thread,
+    where cProfile does not see them)."""
+    import time
+
+    acc = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "drain": 0.0}
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cuda):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        t3 = time.perf_counter()
+        sync()  # what the GPU still had queued when the host was done
+        t4 = time.perf_counter()
+        for k, a, b in (("forward", t0, t1), ("backward", t1, t2), ("optimizer", t2, t3), ("drain", t3, t4)):
+            acc[k] += (b - a) / steps * 1e6
+    return acc
+
+
+def python_hotspots(step, steps: int, top: int, sync) -> list[dict]:
+    """The Python functions that take the host's time in ``steps`` calls of ``step`` (cProfile, by own
+    time per step, with their cumulative time): where a host-bound step spends it."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        step()
+    sync()
+    prof.disable()
+    rows = []
+    for (file, line, name), (_, calls, own, cum, _) in pstats.Stats(prof).stats.items():
+        rows.append({"name": f"{name} ({file.split('site-packages/')[-1]}:{line})", "own_us_per_step": own / steps * 1e6,
+                     "cum_us_per_step": cum / steps * 1e6, "calls_per_step": calls / steps})
+    return sorted(rows, key=lambda r: -r["own_us_per_step"])[:top]
+
+
 def profile_train(teacher, model_name: str, batch: int, length: int, steps: int = 2, warmup: int = 2,
-                  top: int = 20) -> dict:
+                  top: int = 20, python_top: int = 0) -> dict:
     import time
 
     from torch.profiler import profile
@@ -105,13 +149,16 @@ def profile_train(teacher, model_name: str, batch: int, length: int, steps: int 
         _step(model, optimizer, ids, cuda)
     sync()
     wall = (time.perf_counter() - t0) / steps * 1e6
+    phases = host_phases(model, optimizer, ids, cuda, steps, sync)
     with profile(activities=_activities(device)) as prof:
         for _ in range(steps):
             _step(model, optimizer, ids, cuda)
         sync()
     out = kernel_table(prof, device, steps, top)
+    if python_top:
+        out["python"] = python_hotspots(lambda: _step(model, optimizer, ids, cuda), steps, python_top, sync)
     busy, span = gpu_busy(prof) if cuda else (0.0, 0.0)
-    out.update(what="train", model=model_name, batch=batch, length=length, wall_us_per_step=wall,
+    out.update(what="train", model=model_name, batch=batch, length=length, wall_us_per_step=wall, host_phases_us=phases,
                gpu_busy_us_per_step=busy / steps, profiled_span_us_per_step=span / steps,
                runtime=runtime_calls(prof, steps)[:top])
     return out
@@ -165,12 +212,19 @@ def render(result: dict) -> str:
         lines.append(f"| {r['name'][:90]} | {r['us_per_step']:.1f} | {r['launches_per_step']:.1f} |")
     if "wall_us_per_step" in result:
         lines.append(f"wall time per step without the profiler: {result['wall_us_per_step'] / 1000:.2f} ms")
+    if result.get("host_phases_us"):
+        lines.append("host time per step (no sync between phases): " + ", ".join(
+            f"{k} {v / 1000:.2f} ms" for k, v in result["host_phases_us"].items()))
     if result.get("profiled_span_us_per_step"):
         lines.append(f"GPU busy {result['gpu_busy_us_per_step'] / 1000:.2f} ms of a "
                      f"{result['profiled_span_us_per_step'] / 1000:.2f} ms profiled span per step")
     if result.get("runtime"):
         lines += ["| runtime call | host us/step | calls/step |", "|---|---|---|"]
         lines += [f"| {r['name'][:60]} | {r['us_per_step']:.1f} | {r['calls_per_step']:.1f} |" for r in result["runtime"]]
+    if result.get("python"):
+        lines += ["| Python function (cProfile) | own us/step | cumulative us/step | calls/step |", "|---|---|---|---|"]
+        lines += [f"| {r['name'][-90:]} | {r['own_us_per_step']:.0f} | {r['cum_us_per_step']:.0f} | {r['calls_per_step']:.0f} |"
+                  for r in result["python"]]
     return "\n".join(lines)
 
 
@@ -187,6 +241,8 @@ def main(argv=None) -> int:
     tr.add_argument("--shape", default="16x1024", help="BATCHxLENGTH (default: %(default)s)")
     tr.add_argument("--teacher", default=None, help="default: the embedded SmolLM2")
     tr.add_argument("--steps", type=int, default=2, help="profiled steps (default: %(default)s)")
+    tr.add_argument("--python", type=int, default=0, metavar="N",
+                    help="also list the N Python functions with the most host time (cProfile)")
     de = sub.add_parser("decode", help="the decode steps of a checkpoint on the fast path")
     de.add_argument("model", help="a linearize checkpoint (or a teacher spec)")
     de.add_argument("--batch", type=int, default=1)
@@ -204,7 +260,7 @@ def main(argv=None) -> int:
         if args.what == "train":
             b, t = parse_shape(args.shape)
             teacher, _ = linearize.load_teacher(args.teacher, dtype="float32", device=device)
-            result = profile_train(teacher, args.model, b, t, steps=args.steps, top=args.top)
+            result = profile_train(teacher, args.model, b, t, steps=args.steps, top=args.top, python_top=args.python)
         else:
             from ..cli import _load_any
 
