@@ -63,7 +63,7 @@ for part in "$@"; do
       # PROFILE_SHAPE=16x1024 for the training shape of the #4 target; PROFILE_MODELS, PROFILE_DECODE=0,
       # PROFILE_ARGS="--python 30" for the Python hot spots, PROFILE_LINES for the log tail)
       for m in ${PROFILE_MODELS:-teacher supra retnet striped_mamba}; do
-        timeout 120 python3 -m linearize.bench.profile train --teacher $T --model $m --shape ${PROFILE_SHAPE:-2x8192} --top 14 ${PROFILE_ARGS:-} \
+        timeout ${PROFILE_TIMEOUT:-120} python3 -m linearize.bench.profile train --teacher $T --model $m --shape ${PROFILE_SHAPE:-2x8192} --top 14 ${PROFILE_ARGS:-} \
           --out $S/profile_train_${m}_${PROFILE_SHAPE:-2x8192}.json 2>&1 | grep -v Warning | tail -${PROFILE_LINES:-45}
       done
       [ "${PROFILE_DECODE:-1}" = 0 ] && continue
