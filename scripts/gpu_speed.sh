@@ -55,6 +55,11 @@ for part in "$@"; do
     train-compiled)  # the same with each model's forward compiled (host overhead is part of the students' step)
       timeout 500 python3 -m linearize.bench.train --teacher $T --models teacher supra retnet --shapes 16x1024 2x8192 \
         --steps 6 --compile --out $S/train_compiled.json 2>&1 | grep -v Warning | tail -10 ;;
+    train-graph)  # the same with each step's forward and backward replayed as CUDA graphs (linearize.graphed),
+      # beside the eager teacher: the students' eager steps are host-bound (RESULTS, fifth GPU session)
+      timeout 240 python3 -m pytest -v -p no:cacheprovider tests/test_gpu.py -k graphed 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed|Error"
+      timeout 500 python3 -m linearize.bench.train --teacher $T --models ${GRAPH_MODELS:-teacher supra retnet striped_mamba} \
+        --shapes 16x1024 8x2048 2x8192 --steps 6 --cuda-graph --out $S/train_graph.json 2>&1 | grep -v Warning | tail -16 ;;
     scan)  # the Triton Mamba scan: equal to PyTorch on CUDA, then StripedMamba's training speed with it vs the teacher
       timeout 240 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_kernels.py -k scan 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed"
       timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \

@@ -2,6 +2,9 @@
 
 import json
 
+import pytest
+import torch
+
 from helpers import tiny_tokenizer
 from linearize import convert, save
 from linearize.cli import main
@@ -61,7 +64,17 @@ def test_train_bench_compiled_rows_compare_with_the_teacher(tiny_model):
     assert [r.model for r in rows] == ["teacher+compile", "supra+compile"]
     assert seen == [["teacher+compile"], ["teacher+compile", "supra+compile"]]
     assert rows[0].ratio_to_teacher == 1.0 and rows[1].ratio_to_teacher > 0
-    # an eager teacher row, where one ran, is the reference for every row
-    mixed = with_ratios([TrainRow("teacher", 2, 16, 100.0, 1, 1), TrainRow("teacher+compile", 2, 16, 200.0, 1, 1),
-                         TrainRow("supra+compile", 2, 16, 150.0, 1, 1)])
-    assert [r.ratio_to_teacher for r in mixed] == [1.0, 2.0, 1.5]
+    # the teacher's fastest run at a shape, however it ran, is the reference for every row there
+    mixed = with_ratios([TrainRow("teacher", 2, 16, 200.0, 1, 1), TrainRow("teacher+graph", 2, 16, 100.0, 1, 1),
+                         TrainRow("supra+graph", 2, 16, 150.0, 1, 1), TrainRow("supra", 4, 16, 150.0, 1, 1)])
+    assert [r.ratio_to_teacher for r in mixed] == [1.0, 0.5, 0.75, None]
+
+
+def test_train_bench_cuda_graph_needs_cuda(tiny_model):
+    from linearize.bench.train import run
+    from linearize.errors import LinearizeError
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU-only refusal")
+    with pytest.raises(LinearizeError, match="needs a CUDA device"):
+        run(tiny_model("llama"), ["teacher"], [(2, 16)], steps=1, warmup=1, cuda_graph=True)

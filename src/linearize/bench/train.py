@@ -3,7 +3,7 @@ teacher and of the students the uptraining recipes train, at several batch x len
 
     python -m linearize.bench.train [--teacher default] [--models teacher supra t2r retnet striped_mamba]
                                     [--shapes 16x1024 8x2048 2x8192] [--steps 10] [--out train.json]
-                                    [--compile]
+                                    [--compile] [--cuda-graph]
 
 Every model trains all its weights, as in SUPRA uptraining and XATL with unfrozen transfer: fp32
 master weights with bf16 autocast on CUDA (the Trainer's ``bf16=True``), fp32 on CPU. Each shape
@@ -16,8 +16,11 @@ is >= 1 at 2k and > 1 at 8k.
 ``--compile`` runs every model's forward through ``torch.compile`` (rows named ``MODEL+compile``;
 each shape compiles anew). On the GPU the eager students spend part of their step launching
 kernels (docs/RESULTS.md: SUPRA's kernels take 144 ms of a 171 ms step at 2 x 8192); compiling fuses
-the mixers' elementwise work around fla's kernels. Ratios compare with the teacher measured the
-same way, and with the eager teacher where both ran.
+the mixers' elementwise work around fla's kernels.
+
+``--cuda-graph`` replays each step's forward and backward as CUDA graphs (``linearize.graphed``;
+rows named ``MODEL+graph``): the host no longer issues the kernels one by one. Every ratio divides
+by the teacher's fastest run at the shape (eager, compiled or graphed).
 """
 
 from __future__ import annotations
@@ -86,29 +89,49 @@ def prepare(model, batch: int, length: int):
     return optimizer, ids.to(device), cuda
 
 
-def measure(model, name: str, batch: int, length: int, steps: int, warmup: int) -> TrainRow:
+def _graphed_step(graphed, optimizer, ids):
+    graphed(ids, ids).backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def measure(model, name: str, batch: int, length: int, steps: int, warmup: int, cuda_graph: bool = False) -> TrainRow:
     optimizer, ids, cuda = prepare(model, batch, length)
     device = ids.device
+    if cuda_graph:
+        from ..graphed import GraphedLoss
+
+        graphed = GraphedLoss(model, torch.bfloat16)
+        step = lambda: _graphed_step(graphed, optimizer, ids)  # noqa: E731
+    else:
+        step = lambda: _step(model, optimizer, ids, cuda)  # noqa: E731
     try:
         for _ in range(warmup):
-            _step(model, optimizer, ids, cuda)
+            step()
         if cuda:
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         for _ in range(steps):
-            _step(model, optimizer, ids, cuda)
+            step()
         if cuda:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
     except torch.OutOfMemoryError:
         optimizer.zero_grad(set_to_none=True)
-        del optimizer
+        del optimizer, step
         if cuda:
             torch.cuda.empty_cache()
         return TrainRow(name, batch, length, None, None, None, note="out of memory")
+    except RuntimeError as e:  # a capture that failed: say why in the row, go on with the next
+        if not cuda_graph:
+            raise
+        optimizer.zero_grad(set_to_none=True)
+        del optimizer, step
+        torch.cuda.empty_cache()
+        return TrainRow(name, batch, length, None, None, None, note=f"capture failed: {str(e).splitlines()[0][:200]}")
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    del optimizer
+    del optimizer, step
     return TrainRow(name, batch, length, batch * length * steps / seconds, 1000 * seconds / steps, peak)
 
 
@@ -123,9 +146,12 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str = "auto",
-        compile: str | None = None, report=None) -> list[TrainRow]:
+        compile: str | None = None, report=None, cuda_graph: bool = False) -> list[TrainRow]:
     """``compile``: a ``torch.compile`` backend ("inductor" on the GPU) to compile each model's forward.
+    ``cuda_graph``: replay each step's forward and backward as CUDA graphs (``linearize.graphed``).
     ``report``: called with the rows so far after each one (a run cut short by a timeout keeps them)."""
+    if cuda_graph and not torch.cuda.is_available():
+        raise LinearizeError("--cuda-graph needs a CUDA device")
     rows = []
     for name in models:
         model = build(teacher, name, backend)
@@ -133,8 +159,10 @@ def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str 
         if compile:
             model.forward = torch.compile(model.forward, backend=compile)
             label = f"{name}+compile"
+        if cuda_graph:
+            label = f"{label}+graph"
         for b, t in shapes:
-            row = measure(model, label, b, t, steps, warmup)
+            row = measure(model, label, b, t, steps, warmup, cuda_graph=cuda_graph)
             rows.append(row)
             print(json.dumps(asdict(row)), flush=True)
             if report is not None:
@@ -146,10 +174,13 @@ def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str 
 
 
 def with_ratios(rows: list[TrainRow]) -> list[TrainRow]:
-    """Each row's tokens/s over the teacher's at its shape: the eager teacher where it ran, else the compiled one."""
+    """Each row's tokens/s over the teacher's at its shape: its fastest run there (eager, compiled or
+    graphed), so that no way of running the teacher that is faster is left out of the comparison."""
     base = {}
-    for teacher in ("teacher+compile", "teacher"):
-        base.update({(r.batch, r.length): r.tokens_per_s for r in rows if r.model == teacher})
+    for r in rows:
+        if r.model.split("+")[0] == "teacher" and r.tokens_per_s:
+            key = (r.batch, r.length)
+            base[key] = max(base.get(key, 0.0), r.tokens_per_s)
     for r in rows:
         if r.tokens_per_s and base.get((r.batch, r.length)):
             r.ratio_to_teacher = r.tokens_per_s / base[(r.batch, r.length)]
@@ -181,6 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "fla"], help="linear-attention backend")
     p.add_argument("--compile", action="store_true", help="compile each model's forward with torch.compile")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="replay each step's forward and backward as CUDA graphs (no host work per kernel)")
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
@@ -195,7 +228,8 @@ def main(argv=None) -> int:
                            "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, fh, indent=1)
 
         rows = run(teacher, args.models, shapes, args.steps, args.warmup, args.backend,
-                   compile="inductor" if args.compile else None, report=save if args.out else None)
+                   compile="inductor" if args.compile else None, report=save if args.out else None,
+                   cuda_graph=args.cuda_graph)
     except LinearizeError as e:
         p.exit(2, f"linearize: error: {e}\n")
     print(table(rows))

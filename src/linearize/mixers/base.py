@@ -37,7 +37,14 @@ def key_padding_mask(attention_mask, q_len: int) -> torch.Tensor | None:
     else:
         return None
     valid = valid[:, -q_len:]
+    if capturing():  # a CUDA graph cannot ask the host whether all are real: keep the mask as a tensor
+        return valid
     return None if bool(valid.all()) else valid
+
+
+def capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (``linearize.graphed``)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def is_static(slot) -> bool:

@@ -1,0 +1,68 @@
+"""A training step's forward and backward replayed as CUDA graphs.
+
+On an H100 the linearized students' training steps are bound by the host, not the GPU: their
+kernels take less GPU time than the teacher's, but each step issues ~240 Triton launches through
+Python (fla's autotuner and wrappers, our own kernels) and the host needs longer to issue a step than
+the GPU needs to run it (docs/RESULTS.md, fifth GPU session). Captured once as CUDA graphs
+(``torch.cuda.make_graphed_callables``: one graph for the forward, one for the backward), a step is a
+replay of each; the optimizer, gradient clipping and the scheduler stay eager.
+
+What capture needs, and how it is met here:
+- static shapes: packed blocks all have one shape; another shape (a last, shorter batch) is
+  captured anew, and so is a change in which parameters train (XATL's LIT unfreezing);
+- no host synchronisation inside the model: transformers skips its own checks while a stream is
+  capturing, and so do the mixers (``mixers.base.key_padding_mask``);
+- autocast without its weight cache, set up inside the captured callable.
+The loss it returns is the graph's output buffer: read it before the next step replays over it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class _NextTokenLoss(nn.Module):
+    """``model``'s mean next-token loss of ``input_ids`` against ``labels``, under autocast to ``dtype``."""
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None):
+        super().__init__()
+        self.model = model
+        self.dtype = dtype
+
+    def forward(self, input_ids, labels):
+        with torch.autocast("cuda", dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None,
+                            cache_enabled=False):
+            return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+
+class GraphedLoss:
+    """``loss = graphed(input_ids, labels); loss.backward()`` as two CUDA graph replays.
+
+    Gradients land in the parameters' ``.grad`` as after an eager backward (accumulated, or set
+    where they are None), so any optimizer and gradient accumulation work unchanged.
+    ``dtype``: the autocast dtype (None: no autocast). The first call for a shape captures (after
+    ``warmup`` eager steps on a side stream, which also let fla's kernels autotune).
+    """
+
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None = torch.bfloat16, warmup: int = 3):
+        self.model, self.dtype, self.warmup = model, dtype, warmup
+        self.captures = 0
+        self._key = None
+        self._graphed = None
+
+    def _signature(self, input_ids, labels):
+        return (tuple(input_ids.shape), tuple(labels.shape), input_ids.device,
+                tuple(p.requires_grad for p in self.model.parameters()))
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        key = self._signature(input_ids, labels)
+        if key != self._key:
+            self._graphed = self._key = None  # let the old graphs' memory go first
+            torch.cuda.synchronize(input_ids.device)
+            self._graphed = torch.cuda.make_graphed_callables(
+                _NextTokenLoss(self.model, self.dtype), (input_ids.clone(), labels.clone()),
+                num_warmup_iters=self.warmup, allow_unused_input=True)
+            self._key = key
+            self.captures += 1
+        return self._graphed(input_ids, labels)
