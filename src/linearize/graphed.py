@@ -18,6 +18,8 @@ The loss it returns is the graph's output buffer: read it before the next step r
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch import nn
 
@@ -58,8 +60,10 @@ class GraphedLoss:
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         key = self._signature(input_ids, labels)
         if key != self._key:
-            self._graphed = self._key = None  # let the old graphs' memory go first
+            self._graphed = self._key = None  # let the old graphs' memory go first (they sit in a
+            gc.collect()                        # reference cycle: the graphed forward refers to its module)
             torch.cuda.synchronize(input_ids.device)
+            torch.cuda.empty_cache()
             self._graphed = torch.cuda.make_graphed_callables(
                 _NextTokenLoss(self.model, self.dtype), (input_ids.clone(), labels.clone()),
                 num_warmup_iters=self.warmup, allow_unused_input=True)

@@ -89,6 +89,16 @@ def prepare(model, batch: int, length: int):
     return optimizer, ids.to(device), cuda
 
 
+def _release(cuda: bool) -> None:
+    """Give back what a finished row held: captured graphs sit in reference cycles (a graphed
+    module's forward refers to the module), so collect them before emptying the allocator's cache."""
+    import gc
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
 def _graphed_step(graphed, optimizer, ids):
     graphed(ids, ids).backward()
     optimizer.step()
@@ -106,11 +116,14 @@ def measure(model, name: str, batch: int, length: int, steps: int, warmup: int, 
     else:
         step = lambda: _step(model, optimizer, ids, cuda)  # noqa: E731
     try:
+        if cuda_graph:  # the capture (first step) allocates what every replay uses: count it
+            torch.cuda.reset_peak_memory_stats(device)
         for _ in range(warmup):
             step()
         if cuda:
             torch.cuda.synchronize(device)
-            torch.cuda.reset_peak_memory_stats(device)
+            if not cuda_graph:
+                torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         for _ in range(steps):
             step()
@@ -120,18 +133,18 @@ def measure(model, name: str, batch: int, length: int, steps: int, warmup: int, 
     except torch.OutOfMemoryError:
         optimizer.zero_grad(set_to_none=True)
         del optimizer, step
-        if cuda:
-            torch.cuda.empty_cache()
+        _release(cuda)
         return TrainRow(name, batch, length, None, None, None, note="out of memory")
     except RuntimeError as e:  # a capture that failed: say why in the row, go on with the next
         if not cuda_graph:
             raise
         optimizer.zero_grad(set_to_none=True)
         del optimizer, step
-        torch.cuda.empty_cache()
+        _release(cuda)
         return TrainRow(name, batch, length, None, None, None, note=f"capture failed: {str(e).splitlines()[0][:200]}")
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     del optimizer, step
+    _release(cuda)
     return TrainRow(name, batch, length, batch * length * steps / seconds, 1000 * seconds / steps, peak)
 
 
@@ -168,8 +181,7 @@ def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str 
             if report is not None:
                 report(with_ratios(rows))
         del model
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        _release(torch.cuda.is_available())
     return with_ratios(rows)
 
 
