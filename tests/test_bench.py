@@ -40,7 +40,7 @@ def test_train_throughput_bench_on_a_tiny_teacher(tiny_model, tmp_path, capsys):
 
     teacher = tiny_model("llama")
     save(teacher, tiny_tokenizer(), tmp_path / "teacher")
-    out = tmp_path / "train.json"
+    out = tmp_path / "not-yet" / "train.json"  # its folder is made
     assert bench_train(["--teacher", str(tmp_path / "teacher"), "--models", "teacher", "supra", "t2r", "retnet",
                         "striped_mamba", "--shapes", "2x16", "1x32", "--steps", "1", "--warmup", "1",
                         "--device", "cpu", "--out", str(out)]) == 0

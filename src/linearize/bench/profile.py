@@ -271,6 +271,9 @@ def main(argv=None) -> int:
         p.exit(2, f"linearize: error: {e}\n")
     print(render(result))
     if args.out:
+        from pathlib import Path
+
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
     return 0

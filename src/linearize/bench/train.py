@@ -29,6 +29,7 @@ import argparse
 import json
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -235,6 +236,7 @@ def main(argv=None) -> int:
         teacher, _ = linearize.load_teacher(args.teacher, dtype="float32", device=device)
 
         def save(rows):
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             with open(args.out, "w") as fh:
                 json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                            "torch": torch.__version__, "rows": [asdict(r) for r in rows]}, fh, indent=1)
