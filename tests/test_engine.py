@@ -38,3 +38,48 @@ def test_empty_data_and_nothing_trainable(tiny_model, tmp_path):
         p.requires_grad_(False)
     with pytest.raises(LinearizeError, match="nothing to train"):
         train(model, _data(), None, next_token_loss, cfg, stage="t")
+
+
+def test_cuda_graph_training_goes_through_the_graphed_loss(tiny_model, tmp_path, monkeypatch):
+    """--cuda-graph's plumbing on the CPU: every training step's loss (and so its backward) comes from
+    the graphed callable, evaluation from the recipe's loss; an eager stand-in takes the graphs' place
+    (the replay itself is checked against the eager step on CUDA, tests/test_gpu.py)."""
+    from linearize.recipes import engine
+
+    class StandIn:
+        def __init__(self, model):
+            self.model, self.calls = model, 0
+
+        def __call__(self, input_ids, labels):
+            self.calls += 1
+            return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+    made = []
+    monkeypatch.setattr(engine, "_graphed_loss", lambda model, *a: made.append(StandIn(model)) or made[-1])
+    model = tiny_model("llama")
+    before = [p.detach().clone() for p in model.parameters()]
+    cfg = TrainConfig(output_dir=str(tmp_path), learning_rate=1e-3, max_steps=4, batch_size=2, eval_steps=2,
+                      cuda_graph=True, grad_accum=2)
+    trainer = train(model, _data(), _data(4), next_token_loss, cfg, stage="t")
+    assert made[0].calls == 8  # 4 steps x 2 accumulated batches; the evaluations did not use it
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert any("eval_loss" in h for h in trainer.state.log_history)
+
+
+def test_cuda_graph_refusals(tiny_model, tmp_path, monkeypatch):
+    from linearize.recipes import engine
+
+    model = tiny_model("llama")
+    cfg = TrainConfig(output_dir=str(tmp_path), learning_rate=1e-3, max_steps=1, cuda_graph=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(LinearizeError, match="needs a CUDA device"):
+            train(model, _data(), None, next_token_loss, cfg, stage="t")
+    args = engine.training_arguments(cfg, False)
+    monkeypatch.setattr(engine.torch.cuda, "is_available", lambda: True)
+    with pytest.raises(LinearizeError, match="next-token loss"):
+        engine._graphed_loss(model, lambda m, b: next_token_loss(m, b), cfg, args)
+    with pytest.raises(LinearizeError, match="not both"):
+        engine._graphed_loss(model, next_token_loss, TrainConfig(**{**cfg.__dict__, "compile": True}), args)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LinearizeError, match="one GPU"):
+        engine._graphed_loss(model, next_token_loss, cfg, args)

@@ -87,3 +87,23 @@ def test_graphed_training_steps_equal_eager_ones(tiny_model, name):
             o.step()
             o.zero_grad(set_to_none=True)
     assert graphed.captures == 2
+
+
+def test_the_trainer_with_cuda_graphs_follows_the_eager_trainer(tiny_model, tmp_path):
+    """The engine's --cuda-graph (TrainConfig.cuda_graph): the Trainer's bf16 steps replayed from graphs
+    log the losses of the eager Trainer's steps, with gradient accumulation."""
+    from linearize.data import BlockDataset
+    from linearize.recipes.engine import TrainConfig, next_token_loss, train
+
+    data = BlockDataset(torch.randint(0, 97, (16, 128), generator=torch.Generator().manual_seed(0)))
+    losses = {}
+    for graphed in (False, True):
+        model = linearize.convert(tiny_model("llama", num_attention_heads=4, num_key_value_heads=2,
+                                             hidden_size=256).cuda(), {"kind": "supra"})
+        cfg = TrainConfig(output_dir=str(tmp_path / str(graphed)), learning_rate=1e-3, max_steps=4, batch_size=2,
+                          grad_accum=2, logging_steps=1, eval_steps=100, cuda_graph=graphed)
+        trainer = train(model, data, None, next_token_loss, cfg, stage="t")
+        losses[graphed] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        assert (trainer.graphed is not None) == graphed
+    assert len(losses[True]) == len(losses[False]) == 4
+    assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(losses[True], losses[False])), losses

@@ -63,3 +63,27 @@ def test_compile_flag_reaches_the_trainer(monkeypatch, tmp_path):
     assert [cfg.compile for cfg in seen] == [True, True, False]
     flags = [training_arguments(cfg.train_config(tmp_path / "o", 1, 0), has_eval=False).torch_compile for cfg in seen]
     assert flags == [True, True, False]
+
+
+def test_cuda_graph_flag_reaches_the_trainer_and_needs_cuda(monkeypatch, tmp_path, capsys):
+    """`--cuda-graph` on supra/xatl sets TrainConfig.cuda_graph; without CUDA the run stops with one
+    line before loading anything."""
+    import torch
+
+    import linearize
+    from linearize.recipes import uptrain
+
+    seen = []
+    real_run = uptrain.run
+    monkeypatch.setattr(uptrain, "run", lambda cfg: seen.append(cfg) or {})
+    monkeypatch.setattr(uptrain, "summary", lambda results, method: "")
+    for cmd in (["supra", "--cuda-graph"], ["xatl", "--arch", "retnet", "--cuda-graph"], ["supra"]):
+        assert main([*cmd, "--out", str(tmp_path / "o"), "--budget", "cpu"]) == 0
+    assert [cfg.train_config(tmp_path / "o", 1, 0).cuda_graph for cfg in seen] == [True, True, False]
+    if torch.cuda.is_available():
+        return
+    monkeypatch.setattr(uptrain, "run", real_run)
+    monkeypatch.setattr(linearize, "load_teacher", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    assert main(["supra", "--cuda-graph", "--out", str(tmp_path / "o"), "--budget", "cpu"]) != 0
+    err = capsys.readouterr().err
+    assert "--cuda-graph needs a CUDA device" in err and len(err.strip().splitlines()) == 1

@@ -182,11 +182,15 @@ def _training_arguments(p: argparse.ArgumentParser, budgets=("cpu", "gpu")) -> N
 
 def _schedule_arguments(p: argparse.ArgumentParser, lr: str, min_lr: str, warmup: str) -> None:
     """Steps and the warmup + cosine schedule of the uptraining recipes (the paper's value in brackets),
-    and compilation (every weight trains, so the whole model goes through torch.compile)."""
+    compilation (every weight trains, so the whole model goes through torch.compile) and CUDA graphs."""
     p.add_argument("--compile", action="store_true", default=None,
                    help="train the model through torch.compile (on CUDA: the mixers' many small elementwise "
                         "kernels fused; the first steps pay the compilation; `python -m linearize.bench.train "
                         "--compile` measures the gain)")
+    p.add_argument("--cuda-graph", action="store_true", default=None,
+                   help="replay each training step's forward and backward as CUDA graphs (one CUDA GPU): the "
+                        "host stops issuing the kernels one by one, which bounds the linear students' eager "
+                        "steps (docs/RESULTS.md); the first step captures, a new batch shape captures again")
     p.add_argument("--steps", type=int, help="optimizer steps")
     p.add_argument("--lr", type=float, help=f"peak learning rate ({lr})")
     p.add_argument("--min-lr", type=float, help=f"cosine floor ({min_lr})")

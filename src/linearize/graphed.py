@@ -33,9 +33,12 @@ class _NextTokenLoss(nn.Module):
         self.dtype = dtype
 
     def forward(self, input_ids, labels):
+        # under accelerate's mixed precision (the Trainer's bf16), model.forward is wrapped in an
+        # autocast with the weight cache, which a capture cannot keep: call the forward it wrapped
+        forward = getattr(self.model, "_original_forward", None) or self.model
         with torch.autocast("cuda", dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None,
                             cache_enabled=False):
-            return self.model(input_ids=input_ids, labels=labels, use_cache=False).loss
+            return forward(input_ids=input_ids, labels=labels, use_cache=False).loss
 
 
 class GraphedLoss:
@@ -64,9 +67,10 @@ class GraphedLoss:
             gc.collect()                        # reference cycle: the graphed forward refers to its module)
             torch.cuda.synchronize(input_ids.device)
             torch.cuda.empty_cache()
-            self._graphed = torch.cuda.make_graphed_callables(
-                _NextTokenLoss(self.model, self.dtype), (input_ids.clone(), labels.clone()),
-                num_warmup_iters=self.warmup, allow_unused_input=True)
+            with torch.autocast("cuda", enabled=False):  # the capture sets up its own autocast
+                self._graphed = torch.cuda.make_graphed_callables(
+                    _NextTokenLoss(self.model, self.dtype), (input_ids.clone(), labels.clone()),
+                    num_warmup_iters=self.warmup, allow_unused_input=True)
             self._key = key
             self.captures += 1
         return self._graphed(input_ids, labels)

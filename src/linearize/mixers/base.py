@@ -76,7 +76,7 @@ def head_group_norm(o: torch.Tensor, norm: nn.GroupNorm, gate: torch.Tensor | No
     Its output is in the autocast dtype under autocast (the output projection's input dtype either
     way). Returns a ``[B, H, T, D]`` view of ``[B, T, H, D]`` storage.
     """
-    b, h, t, d = o.shape
+    h, d = o.shape[1], o.shape[3]
     # under torch.compile the PyTorch form below, which the compiler fuses itself
     if fused and o.is_cuda and o.dtype != torch.float64 and triton_available() and not torch.compiler.is_compiling():
         from ..ops.group_norm_gate_triton import group_norm_gate_triton

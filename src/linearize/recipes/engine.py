@@ -51,6 +51,7 @@ class TrainConfig:
     seed: int = 0
     bf16: bool | None = None  # None: bf16 on CUDA, fp32 elsewhere
     compile: bool = False  # torch.compile the model (TrainingArguments.torch_compile)
+    cuda_graph: bool = False  # replay each step's forward and backward as CUDA graphs (linearize.graphed)
     save_total_limit: int = 2
     extra: dict = field(default_factory=dict)  # passed straight to TrainingArguments
 
@@ -68,15 +69,20 @@ class JsonlLogger(TrainerCallback):
 
 
 class RecipeTrainer(Trainer):
-    """A Trainer whose loss comes from the recipe."""
+    """A Trainer whose loss comes from the recipe; ``graphed`` (a ``linearize.graphed.GraphedLoss``)
+    computes the training loss, and through it the backward, from CUDA graphs."""
 
-    def __init__(self, *args, loss_fn: LossFn, **kwargs):
+    def __init__(self, *args, loss_fn: LossFn, graphed=None, **kwargs):
         super().__init__(*args, **kwargs)
         self.loss_fn = loss_fn
+        self.graphed = graphed
         self.model_accepts_loss_kwargs = False  # the recipe's loss is a per-batch mean
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        loss = self.loss_fn(model, inputs)
+        if self.graphed is not None and model.training and torch.is_grad_enabled():
+            loss = self.graphed(inputs["input_ids"], inputs["labels"])
+        else:
+            loss = self.loss_fn(model, inputs)
         if model.training and not bool(torch.isfinite(loss.detach())):
             # stop before this step's update and before any save: the last checkpoint stays good
             raise LinearizeError(f"the loss became NaN/inf at step {self.state.global_step + 1}; the last checkpoint "
@@ -168,13 +174,15 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
     all_callbacks = [JsonlLogger(Path(metrics_path or out / "metrics.jsonl"), stage), *callbacks]
     if cfg.early_stopping_patience is not None and eval_dataset is not None:
         all_callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
+    args = training_arguments(cfg, eval_dataset is not None)
     trainer = RecipeTrainer(
         model=model,
-        args=training_arguments(cfg, eval_dataset is not None),
+        args=args,
         train_dataset=train_dataset,
         eval_dataset=eval_dataset,
         callbacks=all_callbacks,
         loss_fn=loss_fn,
+        graphed=_graphed_loss(model, loss_fn, cfg, args) if cfg.cuda_graph else None,
     )
     if resume is True and not any(out.glob("checkpoint-*")):
         resume = None
@@ -183,6 +191,21 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
         with (out / "train_config.json").open("w") as fh:
             json.dump({**asdict(cfg), "stage": stage, "world_size": int(os.environ.get("WORLD_SIZE", 1))}, fh, indent=1)
     return trainer
+
+
+def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArguments):
+    """The CUDA-graph replay of ``next_token_loss`` (``--cuda-graph``), where it applies."""
+    from ..graphed import GraphedLoss
+
+    if not torch.cuda.is_available():
+        raise LinearizeError("--cuda-graph needs a CUDA device")
+    if loss_fn is not next_token_loss:
+        raise LinearizeError("--cuda-graph replays the next-token loss of the uptraining recipes (supra, xatl) only")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise LinearizeError("--cuda-graph runs on one GPU (the gradients' all-reduce is not captured)")
+    if cfg.compile:
+        raise LinearizeError("choose --cuda-graph or --compile, not both")
+    return GraphedLoss(model, torch.bfloat16 if args.bf16 else None)
 
 
 def next_token_loss(model, batch) -> torch.Tensor:

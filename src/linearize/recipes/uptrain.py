@@ -50,6 +50,7 @@ class UptrainConfig:
     dtype: str | None = None
     resume: bool = False
     compile: bool = False  # torch.compile the model for training (CUDA: fewer, fused kernels)
+    cuda_graph: bool = False  # replay each step's forward and backward as CUDA graphs (CUDA, one GPU)
     new_weights_first: int = 0  # SUPRA 2-step: steps that train only the new weights first
     # XATL
     arch: str = "retnet"
@@ -67,6 +68,7 @@ class UptrainConfig:
             weight_decay=self.weight_decay, adam_betas=(0.9, 0.95), eval_steps=self.eval_steps,
             early_stopping_patience=self.patience, seed=self.seed, logging_steps=max(1, min(10, self.eval_steps)),
             extra={"lr_scheduler_kwargs": {"min_lr": self.min_lr}}, compile=self.compile,
+            cuda_graph=self.cuda_graph,
         )
 
 
@@ -103,6 +105,8 @@ def _build(teacher, cfg: UptrainConfig):
 
 
 def run(cfg: UptrainConfig) -> dict:
+    if cfg.cuda_graph and not torch.cuda.is_available():  # before the teacher loads
+        raise LinearizeError("--cuda-graph needs a CUDA device")
     if cfg.method == "xatl":  # a bad transfer map fails now, not after the teacher and its perplexity
         from ..xatl import ARCHITECTURES, resolve_transfer
 
