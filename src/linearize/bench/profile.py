@@ -85,23 +85,18 @@ def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync) -> dict:
     """Host time per step of the forward, the backward and the optimizer, with no synchronisation in
     between: where the host is the bottleneck these add up to the wall time, and say which phase
     issues its work slowest (the backward's Python autograd functions run on autograd's own thread,
-    where cProfile does not see them)."""
+    where cProfile does not see them). ``drain``: what the GPU still had queued after that."""
     import time
 
-    acc = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0, "drain": 0.0}
+    from .train import _step
+
+    acc = dict.fromkeys(("forward", "backward", "optimizer", "drain"), 0.0)
     for _ in range(steps):
-        t0 = time.perf_counter()
-        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=cuda):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        t3 = time.perf_counter()
-        sync()  # what the GPU still had queued when the host was done
-        t4 = time.perf_counter()
-        for k, a, b in (("forward", t0, t1), ("backward", t1, t2), ("optimizer", t2, t3), ("drain", t3, t4)):
+        marks = [time.perf_counter()]
+        _step(model, optimizer, ids, cuda, marks=marks)
+        sync()
+        marks.append(time.perf_counter())
+        for k, a, b in zip(acc, marks, marks[1:]):
             acc[k] += (b - a) / steps * 1e6
     return acc
 

@@ -70,12 +70,24 @@ def build(teacher, name: str, backend: str = "auto"):
     raise LinearizeError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
-def _step(model, optimizer, ids, autocast: bool):
-    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+def _step(model, optimizer, ids, autocast: bool, graphed=None, marks: list | None = None):
+    """One training step; ``graphed`` (a ``linearize.graphed.GraphedLoss``) replays forward and
+    backward from CUDA graphs; ``marks`` gets the host's clock after the forward, the backward and
+    the optimizer (``bench.profile``'s host time per phase)."""
+    if graphed is not None:
+        loss = graphed(ids, ids)
+    else:
+        with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    if marks is not None:
+        marks.append(time.perf_counter())
     loss.backward()
+    if marks is not None:
+        marks.append(time.perf_counter())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    if marks is not None:
+        marks.append(time.perf_counter())
 
 
 def prepare(model, batch: int, length: int):
@@ -100,53 +112,41 @@ def _release(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def _graphed_step(graphed, optimizer, ids):
-    graphed(ids, ids).backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def measure(model, name: str, batch: int, length: int, steps: int, warmup: int, cuda_graph: bool = False) -> TrainRow:
     optimizer, ids, cuda = prepare(model, batch, length)
     device = ids.device
+    graphed = None
     if cuda_graph:
         from ..graphed import GraphedLoss
 
         graphed = GraphedLoss(model, torch.bfloat16)
-        step = lambda: _graphed_step(graphed, optimizer, ids)  # noqa: E731
-    else:
-        step = lambda: _step(model, optimizer, ids, cuda)  # noqa: E731
     try:
         if cuda_graph:  # the capture (first step) allocates what every replay uses: count it
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(warmup):
-            step()
+            _step(model, optimizer, ids, cuda, graphed)
         if cuda:
             torch.cuda.synchronize(device)
             if not cuda_graph:
                 torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         for _ in range(steps):
-            step()
+            _step(model, optimizer, ids, cuda, graphed)
         if cuda:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
+        peak = torch.cuda.max_memory_allocated(device) if cuda else None
+        return TrainRow(name, batch, length, batch * length * steps / seconds, 1000 * seconds / steps, peak)
     except torch.OutOfMemoryError:
-        optimizer.zero_grad(set_to_none=True)
-        del optimizer, step
-        _release(cuda)
         return TrainRow(name, batch, length, None, None, None, note="out of memory")
     except RuntimeError as e:  # a capture that failed: say why in the row, go on with the next
         if not cuda_graph:
             raise
-        optimizer.zero_grad(set_to_none=True)
-        del optimizer, step
-        _release(cuda)
         return TrainRow(name, batch, length, None, None, None, note=f"capture failed: {str(e).splitlines()[0][:200]}")
-    peak = torch.cuda.max_memory_allocated(device) if cuda else None
-    del optimizer, step
-    _release(cuda)
-    return TrainRow(name, batch, length, batch * length * steps / seconds, 1000 * seconds / steps, peak)
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        del optimizer, graphed
+        _release(cuda)
 
 
 def parse_shape(text: str) -> tuple[int, int]:
