@@ -54,7 +54,7 @@ case ${1:?job} in
       xatl-effn-wo) args=(--transfer embeddings,ffn,wo) ;;
       xatl-hybrid) args=(--transfer embeddings,ffn,wo,attention --hybrid xatl) ;;
     esac
-    lin xatl --teacher $T --budget gpu --arch retnet "${args[@]}" --steps ${XATL_STEPS:-610} --eval-steps 61 \
+    lin xatl --teacher $T --budget gpu --arch retnet "${args[@]}" --steps ${XATL_STEPS:-610} --eval-steps 61 ${XATL_ARGS:-} \
       --out $RUNS/$1 2>&1 | quiet
     case $1 in xatl-effn-wo|xatl-hybrid) evaluate $RUNS/$1/final $1 ;; esac ;;
   *) echo "unknown job $1"; exit 2 ;;

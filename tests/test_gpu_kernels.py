@@ -9,25 +9,33 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+# (batch, length, channels, state size, with an initial state): StripedMamba's width for SmolLM2 (expand
+# 2 x 576), a long sequence off the chunks, and one without a state entering
+SCAN_SHAPES = [(2, 300, 1152, 16, True), (1, 2100, 1152, 16, True), (2, 2048, 256, 16, False)]
+
+
+@pytest.mark.parametrize("shape", SCAN_SHAPES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_triton_scan_equals_torch_scan_on_cuda(dtype, tol):
+def test_triton_scan_equals_torch_scan_on_cuda(dtype, tol, shape):
+    """The Triton scan against the PyTorch chunked form in float64: y, the final state and every gradient."""
     from linearize.ops.selective_scan import selective_scan_chunked
     from linearize.ops.selective_scan_triton import selective_scan_triton
 
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
-    b, t, dn, n = 2, 300, 1152, 16  # StripedMamba's width for SmolLM2 (expand 2 x 576)
+    b, t, dn, n, with_state = shape
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
     ins = [r(b, t, dn), torch.nn.functional.softplus(r(b, t, dn)) * 0.1, -torch.exp(r(dn, n)), r(b, t, n),
-           r(b, t, n), r(dn), r(b, dn, n) * 0.1]
+           r(b, t, n), r(dn), r(b, dn, n) * 0.1 if with_state else None]
     w = r(b, t, dn)
     out = {}
     for name, fn in (("torch", lambda *a, **k: selective_scan_chunked(*a, **k, chunk_size=64)),
                      ("triton", selective_scan_triton)):
-        xs = [x.double() if name == "torch" else x.to(dtype) for x in ins]
-        xs = [x.detach().requires_grad_(True) for x in xs]
+        xs = [None if x is None else x.double() if name == "torch" else x.to(dtype) for x in ins]
+        xs = [None if x is None else x.detach().requires_grad_(True) for x in xs]
         y, h = fn(*xs[:6], initial_state=xs[6], output_final_state=True)
-        grads = torch.autograd.grad((y.double() * w).sum() + h.double().sum(), xs)
+        assert y.dtype == xs[0].dtype and h.dtype == (torch.float64 if name == "torch" else torch.float32)
+        grads = torch.autograd.grad((y.double() * w).sum() + h.double().sum(), [x for x in xs if x is not None])
         out[name] = [y, h, *grads]
     for a, e in zip(out["triton"], out["torch"]):
         assert ((a.double() - e).norm() / e.norm()).item() < tol

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 
 from .linear_attention import accum_dtype
 
@@ -76,14 +77,26 @@ def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, i
             h0 = torch.nn.functional.pad(h0, (0, 1))
         if normalize and not decay:
             h0, z0 = h0[..., :-1].contiguous(), initial_state[..., -1]  # [B, Hk, 1, F]
+    qh = q.transpose(1, 2)
+    fk, fv = kh.shape[-1], vh.shape[-1]
+    if fk != fv:
+        # fla 0.6's chunk_simple_gla returns wrong dq and dk when the key and value widths differ
+        # (32 vs 64, RetNet's shape: ~1x relative error on an H100, 2026-11-22; equal widths are
+        # right): zero features and zero value columns up to one width change nothing else
+        width = max(fk, fv)
+        qh, kh, vh = F.pad(qh, (0, width - fk)), F.pad(kh, (0, width - fk)), F.pad(vh, (0, width - fv))
+        if h0 is not None:
+            h0 = F.pad(h0, (0, width - fv, 0, width - fk))
     o, ht = chunk_simple_gla(
-        q.transpose(1, 2), kh, vh,
+        qh, kh, vh,
         g_gamma=log_decay.to(acc) if decay else None, scale=1.0,
         initial_state=h0, output_final_state=output_final_state,
     )
     # [B, H, T, Dv] in fp32. Keeping fla's bf16 output here (no cast round trip) made RetNet's
     # backward hit an illegal memory access in fla 0.6's chunk_bwd_dqkwg on an H100 (2026-11-22).
-    o = o.transpose(1, 2).to(acc)
+    o = o[..., :fv].transpose(1, 2).to(acc)
+    if ht is not None and fk != fv:
+        ht = ht[:, :, :fk, :fv].contiguous()
     state = None
     if ht is not None:
         state = ht.view(b, n_kv, group, f, -1) if decay else ht.view(b, n_kv, group, f, -1)[:, :, :1]
