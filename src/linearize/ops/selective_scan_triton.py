@@ -42,10 +42,10 @@ import triton
 import triton.language as tl
 
 CHUNK = 128  # tokens per program (time chunk); a multiple of CKPT
-CKPT = 32  # the backward pass's checkpoint interval (and scratch length)
+CKPT = 16  # the backward pass's checkpoint interval (and scratch length)
 BLOCK_D = 32  # channels per program
 CARRY_BLOCK = 512  # state entries per program of the walks over chunks
-SLOTS_PER_SM = 8  # programs per SM of the persistent backward launch
+SLOTS_PER_SM = 4  # programs per SM of the persistent backward launch
 CPU_SLOTS = 3  # its programs where there is no SM (Triton's interpreter)
 
 
