@@ -1,5 +1,5 @@
 """Our Triton kernels against their PyTorch twins on CUDA (skipped elsewhere): the selective scan,
-the LoLCATs decode steps and the fused per-head GroupNorm."""
+Mamba's fused causal conv1d + SiLU, the LoLCATs decode steps and the fused per-head GroupNorm."""
 
 import copy
 
@@ -39,6 +39,78 @@ def test_triton_scan_equals_torch_scan_on_cuda(dtype, tol, shape):
         out[name] = [y, h, *grads]
     for a, e in zip(out["triton"], out["torch"]):
         assert ((a.double() - e).norm() / e.norm()).item() < tol
+
+
+@pytest.mark.parametrize("t", [300, 2048])
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_triton_causal_conv1d_silu_equals_the_torch_conv_on_cuda(dtype, tol, with_state, t):
+    """The fused causal conv1d + SiLU at StripedMamba's width for SmolLM2 (Dn = 1152, K = 4) against
+    ``silu(causal_conv1d_naive)`` in float64: y, the final state and the gradients of x (a column slice
+    of the input projection's output, as the mixer passes it), weight, bias and initial state."""
+    from linearize.ops.causal_conv1d_triton import causal_conv1d_silu_triton
+    from linearize.ops.selective_scan import causal_conv1d_naive
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, dn, k = 2, 1152, 4
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    ins = [r(b, t, 2 * dn), r(dn, 1, k) * 0.5, r(dn), r(b, dn, k - 1) if with_state else None]
+    w_y, w_h = r(b, t, dn).double(), r(b, dn, k - 1).double()
+
+    def torch_form(x, w, bias, initial_state, output_final_state):
+        xx = x.transpose(1, 2)
+        y = torch.nn.functional.silu(causal_conv1d_naive(xx, w, bias, initial_state=initial_state)).transpose(1, 2)
+        past = initial_state if initial_state is not None else xx.new_zeros(b, dn, k - 1)
+        return y, torch.cat([past, xx], dim=-1)[..., -(k - 1):]
+
+    out = {}
+    for name, fn in (("torch", torch_form), ("triton", causal_conv1d_silu_triton)):
+        if name == "torch":
+            xs = [None if v is None else v.double() for v in ins]
+        else:  # bf16 activations with fp32 parameters and state, as under autocast
+            xs = [ins[0].to(dtype), *(None if v is None else v.clone() for v in ins[1:])]
+        xs = [None if v is None else v.detach().requires_grad_(True) for v in xs]
+        x = xs[0][..., :dn]  # the mixer's column slice: token stride 2 * Dn
+        y, h = fn(x, xs[1], xs[2], xs[3], True)
+        if name == "triton":
+            assert y.dtype == dtype and y.is_contiguous() and h.dtype == torch.float32 and h.shape == (b, dn, k - 1)
+        live = [v for v in xs if v is not None]
+        grads = torch.autograd.grad((y.double() * w_y).sum() + (h.double() * w_h).sum(), live)
+        if name == "triton":
+            assert all(gr.dtype == v.dtype for gr, v in zip(grads, live))
+        out[name] = [y, h, grads[0][..., :dn], *grads[1:]]
+        assert not grads[0][..., dn:].any()
+    for i, (a, e) in enumerate(zip(out["triton"], out["torch"])):
+        assert ((a.double() - e).norm() / e.norm()).item() < tol, i
+
+
+# under autocast the PyTorch path rounds the convolution's output to bf16 before its SiLU, the fused
+# kernel does not: the two differ by up to ~1.4e-2 (dt_proj's bias, A_log, D) on the CPU interpreter
+@pytest.mark.parametrize("autocast,tol", [(False, 1e-4), (True, 3e-2)])
+def test_mamba_mixer_with_the_fused_conv_equals_the_torch_path_on_cuda(tiny_model, monkeypatch, autocast, tol):
+    """StripedMamba's mixer (fp32 weights, optionally under bf16 autocast as XATL trains) with its
+    convolution and SiLU on the fused kernel and on the PyTorch path: output, state and every gradient."""
+    import linearize
+    from linearize.mixers import mamba
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    teacher = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256).cuda()
+    m = linearize.mixers(linearize.convert(teacher, {"kind": "striped_mamba"}))[1]
+    m.key_mask = None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 300, 256, device="cuda", generator=g, requires_grad=True)
+    w = torch.randn(2, 300, 256, device="cuda", generator=g, dtype=torch.float64)
+    params = [p for p in m.parameters() if p.requires_grad]
+    out = {}
+    for fused in (True, False):
+        monkeypatch.setattr(mamba, "use_fused_conv", lambda xs, key_mask, fused=fused: fused)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y, state = m.mix(x, None, 0, want_state=True)
+        grads = torch.autograd.grad((y.double() * w).sum(), [x, *params], allow_unused=True)
+        out[fused] = [y, state, *(gr for gr in grads if gr is not None)]
+    assert len(out[True]) == len(out[False]) == len(params) + 3
+    for a, e in zip(out[True], out[False]):
+        assert ((a.double() - e.double()).norm() / e.double().norm()).item() < tol
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])

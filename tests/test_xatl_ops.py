@@ -126,6 +126,13 @@ def test_triton_selective_scan_equals_the_pytorch_scan():
     run_triton_interpreter_script("triton_interpret_scan.py")
 
 
+def test_triton_causal_conv1d_silu_equals_the_pytorch_conv():
+    """The fused channels-last causal conv1d + SiLU, run on the CPU by Triton's interpreter: values, the
+    final state and the gradients of x, weight, bias and initial state; and StripedMamba with it
+    (forced on) against its PyTorch path, logits and every parameter gradient."""
+    run_triton_interpreter_script("triton_interpret_conv.py")
+
+
 def test_triton_group_norm_gate_equals_its_definition():
     """RetNet's and SUPRA's fused per-head GroupNorm (+ affine, + swish gate), run on the CPU by Triton's
     interpreter: values and the gradients of x, weight, bias and gate."""

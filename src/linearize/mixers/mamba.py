@@ -16,6 +16,10 @@ Mamba: A_log = log(1..N) per channel, D = 1, dt_proj's bias the inverse softplus
 log-uniformly in [1e-3, 1e-1], its weight uniform(+-dt_rank^-1/2), the convolution PyTorch's
 default; the other projections are drawn like the teacher's (normal(0, initializer_range)).
 
+On CUDA, a padding-free sequence takes the convolution and its SiLU as one fused Triton op over the
+channels-last ``[B, T, Dn]`` layout (``ops/causal_conv1d_triton.py``, chosen in ``conv_silu``); left
+padding, float64, the CPU and torch.compile keep the PyTorch path.
+
 The decoding state is one fp32 tensor ``[B, Dn, (K - 1) + N]``: the convolution's last ``K - 1``
 inputs followed by the scan state, so the cache treats it like any other mixer's state.
 """
@@ -28,9 +32,37 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..ops.fla_backend import triton_available
 from ..ops.linear_attention import accum_dtype
 from ..ops.selective_scan import causal_conv1d, causal_conv1d_step, selective_scan, selective_scan_step
 from .fresh import FreshMixer
+
+
+def use_fused_conv(xs: torch.Tensor, key_mask: torch.Tensor | None) -> bool:
+    """Whether the sequence path's convolution and SiLU run as the fused Triton op: CUDA, Triton,
+    not float64, no padding to mask, and not while torch.compile traces."""
+    return (xs.is_cuda and xs.dtype != torch.float64 and key_mask is None and triton_available()
+            and not torch.compiler.is_compiling())
+
+
+def conv_silu(xs, weight, bias, conv_state, want_state, real, fused):
+    """``silu(causal_conv1d(xs))`` over a sequence ``xs [B, T, Dn]`` (channels last) -> ``(xc [B, T, Dn],
+    the convolution's final state or None)``. ``real`` ([B, 1, T] bool or None) marks the real tokens
+    of a left-padded batch; ``fused`` takes the Triton op (which needs ``real`` None), else PyTorch's
+    depthwise conv1d over the transposed ``[B, Dn, T]``."""
+    if fused:
+        from ..ops.causal_conv1d_triton import causal_conv1d_silu_triton
+
+        assert real is None, "the fused convolution does not mask padding"
+        return causal_conv1d_silu_triton(xs, weight, bias, initial_state=conv_state, output_final_state=want_state)
+    xs = xs.transpose(1, 2)  # [B, Dn, T]
+    if real is not None:  # padding enters neither the convolution's window nor the scan
+        xs = xs.masked_fill(~real, 0.0)
+    xc, conv_state = causal_conv1d(xs, weight, bias, initial_state=conv_state, output_final_state=want_state)
+    xc = F.silu(xc)
+    if real is not None:
+        xc = xc.masked_fill(~real, 0.0)
+    return xc.transpose(1, 2), conv_state  # [B, T, Dn]
 
 
 class MambaMixer(FreshMixer):
@@ -73,20 +105,20 @@ class MambaMixer(FreshMixer):
         step = state is not None and t == 1
         conv_state, ssm_state = self._split_state(state)
         xs, z = self.in_proj(x).chunk(2, dim=-1)
-        xs = xs.transpose(1, 2)  # [B, Dn, T]
         real = None if self.key_mask is None else self.key_mask[:, None, :]  # left padding: [B, 1, T]
-        if real is not None:  # padding enters neither the convolution's window nor the scan
-            xs = xs.masked_fill(~real, 0.0)
         w, bias = self.conv1d.weight, self.conv1d.bias
         if step:
+            xs = xs.transpose(1, 2)  # [B, Dn, 1]
+            if real is not None:
+                xs = xs.masked_fill(~real, 0.0)
             xc, conv_state = causal_conv1d_step(xs[..., 0], w, bias, conv_state)
-            xc = xc[..., None]
+            xc = F.silu(xc[..., None])
+            if real is not None:
+                xc = xc.masked_fill(~real, 0.0)
+            xc = xc.transpose(1, 2)  # [B, 1, Dn]
         else:
-            xc, conv_state = causal_conv1d(xs, w, bias, initial_state=conv_state, output_final_state=want_state)
-        xc = F.silu(xc)
-        if real is not None:
-            xc = xc.masked_fill(~real, 0.0)
-        xc = xc.transpose(1, 2)  # [B, T, Dn]
+            xc, conv_state = conv_silu(xs, w, bias, conv_state, want_state, real,
+                                       fused=use_fused_conv(xs, self.key_mask))
         dt, Bm, Cm = self.x_proj(xc).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
         dt = F.softplus(self.dt_proj(dt).to(acc))
         A = -torch.exp(self.A_log.to(acc))
