@@ -84,23 +84,30 @@ def test_triton_causal_conv1d_silu_equals_the_torch_conv_on_cuda(dtype, tol, wit
         assert ((a.double() - e).norm() / e.norm()).item() < tol, i
 
 
+def _mixer_case(tiny_model, spec):
+    """The second layer's mixer of a tiny Llama converted with ``spec`` (fp32, on CUDA, TF32 off), an
+    input ``x [2, 300, 256]`` that wants its gradient, float64 output weights and the trainable parameters."""
+    import linearize
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    teacher = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256).cuda()
+    m = linearize.mixers(linearize.convert(teacher, spec))[1]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(2, 300, 256, device="cuda", generator=g, requires_grad=True)
+    w = torch.randn(2, 300, 256, device="cuda", generator=g, dtype=torch.float64)
+    return m, x, w, [p for p in m.parameters() if p.requires_grad]
+
+
 # under autocast the PyTorch path rounds the convolution's output to bf16 before its SiLU, the fused
 # kernel does not: the two differ by up to ~1.4e-2 (dt_proj's bias, A_log, D) on the CPU interpreter
 @pytest.mark.parametrize("autocast,tol", [(False, 1e-4), (True, 3e-2)])
 def test_mamba_mixer_with_the_fused_conv_equals_the_torch_path_on_cuda(tiny_model, monkeypatch, autocast, tol):
     """StripedMamba's mixer (fp32 weights, optionally under bf16 autocast as XATL trains) with its
     convolution and SiLU on the fused kernel and on the PyTorch path: output, state and every gradient."""
-    import linearize
     from linearize.mixers import mamba
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    teacher = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256).cuda()
-    m = linearize.mixers(linearize.convert(teacher, {"kind": "striped_mamba"}))[1]
+    m, x, w, params = _mixer_case(tiny_model, {"kind": "striped_mamba"})
     m.key_mask = None
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(2, 300, 256, device="cuda", generator=g, requires_grad=True)
-    w = torch.randn(2, 300, 256, device="cuda", generator=g, dtype=torch.float64)
-    params = [p for p in m.parameters() if p.requires_grad]
     out = {}
     for fused in (True, False):
         monkeypatch.setattr(mamba, "use_fused_conv", lambda xs, key_mask, fused=fused: fused)
@@ -226,16 +233,9 @@ def test_retnet_mixer_with_the_fused_group_norm_equals_the_torch_path_on_cuda(ti
     gate on the fused kernels and on the PyTorch path: output and every gradient."""
     import functools
 
-    import linearize
     from linearize.mixers import base, retnet
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    teacher = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256).cuda()
-    m = linearize.mixers(linearize.convert(teacher, {"kind": "retnet", "backend": "torch"}))[1]
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(2, 300, 256, device="cuda", generator=g, requires_grad=True)
-    w = torch.randn(2, 300, 256, device="cuda", generator=g, dtype=torch.float64)
-    params = [p for p in m.parameters() if p.requires_grad]
+    m, x, w, params = _mixer_case(tiny_model, {"kind": "retnet", "backend": "torch"})
     out = {}
     for fused in (True, False):
         monkeypatch.setattr(retnet, "head_group_norm", functools.partial(base.head_group_norm, fused=fused))

@@ -110,14 +110,19 @@ def _dxx(x_ptr, w_ptr, bias_ptr, s_ptr, dy_ptr, x_base, s_base, dy_base, p, d, d
 
 
 @triton.jit
-def _fwd(x_ptr, w_ptr, bias_ptr, s_ptr, y_ptr, T, DN, sxb, sxt, ssb, ssd, ssk,
-         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
-    pd = tl.program_id(0)
+def _tile(T, DN, BT: tl.constexpr, BD: tl.constexpr):
+    """This program's tile: its token block ``pt``, sequence ``pb``, tokens ``t`` and channels ``d`` (mask ``dm``)."""
     pt = tl.program_id(1)
     pb = tl.program_id(2).to(tl.int64)
     t = pt.to(tl.int64) * BT + tl.arange(0, BT)  # int64: token offsets times strides may pass 2^31
-    d = pd * BD + tl.arange(0, BD)
-    dm = d < DN
+    d = tl.program_id(0) * BD + tl.arange(0, BD)
+    return pt, pb, t, d, d < DN
+
+
+@triton.jit
+def _fwd(x_ptr, w_ptr, bias_ptr, s_ptr, y_ptr, T, DN, sxb, sxt, ssb, ssd, ssk,
+         K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr):
+    _, pb, t, d, dm = _tile(T, DN, BT, BD)
     pre = _pre(x_ptr, w_ptr, bias_ptr, s_ptr, pb * sxb, pb * ssb, t, d, dm, T, sxt, ssd, ssk,
                K, HAS_BIAS, HAS_STATE, BT, BD)
     y = pre * tl.sigmoid(pre)
@@ -130,12 +135,7 @@ def _bwd(x_ptr, w_ptr, bias_ptr, s_ptr, dy_ptr, dx_ptr, dwp_ptr, dbp_ptr, ds_ptr
          sxb, sxt, ssb, ssd, ssk,
          K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_STATE: tl.constexpr, NEED_DS: tl.constexpr,
          BT: tl.constexpr, BD: tl.constexpr, KP: tl.constexpr):
-    pd = tl.program_id(0)
-    pt = tl.program_id(1)
-    pb = tl.program_id(2).to(tl.int64)
-    t = pt.to(tl.int64) * BT + tl.arange(0, BT)  # int64: token offsets times strides may pass 2^31
-    d = pd * BD + tl.arange(0, BD)
-    dm = d < DN
+    pt, pb, t, d, dm = _tile(T, DN, BT, BD)
     x_base, s_base, dy_base = pb * sxb, pb * ssb, pb * T * DN
     dx, g = _dxx(x_ptr, w_ptr, bias_ptr, s_ptr, dy_ptr, x_base, s_base, dy_base, t, d, dm, T, DN, sxt, ssd, ssk,
                  K, HAS_BIAS, HAS_STATE, BT, BD)
@@ -200,8 +200,6 @@ class _CausalConv1dSilu(torch.autograd.Function):
         need_ds = s0 is not None and ctx.needs_input_grad[3]
         dx = torch.empty(b, t, dn, device=x.device, dtype=x.dtype)
         ds = torch.zeros(b, dn, k - 1, device=x.device, dtype=torch.float32) if need_ds else None
-        dw = torch.zeros(dn, 1, k, device=x.device, dtype=ctx.weight_dtype)
-        db = torch.zeros_like(bias) if bias is not None else None
         if dy is not None:
             dy = dy.contiguous()
             n_t = triton.cdiv(t, BLOCK_T)
@@ -216,6 +214,8 @@ class _CausalConv1dSilu(torch.autograd.Function):
             db = dbp.sum(0).to(bias.dtype) if bias is not None else None
         else:
             dx.zero_()
+            dw = torch.zeros(dn, 1, k, device=x.device, dtype=ctx.weight_dtype)
+            db = torch.zeros_like(bias) if bias is not None else None
         if dfinal is not None:  # the final state copied the last K - 1 entries of xx
             n = min(t, k - 1)
             if n:
