@@ -66,6 +66,14 @@ for part in "$@"; do
       timeout 240 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_kernels.py -k scan 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed"
       timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \
         --shapes 16x1024 8x2048 2x8192 --steps 6 --out $S/train_mamba_scan.json 2>&1 | tail -8 ;;
+    mamba)  # the Mamba kernels equal to PyTorch on CUDA, the scan's constants and per-kernel times
+      # (scripts/scan_bench.py; SCAN_ARGS), then StripedMamba's training speed beside the teacher's. Eager:
+      # graphed steps pass a mask, which keeps the PyTorch convolution. Speed does not depend on the
+      # weights, so T may be a shape-only teacher (scripts/shape_teacher.py).
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k "scan or conv" 2>&1 | tail -3
+      timeout 400 python3 scripts/scan_bench.py --kernels ${SCAN_ARGS:---sweep} 2>&1 | tee $S/scan_bench.txt
+      timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \
+        --shapes 16x1024 8x2048 2x8192 --steps 6 --out $S/train_mamba.json 2>&1 | tail -8 ;;
     profile)  # where the training step and the decode step spend their time (kernels by device time;
       # PROFILE_SHAPE=16x1024 for the training shape of the #4 target; PROFILE_MODELS, PROFILE_DECODE=0,
       # PROFILE_ARGS="--python 30" for the Python hot spots, PROFILE_LINES for the log tail)

@@ -60,6 +60,8 @@ check(2, 1, 5, 4, False, True, 3)  # T = 1
 check(1, 8 + 4, 6, 2, False, True, 4)  # T on a checkpoint, off the chunk
 final_state_unused(2, 19, 7, 3)
 # the production chunking once
-sst.CHUNK, sst.CKPT = 128, 32
+sst.CHUNK, sst.CKPT = 128, 16
 check(1, 128 + 37, 9, 3, True, True, 5)
+sst.CHUNK, sst.CKPT = 16, 16  # one checkpoint per chunk, four register groups in it
+check(1, 2 * 16 + 6, 7, 4, True, True, 8)
 print("ok")
