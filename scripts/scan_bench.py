@@ -20,9 +20,9 @@ import sys
 
 import torch
 
-NAMES = ("CHUNK", "CKPT", "BLOCK_D", "FWD_WARPS", "BWD_WARPS")
-SWEEP = dict(CHUNK=[64, 128, 256], CKPT=[8, 16, 32], BLOCK_D=[16, 32, 64, 128], FWD_WARPS=[1, 2, 4, 8],
-             BWD_WARPS=[1, 2, 4, 8])
+NAMES = ("CHUNK", "CKPT", "GROUP", "BLOCK_D", "FWD_WARPS", "BWD_WARPS", "BWD_MAXNREG")
+SWEEP = dict(CHUNK=[64, 128, 256], CKPT=[8, 16, 32], GROUP=[4, 8], BLOCK_D=[16, 32, 64, 128], FWD_WARPS=[1, 2, 4, 8],
+             BWD_WARPS=[1, 2, 4, 8], BWD_MAXNREG=[None, 128, 168])
 
 
 def inputs(b, t, dn=1152, n=16):
@@ -36,7 +36,7 @@ def inputs(b, t, dn=1152, n=16):
 
 
 def row(cfg):
-    """A config's constants under their names' columns (- where the kernels' file lacks one)."""
+    """A config's constants under their names' columns (- where unset or the kernels' file lacks one)."""
     return " ".join(f"{'-' if v is None else v:>{len(k)}}" for k, v in zip(NAMES, cfg))
 
 

@@ -11,6 +11,8 @@ import torch.nn.functional as F  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 import linearize.ops.causal_conv1d_triton as cct  # noqa: E402
+
+cct_defaults = (cct.BLOCK_T, cct.BLOCK_D, cct.BWD_BLOCK_T, cct.BWD_BLOCK_D)
 from linearize.ops.selective_scan import causal_conv1d_naive  # noqa: E402
 
 
@@ -32,7 +34,8 @@ def check(b, t, dn, k, with_bias, with_state, final, seed, strided=False):
     ins = [x, r(dn, 1, k) * 0.7, r(dn) if with_bias else None, r(b, dn, k - 1) if with_state else None]
     w_y, w_h = r(b, t, dn), r(b, dn, k - 1)
     names = ["dx", "dweight", "dbias", "dstate"]
-    case = (b, t, dn, k, with_bias, with_state, final, strided, cct.BLOCK_T, cct.BLOCK_D)
+    case = (b, t, dn, k, with_bias, with_state, final, strided, cct.BLOCK_T, cct.BLOCK_D, cct.BWD_BLOCK_T,
+            cct.BWD_BLOCK_D)
 
     def run(fn, xs):
         xs = [v.requires_grad_(True) if v is not None else None for v in xs]
@@ -113,8 +116,14 @@ def mixer_fused_equals_pytorch():
         assert rel < 1e-5, (name, rel)
 
 
+def blocks(bt, bd, bwd_bt=None, bwd_bd=None):
+    """The forward's token and channel blocks, and the backward's (the same unless given)."""
+    cct.BLOCK_T, cct.BLOCK_D = bt, bd
+    cct.BWD_BLOCK_T, cct.BWD_BLOCK_D = bwd_bt or bt, bwd_bd or bd
+
+
 # tiny blocks, so that short sequences and narrow layers span several programs each way
-cct.BLOCK_T, cct.BLOCK_D = 8, 16
+blocks(8, 16)
 check(2, 3 * 8 + 5, 16 + 5, 4, True, True, True, 0)  # T off the token block, Dn off the channel block
 check(1, 2 * 8, 32, 4, False, False, True, 1)  # T and Dn on the blocks, no bias, zero state
 check(2, 2, 7, 4, True, True, True, 2)  # T < K - 1: the final state keeps part of the initial one
@@ -126,10 +135,12 @@ check(2, 21, 19, 4, True, True, True, 7, strided=True)  # x a column slice of a 
 check(2, 13, 18, 3, True, True, True, 8)  # K = 3
 check(1, 2, 18, 3, False, True, True, 9, strided=True)  # K = 3, T = K - 1
 check(2, 11, 6, 2, True, True, True, 10)  # K = 2 (a one-token state)
+blocks(8, 16, 16, 8)  # the backward on other blocks than the forward
+check(2, 3 * 8 + 5, 16 + 5, 4, True, True, True, 11)
 final_state_only()
-cct.BLOCK_T, cct.BLOCK_D = 16, 32  # the model: 21 tokens and 96 channels still span 2 x 3 blocks
+blocks(16, 32)  # the model: 21 tokens and 96 channels still span 2 x 3 blocks
 mixer_fused_equals_pytorch()
 # the production blocks once
-cct.BLOCK_T, cct.BLOCK_D = 64, 64
+blocks(cct_defaults[0], cct_defaults[1], cct_defaults[2], cct_defaults[3])
 check(1, 64 + 9, 64 + 3, 4, True, True, True, 12, strided=True)
 print("ok")

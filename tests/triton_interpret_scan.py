@@ -32,7 +32,7 @@ def check(b, t, dn, n, with_d, with_state, seed):
     assert len(got) == len(ref) == len(names)
     for name, a, e in zip(names, got, ref):
         rel = ((a.double() - e).norm() / e.norm()).item()
-        assert rel < 1e-5, (name, rel, (b, t, dn, n, with_d, with_state), (sst.CHUNK, sst.CKPT))
+        assert rel < 1e-5, (name, rel, (b, t, dn, n, with_d, with_state), (sst.CHUNK, sst.CKPT, sst.GROUP))
 
 
 def final_state_unused(b, t, dn, n):
@@ -52,7 +52,7 @@ def final_state_unused(b, t, dn, n):
 
 # tiny time chunks, so that short sequences span several of them (and several checkpoints each);
 # N mostly not a power of 2
-sst.CHUNK, sst.CKPT = 8, 4
+sst.CHUNK, sst.CKPT, sst.GROUP = 8, 4, 4
 check(2, 3 * 8 + 5, sst.BLOCK_D + 8, 5, True, True, 0)  # T off the chunk and checkpoint; Dn off the block
 check(1, 4 * 8, sst.BLOCK_D, 16, False, False, 1)  # T on the chunk
 check(3, 7, 9, 3, True, False, 2)  # T shorter than one chunk
@@ -60,8 +60,10 @@ check(2, 1, 5, 4, False, True, 3)  # T = 1
 check(1, 8 + 4, 6, 2, False, True, 4)  # T on a checkpoint, off the chunk
 final_state_unused(2, 19, 7, 3)
 # the production chunking once
-sst.CHUNK, sst.CKPT = 128, 16
+sst.CHUNK, sst.CKPT, sst.GROUP = 128, 16, 4  # four register groups per checkpoint, three of them advanced to
 check(1, 128 + 37, 9, 3, True, True, 5)
-sst.CHUNK, sst.CKPT = 16, 16  # one checkpoint per chunk, four register groups in it
+sst.CHUNK, sst.CKPT, sst.GROUP = 16, 16, 8  # two groups of 8 per checkpoint
 check(1, 2 * 16 + 6, 7, 4, True, True, 8)
+sst.CHUNK, sst.CKPT, sst.GROUP = 128, 8, 8  # the production chunking: one group per checkpoint
+check(1, 128 + 13, 9, 3, True, True, 9)
 print("ok")

@@ -52,6 +52,9 @@ from .linear_attention import accum_dtype
 BLOCK_T = 64  # tokens per program
 BLOCK_D = 64  # channels per program (64 bf16 channels: one 128-byte line per token)
 NUM_WARPS = 4
+BWD_BLOCK_T = 64  # the same for the backward pass
+BWD_BLOCK_D = 64
+BWD_NUM_WARPS = 4
 
 
 @triton.jit
@@ -202,14 +205,14 @@ class _CausalConv1dSilu(torch.autograd.Function):
         ds = torch.zeros(b, dn, k - 1, device=x.device, dtype=torch.float32) if need_ds else None
         if dy is not None:
             dy = dy.contiguous()
-            n_t = triton.cdiv(t, BLOCK_T)
+            n_t = triton.cdiv(t, BWD_BLOCK_T)
             dwp = torch.empty(b * n_t, k, dn, device=x.device, dtype=torch.float32)
             dbp = torch.empty(b * n_t, dn, device=x.device, dtype=torch.float32) if bias is not None else dwp
-            _bwd[(triton.cdiv(dn, BLOCK_D), n_t, b)](
+            _bwd[(triton.cdiv(dn, BWD_BLOCK_D), n_t, b)](
                 x, w, bias if bias is not None else w, s0 if s0 is not None else w, dy, dx, dwp, dbp,
                 ds if need_ds else dwp, t, dn, n_t, x.stride(0), x.stride(1), *_strides(s0),
                 K=k, HAS_BIAS=bias is not None, HAS_STATE=s0 is not None, NEED_DS=need_ds,
-                BT=BLOCK_T, BD=BLOCK_D, KP=triton.next_power_of_2(k - 1), num_warps=NUM_WARPS)
+                BT=BWD_BLOCK_T, BD=BWD_BLOCK_D, KP=triton.next_power_of_2(k - 1), num_warps=BWD_NUM_WARPS)
             dw = dwp.sum(0).t().reshape(dn, 1, k).to(ctx.weight_dtype)
             db = dbp.sum(0).to(bias.dtype) if bias is not None else None
         else:

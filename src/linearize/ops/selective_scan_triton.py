@@ -48,11 +48,13 @@ import triton
 import triton.language as tl
 
 CHUNK = 128  # tokens per program (time chunk); a multiple of CKPT
-CKPT = 8  # the forward's checkpoint interval, a multiple of 4 (the backward's register-held groups)
+CKPT = 8  # the forward's checkpoint interval, a multiple of GROUP
+GROUP = 4  # tokens whose states the backward holds in registers at once, a multiple of 4
 BLOCK_D = 64  # channels per program
 CARRY_BLOCK = 512  # state entries per program of the walks over chunks
 FWD_WARPS = 2  # warps per program of the forward passes and the backward's first pass
 BWD_WARPS = 4  # warps per program of the backward's last pass
+BWD_MAXNREG = None  # a register cap per thread for the backward's last pass (None: the compiler's choice)
 
 
 @triton.jit
@@ -263,13 +265,45 @@ def _advance4(h, u_ptr, dt_ptr, b_ptr, bi, t0, T, DN, N, d, n, dm, nm, a):
 
 
 @triton.jit
+def _group_bwd(h0, r0, t0, T, u_ptr, dt_ptr, b_ptr, c_ptr, dy_ptr, du_ptr, ddt_ptr, dbp_ptr, dcp_ptr, a, dh, da, dd,
+               dv, pd, n_dblocks, DN, N, d, n, dm, nm, HAS_D: tl.constexpr, G: tl.constexpr):
+    """Tokens t0 .. t0 + G - 1 (rows r0 ...) backwards from the state before them, ``h0``: their
+    states and decays are recomputed into registers (tuples, unrolled), then walked back."""
+    us = ()
+    dts = ()
+    bs = ()
+    cs = ()
+    ys = ()
+    for k in tl.static_range(G):
+        u, dt, bt = _inputs(u_ptr, dt_ptr, b_ptr, r0 + k, t0 + k < T, DN, N, d, n, dm, nm)
+        us = us + (u,)
+        dts = dts + (dt,)
+        bs = bs + (bt,)
+        cs = cs + (_row(c_ptr, r0 + k, N, n, nm, t0 + k < T),)
+        ys = ys + (_row(dy_ptr, r0 + k, DN, d, dm, t0 + k < T),)
+    hs = (h0,)
+    es = ()
+    for k in tl.static_range(G):
+        e = tl.exp(dts[k][:, None] * a)
+        hs = hs + (e * hs[k] + (dts[k] * us[k])[:, None] * bs[k][None, :],)
+        es = es + (e,)
+    for kk in tl.static_range(G):  # token G - 1 - kk (indices written out: they must stay constexpr)
+        dh, da, dd = _bwd_token(r0 + G - 1 - kk, t0 + G - 1 - kk < T, hs[G - kk], hs[G - 1 - kk], es[G - 1 - kk],
+                                us[G - 1 - kk], dts[G - 1 - kk], bs[G - 1 - kk], cs[G - 1 - kk], ys[G - 1 - kk], a,
+                                dh, da, dd, dv, du_ptr, ddt_ptr, dbp_ptr, dcp_ptr, pd, n_dblocks, DN, N, d, n, dm,
+                                nm, HAS_D)
+    return dh, da, dd
+
+
+@triton.jit
 def _bwd_chunks(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, ckpt_ptr, dy_ptr, dhend_ptr,
                 du_ptr, ddt_ptr, dap_ptr, dbp_ptr, dcp_ptr, ddp_ptr,
                 T, DN, N, n_chunks, n_ckpts, n_dblocks, HAS_D: tl.constexpr,
-                CHUNK: tl.constexpr, CKPT: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
+                CHUNK: tl.constexpr, CKPT: tl.constexpr, GROUP: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     """Backward pass 3: chunk ``c``'s gradients from dL/dh at its end. The states stay in registers:
-    each group of 4 tokens is recomputed from its checkpoint (advancing ``4 g`` tokens for the g-th
-    group of a checkpoint) and walked backwards; tokens past T are steps that change nothing."""
+    each group of ``GROUP`` tokens is recomputed from its checkpoint (advancing ``GROUP g`` tokens
+    for the g-th group of a checkpoint interval) and walked backwards; tokens past T are steps that
+    change nothing."""
     bi = tl.program_id(0)
     pd = tl.program_id(1)
     c = tl.program_id(2)
@@ -284,42 +318,15 @@ def _bwd_chunks(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, ckpt_ptr, dy_ptr, dhe
         j = c * (CHUNK // CKPT) + CHUNK // CKPT - 1 - jj  # the checkpoint's index
         if j < n_ckpts:
             start = tl.load(ckpt_ptr + (bi * n_ckpts + j) * DN * N + tile, mask=m2, other=0.0)
-            for gg in range(CKPT // 4):
-                t0 = j * CKPT + (CKPT // 4 - 1 - gg) * 4  # the group's first token
+            for gg in range(CKPT // GROUP):
+                t0 = j * CKPT + (CKPT // GROUP - 1 - gg) * GROUP  # the group's first token
                 if t0 < T:
                     h0 = start
                     for t in range(j * CKPT, t0, 4):
                         h0 = _advance4(h0, u_ptr, dt_ptr, b_ptr, bi, t, T, DN, N, d, n, dm, nm, a)
-                    r0 = bi * T + t0
-                    v0, v1, v2, v3 = t0 < T, t0 + 1 < T, t0 + 2 < T, t0 + 3 < T
-                    u0, dt0, b0 = _inputs(u_ptr, dt_ptr, b_ptr, r0, v0, DN, N, d, n, dm, nm)
-                    u1, dt1, b1 = _inputs(u_ptr, dt_ptr, b_ptr, r0 + 1, v1, DN, N, d, n, dm, nm)
-                    u2, dt2, b2 = _inputs(u_ptr, dt_ptr, b_ptr, r0 + 2, v2, DN, N, d, n, dm, nm)
-                    u3, dt3, b3 = _inputs(u_ptr, dt_ptr, b_ptr, r0 + 3, v3, DN, N, d, n, dm, nm)
-                    c0, y0 = _row(c_ptr, r0, N, n, nm, v0), _row(dy_ptr, r0, DN, d, dm, v0)
-                    c1, y1 = _row(c_ptr, r0 + 1, N, n, nm, v1), _row(dy_ptr, r0 + 1, DN, d, dm, v1)
-                    c2, y2 = _row(c_ptr, r0 + 2, N, n, nm, v2), _row(dy_ptr, r0 + 2, DN, d, dm, v2)
-                    c3, y3 = _row(c_ptr, r0 + 3, N, n, nm, v3), _row(dy_ptr, r0 + 3, DN, d, dm, v3)
-                    e0 = tl.exp(dt0[:, None] * a)
-                    h1 = e0 * h0 + (dt0 * u0)[:, None] * b0[None, :]
-                    e1 = tl.exp(dt1[:, None] * a)
-                    h2 = e1 * h1 + (dt1 * u1)[:, None] * b1[None, :]
-                    e2 = tl.exp(dt2[:, None] * a)
-                    h3 = e2 * h2 + (dt2 * u2)[:, None] * b2[None, :]
-                    e3 = tl.exp(dt3[:, None] * a)
-                    h4 = e3 * h3 + (dt3 * u3)[:, None] * b3[None, :]
-                    dh, da, dd = _bwd_token(r0 + 3, v3, h4, h3, e3, u3, dt3, b3, c3, y3, a, dh, da, dd, dv,
-                                            du_ptr, ddt_ptr, dbp_ptr, dcp_ptr, pd, n_dblocks, DN, N, d, n, dm, nm,
-                                            HAS_D)
-                    dh, da, dd = _bwd_token(r0 + 2, v2, h3, h2, e2, u2, dt2, b2, c2, y2, a, dh, da, dd, dv,
-                                            du_ptr, ddt_ptr, dbp_ptr, dcp_ptr, pd, n_dblocks, DN, N, d, n, dm, nm,
-                                            HAS_D)
-                    dh, da, dd = _bwd_token(r0 + 1, v1, h2, h1, e1, u1, dt1, b1, c1, y1, a, dh, da, dd, dv,
-                                            du_ptr, ddt_ptr, dbp_ptr, dcp_ptr, pd, n_dblocks, DN, N, d, n, dm, nm,
-                                            HAS_D)
-                    dh, da, dd = _bwd_token(r0, v0, h1, h0, e0, u0, dt0, b0, c0, y0, a, dh, da, dd, dv,
-                                            du_ptr, ddt_ptr, dbp_ptr, dcp_ptr, pd, n_dblocks, DN, N, d, n, dm, nm,
-                                            HAS_D)
+                    dh, da, dd = _group_bwd(h0, bi * T + t0, t0, T, u_ptr, dt_ptr, b_ptr, c_ptr, dy_ptr, du_ptr,
+                                            ddt_ptr, dbp_ptr, dcp_ptr, a, dh, da, dd, dv, pd, n_dblocks, DN, N,
+                                            d, n, dm, nm, HAS_D, GROUP)
     tl.store(dap_ptr + (bi * n_chunks + c) * DN * N + tile, da, mask=m2)
     if HAS_D:
         tl.store(ddp_ptr + (bi * n_chunks + c) * DN + d, dd, mask=dm)
@@ -328,7 +335,8 @@ def _bwd_chunks(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, ckpt_ptr, dy_ptr, dhe
 class _SelectiveScan(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, dt, A, B, C, D, h0):
-        assert CHUNK % CKPT == 0 and CKPT % 4 == 0, "CHUNK must be a multiple of CKPT, CKPT of 4"
+        assert CHUNK % CKPT == 0 and CKPT % GROUP == 0 and GROUP % 4 == 0, \
+            "CHUNK must be a multiple of CKPT, CKPT of GROUP, GROUP of 4"
         bsz, t, dn = u.shape
         n = A.shape[-1]
         bn = triton.next_power_of_2(n)
@@ -352,14 +360,14 @@ class _SelectiveScan(torch.autograd.Function):
                        HAS_D=D is not None, CHUNK=CHUNK, CKPT=CKPT, BD=BLOCK_D, BN=bn,
                        num_warps=FWD_WARPS)
         ctx.save_for_backward(u, dt, A, B, C, D, ckpt, dtsum)
-        ctx.chunks = (CHUNK, CKPT)  # the layout of ckpt and dtsum
+        ctx.chunks = (CHUNK, CKPT, GROUP)  # the layout of ckpt and dtsum, and the backward's groups
         ctx.h0_info = None if h0 is None else (h0.dtype, h0.requires_grad)
         return y, h_final
 
     @staticmethod
     def backward(ctx, dy, dh_final):
         u, dt, A, B, C, D, ckpt, dtsum = ctx.saved_tensors
-        chunk, ckpt_len = ctx.chunks
+        chunk, ckpt_len, group = ctx.chunks
         bsz, t, dn = u.shape
         n = A.shape[-1]
         bn = triton.next_power_of_2(n)
@@ -382,8 +390,8 @@ class _SelectiveScan(torch.autograd.Function):
         _bwd_chunks[grid](
             u, dt, A, B, C, D if D is not None else u, ckpt, dy, dh,
             du, ddt, dap, dbp, dcp, ddp, t, dn, n, n_chunks, n_ckpts, n_dblocks,
-            HAS_D=D is not None, CHUNK=chunk, CKPT=ckpt_len, BD=BLOCK_D, BN=bn,
-            num_warps=BWD_WARPS)
+            HAS_D=D is not None, CHUNK=chunk, CKPT=ckpt_len, GROUP=group, BD=BLOCK_D, BN=bn,
+            num_warps=BWD_WARPS, **({"maxnreg": BWD_MAXNREG} if BWD_MAXNREG else {}))
         grad_d = ddp.sum((0, 1)).to(D.dtype) if D is not None else None
         grad_h0 = dh0.to(ctx.h0_info[0]) if ctx.h0_info is not None and ctx.h0_info[1] else None
         return (du, ddt, dap.sum((0, 1)).to(A.dtype), dbp.sum(2).to(B.dtype), dcp.sum(2).to(C.dtype), grad_d,
