@@ -24,15 +24,17 @@ backward, three launches, mirrored:
 1. per chunk, ``dL/dh`` at the chunk's start from its own outputs only (walked back from zero);
 2. a walk over chunks in reverse giving ``dL/dh`` at every chunk's end (from ``dL/dh_T``) and
    ``dL/dh0``;
-3. per chunk, the fused backward from that ``dL/dh``, four tokens at a time: a group's states
-   are recomputed from its ``CKPT`` checkpoint into registers (the g-th group of a checkpoint
-   advances ``4 g`` tokens first) and walked backwards, so no state goes through memory. (A
-   version that recomputed whole checkpoint intervals into a scratch buffer in global memory
-   needed barriers and a persistent launch to keep the buffers cached.) Sums over channels
-   (``dB``, ``dC``) are written per channel block, sums over time (``dA``, ``dD``) per chunk;
-   PyTorch adds them up.
+3. per chunk, the fused backward from that ``dL/dh``, ``GROUP`` tokens at a time: a group's
+   states are recomputed from its ``CKPT`` checkpoint into registers (the g-th group of a
+   checkpoint interval advances ``GROUP g`` tokens first) and walked backwards, so no state goes
+   through memory. (A version that recomputed whole checkpoint intervals into a scratch buffer in
+   global memory needed barriers and a persistent launch to keep the buffers cached; it was
+   slower.) Sums over channels (``dB``, ``dC``) are written per channel block, sums over time
+   (``dA``, ``dD``) per chunk; PyTorch adds them up.
 
-y, du and ddt are written in their inputs' dtypes. (dt's softplus stays outside, in PyTorch: inside
+The per-token passes load four tokens' inputs at once, so their latency is paid once per four
+tokens. The constants below are the fastest of ``scripts/scan_bench.py --sweep`` on an H100
+(docs/RESULTS.md). y, du and ddt are written in their inputs' dtypes. (dt's softplus stays outside, in PyTorch: inside
 the kernels every pass recomputed it for every state entry, and the scan took 0.5 ms more per
 layer on an H100 than the elementwise pass it saved.)
 
