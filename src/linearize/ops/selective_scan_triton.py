@@ -91,6 +91,21 @@ def _row(ptr, row, width, idx, m, valid):
 
 
 @triton.jit
+def _advance4(h, u_ptr, dt_ptr, b_ptr, bi, t0, T, DN, N, d, n, dm, nm, a):
+    """The state after tokens t0 .. t0 + 3 from the state before them (loads issued together), and
+    the sum of their dt."""
+    r = bi * T + t0
+    u0, dt0, b0 = _inputs(u_ptr, dt_ptr, b_ptr, r, t0 < T, DN, N, d, n, dm, nm)
+    u1, dt1, b1 = _inputs(u_ptr, dt_ptr, b_ptr, r + 1, t0 + 1 < T, DN, N, d, n, dm, nm)
+    u2, dt2, b2 = _inputs(u_ptr, dt_ptr, b_ptr, r + 2, t0 + 2 < T, DN, N, d, n, dm, nm)
+    u3, dt3, b3 = _inputs(u_ptr, dt_ptr, b_ptr, r + 3, t0 + 3 < T, DN, N, d, n, dm, nm)
+    h = tl.exp(dt0[:, None] * a) * h + (dt0 * u0)[:, None] * b0[None, :]
+    h = tl.exp(dt1[:, None] * a) * h + (dt1 * u1)[:, None] * b1[None, :]
+    h = tl.exp(dt2[:, None] * a) * h + (dt2 * u2)[:, None] * b2[None, :]
+    return tl.exp(dt3[:, None] * a) * h + (dt3 * u3)[:, None] * b3[None, :], (dt0 + dt1) + (dt2 + dt3)
+
+
+@triton.jit
 def _fwd_local(u_ptr, dt_ptr, a_ptr, b_ptr, local_ptr, dtsum_ptr, T, DN, N, n_chunks,
                CHUNK: tl.constexpr, BD: tl.constexpr, BN: tl.constexpr):
     """Pass 1: chunk ``c``'s scan from a zero state -> its end state and its ``sum dt``. Four tokens
@@ -103,16 +118,8 @@ def _fwd_local(u_ptr, dt_ptr, a_ptr, b_ptr, local_ptr, dtsum_ptr, T, DN, N, n_ch
     for i in range(0, CHUNK, 4):
         t0 = c * CHUNK + i
         if t0 < T:
-            r = bi * T + t0
-            u0, dt0, b0 = _inputs(u_ptr, dt_ptr, b_ptr, r, t0 < T, DN, N, d, n, dm, nm)
-            u1, dt1, b1 = _inputs(u_ptr, dt_ptr, b_ptr, r + 1, t0 + 1 < T, DN, N, d, n, dm, nm)
-            u2, dt2, b2 = _inputs(u_ptr, dt_ptr, b_ptr, r + 2, t0 + 2 < T, DN, N, d, n, dm, nm)
-            u3, dt3, b3 = _inputs(u_ptr, dt_ptr, b_ptr, r + 3, t0 + 3 < T, DN, N, d, n, dm, nm)
-            h = tl.exp(dt0[:, None] * a) * h + (dt0 * u0)[:, None] * b0[None, :]
-            h = tl.exp(dt1[:, None] * a) * h + (dt1 * u1)[:, None] * b1[None, :]
-            h = tl.exp(dt2[:, None] * a) * h + (dt2 * u2)[:, None] * b2[None, :]
-            h = tl.exp(dt3[:, None] * a) * h + (dt3 * u3)[:, None] * b3[None, :]
-            s += (dt0 + dt1) + (dt2 + dt3)
+            h, s4 = _advance4(h, u_ptr, dt_ptr, b_ptr, bi, t0, T, DN, N, d, n, dm, nm, a)
+            s += s4
     tl.store(local_ptr + (bi * n_chunks + c) * DN * N + tile, h, mask=m2)
     tl.store(dtsum_ptr + (bi * n_chunks + c) * DN + d, s, mask=dm)
 
@@ -253,20 +260,6 @@ def _bwd_token(row, valid, h_t, h_prev, decay, u, dt, bt, ct, dy, a, dh, da, dd,
 
 
 @triton.jit
-def _advance4(h, u_ptr, dt_ptr, b_ptr, bi, t0, T, DN, N, d, n, dm, nm, a):
-    """The state after tokens t0 .. t0 + 3 from the state before them (loads issued together)."""
-    r = bi * T + t0
-    u0, dt0, b0 = _inputs(u_ptr, dt_ptr, b_ptr, r, t0 < T, DN, N, d, n, dm, nm)
-    u1, dt1, b1 = _inputs(u_ptr, dt_ptr, b_ptr, r + 1, t0 + 1 < T, DN, N, d, n, dm, nm)
-    u2, dt2, b2 = _inputs(u_ptr, dt_ptr, b_ptr, r + 2, t0 + 2 < T, DN, N, d, n, dm, nm)
-    u3, dt3, b3 = _inputs(u_ptr, dt_ptr, b_ptr, r + 3, t0 + 3 < T, DN, N, d, n, dm, nm)
-    h = tl.exp(dt0[:, None] * a) * h + (dt0 * u0)[:, None] * b0[None, :]
-    h = tl.exp(dt1[:, None] * a) * h + (dt1 * u1)[:, None] * b1[None, :]
-    h = tl.exp(dt2[:, None] * a) * h + (dt2 * u2)[:, None] * b2[None, :]
-    return tl.exp(dt3[:, None] * a) * h + (dt3 * u3)[:, None] * b3[None, :]
-
-
-@triton.jit
 def _group_bwd(h0, r0, t0, T, u_ptr, dt_ptr, b_ptr, c_ptr, dy_ptr, du_ptr, ddt_ptr, dbp_ptr, dcp_ptr, a, dh, da, dd,
                dv, pd, n_dblocks, DN, N, d, n, dm, nm, HAS_D: tl.constexpr, G: tl.constexpr):
     """Tokens t0 .. t0 + G - 1 (rows r0 ...) backwards from the state before them, ``h0``: their
@@ -325,7 +318,7 @@ def _bwd_chunks(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, ckpt_ptr, dy_ptr, dhe
                 if t0 < T:
                     h0 = start
                     for t in range(j * CKPT, t0, 4):
-                        h0 = _advance4(h0, u_ptr, dt_ptr, b_ptr, bi, t, T, DN, N, d, n, dm, nm, a)
+                        h0, _ = _advance4(h0, u_ptr, dt_ptr, b_ptr, bi, t, T, DN, N, d, n, dm, nm, a)
                     dh, da, dd = _group_bwd(h0, bi * T + t0, t0, T, u_ptr, dt_ptr, b_ptr, c_ptr, dy_ptr, du_ptr,
                                             ddt_ptr, dbp_ptr, dcp_ptr, a, dh, da, dd, dv, pd, n_dblocks, DN, N,
                                             d, n, dm, nm, HAS_D, GROUP)
