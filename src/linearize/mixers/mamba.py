@@ -45,20 +45,25 @@ def use_fused_conv(xs: torch.Tensor, key_mask: torch.Tensor | None) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def conv_silu(xs, weight, bias, conv_state, want_state, real, fused):
+def conv_silu(xs, weight, bias, conv_state, want_state, real, fused, step=False):
     """``silu(causal_conv1d(xs))`` over a sequence ``xs [B, T, Dn]`` (channels last) -> ``(xc [B, T, Dn],
     the convolution's final state or None)``. ``real`` ([B, 1, T] bool or None) marks the real tokens
     of a left-padded batch; ``fused`` takes the Triton op (which needs ``real`` None), else PyTorch's
-    depthwise conv1d over the transposed ``[B, Dn, T]``."""
+    depthwise conv1d over the transposed ``[B, Dn, T]``; ``step`` is one decoding token (T = 1)
+    through ``causal_conv1d_step``, which always returns the new state."""
     if fused:
         from ..ops.causal_conv1d_triton import causal_conv1d_silu_triton
 
-        assert real is None, "the fused convolution does not mask padding"
+        assert real is None and not step, "the fused convolution takes whole unpadded sequences"
         return causal_conv1d_silu_triton(xs, weight, bias, initial_state=conv_state, output_final_state=want_state)
     xs = xs.transpose(1, 2)  # [B, Dn, T]
     if real is not None:  # padding enters neither the convolution's window nor the scan
         xs = xs.masked_fill(~real, 0.0)
-    xc, conv_state = causal_conv1d(xs, weight, bias, initial_state=conv_state, output_final_state=want_state)
+    if step:
+        xc, conv_state = causal_conv1d_step(xs[..., 0], weight, bias, conv_state)
+        xc = xc[..., None]
+    else:
+        xc, conv_state = causal_conv1d(xs, weight, bias, initial_state=conv_state, output_final_state=want_state)
     xc = F.silu(xc)
     if real is not None:
         xc = xc.masked_fill(~real, 0.0)
@@ -107,18 +112,8 @@ class MambaMixer(FreshMixer):
         xs, z = self.in_proj(x).chunk(2, dim=-1)
         real = None if self.key_mask is None else self.key_mask[:, None, :]  # left padding: [B, 1, T]
         w, bias = self.conv1d.weight, self.conv1d.bias
-        if step:
-            xs = xs.transpose(1, 2)  # [B, Dn, 1]
-            if real is not None:
-                xs = xs.masked_fill(~real, 0.0)
-            xc, conv_state = causal_conv1d_step(xs[..., 0], w, bias, conv_state)
-            xc = F.silu(xc[..., None])
-            if real is not None:
-                xc = xc.masked_fill(~real, 0.0)
-            xc = xc.transpose(1, 2)  # [B, 1, Dn]
-        else:
-            xc, conv_state = conv_silu(xs, w, bias, conv_state, want_state, real,
-                                       fused=use_fused_conv(xs, self.key_mask))
+        xc, conv_state = conv_silu(xs, w, bias, conv_state, want_state, real,
+                                   fused=not step and use_fused_conv(xs, self.key_mask), step=step)
         dt, Bm, Cm = self.x_proj(xc).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
         dt = F.softplus(self.dt_proj(dt).to(acc))
         A = -torch.exp(self.A_log.to(acc))
