@@ -34,7 +34,8 @@ def main(argv=None) -> int:
     for name in TOKENIZER_FILES:
         if (src / name).is_file():
             shutil.copy(src / name, out / name)
-    print(f"random {model.config.model_type} with {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters -> {out}")
+    n = sum(p.numel() for p in model.parameters())
+    print(f"random {model.config.model_type} with {n / 1e6:.1f}M parameters -> {out}")
     return 0
 
 

@@ -60,13 +60,20 @@ BWD_MAXNREG = None  # a register cap per thread for the backward's last pass (No
 
 
 @triton.jit
+def _only(m, valid):
+    """The mask ``m`` where the scalar ``valid`` holds, else all False. (Not ``m & valid``: Triton
+    3.9's interpreter gives that an int32 dtype, which loads and stores refuse as a mask.)"""
+    return tl.where(valid, m, False)
+
+
+@triton.jit
 def _inputs(u_ptr, dt_ptr, b_ptr, row, valid, DN, N, d, n, dm, nm):
     """Token ``row``'s inputs u_t, dt_t (this block's channels) and B_t, in fp32. Masked-off
     channels and tokens that are not ``valid`` get u = dt = 0: a step that changes nothing."""
-    dm = dm & valid
+    dm = _only(dm, valid)
     u = tl.load(u_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
     dt = tl.load(dt_ptr + row * DN + d, mask=dm, other=0.0).to(tl.float32)
-    bt = tl.load(b_ptr + row * N + n, mask=nm & valid, other=0.0).to(tl.float32)
+    bt = tl.load(b_ptr + row * N + n, mask=_only(nm, valid), other=0.0).to(tl.float32)
     return u, dt, bt
 
 
@@ -87,7 +94,7 @@ def _tile(a_ptr, pd, DN, N, BD: tl.constexpr, BN: tl.constexpr):
 @triton.jit
 def _row(ptr, row, width, idx, m, valid):
     """Token ``row``'s entries ``idx`` of a ``[rows, width]`` tensor, fp32, zero where masked or not valid."""
-    return tl.load(ptr + row * width + idx, mask=m & valid, other=0.0).to(tl.float32)
+    return tl.load(ptr + row * width + idx, mask=_only(m, valid), other=0.0).to(tl.float32)
 
 
 @triton.jit
@@ -173,13 +180,13 @@ def _fwd_out(u_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, y_ptr, ckpt_ptr, T, DN, 
             c2 = _row(c_ptr, r + 2, N, n, nm, t0 + 2 < T)
             c3 = _row(c_ptr, r + 3, N, n, nm, t0 + 3 < T)
             h = tl.exp(dt0[:, None] * a) * h + (dt0 * u0)[:, None] * b0[None, :]
-            tl.store(y_ptr + r * DN + d, tl.sum(h * c0[None, :], axis=1) + dv * u0, mask=dm & (t0 < T))
+            tl.store(y_ptr + r * DN + d, tl.sum(h * c0[None, :], axis=1) + dv * u0, mask=_only(dm, t0 < T))
             h = tl.exp(dt1[:, None] * a) * h + (dt1 * u1)[:, None] * b1[None, :]
-            tl.store(y_ptr + (r + 1) * DN + d, tl.sum(h * c1[None, :], axis=1) + dv * u1, mask=dm & (t0 + 1 < T))
+            tl.store(y_ptr + (r + 1) * DN + d, tl.sum(h * c1[None, :], axis=1) + dv * u1, mask=_only(dm, t0 + 1 < T))
             h = tl.exp(dt2[:, None] * a) * h + (dt2 * u2)[:, None] * b2[None, :]
-            tl.store(y_ptr + (r + 2) * DN + d, tl.sum(h * c2[None, :], axis=1) + dv * u2, mask=dm & (t0 + 2 < T))
+            tl.store(y_ptr + (r + 2) * DN + d, tl.sum(h * c2[None, :], axis=1) + dv * u2, mask=_only(dm, t0 + 2 < T))
             h = tl.exp(dt3[:, None] * a) * h + (dt3 * u3)[:, None] * b3[None, :]
-            tl.store(y_ptr + (r + 3) * DN + d, tl.sum(h * c3[None, :], axis=1) + dv * u3, mask=dm & (t0 + 3 < T))
+            tl.store(y_ptr + (r + 3) * DN + d, tl.sum(h * c3[None, :], axis=1) + dv * u3, mask=_only(dm, t0 + 3 < T))
 
 
 @triton.jit
@@ -246,16 +253,16 @@ def _bwd_token(row, valid, h_t, h_prev, decay, u, dt, bt, ct, dy, a, dh, da, dd,
     decay and inputs: stores du, ddt and this channel block's parts of dB, dC; returns dL/dh before
     the token and the running sums for dA and dD."""
     dh += dy[:, None] * ct[None, :]
-    tl.store(dcp_ptr + (row * n_dblocks + pd) * N + n, tl.sum(dy[:, None] * h_t, axis=0), mask=nm & valid)
-    tl.store(dbp_ptr + (row * n_dblocks + pd) * N + n, tl.sum(dh * (dt * u)[:, None], axis=0), mask=nm & valid)
+    tl.store(dcp_ptr + (row * n_dblocks + pd) * N + n, tl.sum(dy[:, None] * h_t, axis=0), mask=_only(nm, valid))
+    tl.store(dbp_ptr + (row * n_dblocks + pd) * N + n, tl.sum(dh * (dt * u)[:, None], axis=0), mask=_only(nm, valid))
     ddt = tl.sum(dh * (a * decay * h_prev + u[:, None] * bt[None, :]), axis=1)
     du = tl.sum(dh * bt[None, :], axis=1) * dt
     if HAS_D:
         du += dv * dy
         dd += dy * u
     da += dh * (dt[:, None] * decay * h_prev)
-    tl.store(du_ptr + row * DN + d, du, mask=dm & valid)
-    tl.store(ddt_ptr + row * DN + d, ddt, mask=dm & valid)
+    tl.store(du_ptr + row * DN + d, du, mask=_only(dm, valid))
+    tl.store(ddt_ptr + row * DN + d, ddt, mask=_only(dm, valid))
     return dh * decay, da, dd
 
 
