@@ -62,12 +62,8 @@ for part in "$@"; do
         | grep -E "PASSED|FAILED|ERROR|passed|failed|Error"
       timeout 500 python3 -m linearize.bench.train --teacher $T --models ${GRAPH_MODELS:-teacher supra retnet striped_mamba} \
         --shapes 16x1024 8x2048 2x8192 --steps 6 --cuda-graph --out $S/train_graph.json 2>&1 | grep -v Warning | tail -16 ;;
-    scan)  # the Triton Mamba scan: equal to PyTorch on CUDA, then StripedMamba's training speed with it vs the teacher
-      timeout 240 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_kernels.py -k scan 2>&1 | grep -E "PASSED|FAILED|ERROR|passed|failed"
-      timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \
-        --shapes 16x1024 8x2048 2x8192 --steps 6 --out $S/train_mamba_scan.json 2>&1 | tail -8 ;;
-    mamba)  # the Mamba kernels equal to PyTorch on CUDA, the scan's constants and per-kernel times
-      # (scripts/scan_bench.py; SCAN_ARGS), then StripedMamba's training speed beside the teacher's. Eager:
+    mamba|scan)  # the Mamba kernels equal to PyTorch on CUDA, the scan's constants and per-kernel times
+      # (scripts/scan_bench.py; SCAN_ARGS, default --sweep), then StripedMamba's training speed beside the teacher's. Eager:
       # graphed steps pass a mask, which keeps the PyTorch convolution. Speed does not depend on the
       # weights, so T may be a shape-only teacher (scripts/shape_teacher.py).
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k "scan or conv" 2>&1 | tail -3

@@ -11,9 +11,9 @@ import torch.nn.functional as F  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 import linearize.ops.causal_conv1d_triton as cct  # noqa: E402
-
-cct_defaults = (cct.BLOCK_T, cct.BLOCK_D, cct.BWD_BLOCK_T, cct.BWD_BLOCK_D)
 from linearize.ops.selective_scan import causal_conv1d_naive  # noqa: E402
+
+PRODUCTION_BLOCKS = (cct.BLOCK_T, cct.BLOCK_D, cct.BWD_BLOCK_T, cct.BWD_BLOCK_D)
 
 
 def reference(x, w, bias, initial_state=None, output_final_state=False):
@@ -141,6 +141,6 @@ final_state_only()
 blocks(16, 32)  # the model: 21 tokens and 96 channels still span 2 x 3 blocks
 mixer_fused_equals_pytorch()
 # the production blocks once
-blocks(cct_defaults[0], cct_defaults[1], cct_defaults[2], cct_defaults[3])
+blocks(*PRODUCTION_BLOCKS)
 check(1, 64 + 9, 64 + 3, 4, True, True, True, 12, strided=True)
 print("ok")

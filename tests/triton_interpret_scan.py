@@ -11,6 +11,8 @@ import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's
 import linearize.ops.selective_scan_triton as sst  # noqa: E402
 from linearize.ops.selective_scan import selective_scan_chunked  # noqa: E402
 
+PRODUCTION_CHUNKING = (sst.CHUNK, sst.CKPT, sst.GROUP)
+
 
 def check(b, t, dn, n, with_d, with_state, seed):
     g = torch.Generator().manual_seed(seed)
@@ -59,11 +61,10 @@ check(3, 7, 9, 3, True, False, 2)  # T shorter than one chunk
 check(2, 1, 5, 4, False, True, 3)  # T = 1
 check(1, 8 + 4, 6, 2, False, True, 4)  # T on a checkpoint, off the chunk
 final_state_unused(2, 19, 7, 3)
-# the production chunking once
 sst.CHUNK, sst.CKPT, sst.GROUP = 128, 16, 4  # four register groups per checkpoint, three of them advanced to
 check(1, 128 + 37, 9, 3, True, True, 5)
 sst.CHUNK, sst.CKPT, sst.GROUP = 16, 16, 8  # two groups of 8 per checkpoint
 check(1, 2 * 16 + 6, 7, 4, True, True, 8)
-sst.CHUNK, sst.CKPT, sst.GROUP = 128, 8, 8  # the production chunking: one group per checkpoint
+sst.CHUNK, sst.CKPT, sst.GROUP = PRODUCTION_CHUNKING  # the production chunking once
 check(1, 128 + 13, 9, 3, True, True, 9)
 print("ok")
