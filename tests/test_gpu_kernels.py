@@ -16,8 +16,10 @@ SCAN_SHAPES = [(2, 300, 1152, 16, True), (1, 2100, 1152, 16, True), (2, 2048, 25
 
 @pytest.mark.parametrize("shape", SCAN_SHAPES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-def test_triton_scan_equals_torch_scan_on_cuda(dtype, tol, shape):
-    """The Triton scan against the PyTorch chunked form in float64: y, the final state and every gradient."""
+@pytest.mark.parametrize("softplus", [False, True])
+def test_triton_scan_equals_torch_scan_on_cuda(softplus, dtype, tol, shape):
+    """The Triton scan against the PyTorch chunked form in float64: y, the final state and every gradient;
+    with ``softplus``, dt enters before its softplus (``delta_softplus``, as the mixer calls it)."""
     from linearize.ops.selective_scan import selective_scan_chunked
     from linearize.ops.selective_scan_triton import selective_scan_triton
 
@@ -25,12 +27,16 @@ def test_triton_scan_equals_torch_scan_on_cuda(dtype, tol, shape):
     g = torch.Generator(device="cuda").manual_seed(0)
     b, t, dn, n, with_state = shape
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    ins = [r(b, t, dn), torch.nn.functional.softplus(r(b, t, dn)) * 0.1, -torch.exp(r(dn, n)), r(b, t, n),
-           r(b, t, n), r(dn), r(b, dn, n) * 0.1 if with_state else None]
+    dt = r(b, t, dn) - 3.0 if softplus else torch.nn.functional.softplus(r(b, t, dn)) * 0.1
+    ins = [r(b, t, dn), dt, -torch.exp(r(dn, n)), r(b, t, n), r(b, t, n), r(dn), r(b, dn, n) * 0.1 if with_state else None]
     w = r(b, t, dn)
     out = {}
-    for name, fn in (("torch", lambda *a, **k: selective_scan_chunked(*a, **k, chunk_size=64)),
-                     ("triton", selective_scan_triton)):
+
+    def torch_form(u, dt, *rest, **kw):
+        return selective_scan_chunked(u, torch.nn.functional.softplus(dt) if softplus else dt, *rest, **kw, chunk_size=64)
+
+    for name, fn in (("torch", torch_form),
+                     ("triton", lambda *a, **k: selective_scan_triton(*a, **k, delta_softplus=softplus))):
         xs = [None if x is None else x.double() if name == "torch" else x.to(dtype) for x in ins]
         xs = [None if x is None else x.detach().requires_grad_(True) for x in xs]
         y, h = fn(*xs[:6], initial_state=xs[6], output_final_state=True)

@@ -53,8 +53,10 @@ def _naive_linear_attention(q, k, v, *, log_decay=None, normalize=True, eps=1e-6
 
 
 def _naive_scan(u, dt, A, B, C, D=None, *, chunk_size=64, initial_state=None, output_final_state=False,
-                backend="auto"):
+                backend="auto", delta_softplus=False):
     assert not output_final_state
+    if delta_softplus:
+        dt = torch.nn.functional.softplus(dt)
     return ss.selective_scan_naive(u, dt, A, B, C, D, initial_state=initial_state), None
 
 

@@ -14,10 +14,12 @@ from linearize.ops.selective_scan import selective_scan_chunked  # noqa: E402
 PRODUCTION_CHUNKING = (sst.CHUNK, sst.CKPT, sst.GROUP)
 
 
-def check(b, t, dn, n, with_d, with_state, seed):
+def check(b, t, dn, n, with_d, with_state, seed, softplus=False):
+    """With ``softplus``, the kernels take dt before softplus (``delta_softplus``); the reference after it."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
-    ins = [r(b, t, dn), torch.nn.functional.softplus(r(b, t, dn)) * 0.5, -torch.exp(r(dn, n)), r(b, t, n), r(b, t, n),
+    dt = r(b, t, dn) - 1.0 if softplus else torch.nn.functional.softplus(r(b, t, dn)) * 0.5
+    ins = [r(b, t, dn), dt, -torch.exp(r(dn, n)), r(b, t, n), r(b, t, n),
            r(dn) if with_d else None, r(b, dn, n) if with_state else None]
     w_y, w_h = r(b, t, dn), r(b, dn, n)
 
@@ -27,14 +29,18 @@ def check(b, t, dn, n, with_d, with_state, seed):
         grads = torch.autograd.grad((y.double() * w_y).sum() + (h.double() * w_h).sum(), live)
         return [y, h, *grads]
 
-    ref = run(lambda *a, **k: selective_scan_chunked(*a, **k, chunk_size=16),
-              [x.requires_grad_(True) if x is not None else None for x in ins])
-    got = run(sst.selective_scan_triton, [x.detach().float().requires_grad_(True) if x is not None else None for x in ins])
+    def reference(u, dt, *rest, **kw):
+        return selective_scan_chunked(u, torch.nn.functional.softplus(dt) if softplus else dt, *rest, **kw,
+                                      chunk_size=16)
+
+    ref = run(reference, [x.requires_grad_(True) if x is not None else None for x in ins])
+    got = run(lambda *a, **k: sst.selective_scan_triton(*a, **k, delta_softplus=softplus),
+              [x.detach().float().requires_grad_(True) if x is not None else None for x in ins])
     names = ["y", "final state", "du", "ddt", "dA", "dB", "dC"] + ["dD"] * with_d + ["dh0"] * with_state
     assert len(got) == len(ref) == len(names)
     for name, a, e in zip(names, got, ref):
         rel = ((a.double() - e).norm() / e.norm()).item()
-        assert rel < 1e-5, (name, rel, (b, t, dn, n, with_d, with_state), (sst.CHUNK, sst.CKPT, sst.GROUP))
+        assert rel < 1e-5, (name, rel, (b, t, dn, n, with_d, with_state, softplus), (sst.CHUNK, sst.CKPT, sst.GROUP))
 
 
 def final_state_unused(b, t, dn, n):
@@ -60,6 +66,7 @@ check(1, 4 * 8, sst.BLOCK_D, 16, False, False, 1)  # T on the chunk
 check(3, 7, 9, 3, True, False, 2)  # T shorter than one chunk
 check(2, 1, 5, 4, False, True, 3)  # T = 1
 check(1, 8 + 4, 6, 2, False, True, 4)  # T on a checkpoint, off the chunk
+check(2, 2 * 8 + 3, sst.BLOCK_D + 3, 4, True, True, 10, softplus=True)  # dt's softplus inside the kernels
 final_state_unused(2, 19, 7, 3)
 sst.CHUNK, sst.CKPT, sst.GROUP = 128, 16, 4  # four register groups per checkpoint, three of them advanced to
 check(1, 128 + 37, 9, 3, True, True, 5)
@@ -67,4 +74,5 @@ sst.CHUNK, sst.CKPT, sst.GROUP = 16, 16, 8  # two groups of 8 per checkpoint
 check(1, 2 * 16 + 6, 7, 4, True, True, 8)
 sst.CHUNK, sst.CKPT, sst.GROUP = PRODUCTION_CHUNKING  # the production chunking once
 check(1, 128 + 13, 9, 3, True, True, 9)
+check(1, 128 + 13, 9, 3, True, False, 11, softplus=True)
 print("ok")

@@ -5,7 +5,7 @@ a causal depthwise convolution of width 4, state size N = 16, ``dt_rank = ceil(h
 
     x, z = split(X W_in)                   x: [B, T, Dn]
     x    = silu(causal_conv1d(x))
-    dt, B, C = split(x W_x);  dt = softplus(dt W_dt + b_dt)
+    dt, B, C = split(x W_x);  dt = softplus(dt W_dt + b_dt)   (the softplus inside the scan's kernels)
     y    = selective_scan(x, dt, A = -exp(A_log), B, C, D)
     out  = (y * silu(z)) W_out
 
@@ -115,15 +115,16 @@ class MambaMixer(FreshMixer):
         xc, conv_state = conv_silu(xs, w, bias, conv_state, want_state, real,
                                    fused=not step and use_fused_conv(xs, self.key_mask), step=step)
         dt, Bm, Cm = self.x_proj(xc).split([self.dt_rank, self.state_size, self.state_size], dim=-1)
-        dt = F.softplus(self.dt_proj(dt).to(acc))
+        dt = self.dt_proj(dt)  # softplus comes in the scan (fused into the kernels on CUDA)
         A = -torch.exp(self.A_log.to(acc))
         if step:
-            y, ssm_state = selective_scan_step(xc[:, 0], dt[:, 0], A, Bm[:, 0], Cm[:, 0], self.D, ssm_state)
+            y, ssm_state = selective_scan_step(xc[:, 0], F.softplus(dt[:, 0].to(acc)), A, Bm[:, 0], Cm[:, 0], self.D,
+                                               ssm_state)
             y = y[:, None]
         else:
             y, ssm_state = selective_scan(xc, dt, A, Bm, Cm, self.D, chunk_size=self.spec.chunk_size,
                                           initial_state=ssm_state, output_final_state=want_state,
-                                          backend=self.spec.backend)
+                                          backend=self.spec.backend, delta_softplus=True)
         out = self.out_proj(y * F.silu(z))
         new_state = torch.cat([conv_state, ssm_state], dim=-1) if (step or want_state) else None
         return out, new_state

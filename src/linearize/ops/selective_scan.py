@@ -159,17 +159,21 @@ def selective_scan_chunked(
 def selective_scan(
     u: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
     D: torch.Tensor | None = None, *, chunk_size: int = 64, initial_state: torch.Tensor | None = None,
-    output_final_state: bool = False, backend: str = "auto",
+    output_final_state: bool = False, backend: str = "auto", delta_softplus: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The linear-time scan: the fused Triton kernels on CUDA (``backend`` auto/fla/triton, when
-    Triton is installed), else ``selective_scan_chunked``. Same contract as the latter."""
+    Triton is installed), else ``selective_scan_chunked``. Same contract as the latter, except that
+    with ``delta_softplus`` ``dt`` comes before its softplus (in the accumulation dtype; the Triton
+    kernels apply it to each element as they load it, as Mamba's own kernel does)."""
     from .fla_backend import triton_available
 
     if backend != "torch" and u.is_cuda and triton_available():
         from .selective_scan_triton import selective_scan_triton
 
         return selective_scan_triton(u, dt, A, B, C, D, initial_state=initial_state,
-                                     output_final_state=output_final_state)
+                                     output_final_state=output_final_state, delta_softplus=delta_softplus)
+    if delta_softplus:
+        dt = F.softplus(dt.to(accum_dtype(dt.dtype)))
     return selective_scan_chunked(u, dt, A, B, C, D, chunk_size=chunk_size, initial_state=initial_state,
                                   output_final_state=output_final_state)
 
