@@ -81,6 +81,16 @@ def _chan(ptr, row, DN, d, dm, valid):
 
 
 @triton.jit
+def _chans(ptr, r, t0, T, DN, d, dm, G: tl.constexpr):
+    """Tokens t0 .. t0 + G - 1's (rows r ..) values of channels ``d``: a tuple of G vectors, their
+    loads issued together (fp32; 0 past T)."""
+    out = ()
+    for k in tl.static_range(G):
+        out = out + (_chan(ptr, r + k, DN, d, dm, t0 + k < T),)
+    return out
+
+
+@triton.jit
 def _softplus(x):
     """``log(1 + exp(x)) = max(x, 0) + log1p(exp(-|x|))`` for any x; log1p by its series below 0.1
     (Triton's core has no log1p, and log(1 + e) loses e's digits when e is small)."""
@@ -156,24 +166,16 @@ def _advance4(h, u_ptr, dt_ptr, b_ptr, delta_ptr, r, t0, T, DN, d, dm, a, N: tl.
     """The state after tokens t0 .. t0 + 3 (rows r ..) from the state before them (loads issued
     together), and the sum of their dt. With ``SOFTPLUS``, ``dt`` is before softplus and the steps
     after it are stored at ``delta_ptr`` (fp32) for the later passes."""
-    u0 = _chan(u_ptr, r, DN, d, dm, t0 < T)
-    u1 = _chan(u_ptr, r + 1, DN, d, dm, t0 + 1 < T)
-    u2 = _chan(u_ptr, r + 2, DN, d, dm, t0 + 2 < T)
-    u3 = _chan(u_ptr, r + 3, DN, d, dm, t0 + 3 < T)
-    dt0 = _delta(dt_ptr, r, DN, d, dm, t0 < T, SOFTPLUS)
-    dt1 = _delta(dt_ptr, r + 1, DN, d, dm, t0 + 1 < T, SOFTPLUS)
-    dt2 = _delta(dt_ptr, r + 2, DN, d, dm, t0 + 2 < T, SOFTPLUS)
-    dt3 = _delta(dt_ptr, r + 3, DN, d, dm, t0 + 3 < T, SOFTPLUS)
+    us = _chans(u_ptr, r, t0, T, DN, d, dm, 4)
+    dts = ()
+    for k in tl.static_range(4):
+        dts = dts + (_delta(dt_ptr, r + k, DN, d, dm, t0 + k < T, SOFTPLUS),)
     if SOFTPLUS:
-        tl.store(delta_ptr + r * DN + d, dt0, mask=_only(dm, t0 < T))
-        tl.store(delta_ptr + (r + 1) * DN + d, dt1, mask=_only(dm, t0 + 1 < T))
-        tl.store(delta_ptr + (r + 2) * DN + d, dt2, mask=_only(dm, t0 + 2 < T))
-        tl.store(delta_ptr + (r + 3) * DN + d, dt3, mask=_only(dm, t0 + 3 < T))
-    h = _step(h, a, dt0, u0, _scalars(b_ptr, r, t0 < T, N), N)
-    h = _step(h, a, dt1, u1, _scalars(b_ptr, r + 1, t0 + 1 < T, N), N)
-    h = _step(h, a, dt2, u2, _scalars(b_ptr, r + 2, t0 + 2 < T, N), N)
-    h = _step(h, a, dt3, u3, _scalars(b_ptr, r + 3, t0 + 3 < T, N), N)
-    return h, (dt0 + dt1) + (dt2 + dt3)
+        for k in tl.static_range(4):
+            tl.store(delta_ptr + (r + k) * DN + d, dts[k], mask=_only(dm, t0 + k < T))
+    for k in tl.static_range(4):
+        h = _step(h, a, dts[k], us[k], _scalars(b_ptr, r + k, t0 + k < T, N), N)
+    return h, (dts[0] + dts[1]) + (dts[2] + dts[3])
 
 
 @triton.jit
@@ -223,11 +225,8 @@ def _fwd_carry(a_ptr, local_ptr, dtsum_ptr, h0_ptr, ckpt_ptr, hT_ptr, DN, N, n_c
 @triton.jit
 def _out4(h, r, t0, T, u_ptr, dt_ptr, b_ptr, c_ptr, y_ptr, DN, d, dm, a, dv, N: tl.constexpr):
     """Tokens t0 .. t0 + 3 (rows r ..): their outputs y, and the state after them."""
-    us = ()
-    dts = ()
-    for k in tl.static_range(4):
-        us = us + (_chan(u_ptr, r + k, DN, d, dm, t0 + k < T),)
-        dts = dts + (_chan(dt_ptr, r + k, DN, d, dm, t0 + k < T),)
+    us = _chans(u_ptr, r, t0, T, DN, d, dm, 4)
+    dts = _chans(dt_ptr, r, t0, T, DN, d, dm, 4)
     for k in tl.static_range(4):
         h = _step(h, a, dts[k], us[k], _scalars(b_ptr, r + k, t0 + k < T, N), N)
         ct = _scalars(c_ptr, r + k, t0 + k < T, N)
@@ -275,11 +274,8 @@ def _bwd_local(dt_ptr, a_ptr, c_ptr, dy_ptr, dh_ptr, T, DN, n_chunks,
         t0 = c * CHUNK + CHUNK - 4 - ii  # the group's first token
         if t0 < T:
             r = bi * T + t0
-            dts = ()
-            dys = ()
-            for k in tl.static_range(4):
-                dts = dts + (_chan(dt_ptr, r + k, DN, d, dm, t0 + k < T),)
-                dys = dys + (_chan(dy_ptr, r + k, DN, d, dm, t0 + k < T),)
+            dts = _chans(dt_ptr, r, t0, T, DN, d, dm, 4)
+            dys = _chans(dy_ptr, r, t0, T, DN, d, dm, 4)
             for kk in tl.static_range(4):
                 ct = _scalars(c_ptr, r + 3 - kk, t0 + 3 - kk < T, N)
                 nxt = ()
@@ -357,15 +353,11 @@ def _group_bwd(h0, r0, t0, T, u_ptr, dt_ptr, b_ptr, c_ptr, raw_ptr, dy_ptr, du_p
                G: tl.constexpr):
     """Tokens t0 .. t0 + G - 1 (rows r0 ...) backwards from the state before them, ``h0``: the
     states before each of them are recomputed into registers (tuples, unrolled), then walked back."""
-    us = ()
-    dts = ()
-    raws = ()  # dt before softplus, with SOFTPLUS (loaded with the rest: a load at its use stalls the walk)
-    ys = ()
-    for k in tl.static_range(G):
-        us = us + (_chan(u_ptr, r0 + k, DN, d, dm, t0 + k < T),)
-        dts = dts + (_chan(dt_ptr, r0 + k, DN, d, dm, t0 + k < T),)
-        raws = raws + (_chan(raw_ptr, r0 + k, DN, d, dm, t0 + k < T) if SOFTPLUS else dts[k],)
-        ys = ys + (_chan(dy_ptr, r0 + k, DN, d, dm, t0 + k < T),)
+    us = _chans(u_ptr, r0, t0, T, DN, d, dm, G)
+    dts = _chans(dt_ptr, r0, t0, T, DN, d, dm, G)
+    # dt before softplus, with SOFTPLUS (loaded with the rest: a load where it is used stalls the walk)
+    raws = _chans(raw_ptr, r0, t0, T, DN, d, dm, G) if SOFTPLUS else dts
+    ys = _chans(dy_ptr, r0, t0, T, DN, d, dm, G)
     hs = (h0,)
     for k in tl.static_range(G - 1):
         hs = hs + (_step(hs[k], a, dts[k], us[k], _scalars(b_ptr, r0 + k, t0 + k < T, N), N),)
