@@ -63,3 +63,26 @@ def test_key_padding_mask_keeps_a_tensor_while_capturing(monkeypatch):
     monkeypatch.setattr(base, "capturing", lambda: True)
     kept = base.key_padding_mask(mask, 5)
     assert kept.dtype == torch.bool and kept.all()
+    with base.unpadded_batches():  # a graphed training step: no attention mask, so nothing to keep
+        assert base.key_padding_mask(mask, 5) is None
+    assert base.key_padding_mask(mask, 5) is not None  # and only inside
+
+
+def test_a_graphed_step_tells_the_mixers_its_batches_are_unpadded(tiny_model, monkeypatch):
+    """The graphed loss runs the model inside ``unpadded_batches``: no mixer keeps a mask tensor."""
+    base = importlib.import_module("linearize.mixers.base")
+    import transformers.utils.import_utils as hf_import_utils
+
+    from linearize.graphed import _NextTokenLoss
+
+    model = build(tiny_model("llama"), "striped_mamba")
+    fresh = importlib.import_module("linearize.mixers.fresh")
+    masks = []
+    original = base.key_padding_mask
+    monkeypatch.setattr(base, "capturing", lambda: True)
+    monkeypatch.setattr(hf_import_utils, "is_cuda_stream_capturing", lambda: True)  # it builds a mask then
+    monkeypatch.setattr(fresh, "key_padding_mask", lambda *a: masks.append(original(*a)) or masks[-1])
+    ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _NextTokenLoss(model, None)(ids, ids)
+    assert masks and all(m is None for m in masks)

@@ -23,6 +23,8 @@ import gc
 import torch
 from torch import nn
 
+from .mixers.base import unpadded_batches
+
 
 class _NextTokenLoss(nn.Module):
     """``model``'s mean next-token loss of ``input_ids`` against ``labels``, under autocast to ``dtype``."""
@@ -36,8 +38,10 @@ class _NextTokenLoss(nn.Module):
         # under accelerate's mixed precision (the Trainer's bf16), model.forward is wrapped in an
         # autocast with the weight cache, which a capture cannot keep: call the forward it wrapped
         forward = getattr(self.model, "_original_forward", None) or self.model
+        # no attention mask goes in, so no token is padding: the mixers need not keep transformers'
+        # causal mask as a padding mask while the stream captures
         with torch.autocast("cuda", dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None,
-                            cache_enabled=False):
+                            cache_enabled=False), unpadded_batches():
             return forward(input_ids=input_ids, labels=labels, use_cache=False).loss
 
 

@@ -8,6 +8,8 @@ and ``step`` (one token from a state), both returning ``(o [B, H, T, D], state)`
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -38,13 +40,29 @@ def key_padding_mask(attention_mask, q_len: int) -> torch.Tensor | None:
         return None
     valid = valid[:, -q_len:]
     if capturing():  # a CUDA graph cannot ask the host whether all are real: keep the mask as a tensor
-        return valid
+        return None if _unpadded else valid
     return None if bool(valid.all()) else valid
 
 
 def capturing() -> bool:
     """Whether the current CUDA stream is being captured into a graph (``linearize.graphed``)."""
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+_unpadded = False
+
+
+@contextlib.contextmanager
+def unpadded_batches():
+    """Inside, the caller vouches that every token is real (packed blocks, no attention mask passed),
+    so a capture need not keep the mask as a tensor: the mixers take their unmasked paths, e.g.
+    StripedMamba's fused convolution."""
+    global _unpadded
+    before, _unpadded = _unpadded, True
+    try:
+        yield
+    finally:
+        _unpadded = before
 
 
 def is_static(slot) -> bool:

@@ -18,7 +18,8 @@ default; the other projections are drawn like the teacher's (normal(0, initializ
 
 On CUDA, a padding-free sequence takes the convolution and its SiLU as one fused Triton op over the
 channels-last ``[B, T, Dn]`` layout (``ops/causal_conv1d_triton.py``, chosen in ``conv_silu``); left
-padding, float64, the CPU and torch.compile keep the PyTorch path.
+padding, float64, the CPU and torch.compile keep the PyTorch path. A CUDA-graph training step
+(``linearize.graphed``) vouches for unpadded blocks, so it takes the fused op too.
 
 The decoding state is one fp32 tensor ``[B, Dn, (K - 1) + N]``: the convolution's last ``K - 1``
 inputs followed by the scan state, so the cache treats it like any other mixer's state.
