@@ -1,7 +1,8 @@
 """Time Mamba's Triton selective scan (``ops/selective_scan_triton.py``) on one CUDA GPU: forward and
 forward + backward per call, at StripedMamba's shapes for SmolLM2 (Dn = 1152, N = 16), as the mixer
-calls it (u, B, C and dt's projection in bf16, dt's softplus inside the kernels; a kernels file without
-``delta_softplus`` gets it in fp32 first), for the kernels' tunable constants (``--sweep``), with each kernel's share of a forward + backward (``--kernels``).
+calls it (u, B, C and dt's projection in bf16, dt's softplus inside the kernels; a kernels file
+without ``delta_softplus`` gets it in fp32 first), for the kernels' tunable constants
+(``--sweep``), with each kernel's share of a forward + backward (``--kernels``).
 Each config's outputs and gradients are checked against the first config's. Exits 1 without CUDA or
 on a mismatch.
 

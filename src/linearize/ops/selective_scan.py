@@ -163,8 +163,8 @@ def selective_scan(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The linear-time scan: the fused Triton kernels on CUDA (``backend`` auto/fla/triton, when
     Triton is installed), else ``selective_scan_chunked``. Same contract as the latter, except that
-    with ``delta_softplus`` ``dt`` comes before its softplus (in the accumulation dtype; the Triton
-    kernels apply it to each element as they load it, as Mamba's own kernel does)."""
+    with ``delta_softplus`` ``dt`` comes before its softplus, which is applied in the accumulation
+    dtype (inside the Triton kernels, as in Mamba's own)."""
     from .fla_backend import triton_available
 
     if backend != "torch" and u.is_cuda and triton_available():
