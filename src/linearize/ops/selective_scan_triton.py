@@ -66,7 +66,6 @@ FWD_WARPS = 1  # warps per program of the forward passes and the backward's firs
 BWD_WARPS = 1  # warps per program of the backward's last pass
 
 
-
 @triton.jit
 def _only(m, valid):
     """The mask ``m`` where the scalar ``valid`` holds, else all False. (Not ``m & valid``: Triton
@@ -130,6 +129,7 @@ def _a_log2(a_ptr, d, dm, N: tl.constexpr):
 
 @triton.jit
 def _zeros(BD: tl.constexpr, N: tl.constexpr):
+    """A zero state of ``BD`` channels: N vectors."""
     out = ()
     for k in tl.static_range(N):
         out = out + (tl.zeros([BD], dtype=tl.float32),)
