@@ -43,7 +43,7 @@ transformers.__version__, 'triton', triton.__version__)" | tee -a $R/device.txt 
       && touch /tmp/evalsite/.ready ;;
   start)
     name=${2:?name}; shift 2
-    code=/tmp/code/$name; rm -rf "$code"; mkdir -p "$code" && cp -r src scripts tests pyproject.toml "$code/"
+    code=/tmp/code/$name; rm -rf "$code"; mkdir -p "$code" && cp -r src dev tests pyproject.toml "$code/"
     { env_lines "$code"; echo "cd $code"; echo "$*"; } > "$code/job.sh"
     rm -f $R/$name.rc; echo "$name" >> $R/jobs
     setsid bash -c "bash $code/job.sh > $R/$name.log 2>&1; echo \$? > $R/$name.rc" < /dev/null > /dev/null 2>&1 &

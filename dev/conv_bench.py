@@ -5,7 +5,7 @@ constants (``--sweep``, forward and backward ones apart), with each kernel's sha
 Each config's outputs and gradients are checked against the first config's. Exits 1 without CUDA or
 on a mismatch.
 
-    python scripts/conv_bench.py [--shapes 16x1024 2x8192] [--sweep] [--kernels] [--runs 10]
+    python dev/conv_bench.py [--shapes 16x1024 2x8192] [--sweep] [--kernels] [--runs 10]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The speed figures of issues #7, #4 and #5 on one GPU, as parts run one after another (nothing else
-# on the GPU): `gpu_session.sh start speed bash scripts/gpu_speed.sh PART...`. Untrained students:
+# on the GPU): `gpu_session.sh start speed bash dev/gpu_speed.sh PART...`. Untrained students:
 # speed does not depend on the weights. Rows land in /tmp/runs/speed/*.json.
 set -uo pipefail
 T=${T:-/tmp/stage/teacher.gguf}; S=/tmp/runs/speed; mkdir -p $S
@@ -56,18 +56,18 @@ for part in "$@"; do
       timeout 500 python3 -m linearize.bench.train --teacher $T --models teacher supra retnet --shapes 16x1024 2x8192 \
         --steps 6 --compile --out $S/train_compiled.json 2>&1 | grep -v Warning | tail -10 ;;
     train-graph)  # the same with each step's forward and backward replayed as CUDA graphs (linearize.graphed),
-      # beside the eager teacher: the students' eager steps are host-bound (RESULTS, fifth GPU session)
+      # beside the eager teacher: the students' eager steps are host-bound (docs/RESULTS.md, training speed)
       # (fla compiles for every model on a fresh machine: 240 s ran out after two of the four models)
       timeout ${GRAPH_TEST_TIMEOUT:-540} python3 -m pytest -v -p no:cacheprovider tests/test_gpu.py -k "graphed or cuda_graphs" 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed|Error"
       timeout 500 python3 -m linearize.bench.train --teacher $T --models ${GRAPH_MODELS:-teacher supra retnet striped_mamba} \
         --shapes 16x1024 8x2048 2x8192 --steps 6 --cuda-graph --out $S/train_graph.json 2>&1 | grep -v Warning | tail -16 ;;
     mamba|scan)  # the Mamba kernels equal to PyTorch on CUDA, the scan's constants and per-kernel times
-      # (scripts/scan_bench.py; SCAN_ARGS, default --sweep), then StripedMamba's training speed beside the teacher's. Eager:
+      # (dev/scan_bench.py; SCAN_ARGS, default --sweep), then StripedMamba's training speed beside the teacher's. Eager:
       # graphed steps pass a mask, which keeps the PyTorch convolution. Speed does not depend on the
-      # weights, so T may be a shape-only teacher (scripts/shape_teacher.py).
+      # weights, so T may be a shape-only teacher (dev/shape_teacher.py).
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k "scan or conv" 2>&1 | tail -3
-      timeout 400 python3 scripts/scan_bench.py --kernels ${SCAN_ARGS:---sweep} 2>&1 | tee $S/scan_bench.txt
+      timeout 400 python3 dev/scan_bench.py --kernels ${SCAN_ARGS:---sweep} 2>&1 | tee $S/scan_bench.txt
       timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \
         --shapes 16x1024 8x2048 2x8192 --steps 6 --out $S/train_mamba.json 2>&1 | tail -8 ;;
     profile)  # where the training step and the decode step spend their time (kernels by device time;
@@ -84,7 +84,7 @@ for part in "$@"; do
     fp32)  # the fla-vs-PyTorch agreement in fp32 with full-precision Triton dots (issue #2). Four tries
       # (200, 200, 500, 300 s, all lengths) printed nothing: fla autotunes each kernel per length and
       # IEEE fp32 dots compile slowly. One length by default; run it as its own background job
-      # beside other work (gpu_session.sh start fp32 "bash scripts/gpu_speed.sh fp32").
+      # beside other work (gpu_session.sh start fp32 "bash dev/gpu_speed.sh fp32").
       TRITON_F32_DEFAULT=ieee timeout ${FP32_TIMEOUT:-1500} python3 -m linearize.bench.mixers --skip-timing \
         --dtypes float32 --lengths ${FP32_LENGTHS:-1024} --out $S/agreement_ieee.json 2>&1 | grep -v Warning | tail -30 ;;
     *) echo "unknown part $part" ;;

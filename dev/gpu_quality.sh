@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The training runs of issues #3-#6 on one GPU, each a job for `gpu_session.sh start NAME bash
-# scripts/gpu_quality.sh NAME` (several run side by side; their tokens/s are then shared-GPU figures,
+# dev/gpu_quality.sh NAME` (several run side by side; their tokens/s are then shared-GPU figures,
 # the clean ones come from linearize.bench.train). After training, each run's final checkpoint goes
 # through lm-eval (once gpu_session.sh eval-setup has run) at LIMIT documents per task (LIMIT=all: all).
 # At most SLOTS (default 3) jobs hold the GPU at once; the others wait for a slot. On 2026-11-22,

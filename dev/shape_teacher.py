@@ -3,7 +3,7 @@ depend on the weights): reads ``config.json`` and the tokenizer files from SRC (
 e.g. linearize's cache of the embedded SmolLM2) and writes a loadable model folder to OUT. Lets a
 GPU machine time the students without carrying the 98 MB teacher.
 
-    python scripts/shape_teacher.py SRC OUT
+    python dev/shape_teacher.py SRC OUT
 """
 
 from __future__ import annotations

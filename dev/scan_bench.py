@@ -6,7 +6,7 @@ without ``delta_softplus`` gets it in fp32 first), for the kernels' tunable cons
 Each config's outputs and gradients are checked against the first config's. Exits 1 without CUDA or
 on a mismatch.
 
-    python scripts/scan_bench.py [--shapes 16x1024 2x8192] [--sweep] [--kernels] [--runs 10] [--module FILE]
+    python dev/scan_bench.py [--shapes 16x1024 2x8192] [--sweep] [--kernels] [--runs 10] [--module FILE]
 
 ``--module`` times another version of the kernels' file instead (e.g. one from git history or a
 candidate); its outputs and gradients are also checked against linearize's kernels. The constants
