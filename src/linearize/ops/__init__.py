@@ -20,6 +20,14 @@ from .hybrid_attention import (
     hybrid_attention_weights,
     hybrid_final_state,
 )
+from .sparse_hybrid_attention import (
+    SparseHybridState,
+    empty_sparse_hybrid_state,
+    sparse_hybrid_attention_chunked,
+    sparse_hybrid_attention_naive,
+    sparse_hybrid_attention_recurrent,
+    sparse_hybrid_attention_step,
+)
 from .softmax_attention import softmax_attention, softmax_attention_weights
 from .linear_attention import (
     accum_dtype,
@@ -66,5 +74,6 @@ __all__ = [
     "hybrid_attention_step", "hybrid_attention_step_ring", "hybrid_final_state", "linear_attention", "linear_attention_chunked",
     "linear_attention_fla", "linear_attention_naive", "linear_attention_recurrent",
     "linear_attention_step", "softmax_attention", "softmax_attention_weights", "hybrid_attention_weights",
-    "use_fla",
+    "use_fla", "SparseHybridState", "empty_sparse_hybrid_state", "sparse_hybrid_attention_chunked",
+    "sparse_hybrid_attention_naive", "sparse_hybrid_attention_recurrent", "sparse_hybrid_attention_step",
 ]
