@@ -140,6 +140,26 @@ def test_runs_under_bfloat16_autocast():
     torch.testing.assert_close(out.double(), ref.detach(), atol=0.1, rtol=0.05)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_forms_agree_on_cuda():
+    """The chunked form's selection (argsorts, cumulative sums, scatters) on CUDA, in float64, against
+    the decoding form, at SmolLM2's head sizes and a cache of 16 beside a window of 16."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float64)  # noqa: E731
+    b, h, hk, t, d, f = 2, 9, 3, 300, 64, 32
+    xs = [r(b, h, t, d) * 0.3, r(b, hk, t, d) * 0.3, torch.softmax(r(b, h, t, f), -1), torch.softmax(r(b, hk, t, f), -1),
+          r(b, hk, t, d)]
+    gamma = torch.full((h,), 0.1, device="cuda", dtype=torch.float64)
+    mask = torch.ones(b, t, dtype=torch.bool, device="cuda")
+    mask[1, :37] = False
+    kw = dict(window=16, cache_size=16, scale=d ** -0.5, key_mask=mask)
+    chunked, s_chunk = ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, output_final_state=True)
+    rec, s_rec = ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw)
+    _close(chunked, rec)
+    _same_state(s_chunk, s_rec)
+
+
 # --- the model ---------------------------------------------------------------------------------------
 
 SPEC = {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3}

@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import LinearizeError
 
-KINDS = ("lolcats", "linear", "supra", "retnet", "striped_mamba")
+KINDS = ("lolcats", "linear", "supra", "retnet", "striped_mamba", "delta")
 FEATURE_MAPS = ("hedgehog", "t2r", "elu", "relu")
 DECAYS = ("none", "retnet", "lightning")
 NORMS = ("sum", "group")
@@ -27,7 +27,9 @@ class Spec:
         (normalised linear attention) or ``supra`` (shared ReLU-MLP kernel, RoPE after it, fixed
         decay, GroupNorm; SUPRA eq. 10), or an XATL architecture trained from the teacher's shared
         weights (``linearize.xatl.build_xatl``): ``retnet`` (multi-scale retention, new q/k/v/gate,
-        the teacher's W_O) or ``striped_mamba`` (a Mamba mixer in each block, the FFN kept).
+        the teacher's W_O) or ``striped_mamba`` (a Mamba mixer in each block, the FFN kept); or
+        ``delta``: the sliding window plus a gated delta-rule memory of older tokens (Gated
+        DeltaNet; ``mixers/delta.py``), from the teacher's q/k/v/o (feature_map is not used).
     feature_map: ``hedgehog`` [softmax(xW) | softmax(-xW)], ``t2r`` ReLU(xW+b), ``elu`` elu+1, ``relu``.
         Applied after RoPE for lolcats/linear; supra always uses a square t2r shared by q and k.
     feature_dim: learned feature size per head (hedgehog outputs twice this).
