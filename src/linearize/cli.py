@@ -127,7 +127,9 @@ def cmd_info(args) -> int:
     from .info import describe
 
     model, _ = _load_any(args.model, args.dtype, "cpu")
-    print(describe(model))
+    if args.length is not None and args.length < 1:
+        raise LinearizeError(f"--length must be a positive number of tokens, got {args.length}")
+    print(describe(model, args.length))
     return 0
 
 
@@ -303,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print a checkpoint's base model, the mixer of every layer, trainable and total "
                                    "parameters, and the decoding state one sequence holds.")
     i.add_argument("model", nargs="?", default="default", help="a checkpoint folder, or a teacher as in convert")
+    i.add_argument("--length", type=int, metavar="N", help="also print the decoding state per sequence after N "
+                   "tokens (kept softmax layers' KV caches grow with it)")
     i.set_defaults(func=cmd_info)
 
     lc = sub.add_parser("lolcats", parents=[common], help="LoLCATs: attention transfer, then LoRA (two stages)",

@@ -158,9 +158,12 @@ def gated_delta_rule_fla(q, k, v, g, beta, *, initial_state=None, output_final_s
 def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, output_final_state=False, chunk_size=64,
                      backend="auto"):
     """The sequence form: fla's kernel where ``use_fla`` says so (CUDA, half precision or backend
-    "fla"), the PyTorch chunked form otherwise."""
+    "fla"; under autocast fp32 inputs go in the autocast dtype, as for ``linear_attention``), the
+    PyTorch chunked form otherwise."""
+    from . import kernel_inputs
     from .fla_backend import use_fla
 
+    q, k, v = kernel_inputs(q, k, v, backend)
     if use_fla(q, backend):
         return gated_delta_rule_fla(q, k, v, g, beta, initial_state=initial_state,
                                     output_final_state=output_final_state)
