@@ -368,7 +368,7 @@ def sparse_hybrid_attention_chunked(
     has = real.any(dim=1)
     first = torch.where(has, real.long().argmax(dim=1), torch.zeros_like(has, dtype=torch.long))
     shift = first % w  # roll each sequence left so that its origin falls on a chunk boundary
-    rolled = bool(shift.any())
+    rolled = key_mask is not None and bool(shift.any())  # (no host sync without a mask)
     if rolled:
         idx = (torch.arange(t, device=dev)[None, :] + shift[:, None]) % t
         q, k, qf, kf, v = (_roll_left(x, idx) for x in (q, k, qf, kf, v))
