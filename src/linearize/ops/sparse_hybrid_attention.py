@@ -415,7 +415,8 @@ def sparse_hybrid_attention_chunked(
     gone2 = (fold2[..., :w] < ends).to(acc)[..., None]  # chunk c-1's tokens folded by the chunk's end
     inc = (f2[:, :, 0, :, :w] * gone2).transpose(-1, -2) @ _augment(v2[:, :, 0, :, :w], True)  # [B, Hk, N, F, D+1]
     if cap:
-        a_s = g * torch.exp(ss - top) * soft_s[:, :, None] + (qfc @ sf.unsqueeze(2).transpose(-1, -2)) * folded_s[:, :, None]
+        a_s = (g * torch.exp(ss - top) * soft_s[:, :, None]
+               + (qfc @ sf.unsqueeze(2).transpose(-1, -2)) * folded_s[:, :, None])
         out = out + a_s @ _augment(sv, True).unsqueeze(2)
         gone_s = (slot_valid & (s_fold < ends)).to(acc)[..., None]
         inc = inc + (sf * gone_s).transpose(-1, -2) @ _augment(sv, True)
@@ -430,7 +431,8 @@ def sparse_hybrid_attention_chunked(
     y = y.to(q.dtype)
     if not output_final_state:
         return y, None
-    return y, _final_state(orig, key_mask, (kk, ff, vv, rr, fold, slot_pos, slot_valid, pri), w, cap, first, shift, has, t)
+    selection = (kk, ff, vv, rr, fold, slot_pos, slot_valid, pri)
+    return y, _final_state(orig, key_mask, selection, w, cap, first, shift, has, t)
 
 
 def _final_state(orig, key_mask, sel, w, cap, first, shift, has, t) -> SparseHybridState:
