@@ -4,7 +4,7 @@ __version__ = "0.1.0"
 
 from .cache import LinearizeCache, RecurrentLayer  # noqa: E402
 from .checkpoint import load, save  # noqa: E402
-from .convert import convert, mixers, spec_of  # noqa: E402
+from .convert import convert, mixers, respec, spec_of  # noqa: E402
 from .errors import LinearizeError  # noqa: E402
 from .spec import Spec  # noqa: E402
 
@@ -19,5 +19,5 @@ def load_teacher(spec=None, dtype=None, device=None):
 
 __all__ = [
     "LinearizeCache", "LinearizeError", "RecurrentLayer", "Spec", "__version__", "convert", "load",
-    "load_teacher", "mixers", "save", "spec_of",
+    "load_teacher", "mixers", "respec", "save", "spec_of",
 ]

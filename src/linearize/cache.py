@@ -14,13 +14,12 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache, DynamicLayer
 
-from .ops import HybridState
 
 
 def _map(state, fn):
     if state is None:
         return None
-    return state.map(fn) if isinstance(state, HybridState) else fn(state)
+    return state.map(fn) if hasattr(state, "map") else fn(state)  # a state dataclass, or one tensor
 
 
 def own_storage(t: torch.Tensor) -> torch.Tensor:
@@ -36,7 +35,7 @@ def own_storage(t: torch.Tensor) -> torch.Tensor:
 def state_tensors(state) -> list[torch.Tensor]:
     if state is None:
         return []
-    if isinstance(state, HybridState):
+    if hasattr(state, "tensors"):  # HybridState, SparseHybridState, DeltaWindowState ...
         return list(state.tensors())
     return [state]
 

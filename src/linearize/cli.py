@@ -29,6 +29,8 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--norm", choices=NORMS, help="sum: divide by phi(q).sum phi(k); group: GroupNorm per head "
                    "(default: group for supra, sum otherwise; supra with --norm sum --decay none is T2R)")
     g.add_argument("--keep-softmax", metavar="I,J", help="comma-separated layer indices that keep softmax attention")
+    g.add_argument("--sparse-cache", type=int, metavar="S", help="lolcats: tokens per layer and key head kept exactly "
+                   "beside the window, those the linear state recalls worst (LoLA); 0 = off (default)")
     g.add_argument("--backend", choices=BACKENDS, help="auto: fla CUDA kernels when installed; torch: PyTorch only")
     g.add_argument("--config", type=Path, help="a YAML recipe whose keys are the flags above (kind, feature_map, "
                    "window, ...) and optionally teacher")
@@ -49,7 +51,8 @@ def _spec_from_args(args) -> tuple[dict, dict]:
         if not isinstance(recipe, dict):
             raise LinearizeError(f"{args.config} must hold a mapping of spec keys, got {type(recipe).__name__}")
     other = {k: recipe.pop(k) for k in ("teacher",) if k in recipe}
-    for key in ("kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "backend"):
+    for key in ("kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "backend",
+                "sparse_cache"):
         value = getattr(args, key)
         if value is not None:
             recipe[key] = value
@@ -102,7 +105,10 @@ def cmd_generate(args) -> int:
     streamer = TextStreamer(tokenizer, skip_prompt=not args.show_prompt, skip_special_tokens=True)
     decoder = args.decoder
     if decoder == "auto":
-        decoder = "fast" if getattr(model.config, "linearize", None) else "generate"
+        from .convert import mixers
+
+        fast = getattr(model.config, "linearize", None) and all(m.fast_decodable() for m in mixers(model).values())
+        decoder = "fast" if fast else "generate"
     start = time.perf_counter()
     with torch.no_grad():
         if decoder == "fast":
@@ -121,7 +127,9 @@ def cmd_info(args) -> int:
     from .info import describe
 
     model, _ = _load_any(args.model, args.dtype, "cpu")
-    print(describe(model))
+    if args.length is not None and args.length < 1:
+        raise LinearizeError(f"--length must be a positive number of tokens, got {args.length}")
+    print(describe(model, args.length))
     return 0
 
 
@@ -297,6 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Print a checkpoint's base model, the mixer of every layer, trainable and total "
                                    "parameters, and the decoding state one sequence holds.")
     i.add_argument("model", nargs="?", default="default", help="a checkpoint folder, or a teacher as in convert")
+    i.add_argument("--length", type=int, metavar="N", help="also print the decoding state per sequence after N "
+                   "tokens (kept softmax layers' KV caches grow with it)")
     i.set_defaults(func=cmd_info)
 
     lc = sub.add_parser("lolcats", parents=[common], help="LoLCATs: attention transfer, then LoRA (two stages)",

@@ -61,3 +61,25 @@ def spec_of(model: nn.Module) -> Spec | None:
     """The spec a student was converted with (None for a plain softmax model)."""
     info = getattr(model.config, "linearize", None)
     return Spec.coerce(info["spec"]) if info else None
+
+
+RUNTIME_KEYS = ("sparse_cache", "backend", "chunk_size")  # spec keys that add or drop no parameters
+
+
+def respec(model: nn.Module, **changes) -> nn.Module:
+    """Change spec keys of a converted model that add no parameters (``RUNTIME_KEYS``), in place, and
+    return it: ``respec(linearize.load(path)[0], sparse_cache=64)`` gives a converted LoLCATs
+    checkpoint a sparse exact cache without training. The change is recorded in
+    ``config.linearize`` (a save afterwards keeps it)."""
+    info = getattr(model.config, "linearize", None)
+    if not info:
+        raise LinearizeError("respec changes a converted model's spec; this model is not linearized")
+    bad = sorted(set(changes) - set(RUNTIME_KEYS))
+    if bad:
+        raise LinearizeError(f"respec changes only {', '.join(RUNTIME_KEYS)} (keys without parameters), "
+                             f"not {', '.join(bad)}")
+    spec = Spec.coerce(info["spec"], **changes)
+    for m in mixers(model).values():
+        m.spec = spec
+    model.config.linearize = {**info, "spec": spec.to_dict()}
+    return model

@@ -19,24 +19,40 @@ def _runs(labels: list[str]) -> str:
     return ", ".join(parts)
 
 
-def state_bytes(model) -> dict[str, int]:
-    """Decoding memory per sequence: fixed bytes of the linear layers (``fast_fixed``: under
-    ``linearize.fast``), bytes per token of softmax layers."""
-    dtype = next(model.parameters()).dtype
+def state_bytes(model, length: int | None = None, batch: int = 1, dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Decoding memory: fixed bytes per sequence of the converted layers (``fixed``; ``fast_fixed``
+    under ``linearize.fast``) and bytes per token of the kept softmax layers (``per_token``), their
+    keys and values in ``dtype`` (default: the model's). Converted layers' states are counted at
+    their full size (a window is full once ``window`` tokens have passed; recurrent states are
+    fp32 whatever ``dtype``).
+
+    With ``length``: also what ``batch`` sequences hold after ``length`` tokens, ``total`` bytes (and
+    its growing part ``softmax``): the fixed state plus every kept softmax layer's KV cache at that
+    length (a teacher layer with its own sliding window holds at most that window).
+    """
+    dtype = dtype or next(model.parameters()).dtype
+    elem = torch.tensor([], dtype=dtype).element_size()
     adapter = get_adapter(model.config)
     converted = mixers(model)
     fixed = sum(m.state_bytes(dtype) for m in converted.values())
     fast = sum(m.fast_state_bytes(dtype) for m in converted.values())
-    per_token = 0
+    per_token, grown = 0, 0
     for i, layer in enumerate(adapter.layers(model)):
         if i not in converted:
             attn = adapter.attention(layer)
             g = adapter.geometry(attn, model.config)
-            per_token += 2 * g.n_kv_heads * g.head_dim * torch.tensor([], dtype=dtype).element_size()
-    return {"fixed": fixed, "per_token": per_token, "fast_fixed": fast}
+            kv = 2 * g.n_kv_heads * g.head_dim * elem
+            per_token += kv
+            if length is not None:
+                grown += kv * (length if g.sliding_window is None else min(length, g.sliding_window))
+    out = {"fixed": fixed, "per_token": per_token, "fast_fixed": fast}
+    if length is not None:
+        out.update(length=length, batch=batch, softmax=batch * grown, total=batch * (fixed + grown))
+    return out
 
 
-def describe(model) -> str:
+def describe(model, length: int | None = None) -> str:
+    """The summary ``linearize info`` prints; with ``length``, the decoding state at that many tokens too."""
     cfg = model.config
     adapter = get_adapter(cfg)
     converted = mixers(model)
@@ -47,7 +63,7 @@ def describe(model) -> str:
     new = sum(p.numel() for m in converted.values() for name, p in m.named_parameters()
               if not name.split(".")[0] in adapter.part_names)
     spec = spec_of(model)
-    mem = state_bytes(model)
+    mem = state_bytes(model, length)
     lines = [
         f"base model:   {cfg.model_type} ({getattr(cfg, '_name_or_path', '') or 'unnamed'}), {n} layers, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
@@ -59,4 +75,6 @@ def describe(model) -> str:
     ]
     if mem["fast_fixed"] != mem["fixed"]:
         lines.append(f"              {mem['fast_fixed']:,} bytes fixed under linearize.fast (window key features recomputed)")
+    if length is not None:
+        lines.append(f"              {mem['total']:,} bytes per sequence at {length:,} tokens")
     return "\n".join(lines)

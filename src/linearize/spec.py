@@ -12,7 +12,7 @@ from typing import Any
 
 from .errors import LinearizeError
 
-KINDS = ("lolcats", "linear", "supra", "retnet", "striped_mamba")
+KINDS = ("lolcats", "linear", "supra", "retnet", "striped_mamba", "delta")
 FEATURE_MAPS = ("hedgehog", "t2r", "elu", "relu")
 DECAYS = ("none", "retnet", "lightning")
 NORMS = ("sum", "group")
@@ -27,7 +27,9 @@ class Spec:
         (normalised linear attention) or ``supra`` (shared ReLU-MLP kernel, RoPE after it, fixed
         decay, GroupNorm; SUPRA eq. 10), or an XATL architecture trained from the teacher's shared
         weights (``linearize.xatl.build_xatl``): ``retnet`` (multi-scale retention, new q/k/v/gate,
-        the teacher's W_O) or ``striped_mamba`` (a Mamba mixer in each block, the FFN kept).
+        the teacher's W_O) or ``striped_mamba`` (a Mamba mixer in each block, the FFN kept); or
+        ``delta``: the sliding window plus a gated delta-rule memory of older tokens (Gated
+        DeltaNet; ``mixers/delta.py``), from the teacher's q/k/v/o (feature_map is not used).
     feature_map: ``hedgehog`` [softmax(xW) | softmax(-xW)], ``t2r`` ReLU(xW+b), ``elu`` elu+1, ``relu``.
         Applied after RoPE for lolcats/linear; supra always uses a square t2r shared by q and k.
     feature_dim: learned feature size per head (hedgehog outputs twice this).
@@ -38,6 +40,9 @@ class Spec:
         head). supra and retnet default to group (``sum`` with decay none is the T2R baseline; retnet
         accepts only group), the others to sum.
     keep_softmax: indices of layers that keep their softmax attention (hybrids).
+    sparse_cache: lolcats only: tokens per layer and key head kept exactly beside the window, chosen
+        by how badly the linear state recalls them (LoLA; ``ops/sparse_hybrid_attention.py``); 0 = off.
+        Adds no parameters: a converted checkpoint takes one without training (``convert.respec``).
     backend: ``auto`` (fla CUDA kernels when installed), ``torch`` or ``fla``.
     """
 
@@ -51,6 +56,7 @@ class Spec:
     chunk_size: int = 64
     keep_softmax: tuple[int, ...] = field(default_factory=tuple)
     backend: str = "auto"
+    sparse_cache: int = 0
 
     def __post_init__(self):
         _check_choice("kind", self.kind, KINDS)
@@ -62,6 +68,11 @@ class Spec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LinearizeError(f"spec {name} must be a positive integer, got {value!r}")
+        cache = self.sparse_cache
+        if not isinstance(cache, int) or isinstance(cache, bool) or cache < 0:
+            raise LinearizeError(f"spec sparse_cache must be a non-negative integer, got {cache!r}")
+        if cache and self.kind != "lolcats":
+            raise LinearizeError(f"spec sparse_cache applies to the lolcats hybrid, not to kind {self.kind!r}")
         keep = self.keep_softmax
         if isinstance(keep, str):
             keep = [x for x in keep.replace(" ", "").split(",") if x]

@@ -9,7 +9,9 @@ forward+backward (``triton.testing.do_bench``, after a warm-up that also absorbs
   SDPA, the fla path and the PyTorch chunked path of normalised and decayed linear attention,
   and the LoLCATs hybrid (PyTorch chunked; feature dim 2x64).
 * mixers: one whole attention layer of SmolLM2-135M's shape (576 wide, 9 query / 3 key heads,
-  head dim 64, random weights): the teacher's attention vs each mixer, projections included.
+  head dim 64, random weights): the teacher's attention vs each mixer, projections included
+  (the LoLCATs hybrid with a sparse cache and the delta-rule window run their PyTorch selection
+  loop / fla's chunk_gated_delta_rule).
 
 The agreement table gives ||fla - torch|| / ||torch|| for outputs, final states and input
 gradients, in fp32 and bf16.
@@ -141,6 +143,8 @@ def mixer_timings(lengths, tokens, device="cuda") -> list[dict]:
         "lolcats hybrid (hedgehog, w=64)": {"kind": "lolcats"},
         "linear (hedgehog)": {"kind": "linear"},
         "supra (t2r, retnet decay, groupnorm)": {"kind": "supra"},
+        "lolcats + sparse cache (S=64)": {"kind": "lolcats", "sparse_cache": 64},
+        "delta (window + gated delta rule)": {"kind": "delta"},
     }.items():
         s = Spec.coerce(spec)
         modules[label] = MIXERS[s.kind](attn, adapter, geometry, s, 3, 30).to(device)

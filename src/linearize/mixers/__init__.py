@@ -1,6 +1,7 @@
 """Modules that replace a softmax attention; a new mixer is one file plus a line in ``MIXERS``."""
 
 from .base import Mixer
+from .delta import GatedDeltaAttention
 from .linear import LinearAttention
 from .lolcats import LolcatsAttention
 from .mamba import MambaMixer
@@ -13,6 +14,7 @@ MIXERS: dict[str, type[Mixer]] = {
     "supra": SupraAttention,
     "retnet": RetNetRetention,
     "striped_mamba": MambaMixer,
+    "delta": GatedDeltaAttention,
 }
 
-__all__ = ["MIXERS", "Mixer", "LinearAttention", "LolcatsAttention", "MambaMixer", "RetNetRetention", "SupraAttention"]
+__all__ = ["MIXERS", "Mixer", "GatedDeltaAttention", "LinearAttention", "LolcatsAttention", "MambaMixer", "RetNetRetention", "SupraAttention"]

@@ -201,6 +201,10 @@ class Mixer(nn.Module):
         """Bytes of decoding state one sequence holds in this layer (constant in length)."""
         raise NotImplementedError
 
+    def fast_decodable(self) -> bool:
+        """Whether ``linearize.fast`` has fixed buffers for this layer's state."""
+        return True
+
     def fast_state_bytes(self, dtype: torch.dtype) -> int:
         """The same under ``linearize.fast`` (which may keep less)."""
         return self.state_bytes(dtype)

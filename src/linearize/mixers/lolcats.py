@@ -2,6 +2,11 @@
 over older ones, one shared normaliser and a learnable per-head weight gamma = sigmoid(w) on the
 softmax terms (initialised to 0.1 as in LoLCATs). With a window covering the whole sequence it is
 exactly the teacher's softmax attention.
+
+With ``spec.sparse_cache = S > 0`` each key head also keeps, beside the window, the ``S`` older tokens
+its linear state recalls worst, exactly (LoLA; ``ops/sparse_hybrid_attention.py``): the softmax runs
+over window and cache, the linear state over the rest. It adds no parameters (any converted
+checkpoint takes it as is) and trains through the softmax over window and cache.
 """
 
 from __future__ import annotations
@@ -41,6 +46,13 @@ class LolcatsAttention(LinearAttention):
 
     def sequence(self, q, k, v, position_embeddings, state, want_state):
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
+        if self.spec.sparse_cache:
+            kw = dict(**self._kw(), cache_size=self.spec.sparse_cache, key_mask=self.key_mask)
+            if state is None:
+                return ops.sparse_hybrid_attention_chunked(q, k, qf, kf, v, self.window_weight(), **kw,
+                                                           output_final_state=want_state)
+            return ops.sparse_hybrid_attention_recurrent(q, k, qf, kf, v, self.window_weight(), **kw,
+                                                         initial_state=state)
         if state is None:
             return ops.hybrid_attention_chunked(q, k, qf, kf, v, self.window_weight(), **self._kw(),
                                                 output_final_state=want_state, key_mask=self.key_mask)
@@ -49,6 +61,8 @@ class LolcatsAttention(LinearAttention):
                                               key_mask=self.key_mask)
 
     def attention_weights(self, q, k, position_embeddings):
+        if self.spec.sparse_cache:
+            return super().attention_weights(q, k, position_embeddings)
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
         return ops.hybrid_attention_weights(q, k, qf, kf, self.window_weight(), **self._kw())
 
@@ -56,7 +70,7 @@ class LolcatsAttention(LinearAttention):
         """Whether the fast decoder runs this layer's steps as one Triton kernel
         (``hybrid_step_fused_triton``): on CUDA, with Hedgehog maps and RoPE by rotating halves."""
         g = self.geometry
-        return (self.window_logit.is_cuda and triton_available() and type(self.feature_map_q) is Hedgehog
+        return (self.fast_decodable() and self.window_logit.is_cuda and triton_available() and type(self.feature_map_q) is Hedgehog
                 and type(self.feature_map_k) is Hedgehog and rotates_half(g.rotary, g.head_dim))
 
     def ring_state(self, state: ops.HybridState, keep_key_features: bool = False) -> ops.HybridState:
@@ -71,7 +85,14 @@ class LolcatsAttention(LinearAttention):
         return ops.FusedRingState.from_ring(ring, self.feature_map_k, g.n_heads,
                                             value_splits(ring.keys.shape[0], g.n_heads, g.head_dim))
 
+    def fast_decodable(self) -> bool:
+        return not self.spec.sparse_cache  # the fast decoder has no fixed buffers for the cache yet
+
     def step(self, q, k, v, position_embeddings, state):
+        if isinstance(state, ops.SparseHybridState):
+            q, k, qf, kf = self._inputs(q, k, position_embeddings)
+            return ops.sparse_hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
+                                                    key_mask=self.key_mask)
         if isinstance(state, ops.FusedRingState):  # everything from RoPE to the output in one launch
             from ..ops.hybrid_step_triton import hybrid_step_fused_triton
 
@@ -105,8 +126,16 @@ class LolcatsAttention(LinearAttention):
         elem = torch.tensor([], dtype=dtype).element_size()
         per_token = 2 * g.head_dim + (self.feature_map_k.out_dim if key_features else 0)
         window = self.spec.window * g.n_kv_heads * per_token * elem
-        return window + linear_states * g.n_kv_heads * self.feature_map_k.out_dim * (g.head_dim + 1) * 4
+        total = window + linear_states * g.n_kv_heads * self.feature_map_k.out_dim * (g.head_dim + 1) * 4
+        cache = self.spec.sparse_cache
+        if cache:  # SparseHybridState: cached tokens (+ priority, position, slot flag), window priorities, count
+            acc = torch.tensor([], dtype=ops.accum_dtype(dtype)).element_size()
+            cached = 2 * g.head_dim + self.feature_map_k.out_dim
+            total += g.n_kv_heads * (cache * (cached * elem + acc + 8 + 1) + self.spec.window * acc) + 8
+        return total
 
     def fast_state_bytes(self, dtype):
+        if self.spec.sparse_cache:  # decoded by generate(), not the fast path (see fast_decodable)
+            return self.state_bytes(dtype)
         # the fast path recomputes key features on eviction; its fused kernel keeps two linear states
         return self.state_bytes(dtype, key_features=False, linear_states=2 if self.fused_decoding() else 1)

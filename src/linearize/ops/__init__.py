@@ -6,6 +6,19 @@ they apply and the PyTorch chunked form otherwise.
 
 import torch
 
+from .delta_rule import (
+    DeltaWindowState,
+    delta_window_chunked,
+    delta_window_naive,
+    delta_window_recurrent,
+    delta_window_step,
+    empty_delta_window_state,
+    gated_delta_rule,
+    gated_delta_rule_chunked,
+    gated_delta_rule_fla,
+    gated_delta_rule_naive,
+    gated_delta_rule_step,
+)
 from .fla_backend import fla_available, linear_attention_fla, use_fla
 from .hybrid_attention import (
     FusedRingState,
@@ -19,6 +32,14 @@ from .hybrid_attention import (
     hybrid_attention_step_ring,
     hybrid_attention_weights,
     hybrid_final_state,
+)
+from .sparse_hybrid_attention import (
+    SparseHybridState,
+    empty_sparse_hybrid_state,
+    sparse_hybrid_attention_chunked,
+    sparse_hybrid_attention_naive,
+    sparse_hybrid_attention_recurrent,
+    sparse_hybrid_attention_step,
 )
 from .softmax_attention import softmax_attention, softmax_attention_weights
 from .linear_attention import (
@@ -66,5 +87,9 @@ __all__ = [
     "hybrid_attention_step", "hybrid_attention_step_ring", "hybrid_final_state", "linear_attention", "linear_attention_chunked",
     "linear_attention_fla", "linear_attention_naive", "linear_attention_recurrent",
     "linear_attention_step", "softmax_attention", "softmax_attention_weights", "hybrid_attention_weights",
-    "use_fla",
+    "use_fla", "SparseHybridState", "empty_sparse_hybrid_state", "sparse_hybrid_attention_chunked",
+    "sparse_hybrid_attention_naive", "sparse_hybrid_attention_recurrent", "sparse_hybrid_attention_step",
+    "DeltaWindowState", "delta_window_chunked", "delta_window_naive", "delta_window_recurrent", "delta_window_step",
+    "empty_delta_window_state", "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla",
+    "gated_delta_rule_naive", "gated_delta_rule_step",
 ]

@@ -1,0 +1,324 @@
+"""The gated delta rule (Gated DeltaNet, Yang et al. 2024) and its sliding-window hybrid.
+
+Per key head, a ``[K, V]`` memory ``S`` is overwritten rather than only added to:
+
+    S_t = a_t (I - b_t k_t k_t^T) S_{t-1} + b_t k_t v_t^T          a_t = exp(g_t), g_t <= 0; b_t in [0, 1]
+    o_t = S_t^T q_t
+
+the form of fla's ``naive_recurrent_gated_delta_rule`` (decay first, then the delta step
+``S += b_t k_t (v_t - S^T k_t)^T``). Keys and queries are expected L2-normalised (the mixer's feature
+maps end in an L2 norm), so ``I - b k k^T`` is a contraction and ``S^T k`` reads back what was
+written under ``k``; no extra scale is applied to ``q``.
+
+Shapes: ``q`` ``[B, H, T, K]``, ``k`` ``[B, Hk, T, K]``, ``v`` ``[B, Hk, T, V]``, ``g`` and ``beta``
+``[B, Hk, T]``: one memory per key head, read by the ``G = H / Hk`` query heads of its group. The
+memory is fp32 (or float64) whatever the inputs. A padding token has ``g = b = 0``: it neither
+decays nor writes.
+
+Forms, equal in float64 (tests): ``gated_delta_rule_naive`` (token by token), ``gated_delta_rule_chunked``
+(the WY / UT-transform form: within a chunk of ``C`` tokens the writes ``delta_i = b_i (v_i - a..S^T k_i)``
+solve one unit lower-triangular system, ``(I + A) delta = U - W S_0``, with ``A_ij = b_i
+exp(G_i - G_j) k_i . k_j`` for ``j < i`` and ``G`` the in-chunk cumulative log decay; a short loop
+carries ``S`` between chunks), ``gated_delta_rule_step`` (one token), and on CUDA
+``gated_delta_rule_fla`` (fla's ``chunk_gated_delta_rule``).
+
+**The hybrid** (``delta_window_*``): softmax over the last ``w`` tokens as in LoLCATs, and the
+delta-rule memory over older tokens only: token s is written when it leaves the window, at time
+``s + w`` (its own gates with it). The two are combined convexly,
+
+    y_t = (1 - m_t) softmax_window(t) + m_t S_t^T q_t,     m_t = lambda_t [some real token is older than the window]
+
+Why this form: the teacher's full softmax splits exactly into the window's softmax average and
+the older tokens' softmax average, weighted by the attention mass ``alpha_t`` on older tokens:
+``y*_t = (1 - alpha_t) ybar^win_t + alpha_t ybar^old_t``. The delta memory is a regression memory
+that returns a value (not an unnormalised sum with a mass, as a positive linear attention would),
+so it stands in for ``ybar^old`` and the learned, data-dependent ``lambda_t`` (a sigmoid) for
+``alpha_t``; the indicator makes ``alpha_t = 0`` exact while nothing has left the window, so a
+window covering the sequence is exactly the teacher's softmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .hybrid_attention import (
+    HybridState, empty_hybrid_state, hybrid_attention_chunked, hybrid_attention_naive, hybrid_attention_step,
+    hybrid_final_state,
+)
+from .linear_attention import _group, accum_dtype
+
+
+# --- the gated delta rule -------------------------------------------------------------------------
+
+def _readout(q: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """``S^T q`` for the query heads of each group: q ``[B, H, T, K]``, state ``[B, Hk, K, V]`` -> ``[B, H, T, V]``."""
+    n_kv = state.shape[1]
+    o = _group(q, n_kv).to(state.dtype) @ state.unsqueeze(2)
+    return o.flatten(1, 2)
+
+
+def _write(state, k, v, g, beta):
+    """One write: ``S <- a S; S <- S + b k (v - S^T k)^T`` with ``k`` ``[B, Hk, K]``, ``v`` ``[B, Hk, V]``,
+    ``g``/``beta`` ``[B, Hk]`` (out of place)."""
+    acc = state.dtype
+    k, v = k.to(acc), v.to(acc)
+    state = state * torch.exp(g.to(acc))[..., None, None]
+    read = (k[..., None] * state).sum(-2)  # S^T k
+    return state + k[..., None] * (beta.to(acc)[..., None] * (v - read))[..., None, :]
+
+
+def gated_delta_rule_step(q, k, v, g, beta, state):
+    """One token: ``q`` ``[B, H, 1, K]``, ``k`` ``[B, Hk, 1, K]``, ``v`` ``[B, Hk, 1, V]``, ``g``/``beta``
+    ``[B, Hk, 1]``, ``state`` ``[B, Hk, K, V]``. Returns ``(o [B, H, 1, V], new_state)`` (out of place)."""
+    state = _write(state, k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0])
+    return _readout(q, state).to(v.dtype), state
+
+
+def empty_delta_state(batch, n_kv, key_dim, value_dim, *, device=None, dtype=torch.float32) -> torch.Tensor:
+    return torch.zeros(batch, n_kv, key_dim, value_dim, device=device, dtype=accum_dtype(dtype))
+
+
+def gated_delta_rule_naive(q, k, v, g, beta, *, initial_state=None):
+    """Token by token (the reference). Returns ``(o [B, H, T, V], final_state)``."""
+    b, n_kv, t, kd = k.shape
+    acc = accum_dtype(q.dtype)
+    state = initial_state.to(acc) if initial_state is not None else empty_delta_state(
+        b, n_kv, kd, v.shape[-1], device=q.device, dtype=q.dtype)
+    outs = []
+    for i in range(t):
+        state = _write(state, k[:, :, i], v[:, :, i], g[:, :, i], beta[:, :, i])
+        outs.append(_readout(q[:, :, i : i + 1], state))
+    return torch.cat(outs, dim=2).to(q.dtype), state
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, *, chunk_size: int = 64, initial_state=None,
+                             output_final_state: bool = False):
+    """The WY / UT-transform form (see the module docstring). Returns ``(o, final_state or None)``."""
+    acc = accum_dtype(q.dtype)
+    b, n_kv, t, kd = k.shape
+    vd = v.shape[-1]
+    c = chunk_size
+    n = -(-t // c)
+    pad = n * c - t  # padding at the end: g = beta = 0, no effect on anything before it
+    grp = q.shape[1] // n_kv
+    chunks = lambda x: F.pad(x.to(acc), (0, 0, 0, pad)).unflatten(-2, (n, c))  # noqa: E731
+    qc = chunks(_group(q, n_kv))  # [B, Hk, G, N, C, K]
+    kc, vc = chunks(k), chunks(v)  # [B, Hk, N, C, *]
+    gc = F.pad(g.to(acc), (0, pad)).unflatten(-1, (n, c))  # [B, Hk, N, C]
+    bc = F.pad(beta.to(acc), (0, pad)).unflatten(-1, (n, c))
+    cum = gc.cumsum(-1)  # G_i: in-chunk cumulative log decay
+    lower = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    diff = cum[..., :, None] - cum[..., None, :]
+    decay = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()  # exp(G_i - G_j), j <= i
+    eye = torch.eye(c, dtype=acc, device=q.device)
+    a = (bc[..., None] * (kc @ kc.transpose(-1, -2)) * decay) * (1 - eye)  # strictly lower
+    system = eye + a
+    u = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False, unitriangular=True)  # [B, Hk, N, C, V]
+    w = torch.linalg.solve_triangular(system, (bc * cum.exp())[..., None] * kc, upper=False, unitriangular=True)
+    attn = (qc @ kc.unsqueeze(2).transpose(-1, -2)) * decay.unsqueeze(2)  # [B, Hk, G, N, C, C]
+    q_decayed = qc * cum.exp().unsqueeze(2)[..., None]
+    to_end = (cum[..., -1:] - cum).exp()[..., None] * kc  # k_j exp(G_C - G_j)
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [B, Hk, N, 1, 1]
+    state = initial_state.to(acc) if initial_state is not None else torch.zeros(b, n_kv, kd, vd, dtype=acc,
+                                                                                device=q.device)
+    outs = []
+    for j in range(n):
+        delta = u[:, :, j] - w[:, :, j] @ state  # [B, Hk, C, V]
+        outs.append(q_decayed[:, :, :, j] @ state.unsqueeze(2) + attn[:, :, :, j] @ delta.unsqueeze(2))
+        state = state * chunk_decay[:, :, j] + to_end[:, :, j].transpose(-1, -2) @ delta
+    o = torch.stack(outs, dim=3).flatten(3, 4)[..., :t, :].flatten(1, 2)
+    return o.to(q.dtype), (state if output_final_state else None)
+
+
+def gated_delta_rule_fla(q, k, v, g, beta, *, initial_state=None, output_final_state=False):
+    """fla's ``chunk_gated_delta_rule`` (CUDA) for the same contract. fla takes as many key heads as
+    query heads, so grouped keys, values and gates are repeated (the G memories of a group are then
+    equal; one of them is returned)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    b, h, t, _ = q.shape
+    n_kv = k.shape[1]
+    grp = h // n_kv
+    acc = accum_dtype(q.dtype)
+    rep = lambda x: x.repeat_interleave(grp, dim=2) if grp > 1 else x  # noqa: E731  on [B, T, Hk, *]
+    qh, kh, vh = q.transpose(1, 2).contiguous(), rep(k.transpose(1, 2)), rep(v.transpose(1, 2))
+    gh, bh = rep(g.transpose(1, 2).to(acc)), rep(beta.transpose(1, 2).to(q.dtype))  # log decays in fp32
+    h0 = None
+    if initial_state is not None:
+        h0 = initial_state.to(acc).repeat_interleave(grp, dim=1).contiguous()
+    o, ht = chunk_gated_delta_rule(qh, kh.contiguous(), vh.contiguous(), gh.contiguous(), bh.contiguous(),
+                                   scale=1.0, initial_state=h0, output_final_state=output_final_state)
+    state = ht.view(b, n_kv, grp, *ht.shape[2:])[:, :, 0].to(acc) if ht is not None else None
+    return o.transpose(1, 2).to(q.dtype), state
+
+
+def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, output_final_state=False, chunk_size=64,
+                     backend="auto"):
+    """The sequence form: fla's kernel where ``use_fla`` says so (CUDA, half precision or backend
+    "fla"; under autocast fp32 inputs go in the autocast dtype, as for ``linear_attention``), the
+    PyTorch chunked form otherwise."""
+    from . import kernel_inputs
+    from .fla_backend import use_fla
+
+    q, k, v = kernel_inputs(q, k, v, backend)
+    if use_fla(q, backend):
+        return gated_delta_rule_fla(q, k, v, g, beta, initial_state=initial_state,
+                                    output_final_state=output_final_state)
+    return gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
+                                    output_final_state=output_final_state)
+
+
+# --- the hybrid: window softmax + the delta memory of older tokens ------------------------------------
+
+@dataclass
+class DeltaWindowState:
+    """Decoding state of the window + delta-rule hybrid: the window's tokens (raw keys and values for
+    the softmax, delta keys and gates for their write when they leave) and the memory."""
+
+    keys: torch.Tensor  # [B, Hk, <=w, D]
+    values: torch.Tensor  # [B, Hk, <=w, D]
+    delta_keys: torch.Tensor  # [B, Hk, <=w, K]
+    gates: torch.Tensor  # [B, Hk, <=w] log decay g
+    betas: torch.Tensor  # [B, Hk, <=w]
+    valid: torch.Tensor  # [B, <=w] bool
+    memory: torch.Tensor  # [B, Hk, K, V] fp32 or wider
+    written: torch.Tensor  # [B] bool: a real token has reached the memory
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.keys, self.values, self.delta_keys, self.gates, self.betas, self.valid, self.memory, self.written)
+
+    def map(self, fn) -> "DeltaWindowState":
+        return DeltaWindowState(*(fn(x) for x in self.tensors()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.tensors())
+
+
+def empty_delta_window_state(batch, n_kv, head_dim, key_dim, *, device=None, dtype=torch.float32) -> DeltaWindowState:
+    acc = accum_dtype(dtype)
+    z = lambda *s, dt=dtype: torch.zeros(batch, n_kv, *s, device=device, dtype=dt)  # noqa: E731
+    return DeltaWindowState(z(0, head_dim), z(0, head_dim), z(0, key_dim), z(0, dt=acc), z(0, dt=acc),
+                            torch.zeros(batch, 0, dtype=torch.bool, device=device),
+                            empty_delta_state(batch, n_kv, key_dim, head_dim, device=device, dtype=dtype),
+                            torch.zeros(batch, dtype=torch.bool, device=device))
+
+
+def _masked_gates(g, beta, key_mask):
+    """Padding tokens neither decay nor write."""
+    if key_mask is None:
+        return g, beta
+    keep = key_mask[:, None, :]
+    return g * keep, beta * keep
+
+
+def _window_softmax_inputs(q, k):
+    """Zero features for the hybrid ops: with nothing linear they are the window's softmax alone."""
+    return q.new_zeros(*q.shape[:3], 1), k.new_zeros(*k.shape[:3], 1)
+
+
+def _combine(o_win, o_mem, lam, older):
+    """``(1 - m) o_win + m o_mem`` with ``m = lam * older`` (``lam`` ``[B, H, T]``, ``older`` ``[B, T]`` bool)."""
+    m = (lam.to(o_mem.dtype) * older[:, None, :])[..., None]
+    return o_win.to(o_mem.dtype) * (1 - m) + o_mem * m
+
+
+def delta_window_naive(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: float, softcap: float | None = None,
+                       key_mask: torch.Tensor | None = None):
+    """The reference: the window's softmax (quadratic) and the delta memory written token by token
+    as tokens leave the window. ``q``/``qd`` ``[B, H, T, *]`` (raw after RoPE / delta features),
+    ``k``/``kd``/``v`` ``[B, Hk, T, *]``, ``g``/``beta`` ``[B, Hk, T]``, ``lam`` ``[B, H, T]`` in [0, 1].
+    Padding queries output zero. Returns ``[B, H, T, D]``."""
+    acc = accum_dtype(q.dtype)
+    b, n_kv, t, _ = k.shape
+    real = key_mask if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=q.device)
+    ones = torch.ones(q.shape[1], dtype=acc, device=q.device)
+    o_win = hybrid_attention_naive(q, k, *_window_softmax_inputs(q, k), v, ones, window=window, scale=scale,
+                                   softcap=softcap, key_mask=key_mask).to(acc)
+    g, beta = _masked_gates(g.to(acc), beta.to(acc), key_mask)
+    state = empty_delta_state(b, n_kv, kd.shape[-1], v.shape[-1], device=q.device, dtype=acc)
+    written = torch.zeros(b, dtype=torch.bool, device=q.device)
+    outs, olds = [], []
+    for i in range(t):
+        s = i - window
+        if s >= 0:  # token s leaves the window and is written
+            state = _write(state, kd[:, :, s], v[:, :, s], g[:, :, s], beta[:, :, s])
+            written = written | real[:, s]
+        outs.append(_readout(qd[:, :, i : i + 1], state))
+        olds.append(written)
+    y = _combine(o_win, torch.cat(outs, dim=2), lam.to(acc), torch.stack(olds, dim=1))
+    return (y * real[:, None, :, None]).to(q.dtype)
+
+
+def delta_window_chunked(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: float, softcap=None,
+                         key_mask=None, output_final_state: bool = False, chunk_size: int = 64,
+                         backend: str = "torch"):
+    """The sequence form: the window's softmax through ``hybrid_attention_chunked`` (no linear part),
+    the memory through ``gated_delta_rule`` (fla or chunked) on the keys, values and gates delayed by
+    ``w`` tokens. Returns ``(y [B, H, T, D], DeltaWindowState or None)``."""
+    acc = accum_dtype(q.dtype)
+    b, n_kv, t, _ = k.shape
+    real = key_mask if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=q.device)
+    ones = torch.ones(q.shape[1], dtype=acc, device=q.device)
+    o_win, _ = hybrid_attention_chunked(q, k, *_window_softmax_inputs(q, k), v, ones, window=window, scale=scale,
+                                        softcap=softcap, key_mask=key_mask)
+    gm, bm = _masked_gates(g, beta, key_mask)
+    w = min(window, t)
+    late = lambda x: F.pad(x[..., : t - w, :], (0, 0, w, 0))  # noqa: E731  token s at time s + w
+    late_gate = lambda x: F.pad(x[..., : t - w], (w, 0))  # noqa: E731
+    o_mem, memory = gated_delta_rule(qd, late(kd), late(v), late_gate(gm), late_gate(bm), chunk_size=chunk_size,
+                                     output_final_state=output_final_state, backend=backend)
+    older = F.pad(real[:, : t - w], (w, 0)).cumsum(1) > 0
+    y = (_combine(o_win, o_mem.to(acc), lam.to(acc), older) * real[:, None, :, None]).to(q.dtype)
+    if not output_final_state:
+        return y, None
+    window_state = hybrid_final_state(k, kd, v, window, key_mask)
+    cut = t - window_state.keys.shape[2]
+    state = DeltaWindowState(window_state.keys, window_state.values, window_state.key_features,
+                             gm[..., cut:].to(acc), bm[..., cut:].to(acc), window_state.valid, memory.to(acc),
+                             older[:, -1])
+    return y, state
+
+
+def delta_window_step(q, k, qd, kd, v, g, beta, lam, state: DeltaWindowState, *, window: int, scale: float,
+                      softcap=None, key_mask=None):
+    """One token (``T = 1``). Returns ``(y [B, H, 1, D], new_state)``."""
+    acc = state.memory.dtype
+    b = k.shape[0]
+    real = key_mask if key_mask is not None else torch.ones(b, 1, dtype=torch.bool, device=k.device)
+    g, beta = _masked_gates(g.to(acc), beta.to(acc), real)
+    ones = torch.ones(q.shape[1], dtype=acc, device=q.device)
+    zeros_q, _ = _window_softmax_inputs(q, k)
+    window_part = HybridState(state.keys, state.keys.new_zeros(*state.keys.shape[:3], 1), state.values,
+                              empty_hybrid_state(b, k.shape[1], k.shape[-1], 1, device=k.device,
+                                                 dtype=k.dtype).linear, state.valid)
+    o_win, after = hybrid_attention_step(q, k, zeros_q, k.new_zeros(*k.shape[:3], 1), v, ones, window_part,
+                                         window=window, scale=scale, softcap=softcap, key_mask=real)
+    delta_keys = torch.cat([state.delta_keys, kd.to(state.delta_keys.dtype)], dim=2)
+    gates, betas = torch.cat([state.gates, g], dim=2), torch.cat([state.betas, beta], dim=2)
+    memory, written = state.memory, state.written
+    if delta_keys.shape[2] > window:  # the oldest token leaves the window: write it
+        memory = _write(memory, delta_keys[:, :, 0], state.values[:, :, 0], gates[:, :, 0], betas[:, :, 0])
+        written = written | state.valid[:, 0]
+        delta_keys, gates, betas = delta_keys[:, :, 1:], gates[:, :, 1:], betas[:, :, 1:]
+    y = _combine(o_win.to(acc), _readout(qd, memory), lam.to(acc), written[:, None])
+    y = (y * real[:, None, :, None]).to(q.dtype)
+    return y, DeltaWindowState(after.keys, after.values, delta_keys, gates, betas, after.valid, memory, written)
+
+
+def delta_window_recurrent(q, k, qd, kd, v, g, beta, lam, *, window, scale, softcap=None, initial_state=None,
+                           key_mask=None):
+    """Token by token through ``delta_window_step`` (the decoding form)."""
+    b, h, t, d = q.shape
+    state = initial_state or empty_delta_window_state(b, k.shape[1], d, kd.shape[-1], device=q.device, dtype=k.dtype)
+    outs = []
+    for i in range(t):
+        sl = slice(i, i + 1)
+        o, state = delta_window_step(q[:, :, sl], k[:, :, sl], qd[:, :, sl], kd[:, :, sl], v[:, :, sl],
+                                     g[:, :, sl], beta[:, :, sl], lam[:, :, sl], state, window=window, scale=scale,
+                                     softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl])
+        outs.append(o)
+    return torch.cat(outs, dim=2), state

@@ -1,0 +1,471 @@
+"""The LoLCATs hybrid with a sparse exact cache (after LoLA, McDermott et al. 2025): softmax over the
+last ``w`` tokens and over ``S`` older tokens kept exactly, linear attention over all the rest.
+
+Tokens leaving the sliding window go either into the linear state or into a cache of at most ``S``
+tokens (raw keys, key features, values), chosen by how badly the linear state recalls them; a
+cached token pushed out later is folded into the linear state. Memory stays constant: window +
+``S`` tokens + the linear state. With ``S = 0`` this is exactly the hybrid of
+``hybrid_attention.py``.
+
+Output for query t (one shared normaliser, ``gamma`` a per-query-head weight, as in LoLCATs eq. 7):
+
+    a_ts = gamma * exp(s_ts - c_t)      for s in window(t) or cache(t)
+    a_ts = phi_q(q_t) . phi_k(k_s)      for every other real s <= t (folded into the linear state)
+    y_t  = sum_s a_ts v_s / sum_s a_ts
+
+where ``c_t`` is the largest score over window and cache.
+
+**Which tokens are cached** is decided per sequence and per *key head* (the ``G`` query heads of a
+group share their key head's cache, as they share its keys, values and linear state):
+
+* Origin ``p``: the sequence's first real token. Epochs of ``w`` tokens start at the boundaries
+  ``b_m = p + m w`` (``m >= 1``); padding before ``p`` takes no part.
+* At each boundary, against the linear state ``(N, z) = sum phi_k(k_s) [v_s, 1]`` of the tokens
+  folded so far, every current cache member and every token that will leave the window during the
+  epoch (the ``w`` tokens before ``b_m``, all in the window at that moment) gets the priority
+
+      pi_x = || v_x - phi_k(k_x) N / (phi_k(k_x) . z) ||_2       (0 readout while z is empty)
+
+  LoLA's self-recall error: the key, used as a query of the linear state, should read back its own
+  value; the worse it does, the more the token needs an exact copy. Priorities are fixed for the
+  epoch; ties go to the younger token (higher position wins).
+* At each time t, token ``t - w`` leaves the window (if real) and joins the cache; if the cache then
+  holds ``S + 1`` tokens, the one of lowest priority is folded into the linear state (it may be the
+  newcomer). With fixed priorities this keeps, at every t, the top ``S`` of the epoch's members and
+  arrivals so far, so a chunk of ``w`` queries can decide all its evictions at once.
+* Query t sees the cache and linear state after time t's eviction. Padding queries output zero.
+
+Selection is not differentiable (priorities are computed without gradients); the output is, through
+the softmax over window and cache and through the linear state.
+
+Three forms, equal in float64 (tests): ``sparse_hybrid_attention_naive`` (a literal simulation with
+sets of positions, explicit sums), ``sparse_hybrid_attention_chunked`` (chunks of ``w`` tokens, one
+epoch each: a loop over chunks, everything inside a chunk batched) and
+``sparse_hybrid_attention_step`` (one token; the decoding state ``SparseHybridState``). The chunked
+form counts epochs from each sequence's own origin (a left-padded batch decides exactly as each
+sequence alone): it rolls each sequence left by ``p mod w`` so that every origin falls on a chunk
+boundary.
+
+Shapes as in ``hybrid_attention.py``: ``q`` ``[B, H, T, D]``, ``k`` and ``v`` ``[B, Hk, T, D]``,
+``qf`` ``[B, H, T, F]``, ``kf`` ``[B, Hk, T, F]``, ``gamma`` ``[H]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .hybrid_attention import _real_keys, _scores, hybrid_final_state
+from .linear_attention import _augment, _group, accum_dtype
+
+
+@dataclass
+class SparseHybridState:
+    """Decoding state of the hybrid with a sparse cache (per sequence; sizes fixed but the window's,
+    which grows to ``w`` over the first tokens as the hybrid's does)."""
+
+    keys: torch.Tensor  # [B, Hk, <=w, D] the window's raw keys
+    key_features: torch.Tensor  # [B, Hk, <=w, F]
+    values: torch.Tensor  # [B, Hk, <=w, D]
+    valid: torch.Tensor  # [B, <=w] bool: False for padding in the window
+    window_scores: torch.Tensor  # [B, Hk, <=w] priority of each window token from the last boundary
+    linear: torch.Tensor  # [B, Hk, 1, F, D + 1] (fp32 or wider): the folded tokens
+    cache_keys: torch.Tensor  # [B, Hk, S, D]
+    cache_features: torch.Tensor  # [B, Hk, S, F]
+    cache_values: torch.Tensor  # [B, Hk, S, D]
+    cache_valid: torch.Tensor  # [B, Hk, S] bool: an occupied slot
+    cache_scores: torch.Tensor  # [B, Hk, S] priority from the last boundary
+    cache_pos: torch.Tensor  # [B, Hk, S] int64: position from the origin (ties)
+    count: torch.Tensor  # [B] int64: tokens since the origin (0 before the first real token)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.keys, self.key_features, self.values, self.valid, self.window_scores, self.linear,
+                self.cache_keys, self.cache_features, self.cache_values, self.cache_valid, self.cache_scores,
+                self.cache_pos, self.count)
+
+    def map(self, fn) -> "SparseHybridState":
+        """Apply ``fn`` to every tensor (each has the batch first)."""
+        return SparseHybridState(*(fn(x) for x in self.tensors()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.tensors())
+
+
+def empty_sparse_hybrid_state(batch, n_kv, head_dim, feature_dim, cache_size, *, device=None,
+                              dtype=torch.float32) -> SparseHybridState:
+    acc = accum_dtype(dtype)
+    z = lambda *s, dt=dtype: torch.zeros(batch, n_kv, *s, device=device, dtype=dt)  # noqa: E731
+    return SparseHybridState(
+        z(0, head_dim), z(0, feature_dim), z(0, head_dim), torch.zeros(batch, 0, dtype=torch.bool, device=device),
+        z(0, dt=acc), z(1, feature_dim, head_dim + 1, dt=acc),
+        z(cache_size, head_dim), z(cache_size, feature_dim), z(cache_size, head_dim), z(cache_size, dt=torch.bool),
+        z(cache_size, dt=acc), z(cache_size, dt=torch.long), torch.zeros(batch, dtype=torch.long, device=device))
+
+
+def recall_error(kf: torch.Tensor, v: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
+    """LoLA's self-recall error ``||v - phi(k) N / phi(k) . z||`` of tokens ``kf`` ``[B, Hk, M, F]``,
+    ``v`` ``[B, Hk, M, D]`` against a linear state ``[B, Hk, F, D + 1]``: ``[B, Hk, M]``. The readout is
+    zero where the state holds nothing for the key (``phi(k) . z = 0``). Computed in the state's
+    precision, under autocast too."""
+    with torch.autocast(linear.device.type, enabled=False):
+        out = kf.to(linear.dtype) @ linear
+        read = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(linear.dtype).tiny)
+        return (v.to(linear.dtype) - read).norm(dim=-1)
+
+
+def _beaten_by(pri: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[..., x, y]``: candidate y (valid) outranks candidate x (higher priority; ties: younger)."""
+    px, py = pri[..., :, None], pri[..., None, :]
+    younger = pos[..., None, :] > pos[..., :, None]
+    return valid[..., None, :] & ((py > px) | ((py == px) & younger))
+
+
+def _lowest(pri: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Index of the lowest-ranked valid candidate along the last dim (ties: the older)."""
+    p = pri.masked_fill(~valid, float("inf"))
+    tie = (p == p.amin(-1, keepdim=True)) & valid
+    return pos.masked_fill(~tie, torch.iinfo(pos.dtype).max).argmin(-1)
+
+
+# --- the reference -------------------------------------------------------------------------------
+
+def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_size: int, scale: float,
+                                  softcap: float | None = None, key_mask: torch.Tensor | None = None):
+    """The definition, literally: per sequence and key head, sets of positions (window, cache,
+    folded) evolve token by token, and every output is an explicit sum. Slow (Python loops over
+    tokens): for tests. Returns ``[B, H, T, D]``."""
+    acc = accum_dtype(q.dtype)
+    b, n_kv, t, d = k.shape
+    group = q.shape[1] // n_kv
+    w, cap = window, cache_size
+    real = key_mask if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=q.device)
+    real_l = real.tolist()
+    out_dtype = q.dtype
+    q, k, qf, kf, v = (x.to(acc) for x in (q, k, qf, kf, v))
+    gamma = gamma.to(acc)
+    rows = []
+    for bi in range(b):
+        heads = []
+        for hk in range(n_kv):
+            cached, folded, pri, origin = [], [], {}, None
+            outs = []
+            for ti in range(t):
+                if origin is None and real_l[bi][ti]:
+                    origin = ti
+                rel = ti - origin if origin is not None else -1
+                if rel >= w and rel % w == 0:  # a boundary: priorities against the folded tokens
+                    with torch.no_grad():
+                        fk = kf[bi, hk, folded]
+                        num, den = fk.T @ v[bi, hk, folded], fk.sum(0)
+                        for s in cached + [s for s in range(ti - w, ti) if real_l[bi][s]]:
+                            f_s = kf[bi, hk, s]
+                            dn = f_s @ den
+                            read = (f_s @ num) / dn if dn > 0 else torch.zeros_like(v[bi, hk, s])
+                            pri[s] = float((v[bi, hk, s] - read).norm())
+                s = ti - w
+                if s >= 0 and real_l[bi][s]:  # the oldest window token leaves
+                    cached.append(s)
+                    if len(cached) > cap:
+                        victim = min(cached, key=lambda x: (pri[x], x))
+                        cached.remove(victim)
+                        folded.append(victim)
+                if not real_l[bi][ti]:
+                    outs.append(torch.zeros(group, d, dtype=acc, device=q.device))
+                    continue
+                soft = [x for x in range(max(0, ti - w + 1), ti + 1) if real_l[bi][x]] + cached
+                per_head = []
+                for gi in range(group):
+                    hq = hk * group + gi
+                    sc = _scores(q[bi, hq, ti][None], k[bi, hk, soft], scale, softcap)[0]
+                    a_soft = gamma[hq] * torch.exp(sc - sc.max())
+                    a_lin = kf[bi, hk, folded] @ qf[bi, hq, ti]
+                    num = a_soft @ v[bi, hk, soft] + a_lin @ v[bi, hk, folded]
+                    per_head.append(num / (a_soft.sum() + a_lin.sum()))
+                outs.append(torch.stack(per_head))
+            heads.append(torch.stack(outs, dim=1))  # [G, T, D]
+        rows.append(torch.cat(heads))
+    return torch.stack(rows).to(out_dtype)
+
+
+# --- decoding --------------------------------------------------------------------------------------
+
+def sparse_hybrid_attention_step(
+    q, k, qf, kf, v, gamma, state: SparseHybridState, *, window: int, scale: float,
+    softcap: float | None = None, key_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, SparseHybridState]:
+    """One token (``T = 1``; ``key_mask`` [B, 1]). Returns ``(y [B, H, 1, D], new_state)``; the state is
+    updated out of place. The cache size is the state's."""
+    acc = state.linear.dtype
+    b, n_kv = k.shape[:2]
+    cap = state.cache_keys.shape[2]
+    real = key_mask[:, 0] if key_mask is not None else torch.ones(b, dtype=torch.bool, device=k.device)
+    kf, v = _real_keys(real[:, None], kf, v)
+    started = (state.count > 0) | real
+    rel = state.count
+    boundary = started & (rel >= window) & (rel % window == 0)
+    window_scores, cache_scores = state.window_scores, state.cache_scores
+    if bool(boundary.any()):  # rescore the cache and the window (this epoch's leavers)
+        lin = state.linear.squeeze(2)
+        sel = boundary[:, None, None]
+        window_scores = torch.where(sel, recall_error(state.key_features, state.values, lin), window_scores)
+        cache_scores = torch.where(sel, recall_error(state.cache_features, state.cache_values, lin), cache_scores)
+    keys = torch.cat([state.keys, k.to(state.keys.dtype)], dim=2)
+    feats = torch.cat([state.key_features, kf.to(state.key_features.dtype)], dim=2)
+    values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
+    valid = torch.cat([state.valid, real[:, None]], dim=1)
+    window_scores = torch.cat([window_scores, window_scores.new_zeros(b, n_kv, 1)], dim=2)
+    linear = state.linear
+    ck, cf, cv = state.cache_keys, state.cache_features, state.cache_values
+    cvalid, cpos = state.cache_valid, state.cache_pos
+    if keys.shape[2] > window:  # the oldest token leaves the window: into the cache, maybe pushing one out
+        lk, lf, lv = keys[:, :, :1], feats[:, :, :1], values[:, :, :1]
+        l_valid = valid[:, None, :1].expand(b, n_kv, 1)
+        l_pos = (rel - window)[:, None, None].expand(b, n_kv, 1)
+        cand_valid = torch.cat([cvalid, l_valid], dim=2)
+        cand_pri = torch.cat([cache_scores, window_scores[:, :, :1]], dim=2)
+        cand_pos = torch.cat([cpos, l_pos], dim=2)
+        full = cand_valid.sum(-1) > cap  # [B, Hk]: one candidate must go
+        victim = _lowest(cand_pri, cand_pos, cand_valid)  # in 0..S (S: the newcomer itself)
+        empty = (~cvalid).long().argmax(-1) if cap else victim  # first free slot (if not full, one exists)
+        slot = torch.where(full, victim, empty)
+        write = l_valid[..., 0] & (slot < cap)
+        # fold the victim into the linear state
+        pick = F.one_hot(victim, cap + 1).to(acc) * full[..., None]  # [B, Hk, S + 1]
+        gone_f = (pick[..., None] * torch.cat([cf, lf], dim=2).to(acc)).sum(2, keepdim=True)  # [B, Hk, 1, F]
+        gone_v = (pick[..., None] * torch.cat([cv, lv], dim=2).to(acc)).sum(2, keepdim=True)
+        linear = linear + (gone_f.transpose(-1, -2) @ _augment(gone_v, True)).unsqueeze(2)
+        # the newcomer takes the victim's (or a free) slot
+        put = (torch.arange(cap, device=k.device) == slot[..., None]) & write[..., None]  # [B, Hk, S]
+        ck, cf, cv = (torch.where(put[..., None], x_new, x) for x, x_new in ((ck, lk), (cf, lf), (cv, lv)))
+        cache_scores = torch.where(put, window_scores[:, :, :1], cache_scores)
+        cpos = torch.where(put, l_pos, cpos)
+        cvalid = cvalid | put
+        keys, feats, values, valid = keys[:, :, 1:], feats[:, :, 1:], values[:, :, 1:], valid[:, 1:]
+        window_scores = window_scores[:, :, 1:]
+    qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
+    g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
+    wmask = valid[:, None, None, None, :]
+    cmask = cvalid[:, :, None, None, :]
+    sw = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap)
+    neg = torch.finfo(sw.dtype).min
+    sw = sw.masked_fill(~wmask, neg)
+    sc = _scores(qg, ck.to(acc).unsqueeze(2), scale, softcap).masked_fill(~cmask, neg)
+    c = torch.cat([sw, sc], dim=-1).amax(dim=-1, keepdim=True)
+    out = (g * torch.exp(sw - c) * wmask) @ _augment(values.to(acc), True).unsqueeze(2)
+    out = out + (g * torch.exp(sc - c) * cmask) @ _augment(cv.to(acc), True).unsqueeze(2) + qfg @ linear
+    y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
+    y = y * real[:, None, None, None, None]
+    bb, hk, grp, _, d = y.shape
+    new = SparseHybridState(keys, feats, values, valid, window_scores, linear, ck, cf, cv, cvalid, cache_scores,
+                            cpos, state.count + started.long())
+    return y.reshape(bb, hk * grp, 1, d).to(q.dtype), new
+
+
+def sparse_hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, cache_size, scale, softcap=None,
+                                      initial_state=None, key_mask=None):
+    """Token by token through ``sparse_hybrid_attention_step`` (the decoding form)."""
+    b, h, t, d = q.shape
+    state = initial_state or empty_sparse_hybrid_state(b, k.shape[1], d, kf.shape[-1], cache_size,
+                                                       device=q.device, dtype=k.dtype)
+    outs = []
+    for i in range(t):
+        sl = slice(i, i + 1)
+        o, state = sparse_hybrid_attention_step(
+            q[:, :, sl], k[:, :, sl], qf[:, :, sl], kf[:, :, sl], v[:, :, sl], gamma, state, window=window,
+            scale=scale, softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl])
+        outs.append(o)
+    return torch.cat(outs, dim=2), state
+
+
+# --- prefill and training ---------------------------------------------------------------------------
+
+def _roll_left(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[B, H, T, *]`` with sequence b read at positions ``idx[b]`` ``[B, T]``."""
+    return x.gather(2, idx[:, None, :, None].expand(x.shape[0], x.shape[1], -1, x.shape[3]))
+
+
+def _take(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Tokens of ``x`` ``[B, Hk, T, E]`` at positions ``pos`` ``[B, Hk, *P]``: ``[B, Hk, *P, E]``."""
+    flat = pos.flatten(2)
+    out = x.gather(2, flat[..., None].expand(-1, -1, -1, x.shape[-1]))
+    return out.view(*pos.shape, x.shape[-1])
+
+
+@torch.no_grad()
+def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: int):
+    """The cache decisions over chunks of ``w`` tokens (one epoch each), whose origins are on chunk
+    boundaries. ``kf`` ``[B, Hk, N w, F]``, ``v`` ``[B, Hk, N w, D]``, ``real`` ``[B, N w]``.
+
+    Returns ``fold`` ``[B, Hk, N w]`` (the time each token is folded into the linear state; ``N w +
+    w`` for never), and per chunk the cache at its start, ``slot_pos`` / ``slot_valid`` ``[B, Hk, N,
+    S]``, and the epoch's priorities of its ``S + w`` candidates (slots, then chunk c-1's tokens),
+    ``pri`` ``[B, Hk, N, S + w]``.
+
+    Inside chunk c, with the epoch's priorities fixed, candidate x (present from the start, or
+    arriving as leaver j at step j) is cached at step i while fewer than ``S`` of the candidates
+    that have arrived by i outrank it, and folded from the step that count reaches ``S``: one
+    comparison matrix and a cumulative sum, no loop inside the chunk.
+    """
+    b, n_kv, tp, f = kf.shape
+    n, dev, acc = tp // w, kf.device, accum_dtype(kf.dtype)
+    steps = torch.arange(w, device=dev)
+    arrived_at = torch.cat([torch.full((cap,), -1, device=dev), steps])[:, None] <= steps  # [M, w]
+    never = tp + w
+    fold = torch.full((b, n_kv, tp + 1), never, dtype=torch.long, device=dev)  # + a sink for "no write"
+    lin = torch.zeros(b, n_kv, f, v.shape[-1] + 1, dtype=acc, device=dev)
+    slot_pos = torch.zeros(b, n_kv, cap, dtype=torch.long, device=dev)
+    slot_valid = torch.zeros(b, n_kv, cap, dtype=torch.bool, device=dev)
+    rec_pos, rec_valid, rec_pri = [], [], []
+    for c in range(n):
+        rec_pos.append(slot_pos)
+        rec_valid.append(slot_valid)
+        leavers = ((c - 1) * w + steps).clamp_min(0)
+        l_valid = real[:, leavers] if c else torch.zeros(b, w, dtype=torch.bool, device=dev)
+        pos = torch.cat([slot_pos, leavers.expand(b, n_kv, w)], dim=2)  # [B, Hk, M]
+        valid = torch.cat([slot_valid, l_valid[:, None].expand(b, n_kv, w)], dim=2)
+        cand_f, cand_v = _take(kf, pos).to(acc), _take(v, pos).to(acc)
+        pri = recall_error(cand_f, cand_v, lin)
+        rec_pri.append(pri)
+        beaten = _beaten_by(pri, pos, valid)  # [B, Hk, M, M]
+        rivals = beaten[..., :cap].sum(-1, keepdim=True) + beaten[..., cap:].long().cumsum(-1)  # [B, Hk, M, w]
+        arrived = valid[..., None] & arrived_at
+        kept, gone = arrived & (rivals < cap), arrived & (rivals >= cap)
+        out = gone[..., -1]  # folded during this chunk (once folded, always: rivals only grow)
+        when = c * w + gone.long().argmax(-1)
+        fold.scatter_(2, torch.where(out, pos, tp), when)
+        with torch.autocast(dev.type, enabled=False):
+            lin = lin + (cand_f * out[..., None]).transpose(-1, -2) @ _augment(cand_v, True)
+        order = torch.argsort(kept[..., -1].long(), dim=-1, descending=True, stable=True)[..., :cap]
+        slot_pos, slot_valid = pos.gather(2, order), kept[..., -1].gather(2, order)
+    return fold[..., :tp], torch.stack(rec_pos, 2), torch.stack(rec_valid, 2), torch.stack(rec_pri, 2)
+
+
+def sparse_hybrid_attention_chunked(
+    q, k, qf, kf, v, gamma, *, window: int, cache_size: int, scale: float, softcap: float | None = None,
+    output_final_state: bool = False, key_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, SparseHybridState | None]:
+    """The sequence form, in chunks of ``window`` tokens, one selection epoch each.
+
+    First the decisions (``_select``: a loop over chunks without gradients, carrying the linear
+    state and the cache's positions), which fix for every token the time it is folded into the
+    linear state. The attention is then a function of those times, for all chunks at once: chunk
+    c's queries see the keys of chunks c-1 and c (the window, exactly masked; chunk c-1's tokens
+    once they leave it are cached or folded by their fold time), the cache at the chunk's start
+    (cached or folded during the chunk), and the linear state of the tokens folded before the
+    chunk (a cumulative sum of per-chunk sums).
+    """
+    acc = accum_dtype(q.dtype)
+    b, n_kv, t, d = k.shape
+    grp = q.shape[1] // n_kv
+    w, cap = window, cache_size
+    dev = q.device
+    orig = (k, kf, v)
+    kf, v = _real_keys(key_mask, kf, v)
+    real = key_mask if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=dev)
+    has = real.any(dim=1)
+    first = torch.where(has, real.long().argmax(dim=1), torch.zeros_like(has, dtype=torch.long))
+    shift = first % w  # roll each sequence left so that its origin falls on a chunk boundary
+    rolled = key_mask is not None and bool(shift.any())  # (no host sync without a mask)
+    if rolled:
+        idx = (torch.arange(t, device=dev)[None, :] + shift[:, None]) % t
+        q, k, qf, kf, v = (_roll_left(x, idx) for x in (q, k, qf, kf, v))
+        real = real.gather(1, idx)
+    n = -(-t // w)
+    tp = n * w
+    pad = tp - t
+    flat = lambda x: F.pad(x.to(acc), (0, 0, 0, pad))  # noqa: E731  [B, *, Tp, E]
+    kk, ff, vv = flat(k), flat(kf), flat(v)
+    rr = F.pad(real, (0, pad))
+    fold, slot_pos, slot_valid, pri = _select(ff, vv, rr, w, cap)
+
+    qc = flat(_group(q, n_kv).flatten(1, 2)).view(b, n_kv, grp, n, w, d)
+    qfc = flat(_group(qf, n_kv).flatten(1, 2)).view(b, n_kv, grp, n, w, -1)
+    # keys of chunks (c-1, c) for chunk c: one chunk of padding in front, overlapping pairs
+    pairs = lambda x, fill=0: F.pad(x, (w, 0), value=fill).unfold(-1, 2 * w, w)  # noqa: E731  on the last dim
+    k2, f2, v2 = (pairs(x.transpose(-1, -2)).movedim(2, -1).unsqueeze(2) for x in (kk, ff, vv))  # [B, Hk, 1, N, 2w, *]
+    fold2 = pairs(fold, tp + w)  # [B, Hk, N, 2w]
+    real2 = pairs(rr, False)  # [B, N, 2w]
+    steps = torch.arange(w, device=dev)
+    jj = torch.arange(2 * w, device=dev)
+    now = (torch.arange(n, device=dev) * w)[:, None] + steps  # [N, w]: the queries' times
+    in_window = (jj > steps[:, None]) & (jj <= steps[:, None] + w)  # [w, 2w]
+    left = jj <= steps[:, None]  # chunk c-1's token j has left the window at step i >= j
+    folded2 = left & (fold2[..., None, :] <= now[..., None])  # [B, Hk, N, w, 2w]
+    soft2 = ((in_window & real2[:, None, :, None, :]) | (left & real2[:, None, :, None, :] & ~folded2))
+
+    g = gamma.to(acc).reshape(n_kv, grp)[..., None, None, None]  # [Hk, G, 1, 1, 1]
+    s2 = _scores(qc, k2, scale, softcap)  # [B, Hk, G, N, w, 2w]; under autocast in its half dtype
+    neg = torch.finfo(s2.dtype).min
+    s2 = s2.masked_fill(~soft2[:, :, None], neg)
+    top = s2.amax(dim=-1, keepdim=True)
+    if cap:  # the cache at each chunk's start
+        sk, sf, sv = _take(kk, slot_pos), _take(ff, slot_pos), _take(vv, slot_pos)  # [B, Hk, N, S, *]
+        s_fold = fold.gather(2, slot_pos.flatten(2)).view_as(slot_pos)
+        folded_s = slot_valid[..., None, :] & (s_fold[..., None, :] <= now[..., None])  # [B, Hk, N, w, S]
+        soft_s = slot_valid[..., None, :] & ~folded_s
+        ss = _scores(qc, sk.unsqueeze(2), scale, softcap).masked_fill(~soft_s[:, :, None], neg)
+        top = torch.maximum(top, ss.amax(dim=-1, keepdim=True))
+    a2 = g * torch.exp(s2 - top) * soft2[:, :, None] + (qfc @ f2.transpose(-1, -2)) * folded2[:, :, None]
+    out = a2 @ _augment(v2, True)
+    # linear state before each chunk: tokens folded during chunk c are among its candidates
+    ends = ((torch.arange(n, device=dev) + 1) * w)[:, None]  # [N, 1]
+    gone2 = (fold2[..., :w] < ends).to(acc)[..., None]  # chunk c-1's tokens folded by the chunk's end
+    inc = (f2[:, :, 0, :, :w] * gone2).transpose(-1, -2) @ _augment(v2[:, :, 0, :, :w], True)  # [B, Hk, N, F, D+1]
+    if cap:
+        a_s = (g * torch.exp(ss - top) * soft_s[:, :, None]
+               + (qfc @ sf.unsqueeze(2).transpose(-1, -2)) * folded_s[:, :, None])
+        out = out + a_s @ _augment(sv, True).unsqueeze(2)
+        gone_s = (slot_valid & (s_fold < ends)).to(acc)[..., None]
+        inc = inc + (sf * gone_s).transpose(-1, -2) @ _augment(sv, True)
+    before = torch.cumsum(inc, dim=2) - inc
+    out = out + qfc @ before.unsqueeze(2)
+    y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
+    y = y.flatten(3, 4)[..., :t, :] * real[:, None, None, :, None]  # [B, Hk, G, T, D]
+    y = y.reshape(b, -1, t, d)
+    if rolled:  # back to the caller's positions
+        back = (torch.arange(t, device=dev)[None, :] - shift[:, None]) % t
+        y = _roll_left(y, back)
+    y = y.to(q.dtype)
+    if not output_final_state:
+        return y, None
+    selection = (kk, ff, vv, rr, fold, slot_pos, slot_valid, pri)
+    return y, _final_state(orig, key_mask, selection, w, cap, first, shift, has, t)
+
+
+def _final_state(orig, key_mask, sel, w, cap, first, shift, has, t) -> SparseHybridState:
+    """The decoding state after the prompt: its last ``w`` tokens raw (with the priorities that those
+    leaving in the current epoch got at its boundary), and the cache and linear state after its last
+    token (each sequence's own, from the chunk that holds it)."""
+    k, kf, v = orig
+    kk, ff, vv, rr, fold, slot_pos, slot_valid, pri = sel
+    window = hybrid_final_state(k, kf, v, w, key_mask)
+    b, n_kv = k.shape[:2]
+    dev = k.device
+    steps = torch.arange(w, device=dev)
+    last = t - 1 - shift  # each sequence's last token, rolled
+    c, i = last // w, last % w
+    at = lambda x: x.gather(2, c.view(b, 1, 1, 1).expand(b, n_kv, 1, x.shape[-1]))[:, :, 0]  # noqa: E731
+    # the candidates of the last token's epoch: the chunk's starting cache and chunk c-1's tokens
+    pos = torch.cat([at(slot_pos), ((c - 1)[:, None] * w + steps).clamp_min(0)[:, None].expand(b, n_kv, w)], dim=2)
+    leaving = (steps <= i[:, None]) & (c[:, None] >= 1)  # [B, w]: chunk c-1's tokens that have left
+    leaving = leaving & rr.gather(1, pos[:, 0, cap:])
+    valid = torch.cat([at(slot_valid), leaving[:, None].expand(b, n_kv, w)], dim=2)
+    in_cache = valid & (fold.gather(2, pos) > last[:, None, None])
+    order = torch.argsort(in_cache.long(), dim=-1, descending=True, stable=True)[..., :cap]
+    c_pos, c_valid, c_pri = pos.gather(2, order), in_cache.gather(2, order), at(pri).gather(2, order)
+    folded = (fold <= last[:, None, None]).to(ff.dtype)[..., None]  # [B, Hk, Tp, 1]
+    lin = (ff * folded).transpose(-1, -2) @ _augment(vv, True)
+    # window token u sits at rolled position t - n + u - shift; it leaves during this epoch when
+    # that position is in chunk c - 1, where it is candidate S + j
+    nwin = window.keys.shape[2]
+    j = t - nwin + torch.arange(nwin, device=dev)[None, :] - shift[:, None] - (c[:, None] - 1) * w  # [B, n]
+    scores = at(pri)[..., cap:].gather(2, j.clamp(0, w - 1)[:, None, :].expand(b, n_kv, nwin))
+    scores = torch.where(((j >= 0) & (j < w))[:, None], scores, torch.zeros_like(scores))
+    cpos = (c_pos - (first - shift)[:, None, None]) * c_valid  # from each sequence's origin
+    count = torch.where(has, t - first, torch.zeros_like(first))
+    return SparseHybridState(window.keys, window.key_features, window.values, window.valid, scores,
+                             lin.unsqueeze(2), _take(kk, c_pos).to(k.dtype), _take(ff, c_pos).to(kf.dtype),
+                             _take(vv, c_pos).to(v.dtype), c_valid, c_pri, cpos, count)

@@ -1,0 +1,234 @@
+"""The gated delta rule and its window hybrid: the forms agree in float64 (values, gradients, states),
+padding is invisible, fla's kernel is wrapped right (faked here, real on CUDA), and the ``delta``
+mixer converts, decodes, saves and trains on a tiny model."""
+
+import sys
+import types
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import linearize
+from helpers import decode_incrementally, greedy_by_full_forwards, random_grads, tiny_student, tiny_tokenizer
+from linearize import ops
+from linearize.cache import LinearizeCache, cache_nbytes
+from linearize.info import state_bytes
+
+TOL = 1e-10
+SHAPES = [(2, 4, 2, 37), (1, 6, 3, 16), (2, 2, 2, 5), (1, 3, 1, 1)]
+
+
+def _close(a, b):
+    assert torch.allclose(a, b, atol=TOL, rtol=0), (a - b).abs().max().item()
+
+
+def _gdn_inputs(b, h, hk, t, kd=5, vd=4, seed=0, device="cpu", dtype=torch.float64):
+    g = torch.Generator(device=device).manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, device=device, dtype=dtype)  # noqa: E731
+    xs = [F.normalize(r(b, h, t, kd), dim=-1), F.normalize(r(b, hk, t, kd), dim=-1), r(b, hk, t, vd),
+          -F.softplus(r(b, hk, t)), torch.sigmoid(r(b, hk, t))]
+    return [x.requires_grad_(True) for x in xs]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("chunk", [4, 16])
+def test_gated_delta_rule_forms_agree(shape, chunk):
+    xs = _gdn_inputs(*shape)
+    s0 = torch.randn(shape[0], shape[2], 5, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(9)) * 0.1
+    ref, s_ref = ops.gated_delta_rule_naive(*xs, initial_state=s0)
+    chunked, s_chunk = ops.gated_delta_rule_chunked(*xs, chunk_size=chunk, initial_state=s0, output_final_state=True)
+    steps, state = [], s0
+    for i in range(shape[3]):
+        o, state = ops.gated_delta_rule_step(*(x[:, :, i : i + 1] for x in xs), state)
+        steps.append(o)
+    _close(chunked, ref)
+    _close(torch.cat(steps, dim=2), ref)
+    _close(s_chunk, s_ref)
+    _close(state, s_ref)
+    for g_ref, g_chunk in zip(random_grads(ref, xs), random_grads(chunked, xs)):
+        _close(g_chunk, g_ref)
+
+
+def test_delta_rule_overwrites_what_a_key_holds():
+    """The delta rule's point: writing v2 under the key that held v1 (b = 1, no decay) replaces v1,
+    where additive linear attention would return v1 + v2."""
+    k = F.normalize(torch.randn(1, 1, 1, 4, dtype=torch.float64), dim=-1).expand(1, 1, 2, 4)
+    v = torch.tensor([[[[1.0, 2.0], [-3.0, 5.0]]]], dtype=torch.float64)
+    o, _ = ops.gated_delta_rule_naive(k, k, v, torch.zeros(1, 1, 2, dtype=torch.float64),
+                                      torch.ones(1, 1, 2, dtype=torch.float64))
+    _close(o[0, 0, 1], v[0, 0, 1])
+
+
+def _hybrid_inputs(b, h, hk, t, d=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    xs = [r(b, h, t, d), r(b, hk, t, d), F.normalize(r(b, h, t, d), dim=-1), F.normalize(r(b, hk, t, d), dim=-1),
+          r(b, hk, t, d), -F.softplus(r(b, hk, t)), torch.sigmoid(r(b, hk, t)), torch.sigmoid(r(b, h, t))]
+    return [x.requires_grad_(True) for x in xs]
+
+
+def _cut(xs, sl):
+    return [x[..., sl] if x.dim() == 3 else x[:, :, sl] for x in xs]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_window_hybrid_forms_agree(shape, window):
+    xs = _hybrid_inputs(*shape)
+    kw = dict(window=window, scale=0.5, softcap=2.0 if window == 3 else None)
+    ref = ops.delta_window_naive(*xs, **kw)
+    chunked, s_chunk = ops.delta_window_chunked(*xs, **kw, chunk_size=4, output_final_state=True)
+    rec, s_rec = ops.delta_window_recurrent(*xs, **kw)
+    _close(chunked, ref)
+    _close(rec, ref)
+    for a, b in zip(s_chunk.tensors(), s_rec.tensors()):
+        assert torch.equal(a, b) if a.dtype == torch.bool else torch.allclose(a, b, atol=TOL, rtol=0)
+    for g_ref, g_chunk, g_rec in zip(random_grads(ref, xs), random_grads(chunked, xs), random_grads(rec, xs)):
+        _close(g_chunk, g_ref)
+        _close(g_rec, g_ref)
+
+
+def test_window_hybrid_padding_is_invisible_and_decoding_resumes_anywhere():
+    xs = _hybrid_inputs(3, 4, 2, 22, seed=2)
+    mask = torch.ones(3, 22, dtype=torch.bool)
+    mask[1, :5] = False
+    mask[2, :10] = False
+    mask[2, 14] = False
+    kw = dict(window=3, scale=0.5)
+    ref = ops.delta_window_naive(*xs, **kw, key_mask=mask)
+    _close(ops.delta_window_chunked(*xs, **kw, key_mask=mask, chunk_size=4)[0], ref)
+    _close(ops.delta_window_recurrent(*xs, **kw, key_mask=mask)[0], ref)
+    alone = ops.delta_window_naive(*(x[1:2] for x in _cut(xs, slice(5, None))), **kw)
+    _close(ref[1:2, :, 5:], alone)
+    for cut in (1, 7, 11, 16, 21):
+        _, state = ops.delta_window_chunked(*_cut(xs, slice(None, cut)), **kw, key_mask=mask[:, :cut],
+                                            output_final_state=True, chunk_size=4)
+        rest, _ = ops.delta_window_recurrent(*_cut(xs, slice(cut, None)), **kw, initial_state=state,
+                                             key_mask=mask[:, cut:])
+        _close(rest, ref[:, :, cut:])
+
+
+def _fake_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **_):
+    """fla's contract ([B, T, H, *], as many key heads as query heads, scale applied to q), by our reference."""
+    assert q.shape[2] == k.shape[2] and q.is_contiguous() and k.is_contiguous()
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    return tuple(x if x is None or i else t(x) for i, x in enumerate(ops.gated_delta_rule_naive(
+        t(q) * scale, t(k), t(v), t(g), t(beta), initial_state=initial_state)[: 2 if output_final_state else 1]
+        + ((None,) if not output_final_state else ())))
+
+
+def test_fla_wrapper_layout(monkeypatch):
+    """The fla path's layout, GQA repeat and state bookkeeping, with the kernel faked."""
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = _fake_chunk_gated_delta_rule
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    xs = _gdn_inputs(2, 6, 2, 13)
+    s0 = torch.rand(2, 2, 5, 4, dtype=torch.float64) * 0.1
+    ref, ref_state = ops.gated_delta_rule_chunked(*xs, initial_state=s0, output_final_state=True)
+    out, state = ops.gated_delta_rule_fla(*xs, initial_state=s0, output_final_state=True)
+    _close(out, ref)
+    _close(state, ref_state)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("shape", [(2, 9, 3, 300), (1, 4, 4, 2100)])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 5e-3), (torch.bfloat16, 5e-2)])
+def test_fla_gated_delta_rule_equals_the_chunked_form_on_cuda(shape, dtype, tol):
+    """fla 0.6's chunk_gated_delta_rule against our chunked form in float64: outputs, final state and
+    every gradient (GQA, lengths off the chunk, an initial state), head widths of SmolLM2 (64)."""
+    pytest.importorskip("fla")
+    b, h, hk, t = shape
+    xs = [x.detach().to(dtype) for x in _gdn_inputs(b, h, hk, t, kd=64, vd=64, device="cuda", dtype=torch.float32)]
+    s0 = torch.randn(b, hk, 64, 64, device="cuda") * 0.05
+    w = torch.randn(b, h, t, 64, device="cuda", dtype=torch.float64)
+    got = {}
+    for name in ("torch", "fla"):  # the reference sees the very inputs fla sees, in float64
+        ins = [(x.double() if name == "torch" else x.clone()).requires_grad_(True) for x in xs]
+        fn = ops.gated_delta_rule_chunked if name == "torch" else ops.gated_delta_rule_fla
+        o, s = fn(*ins, initial_state=s0.double() if name == "torch" else s0, output_final_state=True)
+        grads = torch.autograd.grad((o.double() * w).sum(), ins)
+        got[name] = [o, s, *grads]
+    for ref, out in zip(got["torch"], got["fla"]):
+        scale = ref.abs().max().clamp_min(1e-6)
+        assert ((out.double() - ref).abs().max() / scale).item() < tol
+
+
+# --- the mixer ------------------------------------------------------------------------------------
+
+SPEC = {"kind": "delta", "window": 4, "chunk_size": 8}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox", "qwen3"])
+def test_delta_student_decodes_like_its_parallel_forward(tiny_model, family):
+    student = tiny_student(tiny_model, family, SPEC)
+    with torch.no_grad():  # make the gates matter
+        for m in linearize.mixers(student).values():
+            m.mix_proj.bias.fill_(0.0)
+            m.decay_proj.weight.normal_(0, 0.3)
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(decode_incrementally(student, ids, 13), student(ids, use_cache=False).logits,
+                               atol=1e-10, rtol=0)
+    prompt = ids[:1, :7]
+    out = student.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_full_window_delta_student_is_the_teacher(tiny_model, family):
+    teacher = tiny_model(family, dtype=torch.float64)
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
+    student = linearize.convert(teacher, {"kind": "delta", "window": 32})
+    torch.testing.assert_close(student(ids).logits, teacher(ids).logits, atol=1e-10, rtol=0)
+
+
+def test_delta_left_padded_batch_generates_like_single_sequences(tiny_model):
+    student = tiny_student(tiny_model, "llama", SPEC, dtype=torch.float32)
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 6)]
+    width = max(len(p) for p in prompts)
+    ids, mask = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    batch = student.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    for i, p in enumerate(prompts):
+        alone = student.generate(p[None], max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(batch[i, width:], alone[0, len(p):])
+
+
+def test_delta_student_saves_loads_and_holds_constant_memory(tiny_model, tmp_path):
+    student = linearize.convert(tiny_model("llama"), SPEC)
+    with torch.no_grad():
+        for name, p in student.named_parameters():
+            if any(part in name for part in ("feature_map", "_proj.", "A_log", "dt_bias")) and "self_attn" in name \
+                    and not any(t in name for t in ("q_proj", "k_proj", "v_proj", "o_proj")):
+                p.add_(torch.randn_like(p) * 0.1)
+    linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
+    loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(loaded(ids).logits, student(ids).logits, atol=0, rtol=0)
+
+    def held_after(n):
+        cache = LinearizeCache(student)
+        student.generate(ids[:1, :6], max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache,
+                         pad_token_id=0)
+        return cache_nbytes(cache)
+
+    window_flags = 3 * 4  # the window's padding flags (bool), left out of state_bytes as for the hybrid
+    assert held_after(12) == held_after(40) == state_bytes(student)["fixed"] + window_flags
+
+
+def test_attention_transfer_trains_the_new_parameters(tiny_model):
+    """In transfer mode the layer returns the teacher's output and an MSE whose gradients reach the
+    gates, the mix and the feature maps (the recipes train them later)."""
+    student = linearize.convert(tiny_model("llama"), {"kind": "delta", "window": 4})
+    for m in linearize.mixers(student).values():
+        m.mode = "transfer"
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(2))
+    student(ids)
+    m = linearize.mixers(student)[1]
+    m.transfer_loss.backward()
+    for name in ("feature_map_q.weight", "feature_map_k.weight", "decay_proj.weight", "beta_proj.weight",
+                 "mix_proj.weight", "A_log", "dt_bias"):
+        grad = dict(m.named_parameters())[name].grad
+        assert grad is not None and grad.abs().sum() > 0, name

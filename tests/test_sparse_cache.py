@@ -1,0 +1,239 @@
+"""The LoLCATs hybrid with a sparse exact cache (LoLA): the three forms agree in float64 (values,
+gradients, final states), it reduces to the hybrid and to softmax at its extremes, padding is
+invisible, it keeps the tokens the linear state recalls worst, and a converted model decodes with it."""
+
+import pytest
+import torch
+
+import linearize
+from helpers import decode_incrementally, greedy_by_full_forwards, random_grads, tiny_student
+from linearize import LinearizeError, ops
+from linearize.cache import LinearizeCache, cache_nbytes
+from linearize.info import state_bytes
+
+TOL = 1e-10
+
+
+def _inputs(b, h, hk, t, d=4, f=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    xs = [r(b, h, t, d), r(b, hk, t, d), r(b, h, t, f).exp() * 0.3, r(b, hk, t, f).exp() * 0.3, r(b, hk, t, d)]
+    gamma = torch.sigmoid(r(h))
+    for x in xs + [gamma]:
+        x.requires_grad_(True)
+    return xs, gamma
+
+
+def _close(a, b):
+    assert torch.allclose(a, b, atol=TOL, rtol=0), (a - b).abs().max().item()
+
+
+def _same_state(a: ops.SparseHybridState, b: ops.SparseHybridState):
+    """Equal states: the window and linear state as they are, the cache as a set (slots may differ in order)."""
+    for x, y in zip(a.tensors()[:6], b.tensors()[:6]):
+        assert torch.equal(x, y) if x.dtype == torch.bool else torch.allclose(x, y, atol=TOL, rtol=0)
+    assert torch.equal(a.count, b.count)
+
+    def canonical(s):
+        key = torch.where(s.cache_valid, s.cache_pos, torch.iinfo(torch.long).max)
+        order = key.argsort(dim=-1)
+        pick = lambda x: x.gather(2, order[..., None].expand_as(x)) if x.dim() == 4 else x.gather(2, order)  # noqa: E731
+        return [pick(x) for x in (s.cache_keys, s.cache_features, s.cache_values, s.cache_valid, s.cache_scores,
+                                  s.cache_pos)], s.cache_valid.gather(2, order)
+
+    (xa, va), (xb, vb) = canonical(a), canonical(b)
+    assert torch.equal(va, vb)
+    for x, y in zip(xa, xb):
+        x, y = (torch.where(va.view(*va.shape, *([1] * (x.dim() - 3))), z, torch.zeros((), dtype=z.dtype)) for z in (x, y))
+        assert torch.equal(x, y) if x.dtype in (torch.bool, torch.long) else torch.allclose(x, y, atol=TOL, rtol=0)
+
+
+# (batch, query heads, key heads, length, window, cache): GQA and MHA, lengths off the chunk, shorter
+# than the window, a cache larger than what ever leaves it
+CASES = [(2, 4, 2, 23, 3, 2), (1, 6, 3, 17, 4, 3), (2, 2, 2, 13, 4, 1), (1, 4, 1, 5, 8, 2), (1, 2, 1, 19, 1, 30)]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_sparse_forms_agree(case, softcap):
+    b, h, hk, t, w, cap = case
+    xs, gamma = _inputs(b, h, hk, t)
+    kw = dict(window=w, cache_size=cap, scale=0.5, softcap=softcap)
+    ref = ops.sparse_hybrid_attention_naive(*xs, gamma, **kw)
+    chunked, s_chunk = ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, output_final_state=True)
+    rec, s_rec = ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw)
+    _close(chunked, ref)
+    _close(rec, ref)
+    _same_state(s_chunk, s_rec)
+    inputs = (*xs, gamma)
+    for g_ref, g_chunk, g_rec in zip(random_grads(ref, inputs), random_grads(chunked, inputs), random_grads(rec, inputs)):
+        _close(g_chunk, g_ref)
+        _close(g_rec, g_ref)
+
+
+def test_no_cache_is_the_hybrid():
+    xs, gamma = _inputs(2, 6, 2, 21)
+    kw = dict(window=4, scale=0.5)
+    hybrid = ops.hybrid_attention_naive(*xs, gamma, **kw)
+    _close(ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, cache_size=0)[0], hybrid)
+    _close(ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw, cache_size=0)[0], hybrid)
+
+
+def test_a_cache_holding_everything_is_softmax():
+    """When every token that leaves the window fits the cache, nothing is linear: exact softmax."""
+    xs, gamma = _inputs(2, 6, 2, 19)
+    q, k, _, _, v = xs
+    out, _ = ops.sparse_hybrid_attention_chunked(*xs, gamma, window=3, cache_size=16, scale=0.5)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1),
+                                                            is_causal=True, scale=0.5)
+    _close(out, sdpa)
+
+
+@pytest.mark.parametrize("window", [3, 4])
+def test_padding_is_invisible_and_decoding_resumes_anywhere(window):
+    """Left padding (and a padded token inside) changes no real token's output in any form; each
+    sequence decides exactly as it would alone (epochs count from its first real token); decoding
+    on from a prefill of any length equals one pass."""
+    xs, gamma = _inputs(3, 4, 2, 22, seed=2)
+    mask = torch.ones(3, 22, dtype=torch.bool)
+    mask[1, :5] = False
+    mask[2, :10] = False
+    mask[2, 14] = False
+    kw = dict(window=window, cache_size=2, scale=0.5)
+    ref = ops.sparse_hybrid_attention_naive(*xs, gamma, **kw, key_mask=mask)
+    chunked, s_chunk = ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, key_mask=mask, output_final_state=True)
+    rec, s_rec = ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw, key_mask=mask)
+    _close(chunked, ref)
+    _close(rec, ref)
+    _same_state(s_chunk, s_rec)
+    alone = ops.sparse_hybrid_attention_chunked(*(x[1:2, :, 5:] for x in xs), gamma, **kw)[0]
+    _close(ref[1:2, :, 5:], alone)
+    assert not ref[1:2, :, :5].any()  # padding queries output zero
+    for cut in (1, 7, 11, 16, 21):
+        _, state = ops.sparse_hybrid_attention_chunked(*(x[:, :, :cut] for x in xs), gamma, **kw,
+                                                       key_mask=mask[:, :cut], output_final_state=True)
+        rest, _ = ops.sparse_hybrid_attention_recurrent(*(x[:, :, cut:] for x in xs), gamma, **kw,
+                                                        initial_state=state, key_mask=mask[:, cut:])
+        _close(rest, ref[:, :, cut:])
+
+
+def test_the_token_recalled_worst_is_kept():
+    """A token whose value the linear state cannot read back (a large, odd value: a pass key) stays
+    in a one-token cache long after leaving the window; a typical token would not."""
+    xs, gamma = _inputs(1, 2, 1, 40, d=4, f=6, seed=4)
+    q, k, qf, kf, v = (x.detach() for x in xs)
+    v = v * 0.1
+    v[0, 0, 9] = torch.tensor([20.0, -20.0, 20.0, -20.0], dtype=torch.float64)
+    kw = dict(window=4, cache_size=1, scale=0.5)
+    _, state = ops.sparse_hybrid_attention_chunked(q, k, qf, kf, v, gamma.detach(), **kw, output_final_state=True)
+    assert state.cache_valid.all() and state.cache_pos.flatten().tolist() == [9]
+    _, state = ops.sparse_hybrid_attention_recurrent(q, k, qf, kf, v, gamma.detach(), **kw)
+    assert state.cache_pos.flatten().tolist() == [9]
+
+
+def test_runs_under_bfloat16_autocast():
+    xs, gamma = _inputs(1, 4, 2, 40)
+    ref = ops.sparse_hybrid_attention_naive(*xs, gamma, window=8, cache_size=4, scale=0.5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = ops.sparse_hybrid_attention_chunked(*(x.detach().float() for x in xs), gamma.detach().float(),
+                                                     window=8, cache_size=4, scale=0.5)
+    torch.testing.assert_close(out.double(), ref.detach(), atol=0.1, rtol=0.05)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_forms_agree_on_cuda():
+    """The chunked form's selection (argsorts, cumulative sums, scatters) on CUDA, in float64, against
+    the decoding form, at SmolLM2's head sizes and a cache of 16 beside a window of 16."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda", dtype=torch.float64)  # noqa: E731
+    b, h, hk, t, d, f = 2, 9, 3, 300, 64, 32
+    xs = [r(b, h, t, d) * 0.3, r(b, hk, t, d) * 0.3, torch.softmax(r(b, h, t, f), -1), torch.softmax(r(b, hk, t, f), -1),
+          r(b, hk, t, d)]
+    gamma = torch.full((h,), 0.1, device="cuda", dtype=torch.float64)
+    mask = torch.ones(b, t, dtype=torch.bool, device="cuda")
+    mask[1, :37] = False
+    kw = dict(window=16, cache_size=16, scale=d ** -0.5, key_mask=mask)
+    chunked, s_chunk = ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, output_final_state=True)
+    rec, s_rec = ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw)
+    _close(chunked, rec)
+    _same_state(s_chunk, s_rec)
+
+
+# --- the model ---------------------------------------------------------------------------------------
+
+SPEC = {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox"])
+def test_decoding_through_the_cache_equals_parallel_forward(tiny_model, family):
+    student = tiny_student(tiny_model, family, SPEC)
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(decode_incrementally(student, ids, 13), student(ids, use_cache=False).logits,
+                               atol=1e-10, rtol=0)
+    prompt = ids[:1, :7]
+    out = student.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
+
+
+def test_left_padded_batch_generates_like_single_sequences(tiny_model):
+    student = tiny_student(tiny_model, "llama", SPEC, dtype=torch.float32)
+    prompts = [torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(n)) for n in (11, 6)]
+    width = max(len(p) for p in prompts)
+    ids, mask = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    batch = student.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    for i, p in enumerate(prompts):
+        alone = student.generate(p[None], max_new_tokens=10, do_sample=False, pad_token_id=0)
+        assert torch.equal(batch[i, width:], alone[0, len(p):])
+
+
+def test_constant_memory_counted_by_state_bytes(tiny_model):
+    student = linearize.convert(tiny_model("llama"), SPEC)
+
+    def held_after(n):
+        cache = LinearizeCache(student)
+        student.generate(torch.ones(1, 8, dtype=torch.long), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         past_key_values=cache, pad_token_id=0)
+        return cache_nbytes(cache)
+
+    small, large = held_after(16), held_after(96)
+    assert small == large
+    without = state_bytes(linearize.convert(tiny_model("llama"), {**SPEC, "sparse_cache": 0}))["fixed"]
+    fixed = state_bytes(student)["fixed"]
+    window_flags = 3 * 4  # the window's padding flags (bool), left out of state_bytes as for the hybrid
+    assert fixed + window_flags == large and fixed > without
+
+
+def test_respec_gives_a_converted_checkpoint_a_cache(tiny_model, tmp_path):
+    """Training-free: a saved LoLCATs student takes a sparse cache; the record survives save/load."""
+    from helpers import tiny_tokenizer
+
+    student = linearize.convert(tiny_model("llama"), {"kind": "lolcats", "window": 4})
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(3))
+    before = student(ids).logits
+    linearize.respec(student, sparse_cache=4)
+    after = student(ids).logits
+    assert not torch.allclose(before, after)
+    assert student.config.linearize["spec"]["sparse_cache"] == 4
+    linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
+    loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")
+    torch.testing.assert_close(loaded(ids).logits, after, atol=0, rtol=0)
+    with pytest.raises(LinearizeError, match="respec changes only"):
+        linearize.respec(student, window=8)
+
+
+def test_bad_cache_specs_fail_with_one_line(tiny_model):
+    for bad in [{"sparse_cache": -1}, {"sparse_cache": 2.5}, {"kind": "linear", "sparse_cache": 4}]:
+        with pytest.raises(LinearizeError) as err:
+            linearize.convert(tiny_model("llama"), bad)
+        assert "\n" not in str(err.value)
+
+
+def test_fast_decoder_refuses_the_cache_clearly(tiny_model):
+    from linearize.fast import fast_generate
+
+    student = linearize.convert(tiny_model("llama"), SPEC)
+    with pytest.raises(LinearizeError, match="fast decoding does not handle"):
+        fast_generate(student, torch.ones(1, 5, dtype=torch.long), max_new_tokens=2)
