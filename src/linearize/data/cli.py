@@ -1,0 +1,29 @@
+"""``linearize data``: registered on the main parser by ``add_data_commands``."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def cmd_data(args) -> int:
+    from linearize import load_teacher
+
+    from .blocks import load_blocks
+
+    _, tokenizer = load_teacher(None if args.tokenizer == "default" else args.tokenizer, device="cpu")
+    for split in ("train", "validation"):
+        blocks = load_blocks(args.source, tokenizer, block_len=args.block_len, split=split)
+        print(f"{split}: {blocks.shape[0]} blocks of {blocks.shape[1]} tokens ({blocks.numel():,} tokens)")
+    return 0
+
+
+def add_data_commands(sub, common: argparse.ArgumentParser) -> None:
+    """Add ``data`` to the subparsers ``sub`` of the main parser (``common``: --dtype/--device)."""
+    d = sub.add_parser("data", help="tokenize and pack a text source; print its train/validation blocks",
+                       description="Check a corpus: read it, tokenize with a teacher's tokenizer, pack into blocks "
+                                   "and split train/validation deterministically (cached for training).")
+    d.add_argument("--source", default=None, help="a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], "
+                   "or nothing for the embedded Gutenberg corpus")
+    d.add_argument("--tokenizer", default="default", help="whose tokenizer: a teacher as in convert (default: %(default)s)")
+    d.add_argument("--block-len", type=int, default=1024, help="tokens per block (default: %(default)s)")
+    d.set_defaults(func=cmd_data)
