@@ -58,3 +58,4 @@ def load_blocks(
             cache.save_cached(cache.cache_path(key, name), tensor)
         blocks = built[split]
     return limit(blocks, max_blocks, split, seed)
+

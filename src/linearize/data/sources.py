@@ -4,6 +4,7 @@ or the embedded Gutenberg corpus."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ..errors import LinearizeError
@@ -12,6 +13,10 @@ from .gutenberg import GUTENBERG_BOOKS, gutenberg_paths, is_gutenberg
 TEXT_SUFFIXES = (".txt", ".md")
 READABLE_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl")
 ACCEPTED_SOURCES = "give a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], or 'gutenberg'"
+
+# Control characters that text does not contain (tab, line and page breaks aside): C0, DEL and C1.
+_CONTROL = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f]")
+CONTROL_SHARE_MAX = 0.05  # above this share of control characters a file is taken for binary data
 
 
 def read_texts(source: str | Path | None = None, text_field: str = "text") -> list[str]:
@@ -39,6 +44,17 @@ def read_texts(source: str | Path | None = None, text_field: str = "text") -> li
     return texts
 
 
+def check_source(source: str | Path | None) -> None:
+    """Fail at once, with one line, on a source that cannot be read: a missing path, an unsupported
+    file type, a malformed ``hf:`` name (cheap checks, before any tokenizer or model loads)."""
+    if is_gutenberg(source):
+        return
+    if isinstance(source, str) and source.startswith("hf:"):
+        parse_hf(source)
+    else:
+        source_files(source)
+
+
 def source_files(source: str | Path) -> list[Path]:
     """The files a path source stands for: the file itself, or the text files below a folder."""
     path = Path(source).expanduser()
@@ -61,13 +77,30 @@ def read_file(path: Path, text_field: str) -> list[str]:
 
 
 def read_text_file(path: Path) -> str:
-    """Decode a text file as UTF-8, falling back to Latin-1 (some Gutenberg books are Latin-1)."""
+    """Decode a text file as UTF-8, falling back to Latin-1 (some Gutenberg books are Latin-1).
+
+    A file that is not text (NUL bytes, or more than ``CONTROL_SHARE_MAX`` control characters:
+    binary data, UTF-16) raises ``LinearizeError`` naming it, rather than becoming training blocks.
+    """
     data = path.read_bytes()
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError:
         text = data.decode("latin-1")
+    check_is_text(text, path)
     return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def check_is_text(text: str, path) -> None:
+    """Raise ``LinearizeError`` unless ``text`` (the decoded content of ``path``) looks like text."""
+    if "\x00" in text:
+        why = "it contains NUL bytes"
+    else:
+        share = len(_CONTROL.findall(text)) / max(1, len(text))
+        if share <= CONTROL_SHARE_MAX:
+            return
+        why = f"{share:.0%} of its characters are control characters"
+    raise LinearizeError(f"{path} is not a text file ({why}); give UTF-8 or Latin-1 text ({ACCEPTED_SOURCES})")
 
 
 def read_jsonl(path: Path, text_field: str) -> list[str]:
