@@ -7,19 +7,19 @@ splits train/validation deterministically and caches the packed tensor on disk, 
 ``BlockDataset`` wraps the result for the Hugging Face ``Trainer``.
 
 By job: ``sources`` (reading), ``gutenberg`` (the default corpus and its fetch), ``packing``
-(tokenizer cut points, packing), ``splits``, ``cache``, ``blocks`` (``load_blocks``), ``dataset``
-and ``cli`` (the ``linearize data`` command).
+(tokenizer cut points, packing), ``splits``, ``cache``, ``blocks`` (``load_blocks``), ``mixture``
+(``a=W,b=W`` sources), ``dataset`` and ``cli`` (the ``linearize data`` command).
 """
 
 from .blocks import load_blocks
 from .dataset import BlockDataset
 from .gutenberg import GUTENBERG_BOOKS, GUTENBERG_PACKAGE, GUTENBERG_TRAIN, GUTENBERG_VALIDATION, gutenberg_dir
 from .packing import pack_blocks
-from .sources import ACCEPTED_SOURCES, READABLE_SUFFIXES, TEXT_SUFFIXES, read_texts
+from .sources import ACCEPTED_SOURCES, READABLE_SUFFIXES, SOURCE_HELP, TEXT_SUFFIXES, read_texts
 from .splits import SPLITS
 
 __all__ = [
     "ACCEPTED_SOURCES", "BlockDataset", "GUTENBERG_BOOKS", "GUTENBERG_PACKAGE", "GUTENBERG_TRAIN",
-    "GUTENBERG_VALIDATION", "READABLE_SUFFIXES", "SPLITS", "TEXT_SUFFIXES", "gutenberg_dir", "load_blocks",
+    "GUTENBERG_VALIDATION", "READABLE_SUFFIXES", "SOURCE_HELP", "SPLITS", "TEXT_SUFFIXES", "gutenberg_dir", "load_blocks",
     "pack_blocks", "read_texts",
 ]

@@ -9,6 +9,7 @@ import torch
 
 from ..errors import LinearizeError
 from . import cache
+from .mixture import mix, parse_mixture
 from .packing import check_block_len
 from .splits import SPLITS, build_splits, limit
 
@@ -39,6 +40,9 @@ def load_blocks(
     Both splits are built and cached together, under ``cache_dir("blocks")``; the cache key covers
     the source's files (paths, sizes, mtimes) or name, the tokenizer, ``block_len``,
     ``val_fraction``, ``seed`` and ``text_field``.
+
+    ``source`` may be a mixture, ``a,b`` or ``a=W,b=W`` (``data.mixture``): each source is loaded
+    as above and the split assembled from them.
     """
     if tokenizer is None:
         raise TypeError("load_blocks() needs a tokenizer")
@@ -50,6 +54,10 @@ def load_blocks(
     if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int) or max_blocks < 1):
         raise LinearizeError(f"max_blocks must be a positive integer or None, got {max_blocks!r}")
 
+    parts = parse_mixture(source)
+    if parts is not None:
+        blocks = [load_blocks(p.source, tokenizer, block_len, split, val_fraction, seed, None, text_field) for p in parts]
+        return limit(mix(parts, blocks, split, seed), max_blocks, split, seed)
     key = cache.cache_key(source, tokenizer, block_len, val_fraction, seed, text_field)
     blocks = cache.load_cached(cache.cache_path(key, split))
     if blocks is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..errors import LinearizeError
+from .sources import SOURCE_HELP
 
 
 def cmd_data(args) -> int:
@@ -29,8 +30,7 @@ def add_data_commands(sub, common: argparse.ArgumentParser) -> None:
                                    "tokenizer is loaded), pack into blocks and split train/validation "
                                    "deterministically (cached for training).")
     d.add_argument("--data", "--source", dest="data", default=None, metavar="SOURCE",
-                   help="a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], or nothing for the "
-                        "embedded Gutenberg corpus")
+                   help=SOURCE_HELP + "; nothing for the Gutenberg corpus")
     d.add_argument("--tokenizer", default="default", help="whose tokenizer: a teacher as in convert (default: %(default)s)")
     d.add_argument("--block-len", type=int, default=1024, help="tokens per block (default: %(default)s)")
     d.set_defaults(func=cmd_data)

@@ -9,10 +9,14 @@ from pathlib import Path
 
 from ..errors import LinearizeError
 from .gutenberg import GUTENBERG_BOOKS, gutenberg_paths, is_gutenberg
+from .mixture import parse_mixture
 
 TEXT_SUFFIXES = (".txt", ".md")
 READABLE_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl")
 ACCEPTED_SOURCES = "give a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], or 'gutenberg'"
+SOURCE_HELP = ("a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], 'gutenberg' (the default), "
+               "or a mixture of these: A,B (every block of each once) or A=W,B=W (weights: shares of the "
+               "training blocks, e.g. gutenberg=0.5,notes.txt=0.5)")
 
 # Control characters that text does not contain (tab, line and page breaks aside): C0, DEL and C1.
 _CONTROL = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f]")
@@ -47,6 +51,11 @@ def read_texts(source: str | Path | None = None, text_field: str = "text") -> li
 def check_source(source: str | Path | None) -> None:
     """Fail at once, with one line, on a source that cannot be read: a missing path, an unsupported
     file type, a malformed ``hf:`` name (cheap checks, before any tokenizer or model loads)."""
+    parts = parse_mixture(source)
+    if parts is not None:
+        for part in parts:
+            check_source(part.source)
+        return
     if is_gutenberg(source):
         return
     if isinstance(source, str) and source.startswith("hf:"):
