@@ -8,7 +8,8 @@ splits train/validation deterministically and caches the packed tensor on disk, 
 
 By job: ``sources`` (reading), ``gutenberg`` (the default corpus and its fetch), ``packing``
 (tokenizer cut points, packing), ``splits``, ``cache``, ``blocks`` (``load_blocks``), ``mixture``
-(``a=W,b=W`` sources), ``dataset`` and ``cli`` (the ``linearize data`` command).
+(``a=W,b=W`` sources), ``generate`` (text sampled from a teacher, ``generated:NAME``), ``dataset``
+and ``cli`` (the ``linearize data`` commands).
 """
 
 from .blocks import load_blocks

@@ -11,6 +11,7 @@ from ..errors import LinearizeError
 from . import cache
 from .mixture import mix, parse_mixture
 from .packing import check_block_len
+from .sources import resolve_source
 from .splits import SPLITS, build_splits, limit
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def load_blocks(
     if parts is not None:
         blocks = [load_blocks(p.source, tokenizer, block_len, split, val_fraction, seed, None, text_field) for p in parts]
         return limit(mix(parts, blocks, split, seed), max_blocks, split, seed)
+    source = resolve_source(source)
     key = cache.cache_key(source, tokenizer, block_len, val_fraction, seed, text_field)
     blocks = cache.load_cached(cache.cache_path(key, split))
     if blocks is None:

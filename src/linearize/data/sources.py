@@ -8,6 +8,7 @@ import re
 from pathlib import Path
 
 from ..errors import LinearizeError
+from . import generate
 from .gutenberg import GUTENBERG_BOOKS, gutenberg_paths, is_gutenberg
 from .mixture import parse_mixture
 
@@ -15,7 +16,7 @@ TEXT_SUFFIXES = (".txt", ".md")
 READABLE_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl")
 ACCEPTED_SOURCES = "give a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], or 'gutenberg'"
 SOURCE_HELP = ("a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], 'gutenberg' (the default), "
-               "or a mixture of these: A,B (every block of each once) or A=W,B=W (weights: shares of the "
+               "generated:NAME (text made by 'linearize data generate'), or a mixture of these: A,B (every block of each once) or A=W,B=W (weights: shares of the "
                "training blocks, e.g. gutenberg=0.5,notes.txt=0.5)")
 
 # Control characters that text does not contain (tab, line and page breaks aside): C0, DEL and C1.
@@ -34,8 +35,11 @@ def read_texts(source: str | Path | None = None, text_field: str = "text") -> li
     * a folder: every ``.txt``/``.md``/``.jsonl`` file below it, sorted by path;
     * ``"hf:NAME[:CONFIG][@SPLIT]"``: a Hugging Face dataset (needs ``datasets`` and the hub).
 
+    * ``"generated:NAME"``: text sampled from a teacher by ``linearize data generate``.
+
     Blank documents are dropped; a source with no text at all raises ``LinearizeError``.
     """
+    source = resolve_source(source)
     if is_gutenberg(source):
         return [read_text_file(path) for path in gutenberg_paths(GUTENBERG_BOOKS)]
     if isinstance(source, str) and source.startswith("hf:"):
@@ -61,7 +65,14 @@ def check_source(source: str | Path | None) -> None:
     if isinstance(source, str) and source.startswith("hf:"):
         parse_hf(source)
     else:
-        source_files(source)
+        source_files(resolve_source(source))
+
+
+def resolve_source(source):
+    """The folder a named source stands for (``generated:NAME``); any other source as it is."""
+    if isinstance(source, str) and source.startswith(generate.PREFIX):
+        return generate.resolve_generated(source)
+    return source
 
 
 def source_files(source: str | Path) -> list[Path]:
