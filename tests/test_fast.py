@@ -8,7 +8,7 @@ from helpers import greedy_by_full_forwards, run_triton_interpreter_script, tiny
 
 import linearize
 from linearize import LinearizeError, ops
-from linearize.fast import FastDecoder, Sampling, decode, fast_generate, filter_logits, next_tokens
+from linearize.decode import FastDecoder, Sampling, decode, fast_generate, filter_logits, next_tokens
 from linearize.xatl import build_xatl
 
 TOL = 1e-10
@@ -195,7 +195,7 @@ def test_streamer_sees_every_token(tiny_model):
 def test_state_buffers_do_not_grow_with_new_tokens(tiny_model):
     """Converted layers hold the same bytes whatever the length; only kept softmax layers size
     their key/value buffers for the whole output."""
-    from linearize.fast import StaticKVLayer
+    from linearize.decode import StaticKVLayer
 
     def held(model, n):
         dec = FastDecoder(model)
@@ -221,7 +221,7 @@ def test_the_prefill_cache_is_emptied_as_the_buffers_take_over(tiny_model):
     for layer in cache.layers:
         assert getattr(layer, "state", None) is None and getattr(layer, "keys", None) is None
     assert len(static.layers) == len(cache.layers)
-    from linearize.fast import _layer_tensors
+    from linearize.decode.buffers import layer_tensors as _layer_tensors
 
     assert all(sum(x.numel() for x in _layer_tensors(layer)) > 0 for layer in static.layers)
     # no buffer is a view that keeps a larger prefill tensor alive (the ring's dropped key features
@@ -236,7 +236,7 @@ def test_a_prefill_state_holds_no_view_of_the_prompt(tiny_model):
     q/k/v fused into one product: the window's last keys are not a slice of the prompt's, nor the
     values a split of the fused projection (at a large batch those views held twice the state)."""
     from linearize.cache import LinearizeCache, state_tensors
-    from linearize.fused import fused_projections
+    from linearize.decode import fused_projections
 
     prompt = _ids(t=13)
     for name, model in _all_models(tiny_model):
@@ -318,7 +318,7 @@ def test_compiled_step_compiles_once_and_decodes_the_same(tiny_model):
 def test_info_reports_the_fast_state(tiny_model):
     """``linearize info``'s figure for the fast path is what the fast decoder's converted layers hold
     (their ring buffers, less the one-byte validity flags and the slot counters)."""
-    from linearize.fast import StaticKVLayer
+    from linearize.decode import StaticKVLayer
     from linearize.info import state_bytes
 
     model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8}, dtype=torch.float32)

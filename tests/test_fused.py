@@ -1,4 +1,4 @@
-"""Fused projections while decoding (``linearize.fused``): q/k/v and an MLP's gate/up as one product
+"""Fused projections while decoding (``linearize.decode.fusion``): q/k/v and an MLP's gate/up as one product
 each, the same tokens and logits as the separate products, and every module restored afterwards."""
 
 import pytest
@@ -8,8 +8,8 @@ from torch import nn
 from helpers import tiny_student
 
 from linearize.convert import mixers
-from linearize.fast import FastDecoder, fast_generate
-from linearize.fused import fusable, fused_projections
+from linearize.decode import FastDecoder, fast_generate, fused_projections
+from linearize.models.fusion import FusedGatedMLP, fusable
 
 LOLCATS = {"kind": "lolcats", "window": 4, "feature_dim": 8}
 CASES = [
@@ -46,7 +46,8 @@ def _assert_untouched(model, snapshot):
     attrs, params = snapshot
     for name, m in model.named_modules():
         assert vars(m).keys() == attrs[name].keys(), name
-        assert "_fused_qkv" not in vars(m) and "_fused_gate_up" not in vars(m) and "forward" not in vars(m), name
+        assert "fused_qkv" not in m._modules and not isinstance(m, FusedGatedMLP) and "forward" not in vars(m), name
+    assert [name for name, _ in model.named_modules()] == list(attrs)
     now = dict(model.named_parameters())
     assert now.keys() == params.keys()
     for name, (p, value) in params.items():
@@ -60,8 +61,8 @@ class _Watch:
         self.model, self.seen = model, []
 
     def put(self, x):
-        self.seen.append(([hasattr(m, "_fused_qkv") for m in mixers(self.model).values()],
-                          ["forward" in vars(mlp) for mlp in _mlps(self.model)]))
+        self.seen.append(([hasattr(m, "fused_qkv") for m in mixers(self.model).values()],
+                          [isinstance(mlp, FusedGatedMLP) for mlp in _mlps(self.model)]))
 
     def end(self):
         pass
@@ -139,7 +140,7 @@ def test_restored_after_an_exception(tiny_model):
     model = tiny_student(tiny_model, "llama", LOLCATS)
     snap = _snapshot(model)
     with pytest.raises(RuntimeError, match="boom"), fused_projections(model):
-        assert all(hasattr(m, "_fused_qkv") for m in mixers(model).values())
+        assert all(hasattr(m, "fused_qkv") for m in mixers(model).values())
         raise RuntimeError("boom")
     _assert_untouched(model, snap)
 
@@ -197,7 +198,7 @@ def test_lora_wrapped_projections_stay_unfused(tiny_model):
     snap = _snapshot(student)
     with torch.no_grad(), fused_projections(student) as n:
         assert n == len(_mlps(student))  # the MLPs only: q/k/v of every converted layer stay separate
-        assert not any(hasattr(m, "_fused_qkv") for m in mixers(student).values())
+        assert not any(hasattr(m, "fused_qkv") for m in mixers(student).values())
     prompt = _ids()
     ref = student.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
     unfused = fast_generate(student, prompt, max_new_tokens=10, pad_token_id=0, fuse_projections=False)

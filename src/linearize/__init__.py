@@ -1,12 +1,11 @@
 """linearize: turn pretrained softmax-attention language models into linear-cost-inference models."""
 
-__version__ = "0.1.0"
-
-from .cache import LinearizeCache, RecurrentLayer  # noqa: E402
-from .checkpoint import load, save  # noqa: E402
-from .convert import convert, mixers, respec, spec_of  # noqa: E402
-from .errors import LinearizeError  # noqa: E402
-from .spec import Spec  # noqa: E402
+from .cache import LinearizeCache, RecurrentLayer
+from .checkpoint import load, save
+from .convert import convert, mixers, respec, spec_of
+from .errors import LinearizeError
+from .spec import Spec
+from .version import __version__
 
 
 def load_teacher(spec=None, dtype=None, device=None):
@@ -17,7 +16,25 @@ def load_teacher(spec=None, dtype=None, device=None):
     return _load_teacher(spec, dtype=dtype, device=device)
 
 
+def load_model(spec, dtype=None, device=None):
+    """``(model, tokenizer)`` from a linearize checkpoint folder (``load``), or else from any teacher
+    spec as ``load_teacher`` takes it ("default" for the embedded one)."""
+    from pathlib import Path
+
+    path = Path(spec).expanduser()
+    config = path / "config.json"
+    if path.is_dir() and config.is_file() and '"linearize"' in config.read_text():
+        model, tokenizer = load(path, dtype=dtype, device=device)
+        model.linearize_source = str(path.resolve())
+        return model, tokenizer
+    return load_teacher(None if spec == "default" else spec, dtype=dtype, device=device)
+
+
 __all__ = [
     "LinearizeCache", "LinearizeError", "RecurrentLayer", "Spec", "__version__", "convert", "load",
+<<<<<<< HEAD
     "load_teacher", "mixers", "respec", "save", "spec_of",
+=======
+    "load_model", "load_teacher", "mixers", "save", "spec_of",
+>>>>>>> decode
 ]

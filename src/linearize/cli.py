@@ -133,17 +133,6 @@ def cmd_info(args) -> int:
     return 0
 
 
-def cmd_data(args) -> int:
-    from . import load_teacher
-    from .data import load_blocks
-
-    _, tokenizer = load_teacher(None if args.tokenizer == "default" else args.tokenizer, device="cpu")
-    for split in ("train", "validation"):
-        blocks = load_blocks(args.source, tokenizer, block_len=args.block_len, split=split)
-        print(f"{split}: {blocks.shape[0]} blocks of {blocks.shape[1]} tokens ({blocks.numel():,} tokens)")
-    return 0
-
-
 def cmd_lolcats(args) -> int:
     from dataclasses import fields, replace
 
@@ -400,14 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     be.add_argument("--plots", type=Path, metavar="DIR", help="write tok_s_vs_batch.png and memory_vs_length.png here")
     be.set_defaults(func=cmd_bench)
 
-    d = sub.add_parser("data", help="tokenize and pack a text source; print its train/validation blocks",
-                       description="Check a corpus: read it, tokenize with a teacher's tokenizer, pack into blocks "
-                                   "and split train/validation deterministically (cached for training).")
-    d.add_argument("--source", default=None, help="a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], "
-                   "or nothing for the embedded Gutenberg corpus")
-    d.add_argument("--tokenizer", default="default", help="whose tokenizer: a teacher as in convert (default: %(default)s)")
-    d.add_argument("--block-len", type=int, default=1024, help="tokens per block (default: %(default)s)")
-    d.set_defaults(func=cmd_data)
+    from .data.cli import add_data_commands
+
+    add_data_commands(sub, common)
 
     from .eval.cli import add_eval_commands
 

@@ -11,11 +11,11 @@ import copy
 
 from torch import nn
 
-from . import __version__
 from .errors import LinearizeError
 from .mixers import MIXERS, Mixer
 from .models import get_adapter
 from .spec import Spec
+from .version import __version__
 
 
 def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_softmax=None,

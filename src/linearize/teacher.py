@@ -81,6 +81,34 @@ def load_teacher(
     return _finish(model, tokenizer, device, source)
 
 
+def load_tokenizer(spec: str | os.PathLike | None = None):
+    """The tokenizer ``load_teacher(spec)`` would return (the same files, so the same token ids and
+    data cache keys), without reading any weights: seconds instead of a model load. ``spec`` as in
+    ``load_teacher``; a linearize checkpoint folder works too. The embedded default is read from
+    its dequantised cache, built first if absent (as ``load_teacher`` would)."""
+    if _is_default(spec):
+        folder, source = _cached_default(), DEFAULT_TEACHER
+    else:
+        text = os.fspath(spec).strip()
+        path = Path(text).expanduser()
+        if text.lower().endswith(".gguf"):
+            folder, source = _cached_gguf(path), str(path.resolve())
+        elif path.is_dir():
+            folder, source = path, str(path.resolve())
+        elif path.exists():
+            raise LinearizeError(f"teacher '{text}' is a file but not a .gguf file; {ACCEPTED}")
+        else:
+            try:
+                return _with_pad_token(AutoTokenizer.from_pretrained(text), text)
+            except Exception as err:
+                raise _hub_error(text, err) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as err:
+        raise LinearizeError(f"could not load a tokenizer from '{folder}': {_short(err)}") from None
+    return _with_pad_token(tokenizer, source)
+
+
 def check_supported(config: PretrainedConfig) -> None:
     """Raise LinearizeError unless the config's architecture has an adapter."""
     get_adapter(config)
@@ -188,6 +216,13 @@ def _finish(model: torch.nn.Module, tokenizer, device: torch.device, source: str
     """Move to ``device``, switch to eval mode, give the tokenizer a pad token, record the source."""
     model = model.to(device)
     model.eval()
+    _with_pad_token(tokenizer, source)
+    model.linearize_source = source
+    return model, tokenizer
+
+
+def _with_pad_token(tokenizer, source: str):
+    """``tokenizer``, given its eos (or unk) token as pad token if it has none."""
     if tokenizer.pad_token is None:
         fallback = tokenizer.eos_token or tokenizer.unk_token
         if fallback is None:
@@ -196,8 +231,7 @@ def _finish(model: torch.nn.Module, tokenizer, device: torch.device, source: str
                 "tokenizer defines an eos token"
             )
         tokenizer.pad_token = fallback
-    model.linearize_source = source
-    return model, tokenizer
+    return tokenizer
 
 
 # --- GGUF cache -------------------------------------------------------------------------------------

@@ -105,7 +105,7 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
                            generator=torch.Generator().manual_seed(seed)).to(device)
     try:
         if path == "fast":
-            from ..fast import FastDecoder
+            from ..decode import FastDecoder
 
             decoder = FastDecoder(model, compile=compile, prefill_batch=prefill_batch,
                                   fuse_projections=fuse_projections)

@@ -165,7 +165,7 @@ def profile_decode(model, batch: int = 1, tokens: int = 16, prompt_len: int = 32
     """Kernels per decode step: two profiled runs of different lengths, differenced, so the prefill cancels."""
     from torch.profiler import profile
 
-    from ..fast import FastDecoder
+    from ..decode import FastDecoder
 
     device = next(model.parameters()).device
     decoder = FastDecoder(model, cuda_graph=False, compile=compile, fuse_projections=fuse_projections)
@@ -257,9 +257,7 @@ def main(argv=None) -> int:
             teacher, _ = linearize.load_teacher(args.teacher, dtype="float32", device=device)
             result = profile_train(teacher, args.model, b, t, steps=args.steps, top=args.top, python_top=args.python)
         else:
-            from ..cli import _load_any
-
-            model, _ = _load_any(args.model, args.dtype, device)
+            model, _ = linearize.load_model(args.model, dtype=args.dtype, device=device)
             result = profile_decode(model, args.batch, args.tokens, compile=args.compile, top=args.top,
                                     fuse_projections=not args.unfused)
     except LinearizeError as e:

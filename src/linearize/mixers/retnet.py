@@ -24,7 +24,7 @@ from torch.nn import functional as F
 
 from .. import ops
 from ..errors import LinearizeError
-from ..fused import fusable
+from ..models.fusion import fusable
 from .base import drop_padding, head_group_norm
 from .decay import log_decay
 from .fresh import FreshMixer
@@ -86,7 +86,7 @@ class RetNetRetention(FreshMixer):
         """``x [W_Q; W_K; W_V; W_G]``: queries and keys ``[2, B, T, H, d_k]``, values and gate ``[B, H, T, d_v]``.
 
         Over a sequence (training, prefill) one product with the concatenated weights, where that is
-        the same function (``fused.fusable``): one launch and one cast of ``x`` each way instead of four,
+        the same function (``models.fusion.fusable``): one launch and one cast of ``x`` each way instead of four,
         for one copy of the small weights; a decode step reads the four weights in place.
         """
         b, t, _ = x.shape

@@ -16,6 +16,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from .fusion import FusedLinear
+
 
 @dataclass
 class Geometry:
@@ -35,6 +37,7 @@ class Adapter:
 
     model_types: tuple[str, ...] = ()
     attention_attr: str = "self_attn"
+    mlp_attr: str = "mlp"
     part_names: tuple[str, ...] = ()
 
     @property
@@ -70,6 +73,24 @@ class Adapter:
     def out(self, m: nn.Module, o: torch.Tensor) -> torch.Tensor:
         """[B, H, T, D] -> [B, T, hidden]."""
         raise NotImplementedError
+
+    # -- fewer products while decoding (``models.fusion``; ``linearize.decode.fusion`` applies them)
+    def fuse_qkv(self, m: nn.Module) -> FusedLinear | None:
+        """A module computing a converted layer's q, k and v projections with one product, which
+        ``qkv`` uses while it is ``m``'s ``fused_qkv`` submodule; None where the family's q/k/v are one
+        product already or one product would not be exactly the same function (LoRA, mixed biases...)."""
+        return None
+
+    def mlp(self, layer: nn.Module) -> nn.Module | None:
+        return getattr(layer, self.mlp_attr, None)
+
+    def set_mlp(self, layer: nn.Module, module: nn.Module) -> None:
+        setattr(layer, self.mlp_attr, module)
+
+    def fuse_mlp(self, layer: nn.Module) -> nn.Module | None:
+        """A stand-in for ``layer``'s MLP computing the same function with fewer products (the gated
+        MLP's gate and up as one), or None where the family's MLP has nothing to fuse."""
+        return None
 
 
 def family_function(module: nn.Module, name: str) -> Callable | None:

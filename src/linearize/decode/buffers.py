@@ -1,0 +1,134 @@
+"""The fast decoder's cache: every layer's decoding state in buffers of fixed shape.
+
+After the prefill (an ordinary ``LinearizeCache``), ``static_cache`` turns each layer's entry into
+a static one: a converted layer's state (the LoLCATs window becomes a ring of exactly ``window``
+slots, ``ops.RingHybridState``, or ``ops.FusedRingState`` where its fused CUDA kernel runs) and a
+kept softmax layer's keys and values, preallocated for the prompt plus every new token. Decode
+steps overwrite these buffers in place and advance one shared device ``position``, so a step reads
+nothing back to the host and can be replayed as a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin, DynamicCache
+
+from .. import ops
+from ..cache import LinearizeCache, RecurrentLayer, state_tensors
+from ..convert import mixers
+
+
+class StaticStateLayer(RecurrentLayer):
+    """A converted layer's state in fixed buffers; decode steps overwrite them in place."""
+
+    static = True
+
+    def __init__(self, state, position: torch.Tensor):
+        super().__init__()
+        self.state = state
+        self.position = position  # 0-d long: tokens absorbed so far (shared by every layer)
+
+    def store(self, state, n_tokens: int) -> None:
+        # ``seen`` stays as the prefill left it: the count lives on the device (``position``), and a
+        # Python counter would be frozen by a CUDA graph and recompile a compiled step every token
+        if state is not self.state:  # an out-of-place step: copy into the buffers the graph reads
+            for buf, new in zip(state_tensors(self.state), state_tensors(state)):
+                buf.copy_(new)
+
+
+class StaticKVLayer(CacheLayerMixin):
+    """A kept softmax layer's keys and values, preallocated for the prompt plus every new token."""
+
+    is_compileable = False
+    is_sliding = False
+    static = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, total: int, position: torch.Tensor):
+        super().__init__()
+        b, h, t, d = keys.shape
+        self.keys = keys.new_zeros(b, h, total, d)
+        self.values = values.new_zeros(b, h, total, values.shape[-1])
+        self.keys[:, :, :t], self.values[:, :, :t] = keys, values
+        self.position = position
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states=None, value_states=None) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        idx = self.position.view(1)
+        self.keys.index_copy_(2, idx, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, idx, value_states.to(self.values.dtype))
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self, *args) -> int:
+        return self.keys.shape[2]
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[2]
+
+
+class StaticCache(DynamicCache):
+    """The fast decoder's cache: every layer static, one shared device position."""
+
+    def __init__(self, layers: list, config):
+        super().__init__(config=config)
+        self.layers[:] = layers
+
+
+def static_cache(model, cache: LinearizeCache, total: int, position: torch.Tensor, *,
+                 keep_key_features: bool = False) -> StaticCache:
+    """The decoding buffers from the prefill's ``cache``, which is emptied layer by layer as its
+    tensors are taken over or copied, so a large batch never holds both whole. (The prefill's
+    states own their memory: ``cache.own_storage``; views of the prompt's activations once
+    doubled a large batch's peak.) ``total``: the prompt's length plus every new token."""
+    converted, layers = mixers(model), []
+    for i, layer in enumerate(cache.layers):
+        if isinstance(layer, RecurrentLayer):
+            state, layer.state = layer.state, None
+            if isinstance(state, ops.HybridState):
+                state = converted[i].ring_state(state, keep_key_features=keep_key_features)
+            else:
+                state = state.contiguous()
+            layers.append(StaticStateLayer(state, position))
+        else:
+            layers.append(StaticKVLayer(layer.keys, layer.values, total, position))
+            layer.keys = layer.values = None
+    return StaticCache(layers, model.config)
+
+
+def join_caches(caches: list) -> LinearizeCache:
+    """One cache from the caches of consecutive slices of a batch (the first one, extended)."""
+    if len(caches) == 1:
+        return caches[0]
+    joined = caches[0]
+    for i, layer in enumerate(joined.layers):
+        parts = [c.layers[i] for c in caches]
+        if isinstance(layer, RecurrentLayer):
+            states = [p.state for p in parts]
+            if isinstance(layer.state, ops.HybridState):
+                layer.state = ops.HybridState(*(torch.cat(xs) for xs in zip(*(s.tensors() for s in states))))
+            else:
+                layer.state = torch.cat(states)
+        else:
+            layer.keys = torch.cat([p.keys for p in parts])
+            layer.values = torch.cat([p.values for p in parts])
+        for p in parts[1:]:  # free each piece as soon as it is joined
+            if isinstance(p, RecurrentLayer):
+                p.state = None
+            else:
+                p.keys = p.values = None
+    return joined
+
+
+def layer_tensors(layer) -> list[torch.Tensor]:
+    """The buffers a static layer holds."""
+    return [layer.keys, layer.values] if isinstance(layer, StaticKVLayer) else state_tensors(layer.state)
+
+
+def state_nbytes(cache: StaticCache) -> int:
+    """Bytes of every buffer of the decoding state."""
+    return sum(x.numel() * x.element_size() for layer in cache.layers for x in layer_tensors(layer))

@@ -1,0 +1,289 @@
+"""The fast decoder: prefill, static buffers, then one decode step replayed per token.
+
+1. **Prefill** runs the model once over the (left-padded) prompts through the chunked forms, so a
+   long prompt costs linear time (``prefill_batch`` prompts at a time).
+2. The cache becomes **static buffers** of fixed shape (``decode.buffers``).
+3. **One decode step** (``DecodeStep``) — model forward on one token, sampling, writing the token,
+   advancing the positions — touches only those buffers and reads nothing back to the host, so on
+   CUDA it is captured once as a CUDA graph and replayed per token. On the CPU it runs eagerly.
+4. During the call, q/k/v and gated MLPs' gate/up are one product each (``decode.fusion``).
+
+Sequences that hit an EOS token continue as padding; the host checks for "all done" every
+``check_every`` steps (``_Progress``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+
+from ..cache import LinearizeCache
+from ..errors import LinearizeError
+from .buffers import StaticCache, StaticKVLayer, join_caches, state_nbytes, static_cache
+from .fusion import fused_projections
+from .sampling import Sampling, next_tokens
+
+WARMUP_STEPS = 2  # eager decode steps before a CUDA graph is captured
+
+
+def positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids of a left-padded batch: each sequence counts from 0 at its first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+
+
+def check_supported(model) -> None:
+    """One line for a model the fast decoder cannot run: sliding-window softmax layers, or an
+    attention implementation other than sdpa / eager."""
+    cfg = model.config
+    kept = set(cfg.linearize["keep_softmax"]) if getattr(cfg, "linearize", None) else set(range(cfg.num_hidden_layers))
+    types = getattr(cfg, "layer_types", None)
+    sliding = {i for i in kept if types and types[i] == "sliding_attention"}
+    if getattr(cfg, "sliding_window", None) and not types and kept:
+        sliding = kept
+    if sliding:
+        raise LinearizeError(f"fast decoding does not handle sliding-window softmax layers ({sorted(sliding)}); "
+                             "use model.generate() for this model")
+    from ..convert import mixers
+
+    unsupported = sorted(i for i, m in mixers(model).items() if not m.fast_decodable())
+    if unsupported:
+        raise LinearizeError(f"fast decoding does not handle the state of layers {unsupported} (a sparse cache or a "
+                             "delta-rule window); use model.generate() (linearize generate --decoder generate)")
+    if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+        raise LinearizeError(f"fast decoding needs the sdpa or eager attention, not {cfg._attn_implementation!r}")
+
+
+class DecodeStep:
+    """One decode step on fixed tensors: the step's inputs and outputs live here and are updated in
+    place, so the step can be captured as a CUDA graph and replayed.
+
+    ``token`` ``[B, 1]`` is the last token; ``out`` ``[B, n]`` collects the new tokens (pad where a
+    sequence has ended), ``finished`` marks sequences past an EOS. Kept softmax layers read a
+    ``[B, 1, 1, total]`` additive mask (padding and unwritten slots hidden); without them a
+    ``[B, 1, 1, 1]`` stand-in keeps transformers from building masks.
+    """
+
+    def __init__(self, forward, cache: StaticCache, sampling: Sampling, first: torch.Tensor,
+                 attention_mask: torch.Tensor, position: torch.Tensor, *, total: int, max_new_tokens: int,
+                 eos: torch.Tensor, pad: int, dtype: torch.dtype):
+        b, t = attention_mask.shape
+        dev = attention_mask.device
+        self.forward, self.cache, self.sampling, self.eos, self.pad = forward, cache, sampling, eos, pad
+        self.position, self.dtype = position, dtype
+        self.token = first[:, None]
+        self.finished = torch.isin(first, eos)
+        self.out = torch.full((b, max_new_tokens), pad, dtype=torch.long, device=dev)
+        self.out[:, 0] = first
+        self.index = torch.ones((), dtype=torch.long, device=dev)
+        self.position_ids = positions(attention_mask)[:, -1:] + 1
+        self.has_kv = any(isinstance(layer, StaticKVLayer) for layer in cache.layers)
+        self.kv_valid = torch.zeros(b, total if self.has_kv else 1, dtype=torch.bool, device=dev)
+        if self.has_kv:
+            self.kv_valid[:, :t] = attention_mask.bool()
+        self.kv_mask = torch.zeros(b, 1, 1, self.kv_valid.shape[1], dtype=dtype, device=dev)
+
+    def __call__(self) -> None:
+        if self.has_kv:
+            self.kv_valid.index_fill_(1, self.position.view(1), True)
+            self.kv_mask.zero_().masked_fill_(~self.kv_valid[:, None, None, :], torch.finfo(self.dtype).min)
+        logits = self.forward(self.token, attention_mask=self.kv_mask, position_ids=self.position_ids,
+                              cache_position=self.position.view(1), past_key_values=self.cache,
+                              use_cache=True).logits
+        nxt = next_tokens(logits[:, -1], self.sampling)
+        nxt = torch.where(self.finished, torch.full_like(nxt, self.pad), nxt)
+        self.finished.logical_or_(torch.isin(nxt, self.eos))
+        self.out.index_copy_(1, self.index.view(1), nxt[:, None])
+        self.token.copy_(nxt[:, None])
+        self.position_ids.add_(1)
+        self.position.add_(1)
+        self.index.add_(1)
+
+
+class _Progress:
+    """The host's side of the loop: how many tokens exist, the streamer, and the now-and-then check
+    whether every sequence has ended (a host sync, so not every step unless a streamer wants each token)."""
+
+    def __init__(self, step: DecodeStep, streamer, check_every: int, stops_at_eos: bool):
+        self.step, self.streamer, self.check_every, self.stops_at_eos = step, streamer, check_every, stops_at_eos
+        self.done = 1  # the prefill's token
+
+    def advance(self, run) -> bool:
+        """One decode step through ``run``; False once every sequence has ended (checked now and then)."""
+        run()
+        self.done += 1
+        if self.streamer is not None:
+            self.streamer.put(self.step.out[:, self.done - 1].cpu())
+        ended = (self.streamer is not None or self.done % self.check_every == 0) and self.stops_at_eos
+        return not (ended and bool(self.step.finished.all()))
+
+
+class FastDecoder:
+    """Decode a batch of prompts with fixed buffers and, on CUDA, one CUDA graph per step.
+
+    ``cuda_graph``: None = on CUDA devices; False = run the step eagerly (the graph's twin).
+    ``keep_key_features``: keep the LoLCATs window's key features in the state (more memory) instead
+    of recomputing a key's features when it leaves the window (the default).
+    ``compile``: compile the decode step with ``torch.compile`` (fewer, fused kernels; the first
+    call pays the compilation). ``prefill_batch``: prefill that many prompts at a time (None: all).
+    ``fuse_projections``: during each call, compute q/k/v with one matrix product per converted
+    layer and a gated MLP's gate/up with one (``decode.fusion``: fewer kernel launches per step,
+    the same function; weights concatenated afresh on every call, modules restored afterwards).
+    After each call, ``timings`` holds the seconds of prefill, setup (state buffers, the first
+    eager steps, graph capture) and decoding, the number of new tokens, the steps the decoding time
+    covers and the bytes of the decoding state.
+    """
+
+    def __init__(self, model, *, cuda_graph: bool | None = None, keep_key_features: bool = False,
+                 compile: bool = False, prefill_batch: int | None = None, fuse_projections: bool = True):
+        check_supported(model)
+        self.model = model
+        self.fuse_projections = fuse_projections
+        self.prefill_batch = prefill_batch
+        self.keep_key_features = keep_key_features
+        # torch.compile fuses the step's many small kernels (feature maps, norms, window softmax);
+        # the prefill stays eager (its shapes change with every prompt)
+        self.step_forward = torch.compile(model.forward, dynamic=False) if compile else model.forward
+        self.device = next(model.parameters()).device
+        self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
+        if self.cuda_graph and self.device.type != "cuda":
+            raise LinearizeError("CUDA graphs need a CUDA device")
+
+    # -- prefill ---------------------------------------------------------------------------------
+    def _prefill(self, input_ids, attention_mask):
+        """The prompts through the chunked forms, ``prefill_batch`` sequences at a time (a large
+        batch's prefill activations would otherwise dwarf its decoding state); the pieces' states
+        are joined layer by layer."""
+        n = self.prefill_batch or input_ids.shape[0]
+        logits, caches = [], []
+        for s in range(0, input_ids.shape[0], n):
+            cache = LinearizeCache(self.model)
+            mask = attention_mask[s : s + n]
+            out = self.model(input_ids[s : s + n], attention_mask=mask, position_ids=positions(mask),
+                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+            logits.append(out.logits[:, -1])
+            caches.append(cache)
+        return torch.cat(logits), join_caches(caches)
+
+    def _static_cache(self, cache, total: int, position: torch.Tensor) -> StaticCache:
+        return static_cache(self.model, cache, total, position, keep_key_features=self.keep_key_features)
+
+    # -- the loop --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
+                 max_new_tokens: int = 32, sampling: Sampling = Sampling(), eos_token_id=None,
+                 pad_token_id: int | None = None, streamer=None, check_every: int = 16) -> torch.Tensor:
+        """``[B, T + n]`` token ids: the prompts followed by up to ``max_new_tokens`` new tokens.
+
+        ``attention_mask`` marks real tokens of left-padded prompts (1) and padding (0). Sequences
+        that produce an ``eos_token_id`` continue with ``pad_token_id``; decoding ends early once
+        every sequence has (checked every ``check_every`` steps, or every step with a streamer).
+        """
+        if max_new_tokens < 1:
+            raise LinearizeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            raise LinearizeError("input_ids must be a non-empty [batch, length] tensor")
+        # the fused weights live for this call only: a CUDA graph captured below replays within it
+        with fused_projections(self.model, enabled=self.fuse_projections):
+            return self._generate(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id,
+                                  pad_token_id, streamer, check_every)
+
+    def _generate(self, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, pad_token_id,
+                  streamer, check_every) -> torch.Tensor:
+        dev = self.device
+        input_ids = input_ids.to(dev)
+        t = input_ids.shape[1]
+        attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(dev)
+        eos = torch.tensor(sorted(as_list(eos_token_id)) or [-1], device=dev)
+        pad = pad_token_id if pad_token_id is not None else (as_list(eos_token_id) or [0])[0]
+
+        clock = _Clock(dev)
+        logits, cache = self._prefill(input_ids, attention_mask)
+        clock.lap("prefill_s")
+        total = t + max_new_tokens
+        position = torch.tensor(t, device=dev)  # 0-d: tokens absorbed (padding included)
+        static = self._static_cache(cache, total, position)
+        del cache
+        clock.lap("cache_s")
+
+        step = DecodeStep(self.step_forward, static, sampling, next_tokens(logits, sampling), attention_mask,
+                          position, total=total, max_new_tokens=max_new_tokens, eos=eos, pad=pad,
+                          dtype=next(self.model.parameters()).dtype)
+        progress = _Progress(step, streamer, check_every, eos_token_id is not None)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+            streamer.put(step.out[:, 0].cpu())
+
+        # the first steps run eagerly and are real steps; on CUDA they also warm up what a graph
+        # capture must not see happen (allocator, cuBLAS, Triton and torch.compile), so the graph is
+        # captured from the state they leave, with no copy of the buffers
+        going = True
+        for _ in range(min(WARMUP_STEPS, max_new_tokens - 1)):
+            going = self._eager(step, progress)
+            if not going:
+                break
+        run = self._capture(step) if self.cuda_graph and going and progress.done < max_new_tokens else step
+        clock.lap("setup_s")
+        timed_from = progress.done
+        while going and progress.done < max_new_tokens:
+            going = progress.advance(run)
+        clock.lap("decode_s")
+        done = progress.done
+        self.timings = {**clock.laps, **clock.peaks, "new_tokens": done, "decode_steps": done - timed_from,
+                        "state_bytes": state_nbytes(static)}
+        if streamer is not None:
+            streamer.end()
+        return torch.cat([input_ids, step.out[:, :done]], dim=1)
+
+    def _eager(self, step, progress) -> bool:
+        """One real step outside any graph (on a side stream on CUDA, as graph warm-up wants)."""
+        if not self.cuda_graph:
+            return progress.advance(step)
+        stream = _side_stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            going = progress.advance(step)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        return going
+
+    def _capture(self, step):
+        """Capture ``step`` as a CUDA graph (recording runs nothing) and return its replay."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph.replay
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One warm-up stream per device for every decoder: cuBLAS keeps a workspace (32 MiB on Hopper)
+    for each stream it meets until the process ends, so a new stream per step leaked memory (seen
+    on the H100 as +384 MiB after 12 eager steps)."""
+    return torch.cuda.Stream(device)
+
+
+class _Clock:
+    """Wall time of the phases of one call (synchronising the device at each lap only) and, on
+    CUDA, the allocator's peak so far at the end of each phase (``peak_<phase>_bytes``: where a
+    large batch's memory goes)."""
+
+    def __init__(self, device):
+        self.device, self.now, self.laps, self.peaks = device, time.perf_counter, {}, {}
+        self.last = self.now()
+
+    def lap(self, name: str) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peaks[f"peak_{name[:-2]}_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        now = self.now()
+        self.laps[name], self.last = now - self.last, now
+
+
+def as_list(x) -> list[int]:
+    """Token ids given as None, an int, a list/tuple/set or a tensor, as a list of ints."""
+    if x is None:
+        return []
+    if torch.is_tensor(x):
+        return [int(v) for v in x.flatten().tolist()]
+    return [int(v) for v in x] if isinstance(x, (list, tuple, set)) else [int(x)]
