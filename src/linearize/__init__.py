@@ -32,9 +32,5 @@ def load_model(spec, dtype=None, device=None):
 
 __all__ = [
     "LinearizeCache", "LinearizeError", "RecurrentLayer", "Spec", "__version__", "convert", "load",
-<<<<<<< HEAD
-    "load_teacher", "mixers", "respec", "save", "spec_of",
-=======
-    "load_model", "load_teacher", "mixers", "save", "spec_of",
->>>>>>> decode
+    "load_model", "load_teacher", "mixers", "respec", "save", "spec_of",
 ]
