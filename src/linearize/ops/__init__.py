@@ -19,7 +19,7 @@ from .delta_rule import (
     gated_delta_rule_naive,
     gated_delta_rule_step,
 )
-from .fla_backend import fla_available, linear_attention_fla, use_fla
+from .fla_backend import fla_available, kernel_inputs, linear_attention_fla, use_fla
 from .hybrid_attention import (
     FusedRingState,
     HybridState,
@@ -50,23 +50,6 @@ from .linear_attention import (
     linear_attention_recurrent,
     linear_attention_step,
 )
-
-
-def kernel_inputs(q, k, v, backend="auto"):
-    """Under autocast, fp32 inputs in the autocast dtype when that lets fla's kernels take them.
-
-    Training keeps fp32 master weights under bf16 autocast; autocast casts matmul inputs but not
-    elementwise results, so features that pass through RoPE (fp32 cos/sin) arrive here in fp32
-    and the "auto" backend would keep them on the PyTorch path: autocast asks for half precision,
-    so give the kernels what it asks for.
-    """
-    dev = q.device.type
-    if q.dtype != torch.float32 or not torch.is_autocast_enabled(dev):
-        return q, k, v
-    half = torch.get_autocast_dtype(dev)
-    if half not in (torch.bfloat16, torch.float16) or not use_fla(q, backend, dtype=half):
-        return q, k, v
-    return q.to(half), k.to(half), v.to(half)
 
 
 def linear_attention(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initial_state=None,

@@ -160,8 +160,7 @@ def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, output_final_state
     """The sequence form: fla's kernel where ``use_fla`` says so (CUDA, half precision or backend
     "fla"; under autocast fp32 inputs go in the autocast dtype, as for ``linear_attention``), the
     PyTorch chunked form otherwise."""
-    from . import kernel_inputs
-    from .fla_backend import use_fla
+    from .fla_backend import kernel_inputs, use_fla
 
     q, k, v = kernel_inputs(q, k, v, backend)
     if use_fla(q, backend):
