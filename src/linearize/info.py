@@ -28,7 +28,7 @@ def state_bytes(model, length: int | None = None, batch: int = 1, dtype: torch.d
 
     With ``length``: also what ``batch`` sequences hold after ``length`` tokens, ``total`` bytes (and
     its growing part ``softmax``): the fixed state plus every kept softmax layer's KV cache at that
-    length (a teacher layer with its own sliding window holds at most that window).
+    length (a teacher layer with its own sliding window holds a fixed window, counted in ``fixed``).
     """
     dtype = dtype or next(model.parameters()).dtype
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -42,9 +42,13 @@ def state_bytes(model, length: int | None = None, batch: int = 1, dtype: torch.d
             attn = adapter.attention(layer)
             g = adapter.geometry(attn, model.config)
             kv = 2 * g.n_kv_heads * g.head_dim * elem
-            per_token += kv
-            if length is not None:
-                grown += kv * (length if g.sliding_window is None else min(length, g.sliding_window))
+            if g.sliding_window:  # transformers' sliding cache layer keeps the last sliding_window - 1 tokens
+                fixed += (g.sliding_window - 1) * kv
+                fast += (g.sliding_window - 1) * kv
+            else:
+                per_token += kv
+                if length is not None:
+                    grown += kv * length
     out = {"fixed": fixed, "per_token": per_token, "fast_fixed": fast}
     if length is not None:
         out.update(length=length, batch=batch, softmax=batch * grown, total=batch * (fixed + grown))

