@@ -7,6 +7,9 @@ from .checkpoint import load, save  # noqa: E402
 from .convert import convert, mixers, spec_of  # noqa: E402
 from .errors import LinearizeError  # noqa: E402
 from .spec import Spec  # noqa: E402
+from . import autoregister as _autoregister  # noqa: E402
+
+_autoregister.install()  # AutoConfig / AutoModelForCausalLM learn the linearize_* types (linearize.hf)
 
 
 def load_teacher(spec=None, dtype=None, device=None):
