@@ -322,36 +322,62 @@ def test_bad_records_fail_with_one_line(tiny_model, tmp_path):
 
 
 @pytest.mark.slow
-def test_lm_eval_cli_scores_the_linear_model_like_linearize_eval(tmp_path):
+def test_lm_eval_cli_scores_the_linear_model_like_linearize_eval(tmp_path, capsys):
     """lm-eval's own command line (``--model hf``, ``trust_remote_code=True``, the suite's tasks as
-    YAML) on a converted checkpoint of the real teacher gives linearize eval's PIQA score, and scores
-    the student (its parameter count: the teacher's plus the feature maps), not the teacher."""
+    YAML) on a converted checkpoint of the real teacher gives ``linearize eval``'s PIQA score, and
+    scores the student (its parameter count: the teacher's plus the feature maps), not the teacher."""
     pytest.importorskip("lm_eval")
+    from linearize.cli import main
     from linearize.eval.tasks import export
 
     limit = "8"
-    env = _env(tmp_path)
-    cli = [sys.executable, "-m", "linearize"]
     # a window shorter than the prompts, so that the linear attention counts (the model is not the teacher)
-    done = subprocess.run([*cli, "convert", "--out", str(tmp_path / "ck"), "--window", "8", "--device", "cpu"], capture_output=True,
-                          text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert main(["convert", "--out", str(tmp_path / "ck"), "--window", "8", "--device", "cpu"]) == 0
     export.write_task_yamls(tmp_path / "tasks", "piqa")
-    done = subprocess.run([*cli, "eval", str(tmp_path / "ck"), "--tasks", "piqa", "--limit", limit, "--no-perplexity",
-                           "--batch-size", "4", "--device", "cpu", "--quiet", "--out", str(tmp_path / "ours.json")],
-                          capture_output=True, text=True, env=env, timeout=900)
-    assert done.returncode == 0, done.stderr[-2000:]
-    ours = json.loads((tmp_path / "ours.json").read_text())["tasks"]["piqa"]
+    assert main(["eval", str(tmp_path / "ck"), "--tasks", "piqa", "--limit", limit, "--no-perplexity", "--batch-size",
+                 "4", "--device", "cpu", "--quiet", "--out", str(tmp_path / "ours.json")]) == 0
+    capsys.readouterr()
+    ours = json.loads((tmp_path / "ours.json").read_text())
     lm_eval = Path(sys.executable).with_name("lm_eval")
     done = subprocess.run([str(lm_eval), "--model", "hf", "--model_args",
                            f"pretrained={tmp_path / 'ck'},trust_remote_code=True,dtype=float32",
                            "--include_path", str(tmp_path / "tasks"), "--tasks", "piqa", "--limit", limit,
                            "--batch_size", "4", "--device", "cpu", "--output_path", str(tmp_path / "theirs")],
-                          capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+                          capture_output=True, text=True, env=_env(tmp_path), timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = json.loads(next((tmp_path / "theirs").rglob("results_*.json")).read_text())
-    assert theirs["config"]["model_num_parameters"] == json.loads((tmp_path / "ours.json").read_text())["model"]["parameters"]
-    scores = theirs["results"]["piqa"]
-    print(f"PIQA acc over {limit} docs: linearize eval {ours['metrics']['acc']}, lm_eval --model hf {scores['acc,none']}")
-    assert ours["documents"] == int(limit) == theirs["n-samples"]["piqa"]["effective"]
-    assert scores["acc,none"] == ours["metrics"]["acc"] and scores["acc_norm,none"] == ours["metrics"]["acc_norm"]
+    assert theirs["config"]["model_num_parameters"] == ours["model"]["parameters"]
+    mine, scores = ours["tasks"]["piqa"], theirs["results"]["piqa"]
+    print(f"PIQA over {limit} docs: linearize eval acc {mine['metrics']['acc']} acc_norm {mine['metrics']['acc_norm']}; "
+          f"lm_eval --model hf acc {scores['acc,none']} acc_norm {scores['acc_norm,none']}")
+    assert mine["documents"] == int(limit) == theirs["n-samples"]["piqa"]["effective"]
+    assert scores["acc,none"] == mine["metrics"]["acc"] and scores["acc_norm,none"] == mine["metrics"]["acc_norm"]
+
+def test_students_pickle_by_class_name(tiny_model):
+    import pickle
+
+    student = _student(tiny_model, "llama", {"kind": "lolcats", "window": 4})
+    copy = pickle.loads(pickle.dumps(student))
+    assert type(copy) is type(student) and type(copy.config) is type(student.config)
+    with torch.no_grad():
+        assert torch.equal(copy(_ids()).logits, student(_ids()).logits)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_automodel_on_cuda_in_bf16_matches_linearize_load(tiny_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from linearize.fast import fast_generate
+
+    student = _student(tiny_model, "llama", {"kind": "supra"})
+    linearize.save(student, tiny_tokenizer(), tmp_path / "ck")
+    loaded, _ = linearize.load(tmp_path / "ck", dtype=torch.bfloat16, device="cuda")
+    ids = _ids().cuda()
+    for kwargs in ({"device_map": "cuda"}, {}):
+        auto = AutoModelForCausalLM.from_pretrained(tmp_path / "ck", dtype=torch.bfloat16, **kwargs).cuda()
+        assert all(m.log_decay.is_cuda and m.log_decay.dtype == torch.float32 for m in linearize.mixers(auto).values())
+        with torch.no_grad():
+            assert torch.equal(auto(ids).logits, loaded(ids).logits)
+        want = fast_generate(loaded, ids[:1, :6], max_new_tokens=24, pad_token_id=0)
+        assert torch.equal(fast_generate(auto, ids[:1, :6], max_new_tokens=24, pad_token_id=0), want)

@@ -98,8 +98,7 @@ def load(directory: str | os.PathLike, dtype: torch.dtype | str | None = None, d
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     try:
-        if record is not None:
-            hf.check_weights(directory, record)
+        if record is not None:  # its from_pretrained checks the weights' sha256 first
             model = hf.model_class(base_model_type(model_type)).from_pretrained(
                 directory, config=hf.config_from_dict(values), dtype=dtype)
         else:

@@ -193,7 +193,9 @@ def model_class(base: str) -> type:
 
 def __getattr__(name: str):
     """``linearize.hf.LinearizeLlamaForCausalLM`` and the like, built on first use."""
-    for base in SUPPORTED_MODEL_TYPES:
+    if not name.startswith("Linearize"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    for base in filter(_available, SUPPORTED_MODEL_TYPES):
         if name == "Linearize" + _base_config_class(base).__name__:
             return config_class(base)
         if name == _model_class_name(base):

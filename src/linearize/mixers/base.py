@@ -144,13 +144,16 @@ class Mixer(nn.Module):
             self.register_buffer(name, None if value is None else value.to(self.teacher_device), persistent=False)
 
     def reset_fixed_buffers(self) -> None:
-        """Recompute the fixed buffers in place of whatever they hold, on their current device."""
+        """Recompute the fixed buffers in place of whatever they hold, on their current device (or,
+        where they were left on the meta device, on the device of the mixer's parameters)."""
         with torch.device("cpu"):
             values = self.fixed_buffers()
+        weights = next((p for p in self.parameters() if p.device.type != "meta"), None)
         for name, value in values.items():
             current = getattr(self, name)
             if value is not None and current is not None:
-                setattr(self, name, value.to(current.device))
+                device = weights.device if current.device.type == "meta" and weights is not None else current.device
+                setattr(self, name, value.to(device))
 
     # "student": the linear-cost mixer; "teacher": the softmax attention it replaces, computed from the
     # same projections; "transfer": both, returning the teacher's output and keeping the MSE between
