@@ -6,6 +6,9 @@ from .convert import convert, mixers, respec, spec_of
 from .errors import LinearizeError
 from .spec import Spec
 from .version import __version__
+from . import autoregister as _autoregister
+
+_autoregister.install()  # AutoConfig / AutoModelForCausalLM learn the linearize_* types (linearize.hf)
 
 
 def load_teacher(spec=None, dtype=None, device=None):

@@ -87,7 +87,13 @@ def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
+    from .info import provenance_line, untrained_warning
+
     model, tokenizer = _load_any(args.model, args.dtype, args.device)
+    if (line := provenance_line(model)) is not None:
+        print(f"[{line}]", file=sys.stderr)
+    if (warning := untrained_warning(model, args.model)) is not None:
+        print(f"linearize: warning: {warning}", file=sys.stderr)
     prompt = args.prompt
     if args.chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
@@ -251,7 +257,7 @@ def cmd_bench(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .version import __version__
 
     p = argparse.ArgumentParser(
         prog="linearize",

@@ -2,13 +2,18 @@
 
 The mixer adopts the teacher's projection modules under their own names, so the student's state
 dict uses the teacher's keys plus the new parameters (feature maps, window weights, GroupNorm).
-The spec is recorded as ``config.linearize``; ``linearize.load`` rebuilds the model from it.
+The spec is recorded as ``config.linearize`` together with where the student came from (the
+teacher, the date) and, once a recipe has trained it, how (``linearize.checkpoint.record_training``).
+The student becomes its family's ``linearize_<base>`` model class (``linearize.hf``), so that
+``save_pretrained`` writes a checkpoint that declares what it is and ``AutoModelForCausalLM`` (or
+``linearize.load``) rebuilds it.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime as _dt
 import logging
 
 from torch import nn
@@ -20,6 +25,35 @@ from .spec import Spec
 from .version import __version__
 
 logger = logging.getLogger(__name__)
+
+RECORD_FORMAT = 2  # 1: spec, keep_softmax, version only (before the teacher and training were recorded)
+
+
+def apply_spec(model: nn.Module, spec: Spec) -> nn.Module:
+    """Replace ``model``'s attention layers (all but ``spec.keep_softmax``) by ``spec``'s mixers, in
+    place. Writes nothing to the config: ``convert`` records the spec, and the ``linearize_*``
+    model classes call this on a model their recorded spec describes."""
+    adapter = get_adapter(model.config)
+    layers = adapter.layers(model)
+    n_layers = len(layers)
+    bad = [i for i in spec.keep_softmax if not 0 <= i < n_layers]
+    if bad:
+        raise LinearizeError(f"keep_softmax {bad} out of range: the model has layers 0..{n_layers - 1}")
+    mixer_cls = MIXERS[spec.kind]
+    for i, layer in enumerate(layers):
+        if i in spec.keep_softmax:
+            continue
+        attn = adapter.attention(layer)
+        geometry = adapter.geometry(attn, model.config)
+        adapter.set_attention(layer, mixer_cls(attn, adapter, geometry, spec, i, n_layers))
+    return model
+
+
+def teacher_source(model: nn.Module) -> str | None:
+    """Where a teacher came from: what ``load_teacher`` resolved (a HF id, a folder, a .gguf file or
+    the embedded model's name), else the config's ``_name_or_path``; None for a model built in memory."""
+    source = getattr(model, "linearize_source", None) or getattr(model.config, "_name_or_path", None)
+    return str(source) if source else None
 
 
 def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_softmax=None,
@@ -38,15 +72,16 @@ def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_soft
     if keep_softmax is not None:
         overrides["keep_softmax"] = keep_softmax
     spec = Spec.coerce(spec, **overrides)
-    adapter = get_adapter(teacher.config)
+    get_adapter(teacher.config)
     if getattr(teacher.config, "linearize", None):
         raise LinearizeError("this model is already linearized; convert a softmax teacher")
-    layers = adapter.layers(teacher)
-    n_layers = len(layers)
+    n_layers = len(get_adapter(teacher.config).layers(teacher))
     bad = [i for i in spec.keep_softmax if not 0 <= i < n_layers]
-    if bad:
+    if bad:  # before the deep copy
         raise LinearizeError(f"keep_softmax {bad} out of range: the model has layers 0..{n_layers - 1}")
 
+    adapter = get_adapter(teacher.config)
+    layers = adapter.layers(teacher)
     mixer_cls = MIXERS[spec.kind]
     covered = [i for i, layer in enumerate(layers) if i not in spec.keep_softmax
                and mixer_cls.covers(adapter.geometry(adapter.attention(layer), teacher.config), spec)]
@@ -55,15 +90,15 @@ def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_soft
                        covered, spec.kind, spec.window)
         spec = dataclasses.replace(spec, keep_softmax=tuple(sorted({*spec.keep_softmax, *covered})))
 
-    student = teacher if inplace else copy.deepcopy(teacher)
-    for i, layer in enumerate(adapter.layers(student)):
-        if i in spec.keep_softmax:
-            continue
-        attn = adapter.attention(layer)
-        geometry = adapter.geometry(attn, student.config)
-        adapter.set_attention(layer, mixer_cls(attn, adapter, geometry, spec, i, n_layers))
-    student.config.linearize = {"spec": spec.to_dict(), "keep_softmax": list(spec.keep_softmax), "version": __version__}
-    return student
+    student = apply_spec(teacher if inplace else copy.deepcopy(teacher), spec)
+    student.config.linearize = {
+        "format": RECORD_FORMAT, "spec": spec.to_dict(), "keep_softmax": list(spec.keep_softmax),
+        "version": __version__, "teacher": teacher_source(teacher),
+        "converted": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "training": [],
+    }
+    from .hf import as_linearized
+
+    return as_linearized(student)
 
 
 def mixers(model: nn.Module) -> dict[int, Mixer]:

@@ -1,11 +1,13 @@
-"""A readable summary of a model: base architecture, mixer per layer, parameters, decoding state."""
+"""A readable summary of a model: base architecture, mixer per layer, parameters, decoding state, and
+for a student where it came from (teacher, conversion, training runs: ``config.linearize``)."""
 
 from __future__ import annotations
 
 import torch
 
+from .checkpoint import describe_training, is_untrained
 from .convert import mixers, spec_of
-from .models import get_adapter
+from .models import base_model_type, get_adapter
 
 
 def _runs(labels: list[str]) -> str:
@@ -69,8 +71,9 @@ def describe(model, length: int | None = None) -> str:
     spec = spec_of(model)
     mem = state_bytes(model, length)
     lines = [
-        f"base model:   {cfg.model_type} ({getattr(cfg, '_name_or_path', '') or 'unnamed'}), {n} layers, "
-        f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
+        f"base model:   {base_model_type(cfg.model_type)} ({getattr(cfg, '_name_or_path', '') or 'unnamed'}), "
+        f"{n} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}",
+        *_provenance(model),
         f"mixers:       {_runs(labels)}",
         f"spec:         {spec.to_dict() if spec else 'none (softmax teacher)'}",
         f"parameters:   {total:,} total, {trainable:,} trainable, {new:,} added by the mixers",
@@ -82,3 +85,38 @@ def describe(model, length: int | None = None) -> str:
     if length is not None:
         lines.append(f"              {mem['total']:,} bytes per sequence at {length:,} tokens")
     return "\n".join(lines)
+
+
+def _provenance(model) -> list[str]:
+    """A student's model type, teacher, conversion and training lines (none for a softmax model)."""
+    record = getattr(model.config, "linearize", None)
+    if not isinstance(record, dict):
+        return []
+    cls = type(model).__name__
+    lines = [f"model type:   {model.config.model_type} ({cls})"]
+    if "format" not in record:
+        lines.append(f"teacher:      not recorded (written by linearize {record.get('version', '?')} before teachers were)")
+    else:
+        lines.append(f"teacher:      {record.get('teacher') or 'unknown (converted from a model built in memory)'}")
+        lines.append(f"converted:    {record.get('converted', '?')} by linearize {record.get('version', '?')}")
+    lines.append(f"training:     {describe_training(model)}")
+    return lines
+
+
+def provenance_line(model) -> str | None:
+    """One line on where a student came from and how it was trained (None for a softmax model)."""
+    record = getattr(model.config, "linearize", None)
+    if not isinstance(record, dict):
+        return None
+    teacher = record.get("teacher") or "an unrecorded teacher"
+    if is_untrained(model):  # untrained_warning says so
+        return f"{model.config.model_type} from {teacher}"
+    return f"{model.config.model_type} from {teacher}; training: {describe_training(model)}"
+
+
+def untrained_warning(model, name: str) -> str | None:
+    """The warning for a student that no recipe has trained (None otherwise)."""
+    if not is_untrained(model):
+        return None
+    return (f"{name} is an untrained conversion: no recipe has trained its new layers, so its text says little "
+            "about the method (train it with linearize lolcats, supra or xatl)")

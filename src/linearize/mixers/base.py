@@ -138,6 +138,29 @@ class Mixer(nn.Module):
         """Put a freshly built submodule on the teacher's device and dtype."""
         return module.to(device=self.teacher_device, dtype=self.teacher_dtype)
 
+    def fixed_buffers(self) -> dict[str, torch.Tensor | None]:
+        """The mixer's constant buffers (decays, rotation frequencies), computed from its spec and
+        geometry, by name. They are not saved in checkpoints: ``register_fixed_buffers`` adds them
+        when the mixer is built, ``reset_fixed_buffers`` computes them again for a model that
+        transformers built on the meta device and then filled from a checkpoint (``linearize.hf``)."""
+        return {}
+
+    def register_fixed_buffers(self) -> None:
+        for name, value in self.fixed_buffers().items():
+            self.register_buffer(name, None if value is None else value.to(self.teacher_device), persistent=False)
+
+    def reset_fixed_buffers(self) -> None:
+        """Recompute the fixed buffers in place of whatever they hold, on their current device (or,
+        where they were left on the meta device, on the device of the mixer's parameters)."""
+        with torch.device("cpu"):
+            values = self.fixed_buffers()
+        weights = next((p for p in self.parameters() if p.device.type != "meta"), None)
+        for name, value in values.items():
+            current = getattr(self, name)
+            if value is not None and current is not None:
+                device = weights.device if current.device.type == "meta" and weights is not None else current.device
+                setattr(self, name, value.to(device))
+
     # "student": the linear-cost mixer; "teacher": the softmax attention it replaces, computed from the
     # same projections; "transfer": both, returning the teacher's output and keeping the MSE between
     # them in ``transfer_loss`` (LoLCATs attention transfer: every layer sees the teacher's inputs).

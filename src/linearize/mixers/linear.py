@@ -24,8 +24,10 @@ class LinearAttention(Mixer):
         g = geometry
         self.feature_map_q = self.new_parameters_like(build_feature_map(spec.feature_map, g.n_heads, g.head_dim, spec.feature_dim))
         self.feature_map_k = self.new_parameters_like(build_feature_map(spec.feature_map, g.n_kv_heads, g.head_dim, spec.feature_dim))
-        decay = log_decay(spec.decay, g.n_heads, layer_idx, n_layers)
-        self.register_buffer("log_decay", None if decay is None else decay.to(self.teacher_device), persistent=False)
+        self.register_fixed_buffers()
+
+    def fixed_buffers(self):
+        return {"log_decay": log_decay(self.spec.decay, self.geometry.n_heads, self.layer_idx, self.n_layers)}
 
     def features(self, q, k, position_embeddings):
         q, k = self.adapter.rope(self, q, k, position_embeddings)

@@ -50,11 +50,13 @@ class RetNetRetention(FreshMixer):
         self.wv = self.fresh_linear(d, h * self.value_dim)
         self.wg = self.fresh_linear(d, h * self.value_dim)
         self.group_norm = self.new_parameters_like(nn.GroupNorm(h, h * self.value_dim, eps=1e-6))
-        decay = log_decay(spec.decay, h, layer_idx, n_layers)
-        self.register_buffer("log_decay", None if decay is None else decay.to(self.teacher_device), persistent=False)
+        self.register_fixed_buffers()
+
+    def fixed_buffers(self):
         inv_freq = 1.0 / 10000 ** (torch.arange(0, self.key_dim, 2, dtype=torch.float64) / self.key_dim)
         inv_freq = inv_freq.repeat(2)  # theta_i for each of the d_k features: the two halves repeat
-        self.register_buffer("inv_freq", inv_freq.float().to(self.teacher_device), persistent=False)
+        return {"log_decay": log_decay(self.spec.decay, self.n_heads, self.layer_idx, self.n_layers),
+                "inv_freq": inv_freq.float()}
 
     def rotation(self, t: int, offset, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of RetNet's angles t * theta for the positions offset .. offset + t - 1 (offset: an

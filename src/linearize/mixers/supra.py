@@ -28,11 +28,13 @@ class SupraAttention(Mixer):
         g = geometry
         self.feature_map = self.new_parameters_like(T2R(1, g.head_dim, g.head_dim))
         self.rope_rotates_half = rotates_half(g.rotary, g.head_dim)
-        decay = log_decay(spec.decay, g.n_heads, layer_idx, n_layers)
-        self.register_buffer("log_decay", None if decay is None else decay.to(self.teacher_device), persistent=False)
+        self.register_fixed_buffers()
         self.normalize = spec.norm == "sum"
         if not self.normalize:
             self.group_norm = self.new_parameters_like(nn.GroupNorm(g.n_heads, g.n_heads * g.head_dim, eps=1e-5))
+
+    def fixed_buffers(self):
+        return {"log_decay": log_decay(self.spec.decay, self.geometry.n_heads, self.layer_idx, self.n_layers)}
 
     def features(self, q, k, position_embeddings):
         """RoPE(phi(q)) * scaling and RoPE(phi(k)). Queries and keys go through the shared kernel (and

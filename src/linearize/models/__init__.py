@@ -13,11 +13,20 @@ for _adapter in (LlamaFamilyAdapter(), GPTNeoXAdapter()):
         ADAPTERS[_model_type] = _adapter
 
 SUPPORTED_MODEL_TYPES = tuple(sorted(ADAPTERS))
+LINEARIZED_PREFIX = "linearize_"  # a student's model type is its base family's, prefixed (linearize.hf)
+
+
+def base_model_type(model_type: str | None) -> str | None:
+    """The base family of a model type: ``linearize_llama`` -> ``llama``; others unchanged."""
+    if isinstance(model_type, str) and model_type.startswith(LINEARIZED_PREFIX):
+        return model_type[len(LINEARIZED_PREFIX):]
+    return model_type
 
 
 def get_adapter(config) -> Adapter:
-    """The adapter for ``config.model_type``; a one-line error listing the supported ones otherwise."""
-    model_type = getattr(config, "model_type", None)
+    """The adapter for ``config.model_type`` (a student's: its base family's); a one-line error
+    listing the supported ones otherwise."""
+    model_type = base_model_type(getattr(config, "model_type", None))
     if model_type not in ADAPTERS:
         raise LinearizeError(
             f"unsupported architecture '{model_type}': linearize supports {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -25,4 +34,4 @@ def get_adapter(config) -> Adapter:
     return ADAPTERS[model_type]
 
 
-__all__ = ["ADAPTERS", "Adapter", "Geometry", "SUPPORTED_MODEL_TYPES", "get_adapter"]
+__all__ = ["ADAPTERS", "Adapter", "Geometry", "LINEARIZED_PREFIX", "SUPPORTED_MODEL_TYPES", "base_model_type", "get_adapter"]

@@ -103,9 +103,15 @@ def rotates_half(rotary: Callable | None, head_dim: int) -> bool:
     """Whether ``rotary`` (a family's ``apply_rotary_pos_emb``, see ``Geometry``) is RoPE by rotating
     halves over the first ``cos.shape[-1]`` dims of each head, ``x * cos + [-x2, x1] * sin`` and the
     rest unchanged (what fused kernels compute). No RoPE (None) qualifies. Checked on random
-    inputs with full and half rotary dims (a function that refuses half dims never meets them)."""
+    inputs with full and half rotary dims (a function that refuses half dims never meets them).
+    Runs on the CPU whatever the default device (a model built on the meta device asks too)."""
     if rotary is None:
         return True
+    with torch.device("cpu"):
+        return _rotates_half(rotary, head_dim)
+
+
+def _rotates_half(rotary: Callable, head_dim: int) -> bool:
     g = torch.Generator().manual_seed(0)
     for r in (head_dim, head_dim // 4 * 2):
         x = torch.randn(2, 1, 1, head_dim, generator=g, dtype=torch.float64)

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from .. import save
+from ..checkpoint import record_training
 from ..data import BlockDataset, load_blocks
 from .engine import is_main_process
 
@@ -43,7 +44,8 @@ def begin_run(cfg):
 
 
 def finish(student, tokenizer, out: Path, results: dict, prompt: str) -> dict:
-    """Save ``out/final``, add a greedy sample decoded recurrently, write ``out/results.json``.
+    """Record the run in the student's config (``record_training``: recipe, tokens, date), save
+    ``out/final``, add a greedy sample decoded recurrently, write ``out/results.json``.
 
     Only the main process writes; the other ranks of a multi-process run return the results as they are.
     """
@@ -51,6 +53,10 @@ def finish(student, tokenizer, out: Path, results: dict, prompt: str) -> dict:
         p.requires_grad_(True)
     if not is_main_process():
         return results
+    cfg, train = results.get("config", {}), results.get("train", {})
+    record_training(student, cfg.get("method") or "lolcats", train.get("tokens", 0), steps=train.get("steps"),
+                    seconds=train.get("seconds"), data=cfg.get("data") or "gutenberg",
+                    **({"stages": list(cfg["stages"])} if "stages" in cfg else {}))
     save(student, tokenizer, out / "final")
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(next(student.parameters()).device)
     with torch.no_grad():
