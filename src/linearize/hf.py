@@ -126,7 +126,7 @@ class LinearizedModel:
     def __init__(self, config, *args, **kwargs):
         record = checked_record(getattr(config, "linearize", None), f"{type(self).__name__} config")
         super().__init__(config, *args, **kwargs)
-        from .convert import apply_spec
+        from .layers import apply_spec
 
         apply_spec(self, Spec.coerce(record["spec"]))
         config.auto_map = auto_map(config.base_model_type)
@@ -146,7 +146,7 @@ class LinearizedModel:
         if folder.is_dir():
             check_weights(folder)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
-        from .convert import mixers
+        from .layers import mixers
 
         for mixer in mixers(model).values():
             mixer.reset_fixed_buffers()

@@ -1,0 +1,38 @@
+"""Which layers of a model are converted: placing a spec's mixers (``apply_spec``) and finding them
+(``mixers``). Below ``convert`` and ``hf`` so both can use it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .errors import LinearizeError
+from .mixers import MIXERS, Mixer
+from .models import get_adapter
+from .spec import Spec
+
+
+def apply_spec(model: nn.Module, spec: Spec) -> nn.Module:
+    """Replace ``model``'s attention layers (all but ``spec.keep_softmax``) by ``spec``'s mixers, in
+    place. Writes nothing to the config: ``convert`` records the spec, and the ``linearize_*``
+    model classes call this on a model their recorded spec describes."""
+    adapter = get_adapter(model.config)
+    layers = adapter.layers(model)
+    n_layers = len(layers)
+    bad = [i for i in spec.keep_softmax if not 0 <= i < n_layers]
+    if bad:
+        raise LinearizeError(f"keep_softmax {bad} out of range: the model has layers 0..{n_layers - 1}")
+    mixer_cls = MIXERS[spec.kind]
+    for i, layer in enumerate(layers):
+        if i in spec.keep_softmax:
+            continue
+        attn = adapter.attention(layer)
+        geometry = adapter.geometry(attn, model.config)
+        adapter.set_attention(layer, mixer_cls(attn, adapter, geometry, spec, i, n_layers))
+    return model
+
+
+def mixers(model: nn.Module) -> dict[int, Mixer]:
+    """The converted layers of a student, by layer index."""
+    adapter = get_adapter(model.config)
+    # keyed by the mixer's own index: a model may run a slice of its layers (block-wise training)
+    return {m.layer_idx: m for layer in adapter.layers(model) if isinstance(m := adapter.attention(layer), Mixer)}
