@@ -1,0 +1,722 @@
+"""The LoLCATs hybrid over whole sequences as Triton kernels (CUDA): the twin of
+``hybrid_attention_chunked``, values, gradients and the prefill's final state.
+
+For query t (``hybrid_attention.py`` has the math): ``gamma exp(s_ts - c_t)`` over the last ``w``
+keys, ``phi_q(q_t) . phi_k(k_s)`` over older ones, one normaliser. The sequence is cut into chunks
+of ``w`` tokens, aligned to its end (a virtual ``N w - T`` tokens of nothing in front), so that
+
+* the queries of chunk c see the keys of chunks c-1 and c exactly (window and youngest linear
+  keys, two ``[w, w]`` tiles) and the linear state of chunks <= c-2;
+* the prefill's final state is the state of chunks <= N-2 plus chunk N-1 raw: no partial chunk.
+
+Forward, three launches (``hybrid_triton_forward``):
+
+1. ``_chunk_sums``, one program per (chunk, sequence, key head): ``phi(K_c)^T [V_c, 1]``; the last
+   chunk also writes the decoding window (rotated keys, key features, values);
+2. ``_scan``, a cumulative sum over chunks, parallel over the state's ``F (D + 1)`` entries (a
+   ``tl.cumsum`` per tile of chunks): the linear state entering each chunk; the prefill's final
+   state is written in ``HybridState``'s layout on the way;
+3. ``_forward``, one program per (chunk, sequence, query head): the two window tiles (scores,
+   their maximum, softmax terms), the youngest linear terms and the state's, one normaliser. For
+   the backward it keeps per query the denominator, the maximum ``c_t`` and where it was
+   (``c_t`` is a function of q and k: its gradient is part of the reference's).
+
+Backward, three launches (``_backward``), after the per-query quantities
+``delta_t = dy_t / den_t`` and ``rho_t = -delta_t . y_t`` (so ``d a_ts = delta_t . v_s + rho_t``
+for every term):
+
+1. ``_backward_q``, per (chunk, sequence, query head): dq (window scores, including the
+   maximum's term), dphi(q) (youngest linear keys and the state), dgamma per chunk, and the
+   chunk's ``phi(Q_c)^T [delta, rho]`` for the reverse state;
+2. ``_scan`` in reverse, summing the query heads of each key head: what the queries of chunks
+   >= j+2 ask of key chunk j;
+3. ``_backward_kv``, per (chunk, sequence, key head), over the query heads of its group: dk, dv,
+   dphi(k) from the queries of chunks j and j+1 and the reverse state.
+
+RoPE and Hedgehog feature maps may run inside the forward kernels (``rope`` / ``hedgehog``
+arguments of ``hybrid_triton``): the rotation by halves of the first R dims of each head, and
+``[softmax(x W), softmax(-x W)]`` per tile, so neither rotated q/k nor features are written to
+memory. The backward kernels take features from memory: the backward recomputes rotation and
+features in PyTorch (``rope_half`` and ``hedgehog_features`` below) and lets autograd carry
+dphi and the rotated gradients back to q, k and the feature weights.
+
+Precision: products of bf16/fp16 inputs on tensor cores with fp32 accumulation (softmax weights
+and features rounded to the input dtype first, as flash attention does), states and every sum
+fp32, products with a state in TF32; fp32 inputs use full fp32 products throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FWD_WARPS = 8  # warps of the output pass and the backward passes (tiles of w x w, features F)
+SUM_WARPS = 4  # warps of the chunk sums
+SCAN_TILE = 8192  # chunks x state entries per program of the scans
+TINY = 1.1754943508222875e-38  # the clamp of the denominator (fp32's smallest normal)
+
+
+@triton.jit
+def _only(m, valid):
+    """The mask ``m`` where the scalar ``valid`` holds, else all False (not ``m & valid``: Triton
+    3.9's interpreter gives that an int32 dtype, which loads and stores refuse as a mask)."""
+    return tl.where(valid, m, False)
+
+
+@triton.jit
+def _rows(c, T, W, OFF, BW: tl.constexpr):
+    """Chunk ``c``'s tokens ``t`` (``BW`` rows, the first ``W`` used) and which exist."""
+    i = tl.arange(0, BW)
+    t = c * W + i - OFF
+    return t, (i < W) & (t >= 0) & (t < T)
+
+
+@triton.jit
+def _tile(ptr, t, ok, st, d, D):
+    """Rows ``t`` of a ``[T, D]`` slice with token stride ``st`` (zeros where not ``ok``)."""
+    return tl.load(ptr + t[:, None] * st + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _real(mask_ptr, t, ok, MASK: tl.constexpr):
+    """Which rows are real tokens: they exist and (with ``MASK``) the key mask says so."""
+    if MASK:
+        return ok & (tl.load(mask_ptr + t, mask=ok, other=0) != 0)
+    return ok
+
+
+@triton.jit
+def _rotated(ptr, t, ok, st, d, D, cos_ptr, sin_ptr, sct, R, ROPE: tl.constexpr):
+    """Rows ``t`` rotated by halves over their first ``R`` dims (``ROPE``), in fp32."""
+    x = _tile(ptr, t, ok, st, d, D).to(tl.float32)
+    if ROPE:
+        half = R // 2
+        m = ok[:, None] & (d < R)[None, :]
+        partner = tl.where(d < half, d + half, d - half)
+        p = tl.load(ptr + t[:, None] * st + partner[None, :], mask=m, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + t[:, None] * sct + d[None, :], mask=m, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + t[:, None] * sct + d[None, :], mask=m, other=0.0).to(tl.float32)
+        x = x * cos + tl.where((d < half)[None, :], -p, p) * sin
+    return x
+
+
+@triton.jit
+def _features(x, f_ptr, t, ok, sft, w_ptr, d, D, FW, BF: tl.constexpr, HEDGEHOG: tl.constexpr,
+              PREC: tl.constexpr):
+    """The features of rows ``x`` ``[BW, BD]`` (input dtype) as a tuple of ``[BW, BF]`` fp32 parts:
+    Hedgehog's ``(softmax(x W), softmax(-x W))`` from ``W`` ``[D, FW]``, or one part of ``FW``
+    features loaded from ``f_ptr``."""
+    f = tl.arange(0, BF)
+    fm = (f < FW)[None, :]
+    if HEDGEHOG:
+        w = tl.load(w_ptr + d[:, None] * FW + f[None, :], mask=(d < D)[:, None] & fm, other=0.0)
+        proj = tl.dot(x, w.to(x.dtype), input_precision=PREC)
+        pos = tl.where(fm, proj, float("-inf"))
+        pos = tl.exp(pos - tl.max(pos, axis=1)[:, None])
+        neg = tl.where(fm, -proj, float("-inf"))
+        neg = tl.exp(neg - tl.max(neg, axis=1)[:, None])
+        return pos / tl.sum(pos, axis=1)[:, None], neg / tl.sum(neg, axis=1)[:, None]
+    else:
+        return (tl.load(f_ptr + t[:, None] * sft + f[None, :], mask=ok[:, None] & fm, other=0.0).to(tl.float32),)
+
+
+@triton.jit
+def _zero_rows(parts, keep, FP: tl.constexpr):
+    out = ()
+    for i in tl.static_range(FP):
+        out = out + (tl.where(keep[:, None], parts[i], 0.0),)
+    return out
+
+
+@triton.jit
+def _feature_dot(a, b, FP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
+    """``sum_i a[i] b[i]^T``: ``[BW, BW]`` products of two rows' features."""
+    acc = tl.dot(a[0].to(DT), tl.trans(b[0].to(DT)), input_precision=PREC)
+    for i in tl.static_range(1, FP):
+        acc = tl.dot(a[i].to(DT), tl.trans(b[i].to(DT)), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, PREC: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    if SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+    return s
+
+
+@triton.jit
+def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, sums_ptr, win_k_ptr, win_f_ptr, win_v_ptr,
+                skb, skh, skt, svb, svh, svt, sfb, sfh, sft, swk, scb, sct,
+                T, W, OFF, N, HK, D, FW, R, L,
+                ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
+                STATE: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HK
+    hk = bh % HK
+    DT: tl.constexpr = v_ptr.dtype.element_ty
+    t, ok = _rows(c, T, W, OFF, BW)
+    real = _real(mask_ptr + b * T, t, ok, MASK)
+    d = tl.arange(0, BD)
+    f = tl.arange(0, BF)
+    k = _rotated(k_ptr + b * skb + hk * skh, t, ok, skt, d, D, cos_ptr + b * scb, sin_ptr + b * scb, sct, R, ROPE)
+    k = k.to(DT)
+    kf = _features(k, kf_ptr + b * sfb + hk * sfh, t, ok, sft, wk_ptr + hk * swk, d, D, FW, BF, HEDGEHOG, PREC)
+    kf = _zero_rows(kf, real, FP)
+    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, t, ok, svt, d, D), 0.0).to(DT)
+    F = FP * FW
+    base = sums_ptr + (bh * N + c) * (F * (D + 1))
+    m2 = (f < FW)[:, None] & (d < D)[None, :]
+    for i in tl.static_range(FP):
+        part = kf[i].to(DT)
+        tl.store(base + (i * FW + f)[:, None] * D + d[None, :],
+                 tl.dot(tl.trans(part), v, input_precision=PREC), mask=m2)
+        tl.store(base + F * D + i * FW + f, tl.sum(part.to(tl.float32), axis=0), mask=f < FW)
+    if STATE:  # the last chunk is the decoding window: its last L = min(T, w) tokens raw
+        last = c == N - 1
+        row = bh * L + t - (T - L)
+        keep = _only(ok, last)
+        tl.store(win_k_ptr + row[:, None] * D + d[None, :], k, mask=keep[:, None] & (d < D)[None, :])
+        tl.store(win_v_ptr + row[:, None] * D + d[None, :], v, mask=keep[:, None] & (d < D)[None, :])
+        for i in tl.static_range(FP):
+            tl.store(win_f_ptr + row[:, None] * F + (i * FW + f)[None, :], kf[i].to(win_f_ptr.dtype.element_ty),
+                     mask=keep[:, None] & (f < FW)[None, :])
+
+
+@triton.jit
+def _scan(src_ptr, dst_ptr, fin_ptr, N, E, D, F, G,
+          REVERSE: tl.constexpr, FINAL: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr):
+    """Cumulative sums over chunks of ``[rows, N, E]`` (inclusive; from the end with ``REVERSE``),
+    each output row the sum of ``G`` input rows. ``FINAL``: also write the sum of chunks <= N-2
+    in ``HybridState``'s ``[F, D + 1]`` layout."""
+    r = tl.program_id(0)
+    e = tl.program_id(1) * BE + tl.arange(0, BE)
+    em = e < E
+    carry = tl.zeros([BE], dtype=tl.float32)
+    fin = tl.zeros([BE], dtype=tl.float32)
+    tiles = tl.cdiv(N, BN)
+    for j in range(tiles):
+        if REVERSE:
+            n = (tiles - 1 - j) * BN + tl.arange(0, BN)
+        else:
+            n = j * BN + tl.arange(0, BN)
+        m = (n < N)[:, None] & em[None, :]
+        x = tl.zeros([BN, BE], dtype=tl.float32)
+        for g in range(G):
+            x += tl.load(src_ptr + ((r * G + g) * N + n[:, None]) * E + e[None, :], mask=m, other=0.0)
+        cum = tl.cumsum(x, axis=0, reverse=REVERSE) + carry[None, :]
+        carry += tl.sum(x, axis=0)
+        tl.store(dst_ptr + (r * N + n[:, None]) * E + e[None, :], cum, mask=m)
+        if FINAL:
+            fin += tl.sum(tl.where((n == N - 2)[:, None], cum, 0.0), axis=0)
+    if FINAL:
+        values = e < F * D
+        row = tl.where(values, e // D, e - F * D)
+        col = tl.where(values, e % D, D)
+        tl.store(fin_ptr + r * (F * (D + 1)) + row * (D + 1) + col, fin, mask=em)
+
+
+@triton.jit
+def _state_parts(ptr, F, D, FW, BF: tl.constexpr, BD: tl.constexpr, FP: tl.constexpr, valid):
+    """A ``[F, D + 1]``-entry state (values ``[F, D]`` then the normaliser ``[F]``) as FP parts
+    ``([BF, BD] values, [BF] normaliser)``; zeros where not ``valid``."""
+    f = tl.arange(0, BF)
+    d = tl.arange(0, BD)
+    m = (f < FW)[:, None] & (d < D)[None, :]
+    sv = ()
+    sz = ()
+    for i in tl.static_range(FP):
+        sv = sv + (tl.load(ptr + (i * FW + f)[:, None] * D + d[None, :], mask=_only(m, valid), other=0.0),)
+        sz = sz + (tl.load(ptr + F * D + i * FW + f, mask=_only(f < FW, valid), other=0.0),)
+    return sv, sz
+
+
+@triton.jit
+def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, gamma_ptr, sums_ptr,
+             y_ptr, den_ptr, mx_ptr, am_ptr,
+             sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft, swq, swk, scb, sct,
+             syb, syh, syt, T, W, OFF, N, H, G, D, FW, R, scale, softcap,
+             ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
+             SOFTCAP: tl.constexpr, SAVE: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+             PREC: tl.constexpr, SPREC: tl.constexpr):
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    HK = H // G
+    DT: tl.constexpr = v_ptr.dtype.element_ty
+    d = tl.arange(0, BD)
+    i = tl.arange(0, BW)
+    tq, okq = _rows(c, T, W, OFF, BW)
+    tp, okp = _rows(c - 1, T, W, OFF, BW)
+    real_c = _real(mask_ptr + b * T, tq, okq, MASK)
+    real_p = _real(mask_ptr + b * T, tp, okp, MASK)
+    cos_b, sin_b = cos_ptr + b * scb, sin_ptr + b * scb
+    kb = k_ptr + b * skb + hk * skh
+    vb = v_ptr + b * svb + hk * svh
+
+    q = _rotated(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D, cos_b, sin_b, sct, R, ROPE).to(DT)
+    qf = _features(q, qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, wq_ptr + h * swq, d, D, FW, BF, HEDGEHOG, PREC)
+    k_p = _rotated(kb, tp, okp, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(DT)
+    k_c = _rotated(kb, tq, okq, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(DT)
+
+    # window scores: keys of the previous chunk after the query's position in its chunk, keys of
+    # this chunk up to it
+    win_p = real_p[None, :] & (i[None, :] > i[:, None])
+    win_c = real_c[None, :] & (i[None, :] <= i[:, None])
+    s_p = tl.where(win_p, _scores(q, k_p, scale, softcap, SOFTCAP, PREC), float("-inf"))
+    s_c = tl.where(win_c, _scores(q, k_c, scale, softcap, SOFTCAP, PREC), float("-inf"))
+    m_p, j_p = tl.max(s_p, axis=1, return_indices=True)
+    m_c, j_c = tl.max(s_c, axis=1, return_indices=True)
+    mx = tl.maximum(m_p, m_c)
+    mx = tl.where(mx == float("-inf"), 0.0, mx)  # no window key (a padding query)
+    gamma = tl.load(gamma_ptr + h).to(tl.float32)
+    a_p = tl.where(win_p, gamma * tl.exp(s_p - mx[:, None]), 0.0)
+    a_c = tl.where(win_c, gamma * tl.exp(s_c - mx[:, None]), 0.0)
+    # the youngest linear keys: the previous chunk's up to the query's position
+    kf_p = _features(k_p, kf_ptr + b * skfb + hk * skfh, tp, okp, skft, wk_ptr + hk * swk, d, D, FW, BF, HEDGEHOG,
+                     PREC)
+    kf_p = _zero_rows(kf_p, real_p, FP)
+    lin = tl.where(i[None, :] <= i[:, None], _feature_dot(qf, kf_p, FP, DT, PREC), 0.0)
+    w_p = a_p + lin
+    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(DT)
+    v_c = tl.where(real_c[:, None], _tile(vb, tq, okq, svt, d, D), 0.0).to(DT)
+    num = tl.dot(w_p.to(DT), v_p, input_precision=PREC)
+    num = tl.dot(a_c.to(DT), v_c, num, input_precision=PREC)
+    den = tl.sum(w_p, axis=1) + tl.sum(a_c, axis=1)
+    # the linear state of chunks <= c-2
+    F = FP * FW
+    sv, sz = _state_parts(sums_ptr + ((b * HK + hk) * N + c - 2) * (F * (D + 1)), F, D, FW, BF, BD, FP, c >= 2)
+    for p in tl.static_range(FP):
+        qp = qf[p].to(DT).to(tl.float32)  # the features as rounded for the other products
+        num = tl.dot(qp, sv[p], num, input_precision=SPREC)
+        den += tl.sum(qp * sz[p][None, :], axis=1)
+    y = num / tl.maximum(den, TINY)[:, None]
+    out = y_ptr + b * syb + h * syh
+    tl.store(out + tq[:, None] * syt + d[None, :], y.to(y_ptr.dtype.element_ty), mask=okq[:, None] & (d < D)[None, :])
+    if SAVE:
+        row = bh * T + tq
+        tl.store(den_ptr + row, den, mask=okq)
+        tl.store(mx_ptr + row, mx, mask=okq)
+        at = tl.where(m_c >= m_p, (c * W + j_c) - OFF, ((c - 1) * W + j_p) - OFF)
+        tl.store(am_ptr + row, at.to(tl.int32), mask=okq)
+
+
+@triton.jit
+def _per_query(dy_ptr, y_ptr, den_ptr, row, tq, okq, sdt, syt, d, D):
+    """``delta = dy / den`` ``[BW, BD]`` and ``rho = -delta . y`` ``[BW]`` (fp32; zero where no term)."""
+    dy = _tile(dy_ptr, tq, okq, sdt, d, D).to(tl.float32)
+    y = _tile(y_ptr, tq, okq, syt, d, D).to(tl.float32)
+    den = tl.load(den_ptr + row, mask=okq, other=0.0)
+    inv = tl.where(den > 0.0, 1.0 / tl.maximum(den, TINY), 0.0)
+    delta = dy * inv[:, None]
+    return delta, -tl.sum(delta * y, axis=1)
+
+
+@triton.jit
+def _capped(ds, s, softcap, SOFTCAP: tl.constexpr):
+    """``ds`` times the soft cap's derivative at the capped scores ``s``."""
+    if SOFTCAP:
+        u = s / softcap
+        ds = ds * (1.0 - u * u)
+    return ds
+
+
+@triton.jit
+def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_ptr, y_ptr, dy_ptr,
+                den_ptr, mx_ptr, am_ptr, dq_ptr, dqf_ptr, rho_ptr, dc_ptr, dgamma_ptr, qsums_ptr,
+                sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft,
+                syb, syh, syt, sdb, sdh, sdt, T, W, OFF, N, H, G, D, F, scale, softcap,
+                MASK: tl.constexpr, SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+                PREC: tl.constexpr, SPREC: tl.constexpr):
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    HK = H // G
+    DT: tl.constexpr = v_ptr.dtype.element_ty
+    d = tl.arange(0, BD)
+    f = tl.arange(0, BF)
+    i = tl.arange(0, BW)
+    tq, okq = _rows(c, T, W, OFF, BW)
+    tp, okp = _rows(c - 1, T, W, OFF, BW)
+    real_c = _real(mask_ptr + b * T, tq, okq, MASK)
+    real_p = _real(mask_ptr + b * T, tp, okp, MASK)
+    kb = k_ptr + b * skb + hk * skh
+    vb = v_ptr + b * svb + hk * svh
+    row = bh * T + tq
+
+    q = _tile(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D)
+    qf = _tile(qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, f, F).to(tl.float32)
+    delta, rho = _per_query(dy_ptr + b * sdb + h * sdh, y_ptr + b * syb + h * syh, den_ptr, row, tq, okq, sdt, syt,
+                            d, D)
+    mx = tl.load(mx_ptr + row, mask=okq, other=0.0)
+    am = tl.load(am_ptr + row, mask=okq, other=-1)
+    gamma = tl.load(gamma_ptr + h).to(tl.float32)
+    k_p = _tile(kb, tp, okp, skt, d, D)
+    k_c = _tile(kb, tq, okq, skt, d, D)
+    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(DT)
+    v_c = tl.where(real_c[:, None], _tile(vb, tq, okq, svt, d, D), 0.0).to(DT)
+    kf_p = tl.where(real_p[:, None], _tile(kf_ptr + b * skfb + hk * skfh, tp, okp, skft, f, F), 0.0).to(DT)
+    win_p = real_p[None, :] & (i[None, :] > i[:, None])
+    win_c = real_c[None, :] & (i[None, :] <= i[:, None])
+    near = i[None, :] <= i[:, None]
+    s_p = _scores(q, k_p, scale, softcap, SOFTCAP, PREC)
+    s_c = _scores(q, k_c, scale, softcap, SOFTCAP, PREC)
+    a_p = tl.where(win_p, gamma * tl.exp(s_p - mx[:, None]), 0.0)
+    a_c = tl.where(win_c, gamma * tl.exp(s_c - mx[:, None]), 0.0)
+    dd = delta.to(DT)
+    da_p = tl.dot(dd, tl.trans(v_p), input_precision=PREC) + rho[:, None]  # d a_ts = delta_t . v_s + rho_t
+    da_c = tl.dot(dd, tl.trans(v_c), input_precision=PREC) + rho[:, None]
+    pw = tl.sum(a_p * da_p, axis=1) + tl.sum(a_c * da_c, axis=1)  # sum over the window of a da = -dc_t
+    ds_p = a_p * da_p + tl.where(am[:, None] == tp[None, :], -pw[:, None], 0.0)
+    ds_c = a_c * da_c + tl.where(am[:, None] == tq[None, :], -pw[:, None], 0.0)
+    ds_p = tl.where(win_p, _capped(ds_p, s_p, softcap, SOFTCAP), 0.0)
+    ds_c = tl.where(win_c, _capped(ds_c, s_c, softcap, SOFTCAP), 0.0)
+    dq = tl.dot(ds_p.to(DT), k_p, input_precision=PREC)
+    dq = tl.dot(ds_c.to(DT), k_c, dq, input_precision=PREC) * scale
+    dl = tl.where(near, da_p, 0.0)
+    dqf = tl.dot(dl.to(DT), kf_p.to(DT), input_precision=PREC)
+    # the linear state of chunks <= c-2
+    base = sums_ptr + ((b * HK + hk) * N + c - 2) * (F * (D + 1))
+    sv = tl.load(base + f[:, None] * D + d[None, :], mask=_only((f < F)[:, None] & (d < D)[None, :], c >= 2),
+                 other=0.0)
+    sz = tl.load(base + F * D + f, mask=_only(f < F, c >= 2), other=0.0)
+    dqf = tl.dot(delta, tl.trans(sv), dqf, input_precision=SPREC) + rho[:, None] * sz[None, :]
+    om = okq[:, None] & (d < D)[None, :]
+    tl.store(dq_ptr + row[:, None] * D + d[None, :], dq, mask=om)
+    tl.store(dqf_ptr + row[:, None] * F + f[None, :], dqf, mask=okq[:, None] & (f < F)[None, :])
+    tl.store(rho_ptr + row, rho, mask=okq)
+    tl.store(dc_ptr + row, -pw, mask=okq)
+    tl.store(dgamma_ptr + bh * N + c, tl.sum(pw, axis=0) / gamma)
+    # phi(Q_c)^T [delta, rho]: what this chunk's queries ask of keys two or more chunks back
+    qs = qsums_ptr + (bh * N + c) * (F * (D + 1))
+    tl.store(qs + f[:, None] * D + d[None, :], tl.dot(tl.trans(qf), delta, input_precision=SPREC),
+             mask=(f < F)[:, None] & (d < D)[None, :])
+    tl.store(qs + F * D + f, tl.sum(qf * rho[:, None], axis=0), mask=f < F)
+
+
+@triton.jit
+def _backward_kv(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, rsums_ptr, y_ptr, dy_ptr,
+                 den_ptr, mx_ptr, am_ptr, rho_ptr, dc_ptr, dk_ptr, dv_ptr, dkf_ptr,
+                 sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft,
+                 syb, syh, syt, sdb, sdh, sdt, T, W, OFF, N, HK, G, D, F, scale, softcap,
+                 MASK: tl.constexpr, SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+                 PREC: tl.constexpr, SPREC: tl.constexpr):
+    j = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // HK
+    hk = bh % HK
+    H = HK * G
+    DT: tl.constexpr = v_ptr.dtype.element_ty
+    d = tl.arange(0, BD)
+    f = tl.arange(0, BF)
+    i = tl.arange(0, BW)
+    tk, okk = _rows(j, T, W, OFF, BW)
+    real = _real(mask_ptr + b * T, tk, okk, MASK)
+    k = _tile(k_ptr + b * skb + hk * skh, tk, okk, skt, d, D)
+    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, tk, okk, svt, d, D), 0.0).to(DT)
+    kf = tl.where(real[:, None], _tile(kf_ptr + b * skfb + hk * skfh, tk, okk, skft, f, F), 0.0).to(DT)
+    # queries of chunks >= j+2, through the reverse state
+    base = rsums_ptr + (bh * N + j + 2) * (F * (D + 1))
+    rv = tl.load(base + f[:, None] * D + d[None, :], mask=_only((f < F)[:, None] & (d < D)[None, :], j + 2 < N),
+                 other=0.0)
+    rz = tl.load(base + F * D + f, mask=_only(f < F, j + 2 < N), other=0.0)
+    dv = tl.dot(kf.to(tl.float32), rv, input_precision=SPREC)
+    dkf = tl.dot(v.to(tl.float32), tl.trans(rv), input_precision=SPREC) + rz[None, :]
+    dk = tl.zeros([BW, BD], dtype=tl.float32)
+    for g in range(G):
+        h = hk * G + g
+        gamma = tl.load(gamma_ptr + h).to(tl.float32)
+        for nxt in tl.static_range(2):  # queries of chunk j, then of chunk j+1
+            tq, okq = _rows(j + nxt, T, W, OFF, BW)
+            row = (b * H + h) * T + tq
+            q = _tile(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D)
+            delta, _ = _per_query(dy_ptr + b * sdb + h * sdh, y_ptr + b * syb + h * syh, den_ptr, row, tq, okq,
+                                  sdt, syt, d, D)
+            rho = tl.load(rho_ptr + row, mask=okq, other=0.0)
+            dc = tl.load(dc_ptr + row, mask=okq, other=0.0)
+            mx = tl.load(mx_ptr + row, mask=okq, other=0.0)
+            am = tl.load(am_ptr + row, mask=okq, other=-1)
+            # [keys, queries]: key row a, query column b; window when t - s < w
+            if nxt == 0:
+                win = real[:, None] & okq[None, :] & (i[None, :] >= i[:, None])
+            else:
+                win = real[:, None] & okq[None, :] & (i[None, :] < i[:, None])
+            s = _scores(k, q, scale, softcap, SOFTCAP, PREC)
+            a = tl.where(win, gamma * tl.exp(s - mx[None, :]), 0.0)
+            dd = delta.to(DT)
+            da = tl.dot(v.to(DT), tl.trans(dd), input_precision=PREC) + rho[None, :]
+            ds = a * da + tl.where(am[None, :] == tk[:, None], dc[None, :], 0.0)
+            ds = tl.where(win, _capped(ds, s, softcap, SOFTCAP), 0.0)
+            dk = tl.dot(ds.to(DT), q, dk, input_precision=PREC)
+            if nxt == 1:  # the youngest linear keys of chunk j+1's queries
+                near = real[:, None] & okq[None, :] & (i[None, :] >= i[:, None])
+                qf = _tile(qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, f, F).to(DT)
+                lin = tl.where(near, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0)
+                a = a + lin
+                dkf = tl.dot(tl.where(near, da, 0.0).to(DT), qf, dkf, input_precision=PREC)
+            dv = tl.dot(a.to(DT), dd, dv, input_precision=PREC)
+    om = real[:, None] & (d < D)[None, :]
+    row = bh * T + tk
+    tl.store(dk_ptr + row[:, None] * D + d[None, :], dk * scale, mask=okk[:, None] & (d < D)[None, :])
+    tl.store(dv_ptr + row[:, None] * D + d[None, :], tl.where(om, dv, 0.0), mask=okk[:, None] & (d < D)[None, :])
+    tl.store(dkf_ptr + row[:, None] * F + f[None, :], tl.where(real[:, None], dkf, 0.0),
+             mask=okk[:, None] & (f < F)[None, :])
+
+
+# --- PyTorch side -------------------------------------------------------------------------------
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _precision(dtype: torch.dtype) -> tuple[str, str]:
+    """``(inputs, states)``: tl.dot precisions for products of inputs and products with a state."""
+    return ("tf32", "tf32") if dtype in (torch.bfloat16, torch.float16) else ("ieee", "ieee")
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE by rotating halves over the first ``R = cos.shape[-1]`` dims of each head, the same
+    rotation the kernels apply: ``x`` ``[B, H, T, D]``, ``cos``/``sin`` ``[B or 1, T, R]``."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    half = r // 2
+    rot = x[..., :r]
+    turned = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+    out = rot * cos + turned * sin
+    return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+
+
+def hedgehog_features(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``[softmax(x W), softmax(-x W)]`` per head: ``x`` ``[B, H, T, D]``, ``w`` ``[H or 1, D, F/2]``."""
+    y = x @ w.to(x.dtype)
+    return torch.cat([torch.softmax(y, dim=-1), torch.softmax(-y, dim=-1)], dim=-1)
+
+
+def _heads_stride(x: torch.Tensor) -> int:
+    return x.stride(0) if x.shape[0] > 1 else 0
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, head, token) strides of a ``[B, H, T, *]`` tensor whose last dim is contiguous."""
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _last_contiguous(x):
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
+def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=None, key_mask=None, qf=None,
+                          kf=None, hedgehog=None, rope=None, save: bool = False, state: bool = False):
+    """The three forward launches. Returns ``(y, saved, state)``: ``y`` ``[B, H, T, D]`` (a view of
+    ``[B, T, H, D]`` memory, what the output projection reads); ``saved`` (with ``save``) the
+    per-chunk states and per-query quantities the backward needs; ``state`` (with ``state``) the
+    ``HybridState`` after the sequence."""
+    from .hybrid_attention import HybridState
+
+    b, h, t, d = q.shape
+    hk = k.shape[1]
+    dt = q.dtype
+    w = window
+    n = -(-t // w)
+    off = n * w - t
+    q, k, v, qf, kf = (_last_contiguous(x) for x in (q, k, v, qf, kf))
+    if hedgehog is not None:
+        wq, wk = (x.to(dt).contiguous() for x in hedgehog)
+        fw = wq.shape[-1]
+        fp = 2
+        swq, swk = _heads_stride(wq), _heads_stride(wk)
+        qf = kf = q  # not read
+    else:
+        wq = wk = q  # not read
+        swq = swk = 0
+        fw = qf.shape[-1]
+        fp = 1
+        qf, kf = qf.to(dt), kf.to(dt)
+    f = fw * fp
+    if rope is not None:
+        cos, sin = (x.contiguous() for x in rope)
+        rot, scb, sct = cos.shape[-1], _heads_stride(cos), cos.stride(1)
+    else:
+        cos = sin = q  # not read
+        rot = scb = sct = 0
+    mask = key_mask if key_mask is not None else q
+    gamma = gamma.float().contiguous()
+    bw, bd, bf = _pow2(w), _pow2(d), _pow2(fw)
+    prec, sprec = _precision(dt)
+    dev = q.device
+    e = f * (d + 1)
+    sums = torch.empty(b, hk, n, e, device=dev, dtype=torch.float32)
+    l = min(t, w)
+    if state:
+        win_k = torch.empty(b, hk, l, d, device=dev, dtype=dt)
+        win_f = torch.empty(b, hk, l, f, device=dev, dtype=dt)
+        win_v = torch.empty(b, hk, l, d, device=dev, dtype=dt)
+    else:
+        win_k = win_f = win_v = sums  # not written
+    common = dict(ROPE=rope is not None, HEDGEHOG=hedgehog is not None, FP=fp, MASK=key_mask is not None,
+                  BW=bw, BD=bd, BF=bf, PREC=prec)
+    _chunk_sums[(n, b * hk)](k, v, kf, wk, cos, sin, mask, sums, win_k, win_f, win_v,
+                             *_strides(k), *_strides(v), *_strides(kf), swk, scb, sct,
+                             t, w, off, n, hk, d, fw, rot, l, STATE=state, num_warps=SUM_WARPS, **common)
+    linear = torch.empty(b, hk, 1, f, d + 1, device=dev, dtype=torch.float32) if state else sums
+    scan(sums, sums, n, e, d, f, 1, reverse=False, final=linear if state else None)
+    y = torch.empty(b, t, h, d, device=dev, dtype=dt).transpose(1, 2)
+    if save:
+        den = torch.empty(b, h, t, device=dev, dtype=torch.float32)
+        mx = torch.empty_like(den)
+        am = torch.empty(b, h, t, device=dev, dtype=torch.int32)
+    else:
+        den = mx = am = sums  # not written
+    _forward[(n, b * h)](q, k, v, qf, kf, wq, wk, cos, sin, mask, gamma, sums, y, den, mx, am,
+                         *_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), swq, swk, scb, sct,
+                         *_strides(y), t, w, off, n, h, h // hk, d, fw, rot, float(scale), float(softcap or 1.0),
+                         SOFTCAP=softcap is not None, SAVE=save, SPREC=sprec, num_warps=FWD_WARPS, **common)
+    saved = (sums, den, mx, am) if save else None
+    out_state = None
+    if state:
+        valid = key_mask[:, t - l:] if key_mask is not None else torch.ones(b, l, dtype=torch.bool, device=dev)
+        out_state = HybridState(win_k, win_f, win_v, linear, valid)
+    return y, saved, out_state
+
+
+def scan(src, dst, n, e, d, f, groups, *, reverse: bool, final=None):
+    """``_scan`` over ``src`` ``[rows * groups, n, e]`` into ``dst`` ``[rows, n, e]``."""
+    rows = dst.numel() // (n * e)
+    bn = min(triton.next_power_of_2(n), 256)
+    be = max(16, min(triton.next_power_of_2(e), SCAN_TILE // bn))
+    _scan[(rows, triton.cdiv(e, be))](src, dst, final if final is not None else dst, n, e, d, f, groups,
+                                       REVERSE=reverse, FINAL=final is not None, BN=bn, BE=be, num_warps=4)
+
+
+def hybrid_triton_backward(dy, q, k, v, qf, kf, gamma, y, saved, *, window: int, scale: float, softcap=None,
+                           key_mask=None):
+    """Gradients of the kernels' output ``y`` for ``dy``, from rotated ``q``/``k`` and the features
+    ``qf``/``kf`` (all in the input dtype): ``(dq, dk, dv, dqf, dkf, dgamma)`` in fp32."""
+    sums, den, mx, am = saved
+    b, h, t, d = q.shape
+    hk = k.shape[1]
+    f = qf.shape[-1]
+    dt = q.dtype
+    w = window
+    n = -(-t // w)
+    off = n * w - t
+    q, k, v, qf, kf, y, dy = (_last_contiguous(x) for x in (q, k, v, qf, kf, y, dy))
+    qf, kf, dy = qf.to(dt), kf.to(dt), dy.to(dt)
+    mask = key_mask if key_mask is not None else q
+    gamma = gamma.float().contiguous()
+    bw, bd, bf = _pow2(w), _pow2(d), _pow2(f)
+    prec, sprec = _precision(dt)
+    dev = q.device
+    e = f * (d + 1)
+    f32 = dict(device=dev, dtype=torch.float32)
+    dq = torch.empty(b, h, t, d, **f32)
+    dqf = torch.empty(b, h, t, f, **f32)
+    rho = torch.empty(b, h, t, **f32)
+    dc = torch.empty(b, h, t, **f32)
+    dgamma = torch.empty(b, h, n, **f32)
+    qsums = torch.empty(b, h, n, e, **f32)
+    common = dict(MASK=key_mask is not None, SOFTCAP=softcap is not None, BW=bw, BD=bd, BF=bf, PREC=prec,
+                  SPREC=sprec, num_warps=FWD_WARPS)
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), *_strides(y), *_strides(dy))
+    _backward_q[(n, b * h)](q, k, v, qf, kf, mask, gamma, sums, y, dy, den, mx, am, dq, dqf, rho, dc, dgamma, qsums,
+                            *strides, t, w, off, n, h, h // hk, d, f, float(scale), float(softcap or 1.0), **common)
+    rsums = torch.empty(b, hk, n, e, **f32)
+    scan(qsums, rsums, n, e, d, f, h // hk, reverse=True)
+    dk = torch.empty(b, hk, t, d, **f32)
+    dv = torch.empty(b, hk, t, d, **f32)
+    dkf = torch.empty(b, hk, t, f, **f32)
+    _backward_kv[(n, b * hk)](q, k, v, qf, kf, mask, gamma, rsums, y, dy, den, mx, am, rho, dc, dk, dv, dkf,
+                              *strides, t, w, off, n, hk, h // hk, d, f, float(scale), float(softcap or 1.0),
+                              **common)
+    return dq, dk, dv, dqf, dkf, dgamma.sum(dim=(0, 2))
+
+
+class _HybridTriton(torch.autograd.Function):
+    """The kernels with autograd. Inputs: ``q, k, v, gamma``, then the features ``qf, kf`` or the
+    Hedgehog weights ``wq, wk`` (one pair; the other None), then ``cos, sin`` (or None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap):
+        hedgehog = (wq, wk) if wq is not None else None
+        rope = (cos, sin) if cos is not None else None
+        y, saved, _ = hybrid_triton_forward(q, k, v, gamma, window=window, scale=scale, softcap=softcap,
+                                            key_mask=key_mask, qf=qf, kf=kf, hedgehog=hedgehog, rope=rope, save=True)
+        ctx.save_for_backward(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, y, *saved)
+        ctx.kw = dict(window=window, scale=scale, softcap=softcap)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, y, *saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        inputs = (q, k, qf, kf, wq, wk)
+        # the prelude the forward kernels fused (RoPE, feature maps), again in PyTorch with autograd
+        leaves = [None if x is None else x.detach().requires_grad_(need)
+                  for x, need in zip(inputs, (needs[0], needs[1], needs[4], needs[5], needs[6], needs[7]))]
+        lq, lk, lqf, lkf, lwq, lwk = leaves
+        with torch.enable_grad():
+            qr, kr = (rope_half(lq, cos, sin), rope_half(lk, cos, sin)) if cos is not None else (lq, lk)
+            if lwq is not None:
+                fq, fk = hedgehog_features(qr, lwq), hedgehog_features(kr, lwk)
+            else:
+                fq, fk = lqf, lkf
+        dq, dk, dv, dfq, dfk, dgamma = hybrid_triton_backward(
+            dy, qr.detach().to(q.dtype), kr.detach().to(q.dtype), v, fq.detach(), fk.detach(), gamma, y, saved,
+            key_mask=key_mask, **ctx.kw)
+        pairs = [(x, g) for x, g in zip((qr, kr, fq, fk), (dq, dk, dfq, dfk)) if x.requires_grad]
+        wanted = [x for x in leaves if x is not None and x.requires_grad]
+        found = {}
+        if pairs and wanted:
+            outs, grads = zip(*pairs)
+            found = dict(zip(map(id, wanted), torch.autograd.grad(outs, wanted, grads, allow_unused=True)))
+        result = [None if x is None or found.get(id(x)) is None else found[id(x)].to(orig.dtype)
+                  for x, orig in zip(leaves, inputs)]
+        dq_, dk_, dqf_, dkf_, dwq, dwk = result
+        return (dq_, dk_, dv.to(v.dtype) if needs[2] else None, dgamma.to(gamma.dtype) if needs[3] else None,
+                dqf_, dkf_, dwq, dwk, None, None, None, None, None, None)
+
+
+def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float | None = None, key_mask=None,
+                  output_final_state: bool = False, qf=None, kf=None, hedgehog=None, rope=None):
+    """The hybrid over whole sequences on CUDA (or Triton's interpreter): ``(y, state or None)``.
+
+    ``q`` ``[B, H, T, D]``, ``k``/``v`` ``[B, Hk, T, D]`` in one dtype (bf16, fp16 or fp32), any
+    strides with a contiguous last dim; ``gamma`` ``[H]``; ``key_mask`` ``[B, T]`` bool (True =
+    real token) or None. Features: ``qf`` ``[B, H, T, F]`` and ``kf`` ``[B, Hk, T, F]`` of the
+    rotated q/k, or ``hedgehog = (wq [H or 1, D, F/2], wk [Hk or 1, D, F/2])`` computed in the
+    kernels. ``rope = (cos, sin)`` ``[B or 1, T, R]`` (Hedgehog only): q and k come unrotated and
+    the kernels rotate halves of their first R dims; the state's keys are the rotated ones.
+    Gradients flow to q, k, v, gamma and the features or Hedgehog weights; the final state
+    (``HybridState``, window of ``min(T, window)`` tokens) carries none.
+    """
+    if rope is not None and hedgehog is None:
+        raise ValueError("hybrid_triton rotates q and k only when it computes Hedgehog features itself")
+    if (hedgehog is None) == (qf is None or kf is None):
+        raise ValueError("hybrid_triton needs the features qf/kf or the Hedgehog weights, not both")
+    if key_mask is not None and key_mask.dtype != torch.bool:
+        key_mask = key_mask.bool()
+    key_mask = None if key_mask is None else key_mask.contiguous()
+    tensors = (q, k, v, gamma, qf, kf, *(hedgehog or (None, None)))
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    kw = dict(window=window, scale=scale, softcap=softcap)
+    state = None
+    if output_final_state:  # the decoding state carries no gradient
+        with torch.no_grad():
+            y, _, state = hybrid_triton_forward(q, k, v, gamma, **kw, key_mask=key_mask, qf=qf, kf=kf,
+                                                hedgehog=hedgehog, rope=rope, state=True)
+        if not grad:
+            return y, state
+    if not grad:
+        y, _, _ = hybrid_triton_forward(q, k, v, gamma, **kw, key_mask=key_mask, qf=qf, kf=kf, hedgehog=hedgehog,
+                                        rope=rope)
+        return y, None
+    wq, wk = hedgehog or (None, None)
+    cos, sin = rope or (None, None)
+    y = _HybridTriton.apply(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap)
+    return y, state

@@ -1,0 +1,145 @@
+"""Run by test_hybrid_triton.py in a subprocess, on the CPU through Triton's interpreter: the hybrid's
+whole-sequence kernels (``ops/hybrid_triton.py``) against the float64 references, values, gradients
+and the prefill's final state.
+
+``features``: features given to the kernels, against ``hybrid_attention_naive`` (output, every
+gradient) and ``hybrid_attention_chunked`` (final state).
+``hedgehog``: RoPE and Hedgehog maps inside the forward kernels, against the reference after the
+rotation and the maps in float64 (gradients of the raw q, k, v, the maps' weights and gamma).
+``ARGS`` picks the cases (all by default)."""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+
+import torch  # noqa: E402
+
+import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
+from linearize import ops  # noqa: E402
+from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half  # noqa: E402
+
+TOL = 2e-5
+
+
+def _close(got, want, what, floor=1e-6):
+    """Largest error relative to the largest reference entry (at least ``floor``)."""
+    err = ((got.double() - want).abs().max() / want.abs().max().clamp_min(floor)).item()
+    assert err < TOL, (what, err)
+
+
+def _masks(b, t, pad):
+    if not pad:
+        return None
+    key_mask = torch.ones(b, t, dtype=torch.bool)
+    key_mask[-1, :pad] = False  # the last sequence left-padded
+    return key_mask
+
+
+def _weights(y, key_mask, g):
+    """A random projection of the output; zero at padding queries (their output is the constant 0)."""
+    w = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    if key_mask is not None:
+        w = w * key_mask[:, None, :, None]
+    return w
+
+
+def _compare_state(got, want):
+    for name in ("keys", "key_features", "values", "linear"):
+        a, e = getattr(got, name), getattr(want, name)
+        assert a.shape == e.shape, (name, a.shape, e.shape)
+        _close(a, e, name)
+    assert got.linear.dtype == torch.float32
+    assert torch.equal(got.valid, want.valid)
+
+
+def check_features(b, h, hk, t, d, f, window, softcap, pad, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(b, h, t, d), r(b, hk, t, d), r(b, hk, t, d)
+    qf, kf = r(b, h, t, f).exp() * 0.3, r(b, hk, t, f).exp() * 0.3
+    gamma = torch.sigmoid(r(h))
+    key_mask = _masks(b, t, pad)
+    kw = dict(window=window, scale=d ** -0.5, softcap=softcap, key_mask=key_mask)
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v, qf, kf, gamma)]
+    rq, rk, rv, rqf, rkf, rg = ref_in
+    want = ops.hybrid_attention_naive(rq, rk, rqf, rkf, rv, rg, **kw)
+    _, want_state = ops.hybrid_attention_chunked(q, k, qf, kf, v, gamma, **kw, output_final_state=True)
+    mine = [x.float().requires_grad_() for x in (q, k, v, qf, kf, gamma)]
+    mq, mk, mv, mqf, mkf, mg = mine
+    got, state = hybrid_triton(mq, mk, mv, mg, qf=mqf, kf=mkf, **kw, output_final_state=True)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    _close(got, want, "y")
+    _compare_state(state, want_state)
+    w = _weights(want, key_mask, g)
+    grads_want = torch.autograd.grad((want * w).sum(), ref_in)
+    grads_got = torch.autograd.grad((got.double() * w).sum(), mine)
+    for name, a, e in zip(("q", "k", "v", "qf", "kf", "gamma"), grads_got, grads_want):
+        assert a.dtype == torch.float32, name
+        # gamma's gradient is 0 where every key is in the window (softmax alone): an absolute floor
+        _close(a, e, "d" + name, floor=1.0 if name == "gamma" else 1e-6)
+    # without gradients: the same output
+    with torch.no_grad():
+        again, _ = hybrid_triton(*(x.detach() for x in (mq, mk, mv, mg)), qf=mqf.detach(), kf=mkf.detach(), **kw)
+    _close(again, want, "y (no grad)")
+
+
+def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, shared=False):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    # q/k/v as strided views of one projection's [B, T, heads, D] output, as the adapters give them
+    qkv = r(b, t, h + 2 * hk, d)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split([h, hk, hk], dim=2))
+    wq, wk = r(1 if shared else h, d, fh) * 0.5, r(1 if shared else hk, d, fh) * 0.5
+    angles = r(1, t, rot // 2) * 3 if rot else None
+    rope = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rot else None
+    gamma = torch.sigmoid(r(h))
+    key_mask = _masks(b, t, pad)
+    kw = dict(window=window, scale=d ** -0.5, softcap=softcap, key_mask=key_mask)
+
+    def reference(q, k, v, wq, wk, gamma):
+        if rope is not None:
+            q, k = rope_half(q, *rope), rope_half(k, *rope)
+        qf, kf = hedgehog_features(q, wq), hedgehog_features(k, wk)
+        y = ops.hybrid_attention_naive(q, k, qf, kf, v, gamma, **kw)
+        _, state = ops.hybrid_attention_chunked(q, k, qf, kf, v, gamma, **kw, output_final_state=True)
+        return y, state
+
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v, wq, wk, gamma)]
+    want, want_state = reference(*ref_in)
+    mine = [x.float().requires_grad_() for x in (q, k, v, wq, wk, gamma)]
+    mq, mk, mv, mwq, mwk, mg = mine
+    got, state = hybrid_triton(mq, mk, mv, mg, hedgehog=(mwq, mwk), rope=None if rope is None else
+                               tuple(x.float() for x in rope), **kw, output_final_state=True)
+    _close(got, want, "y")
+    _compare_state(state, want_state)
+    w = _weights(want, key_mask, g)
+    grads_want = torch.autograd.grad((want * w).sum(), ref_in)
+    grads_got = torch.autograd.grad((got.double() * w).sum(), mine)
+    for name, a, e in zip(("q", "k", "v", "wq", "wk", "gamma"), grads_got, grads_want):
+        _close(a, e, "d" + name, floor=1.0 if name == "gamma" else 1e-6)
+    # only the feature maps' weights train (LoLCATs stage 1): their gradients alone
+    mwq2, mwk2 = (x.detach().requires_grad_() for x in (mwq, mwk))
+    got2, _ = hybrid_triton(mq.detach(), mk.detach(), mv.detach(), mg.detach(), hedgehog=(mwq2, mwk2),
+                            rope=None if rope is None else tuple(x.float() for x in rope), **kw)
+    for name, a, e in zip(("wq", "wk"), torch.autograd.grad((got2.double() * w).sum(), [mwq2, mwk2]),
+                          grads_want[3:5]):
+        _close(a, e, "d" + name + " alone")
+
+
+CASES = {
+    # (b, h, hk, t, d, f, window, softcap, pad, seed)
+    "gqa": lambda: check_features(2, 4, 2, 13, 8, 6, 4, None, 0, 0),  # GQA, T off the chunks, 4 chunks
+    "padding": lambda: check_features(2, 4, 2, 19, 8, 6, 4, 2.0, 7, 1),  # left padding beyond a chunk, softcap
+    "short": lambda: check_features(2, 3, 1, 3, 5, 7, 8, None, 1, 2),  # T < window, MQA, odd sizes
+    "one": lambda: check_features(1, 2, 2, 1, 8, 4, 4, None, 0, 3),  # T = 1
+    "window1": lambda: check_features(1, 2, 1, 9, 8, 4, 1, None, 0, 4),  # a window of one token
+    "exact": lambda: check_features(1, 2, 1, 48, 16, 16, 16, None, 0, 5),  # whole tiles, T a multiple of w
+    "hedgehog": lambda: check_hedgehog(2, 4, 2, 21, 8, 5, 8, 4, None, 5, 6),  # RoPE over all dims, padding
+    "hedgehog_partial": lambda: check_hedgehog(1, 3, 1, 11, 8, 4, 4, 5, 3.0, 0, 7, shared=True),  # half RoPE
+    "hedgehog_norope": lambda: check_hedgehog(1, 2, 2, 6, 8, 4, 0, 8, None, 2, 8),  # no RoPE, T < window
+}
+
+for name in sys.argv[1:] or CASES:
+    CASES[name]()
+print("ok")
