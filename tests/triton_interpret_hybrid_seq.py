@@ -127,6 +127,55 @@ def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, shared=F
         _close(a, e, "d" + name + " alone")
 
 
+def check_model(family, feature_map="hedgehog"):
+    """A tiny converted model's forward (left padding), gradients of every parameter and prefill
+    state, with the mixers dispatching to the kernels (as on CUDA) and to the PyTorch form."""
+    from transformers import AutoModelForCausalLM
+
+    import linearize
+    from helpers import tiny_config
+    from linearize.cache import LinearizeCache
+
+    hybrid_module = sys.modules["linearize.ops.hybrid_attention"]  # (ops.hybrid_attention is the function)
+
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2))
+    model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 6, "feature_map": feature_map})
+    ids = torch.randint(2, 97, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # the last padding token predicts a real one: its output gets a gradient
+    labels = ids.masked_fill(mask == 0, -100)
+    calls = []
+    real_rule = hybrid_module.use_hybrid_kernel
+
+    def as_on_cuda(q, backend="auto", **kw):  # the dispatch rule with the CPU taken for a GPU
+        calls.append(1)
+        return backend != "torch" and (kw.get("dtype") or q.dtype) in hybrid_module.KERNEL_DTYPES
+
+    def run(kernels):
+        ops.use_hybrid_kernel = hybrid_module.use_hybrid_kernel = as_on_cuda if kernels else real_rule
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        cache = LinearizeCache(model)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        return out.logits.detach(), grads, cache
+
+    want, grads_want, cache_want = run(False)
+    got, grads_got, cache_got = run(True)
+    assert calls, "the mixers never asked for the kernels"
+    real = mask.bool()
+    _close(got[real], want[real].double(), "logits")
+    assert grads_got.keys() == grads_want.keys() and any("feature_map" in n for n in grads_got)
+    for name in grads_want:
+        _close(grads_got[name], grads_want[name].double(), name)
+    for a, e in zip(cache_got.layers, cache_want.layers):
+        if isinstance(e.state, ops.HybridState):
+            _compare_state(a.state, e.state.map(lambda x: x.double() if x.is_floating_point() else x))
+
+
 CASES = {
     # (b, h, hk, t, d, f, window, softcap, pad, seed)
     "gqa": lambda: check_features(2, 4, 2, 13, 8, 6, 4, None, 0, 0),  # GQA, T off the chunks, 4 chunks
@@ -138,6 +187,13 @@ CASES = {
     "hedgehog": lambda: check_hedgehog(2, 4, 2, 21, 8, 5, 8, 4, None, 5, 6),  # RoPE over all dims, padding
     "hedgehog_partial": lambda: check_hedgehog(1, 3, 1, 11, 8, 4, 4, 5, 3.0, 0, 7, shared=True),  # half RoPE
     "hedgehog_norope": lambda: check_hedgehog(1, 2, 2, 6, 8, 4, 0, 8, None, 2, 8),  # no RoPE, T < window
+    # the mixers' dispatch in tiny models: RoPE over all dims, GQA (llama); soft-capping (gemma2); partial
+    # RoPE (gpt_neox); layers without RoPE (smollm3); T2R maps computed in PyTorch
+    "model_llama": lambda: check_model("llama"),
+    "model_gemma2": lambda: check_model("gemma2"),
+    "model_gpt_neox": lambda: check_model("gpt_neox"),
+    "model_smollm3": lambda: check_model("smollm3"),
+    "model_t2r": lambda: check_model("llama", "t2r"),
 }
 
 for name in sys.argv[1:] or CASES:

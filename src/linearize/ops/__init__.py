@@ -1,7 +1,7 @@
 """Pure tensor functions: every mixer's math in a quadratic reference, a chunked form and a step.
 
 No ``nn.Module`` and no model knowledge here. ``linear_attention`` picks the fla CUDA kernels when
-they apply and the PyTorch chunked form otherwise.
+they apply and the PyTorch chunked form otherwise; ``hybrid_attention`` our Triton kernels.
 """
 
 import torch
@@ -12,6 +12,7 @@ from .hybrid_attention import (
     HybridState,
     RingHybridState,
     empty_hybrid_state,
+    hybrid_attention,
     hybrid_attention_chunked,
     hybrid_attention_naive,
     hybrid_attention_recurrent,
@@ -19,7 +20,9 @@ from .hybrid_attention import (
     hybrid_attention_step_ring,
     hybrid_attention_weights,
     hybrid_final_state,
+    use_hybrid_kernel,
 )
+from .hybrid_attention import kernel_dtype as hybrid_attention_kernel_dtype
 from .softmax_attention import softmax_attention, softmax_attention_weights
 from .linear_attention import (
     accum_dtype,
@@ -62,9 +65,9 @@ def linear_attention(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initi
 
 __all__ = [
     "FusedRingState", "HybridState", "RingHybridState", "accum_dtype", "kernel_inputs", "empty_hybrid_state", "empty_state", "fla_available",
-    "hybrid_attention_chunked", "hybrid_attention_naive", "hybrid_attention_recurrent",
+    "hybrid_attention", "hybrid_attention_chunked", "hybrid_attention_naive", "hybrid_attention_recurrent",
     "hybrid_attention_step", "hybrid_attention_step_ring", "hybrid_final_state", "linear_attention", "linear_attention_chunked",
     "linear_attention_fla", "linear_attention_naive", "linear_attention_recurrent",
     "linear_attention_step", "softmax_attention", "softmax_attention_weights", "hybrid_attention_weights",
-    "use_fla",
+    "use_fla", "use_hybrid_kernel",
 ]

@@ -116,9 +116,10 @@ def _features(x, f_ptr, t, ok, sft, w_ptr, d, D, FW, BF: tl.constexpr, HEDGEHOG:
         pos = tl.exp(pos - tl.max(pos, axis=1)[:, None])
         neg = tl.where(fm, -proj, float("-inf"))
         neg = tl.exp(neg - tl.max(neg, axis=1)[:, None])
-        return pos / tl.sum(pos, axis=1)[:, None], neg / tl.sum(neg, axis=1)[:, None]
+        out = (pos / tl.sum(pos, axis=1)[:, None], neg / tl.sum(neg, axis=1)[:, None])
     else:
-        return (tl.load(f_ptr + t[:, None] * sft + f[None, :], mask=ok[:, None] & fm, other=0.0).to(tl.float32),)
+        out = (tl.load(f_ptr + t[:, None] * sft + f[None, :], mask=ok[:, None] & fm, other=0.0).to(tl.float32),)
+    return out
 
 
 @triton.jit
@@ -130,11 +131,11 @@ def _zero_rows(parts, keep, FP: tl.constexpr):
 
 
 @triton.jit
-def _feature_dot(a, b, FP: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):
-    """``sum_i a[i] b[i]^T``: ``[BW, BW]`` products of two rows' features."""
-    acc = tl.dot(a[0].to(DT), tl.trans(b[0].to(DT)), input_precision=PREC)
+def _feature_dot(a, b, like, FP: tl.constexpr, PREC: tl.constexpr):
+    """``sum_i a[i] b[i]^T``: ``[BW, BW]`` products of two rows' features, in ``like``'s dtype."""
+    acc = tl.dot(a[0].to(like.dtype), tl.trans(b[0].to(like.dtype)), input_precision=PREC)
     for i in tl.static_range(1, FP):
-        acc = tl.dot(a[i].to(DT), tl.trans(b[i].to(DT)), acc, input_precision=PREC)
+        acc = tl.dot(a[i].to(like.dtype), tl.trans(b[i].to(like.dtype)), acc, input_precision=PREC)
     return acc
 
 
@@ -153,24 +154,23 @@ def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, sums_p
                 ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
                 STATE: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
     c = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // HK
     hk = bh % HK
-    DT: tl.constexpr = v_ptr.dtype.element_ty
     t, ok = _rows(c, T, W, OFF, BW)
     real = _real(mask_ptr + b * T, t, ok, MASK)
     d = tl.arange(0, BD)
     f = tl.arange(0, BF)
     k = _rotated(k_ptr + b * skb + hk * skh, t, ok, skt, d, D, cos_ptr + b * scb, sin_ptr + b * scb, sct, R, ROPE)
-    k = k.to(DT)
+    k = k.to(v_ptr.dtype.element_ty)
     kf = _features(k, kf_ptr + b * sfb + hk * sfh, t, ok, sft, wk_ptr + hk * swk, d, D, FW, BF, HEDGEHOG, PREC)
     kf = _zero_rows(kf, real, FP)
-    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, t, ok, svt, d, D), 0.0).to(DT)
+    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, t, ok, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
     F = FP * FW
     base = sums_ptr + (bh * N + c) * (F * (D + 1))
     m2 = (f < FW)[:, None] & (d < D)[None, :]
     for i in tl.static_range(FP):
-        part = kf[i].to(DT)
+        part = kf[i].to(v_ptr.dtype.element_ty)
         tl.store(base + (i * FW + f)[:, None] * D + d[None, :],
                  tl.dot(tl.trans(part), v, input_precision=PREC), mask=m2)
         tl.store(base + F * D + i * FW + f, tl.sum(part.to(tl.float32), axis=0), mask=f < FW)
@@ -191,7 +191,7 @@ def _scan(src_ptr, dst_ptr, fin_ptr, N, E, D, F, G,
     """Cumulative sums over chunks of ``[rows, N, E]`` (inclusive; from the end with ``REVERSE``),
     each output row the sum of ``G`` input rows. ``FINAL``: also write the sum of chunks <= N-2
     in ``HybridState``'s ``[F, D + 1]`` layout."""
-    r = tl.program_id(0)
+    r = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     em = e < E
     carry = tl.zeros([BE], dtype=tl.float32)
@@ -242,12 +242,11 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, wk_ptr, cos_ptr, sin_p
              SOFTCAP: tl.constexpr, SAVE: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
              PREC: tl.constexpr, SPREC: tl.constexpr):
     c = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // H
     h = bh % H
     hk = h // G
     HK = H // G
-    DT: tl.constexpr = v_ptr.dtype.element_ty
     d = tl.arange(0, BD)
     i = tl.arange(0, BW)
     tq, okq = _rows(c, T, W, OFF, BW)
@@ -258,10 +257,10 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, wk_ptr, cos_ptr, sin_p
     kb = k_ptr + b * skb + hk * skh
     vb = v_ptr + b * svb + hk * svh
 
-    q = _rotated(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D, cos_b, sin_b, sct, R, ROPE).to(DT)
+    q = _rotated(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D, cos_b, sin_b, sct, R, ROPE).to(v_ptr.dtype.element_ty)
     qf = _features(q, qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, wq_ptr + h * swq, d, D, FW, BF, HEDGEHOG, PREC)
-    k_p = _rotated(kb, tp, okp, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(DT)
-    k_c = _rotated(kb, tq, okq, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(DT)
+    k_p = _rotated(kb, tp, okp, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(v_ptr.dtype.element_ty)
+    k_c = _rotated(kb, tq, okq, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(v_ptr.dtype.element_ty)
 
     # window scores: keys of the previous chunk after the query's position in its chunk, keys of
     # this chunk up to it
@@ -280,18 +279,18 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, wk_ptr, cos_ptr, sin_p
     kf_p = _features(k_p, kf_ptr + b * skfb + hk * skfh, tp, okp, skft, wk_ptr + hk * swk, d, D, FW, BF, HEDGEHOG,
                      PREC)
     kf_p = _zero_rows(kf_p, real_p, FP)
-    lin = tl.where(i[None, :] <= i[:, None], _feature_dot(qf, kf_p, FP, DT, PREC), 0.0)
+    lin = tl.where(i[None, :] <= i[:, None], _feature_dot(qf, kf_p, q, FP, PREC), 0.0)
     w_p = a_p + lin
-    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(DT)
-    v_c = tl.where(real_c[:, None], _tile(vb, tq, okq, svt, d, D), 0.0).to(DT)
-    num = tl.dot(w_p.to(DT), v_p, input_precision=PREC)
-    num = tl.dot(a_c.to(DT), v_c, num, input_precision=PREC)
+    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
+    v_c = tl.where(real_c[:, None], _tile(vb, tq, okq, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
+    num = tl.dot(w_p.to(v_ptr.dtype.element_ty), v_p, input_precision=PREC)
+    num = tl.dot(a_c.to(v_ptr.dtype.element_ty), v_c, num, input_precision=PREC)
     den = tl.sum(w_p, axis=1) + tl.sum(a_c, axis=1)
     # the linear state of chunks <= c-2
     F = FP * FW
     sv, sz = _state_parts(sums_ptr + ((b * HK + hk) * N + c - 2) * (F * (D + 1)), F, D, FW, BF, BD, FP, c >= 2)
     for p in tl.static_range(FP):
-        qp = qf[p].to(DT).to(tl.float32)  # the features as rounded for the other products
+        qp = qf[p].to(v_ptr.dtype.element_ty).to(tl.float32)  # the features as rounded for the other products
         num = tl.dot(qp, sv[p], num, input_precision=SPREC)
         den += tl.sum(qp * sz[p][None, :], axis=1)
     y = num / tl.maximum(den, TINY)[:, None]
@@ -333,12 +332,11 @@ def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_p
                 MASK: tl.constexpr, SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
                 PREC: tl.constexpr, SPREC: tl.constexpr):
     c = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // H
     h = bh % H
     hk = h // G
     HK = H // G
-    DT: tl.constexpr = v_ptr.dtype.element_ty
     d = tl.arange(0, BD)
     f = tl.arange(0, BF)
     i = tl.arange(0, BW)
@@ -359,9 +357,9 @@ def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_p
     gamma = tl.load(gamma_ptr + h).to(tl.float32)
     k_p = _tile(kb, tp, okp, skt, d, D)
     k_c = _tile(kb, tq, okq, skt, d, D)
-    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(DT)
-    v_c = tl.where(real_c[:, None], _tile(vb, tq, okq, svt, d, D), 0.0).to(DT)
-    kf_p = tl.where(real_p[:, None], _tile(kf_ptr + b * skfb + hk * skfh, tp, okp, skft, f, F), 0.0).to(DT)
+    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
+    v_c = tl.where(real_c[:, None], _tile(vb, tq, okq, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
+    kf_p = tl.where(real_p[:, None], _tile(kf_ptr + b * skfb + hk * skfh, tp, okp, skft, f, F), 0.0).to(v_ptr.dtype.element_ty)
     win_p = real_p[None, :] & (i[None, :] > i[:, None])
     win_c = real_c[None, :] & (i[None, :] <= i[:, None])
     near = i[None, :] <= i[:, None]
@@ -369,7 +367,7 @@ def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_p
     s_c = _scores(q, k_c, scale, softcap, SOFTCAP, PREC)
     a_p = tl.where(win_p, gamma * tl.exp(s_p - mx[:, None]), 0.0)
     a_c = tl.where(win_c, gamma * tl.exp(s_c - mx[:, None]), 0.0)
-    dd = delta.to(DT)
+    dd = delta.to(v_ptr.dtype.element_ty)
     da_p = tl.dot(dd, tl.trans(v_p), input_precision=PREC) + rho[:, None]  # d a_ts = delta_t . v_s + rho_t
     da_c = tl.dot(dd, tl.trans(v_c), input_precision=PREC) + rho[:, None]
     pw = tl.sum(a_p * da_p, axis=1) + tl.sum(a_c * da_c, axis=1)  # sum over the window of a da = -dc_t
@@ -377,10 +375,10 @@ def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_p
     ds_c = a_c * da_c + tl.where(am[:, None] == tq[None, :], -pw[:, None], 0.0)
     ds_p = tl.where(win_p, _capped(ds_p, s_p, softcap, SOFTCAP), 0.0)
     ds_c = tl.where(win_c, _capped(ds_c, s_c, softcap, SOFTCAP), 0.0)
-    dq = tl.dot(ds_p.to(DT), k_p, input_precision=PREC)
-    dq = tl.dot(ds_c.to(DT), k_c, dq, input_precision=PREC) * scale
+    dq = tl.dot(ds_p.to(v_ptr.dtype.element_ty), k_p, input_precision=PREC)
+    dq = tl.dot(ds_c.to(v_ptr.dtype.element_ty), k_c, dq, input_precision=PREC) * scale
     dl = tl.where(near, da_p, 0.0)
-    dqf = tl.dot(dl.to(DT), kf_p.to(DT), input_precision=PREC)
+    dqf = tl.dot(dl.to(v_ptr.dtype.element_ty), kf_p.to(v_ptr.dtype.element_ty), input_precision=PREC)
     # the linear state of chunks <= c-2
     base = sums_ptr + ((b * HK + hk) * N + c - 2) * (F * (D + 1))
     sv = tl.load(base + f[:, None] * D + d[None, :], mask=_only((f < F)[:, None] & (d < D)[None, :], c >= 2),
@@ -408,19 +406,18 @@ def _backward_kv(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, rsums
                  MASK: tl.constexpr, SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
                  PREC: tl.constexpr, SPREC: tl.constexpr):
     j = tl.program_id(0)
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // HK
     hk = bh % HK
     H = HK * G
-    DT: tl.constexpr = v_ptr.dtype.element_ty
     d = tl.arange(0, BD)
     f = tl.arange(0, BF)
     i = tl.arange(0, BW)
     tk, okk = _rows(j, T, W, OFF, BW)
     real = _real(mask_ptr + b * T, tk, okk, MASK)
     k = _tile(k_ptr + b * skb + hk * skh, tk, okk, skt, d, D)
-    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, tk, okk, svt, d, D), 0.0).to(DT)
-    kf = tl.where(real[:, None], _tile(kf_ptr + b * skfb + hk * skfh, tk, okk, skft, f, F), 0.0).to(DT)
+    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, tk, okk, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
+    kf = tl.where(real[:, None], _tile(kf_ptr + b * skfb + hk * skfh, tk, okk, skft, f, F), 0.0).to(v_ptr.dtype.element_ty)
     # queries of chunks >= j+2, through the reverse state
     base = rsums_ptr + (bh * N + j + 2) * (F * (D + 1))
     rv = tl.load(base + f[:, None] * D + d[None, :], mask=_only((f < F)[:, None] & (d < D)[None, :], j + 2 < N),
@@ -449,18 +446,18 @@ def _backward_kv(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, rsums
                 win = real[:, None] & okq[None, :] & (i[None, :] < i[:, None])
             s = _scores(k, q, scale, softcap, SOFTCAP, PREC)
             a = tl.where(win, gamma * tl.exp(s - mx[None, :]), 0.0)
-            dd = delta.to(DT)
-            da = tl.dot(v.to(DT), tl.trans(dd), input_precision=PREC) + rho[None, :]
+            dd = delta.to(v_ptr.dtype.element_ty)
+            da = tl.dot(v.to(v_ptr.dtype.element_ty), tl.trans(dd), input_precision=PREC) + rho[None, :]
             ds = a * da + tl.where(am[None, :] == tk[:, None], dc[None, :], 0.0)
             ds = tl.where(win, _capped(ds, s, softcap, SOFTCAP), 0.0)
-            dk = tl.dot(ds.to(DT), q, dk, input_precision=PREC)
+            dk = tl.dot(ds.to(v_ptr.dtype.element_ty), q, dk, input_precision=PREC)
             if nxt == 1:  # the youngest linear keys of chunk j+1's queries
                 near = real[:, None] & okq[None, :] & (i[None, :] >= i[:, None])
-                qf = _tile(qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, f, F).to(DT)
+                qf = _tile(qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, f, F).to(v_ptr.dtype.element_ty)
                 lin = tl.where(near, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0)
                 a = a + lin
-                dkf = tl.dot(tl.where(near, da, 0.0).to(DT), qf, dkf, input_precision=PREC)
-            dv = tl.dot(a.to(DT), dd, dv, input_precision=PREC)
+                dkf = tl.dot(tl.where(near, da, 0.0).to(v_ptr.dtype.element_ty), qf, dkf, input_precision=PREC)
+            dv = tl.dot(a.to(v_ptr.dtype.element_ty), dd, dv, input_precision=PREC)
     om = real[:, None] & (d < D)[None, :]
     row = bh * T + tk
     tl.store(dk_ptr + row[:, None] * D + d[None, :], dk * scale, mask=okk[:, None] & (d < D)[None, :])
