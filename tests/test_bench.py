@@ -78,3 +78,21 @@ def test_train_bench_cuda_graph_needs_cuda(tiny_model):
         pytest.skip("the CPU-only refusal")
     with pytest.raises(LinearizeError, match="needs a CUDA device"):
         run(tiny_model("llama"), ["teacher"], [(2, 16)], steps=1, warmup=1, cuda_graph=True)
+
+
+def test_train_bench_lolcats_stage_rows_train_what_each_stage_trains(tiny_model):
+    """``lolcats-stage1``: the feature maps and window weights on the attention-transfer loss;
+    ``lolcats-stage2``: LoRA on next-token loss; both timed against the teacher's full fine-tune."""
+    from linearize.bench.train import build, run, stage_setup
+
+    teacher = tiny_model("llama")
+    stage1, loss1 = stage_setup(build(teacher, "lolcats-stage1"), "lolcats-stage1")
+    trained = {n for n, p in stage1.named_parameters() if p.requires_grad}
+    assert trained and all(".feature_map_" in n or n.endswith("window_logit") for n in trained)
+    assert loss1(stage1, torch.randint(2, 97, (2, 8))).item() > 0
+    stage2, loss2 = stage_setup(build(teacher, "lolcats-stage2"), "lolcats-stage2")
+    trained = {n for n, p in stage2.named_parameters() if p.requires_grad}
+    assert loss2 is None and trained and all("lora_" in n for n in trained)
+    rows = run(teacher, ["teacher", "lolcats-stage1", "lolcats-stage2"], [(2, 16)], steps=1, warmup=1)
+    assert [r.model for r in rows] == ["teacher", "lolcats-stage1", "lolcats-stage2"]
+    assert all(r.tokens_per_s > 0 and r.ratio_to_teacher > 0 for r in rows)

@@ -81,7 +81,7 @@ def gpu_busy(prof) -> tuple[float, float]:
     return busy, spans[-1][1] - spans[0][0]
 
 
-def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync) -> dict:
+def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync, loss_fn=None) -> dict:
     """Host time per step of the forward, the backward and the optimizer, with no synchronisation in
     between: where the host is the bottleneck these add up to the wall time, and say which phase
     issues its work slowest (the backward's Python autograd functions run on autograd's own thread,
@@ -93,7 +93,7 @@ def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync) -> dict:
     acc = dict.fromkeys(("forward", "backward", "optimizer", "drain"), 0.0)
     for _ in range(steps):
         marks = [time.perf_counter()]
-        _step(model, optimizer, ids, cuda, marks=marks)
+        _step(model, optimizer, ids, cuda, marks=marks, loss_fn=loss_fn)
         sync()
         marks.append(time.perf_counter())
         for k, a, b in zip(acc, marks, marks[1:]):
@@ -126,32 +126,35 @@ def profile_train(teacher, model_name: str, batch: int, length: int, steps: int 
 
     from torch.profiler import profile
 
-    from .train import _step, build, prepare
+    from .train import STAGES, _step, build, prepare, stage_setup
 
-    model = build(teacher, model_name)
-    optimizer, ids, cuda = prepare(model, batch, length)
+    model, loss_fn = stage_setup(build(teacher, model_name), model_name)
+    optimizer, ids, cuda = prepare(model, batch, length, all_weights=model_name not in STAGES)
     device = ids.device
 
     def sync():
         if cuda:
             torch.cuda.synchronize(device)
 
+    def step():
+        _step(model, optimizer, ids, cuda, loss_fn=loss_fn)
+
     for _ in range(warmup):
-        _step(model, optimizer, ids, cuda)
+        step()
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):  # the wall time, without the profiler's own overhead
-        _step(model, optimizer, ids, cuda)
+        step()
     sync()
     wall = (time.perf_counter() - t0) / steps * 1e6
-    phases = host_phases(model, optimizer, ids, cuda, steps, sync)
+    phases = host_phases(model, optimizer, ids, cuda, steps, sync, loss_fn=loss_fn)
     with profile(activities=_activities(device)) as prof:
         for _ in range(steps):
-            _step(model, optimizer, ids, cuda)
+            step()
         sync()
     out = kernel_table(prof, device, steps, top)
     if python_top:
-        out["python"] = python_hotspots(lambda: _step(model, optimizer, ids, cuda), steps, python_top, sync)
+        out["python"] = python_hotspots(step, steps, python_top, sync)
     busy, span = gpu_busy(prof) if cuda else (0.0, 0.0)
     out.update(what="train", model=model_name, batch=batch, length=length, wall_us_per_step=wall, host_phases_us=phases,
                gpu_busy_us_per_step=busy / steps, profiled_span_us_per_step=span / steps,
