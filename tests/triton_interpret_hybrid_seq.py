@@ -93,14 +93,15 @@ def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, shared=F
     wq, wk = r(1 if shared else h, d, fh) * 0.5, r(1 if shared else hk, d, fh) * 0.5
     angles = r(1, t, rot // 2) * 3 if rot else None
     rope = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rot else None
-    gamma = torch.sigmoid(r(h))
+    gamma = r(h)  # the window weights' logits (the kernels take the sigmoid, as the mixer calls them)
     key_mask = _masks(b, t, pad)
     kw = dict(window=window, scale=d ** -0.5, softcap=softcap, key_mask=key_mask)
 
-    def reference(q, k, v, wq, wk, gamma):
+    def reference(q, k, v, wq, wk, logit):
         if rope is not None:
             q, k = rope_half(q, *rope), rope_half(k, *rope)
         qf, kf = hedgehog_features(q, wq), hedgehog_features(k, wk)
+        gamma = torch.sigmoid(logit)
         y = ops.hybrid_attention_naive(q, k, qf, kf, v, gamma, **kw)
         _, state = ops.hybrid_attention_chunked(q, k, qf, kf, v, gamma, **kw, output_final_state=True)
         return y, state
@@ -110,7 +111,7 @@ def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, shared=F
     mine = [x.float().requires_grad_() for x in (q, k, v, wq, wk, gamma)]
     mq, mk, mv, mwq, mwk, mg = mine
     got, state = hybrid_triton(mq, mk, mv, mg, hedgehog=(mwq, mwk), rope=None if rope is None else
-                               tuple(x.float() for x in rope), **kw, output_final_state=True)
+                               tuple(x.float() for x in rope), **kw, output_final_state=True, logit=True)
     _close(got, want, "y")
     _compare_state(state, want_state)
     w = _weights(want, key_mask, g)
@@ -121,7 +122,7 @@ def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, shared=F
     # only the feature maps' weights train (LoLCATs stage 1): their gradients alone
     mwq2, mwk2 = (x.detach().requires_grad_() for x in (mwq, mwk))
     got2, _ = hybrid_triton(mq.detach(), mk.detach(), mv.detach(), mg.detach(), hedgehog=(mwq2, mwk2),
-                            rope=None if rope is None else tuple(x.float() for x in rope), **kw)
+                            rope=None if rope is None else tuple(x.float() for x in rope), **kw, logit=True)
     for name, a, e in zip(("wq", "wk"), torch.autograd.grad((got2.double() * w).sum(), [mwq2, mwk2]),
                           grads_want[3:5]):
         _close(a, e, "d" + name + " alone")

@@ -81,8 +81,9 @@ class LolcatsAttention(LinearAttention):
                 q, k = self.adapter.rope(self, q, k, position_embeddings)
                 dtype = ops.hybrid_attention_kernel_dtype(q, k, v)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        return hybrid_triton(q, k, v, self.window_weight(), hedgehog=(fq.weight, fk.weight), rope=rope, **self._kw(),
-                             key_mask=self.key_mask, output_final_state=want_state)
+        # gamma = sigmoid(window_logit) inside the kernels
+        return hybrid_triton(q, k, v, self.window_logit, hedgehog=(fq.weight, fk.weight), rope=rope, **self._kw(),
+                             key_mask=self.key_mask, output_final_state=want_state, logit=True)
 
     def attention_weights(self, q, k, position_embeddings):
         q, k, qf, kf = self._inputs(q, k, position_embeddings)

@@ -239,8 +239,8 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, wk_ptr, cos_ptr, sin_p
              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft, swq, swk, scb, sct,
              syb, syh, syt, T, W, OFF, N, H, G, D, FW, R, scale, softcap,
              ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
-             SOFTCAP: tl.constexpr, SAVE: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
-             PREC: tl.constexpr, SPREC: tl.constexpr):
+             SOFTCAP: tl.constexpr, SAVE: tl.constexpr, LOGIT: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
+             BF: tl.constexpr, PREC: tl.constexpr, SPREC: tl.constexpr):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // H
@@ -273,6 +273,8 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, wk_ptr, cos_ptr, sin_p
     mx = tl.maximum(m_p, m_c)
     mx = tl.where(mx == float("-inf"), 0.0, mx)  # no window key (a padding query)
     gamma = tl.load(gamma_ptr + h).to(tl.float32)
+    if LOGIT:
+        gamma = tl.sigmoid(gamma)
     a_p = tl.where(win_p, gamma * tl.exp(s_p - mx[:, None]), 0.0)
     a_c = tl.where(win_c, gamma * tl.exp(s_c - mx[:, None]), 0.0)
     # the youngest linear keys: the previous chunk's up to the query's position
@@ -509,7 +511,8 @@ def _last_contiguous(x):
 
 
 def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=None, key_mask=None, qf=None,
-                          kf=None, hedgehog=None, rope=None, save: bool = False, state: bool = False):
+                          kf=None, hedgehog=None, rope=None, save: bool = False, state: bool = False,
+                          logit: bool = False):
     """The three forward launches. Returns ``(y, saved, state)``: ``y`` ``[B, H, T, D]`` (a view of
     ``[B, T, H, D]`` memory, what the output projection reads); ``saved`` (with ``save``) the
     per-chunk states and per-query quantities the backward needs; ``state`` (with ``state``) the
@@ -543,7 +546,7 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
         cos = sin = q  # not read
         rot = scb = sct = 0
     mask = key_mask if key_mask is not None else q
-    gamma = gamma.float().contiguous()
+    gamma = gamma.contiguous()
     bw, bd, bf = _pow2(w), _pow2(d), _pow2(fw)
     prec, sprec = _precision(dt)
     dev = q.device
@@ -573,7 +576,8 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     _forward[(n, b * h)](q, k, v, qf, kf, wq, wk, cos, sin, mask, gamma, sums, y, den, mx, am,
                          *_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), swq, swk, scb, sct,
                          *_strides(y), t, w, off, n, h, h // hk, d, fw, rot, float(scale), float(softcap or 1.0),
-                         SOFTCAP=softcap is not None, SAVE=save, SPREC=sprec, num_warps=FWD_WARPS, **common)
+                         SOFTCAP=softcap is not None, SAVE=save, LOGIT=logit, SPREC=sprec, num_warps=FWD_WARPS,
+                         **common)
     saved = (sums, den, mx, am) if save else None
     out_state = None
     if state:
@@ -639,13 +643,15 @@ class _HybridTriton(torch.autograd.Function):
     Hedgehog weights ``wq, wk`` (one pair; the other None), then ``cos, sin`` (or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap):
+    def forward(ctx, q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit):
         hedgehog = (wq, wk) if wq is not None else None
         rope = (cos, sin) if cos is not None else None
         y, saved, _ = hybrid_triton_forward(q, k, v, gamma, window=window, scale=scale, softcap=softcap,
-                                            key_mask=key_mask, qf=qf, kf=kf, hedgehog=hedgehog, rope=rope, save=True)
+                                            key_mask=key_mask, qf=qf, kf=kf, hedgehog=hedgehog, rope=rope, save=True,
+                                            logit=logit)
         ctx.save_for_backward(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, y, *saved)
         ctx.kw = dict(window=window, scale=scale, softcap=softcap)
+        ctx.logit = logit
         return y
 
     @staticmethod
@@ -663,9 +669,12 @@ class _HybridTriton(torch.autograd.Function):
                 fq, fk = hedgehog_features(qr, lwq), hedgehog_features(kr, lwk)
             else:
                 fq, fk = lqf, lkf
+        weight = torch.sigmoid(gamma.float()) if ctx.logit else gamma
         dq, dk, dv, dfq, dfk, dgamma = hybrid_triton_backward(
-            dy, qr.detach().to(q.dtype), kr.detach().to(q.dtype), v, fq.detach(), fk.detach(), gamma, y, saved,
+            dy, qr.detach().to(q.dtype), kr.detach().to(q.dtype), v, fq.detach(), fk.detach(), weight, y, saved,
             key_mask=key_mask, **ctx.kw)
+        if ctx.logit:
+            dgamma = dgamma * weight * (1.0 - weight)
         pairs = [(x, g) for x, g in zip((qr, kr, fq, fk), (dq, dk, dfq, dfk)) if x.requires_grad]
         wanted = [x for x in leaves if x is not None and x.requires_grad]
         found = {}
@@ -676,11 +685,11 @@ class _HybridTriton(torch.autograd.Function):
                   for x, orig in zip(leaves, inputs)]
         dq_, dk_, dqf_, dkf_, dwq, dwk = result
         return (dq_, dk_, dv.to(v.dtype) if needs[2] else None, dgamma.to(gamma.dtype) if needs[3] else None,
-                dqf_, dkf_, dwq, dwk, None, None, None, None, None, None)
+                dqf_, dkf_, dwq, dwk, None, None, None, None, None, None, None)
 
 
 def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float | None = None, key_mask=None,
-                  output_final_state: bool = False, qf=None, kf=None, hedgehog=None, rope=None):
+                  output_final_state: bool = False, qf=None, kf=None, hedgehog=None, rope=None, logit: bool = False):
     """The hybrid over whole sequences on CUDA (or Triton's interpreter): ``(y, state or None)``.
 
     ``q`` ``[B, H, T, D]``, ``k``/``v`` ``[B, Hk, T, D]`` in one dtype (bf16, fp16 or fp32), any
@@ -689,7 +698,8 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
     rotated q/k, or ``hedgehog = (wq [H or 1, D, F/2], wk [Hk or 1, D, F/2])`` computed in the
     kernels. ``rope = (cos, sin)`` ``[B or 1, T, R]`` (Hedgehog only): q and k come unrotated and
     the kernels rotate halves of their first R dims; the state's keys are the rotated ones.
-    Gradients flow to q, k, v, gamma and the features or Hedgehog weights; the final state
+    ``logit``: ``gamma`` holds the window weights' logits (sigmoid taken in the kernels: a launch
+    fewer per layer). Gradients flow to q, k, v, gamma and the features or Hedgehog weights; the final state
     (``HybridState``, window of ``min(T, window)`` tokens) carries none.
     """
     if rope is not None and hedgehog is None:
@@ -701,7 +711,7 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
     key_mask = None if key_mask is None else key_mask.contiguous()
     tensors = (q, k, v, gamma, qf, kf, *(hedgehog or (None, None)))
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-    kw = dict(window=window, scale=scale, softcap=softcap)
+    kw = dict(window=window, scale=scale, softcap=softcap, logit=logit)
     state = None
     if output_final_state:  # the decoding state carries no gradient
         with torch.no_grad():
@@ -715,5 +725,5 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
         return y, None
     wq, wk = hedgehog or (None, None)
     cos, sin = rope or (None, None)
-    y = _HybridTriton.apply(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap)
+    y = _HybridTriton.apply(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit)
     return y, state
