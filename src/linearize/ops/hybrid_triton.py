@@ -307,14 +307,11 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, wk_ptr, cos_ptr, sin_p
 
 
 @triton.jit
-def _per_query(dy_ptr, y_ptr, den_ptr, row, tq, okq, sdt, syt, d, D):
-    """``delta = dy / den`` ``[BW, BD]`` and ``rho = -delta . y`` ``[BW]`` (fp32; zero where no term)."""
+def _delta(dy_ptr, den_ptr, row, tq, okq, sdt, d, D):
+    """``delta = dy / den`` ``[BW, BD]`` in fp32 (zero for a query with no term: its output is 0)."""
     dy = _tile(dy_ptr, tq, okq, sdt, d, D).to(tl.float32)
-    y = _tile(y_ptr, tq, okq, syt, d, D).to(tl.float32)
     den = tl.load(den_ptr + row, mask=okq, other=0.0)
-    inv = tl.where(den > 0.0, 1.0 / tl.maximum(den, TINY), 0.0)
-    delta = dy * inv[:, None]
-    return delta, -tl.sum(delta * y, axis=1)
+    return dy * tl.where(den > 0.0, 1.0 / tl.maximum(den, TINY), 0.0)[:, None]
 
 
 @triton.jit
@@ -352,8 +349,8 @@ def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_p
 
     q = _tile(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D)
     qf = _tile(qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, f, F).to(tl.float32)
-    delta, rho = _per_query(dy_ptr + b * sdb + h * sdh, y_ptr + b * syb + h * syh, den_ptr, row, tq, okq, sdt, syt,
-                            d, D)
+    delta = _delta(dy_ptr + b * sdb + h * sdh, den_ptr, row, tq, okq, sdt, d, D)
+    rho = -tl.sum(delta * _tile(y_ptr + b * syb + h * syh, tq, okq, syt, d, D).to(tl.float32), axis=1)
     mx = tl.load(mx_ptr + row, mask=okq, other=0.0)
     am = tl.load(am_ptr + row, mask=okq, other=-1)
     gamma = tl.load(gamma_ptr + h).to(tl.float32)
@@ -435,8 +432,7 @@ def _backward_kv(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, rsums
             tq, okq = _rows(j + nxt, T, W, OFF, BW)
             row = (b * H + h) * T + tq
             q = _tile(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D)
-            delta, _ = _per_query(dy_ptr + b * sdb + h * sdh, y_ptr + b * syb + h * syh, den_ptr, row, tq, okq,
-                                  sdt, syt, d, D)
+            delta = _delta(dy_ptr + b * sdb + h * sdh, den_ptr, row, tq, okq, sdt, d, D)
             rho = tl.load(rho_ptr + row, mask=okq, other=0.0)
             dc = tl.load(dc_ptr + row, mask=okq, other=0.0)
             mx = tl.load(mx_ptr + row, mask=okq, other=0.0)
