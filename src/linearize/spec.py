@@ -38,7 +38,8 @@ class Spec:
         head). supra and retnet default to group (``sum`` with decay none is the T2R baseline; retnet
         accepts only group), the others to sum.
     keep_softmax: indices of layers that keep their softmax attention (hybrids).
-    backend: ``auto`` (fla CUDA kernels when installed), ``torch`` or ``fla``.
+    backend: ``auto`` (fla CUDA kernels when installed; lolcats: the hybrid's Triton kernels on
+        CUDA, ``ops.use_hybrid_kernel``), ``torch`` or ``fla`` (the CUDA kernels required).
     """
 
     kind: str = "lolcats"

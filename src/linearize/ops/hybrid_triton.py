@@ -702,6 +702,9 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
         raise ValueError("hybrid_triton rotates q and k only when it computes Hedgehog features itself")
     if (hedgehog is None) == (qf is None or kf is None):
         raise ValueError("hybrid_triton needs the features qf/kf or the Hedgehog weights, not both")
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise ValueError(f"hybrid_triton needs q, k and v in one dtype (bf16, fp16 or fp32), got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
     if key_mask is not None and key_mask.dtype != torch.bool:
         key_mask = key_mask.bool()
     key_mask = None if key_mask is None else key_mask.contiguous()
