@@ -159,18 +159,19 @@ def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, sums_p
     hk = bh % HK
     t, ok = _rows(c, T, W, OFF, BW)
     real = _real(mask_ptr + b * T, t, ok, MASK)
+    vdt = v_ptr.dtype.element_ty  # the inputs' dtype: operands of the products
     d = tl.arange(0, BD)
     f = tl.arange(0, BF)
     k = _rotated(k_ptr + b * skb + hk * skh, t, ok, skt, d, D, cos_ptr + b * scb, sin_ptr + b * scb, sct, R, ROPE)
-    k = k.to(v_ptr.dtype.element_ty)
+    k = k.to(vdt)
     kf = _features(k, kf_ptr + b * sfb + hk * sfh, t, ok, sft, wk_ptr + hk * swk, d, D, FW, BF, HEDGEHOG, PREC)
     kf = _zero_rows(kf, real, FP)
-    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, t, ok, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
+    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, t, ok, svt, d, D), 0.0).to(vdt)
     F = FP * FW
     base = sums_ptr + (bh * N + c) * (F * (D + 1))
     m2 = (f < FW)[:, None] & (d < D)[None, :]
     for i in tl.static_range(FP):
-        part = kf[i].to(v_ptr.dtype.element_ty)
+        part = kf[i].to(vdt)
         tl.store(base + (i * FW + f)[:, None] * D + d[None, :],
                  tl.dot(tl.trans(part), v, input_precision=PREC), mask=m2)
         tl.store(base + F * D + i * FW + f, tl.sum(part.to(tl.float32), axis=0), mask=f < FW)
@@ -247,6 +248,7 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, wk_ptr, cos_ptr, sin_p
     h = bh % H
     hk = h // G
     HK = H // G
+    vdt = v_ptr.dtype.element_ty  # the inputs' dtype: operands of the products
     d = tl.arange(0, BD)
     i = tl.arange(0, BW)
     tq, okq = _rows(c, T, W, OFF, BW)
@@ -257,10 +259,10 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, wk_ptr, cos_ptr, sin_p
     kb = k_ptr + b * skb + hk * skh
     vb = v_ptr + b * svb + hk * svh
 
-    q = _rotated(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D, cos_b, sin_b, sct, R, ROPE).to(v_ptr.dtype.element_ty)
+    q = _rotated(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D, cos_b, sin_b, sct, R, ROPE).to(vdt)
     qf = _features(q, qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, wq_ptr + h * swq, d, D, FW, BF, HEDGEHOG, PREC)
-    k_p = _rotated(kb, tp, okp, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(v_ptr.dtype.element_ty)
-    k_c = _rotated(kb, tq, okq, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(v_ptr.dtype.element_ty)
+    k_p = _rotated(kb, tp, okp, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(vdt)
+    k_c = _rotated(kb, tq, okq, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(vdt)
 
     # window scores: keys of the previous chunk after the query's position in its chunk, keys of
     # this chunk up to it
@@ -283,16 +285,16 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, wk_ptr, cos_ptr, sin_p
     kf_p = _zero_rows(kf_p, real_p, FP)
     lin = tl.where(i[None, :] <= i[:, None], _feature_dot(qf, kf_p, q, FP, PREC), 0.0)
     w_p = a_p + lin
-    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
-    v_c = tl.where(real_c[:, None], _tile(vb, tq, okq, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
-    num = tl.dot(w_p.to(v_ptr.dtype.element_ty), v_p, input_precision=PREC)
-    num = tl.dot(a_c.to(v_ptr.dtype.element_ty), v_c, num, input_precision=PREC)
+    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(vdt)
+    v_c = tl.where(real_c[:, None], _tile(vb, tq, okq, svt, d, D), 0.0).to(vdt)
+    num = tl.dot(w_p.to(vdt), v_p, input_precision=PREC)
+    num = tl.dot(a_c.to(vdt), v_c, num, input_precision=PREC)
     den = tl.sum(w_p, axis=1) + tl.sum(a_c, axis=1)
     # the linear state of chunks <= c-2
     F = FP * FW
     sv, sz = _state_parts(sums_ptr + ((b * HK + hk) * N + c - 2) * (F * (D + 1)), F, D, FW, BF, BD, FP, c >= 2)
     for p in tl.static_range(FP):
-        qp = qf[p].to(v_ptr.dtype.element_ty).to(tl.float32)  # the features as rounded for the other products
+        qp = qf[p].to(vdt).to(tl.float32)  # the features as rounded for the other products
         num = tl.dot(qp, sv[p], num, input_precision=SPREC)
         den += tl.sum(qp * sz[p][None, :], axis=1)
     y = num / tl.maximum(den, TINY)[:, None]
@@ -336,6 +338,7 @@ def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_p
     h = bh % H
     hk = h // G
     HK = H // G
+    vdt = v_ptr.dtype.element_ty  # the inputs' dtype: operands of the products
     d = tl.arange(0, BD)
     f = tl.arange(0, BF)
     i = tl.arange(0, BW)
@@ -356,9 +359,9 @@ def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_p
     gamma = tl.load(gamma_ptr + h).to(tl.float32)
     k_p = _tile(kb, tp, okp, skt, d, D)
     k_c = _tile(kb, tq, okq, skt, d, D)
-    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
-    v_c = tl.where(real_c[:, None], _tile(vb, tq, okq, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
-    kf_p = tl.where(real_p[:, None], _tile(kf_ptr + b * skfb + hk * skfh, tp, okp, skft, f, F), 0.0).to(v_ptr.dtype.element_ty)
+    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(vdt)
+    v_c = tl.where(real_c[:, None], _tile(vb, tq, okq, svt, d, D), 0.0).to(vdt)
+    kf_p = tl.where(real_p[:, None], _tile(kf_ptr + b * skfb + hk * skfh, tp, okp, skft, f, F), 0.0).to(vdt)
     win_p = real_p[None, :] & (i[None, :] > i[:, None])
     win_c = real_c[None, :] & (i[None, :] <= i[:, None])
     near = i[None, :] <= i[:, None]
@@ -366,24 +369,33 @@ def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_p
     s_c = _scores(q, k_c, scale, softcap, SOFTCAP, PREC)
     a_p = tl.where(win_p, gamma * tl.exp(s_p - mx[:, None]), 0.0)
     a_c = tl.where(win_c, gamma * tl.exp(s_c - mx[:, None]), 0.0)
-    dd = delta.to(v_ptr.dtype.element_ty)
+    dd = delta.to(vdt)
     da_p = tl.dot(dd, tl.trans(v_p), input_precision=PREC) + rho[:, None]  # d a_ts = delta_t . v_s + rho_t
     da_c = tl.dot(dd, tl.trans(v_c), input_precision=PREC) + rho[:, None]
-    pw = tl.sum(a_p * da_p, axis=1) + tl.sum(a_c * da_c, axis=1)  # sum over the window of a da = -dc_t
-    ds_p = a_p * da_p + tl.where(am[:, None] == tp[None, :], -pw[:, None], 0.0)
-    ds_c = a_c * da_c + tl.where(am[:, None] == tq[None, :], -pw[:, None], 0.0)
-    ds_p = tl.where(win_p, _capped(ds_p, s_p, softcap, SOFTCAP), 0.0)
-    ds_c = tl.where(win_c, _capped(ds_c, s_c, softcap, SOFTCAP), 0.0)
-    dq = tl.dot(ds_p.to(v_ptr.dtype.element_ty), k_p, input_precision=PREC)
-    dq = tl.dot(ds_c.to(v_ptr.dtype.element_ty), k_c, dq, input_precision=PREC) * scale
+    # the linear terms: the youngest keys' (previous chunk) and the state's of chunks <= c-2
+    lin = tl.where(near, tl.dot(qf.to(vdt), tl.trans(kf_p), input_precision=PREC), 0.0)
     dl = tl.where(near, da_p, 0.0)
-    dqf = tl.dot(dl.to(v_ptr.dtype.element_ty), kf_p.to(v_ptr.dtype.element_ty), input_precision=PREC)
-    # the linear state of chunks <= c-2
+    dqf = tl.dot(dl.to(vdt), kf_p, input_precision=PREC)
     base = sums_ptr + ((b * HK + hk) * N + c - 2) * (F * (D + 1))
     sv = tl.load(base + f[:, None] * D + d[None, :], mask=_only((f < F)[:, None] & (d < D)[None, :], c >= 2),
                  other=0.0)
     sz = tl.load(base + F * D + f, mask=_only(f < F, c >= 2), other=0.0)
-    dqf = tl.dot(delta, tl.trans(sv), dqf, input_precision=SPREC) + rho[:, None] * sz[None, :]
+    far = tl.dot(delta, tl.trans(sv), input_precision=SPREC) + rho[:, None] * sz[None, :]
+    dqf += far
+    # P_t = sum over the window of a da = -dc_t. Every term's a da sums to 0 (d den and d num cancel),
+    # so P_t is also minus the linear terms' sum: taken from the smaller side, where the rounding of
+    # delta and of the stored y (in rho) stays relative to P_t rather than to the whole row
+    p_win = tl.sum(a_p * da_p, axis=1) + tl.sum(a_c * da_c, axis=1)
+    p_lin = -(tl.sum(lin * dl, axis=1) + tl.sum(qf * far, axis=1))
+    den_win = tl.sum(a_p, axis=1) + tl.sum(a_c, axis=1)
+    den_lin = tl.sum(lin, axis=1) + tl.sum(qf * sz[None, :], axis=1)
+    pw = tl.where(den_win <= den_lin, p_win, p_lin)
+    ds_p = a_p * da_p + tl.where(am[:, None] == tp[None, :], -pw[:, None], 0.0)
+    ds_c = a_c * da_c + tl.where(am[:, None] == tq[None, :], -pw[:, None], 0.0)
+    ds_p = tl.where(win_p, _capped(ds_p, s_p, softcap, SOFTCAP), 0.0)
+    ds_c = tl.where(win_c, _capped(ds_c, s_c, softcap, SOFTCAP), 0.0)
+    dq = tl.dot(ds_p.to(vdt), k_p, input_precision=PREC)
+    dq = tl.dot(ds_c.to(vdt), k_c, dq, input_precision=PREC) * scale
     om = okq[:, None] & (d < D)[None, :]
     tl.store(dq_ptr + row[:, None] * D + d[None, :], dq, mask=om)
     tl.store(dqf_ptr + row[:, None] * F + f[None, :], dqf, mask=okq[:, None] & (f < F)[None, :])
@@ -409,14 +421,15 @@ def _backward_kv(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, rsums
     b = bh // HK
     hk = bh % HK
     H = HK * G
+    vdt = v_ptr.dtype.element_ty  # the inputs' dtype: operands of the products
     d = tl.arange(0, BD)
     f = tl.arange(0, BF)
     i = tl.arange(0, BW)
     tk, okk = _rows(j, T, W, OFF, BW)
     real = _real(mask_ptr + b * T, tk, okk, MASK)
     k = _tile(k_ptr + b * skb + hk * skh, tk, okk, skt, d, D)
-    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, tk, okk, svt, d, D), 0.0).to(v_ptr.dtype.element_ty)
-    kf = tl.where(real[:, None], _tile(kf_ptr + b * skfb + hk * skfh, tk, okk, skft, f, F), 0.0).to(v_ptr.dtype.element_ty)
+    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, tk, okk, svt, d, D), 0.0).to(vdt)
+    kf = tl.where(real[:, None], _tile(kf_ptr + b * skfb + hk * skfh, tk, okk, skft, f, F), 0.0).to(vdt)
     # queries of chunks >= j+2, through the reverse state
     base = rsums_ptr + (bh * N + j + 2) * (F * (D + 1))
     rv = tl.load(base + f[:, None] * D + d[None, :], mask=_only((f < F)[:, None] & (d < D)[None, :], j + 2 < N),
@@ -444,18 +457,18 @@ def _backward_kv(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, rsums
                 win = real[:, None] & okq[None, :] & (i[None, :] < i[:, None])
             s = _scores(k, q, scale, softcap, SOFTCAP, PREC)
             a = tl.where(win, gamma * tl.exp(s - mx[None, :]), 0.0)
-            dd = delta.to(v_ptr.dtype.element_ty)
-            da = tl.dot(v.to(v_ptr.dtype.element_ty), tl.trans(dd), input_precision=PREC) + rho[None, :]
+            dd = delta.to(vdt)
+            da = tl.dot(v.to(vdt), tl.trans(dd), input_precision=PREC) + rho[None, :]
             ds = a * da + tl.where(am[None, :] == tk[:, None], dc[None, :], 0.0)
             ds = tl.where(win, _capped(ds, s, softcap, SOFTCAP), 0.0)
-            dk = tl.dot(ds.to(v_ptr.dtype.element_ty), q, dk, input_precision=PREC)
+            dk = tl.dot(ds.to(vdt), q, dk, input_precision=PREC)
             if nxt == 1:  # the youngest linear keys of chunk j+1's queries
                 near = real[:, None] & okq[None, :] & (i[None, :] >= i[:, None])
-                qf = _tile(qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, f, F).to(v_ptr.dtype.element_ty)
+                qf = _tile(qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, f, F).to(vdt)
                 lin = tl.where(near, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0)
                 a = a + lin
-                dkf = tl.dot(tl.where(near, da, 0.0).to(v_ptr.dtype.element_ty), qf, dkf, input_precision=PREC)
-            dv = tl.dot(a.to(v_ptr.dtype.element_ty), dd, dv, input_precision=PREC)
+                dkf = tl.dot(tl.where(near, da, 0.0).to(vdt), qf, dkf, input_precision=PREC)
+            dv = tl.dot(a.to(vdt), dd, dv, input_precision=PREC)
     om = real[:, None] & (d < D)[None, :]
     row = bh * T + tk
     tl.store(dk_ptr + row[:, None] * D + d[None, :], dk * scale, mask=okk[:, None] & (d < D)[None, :])
@@ -481,10 +494,10 @@ def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Te
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     r = cos.shape[-1]
     half = r // 2
-    rot = x[..., :r]
-    turned = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
-    out = rot * cos + turned * sin
-    return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+    rot = x[..., :r] if r < x.shape[-1] else x
+    # rotate_half(x) * sin as roll(x) * [-sin1, sin2]: one operation forward and backward on x
+    out = rot * cos + rot.roll(half, dims=-1) * torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return out if rot is x else torch.cat([out, x[..., r:]], dim=-1)
 
 
 def hedgehog_features(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
