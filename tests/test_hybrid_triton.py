@@ -12,10 +12,11 @@ from linearize import ops
 def test_hybrid_kernels_equal_the_float64_reference_through_the_interpreter():
     """Values, every gradient (q, k, v, features or Hedgehog weights, gamma) and the prefill's final
     state: GQA and MQA, lengths off the chunks, shorter than the window and of one token, windows of
-    1 and of whole tiles, left padding longer than a chunk, soft-capping; RoPE (full, partial, none)
+    1 and of whole tiles, left padding longer than a chunk, soft-capping, fp16 products (bf16 the
+    interpreter cannot multiply); RoPE (full, partial, none)
     and Hedgehog maps inside the kernels, shared or per head, and the maps' gradients alone."""
     run_triton_interpreter_script("triton_interpret_hybrid_seq.py", "gqa", "padding", "short", "one", "window1",
-                                  "exact", "hedgehog", "hedgehog_partial", "hedgehog_norope")
+                                  "half", "exact", "hedgehog", "hedgehog_partial", "hedgehog_norope")
 
 
 @pytest.mark.slow
