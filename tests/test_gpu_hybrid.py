@@ -111,8 +111,9 @@ def test_hybrid_kernels_with_given_features_equal_the_float64_reference_on_cuda(
     want = ops.hybrid_attention_naive(*ref_in, **kw)
     grads_want = torch.autograd.grad((want * w).sum(), ref_in)
     mine = [x.to(dtype).requires_grad_() if i < 5 else x.float().requires_grad_() for i, x in enumerate(xs)]
-    assert ops.use_hybrid_kernel(mine[0], window=64, head_dim=64, feature_width=96)
-    got, _ = ops.hybrid_attention(*mine, **kw)
+    backend = "fla" if dtype == torch.float32 else "auto"  # fp32 takes the kernels when asked for
+    assert ops.use_hybrid_kernel(mine[0], backend, window=64, head_dim=64, feature_width=96)
+    got, _ = ops.hybrid_attention(*mine, **kw, backend=backend)
     assert _err(got, want) < TOLS[dtype]
     grads = torch.autograd.grad((got.double() * w).sum(), mine)
     for name, a, e in zip(("q", "k", "qf", "kf", "v", "gamma"), grads, grads_want):
@@ -120,9 +121,10 @@ def test_hybrid_kernels_with_given_features_equal_the_float64_reference_on_cuda(
 
 
 def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
-    """A tiny LoLCATs student on CUDA (fp32, left padding): its mixers dispatch to the kernels, with
-    logits, every parameter's gradient and the prefill's cache equal to the PyTorch form's
-    (``backend: torch``); under bf16 autocast the kernels run in bf16 and stay close."""
+    """A tiny LoLCATs student on CUDA (fp32 weights, left padding): with ``backend: fla`` (fp32 takes
+    the kernels only when asked) its mixers dispatch to the kernels, with logits, every parameter's
+    gradient and the prefill's cache equal to the PyTorch form's (``backend: torch``); under bf16
+    autocast "auto" takes them in bf16 and stays close."""
     import dataclasses
 
     from transformers import AutoModelForCausalLM
@@ -162,7 +164,7 @@ def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
 
     hybrid_triton.hybrid_triton_forward = counted
     try:
-        got, grads, cache = run("auto")
+        got, grads, cache = run("fla")
         assert calls
         calls.clear()
         want, grads_want, cache_want = run("torch")

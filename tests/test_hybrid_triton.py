@@ -15,7 +15,7 @@ def test_hybrid_kernels_equal_the_float64_reference_through_the_interpreter():
     1 and of whole tiles, left padding longer than a chunk, soft-capping, fp16 products (bf16 the
     interpreter cannot multiply); RoPE (full, partial, none)
     and Hedgehog maps inside the kernels, shared or per head, and the maps' gradients alone."""
-    run_triton_interpreter_script("triton_interpret_hybrid_seq.py", "gqa", "padding", "short", "one", "window1",
+    run_triton_interpreter_script("triton_interpret_hybrid_seq.py", "gqa", "padding", "short", "one", "window1", "blocks",
                                   "half", "exact", "hedgehog", "hedgehog_partial", "hedgehog_norope")
 
 
@@ -36,6 +36,12 @@ def test_hybrid_dispatch_rule():
     with pytest.raises(RuntimeError, match="backend='fla'"):
         ops.use_hybrid_kernel(q, "fla", **kw)
     assert ops.hybrid_attention_kernel_dtype(q.bfloat16(), q) == torch.float32
+    # on CUDA: bf16/fp16 under "auto", fp32 only under "fla" (a CPU tensor claiming CUDA for the rule)
+    cuda_like = type("CudaLike", (), {"is_cuda": True, "dtype": torch.bfloat16})()
+    assert ops.use_hybrid_kernel(cuda_like, "auto", **kw) == ops.fla_backend.triton_available()
+    assert not ops.use_hybrid_kernel(cuda_like, "auto", **kw, dtype=torch.float32)
+    assert ops.use_hybrid_kernel(cuda_like, "fla", **kw, dtype=torch.float32)
+    assert not ops.use_hybrid_kernel(cuda_like, "auto", **{**kw, "window": 256})
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert ops.hybrid_attention_kernel_dtype(q.bfloat16(), q) == torch.bfloat16  # fp32 RoPE output under autocast
     # on the CPU the entry point is the chunked form

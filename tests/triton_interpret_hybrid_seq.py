@@ -157,7 +157,7 @@ def check_model(family, feature_map="hedgehog"):
     calls = []
     real_rule = hybrid_module.use_hybrid_kernel
 
-    def as_on_cuda(q, backend="auto", **kw):  # the dispatch rule with the CPU taken for a GPU
+    def as_on_cuda(q, backend="auto", **kw):  # the dispatch rule of a GPU with backend "fla" (fp32 too)
         calls.append(1)
         return backend != "torch" and (kw.get("dtype") or q.dtype) in hybrid_module.KERNEL_DTYPES
 
@@ -185,6 +185,20 @@ def check_model(family, feature_map="hedgehog"):
             _compare_state(a.state, e.state.map(lambda x: x.double() if x.is_floating_point() else x))
 
 
+def check_query_blocks():
+    """Query and key programs of half a chunk (``QUERY_ROWS``, ``KEY_ROWS`` < the window's tile), as
+    the kernels run at a window of 64."""
+    from linearize.ops import hybrid_triton as kernels
+
+    rows = kernels.QUERY_ROWS, kernels.KEY_ROWS
+    kernels.QUERY_ROWS = kernels.KEY_ROWS = 16
+    try:
+        check_features(2, 2, 1, 75, 16, 16, 32, None, 40, 10)  # 3 chunks of 32 in two blocks each
+        check_hedgehog(1, 2, 1, 50, 16, 8, 16, 20, None, 0, 11)
+    finally:
+        kernels.QUERY_ROWS, kernels.KEY_ROWS = rows
+
+
 CASES = {
     # (b, h, hk, t, d, f, window, softcap, pad, seed)
     "gqa": lambda: check_features(2, 4, 2, 13, 8, 6, 4, None, 0, 0),  # GQA, T off the chunks, 4 chunks
@@ -192,6 +206,7 @@ CASES = {
     "short": lambda: check_features(2, 3, 1, 3, 5, 7, 8, None, 1, 2),  # T < window, MQA, odd sizes
     "one": lambda: check_features(1, 2, 2, 1, 8, 4, 4, None, 0, 3),  # T = 1
     "window1": lambda: check_features(1, 2, 1, 9, 8, 4, 1, None, 0, 4),  # a window of one token
+    "blocks": check_query_blocks,
     "half": lambda: check_features(1, 4, 2, 40, 16, 16, 8, None, 0, 9, dtype=torch.float16),  # fp16 products
     "exact": lambda: check_features(1, 2, 1, 48, 16, 16, 16, None, 0, 5),  # whole tiles, T a multiple of w
     "hedgehog": lambda: check_hedgehog(2, 4, 2, 21, 8, 5, 8, 4, None, 5, 6),  # RoPE over all dims, padding

@@ -181,12 +181,15 @@ def use_hybrid_kernel(q: torch.Tensor, backend: str = "auto", *, window: int, he
                       feature_width: int, dtype: torch.dtype | None = None) -> bool:
     """Whether whole sequences go through the Triton kernels (``hybrid_triton``).
 
-    ``backend`` (the spec's): "torch" never; "auto" on CUDA for bf16, fp16 and fp32 inputs (fp32
-    with full-precision products) when Triton is installed, the window is at most
-    ``KERNEL_MAX_WINDOW`` and the head dim and feature width (a Hedgehog map's half) at most
-    ``KERNEL_MAX_WIDTH``, and not while ``torch.compile`` traces (the compiler fuses the PyTorch
-    form itself); "fla" (CUDA kernels required) the same, raising where they cannot run.
-    float64 and the CPU take the PyTorch chunked form. ``dtype``: decide as if ``q`` had it."""
+    ``backend`` (the spec's): "torch" never; "auto" on CUDA for bf16 and fp16 inputs (fp32 ones
+    under autocast are cast to its dtype first, ``kernel_dtype``) when Triton is installed, the
+    window is at most ``KERNEL_MAX_WINDOW`` and the head dim and feature width (a Hedgehog map's
+    half) at most ``KERNEL_MAX_WIDTH``, and not while ``torch.compile`` traces (the compiler fuses
+    the PyTorch form itself); "fla" (CUDA kernels required) the same and fp32 too, in full-precision
+    products, raising where the kernels cannot run. fp32 stays on the PyTorch form under "auto"
+    (as the linear mixers' fla rule does): full-precision Triton products spill registers and
+    compile slowly, TF32 ones would lose precision. float64 and the CPU take the PyTorch form.
+    ``dtype``: decide as if ``q`` had it."""
     if backend == "torch":
         return False
     dtype = dtype or q.dtype
@@ -195,7 +198,7 @@ def use_hybrid_kernel(q: torch.Tensor, backend: str = "auto", *, window: int, he
     if backend == "fla" and not ok:
         raise RuntimeError(f"backend='fla' needs CUDA tensors in {', '.join(map(str, KERNEL_DTYPES))}, Triton, a "
                            f"window <= {KERNEL_MAX_WINDOW} and widths <= {KERNEL_MAX_WIDTH} for the hybrid's kernels")
-    return ok and not torch.compiler.is_compiling()
+    return ok and (backend == "fla" or dtype != torch.float32) and not torch.compiler.is_compiling()
 
 
 def kernel_dtype(*tensors: torch.Tensor) -> torch.dtype:
