@@ -11,8 +11,9 @@ forward and of forward + backward (median of ``triton.testing.do_bench``, compil
 
     python scripts/hybrid_bench.py [--shapes 1x1024 1x8192 32x1024 1x32768] [--sweep] [--out F]
 
-``--sweep`` also times the fused forward and backward under each warp count of the kernels
-(``FWD_WARPS`` x ``SUM_WARPS``) and prints the fastest.
+``--sweep`` also times the fused forward and backward under each warp count and query / key
+block of the kernels (``FWD_WARPS``/``BWD_WARPS``, ``QUERY_ROWS``, ``KEY_ROWS``; the defaults are
+the fewest register spills of ``scripts/hybrid_registers.py``) and prints the fastest.
 """
 
 from __future__ import annotations
@@ -126,22 +127,28 @@ def main(argv=None) -> int:
     if args.sweep:
         from linearize.ops import hybrid_triton
 
+        saved = {n: getattr(hybrid_triton, n) for n in ("FWD_WARPS", "BWD_WARPS", "QUERY_ROWS", "KEY_ROWS")}
         for shape in args.shapes:
             b, t = (int(x) for x in shape.split("x"))
             fns, qkv, grads = paths(b, t, g)
             best = None
-            for fwd_warps in (4, 8):
-                for sum_warps in (2, 4, 8):
-                    hybrid_triton.FWD_WARPS, hybrid_triton.SUM_WARPS = fwd_warps, sum_warps
-                    ms = (time_path(fns["kernels (fused)"], qkv, grads, False),
-                          time_path(fns["kernels (fused)"], qkv, grads, True))
-                    rows.append({"path": "sweep", "batch": b, "length": t, "fwd_warps": fwd_warps,
-                                 "sum_warps": sum_warps, "forward_ms": ms[0], "forward_backward_ms": ms[1]})
-                    print(f"sweep {b}x{t} FWD_WARPS={fwd_warps} SUM_WARPS={sum_warps}: forward {ms[0]:.3f} ms, "
-                          f"forward+backward {ms[1]:.3f} ms", flush=True)
-                    if best is None or ms[1] < best[0]:
-                        best = (ms[1], fwd_warps, sum_warps)
-            print(f"fastest at {b}x{t}: FWD_WARPS={best[1]} SUM_WARPS={best[2]}")
+            for warps in (4, 8):
+                for query_rows in (16, 32, 64):
+                    for key_rows in (16, 32):
+                        knobs = dict(FWD_WARPS=warps, BWD_WARPS=warps, QUERY_ROWS=query_rows, KEY_ROWS=key_rows)
+                        for n, value in knobs.items():
+                            setattr(hybrid_triton, n, value)
+                        ms = (time_path(fns["kernels (fused)"], qkv, grads, False),
+                              time_path(fns["kernels (fused)"], qkv, grads, True))
+                        rows.append({"path": "sweep", "batch": b, "length": t, **knobs, "forward_ms": ms[0],
+                                     "forward_backward_ms": ms[1]})
+                        print(f"sweep {b}x{t} {knobs}: forward {ms[0]:.3f} ms, forward+backward {ms[1]:.3f} ms",
+                              flush=True)
+                        if best is None or ms[1] < best[0]:
+                            best = (ms[1], knobs)
+            print(f"fastest forward+backward at {b}x{t}: {best[1]}")
+        for n, value in saved.items():
+            setattr(hybrid_triton, n, value)
     if args.out:
         with open(args.out, "w") as fh:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)
