@@ -78,3 +78,49 @@ def test_train_bench_cuda_graph_needs_cuda(tiny_model):
         pytest.skip("the CPU-only refusal")
     with pytest.raises(LinearizeError, match="needs a CUDA device"):
         run(tiny_model("llama"), ["teacher"], [(2, 16)], steps=1, warmup=1, cuda_graph=True)
+
+
+def test_train_bench_lolcats_stage_rows_train_what_each_stage_trains(tiny_model):
+    """``lolcats-stage1``: the feature maps and window weights on the attention-transfer loss;
+    ``lolcats-stage2``: LoRA on next-token loss; both timed against the teacher's full fine-tune."""
+    from linearize.bench.train import build, run, stage_setup
+
+    teacher = tiny_model("llama")
+    stage1, loss1 = stage_setup(build(teacher, "lolcats-stage1"), "lolcats-stage1")
+    trained = {n for n, p in stage1.named_parameters() if p.requires_grad}
+    assert trained and all(".feature_map_" in n or n.endswith("window_logit") for n in trained)
+    assert loss1(stage1, torch.randint(2, 97, (2, 8))).item() > 0
+    stage2, loss2 = stage_setup(build(teacher, "lolcats-stage2"), "lolcats-stage2")
+    trained = {n for n, p in stage2.named_parameters() if p.requires_grad}
+    assert loss2 is None and trained and all("lora_" in n for n in trained)
+    rows = run(teacher, ["teacher", "lolcats-stage1", "lolcats-stage2"], [(2, 16)], steps=1, warmup=1)
+    assert [r.model for r in rows] == ["teacher", "lolcats-stage1", "lolcats-stage2"]
+    assert all(r.tokens_per_s > 0 and r.ratio_to_teacher > 0 for r in rows)
+
+
+def test_bench_prefill_sweep_on_tiny_models(tiny_model, tmp_path, capsys):
+    """``linearize bench --prefill``: every (model, path) at every shape, ratios to the teacher's fastest
+    path; an attention implementation that cannot run here (flash-attn on the CPU) leaves a note."""
+    teacher = tiny_model("llama")
+    save(teacher, tiny_tokenizer(), tmp_path / "teacher")
+    save(convert(teacher, "lolcats", window=4, feature_dim=8), tiny_tokenizer(), tmp_path / "student")
+    out = tmp_path / "prefill.json"
+    assert main(["bench", str(tmp_path / "student"), "--teacher", str(tmp_path / "teacher"), "--prefill", "1x8", "2x13",
+                 "--prefill-teacher-paths", "sdpa", "eager", "flash_attention_2", "--prefill-paths", "kernels", "torch",
+                 "--prefill-warmup", "1", "--prefill-repeats", "2", "--device", "cpu", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["model"], r["path"], r["batch"], r["prompt_len"]) for r in rows] == [
+        (m, p, b, t) for m, ps in (("teacher", ("sdpa", "eager", "flash_attention_2")), ("student", ("kernels", "torch")))
+        for p in ps for b, t in ((1, 8), (2, 13))]
+    ran = [r for r in rows if r["tokens_per_s"]]
+    assert {(r["model"], r["path"]) for r in ran} >= {("teacher", "sdpa"), ("teacher", "eager"), ("student", "kernels"),
+                                                       ("student", "torch")}
+    for shape in ((1, 8), (2, 13)):
+        teacher_best = max(r["tokens_per_s"] for r in ran if r["model"] == "teacher" and (r["batch"], r["prompt_len"]) == shape)
+        for r in ran:
+            if (r["batch"], r["prompt_len"]) == shape:
+                assert r["ratio_to_teacher"] == pytest.approx(r["tokens_per_s"] / teacher_best)
+    flash = [r for r in rows if r["path"] == "flash_attention_2"]
+    assert all(r["note"] or r["tokens_per_s"] for r in flash)
+    assert "| student | torch | 2x13 |" in capsys.readouterr().out
+    assert main(["bench", str(tmp_path / "student"), "--prefill", "2by8", "--device", "cpu"]) == 2

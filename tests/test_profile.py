@@ -64,3 +64,14 @@ def test_fused_projections_cut_the_decode_step_operators():
         counts[fused] = sum(r["launches_per_step"] for r in out["top"] if r["name"] in ("aten::mm", "aten::addmm"))
     layers = student.config.num_hidden_layers
     assert counts[False] - counts[True] >= 3 * layers - 0.5, counts
+
+
+def test_prefill_profile_counts_operators_per_layer():
+    """bench.profile prefill: a prefill's operators per decoder layer, for a student in either form."""
+    student = linearize.convert(_tiny_teacher(), {"kind": "lolcats", "window": 4, "feature_dim": 8})
+    out = profile.profile_prefill(student, batch=1, prompt_len=12, steps=1, top=100, backend="torch")
+    assert out["unit"] == "operator" and out["what"] == "prefill" and out["backend"] == "torch"
+    assert out["launches_per_layer"] == out["launches_per_step"] / 3 > 0
+    assert "launches per decoder layer" in profile.render(out)
+    teacher = profile.profile_prefill(_tiny_teacher(), batch=1, prompt_len=12, steps=1)
+    assert teacher["model"] == "teacher" and 0 < teacher["launches_per_step"] < out["launches_per_step"]

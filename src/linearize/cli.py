@@ -236,6 +236,8 @@ def cmd_bench(args) -> int:
     import json
     from dataclasses import asdict
 
+    if args.prefill:
+        return _bench_prefill(args)
     from .bench.decode import plots, sweep, table
 
     model, _ = _load_any(args.model, args.dtype, args.device)
@@ -253,6 +255,28 @@ def cmd_bench(args) -> int:
     if args.plots:
         for path in plots(rows, args.plots):
             print(f"wrote {path}")
+    return 0
+
+
+def _bench_prefill(args) -> int:
+    """``linearize bench --prefill``: the prefill sweep (``linearize.bench.prefill``)."""
+    import json
+    from dataclasses import asdict
+
+    from .bench import prefill
+    from .bench.train import parse_shape
+
+    shapes = [parse_shape(s) for s in args.prefill]
+    model, _ = _load_any(args.model, args.dtype, args.device)
+    linearized = bool(getattr(model.config, "linearize", None))
+    teacher = model if not linearized else None
+    if linearized and args.teacher != "none":
+        teacher, _ = _load_any(args.teacher, args.dtype, args.device)
+    rows = prefill.sweep(model if linearized else None, teacher, shapes, teacher_paths=args.prefill_teacher_paths,
+                         student_paths=args.prefill_paths, warmup=args.prefill_warmup, repeats=args.prefill_repeats)
+    print(prefill.table(rows))
+    if args.out:
+        args.out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
     return 0
 
 
@@ -391,6 +415,20 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the fast path keeps q/k/v and gate/up as separate products (default: one product each)")
     be.add_argument("--prefill-batch", type=int, metavar="N",
                     help="the fast path prefills N prompts at a time (large batches; default: all at once)")
+    be.add_argument("--prefill", nargs="+", metavar="BxT",
+                    help="time the prefill alone at these batch x prompt-length shapes instead of decoding (e.g. "
+                         "1x1024 32x8192 1x32768): the last token's logits and the cache decoding starts from, "
+                         "against the teacher's attention implementations in one run")
+    be.add_argument("--prefill-teacher-paths", nargs="+", choices=["sdpa", "flash_attention_2", "eager"],
+                    default=["sdpa", "flash_attention_2"],
+                    help="--prefill: the teacher's attention implementations (one that cannot run here leaves a "
+                         "row with a note; default: %(default)s)")
+    be.add_argument("--prefill-paths", nargs="+", choices=["kernels", "torch"], default=["kernels"],
+                    help="--prefill: the student's forms of its mixers: kernels = its spec's backend (Triton "
+                         "kernels on CUDA), torch = the PyTorch chunked form (default: %(default)s)")
+    be.add_argument("--prefill-warmup", type=int, default=2, help="--prefill: untimed passes per shape (default: %(default)s)")
+    be.add_argument("--prefill-repeats", type=int, default=5,
+                    help="--prefill: timed passes per shape, fewer past 3 s (the median counts; default: %(default)s)")
     be.add_argument("--out", type=Path, help="write the rows as JSON here")
     be.add_argument("--plots", type=Path, metavar="DIR", help="write tok_s_vs_batch.png and memory_vs_length.png here")
     be.set_defaults(func=cmd_bench)

@@ -43,7 +43,8 @@ class Spec:
     sparse_cache: lolcats only: tokens per layer and key head kept exactly beside the window, chosen
         by how badly the linear state recalls them (LoLA; ``ops/sparse_hybrid_attention.py``); 0 = off.
         Adds no parameters: a converted checkpoint takes one without training (``convert.respec``).
-    backend: ``auto`` (fla CUDA kernels when installed), ``torch`` or ``fla``.
+    backend: ``auto`` (fla CUDA kernels when installed; lolcats: the hybrid's Triton kernels on
+        CUDA, ``ops.use_hybrid_kernel``), ``torch`` or ``fla`` (the CUDA kernels required).
     """
 
     kind: str = "lolcats"

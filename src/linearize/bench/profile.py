@@ -2,6 +2,7 @@
 
     python -m linearize.bench.profile train --model supra --shape 2x8192 [--teacher T] [--top 20]
     python -m linearize.bench.profile decode CHECKPOINT [--batch 1] [--compile] [--tokens 16]
+    python -m linearize.bench.profile prefill CHECKPOINT [--batch 1] [--prompt-len 1024] [--backend torch]
 
 ``train``: a full training step as ``linearize.bench.train`` times it (forward, backward, AdamW,
 bf16 autocast over fp32 weights on CUDA), after warm-up steps, under ``torch.profiler``. Beside the
@@ -13,6 +14,9 @@ waits on the host, and these say whether on launches or on a synchronisation.
 the profiler sees them one by one only without it), optionally with the step compiled.
 Prints the kernels grouped by name with their total device time and launch count, per step; on
 the CPU it reports operators instead (no device kernels), which is what the tests check.
+``prefill``: one prompt's prefill as ``linearize bench --prefill`` times it (last token's logits, a
+filled cache, fused projections), with the launches per layer; ``--backend`` sets the converted
+layers' backend (``torch``: the PyTorch forms, for the count before the kernels).
 """
 
 from __future__ import annotations
@@ -81,7 +85,7 @@ def gpu_busy(prof) -> tuple[float, float]:
     return busy, spans[-1][1] - spans[0][0]
 
 
-def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync) -> dict:
+def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync, loss_fn=None) -> dict:
     """Host time per step of the forward, the backward and the optimizer, with no synchronisation in
     between: where the host is the bottleneck these add up to the wall time, and say which phase
     issues its work slowest (the backward's Python autograd functions run on autograd's own thread,
@@ -93,7 +97,7 @@ def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync) -> dict:
     acc = dict.fromkeys(("forward", "backward", "optimizer", "drain"), 0.0)
     for _ in range(steps):
         marks = [time.perf_counter()]
-        _step(model, optimizer, ids, cuda, marks=marks)
+        _step(model, optimizer, ids, cuda, marks=marks, loss_fn=loss_fn)
         sync()
         marks.append(time.perf_counter())
         for k, a, b in zip(acc, marks, marks[1:]):
@@ -126,32 +130,35 @@ def profile_train(teacher, model_name: str, batch: int, length: int, steps: int 
 
     from torch.profiler import profile
 
-    from .train import _step, build, prepare
+    from .train import STAGES, _step, build, prepare, stage_setup
 
-    model = build(teacher, model_name)
-    optimizer, ids, cuda = prepare(model, batch, length)
+    model, loss_fn = stage_setup(build(teacher, model_name), model_name)
+    optimizer, ids, cuda = prepare(model, batch, length, all_weights=model_name not in STAGES)
     device = ids.device
 
     def sync():
         if cuda:
             torch.cuda.synchronize(device)
 
+    def step():
+        _step(model, optimizer, ids, cuda, loss_fn=loss_fn)
+
     for _ in range(warmup):
-        _step(model, optimizer, ids, cuda)
+        step()
     sync()
     t0 = time.perf_counter()
     for _ in range(steps):  # the wall time, without the profiler's own overhead
-        _step(model, optimizer, ids, cuda)
+        step()
     sync()
     wall = (time.perf_counter() - t0) / steps * 1e6
-    phases = host_phases(model, optimizer, ids, cuda, steps, sync)
+    phases = host_phases(model, optimizer, ids, cuda, steps, sync, loss_fn=loss_fn)
     with profile(activities=_activities(device)) as prof:
         for _ in range(steps):
-            _step(model, optimizer, ids, cuda)
+            step()
         sync()
     out = kernel_table(prof, device, steps, top)
     if python_top:
-        out["python"] = python_hotspots(lambda: _step(model, optimizer, ids, cuda), steps, python_top, sync)
+        out["python"] = python_hotspots(step, steps, python_top, sync)
     busy, span = gpu_busy(prof) if cuda else (0.0, 0.0)
     out.update(what="train", model=model_name, batch=batch, length=length, wall_us_per_step=wall, host_phases_us=phases,
                gpu_busy_us_per_step=busy / steps, profiled_span_us_per_step=span / steps,
@@ -196,15 +203,58 @@ def profile_decode(model, batch: int = 1, tokens: int = 16, prompt_len: int = 32
             "launches_per_step": sum(r["launches_per_step"] for r in rows), "top": rows[:top]}
 
 
+@torch.no_grad()
+def profile_prefill(model, batch: int = 1, prompt_len: int = 1024, steps: int = 2, top: int = 20,
+                    backend: str | None = None) -> dict:
+    """Kernels (CUDA) or operators (CPU) of one prefill, per prefill and per decoder layer."""
+    import time
+
+    from torch.profiler import profile
+
+    from ..fused import fused_projections
+    from .prefill import prefill_once, student_backend
+
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len),
+                        generator=torch.Generator().manual_seed(0)).to(device)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    with fused_projections(model), student_backend(model, backend):
+        for _ in range(2):  # warm-up: Triton compiles, the allocator grows
+            prefill_once(model, ids)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            prefill_once(model, ids)
+        sync()
+        wall = (time.perf_counter() - t0) / steps * 1e6
+        with profile(activities=_activities(device)) as prof:
+            for _ in range(steps):
+                prefill_once(model, ids)
+            sync()
+    out = kernel_table(prof, device, steps, top)
+    layers = model.config.num_hidden_layers
+    out.update(what="prefill", batch=batch, length=prompt_len, backend=backend or "spec", layers=layers,
+               launches_per_layer=out["launches_per_step"] / layers, wall_us_per_step=wall,
+               model="student" if getattr(model.config, "linearize", None) else "teacher")
+    return out
+
+
 def render(result: dict) -> str:
     head = (f"{result['what']}: {result.get('model', '')} "
-            + (f"{result['batch']}x{result['length']}" if result["what"] == "train" else
+            + (f"{result['batch']}x{result['length']}" if result["what"] in ("train", "prefill") else
                f"batch {result['batch']}{' compiled' if result.get('compile') else ''}")
             + f" — {result['us_per_step'] / 1000:.2f} ms of {result['unit']} time and "
               f"{result['launches_per_step']:.0f} {result['unit']} launches per step")
     lines = [head, f"| {result['unit']} | us/step | launches/step |", "|---|---|---|"]
     for r in result["top"]:
         lines.append(f"| {r['name'][:90]} | {r['us_per_step']:.1f} | {r['launches_per_step']:.1f} |")
+    if "launches_per_layer" in result:
+        lines.append(f"{result['launches_per_layer']:.1f} {result['unit']} launches per decoder layer "
+                     f"({result['layers']} layers; backend {result['backend']})")
     if "wall_us_per_step" in result:
         lines.append(f"wall time per step without the profiler: {result['wall_us_per_step'] / 1000:.2f} ms")
     if result.get("host_phases_us"):
@@ -245,7 +295,15 @@ def main(argv=None) -> int:
     de.add_argument("--compile", action="store_true", help="compile the decode step")
     de.add_argument("--unfused", action="store_true", help="keep q/k/v and gate/up as separate products")
     de.add_argument("--dtype", default="bfloat16")
-    for s in (tr, de):
+    pf = sub.add_parser("prefill", help="one prompt's prefill of a checkpoint or a teacher")
+    pf.add_argument("model", help="a linearize checkpoint (or a teacher spec)")
+    pf.add_argument("--batch", type=int, default=1)
+    pf.add_argument("--prompt-len", type=int, default=1024, help="(default: %(default)s)")
+    pf.add_argument("--steps", type=int, default=2, help="profiled prefills (default: %(default)s)")
+    pf.add_argument("--backend", choices=["auto", "torch", "fla"], default=None,
+                    help="the converted layers' backend (default: the checkpoint's spec)")
+    pf.add_argument("--dtype", default="bfloat16")
+    for s in (tr, de, pf):
         s.add_argument("--top", type=int, default=20, help="rows to print (default: %(default)s)")
         s.add_argument("--device", default=None, help="default: cuda when available")
         s.add_argument("--out", default=None, help="write the result as JSON here")
@@ -258,8 +316,12 @@ def main(argv=None) -> int:
             result = profile_train(teacher, args.model, b, t, steps=args.steps, top=args.top, python_top=args.python)
         else:
             model, _ = linearize.load_model(args.model, dtype=args.dtype, device=device)
-            result = profile_decode(model, args.batch, args.tokens, compile=args.compile, top=args.top,
-                                    fuse_projections=not args.unfused)
+            if args.what == "prefill":
+                result = profile_prefill(model, args.batch, args.prompt_len, steps=args.steps, top=args.top,
+                                         backend=args.backend)
+            else:
+                result = profile_decode(model, args.batch, args.tokens, compile=args.compile, top=args.top,
+                                        fuse_projections=not args.unfused)
     except LinearizeError as e:
         p.exit(2, f"linearize: error: {e}\n")
     print(render(result))

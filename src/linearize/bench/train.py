@@ -5,8 +5,13 @@ teacher and of the students the uptraining recipes train, at several batch x len
                                     [--shapes 16x1024 8x2048 2x8192] [--steps 10] [--out train.json]
                                     [--compile] [--cuda-graph]
 
-Every model trains all its weights, as in SUPRA uptraining and XATL with unfrozen transfer: fp32
-master weights with bf16 autocast on CUDA (the Trainer's ``bf16=True``), fp32 on CPU. Each shape
+Every model trains all its weights, as in SUPRA uptraining and XATL with unfrozen transfer, except
+the LoLCATs stages: ``lolcats-stage1`` trains the feature maps and window weights of a converted
+student on the attention-transfer loss (every layer's output MSE to the teacher's softmax
+attention, the teacher's output passed on: one teacher and one student attention per layer),
+``lolcats-stage2`` LoRA (r=8 on q/k/v/o) on next-token loss, as ``linearize lolcats`` does; their
+ratio is to the teacher's full fine-tune. fp32 master weights with bf16 autocast on CUDA (the
+Trainer's ``bf16=True``), fp32 on CPU. Each shape
 gets ``--warmup`` untimed steps (compilation, fla autotuning, allocator) and ``--steps`` timed
 ones; tokens/s = batch x length x steps / seconds, with the peak memory on CUDA. A shape that runs
 out of memory is recorded as such. The ratio column compares each model with the teacher at the
@@ -35,7 +40,8 @@ import torch
 
 from ..errors import LinearizeError
 
-MODELS = ("teacher", "supra", "t2r", "lolcats", "retnet", "striped_mamba")
+MODELS = ("teacher", "supra", "t2r", "lolcats", "retnet", "striped_mamba", "lolcats-stage1", "lolcats-stage2")
+STAGES = ("lolcats-stage1", "lolcats-stage2")  # train a part of the weights on their own loss
 
 
 @dataclass
@@ -63,22 +69,54 @@ def build(teacher, name: str, backend: str = "auto"):
         return linearize.convert(teacher, {"kind": "supra", "backend": backend})
     if name == "t2r":
         return linearize.convert(teacher, {"kind": "supra", "norm": "sum", "decay": "none", "backend": backend})
-    if name == "lolcats":
+    if name in ("lolcats", *STAGES):
         return linearize.convert(teacher, {"kind": "lolcats"})
     if name in ("retnet", "striped_mamba"):
         return build_xatl(teacher, name, backend=backend, seed=0)[0]
     raise LinearizeError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
 
-def _step(model, optimizer, ids, autocast: bool, graphed=None, marks: list | None = None):
+def stage_setup(model, name: str):
+    """For a LoLCATs stage row: make ``model`` train what that stage trains and return
+    ``(model, loss_fn(model, ids))``; for the other rows ``(model, None)`` (next-token loss, every
+    weight). Stage 1 goes through the recipe's own pieces (modes, freezing, the loss), so it
+    times what ``linearize lolcats`` runs."""
+    if name == "lolcats-stage1":
+        from ..convert import mixers
+        from ..recipes import lolcats
+
+        layers = sorted(mixers(model))
+        lolcats._set_modes(model, set(layers))
+        lolcats._freeze_all_but(model, set(layers))
+        lolcats._stop_after(model, layers[-1])  # the recipe stops the forward after the last mixer
+        loss = lolcats.attention_transfer_loss(layers, lolcats.LolcatsConfig.mse_factor)
+        return model, lambda m, ids: loss(m, {"input_ids": ids})
+    if name == "lolcats-stage2":
+        from peft import LoraConfig, get_peft_model
+
+        from ..models import get_adapter
+        from ..recipes.lolcats import LolcatsConfig
+
+        cfg = LolcatsConfig()
+        for p in model.parameters():
+            p.requires_grad_(False)
+        targets = list(get_adapter(model.config).lora_targets)
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets, bias="none")
+        return get_peft_model(model, lora), None
+    return model, None
+
+
+def _step(model, optimizer, ids, autocast: bool, graphed=None, marks: list | None = None, loss_fn=None):
     """One training step; ``graphed`` (a ``linearize.graphed.GraphedLoss``) replays forward and
     backward from CUDA graphs; ``marks`` gets the host's clock after the forward, the backward and
-    the optimizer (``bench.profile``'s host time per phase)."""
+    the optimizer (``bench.profile``'s host time per phase); ``loss_fn(model, ids)`` replaces the
+    next-token loss."""
     if graphed is not None:
         loss = graphed(ids, ids)
     else:
         with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = (loss_fn(model, ids) if loss_fn is not None
+                    else model(input_ids=ids, labels=ids, use_cache=False).loss)
     if marks is not None:
         marks.append(time.perf_counter())
     loss.backward()
@@ -90,14 +128,17 @@ def _step(model, optimizer, ids, autocast: bool, graphed=None, marks: list | Non
         marks.append(time.perf_counter())
 
 
-def prepare(model, batch: int, length: int):
-    """Every weight trainable, an AdamW (fused on CUDA) and a fixed random batch: ``(optimizer, ids, cuda)``."""
+def prepare(model, batch: int, length: int, all_weights: bool = True):
+    """Every weight trainable (or, ``all_weights=False``, those already marked so), an AdamW (fused
+    on CUDA) over them and a fixed random batch: ``(optimizer, ids, cuda)``."""
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
     model.train()
-    for p in model.parameters():
-        p.requires_grad_(True)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), fused=cuda)
+    if all_weights:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), fused=cuda)
     ids = torch.randint(0, model.config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(0))
     return optimizer, ids.to(device), cuda
 
@@ -112,8 +153,11 @@ def _release(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(model, name: str, batch: int, length: int, steps: int, warmup: int, cuda_graph: bool = False) -> TrainRow:
-    optimizer, ids, cuda = prepare(model, batch, length)
+def measure(model, name: str, batch: int, length: int, steps: int, warmup: int, cuda_graph: bool = False,
+            loss_fn=None, all_weights: bool = True) -> TrainRow:
+    if cuda_graph and not all_weights:
+        return TrainRow(name, batch, length, None, None, None, note="not graphed: a LoLCATs stage row")
+    optimizer, ids, cuda = prepare(model, batch, length, all_weights)
     device = ids.device
     graphed = None
     if cuda_graph:
@@ -124,14 +168,14 @@ def measure(model, name: str, batch: int, length: int, steps: int, warmup: int, 
         if cuda_graph:  # the capture (first step) allocates what every replay uses: count it
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(warmup):
-            _step(model, optimizer, ids, cuda, graphed)
+            _step(model, optimizer, ids, cuda, graphed, loss_fn=loss_fn)
         if cuda:
             torch.cuda.synchronize(device)
             if not cuda_graph:
                 torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         for _ in range(steps):
-            _step(model, optimizer, ids, cuda, graphed)
+            _step(model, optimizer, ids, cuda, graphed, loss_fn=loss_fn)
         if cuda:
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
@@ -168,7 +212,7 @@ def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str 
         raise LinearizeError("--cuda-graph needs a CUDA device")
     rows = []
     for name in models:
-        model = build(teacher, name, backend)
+        model, loss_fn = stage_setup(build(teacher, name, backend), name)
         label = name
         if compile:
             model.forward = torch.compile(model.forward, backend=compile)
@@ -176,7 +220,8 @@ def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str 
         if cuda_graph:
             label = f"{label}+graph"
         for b, t in shapes:
-            row = measure(model, label, b, t, steps, warmup, cuda_graph=cuda_graph)
+            row = measure(model, label, b, t, steps, warmup, cuda_graph=cuda_graph, loss_fn=loss_fn,
+                          all_weights=name not in STAGES)
             rows.append(row)
             print(json.dumps(asdict(row)), flush=True)
             if report is not None:

@@ -7,6 +7,12 @@ With ``spec.sparse_cache = S > 0`` each key head also keeps, beside the window, 
 its linear state recalls worst, exactly (LoLA; ``ops/sparse_hybrid_attention.py``): the softmax runs
 over window and cache, the linear state over the rest. It adds no parameters (any converted
 checkpoint takes it as is) and trains through the softmax over window and cache.
+
+Whole sequences (prefill, training, evaluation) run the Triton kernels on CUDA where
+``ops.use_hybrid_kernel`` allows it (the spec's ``backend``: "auto" or "fla"; "torch" keeps the
+PyTorch chunked form; a sparse cache always does). With Hedgehog maps on both sides the kernels compute the features, and RoPE
+when the family rotates halves, themselves from the projections' q/k; other maps are applied
+in PyTorch first.
 """
 
 from __future__ import annotations
@@ -51,6 +57,10 @@ class LolcatsAttention(LinearAttention):
         return dict(window=self.spec.window, scale=g.scaling, softcap=g.softcap)
 
     def sequence(self, q, k, v, position_embeddings, state, want_state):
+        if state is None and not self.spec.sparse_cache:
+            fused = self._kernel_sequence(q, k, v, position_embeddings, want_state)
+            if fused is not None:
+                return fused
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
         if self.spec.sparse_cache:
             kw = dict(**self._kw(), cache_size=self.spec.sparse_cache, key_mask=self.key_mask)
@@ -65,6 +75,33 @@ class LolcatsAttention(LinearAttention):
         # continuing a sequence with several tokens at once: token by token from the state
         return ops.hybrid_attention_recurrent(q, k, qf, kf, v, self.window_weight(), **self._kw(), initial_state=state,
                                               key_mask=self.key_mask)
+
+    def _kernel_sequence(self, q, k, v, position_embeddings, want_state):
+        """``sequence`` from no state through the Triton kernels, or None where they do not apply."""
+        g, fq, fk = self.geometry, self.feature_map_q, self.feature_map_k
+        hedgehog = type(fq) is Hedgehog and type(fk) is Hedgehog
+        width = fq.weight.shape[-1] if hedgehog else fq.out_dim
+        dtype = ops.hybrid_attention_kernel_dtype(q, k, v)
+        if not ops.use_hybrid_kernel(q, self.spec.backend, window=self.spec.window, head_dim=g.head_dim,
+                                     feature_width=width, dtype=dtype):
+            return None
+        if not hedgehog:  # features in PyTorch, the hybrid in the kernels
+            q, k, qf, kf = self._inputs(q, k, position_embeddings)
+            return ops.hybrid_attention(q, k, qf, kf, v, self.window_weight(), **self._kw(),
+                                        output_final_state=want_state, key_mask=self.key_mask, backend=self.spec.backend)
+        from ..ops.hybrid_triton import hybrid_triton
+
+        rope = None
+        if g.rotary is not None and position_embeddings is not None:
+            if rotates_half(g.rotary, g.head_dim):
+                rope = position_embeddings  # rotated inside the kernels
+            else:
+                q, k = self.adapter.rope(self, q, k, position_embeddings)
+                dtype = ops.hybrid_attention_kernel_dtype(q, k, v)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        # gamma = sigmoid(window_logit) inside the kernels
+        return hybrid_triton(q, k, v, self.window_logit, hedgehog=(fq.weight, fk.weight), rope=rope, **self._kw(),
+                             key_mask=self.key_mask, output_final_state=want_state, logit=True)
 
     def attention_weights(self, q, k, position_embeddings):
         if self.spec.sparse_cache:

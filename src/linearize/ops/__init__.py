@@ -1,7 +1,7 @@
 """Pure tensor functions: every mixer's math in a quadratic reference, a chunked form and a step.
 
 No ``nn.Module`` and no model knowledge here. ``linear_attention`` picks the fla CUDA kernels when
-they apply and the PyTorch chunked form otherwise.
+they apply and the PyTorch chunked form otherwise; ``hybrid_attention`` our Triton kernels.
 """
 
 import torch
@@ -25,6 +25,7 @@ from .hybrid_attention import (
     HybridState,
     RingHybridState,
     empty_hybrid_state,
+    hybrid_attention,
     hybrid_attention_chunked,
     hybrid_attention_naive,
     hybrid_attention_recurrent,
@@ -32,6 +33,7 @@ from .hybrid_attention import (
     hybrid_attention_step_ring,
     hybrid_attention_weights,
     hybrid_final_state,
+    use_hybrid_kernel,
 )
 from .sparse_hybrid_attention import (
     SparseHybridState,
@@ -41,6 +43,7 @@ from .sparse_hybrid_attention import (
     sparse_hybrid_attention_recurrent,
     sparse_hybrid_attention_step,
 )
+from .hybrid_attention import kernel_dtype as hybrid_attention_kernel_dtype
 from .softmax_attention import softmax_attention, softmax_attention_weights
 from .linear_attention import (
     accum_dtype,
@@ -66,11 +69,11 @@ def linear_attention(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initi
 
 __all__ = [
     "FusedRingState", "HybridState", "RingHybridState", "accum_dtype", "kernel_inputs", "empty_hybrid_state", "empty_state", "fla_available",
-    "hybrid_attention_chunked", "hybrid_attention_naive", "hybrid_attention_recurrent",
+    "hybrid_attention", "hybrid_attention_chunked", "hybrid_attention_naive", "hybrid_attention_recurrent",
     "hybrid_attention_step", "hybrid_attention_step_ring", "hybrid_final_state", "linear_attention", "linear_attention_chunked",
     "linear_attention_fla", "linear_attention_naive", "linear_attention_recurrent",
     "linear_attention_step", "softmax_attention", "softmax_attention_weights", "hybrid_attention_weights",
-    "use_fla", "SparseHybridState", "empty_sparse_hybrid_state", "sparse_hybrid_attention_chunked",
+    "use_fla", "use_hybrid_kernel", "SparseHybridState", "empty_sparse_hybrid_state", "sparse_hybrid_attention_chunked",
     "sparse_hybrid_attention_naive", "sparse_hybrid_attention_recurrent", "sparse_hybrid_attention_step",
     "DeltaWindowState", "delta_window_chunked", "delta_window_naive", "delta_window_recurrent", "delta_window_step",
     "empty_delta_window_state", "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla",

@@ -14,6 +14,9 @@ Shapes: ``q`` ``[B, H, T, D]`` and ``k`` ``[B, Hk, T, D]`` (after RoPE), ``qf`` 
 ``kf`` ``[B, Hk, T, F]`` (their features), ``v`` ``[B, Hk, T, D]``; ``gamma`` ``[H]``. Keys are shared
 by ``G = H / Hk`` query heads without being repeated.
 
+Whole sequences: ``hybrid_attention`` runs the Triton kernels (``hybrid_triton.py``) where
+``use_hybrid_kernel`` allows and ``hybrid_attention_chunked`` (PyTorch) elsewhere.
+
 Decoding state (``HybridState``): the last ``w`` keys, key features and values, plus the linear
 state ``sum phi_k(k_s) [v_s, 1]`` over tokens that have left the window: constant in size.
 """
@@ -24,7 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .fla_backend import triton_available
 from .linear_attention import _augment, _group, accum_dtype
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+KERNEL_MAX_WINDOW = 128  # a query chunk's two window tiles are [w, w] each
+KERNEL_MAX_WIDTH = 256  # head dim and feature width the tiles hold
 
 
 @dataclass
@@ -45,6 +53,13 @@ class HybridState:
     @property
     def nbytes(self) -> int:
         return sum(x.numel() * x.element_size() for x in self.tensors())
+
+
+def _normalise(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den``, 0 where ``den`` is 0 (a padding query: no term, ``num`` is 0 too), with a finite
+    gradient there (dividing by a clamped ``den`` sent ``dy / tiny`` back, which overflowed to inf
+    and met the masks' zeros as NaN)."""
+    return num / torch.where(den > 0, den, torch.ones((), dtype=den.dtype, device=den.device))
 
 
 def _scores(q, k, scale, softcap):
@@ -86,7 +101,7 @@ def hybrid_attention_weights(q, k, qf, kf, gamma, *, window: int, scale: float, 
     c = scores.masked_fill(~in_window, neg).amax(dim=-1, keepdim=True)
     a = g * torch.exp(scores.masked_fill(~in_window, neg) - c) * in_window
     a = a + (qfg @ kff.transpose(-1, -2)) * older
-    a = a / a.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+    a = _normalise(a, a.sum(dim=-1, keepdim=True))
     b, hk, grp = a.shape[:3]
     return a.reshape(b, hk * grp, t, t)
 
@@ -156,10 +171,65 @@ def hybrid_attention_chunked(
     older_state = torch.cat([torch.zeros_like(before[:, :, :, :1]), before[:, :, :, :-1]], dim=3)
     out = out + qfg @ older_state
 
-    y = (out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)).flatten(3, 4)[..., :t, :]
+    y = _normalise(out[..., :-1], out[..., -1:]).flatten(3, 4)[..., :t, :]
     y = y.reshape(b, -1, t, d).to(q.dtype)
     state = hybrid_final_state(k, kf, v, window, key_mask) if output_final_state else None
     return y, state
+
+
+def use_hybrid_kernel(q: torch.Tensor, backend: str = "auto", *, window: int, head_dim: int,
+                      feature_width: int, dtype: torch.dtype | None = None) -> bool:
+    """Whether whole sequences go through the Triton kernels (``hybrid_triton``).
+
+    ``backend`` (the spec's): "torch" never; "auto" on CUDA for bf16 and fp16 inputs (fp32 ones
+    under autocast are cast to its dtype first, ``kernel_dtype``) when Triton is installed, the
+    window is at most ``KERNEL_MAX_WINDOW`` and the head dim and feature width (a Hedgehog map's
+    half) at most ``KERNEL_MAX_WIDTH``, and not while ``torch.compile`` traces (the compiler fuses
+    the PyTorch form itself); "fla" (CUDA kernels required) the same and fp32 too, in full-precision
+    products, raising where the kernels cannot run. fp32 stays on the PyTorch form under "auto"
+    (as the linear mixers' fla rule does): full-precision Triton products spill registers and
+    compile slowly, TF32 ones would lose precision. float64 and the CPU take the PyTorch form.
+    ``dtype``: decide as if ``q`` had it."""
+    if backend == "torch":
+        return False
+    dtype = dtype or q.dtype
+    ok = (q.is_cuda and dtype in KERNEL_DTYPES and triton_available() and window <= KERNEL_MAX_WINDOW
+          and head_dim <= KERNEL_MAX_WIDTH and feature_width <= KERNEL_MAX_WIDTH)
+    if backend == "fla" and not ok:
+        raise RuntimeError(f"backend='fla' needs CUDA tensors in {', '.join(map(str, KERNEL_DTYPES))}, Triton, a "
+                           f"window <= {KERNEL_MAX_WINDOW} and widths <= {KERNEL_MAX_WIDTH} for the hybrid's kernels")
+    return ok and (backend == "fla" or dtype != torch.float32) and not torch.compiler.is_compiling()
+
+
+def kernel_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The one dtype the kernels take for these inputs: under autocast on their device, its half
+    dtype when any is fp32 (RoPE with fp32 cos/sin leaves q/k in fp32 there); else the promotion."""
+    dtype = tensors[0].dtype
+    for x in tensors[1:]:
+        dtype = torch.promote_types(dtype, x.dtype)
+    dev = tensors[0].device.type
+    if dtype == torch.float32 and torch.is_autocast_enabled(dev):
+        half = torch.get_autocast_dtype(dev)
+        if half in (torch.bfloat16, torch.float16):
+            return half
+    return dtype
+
+
+def hybrid_attention(
+    q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
+    output_final_state: bool = False, key_mask: torch.Tensor | None = None, backend: str = "auto",
+) -> tuple[torch.Tensor, HybridState | None]:
+    """Whole sequences, as ``hybrid_attention_chunked``: through the Triton kernels where
+    ``use_hybrid_kernel`` allows (inputs cast to ``kernel_dtype``), else the PyTorch form."""
+    dtype = kernel_dtype(q, k, v, qf, kf)
+    if use_hybrid_kernel(q, backend, window=window, head_dim=q.shape[-1], feature_width=qf.shape[-1], dtype=dtype):
+        from .hybrid_triton import hybrid_triton
+
+        q, k, v, qf, kf = (x.to(dtype) for x in (q, k, v, qf, kf))
+        return hybrid_triton(q, k, v, gamma, qf=qf, kf=kf, window=window, scale=scale, softcap=softcap,
+                             key_mask=key_mask, output_final_state=output_final_state)
+    return hybrid_attention_chunked(q, k, qf, kf, v, gamma, window=window, scale=scale, softcap=softcap,
+                                    output_final_state=output_final_state, key_mask=key_mask)
 
 
 def hybrid_final_state(k, kf, v, window: int, key_mask=None) -> HybridState:

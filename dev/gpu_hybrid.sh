@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue #22's kernel part on one GPU: the LoLCATs hybrid's whole-sequence Triton kernels (tests, their
+# time alone, launches per layer), the prefill sweep against the teacher and the LoLCATs stages'
+# training rows. In a lease: `gpu_session.sh start hybrid "bash dev/gpu_hybrid.sh [PART...]"`;
+# alone: `T=<teacher> bash dev/gpu_hybrid.sh [PART...]`. Parts (default: all, in this order):
+#   tests     CUDA tests of the kernels against float64 (values, gradients, GQA, lengths off the
+#             chunks, shorter than the window, one token, padding, soft-capping) and the mixer's dispatch
+#   kernels   the hybrid alone at SmolLM2's shape: fused kernels, kernels with PyTorch features, the
+#             PyTorch chunked form, the teacher's SDPA (forward, forward + backward)
+#   launches  kernels per decoder layer of a 1k prefill: student before (torch) and after, teacher
+#   prefill   the prefill sweep, student (kernels) vs teacher (sdpa, flash_attention_2 if installed) in
+#             one run, then the student's PyTorch form at 1k and 8k (before)
+#   train     bench.train at 8x1024: teacher full fine-tune, LoLCATs stage 1 and stage 2
+# An untrained student: speed does not depend on the weights. Rows land in $S (/tmp/runs/hybrid).
+set -uo pipefail
+T=${T:-/tmp/stage/teacher.gguf}; S=${S:-/tmp/runs/hybrid}; C=${C:-/tmp/ckpt/lolcats}; mkdir -p "$S"
+quiet() { grep -v -E "Warning|warn\(|it/s\]|s/it\]"; }
+student() { [ -d "$C" ] || python3 -m linearize convert --teacher "$T" --kind lolcats --out "$C" --dtype bfloat16 2>&1 | tail -1; }
+for part in ${@:-tests kernels launches prefill train}; do
+  echo "=== $part $(date +%T)"
+  case $part in
+    tests)
+      timeout 480 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_hybrid.py 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | head -40 ;;
+    kernels)
+      timeout 300 python3 dev/hybrid_bench.py --shapes 1x1024 8x1024 1x8192 32x1024 1x32768 \
+        --out "$S/hybrid_bench.json" 2>&1 | quiet ;;
+    launches)
+      student
+      for backend in torch auto; do
+        timeout 120 python3 -m linearize.bench.profile prefill "$C" --batch 1 --prompt-len 1024 --backend $backend \
+          --top 12 --out "$S/profile_prefill_$backend.json" 2>&1 | quiet | tail -18
+      done
+      timeout 120 python3 -m linearize.bench.profile prefill "$T" --batch 1 --prompt-len 1024 --top 12 \
+        --out "$S/profile_prefill_teacher.json" 2>&1 | quiet | tail -18 ;;
+    prefill)
+      student
+      timeout 540 python3 -m linearize bench "$C" --teacher "$T" --dtype bfloat16 \
+        --prefill 1x1024 32x1024 256x1024 1x8192 32x8192 1x32768 32x32768 --out "$S/prefill.json" 2>&1 | quiet | tail -24
+      timeout 120 python3 -m linearize bench "$C" --teacher none --dtype bfloat16 --prefill 1x1024 1x8192 \
+        --prefill-paths torch --out "$S/prefill_torch.json" 2>&1 | quiet | tail -5 ;;
+    train)
+      timeout 300 python3 -m linearize.bench.train --teacher "$T" --models teacher lolcats-stage1 lolcats-stage2 \
+        --shapes 8x1024 --steps 10 --out "$S/train.json" 2>&1 | quiet | tail -6 ;;
+    *) echo "unknown part $part" ;;
+  esac
+done

@@ -1,0 +1,828 @@
+"""The LoLCATs hybrid over whole sequences as Triton kernels (CUDA): the twin of
+``hybrid_attention_chunked``, values, gradients and the prefill's final state.
+
+For query t (``hybrid_attention.py`` has the math): ``gamma exp(s_ts - c_t)`` over the last ``w``
+keys, ``phi_q(q_t) . phi_k(k_s)`` over older ones, one normaliser. The sequence is cut into chunks
+of ``w`` tokens, aligned to its end (a virtual ``N w - T`` tokens of nothing in front), so that
+
+* the queries of chunk c see the keys of chunks c-1 and c exactly (window and youngest linear
+  keys, two ``[w, w]`` tiles) and the linear state of chunks <= c-2;
+* the prefill's final state is the state of chunks <= N-2 plus chunk N-1 raw: no partial chunk.
+
+Forward, three launches (``hybrid_triton_forward``):
+
+1. ``_chunk_sums``, one program per (chunk, sequence, key head): ``phi(K_c)^T [V_c, 1]``; the last
+   chunk also writes the decoding window (rotated keys, key features, values);
+2. ``_scan``, a cumulative sum over chunks, parallel over the state's ``F (D + 1)`` entries (a
+   ``tl.cumsum`` per tile of chunks): the linear state entering each chunk; the prefill's final
+   state is written in ``HybridState``'s layout on the way;
+3. ``_forward``, one program per (block of a chunk's queries, sequence, query head): the state's
+   terms, the youngest linear terms, then the two window tiles with a running maximum (the
+   softmax terms), one normaliser. For the backward it keeps per query the denominator and the
+   maximum ``c_t`` (a function of q and k: its gradient is part of the reference's; the backward
+   finds where it was).
+
+Backward, four launches (``hybrid_triton_backward``), after the per-query quantities
+``delta_t = dy_t / den_t`` and ``rho_t = -delta_t . y_t`` (so ``d a_ts = delta_t . v_s + rho_t``
+for every term):
+
+1. ``_backward_q``, per (chunk, sequence, query head): dq (window scores, including the
+   maximum's term), dphi(q) (youngest linear keys and the state), dgamma per chunk, and the
+   chunk's ``phi(Q_c)^T [delta, rho]`` for the reverse state;
+2. ``_scan`` in reverse, summing the query heads of each key head: what the queries of chunks
+   >= j+2 ask of key chunk j;
+3. ``_backward_kv``, per (block of a chunk's keys, sequence, key head), over the query heads of its
+   group: dk and the window's part of dv, from the queries of chunks j and j+1;
+4. ``_backward_kf``, the same programs: dphi(k) and the linear part of dv, from chunk j+1's queries
+   and the reverse state.
+
+RoPE and Hedgehog feature maps may run inside the forward kernels (``rope`` / ``hedgehog``
+arguments of ``hybrid_triton``): the rotation by halves of the first R dims of each head, and
+``[softmax(x W), softmax(-x W)]`` per tile, so neither rotated q/k nor features are written to
+memory. The backward kernels take features from memory: the backward recomputes rotation and
+features in PyTorch (``rope_half`` and ``hedgehog_features`` below) and lets autograd carry
+dphi and the rotated gradients back to q, k and the feature weights.
+
+Precision: products of bf16/fp16 inputs on tensor cores with fp32 accumulation (softmax weights,
+features and the fp32 states rounded to the input dtype first, as flash attention and fla do),
+every sum and state in fp32; fp32 inputs use full fp32 products throughout.
+
+Register pressure decides the layout (``cuobjdump -res-usage`` of sm_90 builds): the keys'
+Hedgehog features are computed once, in the first pass, and written for the output pass; no
+pass computes more than it stores at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Tiles and warps: the fewest register spills of sm_90 builds (ptxas -v, Triton 3.9, w = D = 64,
+# Hedgehog F = 2 x 64, bf16): 8 warps everywhere; the output pass's query blocks of 32 rows spill
+# ~120 bytes a thread (64 rows: ~480), the query-side backward's 16 (64 rows: 550), the key-side
+# backward's blocks of 16 keys none and ~330 bytes (32 keys: ~740 and ~370)
+SUM_WARPS = 8  # warps of the chunk sums
+FWD_WARPS = 8  # warps of the output pass
+BWD_WARPS = 8  # warps of the backward passes
+QUERY_ROWS = 32  # query rows per program of the output pass and the query-side backward
+KEY_ROWS = 16  # key rows per program of the key-side backward passes
+SCAN_TILE = 8192  # chunks x state entries per program of the scans
+TINY = tl.constexpr(1.1754943508222875e-38)  # the clamp of the denominator (fp32's smallest normal)
+
+
+@triton.jit
+def _only(m, valid):
+    """The mask ``m`` where the scalar ``valid`` holds, else all False (not ``m & valid``: Triton
+    3.9's interpreter gives that an int32 dtype, which loads and stores refuse as a mask)."""
+    return tl.where(valid, m, False)
+
+
+@triton.jit
+def _rows(c, T, W, OFF, BW: tl.constexpr):
+    """Chunk ``c``'s tokens ``t`` (``BW`` rows, the first ``W`` used) and which exist."""
+    i = tl.arange(0, BW)
+    t = c * W + i - OFF
+    return t, (i < W) & (t >= 0) & (t < T)
+
+
+@triton.jit
+def _query_rows(pid, T, W, OFF, BW: tl.constexpr, BQ: tl.constexpr):
+    """Program ``pid``'s chunk ``c``, its query rows' positions ``i`` in the chunk (``BQ`` of the
+    chunk's ``BW``), their tokens ``t`` and which exist."""
+    c = pid // (BW // BQ)
+    i = (pid % (BW // BQ)) * BQ + tl.arange(0, BQ)
+    t = c * W + i - OFF
+    return c, i, t, (i < W) & (t >= 0) & (t < T)
+
+
+@triton.jit
+def _tile(ptr, t, ok, st, d, D):
+    """Rows ``t`` of a ``[T, D]`` slice with token stride ``st`` (zeros where not ``ok``)."""
+    return tl.load(ptr + t[:, None] * st + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _real(mask_ptr, t, ok, MASK: tl.constexpr):
+    """Which rows are real tokens: they exist and (with ``MASK``) the key mask says so."""
+    real = ok
+    if MASK:
+        real = ok & (tl.load(mask_ptr + t, mask=ok, other=0) != 0)
+    return real
+
+
+@triton.jit
+def _rotated(ptr, t, ok, st, d, D, cos_ptr, sin_ptr, sct, R, ROPE: tl.constexpr):
+    """Rows ``t`` rotated by halves over their first ``R`` dims (``ROPE``), in fp32."""
+    x = _tile(ptr, t, ok, st, d, D).to(tl.float32)
+    if ROPE:
+        half = R // 2
+        m = ok[:, None] & (d < R)[None, :]
+        partner = tl.where(d < half, d + half, d - half)
+        p = tl.load(ptr + t[:, None] * st + partner[None, :], mask=m, other=0.0).to(tl.float32)
+        cos = tl.load(cos_ptr + t[:, None] * sct + d[None, :], mask=m, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + t[:, None] * sct + d[None, :], mask=m, other=0.0).to(tl.float32)
+        x = x * cos + tl.where((d < half)[None, :], -p, p) * sin
+    return x
+
+
+@triton.jit
+def _load_features(f_ptr, t, ok, sft, FW, dtype, BF: tl.constexpr, FP: tl.constexpr):
+    """Rows ``t`` of ``FP * FW`` features as FP parts ``[BW, BF]`` of ``FW`` features each."""
+    f = tl.arange(0, BF)
+    out = ()
+    for i in tl.static_range(FP):
+        out = out + (tl.load(f_ptr + t[:, None] * sft + (i * FW + f)[None, :], mask=ok[:, None] & (f < FW)[None, :],
+                             other=0.0).to(dtype),)
+    return out
+
+
+@triton.jit
+def _features(x, f_ptr, t, ok, sft, w_ptr, d, D, FW, BF: tl.constexpr, FP: tl.constexpr, HEDGEHOG: tl.constexpr,
+              PREC: tl.constexpr):
+    """The features of rows ``x`` ``[BW, BD]`` as a tuple of ``[BW, BF]`` parts in ``x``'s dtype:
+    Hedgehog's ``(softmax(x W), softmax(-x W))`` from ``W`` ``[D, FW]`` (computed in fp32), or
+    loaded from ``f_ptr`` (``_load_features``)."""
+    if HEDGEHOG:
+        f = tl.arange(0, BF)
+        fm = (f < FW)[None, :]
+        w = tl.load(w_ptr + d[:, None] * FW + f[None, :], mask=(d < D)[:, None] & fm, other=0.0)
+        proj = tl.dot(x, w.to(x.dtype), input_precision=PREC)
+        pos = tl.where(fm, proj, float("-inf"))
+        pos = tl.exp(pos - tl.max(pos, axis=1)[:, None])
+        pos = (pos / tl.sum(pos, axis=1)[:, None]).to(x.dtype)
+        neg = tl.where(fm, -proj, float("-inf"))
+        neg = tl.exp(neg - tl.max(neg, axis=1)[:, None])
+        out = (pos, (neg / tl.sum(neg, axis=1)[:, None]).to(x.dtype))
+    else:
+        out = _load_features(f_ptr, t, ok, sft, FW, x.dtype, BF, FP)
+    return out
+
+
+@triton.jit
+def _zero_rows(parts, keep, FP: tl.constexpr):
+    out = ()
+    for i in tl.static_range(FP):
+        out = out + (tl.where(keep[:, None], parts[i], 0.0).to(parts[i].dtype),)
+    return out
+
+
+@triton.jit
+def _feature_dot(a, b, FP: tl.constexpr, PREC: tl.constexpr):
+    """``sum_i a[i] b[i]^T``: ``[BW, BW]`` products of two rows' features."""
+    acc = tl.dot(a[0], tl.trans(b[0]), input_precision=PREC)
+    for i in tl.static_range(1, FP):
+        acc = tl.dot(a[i], tl.trans(b[i]), acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
+def _scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, PREC: tl.constexpr):
+    s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
+    if SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)  # softcap * tanh(s / softcap)
+    return s
+
+
+@triton.jit
+def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, sums_ptr, kf_out_ptr, win_k_ptr, win_f_ptr,
+                win_v_ptr, skb, skh, skt, svb, svh, svt, sfb, sfh, sft, swk, scb, sct,
+                T, W, OFF, N, HK, D, FW, R, L,
+                ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
+                STATE: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
+    c = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
+    b = bh // HK
+    hk = bh % HK
+    t, ok = _rows(c, T, W, OFF, BW)
+    real = _real(mask_ptr + b * T, t, ok, MASK)
+    vdt = v_ptr.dtype.element_ty  # the inputs' dtype: operands of the products
+    d = tl.arange(0, BD)
+    f = tl.arange(0, BF)
+    k = _rotated(k_ptr + b * skb + hk * skh, t, ok, skt, d, D, cos_ptr + b * scb, sin_ptr + b * scb, sct, R, ROPE)
+    k = k.to(vdt)
+    kf = _features(k, kf_ptr + b * sfb + hk * sfh, t, ok, sft, wk_ptr + hk * swk, d, D, FW, BF, FP, HEDGEHOG, PREC)
+    kf = _zero_rows(kf, real, FP)
+    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, t, ok, svt, d, D), 0.0).to(vdt)
+    F = FP * FW
+    if HEDGEHOG:  # for the output pass: [B, Hk, T, F], zero at padding
+        for i in tl.static_range(FP):
+            tl.store(kf_out_ptr + bh * T * F + t[:, None] * F + (i * FW + f)[None, :], kf[i],
+                     mask=ok[:, None] & (f < FW)[None, :])
+    base = sums_ptr + (bh * N + c) * (F * (D + 1))
+    m2 = (f < FW)[:, None] & (d < D)[None, :]
+    for i in tl.static_range(FP):
+        tl.store(base + (i * FW + f)[:, None] * D + d[None, :],
+                 tl.dot(tl.trans(kf[i]), v, input_precision=PREC), mask=m2)
+        tl.store(base + F * D + i * FW + f, tl.sum(kf[i].to(tl.float32), axis=0), mask=f < FW)
+    if STATE:  # the last chunk is the decoding window: its last L = min(T, w) tokens raw
+        keep = _only(ok, c == N - 1)
+        row = t - (T - L)
+        tl.store(win_k_ptr + bh * L * D + row[:, None] * D + d[None, :], k, mask=keep[:, None] & (d < D)[None, :])
+        tl.store(win_v_ptr + bh * L * D + row[:, None] * D + d[None, :], v, mask=keep[:, None] & (d < D)[None, :])
+        for i in tl.static_range(FP):
+            tl.store(win_f_ptr + bh * L * F + row[:, None] * F + (i * FW + f)[None, :],
+                     kf[i].to(win_f_ptr.dtype.element_ty), mask=keep[:, None] & (f < FW)[None, :])
+
+
+@triton.jit
+def _scan(src_ptr, dst_ptr, fin_ptr, N, E, D, F, G, S,
+          REVERSE: tl.constexpr, FINAL: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr):
+    """Cumulative sums over chunks of ``[rows, N, E]`` (inclusive; from the end with ``REVERSE``),
+    each output row and chunk the sum of ``G`` input rows of ``S`` parts each (``[rows, G, N, S, E]``
+    in). ``FINAL``: also write the sum of chunks <= N-2 in ``HybridState``'s ``[F, D + 1]`` layout."""
+    r = tl.program_id(0).to(tl.int64)
+    e = tl.program_id(1) * BE + tl.arange(0, BE)
+    em = e < E
+    carry = tl.zeros([BE], dtype=tl.float32)
+    fin = tl.zeros([BE], dtype=tl.float32)
+    tiles = tl.cdiv(N, BN)
+    for j in range(tiles):
+        if REVERSE:
+            n = (tiles - 1 - j) * BN + tl.arange(0, BN)
+        else:
+            n = j * BN + tl.arange(0, BN)
+        m = (n < N)[:, None] & em[None, :]
+        x = tl.zeros([BN, BE], dtype=tl.float32)
+        for g in range(G):
+            for part in range(S):
+                x += tl.load(src_ptr + (r * G + g) * N * S * E + (n[:, None] * S + part) * E + e[None, :], mask=m,
+                             other=0.0)
+        cum = tl.cumsum(x, axis=0, reverse=REVERSE) + carry[None, :]
+        carry += tl.sum(x, axis=0)
+        tl.store(dst_ptr + r * N * E + n[:, None] * E + e[None, :], cum, mask=m)
+        if FINAL:
+            fin += tl.sum(tl.where((n == N - 2)[:, None], cum, 0.0), axis=0)
+    if FINAL:
+        values = e < F * D
+        row = tl.where(values, e // D, e - F * D)
+        col = tl.where(values, e % D, D)
+        tl.store(fin_ptr + r * (F * (D + 1)) + row * (D + 1) + col, fin, mask=em)
+
+
+@triton.jit
+def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, cos_ptr, sin_ptr, mask_ptr, gamma_ptr, sums_ptr,
+             y_ptr, den_ptr, mx_ptr,
+             sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft, swq, scb, sct,
+             syb, syh, syt, T, W, OFF, N, H, G, D, FW, R, scale, softcap,
+             ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
+             SOFTCAP: tl.constexpr, SAVE: tl.constexpr, LOGIT: tl.constexpr, BW: tl.constexpr, BQ: tl.constexpr,
+             BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
+    c, i, tq, okq = _query_rows(tl.program_id(0), T, W, OFF, BW, BQ)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    HK = H // G
+    vdt = v_ptr.dtype.element_ty  # the inputs' dtype: operands of the products
+    d = tl.arange(0, BD)
+    j = tl.arange(0, BW)  # keys: the previous chunk's and this one's
+    tp, okp = _rows(c - 1, T, W, OFF, BW)
+    tc, okc = _rows(c, T, W, OFF, BW)
+    real_p = _real(mask_ptr + b * T, tp, okp, MASK)
+    real_c = _real(mask_ptr + b * T, tc, okc, MASK)
+    cos_b, sin_b = cos_ptr + b * scb, sin_ptr + b * scb
+    kb = k_ptr + b * skb + hk * skh
+    vb = v_ptr + b * svb + hk * svh
+
+    q = _rotated(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D, cos_b, sin_b, sct, R, ROPE).to(vdt)
+    qf = _features(q, qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, wq_ptr + h * swq, d, D, FW, BF, FP, HEDGEHOG,
+                   PREC)
+    # (the order keeps few tiles alive at once: each part is folded into num / den when computed)
+    # 1. the linear state of chunks <= c-2
+    F = FP * FW
+    state = sums_ptr + ((b * HK + hk) * N + c - 2) * (F * (D + 1))
+    f = tl.arange(0, BF)
+    num = tl.zeros([BQ, BD], dtype=tl.float32)
+    den = tl.zeros([BQ], dtype=tl.float32)
+    for p in tl.static_range(FP):
+        sv = tl.load(state + (p * FW + f)[:, None] * D + d[None, :],
+                     mask=_only((f < FW)[:, None] & (d < D)[None, :], c >= 2), other=0.0)
+        sz = tl.load(state + F * D + p * FW + f, mask=_only(f < FW, c >= 2), other=0.0)
+        num = tl.dot(qf[p], sv.to(vdt), num, input_precision=PREC)  # the state rounded as fla does
+        den += tl.sum(qf[p].to(tl.float32) * sz[None, :], axis=1)
+    # 2. the youngest linear keys: the previous chunk's up to the query's position
+    kf_p = _load_features(kf_ptr + b * skfb + hk * skfh, tp, okp, skft, FW, vdt, BF, FP)  # the keys' from memory
+    lin = tl.where((j[None, :] <= i[:, None]) & real_p[None, :], _feature_dot(qf, kf_p, FP, PREC), 0.0)
+    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(vdt)
+    num = tl.dot(lin.to(vdt), v_p, num, input_precision=PREC)
+    den += tl.sum(lin, axis=1)
+    # 3. the window, one key tile at a time with a running maximum (flash attention's way; the
+    # linear part above is not scaled by it): keys of the previous chunk after the query's
+    # position in its chunk, then this chunk's up to it
+    win = real_p[None, :] & (j[None, :] > i[:, None])
+    k_p = _rotated(kb, tp, okp, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(vdt)
+    s = tl.where(win, _scores(q, k_p, scale, softcap, SOFTCAP, PREC), float("-inf"))
+    m1 = tl.max(s, axis=1)
+    safe1 = tl.where(m1 == float("-inf"), 0.0, m1)
+    a = tl.where(win, tl.exp(s - safe1[:, None]), 0.0)
+    num_w = tl.dot(a.to(vdt), v_p, input_precision=PREC)
+    den_w = tl.sum(a, axis=1)
+    win = real_c[None, :] & (j[None, :] <= i[:, None])
+    k_c = _rotated(kb, tc, okc, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(vdt)
+    s = tl.where(win, _scores(q, k_c, scale, softcap, SOFTCAP, PREC), float("-inf"))
+    m2 = tl.maximum(m1, tl.max(s, axis=1))
+    mx = tl.where(m2 == float("-inf"), 0.0, m2)  # c_t (0 where no window key: a padding query)
+    alpha = tl.where(m1 == float("-inf"), 0.0, tl.exp(safe1 - mx))
+    a = tl.where(win, tl.exp(s - mx[:, None]), 0.0)
+    v_c = tl.where(real_c[:, None], _tile(vb, tc, okc, svt, d, D), 0.0).to(vdt)
+    num_w = tl.dot(a.to(vdt), v_c, num_w * alpha[:, None], input_precision=PREC)
+    den_w = den_w * alpha + tl.sum(a, axis=1)
+    gamma = tl.load(gamma_ptr + h).to(tl.float32)
+    if LOGIT:
+        gamma = tl.sigmoid(gamma)
+    num += gamma * num_w
+    den += gamma * den_w
+    y = num / tl.maximum(den, TINY)[:, None]
+    out = y_ptr + b * syb + h * syh
+    tl.store(out + tq[:, None] * syt + d[None, :], y.to(y_ptr.dtype.element_ty), mask=okq[:, None] & (d < D)[None, :])
+    if SAVE:  # (where the maximum is, the backward finds)
+        row = bh * T + tq
+        tl.store(den_ptr + row, den, mask=okq)
+        tl.store(mx_ptr + row, mx, mask=okq)
+
+
+@triton.jit
+def _delta(dy_ptr, den_ptr, row, tq, okq, sdt, d, D):
+    """``delta = dy / den`` ``[BW, BD]`` in fp32 (zero for a query with no term: its output is 0)."""
+    dy = _tile(dy_ptr, tq, okq, sdt, d, D).to(tl.float32)
+    den = tl.load(den_ptr + row, mask=okq, other=0.0)
+    return dy * tl.where(den > 0.0, 1.0 / tl.maximum(den, TINY), 0.0)[:, None]
+
+
+@triton.jit
+def _capped(ds, s, softcap, SOFTCAP: tl.constexpr):
+    """``ds`` times the soft cap's derivative at the capped scores ``s``."""
+    if SOFTCAP:
+        u = s / softcap
+        ds = ds * (1.0 - u * u)
+    return ds
+
+
+@triton.jit
+def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_ptr, y_ptr, dy_ptr,
+                den_ptr, mx_ptr, am_ptr, dq_ptr, dqf_ptr, rho_ptr, dc_ptr, dgamma_ptr, qsums_ptr,
+                sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft,
+                syb, syh, syt, sdb, sdh, sdt, T, W, OFF, N, H, G, D, F, scale, softcap,
+                MASK: tl.constexpr, SOFTCAP: tl.constexpr, BW: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr,
+                BF: tl.constexpr, PREC: tl.constexpr):
+    c, i, tq, okq = _query_rows(tl.program_id(0), T, W, OFF, BW, BQ)
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
+    b = bh // H
+    h = bh % H
+    hk = h // G
+    HK = H // G
+    vdt = v_ptr.dtype.element_ty  # the inputs' dtype: operands of the products
+    d = tl.arange(0, BD)
+    f = tl.arange(0, BF)
+    j = tl.arange(0, BW)  # keys: the previous chunk's and this one's
+    tp, okp = _rows(c - 1, T, W, OFF, BW)
+    tc, okc = _rows(c, T, W, OFF, BW)
+    real_p = _real(mask_ptr + b * T, tp, okp, MASK)
+    real_c = _real(mask_ptr + b * T, tc, okc, MASK)
+    kb = k_ptr + b * skb + hk * skh
+    vb = v_ptr + b * svb + hk * svh
+    row = bh * T + tq
+    dm = okq[:, None] & (d < D)[None, :]
+    fm = okq[:, None] & (f < F)[None, :]
+
+    qf = _tile(qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, f, F).to(vdt)
+    delta = _delta(dy_ptr + b * sdb + h * sdh, den_ptr, row, tq, okq, sdt, d, D)
+    rho = -tl.sum(delta * _tile(y_ptr + b * syb + h * syh, tq, okq, syt, d, D).to(tl.float32), axis=1)
+    dd = delta.to(vdt)
+    # phi(Q_c)^T [delta, rho]: what this chunk's queries ask of keys two or more chunks back
+    qs = qsums_ptr + (bh * (N * (BW // BQ)) + tl.program_id(0)) * (F * (D + 1))
+    tl.store(qs + f[:, None] * D + d[None, :], tl.dot(tl.trans(qf), dd, input_precision=PREC),
+             mask=(f < F)[:, None] & (d < D)[None, :])
+    tl.store(qs + F * D + f, tl.sum(qf.to(tl.float32) * rho[:, None], axis=0), mask=f < F)
+    # (each part is folded in and stored as soon as it is complete: few tiles alive at once)
+    # 1. the linear state of chunks <= c-2: dphi(q) += S delta + z rho
+    state = sums_ptr + ((b * HK + hk) * N + c - 2) * (F * (D + 1))
+    sv = tl.load(state + f[:, None] * D + d[None, :], mask=_only((f < F)[:, None] & (d < D)[None, :], c >= 2),
+                 other=0.0)
+    sz = tl.load(state + F * D + f, mask=_only(f < F, c >= 2), other=0.0)
+    dqf = tl.dot(dd, tl.trans(sv.to(vdt)), input_precision=PREC) + rho[:, None] * sz[None, :]
+    p_lin = tl.sum(qf.to(tl.float32) * dqf, axis=1)  # sum over the state's terms of l dl
+    den_lin = tl.sum(qf.to(tl.float32) * sz[None, :], axis=1)
+    # 2. the youngest linear keys (the previous chunk's up to the query's position)
+    near = (j[None, :] <= i[:, None]) & real_p[None, :]
+    k_p = _tile(kb, tp, okp, skt, d, D)
+    v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(vdt)
+    kf_p = _tile(kf_ptr + b * skfb + hk * skfh, tp, okp, skft, f, F).to(vdt)
+    da_p = tl.dot(dd, tl.trans(v_p), input_precision=PREC) + rho[:, None]  # d a_ts = delta_t . v_s + rho_t
+    lin = tl.where(near, tl.dot(qf, tl.trans(kf_p), input_precision=PREC), 0.0)
+    dl = tl.where(near, da_p, 0.0)
+    dqf = tl.dot(dl.to(vdt), kf_p, dqf, input_precision=PREC)
+    tl.store(dqf_ptr + bh * T * F + tq[:, None] * F + f[None, :], dqf, mask=fm)
+    p_lin += tl.sum(lin * dl, axis=1)
+    den_lin += tl.sum(lin, axis=1)
+    # 3. the window: scores, where their maximum c_t is, softmax terms
+    mx = tl.load(mx_ptr + row, mask=okq, other=0.0)
+    gamma = tl.load(gamma_ptr + h).to(tl.float32)
+    win_p = real_p[None, :] & (j[None, :] > i[:, None])
+    win_c = real_c[None, :] & (j[None, :] <= i[:, None])
+    q = _tile(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D)
+    s_p = _scores(q, k_p, scale, softcap, SOFTCAP, PREC)
+    k_c = _tile(kb, tc, okc, skt, d, D)
+    s_c = _scores(q, k_c, scale, softcap, SOFTCAP, PREC)
+    m_p, j_p = tl.max(tl.where(win_p, s_p, float("-inf")), axis=1, return_indices=True)
+    m_c, j_c = tl.max(tl.where(win_c, s_c, float("-inf")), axis=1, return_indices=True)
+    am = tl.where(m_c >= m_p, c * W + j_c - OFF, (c - 1) * W + j_p - OFF)
+    a_p = tl.where(win_p, gamma * tl.exp(s_p - mx[:, None]), 0.0)
+    a_c = tl.where(win_c, gamma * tl.exp(s_c - mx[:, None]), 0.0)
+    v_c = tl.where(real_c[:, None], _tile(vb, tc, okc, svt, d, D), 0.0).to(vdt)
+    da_c = tl.dot(dd, tl.trans(v_c), input_precision=PREC) + rho[:, None]
+    # P_t = sum over the window of a da = -dc_t (c_t's gradient goes to the key where the maximum
+    # is): from the window's terms, so that at a window of one key ds cancels exactly
+    p_win = tl.sum(a_p * da_p, axis=1) + tl.sum(a_c * da_c, axis=1)
+    ds_p = a_p * da_p + tl.where(am[:, None] == tp[None, :], -p_win[:, None], 0.0)
+    ds_c = a_c * da_c + tl.where(am[:, None] == tc[None, :], -p_win[:, None], 0.0)
+    ds_p = tl.where(win_p, _capped(ds_p, s_p, softcap, SOFTCAP), 0.0)
+    ds_c = tl.where(win_c, _capped(ds_c, s_c, softcap, SOFTCAP), 0.0)
+    dq = tl.dot(ds_p.to(vdt), k_p, input_precision=PREC)
+    dq = tl.dot(ds_c.to(vdt), k_c, dq, input_precision=PREC) * scale
+    tl.store(dq_ptr + bh * T * D + tq[:, None] * D + d[None, :], dq, mask=dm)
+    tl.store(rho_ptr + row, rho, mask=okq)
+    tl.store(dc_ptr + row, -p_win, mask=okq)
+    tl.store(am_ptr + row, am.to(tl.int32), mask=okq)
+    # gamma's gradient sums P_t / gamma over every query, where cancellation makes rounding count:
+    # every term's a da sums to 0 (d den and d num cancel), so P_t is also minus the linear terms'
+    # sum; taken from the smaller side, the rounding of delta and of the stored y (in rho) stays
+    # relative to P_t rather than to the whole row
+    den_win = tl.sum(a_p, axis=1) + tl.sum(a_c, axis=1)
+    pw = tl.where(den_win <= den_lin, p_win, -p_lin)
+    tl.store(dgamma_ptr + bh * (N * (BW // BQ)) + tl.program_id(0), tl.sum(pw, axis=0) / gamma)
+
+
+@triton.jit
+def _backward_kv(q_ptr, k_ptr, v_ptr, mask_ptr, gamma_ptr, dy_ptr, den_ptr, mx_ptr, am_ptr, rho_ptr, dc_ptr,
+                 dk_ptr, dv_ptr, sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
+                 T, W, OFF, HK, D, scale, softcap, G: tl.constexpr,
+                 MASK: tl.constexpr, SOFTCAP: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
+                 PREC: tl.constexpr):
+    """Key side, window terms: dk and the window's part of dv from the queries of chunks j and j+1."""
+    j, ik, tk, okk = _query_rows(tl.program_id(0), T, W, OFF, BW, BK)  # this program's keys: BK of chunk j's
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
+    b = bh // HK
+    hk = bh % HK
+    H = HK * G
+    vdt = v_ptr.dtype.element_ty  # the inputs' dtype: operands of the products
+    d = tl.arange(0, BD)
+    iq = tl.arange(0, BW)  # queries: chunk j's, then chunk j+1's
+    real = _real(mask_ptr + b * T, tk, okk, MASK)
+    k = _tile(k_ptr + b * skb + hk * skh, tk, okk, skt, d, D)
+    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, tk, okk, svt, d, D), 0.0).to(vdt)
+    dk = tl.zeros([BK, BD], dtype=tl.float32)
+    dv = tl.zeros([BK, BD], dtype=tl.float32)
+    for g in tl.static_range(G):
+        h = hk * G + g
+        gamma = tl.load(gamma_ptr + h).to(tl.float32)
+        for nxt in tl.static_range(2):  # queries of chunk j, then of chunk j+1
+            tq, okq = _rows(j + nxt, T, W, OFF, BW)
+            row = (b * H + h) * T + tq
+            # [keys, queries]: key row a, query column b; window when t - s < w
+            if nxt == 0:
+                win = real[:, None] & okq[None, :] & (iq[None, :] >= ik[:, None])
+            else:
+                win = real[:, None] & okq[None, :] & (iq[None, :] < ik[:, None])
+            q = _tile(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D)
+            s = _scores(k, q, scale, softcap, SOFTCAP, PREC)
+            a = tl.where(win, gamma * tl.exp(s - tl.load(mx_ptr + row, mask=okq, other=0.0)[None, :]), 0.0)
+            dd = _delta(dy_ptr + b * sdb + h * sdh, den_ptr, row, tq, okq, sdt, d, D).to(vdt)
+            dv = tl.dot(a.to(vdt), dd, dv, input_precision=PREC)
+            da = tl.dot(v, tl.trans(dd), input_precision=PREC) + tl.load(rho_ptr + row, mask=okq, other=0.0)[None, :]
+            am = tl.load(am_ptr + row, mask=okq, other=-1)
+            ds = a * da + tl.where(am[None, :] == tk[:, None], tl.load(dc_ptr + row, mask=okq, other=0.0)[None, :], 0.0)
+            ds = tl.where(win, _capped(ds, s, softcap, SOFTCAP), 0.0)
+            dk = tl.dot(ds.to(vdt), q, dk, input_precision=PREC)
+    dm = okk[:, None] & (d < D)[None, :]
+    tl.store(dk_ptr + bh * T * D + tk[:, None] * D + d[None, :], dk * scale, mask=dm)
+    tl.store(dv_ptr + bh * T * D + tk[:, None] * D + d[None, :], dv, mask=dm)
+
+
+@triton.jit
+def _backward_kf(v_ptr, qf_ptr, kf_ptr, mask_ptr, rsums_ptr, dy_ptr, den_ptr, rho_ptr, dv_ptr, dkf_ptr,
+                 svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft, sdb, sdh, sdt,
+                 T, W, OFF, N, HK, D, F, G: tl.constexpr, MASK: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
+                 BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
+    """Key side, linear terms: dphi(k) and the linear part of dv (added to ``dv``, which holds the
+    window's), from chunk j+1's queries (the youngest linear keys) and the reverse state of chunks
+    >= j+2."""
+    j, ik, tk, okk = _query_rows(tl.program_id(0), T, W, OFF, BW, BK)  # this program's keys: BK of chunk j's
+    bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
+    b = bh // HK
+    hk = bh % HK
+    H = HK * G
+    vdt = v_ptr.dtype.element_ty  # the inputs' dtype: operands of the products
+    d = tl.arange(0, BD)
+    f = tl.arange(0, BF)
+    iq = tl.arange(0, BW)
+    real = _real(mask_ptr + b * T, tk, okk, MASK)
+    v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, tk, okk, svt, d, D), 0.0).to(vdt)
+    kf = tl.where(real[:, None], _tile(kf_ptr + b * skfb + hk * skfh, tk, okk, skft, f, F), 0.0).to(vdt)
+    # queries of chunks >= j+2, through the reverse state
+    base = rsums_ptr + (bh * N + j + 2) * (F * (D + 1))
+    rv = tl.load(base + f[:, None] * D + d[None, :], mask=_only((f < F)[:, None] & (d < D)[None, :], j + 2 < N),
+                 other=0.0).to(vdt)  # the state rounded as fla does
+    dv = tl.dot(kf, rv, input_precision=PREC)
+    dkf = tl.dot(v, tl.trans(rv), input_precision=PREC)
+    dkf += tl.load(base + F * D + f, mask=_only(f < F, j + 2 < N), other=0.0)[None, :]
+    # the youngest linear keys of chunk j+1's queries: those at or after the key's position
+    tq, okq = _rows(j + 1, T, W, OFF, BW)
+    near = real[:, None] & okq[None, :] & (iq[None, :] >= ik[:, None])
+    for g in tl.static_range(G):
+        h = hk * G + g
+        row = (b * H + h) * T + tq
+        qf = _tile(qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, f, F).to(vdt)
+        dd = _delta(dy_ptr + b * sdb + h * sdh, den_ptr, row, tq, okq, sdt, d, D).to(vdt)
+        lin = tl.where(near, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0)
+        dv = tl.dot(lin.to(vdt), dd, dv, input_precision=PREC)
+        da = tl.dot(v, tl.trans(dd), input_precision=PREC) + tl.load(rho_ptr + row, mask=okq, other=0.0)[None, :]
+        dkf = tl.dot(tl.where(near, da, 0.0).to(vdt), qf, dkf, input_precision=PREC)
+    dm = okk[:, None] & (d < D)[None, :]
+    out = dv_ptr + bh * T * D + tk[:, None] * D + d[None, :]
+    tl.store(out, tl.where(real[:, None], dv + tl.load(out, mask=dm, other=0.0), 0.0), mask=dm)
+    tl.store(dkf_ptr + bh * T * F + tk[:, None] * F + f[None, :], tl.where(real[:, None], dkf, 0.0),
+             mask=okk[:, None] & (f < F)[None, :])
+
+
+# --- PyTorch side -------------------------------------------------------------------------------
+
+def _pow2(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    """tl.dot's precision: fp32 inputs multiply in full fp32 (the others are half-precision products)."""
+    return "tf32" if dtype in (torch.bfloat16, torch.float16) else "ieee"
+
+
+def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE by rotating halves over the first ``R = cos.shape[-1]`` dims of each head, the same
+    rotation the kernels apply: ``x`` ``[B, H, T, D]``, ``cos``/``sin`` ``[B or 1, T, R]``."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    half = r // 2
+    rot = x[..., :r] if r < x.shape[-1] else x
+    # rotate_half(x) * sin as roll(x) * [-sin1, sin2]: one operation forward and backward on x
+    out = rot * cos + rot.roll(half, dims=-1) * torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+    return out if rot is x else torch.cat([out, x[..., r:]], dim=-1)
+
+
+def hedgehog_features(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``[softmax(x W), softmax(-x W)]`` per head: ``x`` ``[B, H, T, D]``, ``w`` ``[H or 1, D, F/2]``."""
+    y = x @ w.to(x.dtype)
+    return torch.cat([torch.softmax(y, dim=-1), torch.softmax(-y, dim=-1)], dim=-1)
+
+
+def _heads_stride(x: torch.Tensor) -> int:
+    return x.stride(0) if x.shape[0] > 1 else 0
+
+
+def _strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, head, token) strides of a ``[B, H, T, *]`` tensor whose last dim is contiguous."""
+    return x.stride(0), x.stride(1), x.stride(2)
+
+
+def _last_contiguous(x):
+    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+
+
+def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=None, key_mask=None, qf=None,
+                          kf=None, hedgehog=None, rope=None, save: bool = False, state: bool = False,
+                          logit: bool = False):
+    """The three forward launches. Returns ``(y, saved, state)``: ``y`` ``[B, H, T, D]`` (a view of
+    ``[B, T, H, D]`` memory, what the output projection reads); ``saved`` (with ``save``) the
+    per-chunk states and per-query quantities the backward needs; ``state`` (with ``state``) the
+    ``HybridState`` after the sequence."""
+    from .hybrid_attention import HybridState
+
+    b, h, t, d = q.shape
+    hk = k.shape[1]
+    dt = q.dtype
+    w = window
+    n = -(-t // w)
+    off = n * w - t
+    q, k, v, qf, kf = (_last_contiguous(x) for x in (q, k, v, qf, kf))
+    if hedgehog is not None:
+        wq, wk = (x.to(dt).contiguous() for x in hedgehog)
+        fw = wq.shape[-1]
+        fp = 2
+        swq, swk = _heads_stride(wq), _heads_stride(wk)
+        qf = kf = q  # not read
+    else:
+        wq = wk = q  # not read
+        swq = swk = 0
+        fw = qf.shape[-1]
+        fp = 1
+        qf, kf = qf.to(dt), kf.to(dt)
+    f = fw * fp
+    if rope is not None:
+        cos, sin = (x.contiguous() for x in rope)
+        rot, scb, sct = cos.shape[-1], _heads_stride(cos), cos.stride(1)
+    else:
+        cos = sin = q  # not read
+        rot = scb = sct = 0
+    mask = key_mask if key_mask is not None else q
+    gamma = gamma.contiguous()
+    bw, bd, bf = _pow2(w), _pow2(d), _pow2(fw)
+    prec = _precision(dt)
+    dev = q.device
+    e = f * (d + 1)
+    sums = torch.empty(b, hk, n, e, device=dev, dtype=torch.float32)
+    l = min(t, w)
+    if state:
+        win_k = torch.empty(b, hk, l, d, device=dev, dtype=dt)
+        win_f = torch.empty(b, hk, l, f, device=dev, dtype=dt)
+        win_v = torch.empty(b, hk, l, d, device=dev, dtype=dt)
+    else:
+        win_k = win_f = win_v = sums  # not written
+    common = dict(ROPE=rope is not None, HEDGEHOG=hedgehog is not None, FP=fp, MASK=key_mask is not None,
+                  BW=bw, BD=bd, BF=bf, PREC=prec)
+    # Hedgehog: the first pass writes the keys' features for the output pass (recomputing them there
+    # spilled registers at w = D = 64)
+    kf_out = torch.empty(b, hk, t, f, device=dev, dtype=dt) if hedgehog is not None else sums
+    _chunk_sums[(n, b * hk)](k, v, kf, wk, cos, sin, mask, sums, kf_out, win_k, win_f, win_v,
+                             *_strides(k), *_strides(v), *_strides(kf), swk, scb, sct,
+                             t, w, off, n, hk, d, fw, rot, l, STATE=state, num_warps=SUM_WARPS, **common)
+    if hedgehog is not None:
+        kf = kf_out
+    linear = torch.empty(b, hk, 1, f, d + 1, device=dev, dtype=torch.float32) if state else sums
+    scan(sums, sums, n, e, d, f, 1, reverse=False, final=linear if state else None)
+    y = torch.empty(b, t, h, d, device=dev, dtype=dt).transpose(1, 2)
+    if save:
+        den = torch.empty(b, h, t, device=dev, dtype=torch.float32)
+        mx = torch.empty_like(den)
+    else:
+        den = mx = sums  # not written
+    bq = min(QUERY_ROWS, bw)
+    _forward[(n * (bw // bq), b * h)](q, k, v, qf, kf, wq, cos, sin, mask, gamma, sums, y, den, mx,
+                         *_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), swq, scb, sct,
+                         *_strides(y), t, w, off, n, h, h // hk, d, fw, rot, float(scale), float(softcap or 1.0),
+                         SOFTCAP=softcap is not None, SAVE=save, LOGIT=logit, BQ=bq, num_warps=FWD_WARPS,
+                         **common)
+    saved = (sums, den, mx) if save else None
+    out_state = None
+    if state:
+        valid = key_mask[:, t - l:] if key_mask is not None else torch.ones(b, l, dtype=torch.bool, device=dev)
+        out_state = HybridState(win_k, win_f, win_v, linear, valid)
+    return y, saved, out_state
+
+
+def scan(src, dst, n, e, d, f, groups, *, reverse: bool, final=None, parts: int = 1):
+    """``_scan`` over ``src`` ``[rows, groups, n, parts, e]`` into ``dst`` ``[rows, n, e]``."""
+    rows = dst.numel() // (n * e)
+    bn = min(triton.next_power_of_2(n), 256)
+    be = max(16, min(triton.next_power_of_2(e), SCAN_TILE // bn))
+    _scan[(rows, triton.cdiv(e, be))](src, dst, final if final is not None else dst, n, e, d, f, groups, parts,
+                                       REVERSE=reverse, FINAL=final is not None, BN=bn, BE=be, num_warps=4)
+
+
+def hybrid_triton_backward(dy, q, k, v, qf, kf, gamma, y, saved, *, window: int, scale: float, softcap=None,
+                           key_mask=None):
+    """Gradients of the kernels' output ``y`` for ``dy``, from rotated ``q``/``k`` and the features
+    ``qf``/``kf`` (all in the input dtype): ``(dq, dk, dv, dqf, dkf, dgamma)`` in fp32."""
+    sums, den, mx = saved
+    b, h, t, d = q.shape
+    hk = k.shape[1]
+    f = qf.shape[-1]
+    dt = q.dtype
+    w = window
+    n = -(-t // w)
+    off = n * w - t
+    q, k, v, qf, kf, y, dy = (_last_contiguous(x) for x in (q, k, v, qf, kf, y, dy))
+    qf, kf, dy = qf.to(dt), kf.to(dt), dy.to(dt)
+    mask = key_mask if key_mask is not None else q
+    gamma = gamma.float().contiguous()
+    bw, bd, bf = _pow2(w), _pow2(d), _pow2(f)
+    prec = _precision(dt)
+    dev = q.device
+    e = f * (d + 1)
+    f32 = dict(device=dev, dtype=torch.float32)
+    dq = torch.empty(b, h, t, d, **f32)
+    dqf = torch.empty(b, h, t, f, **f32)
+    rho = torch.empty(b, h, t, **f32)
+    dc = torch.empty(b, h, t, **f32)
+    bq = min(QUERY_ROWS, bw)
+    parts = bw // bq  # query programs per chunk
+    dgamma = torch.empty(b, h, n * parts, **f32)
+    am = torch.empty(b, h, t, device=dev, dtype=torch.int32)
+    qsums = torch.empty(b, h, n * parts, e, **f32)
+    common = dict(MASK=key_mask is not None, SOFTCAP=softcap is not None, BW=bw, BD=bd, BF=bf, PREC=prec,
+                  num_warps=BWD_WARPS)
+    strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), *_strides(y), *_strides(dy))
+    _backward_q[(n * parts, b * h)](q, k, v, qf, kf, mask, gamma, sums, y, dy, den, mx, am, dq, dqf, rho, dc, dgamma,
+                                    qsums, *strides, t, w, off, n, h, h // hk, d, f, float(scale),
+                                    float(softcap or 1.0), BQ=bq, **common)
+    rsums = torch.empty(b, hk, n, e, **f32)
+    scan(qsums, rsums, n, e, d, f, h // hk, reverse=True, parts=parts)
+    dk = torch.empty(b, hk, t, d, **f32)
+    dv = torch.empty(b, hk, t, d, **f32)
+    dkf = torch.empty(b, hk, t, f, **f32)
+    bk = min(KEY_ROWS, bw)
+    grid = (n * (bw // bk), b * hk)
+    key_side = dict(MASK=key_mask is not None, BW=bw, BK=bk, BD=bd, PREC=prec, num_warps=BWD_WARPS, G=h // hk)
+    _backward_kv[grid](q, k, v, mask, gamma, dy, den, mx, am, rho, dc, dk, dv, *_strides(q), *_strides(k),
+                       *_strides(v), *_strides(dy), t, w, off, hk, d, float(scale), float(softcap or 1.0),
+                       SOFTCAP=softcap is not None, **key_side)
+    _backward_kf[grid](v, qf, kf, mask, rsums, dy, den, rho, dv, dkf, *_strides(v), *_strides(qf), *_strides(kf),
+                       *_strides(dy), t, w, off, n, hk, d, f, BF=bf, **key_side)
+    return dq, dk, dv, dqf, dkf, dgamma.sum(dim=(0, 2))
+
+
+class _HybridTriton(torch.autograd.Function):
+    """The kernels with autograd. Inputs: ``q, k, v, gamma``, then the features ``qf, kf`` or the
+    Hedgehog weights ``wq, wk`` (one pair; the other None), then ``cos, sin`` (or None)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit):
+        hedgehog = (wq, wk) if wq is not None else None
+        rope = (cos, sin) if cos is not None else None
+        y, saved, _ = hybrid_triton_forward(q, k, v, gamma, window=window, scale=scale, softcap=softcap,
+                                            key_mask=key_mask, qf=qf, kf=kf, hedgehog=hedgehog, rope=rope, save=True,
+                                            logit=logit)
+        ctx.save_for_backward(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, y, *saved)
+        ctx.kw = dict(window=window, scale=scale, softcap=softcap)
+        ctx.logit = logit
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, y, *saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        inputs = (q, k, qf, kf, wq, wk)
+        # the prelude the forward kernels fused (RoPE, feature maps), again in PyTorch with autograd
+        leaves = [None if x is None else x.detach().requires_grad_(need)
+                  for x, need in zip(inputs, (needs[0], needs[1], needs[4], needs[5], needs[6], needs[7]))]
+        lq, lk, lqf, lkf, lwq, lwk = leaves
+        with torch.enable_grad():  # in the kernels' dtype: fp32 cos/sin (autocast) would double the traffic
+            if cos is not None:
+                cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+                qr, kr = rope_half(lq, cos, sin), rope_half(lk, cos, sin)
+            else:
+                qr, kr = lq, lk
+            if lwq is not None:
+                fq, fk = hedgehog_features(qr, lwq), hedgehog_features(kr, lwk)
+            else:
+                fq, fk = lqf, lkf
+        weight = torch.sigmoid(gamma.float()) if ctx.logit else gamma
+        dq, dk, dv, dfq, dfk, dgamma = hybrid_triton_backward(
+            dy, qr.detach().to(q.dtype), kr.detach().to(q.dtype), v, fq.detach(), fk.detach(), weight, y, saved,
+            key_mask=key_mask, **ctx.kw)
+        if ctx.logit:
+            dgamma = dgamma * weight * (1.0 - weight)
+        pairs = [(x, g) for x, g in zip((qr, kr, fq, fk), (dq, dk, dfq, dfk)) if x.requires_grad]
+        wanted = [x for x in leaves if x is not None and x.requires_grad]
+        found = {}
+        if pairs and wanted:
+            outs, grads = zip(*pairs)
+            found = dict(zip(map(id, wanted), torch.autograd.grad(outs, wanted, grads, allow_unused=True)))
+        result = [None if x is None or found.get(id(x)) is None else found[id(x)].to(orig.dtype)
+                  for x, orig in zip(leaves, inputs)]
+        dq_, dk_, dqf_, dkf_, dwq, dwk = result
+        return (dq_, dk_, dv.to(v.dtype) if needs[2] else None, dgamma.to(gamma.dtype) if needs[3] else None,
+                dqf_, dkf_, dwq, dwk, None, None, None, None, None, None, None)
+
+
+def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float | None = None, key_mask=None,
+                  output_final_state: bool = False, qf=None, kf=None, hedgehog=None, rope=None, logit: bool = False):
+    """The hybrid over whole sequences on CUDA (or Triton's interpreter): ``(y, state or None)``.
+
+    ``q`` ``[B, H, T, D]``, ``k``/``v`` ``[B, Hk, T, D]`` in one dtype (bf16, fp16 or fp32), any
+    strides with a contiguous last dim; ``gamma`` ``[H]``; ``key_mask`` ``[B, T]`` bool (True =
+    real token) or None. Features: ``qf`` ``[B, H, T, F]`` and ``kf`` ``[B, Hk, T, F]`` of the
+    rotated q/k, or ``hedgehog = (wq [H or 1, D, F/2], wk [Hk or 1, D, F/2])`` computed in the
+    kernels. ``rope = (cos, sin)`` ``[B or 1, T, R]`` (Hedgehog only): q and k come unrotated and
+    the kernels rotate halves of their first R dims; the state's keys are the rotated ones.
+    ``logit``: ``gamma`` holds the window weights' logits (sigmoid taken in the kernels: a launch
+    fewer per layer). Gradients flow to q, k, v, gamma and the features or Hedgehog weights; the final state
+    (``HybridState``, window of ``min(T, window)`` tokens) carries none.
+    """
+    if rope is not None and hedgehog is None:
+        raise ValueError("hybrid_triton rotates q and k only when it computes Hedgehog features itself")
+    if (hedgehog is None) == (qf is None or kf is None):
+        raise ValueError("hybrid_triton needs the features qf/kf or the Hedgehog weights, not both")
+    if not q.dtype == k.dtype == v.dtype or q.dtype not in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        raise ValueError(f"hybrid_triton needs q, k and v in one dtype (bf16, fp16 or fp32), got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if key_mask is not None and key_mask.dtype != torch.bool:
+        key_mask = key_mask.bool()
+    key_mask = None if key_mask is None else key_mask.contiguous()
+    tensors = (q, k, v, gamma, qf, kf, *(hedgehog or (None, None)))
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    kw = dict(window=window, scale=scale, softcap=softcap, logit=logit)
+    state = None
+    if output_final_state:  # the decoding state carries no gradient
+        with torch.no_grad():
+            y, _, state = hybrid_triton_forward(q, k, v, gamma, **kw, key_mask=key_mask, qf=qf, kf=kf,
+                                                hedgehog=hedgehog, rope=rope, state=True)
+        if not grad:
+            return y, state
+    if not grad:
+        y, _, _ = hybrid_triton_forward(q, k, v, gamma, **kw, key_mask=key_mask, qf=qf, kf=kf, hedgehog=hedgehog,
+                                        rope=rope)
+        return y, None
+    wq, wk = hedgehog or (None, None)
+    cos, sin = rope or (None, None)
+    y = _HybridTriton.apply(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit)
+    return y, state

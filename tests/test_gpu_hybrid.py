@@ -1,0 +1,184 @@
+"""The LoLCATs hybrid's whole-sequence Triton kernels (``ops/hybrid_triton.py``) on CUDA, against the
+float64 references: values, gradients and the prefill's state, at SmolLM2's shape (9 query heads on 3
+key heads, head dim 64, Hedgehog features 2 x 64, window 64) and off it; and the mixer's dispatch.
+Skipped without CUDA."""
+
+import pytest
+import torch
+
+from linearize import ops
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TOLS = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
+# gamma's gradient sums P_t / gamma over every query, terms of both signs: its relative rounding is
+# larger than the others' in half precision (fp16 through Triton's interpreter: 1.4e-3 against 5e-4)
+GAMMA_TOLS = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+
+
+def _err(got, want):
+    return ((got.double() - want).norm() / want.norm().clamp_min(1e-12)).item()
+
+
+def _padding(b, t, pad):
+    if not pad:
+        return None
+    key_mask = torch.ones(b, t, dtype=torch.bool, device="cuda")
+    key_mask[-1, :pad] = False
+    return key_mask
+
+
+def _hedgehog_case(b, h, hk, t, d, fh, window, pad, softcap, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.float64)  # noqa: E731
+    qkv = r(b, t, h + 2 * hk, d)  # one projection's output, split as the adapters do
+    angles = r(1, t, d // 2) * 3
+    rope = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin())
+    return qkv, (r(h, d, fh) * 0.3, r(hk, d, fh) * 0.3), rope, torch.sigmoid(r(h)), _padding(b, t, pad), \
+        dict(window=window, scale=d ** -0.5, softcap=softcap), r
+
+
+def _split(qkv, h, hk):
+    return tuple(x.transpose(1, 2) for x in qkv.split([h, hk, hk], dim=2))
+
+
+SHAPES = [  # (b, h, hk, t, pad, softcap)
+    (2, 9, 3, 1, 0, None),  # one token
+    (2, 9, 3, 37, 5, None),  # shorter than the window, left padding
+    (2, 9, 3, 64, 0, None),  # exactly one chunk
+    (3, 9, 3, 300, 70, None),  # off the chunks; padding longer than a chunk
+    (1, 9, 3, 1024, 0, 30.0),  # many chunks, soft-capping
+    (2, 4, 1, 2100, 0, None),  # multi-query, a long one
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference_on_cuda(dtype, shape):
+    """RoPE and Hedgehog maps inside the forward kernels (the LoLCATs mixer's path): the output, the
+    gradients of the raw q/k/v, both maps' weights and gamma, and the prefill's final state, against
+    the rotation, the maps and ``hybrid_attention_naive`` / ``_chunked`` in float64."""
+    from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half
+
+    b, h, hk, t, pad, softcap = shape
+    qkv, (wq, wk), rope, gamma, key_mask, kw, r = _hedgehog_case(b, h, hk, t, 64, 64, 64, pad, softcap)
+    kw["key_mask"] = key_mask
+    w = r(b, h, t, 64)
+    if key_mask is not None:
+        w = w * key_mask[:, None, :, None]  # a padding query's output is the constant 0
+
+    ref_in = [x.clone().requires_grad_() for x in (qkv, wq, wk, gamma)]
+    q, k, v = _split(ref_in[0], h, hk)
+    qr, kr = rope_half(q, *rope), rope_half(k, *rope)
+    qf, kf = hedgehog_features(qr, ref_in[1]), hedgehog_features(kr, ref_in[2])
+    want = ops.hybrid_attention_naive(qr, kr, qf, kf, v, ref_in[3], **kw)
+    with torch.no_grad():
+        _, want_state = ops.hybrid_attention_chunked(qr, kr, qf, kf, v, ref_in[3], **kw, output_final_state=True)
+    grads_want = torch.autograd.grad((want * w).sum(), ref_in)
+
+    mine = [qkv.to(dtype).requires_grad_(), wq.float().requires_grad_(), wk.float().requires_grad_(),
+            gamma.float().requires_grad_()]
+    mq, mk, mv = _split(mine[0], h, hk)
+    got, state = hybrid_triton(mq, mk, mv, mine[3], hedgehog=(mine[1], mine[2]),
+                               rope=tuple(x.to(dtype) for x in rope), **kw, output_final_state=True)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = TOLS[dtype]
+    assert _err(got, want) < tol
+    for name in ("keys", "key_features", "values", "linear"):
+        assert _err(getattr(state, name), getattr(want_state, name).double()) < tol, name
+    assert state.linear.dtype == torch.float32 and torch.equal(state.valid, want_state.valid)
+    grads = torch.autograd.grad((got.double() * w).sum(), mine)
+    for name, a, e in zip(("qkv", "wq", "wk", "gamma"), grads, grads_want):
+        if name == "gamma" and t <= 64:
+            assert (a.double() - e).abs().max() < 1e-3  # softmax alone: gamma's gradient is 0
+        else:
+            assert _err(a, e) < (GAMMA_TOLS[dtype] if name == "gamma" else tol), name
+
+
+@pytest.mark.parametrize("shape", [(2, 9, 3, 300, 70, None), (1, 6, 2, 777, 0, 20.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hybrid_kernels_with_given_features_equal_the_float64_reference_on_cuda(dtype, shape):
+    """Features computed outside the kernels (any feature map; here positive random ones of width
+    96), through ``ops.hybrid_attention``'s dispatch: output and every gradient."""
+    b, h, hk, t, pad, softcap = shape
+    g = torch.Generator(device="cuda").manual_seed(1)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.float64)  # noqa: E731
+    xs = [r(b, h, t, 64), r(b, hk, t, 64), r(b, h, t, 96).exp() * 0.1, r(b, hk, t, 96).exp() * 0.1, r(b, hk, t, 64),
+          torch.sigmoid(r(h))]
+    kw = dict(window=64, scale=0.125, softcap=softcap, key_mask=_padding(b, t, pad))
+    w = r(b, h, t, 64) * (kw["key_mask"][:, None, :, None] if pad else 1)
+    ref_in = [x.clone().requires_grad_() for x in xs]
+    want = ops.hybrid_attention_naive(*ref_in, **kw)
+    grads_want = torch.autograd.grad((want * w).sum(), ref_in)
+    mine = [x.to(dtype).requires_grad_() if i < 5 else x.float().requires_grad_() for i, x in enumerate(xs)]
+    backend = "fla" if dtype == torch.float32 else "auto"  # fp32 takes the kernels when asked for
+    assert ops.use_hybrid_kernel(mine[0], backend, window=64, head_dim=64, feature_width=96)
+    got, _ = ops.hybrid_attention(*mine, **kw, backend=backend)
+    assert _err(got, want) < TOLS[dtype]
+    grads = torch.autograd.grad((got.double() * w).sum(), mine)
+    for name, a, e in zip(("q", "k", "qf", "kf", "v", "gamma"), grads, grads_want):
+        assert _err(a, e) < (GAMMA_TOLS if name == "gamma" else TOLS)[dtype], name
+
+
+def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
+    """A tiny LoLCATs student on CUDA (fp32 weights, left padding): with ``backend: fla`` (fp32 takes
+    the kernels only when asked) its mixers dispatch to the kernels, with logits, every parameter's
+    gradient and the prefill's cache equal to the PyTorch form's (``backend: torch``); under bf16
+    autocast "auto" takes them in bf16 and stays close."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    import linearize
+    from helpers import tiny_config
+    from linearize.cache import LinearizeCache
+    from linearize.convert import mixers
+    from linearize.ops import hybrid_triton
+
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama", hidden_size=96, num_attention_heads=6)).cuda()
+    model = linearize.convert(teacher, {"kind": "lolcats", "window": 16, "feature_dim": 16})
+    ids = torch.randint(2, 97, (2, 77), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :20] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    calls = []
+    launch = hybrid_triton.hybrid_triton_forward
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return launch(*a, **kw)
+
+    def run(backend, autocast=False):
+        for m in mixers(model).values():
+            m.spec = dataclasses.replace(m.spec, backend=backend)
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = model(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        cache = LinearizeCache(model)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        return out.logits.float(), grads, cache
+
+    hybrid_triton.hybrid_triton_forward = counted
+    try:
+        got, grads, cache = run("fla")
+        assert calls
+        calls.clear()
+        want, grads_want, cache_want = run("torch")
+        assert not calls
+        half, grads_half, _ = run("auto", autocast=True)
+        assert calls
+    finally:
+        hybrid_triton.hybrid_triton_forward = launch
+    real = mask.bool()
+    assert _err(got[real], want[real].double()) < 1e-4
+    assert _err(half[real], want[real].double()) < 3e-2
+    for name, e in grads_want.items():
+        assert _err(grads[name], e.double()) < 1e-3, name
+        assert _err(grads_half[name], e.double()) < 1e-1, name
+    for a, e in zip(cache.layers, cache_want.layers):
+        for x, y in zip(a.state.tensors(), e.state.tensors()):
+            assert torch.equal(x, y) if x.dtype == torch.bool else _err(x, y.double()) < 1e-4

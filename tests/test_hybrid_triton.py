@@ -1,0 +1,79 @@
+"""The LoLCATs hybrid's whole-sequence Triton kernels on the CPU: through Triton's interpreter against
+the float64 references (``triton_interpret_hybrid_seq.py``), and the dispatch rule. Their CUDA twins
+are in ``test_gpu_hybrid.py``."""
+
+import pytest
+import torch
+
+from helpers import run_triton_interpreter_script
+from linearize import ops
+
+
+def test_hybrid_kernels_equal_the_float64_reference_through_the_interpreter():
+    """Values, every gradient (q, k, v, features or Hedgehog weights, gamma) and the prefill's final
+    state: GQA and MQA, lengths off the chunks, shorter than the window and of one token, windows of
+    1 and of whole tiles, left padding longer than a chunk, soft-capping, fp16 products (bf16 the
+    interpreter cannot multiply); RoPE (full, partial, none)
+    and Hedgehog maps inside the kernels, shared or per head, and the maps' gradients alone."""
+    run_triton_interpreter_script("triton_interpret_hybrid_seq.py", "gqa", "padding", "short", "one", "window1", "blocks",
+                                  "half", "exact", "hedgehog", "hedgehog_partial", "hedgehog_norope")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["model_llama", "model_gemma2", "model_t2r"])
+def test_lolcats_mixers_on_the_kernels_equal_the_torch_form_through_the_interpreter(case):
+    """A tiny converted model with its mixers dispatching to the kernels (as on CUDA) against the
+    PyTorch form: logits, every parameter's gradient, the prefill's cache; left padding. Llama (GQA,
+    RoPE fused), Gemma 2 (soft-capping), T2R maps (features computed in PyTorch)."""
+    run_triton_interpreter_script("triton_interpret_hybrid_seq.py", case)
+
+
+def test_hybrid_dispatch_rule():
+    q = torch.zeros(1, 2, 3, 4)
+    kw = dict(window=64, head_dim=64, feature_width=64)
+    assert not ops.use_hybrid_kernel(q, "auto", **kw)  # the CPU takes the PyTorch form
+    assert not ops.use_hybrid_kernel(q, "torch", **kw)
+    with pytest.raises(RuntimeError, match="backend='fla'"):
+        ops.use_hybrid_kernel(q, "fla", **kw)
+    assert ops.hybrid_attention_kernel_dtype(q.bfloat16(), q) == torch.float32
+    # on CUDA: bf16/fp16 under "auto", fp32 only under "fla" (a CPU tensor claiming CUDA for the rule)
+    cuda_like = type("CudaLike", (), {"is_cuda": True, "dtype": torch.bfloat16})()
+    assert ops.use_hybrid_kernel(cuda_like, "auto", **kw) == ops.fla_backend.triton_available()
+    assert not ops.use_hybrid_kernel(cuda_like, "auto", **kw, dtype=torch.float32)
+    assert ops.use_hybrid_kernel(cuda_like, "fla", **kw, dtype=torch.float32)
+    assert not ops.use_hybrid_kernel(cuda_like, "auto", **{**kw, "window": 256})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert ops.hybrid_attention_kernel_dtype(q.bfloat16(), q) == torch.bfloat16  # fp32 RoPE output under autocast
+    # on the CPU the entry point is the chunked form
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(1, 2, 9, 4, generator=g), torch.randn(1, 1, 9, 4, generator=g),
+          torch.rand(1, 2, 9, 6, generator=g), torch.rand(1, 1, 9, 6, generator=g), torch.randn(1, 1, 9, 4, generator=g)]
+    gamma = torch.full((2,), 0.3)
+    a, sa = ops.hybrid_attention(*xs, gamma, window=4, scale=0.5, output_final_state=True)
+    b, sb = ops.hybrid_attention_chunked(*xs, gamma, window=4, scale=0.5, output_final_state=True)
+    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(sa.tensors(), sb.tensors()))
+
+
+@pytest.mark.parametrize("form", ["naive", "chunked"])
+def test_hybrid_gradient_is_finite_at_padding_queries(form):
+    """A padding query has no term (its output is 0); a large gradient reaching it (the last padding
+    token predicts the first real one) once overflowed ``dy / tiny`` to inf and met the masks' zeros
+    as NaN (seen in a tiny Gemma 2 with left padding)."""
+    g = torch.Generator().manual_seed(0)
+    b, h, hk, t, d, f = 2, 4, 2, 9, 4, 6
+    xs = [torch.randn(b, h, t, d, generator=g), torch.randn(b, hk, t, d, generator=g),
+          torch.rand(b, h, t, f, generator=g), torch.rand(b, hk, t, f, generator=g), torch.randn(b, hk, t, d, generator=g)]
+    xs = [x.requires_grad_() for x in xs]
+    gamma = torch.full((h,), 0.3, requires_grad=True)
+    key_mask = torch.ones(b, t, dtype=torch.bool)
+    key_mask[1, :4] = False
+    fn = getattr(ops, f"hybrid_attention_{form}")
+    out = fn(*xs, gamma, window=3, scale=0.5, key_mask=key_mask)
+    y = out[0] if isinstance(out, tuple) else out
+    assert torch.equal(y[1, :, :4], torch.zeros_like(y[1, :, :4]))
+    (y * 100.0).sum().backward()  # 100 per output entry reaches the padding queries too
+    for x in (*xs, gamma):
+        assert torch.isfinite(x.grad).all()
+    # the padding's keys, features and values get no gradient
+    for x in xs[1:]:
+        assert torch.equal(x.grad[1, :, :4], torch.zeros_like(x.grad[1, :, :4]))

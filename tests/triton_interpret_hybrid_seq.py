@@ -1,0 +1,226 @@
+"""Run by test_hybrid_triton.py in a subprocess, on the CPU through Triton's interpreter: the hybrid's
+whole-sequence kernels (``ops/hybrid_triton.py``) against the float64 references, values, gradients
+and the prefill's final state.
+
+``features``: features given to the kernels, against ``hybrid_attention_naive`` (output, every
+gradient) and ``hybrid_attention_chunked`` (final state).
+``hedgehog``: RoPE and Hedgehog maps inside the forward kernels, against the reference after the
+rotation and the maps in float64 (gradients of the raw q, k, v, the maps' weights and gamma).
+``ARGS`` picks the cases (all by default)."""
+
+import os
+import sys
+
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+
+import torch  # noqa: E402
+
+import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
+from linearize import ops  # noqa: E402
+from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half  # noqa: E402
+
+TOL = 2e-5
+
+
+def _close(got, want, what, floor=1e-6, tol=TOL):
+    """Largest error relative to the largest reference entry (at least ``floor``)."""
+    err = ((got.double() - want).abs().max() / want.abs().max().clamp_min(floor)).item()
+    assert err < tol, (what, err)
+
+
+def _masks(b, t, pad):
+    if not pad:
+        return None
+    key_mask = torch.ones(b, t, dtype=torch.bool)
+    key_mask[-1, :pad] = False  # the last sequence left-padded
+    return key_mask
+
+
+def _weights(y, key_mask, g):
+    """A random projection of the output; zero at padding queries (their output is the constant 0)."""
+    w = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    if key_mask is not None:
+        w = w * key_mask[:, None, :, None]
+    return w
+
+
+def _compare_state(got, want):
+    for name in ("keys", "key_features", "values", "linear"):
+        a, e = getattr(got, name), getattr(want, name)
+        assert a.shape == e.shape, (name, a.shape, e.shape)
+        _close(a, e, name)
+    assert got.linear.dtype == torch.float32
+    assert torch.equal(got.valid, want.valid)
+
+
+def check_features(b, h, hk, t, d, f, window, softcap, pad, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    q, k, v = r(b, h, t, d), r(b, hk, t, d), r(b, hk, t, d)
+    qf, kf = r(b, h, t, f).exp() * 0.3, r(b, hk, t, f).exp() * 0.3
+    gamma = torch.sigmoid(r(h))
+    key_mask = _masks(b, t, pad)
+    kw = dict(window=window, scale=d ** -0.5, softcap=softcap, key_mask=key_mask)
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v, qf, kf, gamma)]
+    rq, rk, rv, rqf, rkf, rg = ref_in
+    want = ops.hybrid_attention_naive(rq, rk, rqf, rkf, rv, rg, **kw)
+    _, want_state = ops.hybrid_attention_chunked(q, k, qf, kf, v, gamma, **kw, output_final_state=True)
+    if dtype != torch.float32:  # the reference from the inputs as rounded
+        rounded = [x.to(dtype).double() for x in (q, k, v, qf, kf)]
+        ref_in = [x.requires_grad_() for x in rounded] + [ref_in[5]]
+        rq, rk, rv, rqf, rkf, rg = ref_in
+        want = ops.hybrid_attention_naive(rq, rk, rqf, rkf, rv, rg, **kw)
+    tol = {torch.float32: TOL, torch.float16: 2e-3}[dtype]
+    mine = [x.to(dtype).requires_grad_() for x in (q, k, v, qf, kf)] + [gamma.float().requires_grad_()]
+    mq, mk, mv, mqf, mkf, mg = mine
+    got, state = hybrid_triton(mq, mk, mv, mg, qf=mqf, kf=mkf, **kw, output_final_state=True)
+    assert got.shape == want.shape and got.dtype == dtype
+    _close(got, want, "y", tol=tol)
+    if dtype == torch.float32:
+        _compare_state(state, want_state)
+    w = _weights(want, key_mask, g)
+    grads_want = torch.autograd.grad((want * w).sum(), ref_in)
+    grads_got = torch.autograd.grad((got.double() * w).sum(), mine)
+    for name, a, e in zip(("q", "k", "v", "qf", "kf", "gamma"), grads_got, grads_want):
+        assert a.dtype == (torch.float32 if name == "gamma" else dtype), name
+        # gamma's gradient is 0 where every key is in the window (softmax alone): an absolute floor;
+        # in half precision it sums terms of both signs over every query (a looser bound)
+        _close(a, e, "d" + name, floor=1.0 if name == "gamma" else 1e-6, tol=tol * (5 if name == "gamma" else 1))
+    # without gradients: the same output
+    with torch.no_grad():
+        again, _ = hybrid_triton(*(x.detach() for x in (mq, mk, mv, mg)), qf=mqf.detach(), kf=mkf.detach(), **kw)
+    _close(again, want, "y (no grad)", tol=tol)
+
+
+def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, shared=False):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    # q/k/v as strided views of one projection's [B, T, heads, D] output, as the adapters give them
+    qkv = r(b, t, h + 2 * hk, d)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split([h, hk, hk], dim=2))
+    wq, wk = r(1 if shared else h, d, fh) * 0.5, r(1 if shared else hk, d, fh) * 0.5
+    angles = r(1, t, rot // 2) * 3 if rot else None
+    rope = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rot else None
+    gamma = r(h)  # the window weights' logits (the kernels take the sigmoid, as the mixer calls them)
+    key_mask = _masks(b, t, pad)
+    kw = dict(window=window, scale=d ** -0.5, softcap=softcap, key_mask=key_mask)
+
+    def reference(q, k, v, wq, wk, logit):
+        if rope is not None:
+            q, k = rope_half(q, *rope), rope_half(k, *rope)
+        qf, kf = hedgehog_features(q, wq), hedgehog_features(k, wk)
+        gamma = torch.sigmoid(logit)
+        y = ops.hybrid_attention_naive(q, k, qf, kf, v, gamma, **kw)
+        _, state = ops.hybrid_attention_chunked(q, k, qf, kf, v, gamma, **kw, output_final_state=True)
+        return y, state
+
+    ref_in = [x.clone().requires_grad_() for x in (q, k, v, wq, wk, gamma)]
+    want, want_state = reference(*ref_in)
+    mine = [x.float().requires_grad_() for x in (q, k, v, wq, wk, gamma)]
+    mq, mk, mv, mwq, mwk, mg = mine
+    got, state = hybrid_triton(mq, mk, mv, mg, hedgehog=(mwq, mwk), rope=None if rope is None else
+                               tuple(x.float() for x in rope), **kw, output_final_state=True, logit=True)
+    _close(got, want, "y")
+    _compare_state(state, want_state)
+    w = _weights(want, key_mask, g)
+    grads_want = torch.autograd.grad((want * w).sum(), ref_in)
+    grads_got = torch.autograd.grad((got.double() * w).sum(), mine)
+    for name, a, e in zip(("q", "k", "v", "wq", "wk", "gamma"), grads_got, grads_want):
+        _close(a, e, "d" + name, floor=1.0 if name == "gamma" else 1e-6)
+    # only the feature maps' weights train (LoLCATs stage 1): their gradients alone
+    mwq2, mwk2 = (x.detach().requires_grad_() for x in (mwq, mwk))
+    got2, _ = hybrid_triton(mq.detach(), mk.detach(), mv.detach(), mg.detach(), hedgehog=(mwq2, mwk2),
+                            rope=None if rope is None else tuple(x.float() for x in rope), **kw, logit=True)
+    for name, a, e in zip(("wq", "wk"), torch.autograd.grad((got2.double() * w).sum(), [mwq2, mwk2]),
+                          grads_want[3:5]):
+        _close(a, e, "d" + name + " alone")
+
+
+def check_model(family, feature_map="hedgehog"):
+    """A tiny converted model's forward (left padding), gradients of every parameter and prefill
+    state, with the mixers dispatching to the kernels (as on CUDA) and to the PyTorch form."""
+    from transformers import AutoModelForCausalLM
+
+    import linearize
+    from helpers import tiny_config
+    from linearize.cache import LinearizeCache
+
+    hybrid_module = sys.modules["linearize.ops.hybrid_attention"]  # (ops.hybrid_attention is the function)
+
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2))
+    model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 6, "feature_map": feature_map})
+    ids = torch.randint(2, 97, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # the last padding token predicts a real one: its output gets a gradient
+    labels = ids.masked_fill(mask == 0, -100)
+    calls = []
+    real_rule = hybrid_module.use_hybrid_kernel
+
+    def as_on_cuda(q, backend="auto", **kw):  # the dispatch rule of a GPU with backend "fla" (fp32 too)
+        calls.append(1)
+        return backend != "torch" and (kw.get("dtype") or q.dtype) in hybrid_module.KERNEL_DTYPES
+
+    def run(kernels):
+        ops.use_hybrid_kernel = hybrid_module.use_hybrid_kernel = as_on_cuda if kernels else real_rule
+        model.zero_grad()
+        out = model(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        cache = LinearizeCache(model)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        return out.logits.detach(), grads, cache
+
+    want, grads_want, cache_want = run(False)
+    got, grads_got, cache_got = run(True)
+    assert calls, "the mixers never asked for the kernels"
+    real = mask.bool()
+    _close(got[real], want[real].double(), "logits")
+    assert grads_got.keys() == grads_want.keys() and any("feature_map" in n for n in grads_got)
+    for name in grads_want:
+        _close(grads_got[name], grads_want[name].double(), name)
+    for a, e in zip(cache_got.layers, cache_want.layers):
+        if isinstance(e.state, ops.HybridState):
+            _compare_state(a.state, e.state.map(lambda x: x.double() if x.is_floating_point() else x))
+
+
+def check_query_blocks():
+    """Query and key programs of half a chunk (``QUERY_ROWS``, ``KEY_ROWS`` < the window's tile), as
+    the kernels run at a window of 64."""
+    from linearize.ops import hybrid_triton as kernels
+
+    rows = kernels.QUERY_ROWS, kernels.KEY_ROWS
+    kernels.QUERY_ROWS = kernels.KEY_ROWS = 16
+    try:
+        check_features(2, 2, 1, 75, 16, 16, 32, None, 40, 10)  # 3 chunks of 32 in two blocks each
+        check_hedgehog(1, 2, 1, 50, 16, 8, 16, 20, None, 0, 11)
+    finally:
+        kernels.QUERY_ROWS, kernels.KEY_ROWS = rows
+
+
+CASES = {
+    # (b, h, hk, t, d, f, window, softcap, pad, seed)
+    "gqa": lambda: check_features(2, 4, 2, 13, 8, 6, 4, None, 0, 0),  # GQA, T off the chunks, 4 chunks
+    "padding": lambda: check_features(2, 4, 2, 19, 8, 6, 4, 2.0, 7, 1),  # left padding beyond a chunk, softcap
+    "short": lambda: check_features(2, 3, 1, 3, 5, 7, 8, None, 1, 2),  # T < window, MQA, odd sizes
+    "one": lambda: check_features(1, 2, 2, 1, 8, 4, 4, None, 0, 3),  # T = 1
+    "window1": lambda: check_features(1, 2, 1, 9, 8, 4, 1, None, 0, 4),  # a window of one token
+    "blocks": check_query_blocks,
+    "half": lambda: check_features(1, 4, 2, 40, 16, 16, 8, None, 0, 9, dtype=torch.float16),  # fp16 products
+    "exact": lambda: check_features(1, 2, 1, 48, 16, 16, 16, None, 0, 5),  # whole tiles, T a multiple of w
+    "hedgehog": lambda: check_hedgehog(2, 4, 2, 21, 8, 5, 8, 4, None, 5, 6),  # RoPE over all dims, padding
+    "hedgehog_partial": lambda: check_hedgehog(1, 3, 1, 11, 8, 4, 4, 5, 3.0, 0, 7, shared=True),  # half RoPE
+    "hedgehog_norope": lambda: check_hedgehog(1, 2, 2, 6, 8, 4, 0, 8, None, 2, 8),  # no RoPE, T < window
+    # the mixers' dispatch in tiny models: RoPE over all dims, GQA (llama); soft-capping (gemma2); partial
+    # RoPE (gpt_neox); layers without RoPE (smollm3); T2R maps computed in PyTorch
+    "model_llama": lambda: check_model("llama"),
+    "model_gemma2": lambda: check_model("gemma2"),
+    "model_gpt_neox": lambda: check_model("gpt_neox"),
+    "model_smollm3": lambda: check_model("smollm3"),
+    "model_t2r": lambda: check_model("llama", "t2r"),
+}
+
+for name in sys.argv[1:] or CASES:
+    CASES[name]()
+print("ok")
