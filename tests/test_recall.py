@@ -357,12 +357,18 @@ def test_recall_report_tables_heat_maps_and_recovery(bpe, tmp_path, monkeypatch)
         record = evaluate(model, bpe, tasks="passkey,mqar", limit=1, source=text, block_len=256, lengths=(96, 128),
                           depths=(0, 100), pairs=(2, 4), name=name, by_position=True, progress=False)
         paths[name] = save_results(record, tmp_path / "results" / f"{name}.json")
-    # the tiny random models score ~0: set known scores to check the recovery arithmetic
-    for name, (pk, mq) in {"teacher": (0.8, 0.5), "lolcats": (0.2, 0.5)}.items():
+    # the tiny random models score ~0: set known scores to check the recovery arithmetic (and zero-shot
+    # scores as lm-eval records them, which this test does not run)
+    for name, (pk, mq, piqa, arc) in {"teacher": (0.8, 0.5, 0.6, 0.5), "lolcats": (0.2, 0.5, 0.57, 0.4)}.items():
         record = json.loads(paths[name].read_text())
         record["recall"]["passkey"]["value"], record["recall"]["mqar"]["value"] = pk, mq
+        record["tasks"] = {"piqa": {"value": piqa}, "arc_easy": {"value": arc}}
+        record["average"] = (piqa + arc) / 2
         paths[name].write_text(json.dumps(record))
     page = write_report([tmp_path / "results"], tmp_path / "report.md")
+    recovery_rows = page.split("Recovery vs teacher")[1].split("\n\n")[1].splitlines()
+    assert recovery_rows[0] == "| model | teacher | PIQA | ARC-e | recovery (avg) |"
+    assert recovery_rows[2:] == ["| lolcats | teacher | 95.0 | 80.0 | 88.2 |"]  # 0.485 / 0.55
     recall_rows = page.split("## Recall")[1].split("\n\n")[1].splitlines()
     assert recall_rows[0] == "| model | kind | passkey | mqar | avg | recovery |"
     assert recall_rows[2] == "| lolcats | lolcats | 20.0 | 50.0 | 35.0 | 53.8 |"  # 0.35 / 0.65

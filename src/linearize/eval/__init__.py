@@ -3,7 +3,8 @@
 and a Markdown report.
 
 ``evaluate(model, tokenizer, tasks="all,recall", limit=40)`` is the one-call API; ``text_perplexity``,
-``run_tasks`` and ``run_recall`` are its parts; ``LinearizeLM`` is the lm-eval model class (registered as ``linearize``).
+``run_tasks`` and ``run_recall`` are its parts; ``LinearizeLM`` is the lm-eval model class (registered
+as ``linearize``).
 The lm-eval parts import lazily, so perplexity works without lm-eval installed.
 """
 

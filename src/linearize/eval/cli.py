@@ -74,7 +74,8 @@ def summary(record: dict) -> str:
     lines = [f"model: {model['name']} ({model['kind']}, {model['parameters']:,} parameters)"]
     ppl = record.get("perplexity")
     if ppl:
-        part = {"all": "all of it", "validation": "validation split", "train": "training split"}[ppl.get("split", "validation")]
+        split = ppl.get("split", "validation")
+        part = {"all": "all of it", "validation": "validation split", "train": "training split"}[split]
         lines.append(f"perplexity: {ppl['value']:.3f} ({ppl['source']}, {part}: {ppl['blocks']} blocks of "
                      f"{ppl['block_len']} tokens)")
     by_position = record.get("perplexity_by_position")
@@ -98,7 +99,8 @@ def recall_lines(name: str, task: dict) -> list[str]:
     """A recall task's score and its grid's margins, in a few lines."""
     if name == "mqar":
         rows = ", ".join(f"N={n} {_pct(v)}" for n, v in zip(task["pairs"], task["by_pairs"]))
-        cols = ", ".join(f"{b} {_pct(v)}" for b, v in zip(task["distance_buckets"], task["by_distance"]) if v is not None)
+        cols = ", ".join(f"{b} {_pct(v)}" for b, v in zip(task["distance_buckets"], task["by_distance"])
+                         if v is not None)
         return [f"{name}: exact match {_pct(task['value'])} % ({task['trials']} prompts per N; by N: {rows}; "
                 f"by distance: {cols})"]
     rows = ", ".join(f"{n} {_pct(v)}" for n, v in zip(task["lengths"], task["by_length"]))
@@ -167,8 +169,8 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                    help="passkey/niah needle depths in percent of the text, 0 = start, 100 = end "
                         "(default: 0,25,50,75,100)")
     e.add_argument("--pairs", default=None, metavar="N1,N2",
-                   help=f"mqar: numbers of key-value pairs (default: {','.join(map(str, mqar.DEFAULT_PAIRS))}; N whose prompt "
-                        "exceeds the model's context is dropped)")
+                   help=f"mqar: numbers of key-value pairs (default: {','.join(map(str, mqar.DEFAULT_PAIRS))}; "
+                        "N whose prompt exceeds the model's context is dropped)")
     e.add_argument("--block-len", type=_positive_int, default=1024, help="perplexity block length in tokens "
                    "(default: %(default)s)")
     e.add_argument("--max-blocks", type=_positive_int, default=None, help="score only the first N blocks (default: "

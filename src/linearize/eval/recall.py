@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from linearize.errors import LinearizeError
 
-from .tasks import RECALL_TASKS, recall_module
+from .tasks import recall_module, split_tasks
 from .tasks.needle import DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_TRIALS, is_correct, prompt_budget
 
 
@@ -39,7 +39,7 @@ def context_length(model) -> int | None:
 
 def run_recall(model, tokenizer, names, limit=None, lengths=None, depths=None, pairs=None, batch_size: int = 8,
                seed: int = 1234, haystack: str | None = None, progress: bool = True) -> dict[str, dict]:
-    """``{task: result}`` for the recall tasks in ``names`` (others are ignored).
+    """``{task: result}`` for the recall tasks in ``names`` (a list or comma-separated; others ignored).
 
     ``limit``: trials per cell (prompts per N for mqar; default ``DEFAULT_TRIALS``); ``lengths`` /
     ``depths``: the passkey/niah grid (token lengths beyond the model's context are dropped);
@@ -47,7 +47,7 @@ def run_recall(model, tokenizer, names, limit=None, lengths=None, depths=None, p
     ``haystack``: niah's text (default: the validation books).
     """
     trials = trials_per_cell(limit)
-    wanted = [n for n in names if n in RECALL_TASKS]
+    wanted = split_tasks(names)[1]
     runner = _Generator(model, tokenizer)
     out = {}
     for name in wanted:
@@ -194,8 +194,8 @@ def run_mqar(model, tokenizer, pairs, prompts_per_n: int, batch_size: int, seed:
         hits, counts = [0] * len(names), [0] * len(names)
         for s in range(0, len(prompts), batch_size):
             batch = prompts[s : s + batch_size]
-            for p, predicted in zip(batch, greedy_guesses(model, [p.ids for p in batch],
-                                                          [min(q["positions"][0] for q in p.queries) for p in batch], device)):
+            starts = [min(q["positions"][0] for q in p.queries) for p in batch]
+            for p, predicted in zip(batch, greedy_guesses(model, [p.ids for p in batch], starts, device)):
                 for q, ok in zip(p.queries, mqar.score(p, predicted)):
                     b = mqar.bucket(q["distance"])
                     hits[b] += ok

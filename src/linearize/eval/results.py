@@ -1,8 +1,9 @@
 """One evaluation run as a JSON record: who was evaluated, on what, with which settings, and the scores.
 
 ``evaluate(model, tokenizer, tasks=..., limit=...)`` measures perplexity (optionally by position),
-the zero-shot tasks and the recall tasks and returns a plain dict (``RESULTS_FORMAT``); ``save_results`` / ``load_results`` write and
-read it. Two records compare when their ``settings`` and task ``version``/``data`` agree.
+the zero-shot tasks and the recall tasks and returns a plain dict (``RESULTS_FORMAT``);
+``save_results`` / ``load_results`` write and read it. Two records compare when their ``settings``
+and task ``version``/``data`` agree.
 """
 
 from __future__ import annotations
@@ -119,6 +120,7 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
         "settings": {
             "tasks": names, "limit": limit, "batch_size": batch_size, "max_length": max_length, "seed": seed,
             "bootstrap_iters": bootstrap_iters, "perplexity": text if with_perplexity else None,
+            "by_position": by_position,
         },
         "perplexity": None,
         "tasks": {},
@@ -142,10 +144,13 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
         record["average"] = average(record["tasks"])
     if recall_names:
         from .recall import run_recall, trials_per_cell
+        from .tasks.mqar import DEFAULT_PAIRS
+        from .tasks.needle import DEFAULT_DEPTHS, DEFAULT_LENGTHS
 
-        record["settings"]["recall"] = {"tasks": recall_names, "trials": trials_per_cell(limit), "seed": seed,
-                                        "batch_size": batch_size, "lengths": lengths, "depths": depths,
-                                        "pairs": pairs}
+        record["settings"]["recall"] = {
+            "tasks": recall_names, "trials": trials_per_cell(limit), "seed": seed, "batch_size": batch_size,
+            "lengths": list(lengths or DEFAULT_LENGTHS), "depths": list(depths or DEFAULT_DEPTHS),
+            "pairs": list(pairs or DEFAULT_PAIRS)}
         record["recall"] = run_recall(model, tokenizer, recall_names, limit=limit, lengths=lengths, depths=depths,
                                       pairs=pairs, batch_size=batch_size, seed=seed, progress=progress)
     record["seconds"] = round(time.perf_counter() - clock, 1)
@@ -165,7 +170,8 @@ def check_out_path(path: str | os.PathLike) -> Path:
     must go, and the nearest existing parent writable."""
     path = Path(path)
     if path.is_dir():
-        raise LinearizeError(f"--out {path} is a folder; give a file name for the JSON results, e.g. {path / 'results.json'}")
+        raise LinearizeError(f"--out {path} is a folder; give a file name for the JSON results, e.g. "
+                             f"{path / 'results.json'}")
     parent = path.parent
     while not parent.exists():
         parent = parent.parent
