@@ -378,7 +378,8 @@ def test_teacher_perplexity_is_exp_of_mean_token_loss(teacher, tmp_path, monkeyp
     folder.mkdir()
     for name, text in OPENINGS.items():
         (folder / name).write_text(text)
-    result = text_perplexity(model, tokenizer, source=folder, block_len=32, batch_size=2, progress=False)
+    result = text_perplexity(model, tokenizer, source=folder, block_len=32, batch_size=2, progress=False,
+                             split="validation")  # a user's text is scored whole unless a split is asked for
     blocks = load_blocks(folder, tokenizer, 32, split="validation")
     manual = manual_perplexity(model, blocks)
     print(f"\nteacher perplexity on {result['tokens_scored']} tokens of a small text: {result['value']:.3f} "
