@@ -110,7 +110,8 @@ def test_text_perplexity_on_a_small_text(tmp_path, monkeypatch):
     words = torch.randint(20, 97, (600,), generator=torch.Generator().manual_seed(2)).tolist()
     text.write_text(" ".join(f"w{i}" for i in words))
     model, tokenizer = tiny_llama(), tiny_tokenizer()
-    result = text_perplexity(model, tokenizer, source=text, block_len=16, batch_size=3, progress=False)
+    result = text_perplexity(model, tokenizer, source=text, block_len=16, batch_size=3, progress=False,
+                             split="validation")  # a user's text is scored whole unless a split is asked for
     blocks = load_blocks(text, tokenizer, 16, split="validation")
     assert result["blocks"] == len(blocks) >= 1 and result["tokens_scored"] == blocks.numel() - len(blocks)
     assert " ".join(tokenizer.decode(b) for b in blocks) in text.read_text()  # blocks are the text's tail
@@ -377,7 +378,8 @@ def test_teacher_perplexity_is_exp_of_mean_token_loss(teacher, tmp_path, monkeyp
     folder.mkdir()
     for name, text in OPENINGS.items():
         (folder / name).write_text(text)
-    result = text_perplexity(model, tokenizer, source=folder, block_len=32, batch_size=2, progress=False)
+    result = text_perplexity(model, tokenizer, source=folder, block_len=32, batch_size=2, progress=False,
+                             split="validation")  # a user's text is scored whole unless a split is asked for
     blocks = load_blocks(folder, tokenizer, 32, split="validation")
     manual = manual_perplexity(model, blocks)
     print(f"\nteacher perplexity on {result['tokens_scored']} tokens of a small text: {result['value']:.3f} "

