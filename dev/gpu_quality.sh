@@ -26,6 +26,7 @@ gpu_slot() {  # hold one of SLOTS GPU slots until this script exits
     sleep 5
   done
 }
+waitfor() { local n=0; until [ -e "$1" ]; do sleep 5; n=$((n + 5)); [ $n -ge ${2:-1500} ] && { echo "gave up waiting for $1"; return 1; }; done; }
 mkdir -p $RUNS/eval
 gpu_slot
 case ${1:?job} in
@@ -57,5 +58,28 @@ case ${1:?job} in
     lin xatl --teacher $T --budget gpu --arch retnet "${args[@]}" --steps ${XATL_STEPS:-610} --eval-steps 61 ${XATL_ARGS:-} \
       --out $RUNS/$1 2>&1 | quiet
     case $1 in xatl-effn-wo|xatl-hybrid) evaluate $RUNS/$1/final $1 ;; esac ;;
+  recall-teacher)  # the teacher's recall grid to its 8k context and its loss by position
+    PYTHONPATH=/tmp/evalsite:$PYTHONPATH lin eval $T --tasks recall --by-position --limit ${RECALL_LIMIT:-4} \
+      --batch-size 16 --name teacher --out $RUNS/eval/recall-teacher.json 2>&1 | quiet | tail -30 ;;
+  lolcats-recall)  # a LoLCATs student (STEPS per stage), then its recall grid with sparse caches of S tokens
+    lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} \
+      --out $RUNS/lolcats-recall 2>&1 | quiet | tail -12
+    evaluate $RUNS/lolcats-recall/final lolcats-recall
+    for S in 0 ${SPARSE:-16 64 256}; do
+      ck=$RUNS/lolcats-recall/final
+      if [ "$S" != 0 ]; then
+        ck=$RUNS/lolcats-recall-s$S
+        python3 -c "import sys, linearize; m, t = linearize.load(sys.argv[1]); linearize.respec(m, sparse_cache=int(sys.argv[3])); \
+m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-recall/final $ck $S
+      fi
+      lin eval $ck --tasks recall --by-position --limit ${RECALL_LIMIT:-4} --batch-size 16 --name lolcats-s$S \
+        --out $RUNS/eval/recall-lolcats-s$S.json 2>&1 | quiet | tail -14
+    done ;;
+  gemma)  # Gemma 3 270M (staged by dev/gpu_teacher.sh): the teacher's scores, a LoLCATs student (STEPS per stage), its scores
+    G=/tmp/stage/gemma-3-270m.gguf; waitfor $G 1500 || exit 1
+    evaluate $G gemma-teacher
+    lin lolcats --teacher $G --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} \
+      --out $RUNS/gemma-lolcats 2>&1 | quiet | tail -12
+    evaluate $RUNS/gemma-lolcats/final gemma-lolcats ;;
   *) echo "unknown job $1"; exit 2 ;;
 esac

@@ -285,6 +285,7 @@ def test_autocast_hands_the_kernels_half_precision(monkeypatch):
         return ops.linear_attention_chunked(q, k, v, log_decay=kw["log_decay"], normalize=kw["normalize"])
 
     monkeypatch.setattr(ops, "use_fla", fake_use_fla)
+    monkeypatch.setattr(ops.fla_backend, "use_fla", fake_use_fla)  # what kernel_inputs asks
     monkeypatch.setattr(ops, "linear_attention_fla", fake_fla)
     q, k, v = (torch.rand(1, 2, 8, 4) for _ in range(3))
     decay = torch.full((2,), -0.1)

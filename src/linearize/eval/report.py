@@ -44,8 +44,13 @@ def teacher_of(record: dict, records: list[tuple[Path, dict]], teacher: str | No
     if teacher is not None:
         named = [r for r in softmax if r["model"].get("name") == teacher]
         return named[0] if named else None
-    same = [r for r in softmax if (r["model"].get("model_type"), r["model"].get("layers"))
-            == (record["model"].get("model_type"), record["model"].get("layers"))]
+    from ..models import base_model_type
+
+    def family(r):  # a student's checkpoint says linearize_llama where its teacher says llama
+        kind = r["model"].get("model_type")
+        return (base_model_type(kind) if kind else kind), r["model"].get("layers")
+
+    same = [r for r in softmax if family(r) == family(record)]
     return same[0] if len(same) == 1 else None
 
 

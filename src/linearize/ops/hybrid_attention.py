@@ -28,31 +28,12 @@ from dataclasses import dataclass
 import torch
 
 from .fla_backend import triton_available
+from .hybrid_state import HybridState
 from .linear_attention import _augment, _group, accum_dtype
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KERNEL_MAX_WINDOW = 128  # a query chunk's two window tiles are [w, w] each
 KERNEL_MAX_WIDTH = 256  # head dim and feature width the tiles hold
-
-
-@dataclass
-class HybridState:
-    keys: torch.Tensor  # [B, Hk, <=w, D] raw keys still in the window
-    key_features: torch.Tensor  # [B, Hk, <=w, F]
-    values: torch.Tensor  # [B, Hk, <=w, D]
-    linear: torch.Tensor  # [B, Hk, 1, F, D + 1] fp32: sum over tokens older than the window
-    valid: torch.Tensor  # [B, <=w] bool: False for padding tokens still in the window
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.keys, self.key_features, self.values, self.linear, self.valid)
-
-    def map(self, fn) -> "HybridState":
-        """Apply ``fn`` to every tensor (e.g. to select or repeat sequences of the batch)."""
-        return HybridState(*(fn(x) for x in self.tensors()))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in self.tensors())
 
 
 def _normalise(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:

@@ -595,7 +595,7 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     ``[B, T, H, D]`` memory, what the output projection reads); ``saved`` (with ``save``) the
     per-chunk states and per-query quantities the backward needs; ``state`` (with ``state``) the
     ``HybridState`` after the sequence."""
-    from .hybrid_attention import HybridState
+    from .hybrid_state import HybridState
 
     b, h, t, d = q.shape
     hk = k.shape[1]
