@@ -26,12 +26,26 @@ def perplexity(model, blocks: torch.Tensor, batch_size: int = 4, progress: bool 
     total, count = 0.0, 0
     for i in tqdm(range(0, len(blocks), batch_size), desc="perplexity", disable=not progress, leave=False):
         batch = blocks[i : i + batch_size].to(device)
-        logits = model(batch, use_cache=False).logits.float()
-        nll = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum")
-        total += nll.item()
+        total += token_nll(model, batch).double().sum().item()
         count += batch[:, 1:].numel()
     return math.exp(total / count)
+
+
+LOGIT_BUDGET = 2**29  # logits held at once (fp32: 2 GiB); a 262k-entry vocabulary fits 2 rows of 1,024
+
+
+def token_nll(model, batch: torch.Tensor) -> torch.Tensor:
+    """``[B, T - 1]`` fp32 next-token losses of ``batch`` ``[B, T]``, the forward split over rows so that
+    at most ``LOGIT_BUDGET`` logits exist at once (a large vocabulary at batch 32 would need tens of GB)."""
+    rows = max(1, LOGIT_BUDGET // max(1, batch.shape[1] * model.config.get_text_config().vocab_size))
+    out = []
+    for j in range(0, len(batch), rows):
+        part = batch[j : j + rows]
+        logits = model(part, use_cache=False).logits
+        out.append(torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), part[:, 1:],
+                                                     reduction="none"))
+        del logits
+    return torch.cat(out)
 
 
 def default_split(source) -> str:
@@ -91,10 +105,7 @@ def position_losses(model, blocks: torch.Tensor, edges=POSITION_EDGES, batch_siz
     counts = [0] * (len(edges) - 1)
     for i in tqdm(range(0, len(blocks), batch_size), desc="loss by position", disable=not progress, leave=False):
         batch = blocks[i : i + batch_size].to(device)
-        logits = model(batch, use_cache=False).logits
-        nll = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).float(), batch[:, 1:],
-                                                reduction="none")  # [B, T - 1]: token p = column p - 1
-        del logits
+        nll = token_nll(model, batch)  # [B, T - 1]: token p = column p - 1
         for b, (lo, hi) in enumerate(zip(edges, edges[1:])):
             part = nll[:, max(lo, 1) - 1 : hi - 1]
             sums[b] += part.double().sum().item()

@@ -33,7 +33,8 @@ from .linear_attention import _augment, _group, accum_dtype
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 KERNEL_MAX_WINDOW = 128  # a query chunk's two window tiles are [w, w] each
-KERNEL_MAX_WIDTH = 256  # head dim and feature width the tiles hold
+KERNEL_MAX_WIDTH = 128  # head dim and feature width the tiles hold (256, Gemma 3's head dim, needs
+# 268 KiB of shared memory, more than an H100's 227 KiB)
 
 
 def _normalise(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
