@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: setup demo test test-fast teachers gpu-job clean
+.PHONY: setup demo test test-fast teachers clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)

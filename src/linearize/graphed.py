@@ -3,7 +3,7 @@
 On an H100 the linearized students' training steps are bound by the host, not the GPU: their
 kernels take less GPU time than the teacher's, but each step issues ~240 Triton launches through
 Python (fla's autotuner and wrappers, our own kernels) and the host needs longer to issue a step than
-the GPU needs to run it (docs/RESULTS.md, fifth GPU session). Captured once as CUDA graphs
+the GPU needs to run it. Captured once as CUDA graphs
 (``torch.cuda.make_graphed_callables``: one graph for the forward, one for the backward), a step is a
 replay of each; the optimizer, gradient clipping and the scheduler stay eager.
 

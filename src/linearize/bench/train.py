@@ -15,8 +15,7 @@ Trainer's ``bf16=True``), fp32 on CPU. Each shape
 gets ``--warmup`` untimed steps (compilation, fla autotuning, allocator) and ``--steps`` timed
 ones; tokens/s = batch x length x steps / seconds, with the peak memory on CUDA. A shape that runs
 out of memory is recorded as such. The ratio column compares each model with the teacher at the
-same shape: the SUPRA target is >= 0.8 at 16x1024 and >= 1.5 at 8k-token sequences; the XATL target
-is >= 1 at 2k and > 1 at 8k.
+same shape.
 
 ``--compile`` runs every model's forward through ``torch.compile`` (rows named ``MODEL+compile``;
 each shape compiles anew). On the GPU the eager students spend part of their step launching

@@ -85,12 +85,11 @@ def head_group_norm(o: torch.Tensor, norm: nn.GroupNorm, gate: torch.Tensor | No
     times ``silu(gate)`` (``[B, H, T, D]``) where a gate is given.
 
     The same function as ``norm(o.transpose(1, 2).reshape(B * T, H * D))``, computed as a layer norm
-    over each head's D features followed by the per-channel affine: GroupNorm's CUDA backward for
-    the affine parameters, over B * T rows of few channels, took 10 ms of a 144 ms SUPRA training
-    step at 2 x 8192 on an H200 (docs/RESULTS.md); layer norm's backward and a plain sum do not.
-    On CUDA (``fused``, Triton installed, not float64) one fused Triton kernel pair does the norm, the
-    affine and the gate (``ops/group_norm_gate_triton.py``): PyTorch's layer norm is slow on rows of
-    64 features, and with the separate affine and gate it took ~15 ms of a ~150 ms step on an H100.
+    over each head's D features followed by the per-channel affine (GroupNorm's CUDA backward for
+    the affine parameters is slow over B * T rows of few channels; a layer norm and a plain sum are
+    not). On CUDA (``fused``, Triton installed, not float64) one fused Triton kernel pair does the
+    norm, the affine and the gate (``ops/group_norm_gate_triton.py``): PyTorch's layer norm is slow
+    on rows of 64 features, and the separate affine and gate add launches.
     Its output is in the autocast dtype under autocast (the output projection's input dtype either
     way). Returns a ``[B, H, T, D]`` view of ``[B, T, H, D]`` storage.
     """

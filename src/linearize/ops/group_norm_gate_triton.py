@@ -6,8 +6,7 @@ For ``x [..., H, D]`` (one row per head of each token), per row::
     y = ((x - mean) * rsqrt(var + eps) * w[h] + b[h]) * silu(gate)
 
 PyTorch's layer norm is slow on rows of only D = 64 features, and the affine, the gate and their
-backward passes each add launches and round trips through memory (about 15 ms of a 150 ms SUPRA or
-RetNet training step on an H100). Here one launch does the forward and one the backward.
+backward passes each add launches and round trips through memory. Here one launch does the forward and one the backward.
 
 Each program takes one head of a block of ``TILE // BLOCK_D`` tokens: a ``[tokens, BLOCK_D]`` tile
 whose rows share ``w[h]`` and ``b[h]``, so the backward sums ``dw`` and ``db`` over the tile's rows
