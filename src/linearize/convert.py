@@ -13,7 +13,8 @@ from torch import nn
 
 from . import __version__
 from .errors import LinearizeError
-from .mixers import MIXERS, Mixer
+from .kinds import mixer_class
+from .mixers import Mixer
 from .models import get_adapter
 from .spec import Spec
 
@@ -39,7 +40,7 @@ def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_soft
         raise LinearizeError(f"keep_softmax {bad} out of range: the model has layers 0..{n_layers - 1}")
 
     student = teacher if inplace else copy.deepcopy(teacher)
-    mixer_cls = MIXERS[spec.kind]
+    mixer_cls = mixer_class(spec.kind)
     for i, layer in enumerate(adapter.layers(student)):
         if i in spec.keep_softmax:
             continue

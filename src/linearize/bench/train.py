@@ -33,9 +33,11 @@ from pathlib import Path
 
 import torch
 
+from .. import kinds
 from ..errors import LinearizeError
 
-MODELS = ("teacher", "supra", "t2r", "lolcats", "retnet", "striped_mamba")
+# the teacher, every mixer kind (linearize/kinds.py) and SUPRA's T2R baseline
+MODELS = ("teacher", *kinds.names(), "t2r")
 
 
 @dataclass
@@ -59,13 +61,13 @@ def build(teacher, name: str, backend: str = "auto"):
         import copy
 
         return copy.deepcopy(teacher)
-    if name == "supra":
-        return linearize.convert(teacher, {"kind": "supra", "backend": backend})
     if name == "t2r":
         return linearize.convert(teacher, {"kind": "supra", "norm": "sum", "decay": "none", "backend": backend})
     if name == "lolcats":
         return linearize.convert(teacher, {"kind": "lolcats"})
-    if name in ("retnet", "striped_mamba"):
+    if name in kinds.names("convert"):
+        return linearize.convert(teacher, {"kind": name, "backend": backend})
+    if name in kinds.names("build"):
         return build_xatl(teacher, name, backend=backend, seed=0)[0]
     raise LinearizeError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
