@@ -219,15 +219,17 @@ def test_delta_student_saves_loads_and_holds_constant_memory(tiny_model, tmp_pat
 
 
 def test_attention_transfer_trains_the_new_parameters(tiny_model):
-    """In transfer mode the layer returns the teacher's output and an MSE whose gradients reach the
+    """Under attention transfer (distill probes) the layer's output MSE to the teacher sends gradients to the
     gates, the mix and the feature maps (the recipes train them later)."""
+    from linearize.distill import transfer_probes
+
     student = linearize.convert(tiny_model("llama"), {"kind": "delta", "window": 4})
-    for m in linearize.mixers(student).values():
-        m.mode = "transfer"
     ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(2))
-    student(ids)
+    layers = sorted(linearize.mixers(student))
+    with transfer_probes(student, layers) as probes:
+        student(ids)
+    probes[1].mse.backward()
     m = linearize.mixers(student)[1]
-    m.transfer_loss.backward()
     for name in ("feature_map_q.weight", "feature_map_k.weight", "decay_proj.weight", "beta_proj.weight",
                  "mix_proj.weight", "A_log", "dt_bias"):
         grad = dict(m.named_parameters())[name].grad

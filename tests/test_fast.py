@@ -38,7 +38,7 @@ def _ids(b=1, t=9, seed=0):
 
 def _xatl(tiny_model, arch, hybrid, dtype=torch.float64):
     model, _ = build_xatl(tiny_model("llama", dtype=dtype, num_hidden_layers=4), arch,
-                          hybrid_softmax_layers=hybrid, seed=0)
+                          keep_softmax=hybrid, seed=0)
     model.generation_config.eos_token_id = None
     return model
 

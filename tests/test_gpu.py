@@ -79,7 +79,7 @@ def test_retnet_trains_through_fla_under_autocast(tiny_model, hybrid):
     ids = torch.randint(0, 97, (2, 300), device="cuda")
     grads = {}
     for backend in ("fla", "torch"):
-        model, _ = build_xatl(teacher, "retnet", hybrid_softmax_layers=hybrid, seed=0, backend=backend)
+        model, _ = build_xatl(teacher, "retnet", keep_softmax=hybrid, seed=0, backend=backend)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             loss = model(ids, labels=ids, use_cache=False).loss
         loss.backward()

@@ -19,7 +19,7 @@ def _models(tiny_model):
         yield str(spec), linearize.convert(tiny_model("llama", dtype=torch.float32).cuda(), spec)
     for arch in ("retnet", "mamba"):
         yield arch, build_xatl(tiny_model("llama", dtype=torch.float32, num_hidden_layers=4).cuda(), arch,
-                               hybrid_softmax_layers="xatl", seed=0)[0]
+                               keep_softmax="xatl", seed=0)[0]
     yield "teacher", tiny_model("llama", dtype=torch.float32).cuda()
 
 

@@ -138,18 +138,19 @@ def test_two_processes_equal_one(workspace, tmp_path):
 @pytest.mark.parametrize("kind", ["lolcats", "linear"])
 def test_attention_weight_cross_entropy(tiny_model, kind):
     """The optional Hedgehog loss: the mixers' weights are distributions, and a full window is the teacher's."""
-    from linearize.recipes.lolcats import _set_modes, attention_transfer_loss
+    from linearize.distill import build_objective, transfer_probes
 
     student = linearize.convert(tiny_model("llama", dtype=torch.float64), {"kind": kind, "window": 64, "feature_dim": 8})
     ids = torch.randint(0, 97, (2, 21))
-    _set_modes(student, {0, 1, 2})
-    for m in linearize.mixers(student).values():
-        m.with_xent = True
-    loss = attention_transfer_loss([0, 1, 2], mse_factor=0.0, xent_factor=1.0)(student, {"input_ids": ids})
+    loss_fn = build_objective("attention_mse", context=dict(layers=(0, 1, 2), mse_factor=0.0, xent_factor=1.0))
+    loss = loss_fn(student, {"input_ids": ids})
     loss.backward()
-    xents = [m.transfer_xent.item() for m in linearize.mixers(student).values()]
+    with torch.no_grad(), transfer_probes(student, [0, 1, 2], with_xent=True) as probes:
+        student(input_ids=ids, use_cache=False)
+    xents = [p.xent.item() for p in probes.values()]
+    assert loss.item() == pytest.approx(sum(xents) / 3, rel=1e-12)
     if kind == "lolcats":  # window >= T: the hybrid's weights are the teacher's, so xent = teacher entropy
-        assert all(m.transfer_loss.item() < 1e-20 for m in linearize.mixers(student).values())
+        assert all(p.mse.item() < 1e-20 for p in probes.values())
     assert all(x > 0 for x in xents)
     if kind == "linear":  # the loss reaches the feature maps
         grad = linearize.mixers(student)[0].feature_map_q.weight.grad

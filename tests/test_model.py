@@ -169,11 +169,14 @@ def test_left_padded_batch_generates_like_single_sequences(tiny_model, spec):
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gemma3_text", "gpt_neox"])
 def test_teacher_mode_reproduces_the_teacher(tiny_model, family):
-    """Attention transfer's target: a mixer in teacher mode computes the softmax attention it replaced."""
+    """Attention transfer's target: a mixer seen through ``softmax_view`` computes the softmax attention it replaced."""
     teacher = tiny_model(family, dtype=torch.float64)
+    from linearize.distill import softmax_view
+
     student = linearize.convert(teacher, "lolcats", window=4)
-    for m in linearize.mixers(student).values():
-        m.mode = "teacher"
     ids = _ids()
     tol = 1e-6 if family.startswith("gemma") else 1e-10
-    torch.testing.assert_close(student(ids).logits, teacher(ids).logits, atol=tol, rtol=0)
+    with softmax_view(student):
+        logits = student(ids).logits
+    torch.testing.assert_close(logits, teacher(ids).logits, atol=tol, rtol=0)
+    assert all(type(m).__name__ == "LolcatsAttention" for m in linearize.mixers(student).values())  # put back

@@ -234,8 +234,8 @@ def test_model_gradients_recurrent_equal_parallel(kind):
 @pytest.mark.parametrize("arch,hybrid", [("retnet", None), ("mamba", None), ("retnet", "xatl"), ("mamba", "xatl")])
 def test_greedy_generate_equals_argmax_of_parallel_forwards(arch, hybrid):
     student, report = build_xatl(_teacher(dtype=torch.float32, num_hidden_layers=4), arch,
-                                 hybrid_softmax_layers=hybrid, seed=0)
-    assert report.softmax_layers == ((2,) if hybrid else ())
+                                 keep_softmax=hybrid, seed=0)
+    assert report.keep_softmax == ((2,) if hybrid else ())
     student.generation_config.eos_token_id = None  # the tiny config's eos (2) would end generation early
     prompt = _ids(b=1, t=7)
     out = student.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -277,7 +277,7 @@ TRANSFERS = [
 def test_transferred_tensors_equal_the_teachers_and_the_rest_is_fresh(arch, transfer, hybrid, tie):
     teacher = _perturbed(_teacher(dtype=torch.float32, num_hidden_layers=4, tie_word_embeddings=tie))
     before = {k: v.clone() for k, v in teacher.state_dict().items()}
-    student, report = build_xatl(teacher, arch, transfer=transfer, hybrid_softmax_layers=hybrid, seed=0)
+    student, report = build_xatl(teacher, arch, transfer=transfer, keep_softmax=hybrid, seed=0)
     t_state = teacher.state_dict()
     params = dict(student.named_parameters())
 
@@ -300,14 +300,14 @@ def test_transferred_tensors_equal_the_teachers_and_the_rest_is_fresh(arch, tran
     if "wo" in report.transfer:
         assert {"model.layers.1.self_attn.o_proj.weight", "model.layers.1.input_layernorm.weight"} <= set(report.copied["wo"])
     if "attention" in report.transfer:
-        assert f"model.layers.{report.softmax_layers[0]}.self_attn.q_proj.weight" in report.copied["attention"]
+        assert f"model.layers.{report.keep_softmax[0]}.self_attn.q_proj.weight" in report.copied["attention"]
     if tie:
         assert student.lm_head.weight is student.model.embed_tokens.weight
     # the teacher is untouched; the record is in the config
     assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in before.items())
     assert student.config.linearize["xatl"]["transfer"] == list(report.transfer)
-    assert student.config.linearize["keep_softmax"] == list(report.softmax_layers)
-    for i in report.softmax_layers:
+    assert student.config.linearize["keep_softmax"] == list(report.keep_softmax)
+    for i in report.keep_softmax:
         assert type(student.model.layers[i].self_attn).__name__ == "LlamaAttention"
     assert set(transferred_parameters(student)) == set(copied)
 
@@ -315,7 +315,7 @@ def test_transferred_tensors_equal_the_teachers_and_the_rest_is_fresh(arch, tran
 @pytest.mark.parametrize("arch", ["retnet", "mamba"])
 def test_scratch_shares_nothing_with_the_teacher(arch):
     teacher = _perturbed(_teacher(dtype=torch.float32, num_hidden_layers=4, initializer_range=0.02))
-    student, report = build_xatl(teacher, arch, transfer="scratch", hybrid_softmax_layers="xatl", seed=0)
+    student, report = build_xatl(teacher, arch, transfer="scratch", keep_softmax="xatl", seed=0)
     assert report.copied_names == [] and report.transfer == ()
     teacher_tensors = list(teacher.state_dict().values())
     for name, p in student.named_parameters():
@@ -344,7 +344,7 @@ def test_same_seed_same_student_and_global_rng_untouched():
 @pytest.mark.parametrize("family", ["gemma2", "gpt_neox", "qwen3"])
 def test_transfer_map_covers_other_families(family):
     teacher = _perturbed(_teacher(family, dtype=torch.float32, num_hidden_layers=4))
-    student, report = build_xatl(teacher, "retnet", hybrid_softmax_layers="xatl", seed=0)
+    student, report = build_xatl(teacher, "retnet", keep_softmax="xatl", seed=0)
     t_state, params = teacher.state_dict(), dict(student.named_parameters())
     assert set(report.copied_names) | set(report.fresh) == set(params)
     for name in report.copied_names:
@@ -365,11 +365,11 @@ def test_xatl_hybrid_layers():
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(arch="mamba", transfer=("embeddings", "wo")), "W_O cannot be transferred to Mamba"),
-    (dict(arch="retnet", transfer=("attention",)), "give hybrid softmax layers"),
+    (dict(arch="retnet", transfer=("attention",)), "give keep_softmax layers"),
     (dict(arch="retnet", transfer="embeddings,mlp"), "unknown transfer item"),
     (dict(arch="gla"), "unknown XATL architecture"),
-    (dict(arch="retnet", hybrid_softmax_layers=[9]), "out of range"),
-    (dict(arch="retnet", hybrid_softmax_layers="first"), "layer indices"),
+    (dict(arch="retnet", keep_softmax=[9]), "out of range"),
+    (dict(arch="retnet", keep_softmax="first"), "layer indices"),
     (dict(arch="retnet", keep_softmax=[1]), "sets keep_softmax itself"),
     (dict(arch="retnet", norm="sum"), "GroupNorm"),
 ])
@@ -383,7 +383,7 @@ def test_bad_choices_fail_with_one_line(kwargs, match):
 @pytest.mark.parametrize("arch,hybrid", [("retnet", "xatl"), ("mamba", None)])
 def test_save_load_roundtrip_gives_identical_logits(tmp_path, arch, hybrid):
     student, report = build_xatl(_teacher(dtype=torch.float32, num_hidden_layers=4), arch,
-                                 hybrid_softmax_layers=hybrid, seed=0)
+                                 keep_softmax=hybrid, seed=0)
     linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
     loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")
     ids = _ids()
@@ -529,8 +529,8 @@ def test_lit_inside_a_trainer_run(tmp_path):
 @pytest.mark.parametrize("arch,hybrid", [("retnet", "xatl"), ("mamba", None)])
 def test_real_teacher_xatl_build_and_recurrent_decoding(arch, hybrid):
     teacher, tokenizer = linearize.load_teacher(dtype="float32", device="cpu")
-    student, report = build_xatl(teacher, arch, hybrid_softmax_layers=hybrid, seed=0)
-    assert report.softmax_layers == ((2, 15) if hybrid else ())
+    student, report = build_xatl(teacher, arch, keep_softmax=hybrid, seed=0)
+    assert report.keep_softmax == ((2, 15) if hybrid else ())
     t_state, params = teacher.state_dict(), dict(student.named_parameters())
     for name in report.copied_names:
         assert torch.equal(params[name], t_state[name]), name

@@ -20,7 +20,7 @@ from torch import nn
 
 from .errors import LinearizeError
 from .layers import apply_spec, mixers
-from .mixers import MIXERS
+from .kinds import mixer_class
 from .models import get_adapter
 from .spec import Spec
 from .version import __version__
@@ -63,7 +63,7 @@ def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_soft
 
     adapter = get_adapter(teacher.config)
     layers = adapter.layers(teacher)
-    mixer_cls = MIXERS[spec.kind]
+    mixer_cls = mixer_class(spec.kind)
     covered = [i for i, layer in enumerate(layers) if i not in spec.keep_softmax
                and mixer_cls.covers(adapter.geometry(adapter.attention(layer), teacher.config), spec)]
     if covered:

@@ -27,12 +27,15 @@ from .mixers.base import unpadded_batches
 
 
 class _NextTokenLoss(nn.Module):
-    """``model``'s mean next-token loss of ``input_ids`` against ``labels``, under autocast to ``dtype``."""
+    """``model``'s mean next-token loss of ``input_ids`` against ``labels``, under autocast to ``dtype``;
+    with ``objective`` (a capturable ``linearize.distill`` objective), that objective read off the
+    same forward's outputs instead."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype | None):
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None, objective=None):
         super().__init__()
         self.model = model
         self.dtype = dtype
+        self.objective = objective
 
     def forward(self, input_ids, labels):
         # under accelerate's mixed precision (the Trainer's bf16), model.forward is wrapped in an
@@ -42,7 +45,10 @@ class _NextTokenLoss(nn.Module):
         # causal mask as a padding mask while the stream captures
         with torch.autocast("cuda", dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None,
                             cache_enabled=False), unpadded_batches():
-            return forward(input_ids=input_ids, labels=labels, use_cache=False).loss
+            outputs = forward(input_ids=input_ids, labels=labels, use_cache=False)
+            if self.objective is None:
+                return outputs.loss
+            return self.objective.from_outputs(outputs, {"input_ids": input_ids, "labels": labels})
 
 
 class GraphedLoss:
@@ -50,12 +56,13 @@ class GraphedLoss:
 
     Gradients land in the parameters' ``.grad`` as after an eager backward (accumulated, or set
     where they are None), so any optimizer and gradient accumulation work unchanged.
-    ``dtype``: the autocast dtype (None: no autocast). The first call for a shape captures (after
+    ``dtype``: the autocast dtype (None: no autocast); ``objective``: a capturable
+    ``linearize.distill`` objective (None: the next-token loss). The first call for a shape captures (after
     ``warmup`` eager steps on a side stream, which also let fla's kernels autotune).
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype | None = torch.bfloat16, warmup: int = 3):
-        self.model, self.dtype, self.warmup = model, dtype, warmup
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None = torch.bfloat16, warmup: int = 3, objective=None):
+        self.model, self.dtype, self.warmup, self.objective = model, dtype, warmup, objective
         self.captures = 0
         self._key = None
         self._graphed = None
@@ -73,7 +80,7 @@ class GraphedLoss:
             torch.cuda.empty_cache()
             with torch.autocast("cuda", enabled=False):  # the capture sets up its own autocast
                 self._graphed = torch.cuda.make_graphed_callables(
-                    _NextTokenLoss(self.model, self.dtype), (input_ids.clone(), labels.clone()),
+                    _NextTokenLoss(self.model, self.dtype, self.objective), (input_ids.clone(), labels.clone()),
                     num_warmup_iters=self.warmup, allow_unused_input=True)
             self._key = key
             self.captures += 1

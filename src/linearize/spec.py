@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
+from . import kinds as _kinds
 from .errors import LinearizeError
 
-KINDS = ("lolcats", "linear", "supra", "retnet", "striped_mamba", "delta")
+KINDS = _kinds.names()  # every registered mixer kind (linearize/kinds.py)
 FEATURE_MAPS = ("hedgehog", "t2r", "elu", "relu")
 DECAYS = ("none", "retnet", "lightning")
 NORMS = ("sum", "group")
@@ -47,20 +48,30 @@ class Spec:
         CUDA, ``ops.use_hybrid_kernel``), ``torch`` or ``fla`` (the CUDA kernels required).
     """
 
-    kind: str = "lolcats"
-    feature_map: str | None = None
-    feature_dim: int = 64
-    window: int = 64
-    decay: str | None = None
-    norm: str | None = None
+    kind: str = field(default="lolcats", metadata={
+        "cli": True, "choices": _kinds.names, "help": "the mixer: " + _kinds.help_text() + " (default: lolcats)"})
+    feature_map: str | None = field(default=None, metadata={
+        "cli": True, "choices": FEATURE_MAPS, "help": "learned feature map for lolcats/linear (default hedgehog; "
+        "supra always uses its square shared t2r kernel)"})
+    feature_dim: int = field(default=64, metadata={
+        "cli": True, "help": "feature size per head; hedgehog outputs twice this (default 64)"})
+    window: int = field(default=64, metadata={"cli": True, "help": "sliding-window size of the lolcats hybrid (default 64)"})
+    decay: str | None = field(default=None, metadata={
+        "cli": True, "choices": DECAYS, "help": "fixed per-head decay (default: retnet for supra, none otherwise)"})
+    norm: str | None = field(default=None, metadata={
+        "cli": True, "choices": NORMS, "help": "sum: divide by phi(q).sum phi(k); group: GroupNorm per head "
+        "(default: group for supra, sum otherwise; supra with --norm sum --decay none is T2R)"})
     eps: float = 1e-6
     chunk_size: int = 64
     keep_softmax: tuple[int, ...] = field(default_factory=tuple)
-    backend: str = "auto"
-    sparse_cache: int = 0
+    backend: str = field(default="auto", metadata={
+        "cli": True, "choices": BACKENDS, "help": "auto: fla CUDA kernels when installed; torch: PyTorch only"})
+    sparse_cache: int = field(default=0, metadata={
+        "cli": True, "help": "lolcats: tokens per layer and key head kept exactly beside the window, chosen by how badly "
+        "the linear state recalls them (LoLA); 0 = off"})
 
     def __post_init__(self):
-        _check_choice("kind", self.kind, KINDS)
+        _check_choice("kind", self.kind, _kinds.names())
         _check_choice("feature_map", self.feature_map, FEATURE_MAPS, optional=True)
         _check_choice("decay", self.decay, DECAYS, optional=True)
         _check_choice("norm", self.norm, NORMS, optional=True)

@@ -5,8 +5,10 @@ where the two architectures share them; the token mixer of every layer is replac
 
 - ``retnet``: multi-scale retention (``mixers/retnet.py``), the teacher's W_O kept under its name;
 - ``striped_mamba`` (alias ``mamba``): a Mamba mixer in each block, the FFN kept (XATL §4.1);
-- hybrids of either, where softmax attention stays at some layers (``"xatl"``: layers 2 and N//2,
-  XATL §3.2).
+- either with softmax attention kept at some layers (``keep_softmax``; ``"xatl"``: layers 2 and
+  N//2, XATL §3.2).
+
+The architectures are the mixer kinds of role ``build`` in ``linearize/kinds.py``.
 
 A transfer map, chosen by the user, says which shared weights start from the teacher; every other
 tensor is initialised fresh (the teacher family's own initialiser with the config's
@@ -21,12 +23,12 @@ weights that follow them:
                 (``input_layernorm``; Gemma 2/3 also ``post_attention_layernorm``). RetNet only:
                 Mamba's output projection reads 2 x hidden features and cannot take W_O, so
                 the norm before a Mamba mixer is always fresh (reported under ``wo``)
-``attention``   hybrids: the whole softmax attention layers that stay, with their norms
+``attention``   the whole softmax attention layers that stay (``keep_softmax``), with their norms
 =============  ==========================================================================
 
 ``transfer=()`` (or ``"scratch"``) transfers nothing: embeddings, norms, FFN, everything is fresh.
-The default is ``embeddings, ffn, wo`` for RetNet and ``embeddings, ffn`` for Mamba, plus
-``attention`` for hybrids.
+The default is ``embeddings, ffn`` plus ``wo`` where the mixer keeps the teacher's W_O (RetNet,
+not Mamba), plus ``attention`` when softmax layers are kept.
 
 The structure is an ordinary spec (``kind`` and ``keep_softmax``), so ``linearize.save``/``load``
 rebuild it; the XATL choices are recorded beside it as ``config.linearize["xatl"]``. Freezing the
@@ -40,15 +42,28 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from . import kinds
 from .convert import convert
 from .errors import LinearizeError
 from .mixers.fresh import FreshMixer
 from .models import get_adapter
 
-ARCHITECTURES = {"retnet": "retnet", "mamba": "striped_mamba", "striped_mamba": "striped_mamba"}
+ARCHITECTURES = kinds.architectures()  # name or alias -> mixer kind (the kinds of role "build")
 TRANSFERS = ("embeddings", "ffn", "wo", "attention")
-DEFAULT_TRANSFER = {"retnet": ("embeddings", "ffn", "wo"), "striped_mamba": ("embeddings", "ffn")}
 SCRATCH = ("scratch", "none", "")
+
+
+def keeps_teacher_output(kind: str) -> bool:
+    """Whether the ``kind`` mixer keeps the teacher's W_O (so ``wo`` can be transferred)."""
+    return bool(getattr(kinds.mixer_class(kind), "keeps_output", False))
+
+
+def default_transfer(kind: str) -> tuple[str, ...]:
+    """``embeddings, ffn``, plus ``wo`` where the mixer keeps the teacher's W_O."""
+    return ("embeddings", "ffn") + (("wo",) if keeps_teacher_output(kind) else ())
+
+
+DEFAULT_TRANSFER = {kind: default_transfer(kind) for kind in kinds.names("build")}
 
 _FFN_NORMS = {"pre_feedforward_layernorm", "post_feedforward_layernorm"}
 _ATTENTION_NORMS = {"input_layernorm"}
@@ -57,33 +72,46 @@ _ATTENTION_NORMS = {"input_layernorm"}
 def xatl_softmax_layers(n_layers: int) -> tuple[int, ...]:
     """XATL §3.2: softmax attention stays at layers 2 and N // 2 (0-based)."""
     if n_layers < 3:
-        raise LinearizeError(f"the XATL hybrid keeps softmax at layers 2 and N/2: the model has only {n_layers} layers")
+        raise LinearizeError(f"keep_softmax 'xatl' keeps softmax at layers 2 and N/2: the model has only {n_layers} layers")
     return tuple(sorted({2, n_layers // 2}))
 
 
-def resolve_softmax_layers(hybrid_softmax_layers, n_layers: int) -> tuple[int, ...]:
-    """None / () -> none; ``"xatl"`` -> (2, N//2); indices as a list or a string like ``"2,15"``."""
-    if hybrid_softmax_layers is None:
+def parse_keep_softmax(keep_softmax) -> tuple[int, ...] | str:
+    """``keep_softmax`` checked without the model: ``"xatl"``, or layer indices (a list or a string
+    like ``"2,15"``) as a sorted tuple; None -> ()."""
+    if keep_softmax is None:
         return ()
-    if isinstance(hybrid_softmax_layers, str):
-        text = hybrid_softmax_layers.replace(" ", "")
+    if isinstance(keep_softmax, str):
+        text = keep_softmax.replace(" ", "")
         if text.lower() == "xatl":
-            return xatl_softmax_layers(n_layers)
-        hybrid_softmax_layers = [x for x in text.split(",") if x]
+            return "xatl"
+        keep_softmax = [x for x in text.split(",") if x]
     try:
-        layers = tuple(sorted({int(i) for i in hybrid_softmax_layers}))
+        layers = tuple(sorted({int(i) for i in keep_softmax}))
     except (TypeError, ValueError):
-        raise LinearizeError(f"hybrid softmax layers must be 'xatl' or layer indices like 2,15, got {hybrid_softmax_layers!r}") from None
-    bad = [i for i in layers if not 0 <= i < n_layers]
-    if bad:
-        raise LinearizeError(f"hybrid softmax layers {bad} out of range: the model has layers 0..{n_layers - 1}")
+        raise LinearizeError(f"keep_softmax must be 'xatl' or layer indices like 2,15, got {keep_softmax!r}") from None
+    if any(i < 0 for i in layers):
+        raise LinearizeError(f"keep_softmax layer indices must be >= 0, got {list(layers)}")
     return layers
 
 
-def resolve_transfer(transfer, kind: str, softmax_layers: tuple[int, ...]) -> tuple[str, ...]:
-    """The transfer map as a tuple of ``TRANSFERS`` items, checked against the architecture."""
+def resolve_keep_softmax(keep_softmax, n_layers: int) -> tuple[int, ...]:
+    """None / () -> none; ``"xatl"`` -> (2, N//2); indices as a list or a string like ``"2,15"``."""
+    layers = parse_keep_softmax(keep_softmax)
+    if layers == "xatl":
+        return xatl_softmax_layers(n_layers)
+    bad = [i for i in layers if not 0 <= i < n_layers]
+    if bad:
+        raise LinearizeError(f"keep_softmax layers {bad} out of range: the model has layers 0..{n_layers - 1}")
+    return layers
+
+
+
+def resolve_transfer(transfer, kind: str, keep_softmax) -> tuple[str, ...]:
+    """The transfer map as a tuple of ``TRANSFERS`` items, checked against the architecture
+    (``keep_softmax``: the layers that stay softmax attention, or anything true when some do)."""
     if transfer is None:
-        items = DEFAULT_TRANSFER[kind] + (("attention",) if softmax_layers else ())
+        items = default_transfer(kind) + (("attention",) if keep_softmax else ())
     else:
         if isinstance(transfer, str):
             transfer = () if transfer.strip().lower() in SCRATCH else [x for x in transfer.replace(" ", "").split(",") if x]
@@ -92,11 +120,12 @@ def resolve_transfer(transfer, kind: str, softmax_layers: tuple[int, ...]) -> tu
     if unknown:
         raise LinearizeError(f"unknown transfer item(s) {', '.join(map(str, unknown))}; accepted: "
                              f"{', '.join(TRANSFERS)} (or scratch for none)")
-    if "wo" in items and kind == "striped_mamba":
-        raise LinearizeError("W_O cannot be transferred to Mamba: its output projection reads 2 x hidden features "
-                             "(transfer embeddings, ffn and, for hybrids, attention)")
-    if "attention" in items and not softmax_layers:
-        raise LinearizeError("transfer 'attention' copies the softmax layers of a hybrid: give hybrid softmax layers")
+    if "wo" in items and not keeps_teacher_output(kind):
+        raise LinearizeError(f"W_O cannot be transferred to {kind}: its output projection reads other features than "
+                             "the teacher's W_O (Mamba's reads 2 x hidden; transfer embeddings, ffn and, with keep_softmax, "
+                             "attention)")
+    if "attention" in items and not keep_softmax:
+        raise LinearizeError("transfer 'attention' copies the kept softmax layers: give keep_softmax layers")
     return tuple(x for x in TRANSFERS if x in items)  # canonical order, no repeats
 
 
@@ -111,7 +140,7 @@ class XatlReport:
 
     kind: str
     transfer: tuple[str, ...]
-    softmax_layers: tuple[int, ...]
+    keep_softmax: tuple[int, ...]
     n_layers: int
     copied: dict[str, list[str]] = field(default_factory=dict)
     reinitialised: dict[str, list[str]] = field(default_factory=dict)
@@ -130,10 +159,10 @@ class XatlReport:
         return f"{len(names)} tensors, {sum(self.numel[n] for n in names):,} parameters"
 
     def summary(self) -> str:
-        mixer_layers = [i for i in range(self.n_layers) if i not in self.softmax_layers]
+        mixer_layers = [i for i in range(self.n_layers) if i not in self.keep_softmax]
         lines = [
             f"XATL {self.kind}: {len(mixer_layers)} {self.kind} layers"
-            + (f", softmax attention at {list(self.softmax_layers)}" if self.softmax_layers else ""),
+            + (f", softmax attention at {list(self.keep_softmax)}" if self.keep_softmax else ""),
             f"transfer: {', '.join(self.transfer) if self.transfer else 'nothing (scratch)'}",
             f"copied from the teacher: {self._count(self.copied_names)}",
         ]
@@ -144,7 +173,7 @@ class XatlReport:
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "transfer": list(self.transfer), "softmax_layers": list(self.softmax_layers),
+        return {"kind": self.kind, "transfer": list(self.transfer), "keep_softmax": list(self.keep_softmax),
                 "copied": self.copied, "reinitialised": self.reinitialised, "new": self.new}
 
 
@@ -229,26 +258,32 @@ def _reinitialise(model: nn.Module, module: nn.Module) -> None:
             model._init_weights(sub)
 
 
-def build_xatl(teacher: nn.Module, arch: str = "retnet", transfer=None, hybrid_softmax_layers=None, *,
-               seed: int | None = None, **spec) -> tuple[nn.Module, XatlReport]:
+def build_xatl(teacher: nn.Module, arch: str = "retnet", transfer=None, keep_softmax=None, *,
+               seed: int | None = None, hybrid_softmax_layers=None, **spec) -> tuple[nn.Module, XatlReport]:
     """A new ``arch`` model shaped like ``teacher``, its shared weights taken from it as ``transfer`` says.
 
-    arch: ``retnet``, ``striped_mamba`` or ``mamba`` (the same). transfer: items of ``TRANSFERS``
-    (a tuple or a comma string), ``()``/``"scratch"`` for none, None for the default.
-    hybrid_softmax_layers: None, ``"xatl"`` (layers 2 and N//2) or layer indices. seed: makes every
-    fresh tensor reproducible (the global RNG is left as it was). ``spec``: other spec keys
-    (``chunk_size``, ``backend``, ``decay`` for retnet). The teacher is left untouched.
-    Returns ``(student, report)``.
+    arch: a kind of role ``build`` (``retnet``, ``striped_mamba``) or an alias (``mamba``).
+    transfer: items of ``TRANSFERS`` (a tuple or a comma string), ``()``/``"scratch"`` for none,
+    None for the default. keep_softmax: None, ``"xatl"`` (layers 2 and N//2) or layer indices
+    (``hybrid_softmax_layers`` is its earlier name). seed: makes every fresh tensor reproducible
+    (the global RNG is left as it was). ``spec``: other spec keys (``chunk_size``, ``backend``,
+    ``decay`` for retnet). The teacher is left untouched. Returns ``(student, report)``.
     """
-    if arch not in ARCHITECTURES:
-        raise LinearizeError(f"unknown XATL architecture {arch!r}; accepted: {', '.join(ARCHITECTURES)}")
-    kind = ARCHITECTURES[arch]
+    architectures = kinds.architectures()
+    if arch not in architectures:
+        raise LinearizeError(f"unknown XATL architecture {arch!r}; accepted: {', '.join(architectures)}")
+    kind = architectures[arch]
+    if hybrid_softmax_layers is not None:
+        import warnings
+
+        warnings.warn("build_xatl(hybrid_softmax_layers=...) is now keep_softmax=...", DeprecationWarning, stacklevel=2)
+        keep_softmax = hybrid_softmax_layers if keep_softmax is None else keep_softmax
     for key in ("kind", "keep_softmax"):
         if key in spec:
-            raise LinearizeError(f"build_xatl sets {key} itself (use arch and hybrid_softmax_layers)")
+            raise LinearizeError(f"build_xatl sets {key} itself (use arch and keep_softmax)")
     adapter = get_adapter(teacher.config)
     n_layers = len(adapter.layers(teacher))
-    softmax_layers = resolve_softmax_layers(hybrid_softmax_layers, n_layers)
+    softmax_layers = resolve_keep_softmax(keep_softmax, n_layers)
     items = resolve_transfer(transfer, kind, softmax_layers)
 
     with torch.random.fork_rng(devices=[]):
@@ -263,13 +298,13 @@ def build_xatl(teacher: nn.Module, arch: str = "retnet", transfer=None, hybrid_s
 
     names = _parameter_names(student, groups)
     report = XatlReport(
-        kind=kind, transfer=items, softmax_layers=softmax_layers, n_layers=n_layers,
+        kind=kind, transfer=items, keep_softmax=softmax_layers, n_layers=n_layers,
         copied={item: names[item] for item in TRANSFERS if item in items},
         reinitialised={item: names[item] for item in TRANSFERS if item not in items and names[item]},
         new=names["new"], numel={n: p.numel() for n, p in student.named_parameters()},
     )
     student.config.linearize = {**student.config.linearize, "xatl": {
-        "arch": kind, "transfer": list(items), "softmax_layers": list(softmax_layers), "seed": seed}}
+        "arch": kind, "transfer": list(items), "keep_softmax": list(softmax_layers), "seed": seed}}
     return student, report
 
 
@@ -307,7 +342,7 @@ def set_requires_grad(parameters, flag: bool) -> int:
 
 
 __all__ = [
-    "ARCHITECTURES", "DEFAULT_TRANSFER", "TRANSFERS", "XatlReport", "build_xatl",
-    "resolve_softmax_layers", "resolve_transfer", "set_requires_grad", "transfer_groups",
+    "ARCHITECTURES", "DEFAULT_TRANSFER", "TRANSFERS", "XatlReport", "build_xatl", "default_transfer",
+    "parse_keep_softmax", "resolve_keep_softmax", "resolve_transfer", "set_requires_grad", "transfer_groups",
     "transferred_parameters", "xatl_record", "xatl_softmax_layers",
 ]

@@ -37,10 +37,12 @@ from pathlib import Path
 
 import torch
 
+from .. import kinds
 from ..errors import LinearizeError
 
-MODELS = ("teacher", "supra", "t2r", "lolcats", "retnet", "striped_mamba", "lolcats-stage1", "lolcats-stage2")
 STAGES = ("lolcats-stage1", "lolcats-stage2")  # train a part of the weights on their own loss
+# the teacher, every mixer kind (linearize/kinds.py), SUPRA's T2R baseline and the LoLCATs stages
+MODELS = ("teacher", *kinds.names(), "t2r", *STAGES)
 
 
 @dataclass
@@ -64,13 +66,13 @@ def build(teacher, name: str, backend: str = "auto"):
         import copy
 
         return copy.deepcopy(teacher)
-    if name == "supra":
-        return linearize.convert(teacher, {"kind": "supra", "backend": backend})
     if name == "t2r":
         return linearize.convert(teacher, {"kind": "supra", "norm": "sum", "decay": "none", "backend": backend})
     if name in ("lolcats", *STAGES):
         return linearize.convert(teacher, {"kind": "lolcats"})
-    if name in ("retnet", "striped_mamba"):
+    if name in kinds.names("convert"):
+        return linearize.convert(teacher, {"kind": name, "backend": backend})
+    if name in kinds.names("build"):
         return build_xatl(teacher, name, backend=backend, seed=0)[0]
     raise LinearizeError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
 
@@ -78,17 +80,17 @@ def build(teacher, name: str, backend: str = "auto"):
 def stage_setup(model, name: str):
     """For a LoLCATs stage row: make ``model`` train what that stage trains and return
     ``(model, loss_fn(model, ids))``; for the other rows ``(model, None)`` (next-token loss, every
-    weight). Stage 1 goes through the recipe's own pieces (modes, freezing, the loss), so it
+    weight). Stage 1 goes through the recipe's own pieces (freezing, the ``attention_mse`` loss), so it
     times what ``linearize lolcats`` runs."""
     if name == "lolcats-stage1":
         from ..convert import mixers
+        from ..distill import build_objective
         from ..recipes import lolcats
 
         layers = sorted(mixers(model))
-        lolcats._set_modes(model, set(layers))
         lolcats._freeze_all_but(model, set(layers))
-        lolcats._stop_after(model, layers[-1])  # the recipe stops the forward after the last mixer
-        loss = lolcats.attention_transfer_loss(layers, lolcats.LolcatsConfig.mse_factor)
+        loss = build_objective("attention_mse", context=dict(layers=tuple(layers),
+                                                             mse_factor=lolcats.LolcatsConfig.mse_factor))
         return model, lambda m, ids: loss(m, {"input_ids": ids})
     if name == "lolcats-stage2":
         from peft import LoraConfig, get_peft_model

@@ -2,7 +2,7 @@
 (the pictures of LoLCATs Figs. 9-11).
 
 For a converted model, both come from the same layer input: the mixer's own q/k projections give
-the softmax weights its teacher layer computed (``Mixer.teacher_attention``'s math) and the
+the softmax weights its teacher layer computed (``distill.probes.softmax_attention_of``'s math) and the
 mixer's normalised weights (``Mixer.attention_weights``: the hybrid's window + linear weights, or
 the linear attention's). Kinds without normalised weights (decayed or GroupNorm-ed mixers such as
 SUPRA, RetNet, Mamba) have nothing comparable and are skipped with a reason.

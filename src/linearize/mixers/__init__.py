@@ -1,4 +1,4 @@
-"""Modules that replace a softmax attention; a new mixer is one file plus a line in ``MIXERS``."""
+"""Modules that replace a softmax attention; a new mixer is one file here plus one line in ``linearize/kinds.py``."""
 
 from .base import Mixer
 from .delta import GatedDeltaAttention
@@ -8,13 +8,8 @@ from .mamba import MambaMixer
 from .retnet import RetNetRetention
 from .supra import SupraAttention
 
-MIXERS: dict[str, type[Mixer]] = {
-    "linear": LinearAttention,
-    "lolcats": LolcatsAttention,
-    "supra": SupraAttention,
-    "retnet": RetNetRetention,
-    "striped_mamba": MambaMixer,
-    "delta": GatedDeltaAttention,
-}
+from .. import kinds as _kinds
+
+MIXERS: dict[str, type[Mixer]] = {name: _kinds.mixer_class(name) for name in _kinds.names()}
 
 __all__ = ["MIXERS", "Mixer", "GatedDeltaAttention", "LinearAttention", "LolcatsAttention", "MambaMixer", "RetNetRetention", "SupraAttention"]

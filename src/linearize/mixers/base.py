@@ -14,7 +14,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .. import ops
 from ..cache import recurrent_slot
 from ..errors import LinearizeError
 from ..models.base import Adapter, Geometry
@@ -160,24 +159,8 @@ class Mixer(nn.Module):
                 device = weights.device if current.device.type == "meta" and weights is not None else current.device
                 setattr(self, name, value.to(device))
 
-    # "student": the linear-cost mixer; "teacher": the softmax attention it replaces, computed from the
-    # same projections; "transfer": both, returning the teacher's output and keeping the MSE between
-    # them in ``transfer_loss`` (LoLCATs attention transfer: every layer sees the teacher's inputs).
-    mode: str = "student"
-    transfer_loss: torch.Tensor | None = None  # MSE of the layer's output to the teacher's
-    transfer_xent: torch.Tensor | None = None  # cross-entropy of its attention weights, when with_xent
-    with_xent: bool = False
-
-    def teacher_attention(self, q, k, v, position_embeddings):
-        qr, kr = self.adapter.rope(self, q, k, position_embeddings)
-        g = self.geometry
-        return ops.softmax_attention(qr, kr, v, scale=g.scaling, softcap=g.softcap, window=g.sliding_window)
-
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, layer_past=None, **kwargs):
-        if self.mode != "student":
-            self.key_mask = None  # attention transfer trains on unpadded blocks
-            return self._teacher_forward(hidden_states, position_embeddings), None
         cache = past_key_values if past_key_values is not None else layer_past
         slot = recurrent_slot(cache, self.layer_idx) if cache is not None else None
         state = slot.state if slot is not None else None
@@ -190,30 +173,6 @@ class Mixer(nn.Module):
         if slot is not None:
             slot.store(state, q.shape[2])
         return self.adapter.out(self, o), None
-
-    def _teacher_forward(self, hidden_states, position_embeddings):
-        q, k, v = self.adapter.qkv(self, hidden_states)
-        with torch.set_grad_enabled(torch.is_grad_enabled() and self.mode == "transfer"):
-            target = self.adapter.out(self, self.teacher_attention(q, k, v, position_embeddings))
-        if self.mode == "transfer":
-            o, _ = self.sequence(q, k, v, position_embeddings, None, want_state=False)
-            pred = self.adapter.out(self, o)
-            target = target.detach()
-            self.transfer_loss = torch.nn.functional.mse_loss(pred.float(), target.float())
-            self.transfer_xent = self._weights_xent(q, k, position_embeddings) if self.with_xent else None
-            # tie the prediction to the layer's output with weight 0, so distributed training sees the
-            # mixer's parameters as used (its gradients come from transfer_loss alone)
-            target = target + 0.0 * pred
-        return target
-
-    def _weights_xent(self, q, k, position_embeddings):
-        """Hedgehog's cross-entropy between the teacher's and the mixer's attention weights."""
-        with torch.no_grad():
-            qr, kr = self.adapter.rope(self, q, k, position_embeddings)
-            g = self.geometry
-            teacher = ops.softmax_attention_weights(qr, kr, scale=g.scaling, softcap=g.softcap, window=g.sliding_window)
-        student = self.attention_weights(q, k, position_embeddings)
-        return -(teacher * torch.log(student.clamp_min(1e-12))).sum(-1).mean()
 
     def attention_weights(self, q, k, position_embeddings):
         """The mixer's normalised attention weights [B, H, T, T], for kinds that have them."""

@@ -1,7 +1,7 @@
 """One training engine for every recipe: the Hugging Face Trainer, driven by a method's loss.
 
 A recipe supplies the model (with ``requires_grad`` set on what it trains), datasets of packed
-blocks, a ``loss_fn(model, batch) -> scalar`` and callbacks. A NaN/inf loss stops the run with one
+blocks, a ``loss_fn(model, batch) -> scalar`` (a ``linearize.distill`` objective) and callbacks. A NaN/inf loss stops the run with one
 line before the step's update, so the last checkpoint stays good. The Trainer brings precision (bf16 on
 CUDA, fp32 on CPU), gradient accumulation, checkpoints and resume, a progress bar, logging,
 seeds, early stopping and multi-GPU through ``accelerate launch`` / ``torchrun``.
@@ -18,7 +18,11 @@ from typing import Callable
 import torch
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
 
+from ..distill import next_token_loss
 from ..errors import LinearizeError
+
+__all__ = ["JsonlLogger", "LossFn", "RecipeTrainer", "TrainConfig", "is_main_process", "next_token_loss", "train",
+           "training_arguments"]
 
 LossFn = Callable[[torch.nn.Module, dict], torch.Tensor]
 
@@ -194,20 +198,23 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
 
 
 def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArguments):
-    """The CUDA-graph replay of ``next_token_loss`` (``--cuda-graph``), where it applies."""
+    """The CUDA-graph replay of the training loss (``--cuda-graph``), where it applies: losses read
+    off the student's own forward (``distill`` losses marked ``capturable``: the next-token loss)."""
     from ..graphed import GraphedLoss
 
     if not torch.cuda.is_available():
         raise LinearizeError("--cuda-graph needs a CUDA device")
-    if loss_fn is not next_token_loss:
-        raise LinearizeError("--cuda-graph replays the next-token loss of the uptraining recipes (supra, xatl) only")
+    if loss_fn is not next_token_loss and not getattr(loss_fn, "capturable", False):
+        raise LinearizeError(f"--cuda-graph replays losses read off the student's own forward (the next-token loss); "
+                             f"{_loss_name(loss_fn)} cannot be captured")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise LinearizeError("--cuda-graph runs on one GPU (the gradients' all-reduce is not captured)")
     if cfg.compile:
         raise LinearizeError("choose --cuda-graph or --compile, not both")
-    return GraphedLoss(model, torch.bfloat16 if args.bf16 else None)
+    objective = None if loss_fn is next_token_loss else loss_fn
+    return GraphedLoss(model, torch.bfloat16 if args.bf16 else None, objective=objective)
 
 
-def next_token_loss(model, batch) -> torch.Tensor:
-    """Mean next-token cross-entropy of a batch of packed blocks."""
-    return model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+def _loss_name(loss_fn) -> str:
+    name = repr(loss_fn) if hasattr(loss_fn, "terms") else getattr(loss_fn, "__name__", type(loss_fn).__name__)
+    return f"the loss {name!r}"

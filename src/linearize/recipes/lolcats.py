@@ -26,11 +26,15 @@ from pathlib import Path
 import torch
 
 from .. import convert, mixers
+from ..distill import build_objective, layer_mse, softmax_view
+from ..distill.hooks import StopForward, injecting, layer_input
 from ..errors import LinearizeError
 from ..eval import perplexity
 from ..models import get_adapter
 from .common import begin_run, finish
 from .engine import TrainConfig, is_main_process, next_token_loss, train
+
+__all__ = ["LolcatsConfig", "ablation_config", "layer_mse", "run", "run_stage1", "run_stage2", "summary"]
 
 DEFAULT_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64}
 # The comparison rows of LoLCATs Table 5, by name -> (stages, spec changes)
@@ -91,48 +95,6 @@ class LolcatsConfig:
 
 # --- stage 1 -------------------------------------------------------------------------------------
 
-class _StopForward(Exception):
-    pass
-
-
-def _set_modes(student, training: set[int] | None) -> None:
-    """Layers in ``training`` transfer and the other converted layers give the teacher's output;
-    ``None`` puts every layer back to its student (linear-cost) form."""
-    for i, m in mixers(student).items():
-        m.mode = "student" if training is None else ("transfer" if i in training else "teacher")
-        m.transfer_loss = m.transfer_xent = None
-        m.with_xent = False
-
-
-def attention_transfer_loss(layers: list[int], mse_factor: float, xent_factor: float = 0.0):
-    """``mse_factor`` x the mean over ``layers`` of each mixer's output MSE to the teacher, plus
-    ``xent_factor`` x the mean cross-entropy of their attention weights (LoLCATs' stage-1 loss)."""
-    def loss_fn(model, batch):
-        inner = getattr(model, "module", model)  # under DDP the Trainer passes the wrapper
-        try:
-            model(input_ids=batch["input_ids"], use_cache=False)
-        except _StopForward:
-            pass
-        ms = mixers(inner)
-        loss = mse_factor * torch.stack([ms[i].transfer_loss for i in layers]).mean()
-        if xent_factor:
-            loss = loss + xent_factor * torch.stack([ms[i].transfer_xent for i in layers]).mean()
-        return loss
-    return loss_fn
-
-
-def _stop_after(student, layer: int):
-    """Cut the forward after ``layer`` (single process only): later layers are not needed."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return None
-    block = mixers(student)[layer]  # its attention: the layer's own output is not needed either
-
-    def hook(module, args, output):
-        raise _StopForward
-
-    return block.register_forward_hook(hook)
-
-
 class _CachedInputs(torch.utils.data.Dataset):
     """Training blocks with the teacher's hidden states entering a block of layers."""
 
@@ -146,15 +108,6 @@ class _CachedInputs(torch.utils.data.Dataset):
         return {"input_ids": self.blocks[i], "labels": self.blocks[i], "hidden": self.hidden[i]}
 
 
-def _injecting(layer: torch.nn.Module, current: dict):
-    """Make ``layer`` take ``current["hidden"]`` as its input hidden states (a forward pre-hook)."""
-    def inject(module, args, kwargs):
-        ref = kwargs.get("hidden_states", args[0] if args else None)
-        hidden = current["hidden"].to(device=ref.device, dtype=ref.dtype)
-        return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
-    return layer.register_forward_pre_hook(inject, with_kwargs=True)
-
-
 @torch.no_grad()
 def _inputs_of(student, layer: torch.nn.Module, blocks: torch.Tensor, batch_size: int, start=None) -> torch.Tensor:
     """The hidden states entering ``layer`` for every block (teacher-forced), on the CPU.
@@ -165,20 +118,21 @@ def _inputs_of(student, layer: torch.nn.Module, blocks: torch.Tensor, batch_size
     found, current = [], {}
 
     def grab(module, args, kwargs):
-        found.append((args[0] if args else kwargs["hidden_states"]).cpu())
-        raise _StopForward
+        found.append(layer_input(args, kwargs).cpu())
+        raise StopForward
 
     handles = [layer.register_forward_pre_hook(grab, with_kwargs=True)]
     if start is not None:
-        handles.append(_injecting(start[0], current))
+        handles.append(injecting(start[0], current))
     try:
-        for s in range(0, len(blocks), batch_size):
-            if start is not None:
-                current["hidden"] = start[1][s : s + batch_size]
-            try:
-                student(input_ids=blocks[s : s + batch_size].to(device), use_cache=False)
-            except _StopForward:
-                pass
+        with softmax_view(student):  # the layers before the block give the teacher's outputs
+            for s in range(0, len(blocks), batch_size):
+                if start is not None:
+                    current["hidden"] = start[1][s : s + batch_size]
+                try:
+                    student(input_ids=blocks[s : s + batch_size].to(device), use_cache=False)
+                except StopForward:
+                    pass
     finally:
         for h in handles:
             h.remove()
@@ -223,7 +177,7 @@ def _block_from_cache(student, first: int, last: int, train_ds, eval_ds, batch_s
     train = _CachedInputs(train_ds.blocks, hidden["train"])
     evals = None if eval_ds is None else _CachedInputs(eval_ds.blocks, hidden["eval"])
     current = {}
-    handle = _injecting(entry, current)
+    handle = injecting(entry, current)
     _keep_layers(layer_list, saved[first : last + 1])
     try:
         yield train, evals, lambda batch: current.update(hidden=batch["hidden"]), (first, hidden)
@@ -242,23 +196,6 @@ def _freeze_all_but(student, layers: set[int]) -> None:
                     p.requires_grad_(True)
 
 
-@torch.no_grad()
-def layer_mse(student, blocks: torch.Tensor, batch_size: int = 4) -> dict[int, float]:
-    """Each converted layer's attention-output MSE to the teacher on ``blocks`` (teacher-forced)."""
-    converted = sorted(mixers(student))
-    _set_modes(student, set(converted))
-    device = next(student.parameters()).device
-    sums = {i: 0.0 for i in converted}
-    n = 0
-    for s in range(0, len(blocks), batch_size):
-        student(input_ids=blocks[s : s + batch_size].to(device), use_cache=False)
-        for i, m in mixers(student).items():
-            sums[i] += m.transfer_loss.item()
-        n += 1
-    _set_modes(student, None)
-    return {i: v / max(n, 1) for i, v in sums.items()}
-
-
 def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dict:
     converted = sorted(mixers(student))
     k = cfg.layers_per_block or len(converted)
@@ -270,27 +207,21 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
         if (stage_dir / "done").exists():
             previous = None
             continue  # resumed run: this block finished before
-        _set_modes(student, set(group))
-        for i in group:
-            mixers(student)[i].with_xent = cfg.xent_factor > 0
         _freeze_all_but(student, set(group))
-        loss = attention_transfer_loss(group, cfg.mse_factor, cfg.xent_factor)
+        loss = build_objective("attention_mse", context=dict(layers=tuple(group), mse_factor=cfg.mse_factor,
+                                                            xent_factor=cfg.xent_factor))
         with ExitStack() as stack:
             block_train, block_eval = train_ds, eval_ds
             if len(groups) > 1 and cfg.block_inputs == "cache":
                 block_train, block_eval, feed, previous = stack.enter_context(
                     _block_from_cache(student, group[0], group[-1], train_ds, eval_ds, cfg.batch_size, previous))
                 loss = _feeding(loss, feed)
-            hook = _stop_after(student, group[-1])
-            if hook is not None:
-                stack.callback(hook.remove)
             trainer = train(student, block_train, block_eval, loss, cfg.stage_config("stage1", stage_dir),
                             stage=f"stage1[{b}]", resume=True if cfg.resume else None,
                             metrics_path=out / "metrics.jsonl")
         steps += trainer.state.global_step
         if is_main_process():
             (stage_dir / "done").write_text("ok\n")
-    _set_modes(student, None)
     return _timed({"blocks": len(groups), "steps": steps}, start, cfg)
 
 

@@ -1,0 +1,147 @@
+"""Modules that stand in for a student's mixers while a loss looks at them: explicit wrappers, put
+in place through the family adapter's ``set_attention`` and taken out again afterwards.
+
+- ``SoftmaxAttention(mixer)``: the teacher's softmax attention computed from the mixer's own q/k/v/o
+  projections (the teacher's, for the kinds that adopt them: LoLCATs, linear, SUPRA before its
+  weights move). No gradient flows through it.
+- ``AttentionTransferProbe(mixer)``: LoLCATs attention transfer for one layer. It projects q/k/v
+  once, computes the teacher's softmax attention and the mixer's own output from them, keeps the
+  MSE between the two outputs (and optionally Hedgehog's cross-entropy between their attention
+  weights) and returns the teacher's output, so the next layer sees the teacher's input.
+
+Both answer the attention call as a mixer does (``hidden_states``, ``position_embeddings``, ...)
+with ``(output, None)``.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .. import ops
+from ..errors import LinearizeError
+from ..mixers.base import Mixer
+from ..mixers.fresh import FreshMixer
+from ..models import get_adapter
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model under a DDP / compile wrapper and under PEFT's ``PeftModel`` (the module whose
+    config names the family)."""
+    model = getattr(model, "module", model)  # DistributedDataParallel
+    model = getattr(model, "_orig_mod", model)  # torch.compile
+    get_base = getattr(model, "get_base_model", None)  # peft
+    return get_base() if callable(get_base) else model
+
+
+def softmax_attention_of(mixer: Mixer, q, k, v, position_embeddings) -> torch.Tensor:
+    """The softmax attention the mixer replaced, on its q/k/v (before RoPE): ``[B, H, T, D]``."""
+    qr, kr = mixer.adapter.rope(mixer, q, k, position_embeddings)
+    g = mixer.geometry
+    return ops.softmax_attention(qr, kr, v, scale=g.scaling, softcap=g.softcap, window=g.sliding_window)
+
+
+def attention_weights_xent(mixer: Mixer, q, k, position_embeddings) -> torch.Tensor:
+    """Hedgehog's cross-entropy between the teacher's softmax weights and the mixer's own
+    normalised attention weights (``Mixer.attention_weights``), mean over queries."""
+    with torch.no_grad():
+        qr, kr = mixer.adapter.rope(mixer, q, k, position_embeddings)
+        g = mixer.geometry
+        teacher = ops.softmax_attention_weights(qr, kr, scale=g.scaling, softcap=g.softcap, window=g.sliding_window)
+    student = mixer.attention_weights(q, k, position_embeddings)
+    return -(teacher * torch.log(student.clamp_min(1e-12))).sum(-1).mean()
+
+
+class _Wrapper(nn.Module):
+    """Holds a mixer as its only child; decoder layers that read ``attn.config`` still find it."""
+
+    def __init__(self, mixer: Mixer):
+        super().__init__()
+        if isinstance(mixer, FreshMixer):
+            raise LinearizeError(f"layer {mixer.layer_idx}: the {mixer.kind} mixer has its own projections, so it "
+                                 "cannot give the teacher's attention; use a separate teacher (distill_teacher: copy)")
+        self.mixer = mixer
+        self.config = mixer.config
+
+
+class SoftmaxAttention(_Wrapper):
+    """The teacher's attention from ``mixer``'s projections, without gradients."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        m = self.mixer
+        with torch.no_grad():
+            q, k, v = m.adapter.qkv(m, hidden_states)
+            return m.adapter.out(m, softmax_attention_of(m, q, k, v, position_embeddings)), None
+
+
+class AttentionTransferProbe(_Wrapper):
+    """Attention transfer for one layer; after a forward, ``mse`` (and ``xent`` when ``with_xent``)
+    hold this layer's loss terms for that forward. Trains on unpadded blocks (no mask is read)."""
+
+    def __init__(self, mixer: Mixer, with_xent: bool = False):
+        super().__init__(mixer)
+        self.with_xent = with_xent
+        self.mse: torch.Tensor | None = None
+        self.xent: torch.Tensor | None = None
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        m = self.mixer
+        m.key_mask = None
+        q, k, v = m.adapter.qkv(m, hidden_states)
+        target = m.adapter.out(m, softmax_attention_of(m, q, k, v, position_embeddings)).detach()
+        o, _ = m.sequence(q, k, v, position_embeddings, None, want_state=False)
+        pred = m.adapter.out(m, o)
+        self.mse = F.mse_loss(pred.float(), target.float())
+        self.xent = attention_weights_xent(m, q, k, position_embeddings) if self.with_xent else None
+        # tie the prediction to the layer's output with weight 0, so distributed training sees the
+        # mixer's parameters as used (their gradients come from the MSE alone)
+        return target + 0.0 * pred, None
+
+
+@contextmanager
+def swapped(model: nn.Module, make):
+    """Inside, every mixer ``m`` of ``model`` (a student, possibly wrapped) is replaced by
+    ``make(m)`` (a module, or None to leave it); yields ``{layer index: wrapper}``; the mixers are
+    back afterwards, whatever happens inside."""
+    inner = unwrap(model)
+    adapter = get_adapter(inner.config)
+    done = []
+    try:
+        for layer in adapter.layers(inner):
+            m = adapter.attention(layer)
+            if isinstance(m, Mixer):
+                wrapper = make(m)
+                if wrapper is not None:
+                    adapter.set_attention(layer, wrapper)
+                    done.append((layer, m, wrapper))
+        yield {m.layer_idx: w for _, m, w in done}
+    finally:
+        for layer, m, _ in done:
+            adapter.set_attention(layer, m)
+
+
+@contextmanager
+def transfer_probes(model: nn.Module, layers, with_xent: bool = False):
+    """Attention transfer on ``layers`` (layer indices): each gets an ``AttentionTransferProbe``,
+    every other converted layer gives the teacher's output (``SoftmaxAttention``). Yields the probes
+    by layer index."""
+    layers = set(layers)
+    with swapped(model, lambda m: AttentionTransferProbe(m, with_xent) if m.layer_idx in layers
+                 else SoftmaxAttention(m)) as wrappers:
+        yield {i: w for i, w in wrappers.items() if i in layers}
+
+
+@contextmanager
+def softmax_view(model: nn.Module):
+    """``model`` as its own teacher: every mixer computes the softmax attention of its projections,
+    and PEFT adapters (LoRA) are off. For students whose mixers adopt the teacher's projections."""
+    peft_off = getattr(model, "disable_adapter", None)
+    with swapped(model, SoftmaxAttention):
+        if callable(peft_off) and hasattr(model, "peft_config"):
+            with peft_off():
+                yield model
+        else:
+            yield model
