@@ -14,7 +14,7 @@ def test_every_list_of_kinds_holds_every_kind():
     from linearize.mixers import MIXERS
 
     every, built = set(kinds.names()), set(kinds.names("build"))
-    assert every == {"lolcats", "linear", "supra", "retnet", "striped_mamba"}
+    assert every == {"lolcats", "linear", "supra", "retnet", "striped_mamba", "delta"}
     assert set(spec.KINDS) == every
     assert set(MIXERS) == every
     assert every <= set(bench_train.MODELS)

@@ -6,7 +6,8 @@ from __future__ import annotations
 from torch import nn
 
 from .errors import LinearizeError
-from .mixers import MIXERS, Mixer
+from .kinds import mixer_class
+from .mixers import Mixer
 from .models import get_adapter
 from .spec import Spec
 
@@ -21,7 +22,7 @@ def apply_spec(model: nn.Module, spec: Spec) -> nn.Module:
     bad = [i for i in spec.keep_softmax if not 0 <= i < n_layers]
     if bad:
         raise LinearizeError(f"keep_softmax {bad} out of range: the model has layers 0..{n_layers - 1}")
-    mixer_cls = MIXERS[spec.kind]
+    mixer_cls = mixer_class(spec.kind)
     for i, layer in enumerate(layers):
         if i in spec.keep_softmax:
             continue

@@ -92,7 +92,8 @@ class AttentionTransferProbe(_Wrapper):
         m.key_mask = None
         q, k, v = m.adapter.qkv(m, hidden_states)
         target = m.adapter.out(m, softmax_attention_of(m, q, k, v, position_embeddings)).detach()
-        o, _ = m.sequence(q, k, v, position_embeddings, None, want_state=False)
+        with m.reading(hidden_states):
+            o, _ = m.sequence(q, k, v, position_embeddings, None, want_state=False)
         pred = m.adapter.out(m, o)
         self.mse = F.mse_loss(pred.float(), target.float())
         self.xent = attention_weights_xent(m, q, k, position_embeddings) if self.with_xent else None

@@ -159,6 +159,13 @@ class Mixer(nn.Module):
                 device = weights.device if current.device.type == "meta" and weights is not None else current.device
                 setattr(self, name, value.to(device))
 
+    @contextlib.contextmanager
+    def reading(self, hidden_states):
+        """Inside, ``sequence`` / ``step`` may read the layer's input ``hidden_states`` (a mixer whose
+        gates are computed from it overrides this); callers that run ``sequence`` without ``forward``
+        (``distill.probes``) enter it."""
+        yield
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, layer_past=None, **kwargs):
         cache = past_key_values if past_key_values is not None else layer_past

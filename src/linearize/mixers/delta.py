@@ -28,6 +28,8 @@ is new.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 
 import torch
@@ -88,9 +90,14 @@ class GatedDeltaAttention(Mixer):
         return self.new_parameters_like(lin)
 
     def forward(self, hidden_states, *args, **kwargs):
+        with self.reading(hidden_states):
+            return super().forward(hidden_states, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def reading(self, hidden_states):
         self._hidden = hidden_states  # the gates read the layer's input
         try:
-            return super().forward(hidden_states, *args, **kwargs)
+            yield
         finally:
             self._hidden = None
 
