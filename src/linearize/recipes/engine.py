@@ -100,6 +100,11 @@ class RecipeTrainer(Trainer):
         return loss, None, None
 
 
+def under_fsdp() -> bool:
+    """Launched by ``accelerate launch`` with an FSDP configuration (``recipes/launch/fsdp.yaml``)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+
+
 def _gloo_on_one_host() -> None:
     """Gloo finds its network device by resolving the host name; on machines whose name does not
     resolve (containers, CI) a single-host run would fail, so it uses the loopback device instead."""

@@ -32,7 +32,7 @@ from ..errors import LinearizeError
 from ..eval import perplexity
 from ..models import get_adapter
 from .common import begin_run, finish
-from .engine import TrainConfig, is_main_process, next_token_loss, train
+from .engine import TrainConfig, is_main_process, next_token_loss, train, under_fsdp
 
 __all__ = ["LolcatsConfig", "ablation_config", "layer_mse", "run", "run_stage1", "run_stage2", "summary"]
 
@@ -272,6 +272,11 @@ def run(cfg: LolcatsConfig) -> dict:
     unknown = set(cfg.stages) - {"stage1", "stage2"}
     if unknown or not cfg.stages:
         raise LinearizeError(f"stages must be a non-empty subset of stage1, stage2; got {list(cfg.stages)}")
+    if "stage1" in cfg.stages and under_fsdp():
+        raise LinearizeError("stage 1 (attention transfer) does not run under FSDP: its per-layer losses are "
+                             "computed inside the sharded layers, past FSDP's backward hooks; train stage 1 "
+                             "data-parallel (torchrun, or python -m linearize.recipes.launch ddp), or block-wise "
+                             "(--layers-per-block) on one GPU")
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
     ppl = results["perplexity"]
     student = convert(teacher, cfg.spec, keep_softmax=list(cfg.keep_softmax) or None, inplace=True)
