@@ -73,7 +73,10 @@ def cmd_convert(args) -> int:
     from . import convert, load_teacher, save
     from .info import describe
 
+    from .spec import Spec
+
     spec, other = _spec_from_args(args)
+    Spec.coerce(spec)  # a bad spec fails here, before the teacher loads
     teacher_spec = args.teacher if args.teacher != "default" else other.get("teacher")
     teacher, tokenizer = load_teacher(teacher_spec, dtype=args.dtype, device=args.device)
     student = convert(teacher, spec, inplace=True)
@@ -443,10 +446,41 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# Checked for every command that has the option, before anything loads: (option, rule, what it must be).
+ARGUMENT_RULES = [
+    *((name, lambda v: v >= 1, "a positive whole number") for name in (
+        "batch_size", "grad_accum", "lora_r", "layers_per_block", "eval_steps", "steps", "stage1_steps",
+        "stage2_steps", "max_new_tokens", "block_len", "train_blocks", "eval_blocks", "prompt_len", "feature_dim",
+        "window", "max_blocks", "prefill_batch", "lora_alpha")),
+    *((name, lambda v: all(x >= 1 for x in v), "positive whole numbers") for name in ("batch_sizes", "new_tokens")),
+    *((name, lambda v: v >= 0, "zero or more") for name in ("temperature", "top_k", "patience", "sparse_cache",
+                                                          "warmup_steps", "stage1_epochs", "stage2_epochs")),
+    *((name, lambda v: v > 0, "positive") for name in ("lr", "min_lr", "stage1_lr", "stage2_lr", "mse_factor")),
+    ("xent_factor", lambda v: v >= 0, "zero or more"),
+    ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+]
+
+
+def check_arguments(args) -> None:
+    """One ``LinearizeError`` for the first option outside its range (``ARGUMENT_RULES``), and for an
+    output path that cannot be what the command writes, before any model, data or teacher loads."""
+    for name, ok, what in ARGUMENT_RULES:
+        value = getattr(args, name, None)
+        if value is not None and not isinstance(value, bool) and not ok(value):
+            flag = "--" + name.replace("_", "-")
+            shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+            raise LinearizeError(f"{flag} must be {what}, got {shown}")
+    out = getattr(args, "out", None)
+    if getattr(args, "command", None) in ("convert", "lolcats", "supra", "xatl") and out is not None \
+            and Path(out).exists() and not Path(out).is_dir():
+        raise LinearizeError(f"--out {out} is a file; the command writes a folder there")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_arguments(args)
         return args.func(args)
     except LinearizeError as exc:
         print(f"linearize: error: {exc}", file=sys.stderr)
