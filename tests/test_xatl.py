@@ -364,13 +364,13 @@ def test_xatl_hybrid_layers():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(arch="mamba", transfer=("embeddings", "wo")), "W_O cannot be transferred to Mamba"),
+    (dict(arch="mamba", transfer=("embeddings", "wo")), "W_O cannot be transferred to striped_mamba"),
     (dict(arch="retnet", transfer=("attention",)), "give keep_softmax layers"),
     (dict(arch="retnet", transfer="embeddings,mlp"), "unknown transfer item"),
     (dict(arch="gla"), "unknown XATL architecture"),
     (dict(arch="retnet", keep_softmax=[9]), "out of range"),
     (dict(arch="retnet", keep_softmax="first"), "layer indices"),
-    (dict(arch="retnet", keep_softmax=[1]), "sets keep_softmax itself"),
+    (dict(arch="retnet", kind="lolcats"), "sets kind itself"),
     (dict(arch="retnet", norm="sum"), "GroupNorm"),
 ])
 def test_bad_choices_fail_with_one_line(kwargs, match):
