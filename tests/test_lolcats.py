@@ -77,6 +77,26 @@ def test_resume_continues_the_same_run(workspace, monkeypatch, tmp_path):
         torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("layers_per_block", [None, 1])
+def test_resume_after_stage_one_keeps_its_weights(workspace, monkeypatch, tmp_path, layers_per_block):
+    """A run stopped after stage 1 (or in stage 2) and resumed ends as the uninterrupted run: stage 1,
+    marked done, comes back with its trained weights (block by block when block-wise) instead of
+    leaving stage 2 to start from the untrained conversion."""
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    kw = dict(stage1_steps=10, layers_per_block=layers_per_block, eval_steps=5)
+    whole = lolcats.run(_config(workspace, tmp_path / "a", stage2_steps=20, **kw))
+    lolcats.run(_config(workspace, tmp_path / "b", stages=("stage1",), **kw))  # stopped between the stages
+    resumed = lolcats.run(_config(workspace, tmp_path / "b", stage2_steps=20, resume=True, **kw))
+    assert resumed["stage1"]["steps"] == 0  # nothing trained again
+    for key in ("after_stage1", "after_stage2"):
+        assert resumed["perplexity"][key] == pytest.approx(whole["perplexity"][key], rel=1e-4), key
+    a, _ = linearize.load(tmp_path / "a" / "final", device="cpu")
+    b, _ = linearize.load(tmp_path / "b" / "final", device="cpu")
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(pa, pb, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def _cli_args(ws, out, *extra):
     return ["lolcats", "--teacher", str(ws / "teacher"), "--data", str(ws / "corpus.jsonl"), "--out", str(out),
             "--budget", "cpu", "--block-len", "32", "--feature-dim", "8", "--window", "4", "--eval-steps", "2",

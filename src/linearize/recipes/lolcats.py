@@ -196,6 +196,36 @@ def _freeze_all_but(student, layers: set[int]) -> None:
                     p.requires_grad_(True)
 
 
+STAGE1_WEIGHTS = "trained.safetensors"
+
+
+def _save_trained(student, stage_dir: Path) -> None:
+    """What a stage-1 block trained (the parameters that require gradients), where ``--resume`` finds
+    it: a run stopped after the block goes on from these weights, not from the untrained conversion."""
+    from safetensors.torch import save_file
+
+    trained = {n: p.detach().cpu().contiguous() for n, p in student.named_parameters() if p.requires_grad}
+    tmp = stage_dir / (STAGE1_WEIGHTS + ".tmp")
+    save_file(trained, str(tmp))
+    tmp.replace(stage_dir / STAGE1_WEIGHTS)
+
+
+def _load_trained(student, stage_dir: Path) -> None:
+    from safetensors.torch import load_file
+
+    path = stage_dir / STAGE1_WEIGHTS
+    if not path.exists():
+        raise LinearizeError(f"{stage_dir} is marked done but holds no {STAGE1_WEIGHTS} (a run of an older "
+                             "linearize); start it again without --resume or in a new --out")
+    params = dict(student.named_parameters())
+    with torch.no_grad():
+        for name, value in load_file(str(path)).items():
+            if name not in params:
+                raise LinearizeError(f"{path} holds {name}, which this student does not have: resume with the "
+                                     "settings the run started with")
+            params[name].copy_(value)
+
+
 def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dict:
     converted = sorted(mixers(student))
     k = cfg.layers_per_block or len(converted)
@@ -204,9 +234,10 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
     previous = None  # the previous block's cached inputs, from which the next block's are made
     for b, group in enumerate(groups):
         stage_dir = out / "stage1" / (f"block-{b:02d}" if len(groups) > 1 else "joint")
-        if (stage_dir / "done").exists():
+        if (stage_dir / "done").exists():  # resumed run: this block finished before; take its weights back
+            _load_trained(student, stage_dir)
             previous = None
-            continue  # resumed run: this block finished before
+            continue
         _freeze_all_but(student, set(group))
         loss = build_objective("attention_mse", context=dict(layers=tuple(group), mse_factor=cfg.mse_factor,
                                                             xent_factor=cfg.xent_factor))
@@ -220,7 +251,8 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
                             stage=f"stage1[{b}]", resume=True if cfg.resume else None,
                             metrics_path=out / "metrics.jsonl")
         steps += trainer.state.global_step
-        if is_main_process():
+        if is_main_process():  # the block's weights first, then the mark a resumed run trusts
+            _save_trained(student, stage_dir)
             (stage_dir / "done").write_text("ok\n")
     return _timed({"blocks": len(groups), "steps": steps}, start, cfg)
 
@@ -255,6 +287,9 @@ def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
     for p in student.parameters():
         p.requires_grad_(False)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets, bias="none")
+    from transformers import set_seed
+
+    set_seed(cfg.seed)  # LoRA's initialisation does not depend on what ran before (a resumed run skips stage 1)
     peft_model = get_peft_model(student, lora)
     start = _start_clock()
     trainer = train(peft_model, train_ds, eval_ds, next_token_loss, cfg.stage_config("stage2", out / "stage2"),
