@@ -22,6 +22,7 @@ from ..errors import LinearizeError
 from .probes import unwrap
 
 LOSSES: dict[str, type["Loss"]] = {}
+ALIASES = {"lm": "next_token"}  # other names a loss answers to in an objective (--loss lm | kl | kl+lm)
 
 
 @dataclasses.dataclass
@@ -90,7 +91,8 @@ class Step:
 
 def parse_objective(spec) -> list[tuple[float, str]]:
     """``"attention_mse"``, ``"kl+next_token"``, ``"0.5*kl + next_token"`` or ``{"kl": 0.5, "next_token": 1}``
-    -> ``[(weight, name), ...]``, names checked against ``LOSSES``."""
+    -> ``[(weight, name), ...]``, names checked against ``LOSSES`` (``ALIASES`` read as their loss:
+    ``"kl+lm"`` is ``"kl+next_token"``)."""
     if isinstance(spec, dict):
         terms = [(float(w), str(n)) for n, w in spec.items()]
     elif isinstance(spec, str):
@@ -108,9 +110,11 @@ def parse_objective(spec) -> list[tuple[float, str]]:
         raise LinearizeError(f"a loss is a name like kl+next_token or a mapping name -> weight, got {spec!r}")
     if not terms:
         raise LinearizeError("the loss names no term")
+    terms = [(w, ALIASES.get(n, n)) for w, n in terms]
     unknown = [n for _, n in terms if n not in LOSSES]
     if unknown:
-        raise LinearizeError(f"unknown loss {', '.join(unknown)}; accepted: {', '.join(sorted(LOSSES))}")
+        raise LinearizeError(f"unknown loss {', '.join(unknown)}; accepted: {', '.join(sorted(LOSSES))} "
+                             f"({', '.join(f'{a} = {n}' for a, n in ALIASES.items())})")
     if len({n for _, n in terms}) != len(terms):
         raise LinearizeError(f"the loss {spec!r} names a term twice")
     return terms
