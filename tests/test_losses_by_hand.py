@@ -77,3 +77,50 @@ def test_hidden_mse_value_and_gradient_by_hand(tiny_model):
     want = 2 * torch.einsum("bth,bti->hi", err, a) / err.numel()
     torch.testing.assert_close(student.model.layers[1].mlp.down_proj.weight.grad, want, atol=1e-12, rtol=1e-5)
     assert student.model.layers[0].mlp.down_proj.weight.grad is None  # layer 1 reads the teacher's input
+
+
+def test_mixer_mse_value_and_gradient_by_hand(tiny_model):
+    """A student that is the teacher but for its W_O's, W_O' = W_O + D: given the teacher's input at
+    layer 1, its attention output differs from the teacher's by z D^T, z what W_O reads; so
+    loss = mean((z D^T)^2) and dloss/dW_O' = 2 (z D^T)^T z / numel. Layer 0's change does not reach
+    it (teacher-forced) and nothing after layer 1 runs."""
+    teacher = tiny_model("llama", dtype=torch.float64)
+    student = copy.deepcopy(teacher)
+    g = torch.Generator().manual_seed(4)
+    deltas = {}
+    with torch.no_grad():
+        for i in (0, 1):
+            w = student.model.layers[i].self_attn.o_proj.weight
+            deltas[i] = torch.randn(w.shape, generator=g, dtype=w.dtype) * 0.1
+            w.add_(deltas[i])
+    captured = {}
+    handle = teacher.model.layers[1].self_attn.o_proj.register_forward_hook(lambda m, args, out: captured.update(z=args[0]))
+    batch = _batch()
+    with torch.no_grad():
+        teacher(input_ids=batch["input_ids"], use_cache=False)
+    handle.remove()
+    err = captured["z"] @ deltas[1].T
+    objective = build_objective("mixer_mse", {"mixer_mse": {"layers": (1,)}}, teacher=FrozenTeacher(teacher))
+    loss = objective(student, batch)
+    assert loss.item() == pytest.approx(err.pow(2).mean().item(), rel=1e-6)  # taken in float32
+    loss.backward()
+    want = 2 * torch.einsum("bth,bti->hi", err, captured["z"]) / err.numel()
+    torch.testing.assert_close(student.model.layers[1].self_attn.o_proj.weight.grad, want, atol=1e-12, rtol=1e-5)
+    assert student.model.layers[0].self_attn.o_proj.weight.grad is None
+    assert student.lm_head.weight.grad is None and student.model.layers[2].mlp.down_proj.weight.grad is None
+
+
+def test_mixer_mse_is_zero_for_the_teacher_and_trains_a_built_student(tiny_model):
+    from linearize.xatl import build_xatl
+
+    teacher = tiny_model("llama", dtype=torch.float64)
+    batch = _batch()
+    assert build_objective("mixer_mse", {"mixer_mse": {"layers": (0, 2)}},
+                           teacher=FrozenTeacher(teacher))(teacher, batch).item() < 1e-20
+    student, _ = build_xatl(teacher, "retnet", transfer="embeddings,ffn,wo,qkv", seed=0)
+    loss = build_objective("mixer_mse", teacher=FrozenTeacher(teacher))(student, batch)  # every mixer layer
+    assert loss.item() > 0
+    loss.backward()
+    layers = student.model.layers
+    assert all(layers[i].self_attn.wq.weight.grad.abs().sum() > 0 for i in range(3))
+    assert student.model.embed_tokens.weight.grad is None  # every layer starts from the teacher's input

@@ -53,6 +53,10 @@ class Loss:
         """Decoder layers whose (inputs, outputs) this loss reads from the teacher's forward."""
         return set(), set()
 
+    def teacher_attention(self, model: nn.Module) -> set[int]:
+        """Decoder layers whose attention output (before the residual) this loss reads from the teacher."""
+        return set()
+
     @classmethod
     def options(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -62,7 +66,7 @@ class Step:
     """One batch and the forwards run on it. ``model`` is what the Trainer passes (possibly a DDP
     or PEFT wrapper: call it for the forward); ``student`` is the model inside."""
 
-    def __init__(self, model: nn.Module, batch: dict, teacher=None, capture=(set(), set())):
+    def __init__(self, model: nn.Module, batch: dict, teacher=None, capture=(set(), set(), set())):
         self.model, self.batch, self.teacher = model, batch, teacher
         self.capture = capture
         self._memo: dict[str, Any] = {}
@@ -83,7 +87,7 @@ class Step:
 
     def teacher_outputs(self):
         """The teacher's forward on the batch (``TeacherOutputs``: logits, recorded layer inputs and
-        outputs), without gradients."""
+        outputs, attention outputs), without gradients."""
         if self.teacher is None:
             raise LinearizeError("this loss needs the teacher's outputs, but the objective has no teacher")
         return self.memo("teacher", lambda: self.teacher(self.model, self.batch["input_ids"], *self.capture))
@@ -158,13 +162,14 @@ class Objective:
     def __repr__(self) -> str:
         return " + ".join(t.name if w == 1 else f"{w:g}*{t.name}" for w, t in self.terms)
 
-    def _capture(self, model) -> tuple[set[int], set[int]]:
-        ins, outs = set(), set()
+    def _capture(self, model) -> tuple[set[int], set[int], set[int]]:
+        ins, outs, attention = set(), set(), set()
         for _, t in self.terms:
             i, o = t.teacher_capture(unwrap(model))
             ins |= i
             outs |= o
-        return ins, outs
+            attention |= t.teacher_attention(unwrap(model))
+        return ins, outs, attention
 
     @staticmethod
     def _sum(values: list[tuple[float, torch.Tensor]]) -> torch.Tensor:
@@ -177,7 +182,7 @@ class Objective:
     def __call__(self, model, batch) -> torch.Tensor:
         if self.needs_teacher and self.teacher is None:
             raise LinearizeError(f"the loss {self!r} needs a teacher; give the objective one")
-        step = Step(model, batch, self.teacher, self._capture(model) if self.needs_teacher else (set(), set()))
+        step = Step(model, batch, self.teacher, self._capture(model) if self.needs_teacher else (set(), set(), set()))
         return self._sum([(w, t(step)) for w, t in self.terms])
 
     def from_outputs(self, outputs, batch) -> torch.Tensor:
