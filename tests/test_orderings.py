@@ -27,9 +27,10 @@ def test_dry_run_prints_every_row_under_every_loss(capsys, tmp_path):
 
 def test_two_step_takes_a_share_of_the_steps():
     runs = orderings.plan("supra-t3", "o", losses=["lm"], rows=["supra-2-step"], extra=["--steps", "100"])
-    assert runs[0].argv[-2:] == ["--new-weights-first", "25"]
+    assert runs[0].argv[-4:] == ["--new-weights-first", "25", "--steps", "75"]  # equal tokens: 25 + 75
     runs = orderings.plan("supra-t3", "o", losses=["lm"], rows=["SUPRA 2-step"], budget="cpu")
-    assert runs[0].argv[-1] == str(int(orderings.planned_steps("supra", "cpu", None, []) * 0.25))
+    total = orderings.planned_steps("supra", "cpu", None, [])
+    assert runs[0].argv[-3] == str(int(total * 0.25)) and int(runs[0].argv[-3]) + int(runs[0].argv[-1]) == total
 
 
 @pytest.mark.parametrize("argv,match", [(["xatl-t9"], "unknown table"), (["supra-t3", "--losses", "mse"], "unknown loss"),
@@ -52,8 +53,7 @@ def test_supra_table_end_to_end(workspace, monkeypatch, tmp_path, capsys):
         (loss, row) for loss in ("lm", "kl") for row in ("SUPRA", "T2R", "SUPRA 2-step")]
     for r in data["runs"]:
         assert r["finished"] and len(r["curve"]) >= 2 and r["metric"] == "next-token", r
-        steps = 6 + (1 if r["row"] == "SUPRA 2-step" else 0)  # the 2-step run's first stage: a quarter of 6
-        assert r["curve"][-1][0] == steps * 4 * 32 == r["tokens"]  # tokens: steps x batch x block, stages added
+        assert r["curve"][-1][0] == 6 * 4 * 32 == r["tokens"]  # steps x batch x block (2-step: 1 + 5 steps)
         assert r["ppl"] > 1
     kl_config = (folder / "kl" / "supra" / "run_config.yaml").read_text()
     assert "loss: kl" in kl_config

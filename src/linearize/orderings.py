@@ -4,7 +4,8 @@ loss and under distillation from the teacher, side by side.
 ==============  =========  ===================================================================
 table           recipe     rows (what the paper orders)
 ==============  =========  ===================================================================
-``supra-t3``    supra      SUPRA, T2R, SUPRA 2-step (SUPRA Table 3: SUPRA beats T2R; 2-step no gain)
+``supra-t3``    supra      SUPRA, T2R, SUPRA 2-step (SUPRA Table 3: SUPRA beats T2R; 2-step no gain;
+                           its two stages together take the other rows' steps)
 ``xatl-t2``     xatl       scratch, E, E+FFN, E+FFN+W_O, hybrid, and E+FFN+QKV (XATL Table 2:
                            scratch < E < E+FFN; W_O transfer hurts RetNet; the hybrid best). The
                            last row is this project's: the retention's q/k/v from the teacher
@@ -41,6 +42,7 @@ from .errors import LinearizeError
 
 LOSSES = {"lm": "next_token", "kl": "kl", "kl+lm": "kl+next_token"}
 TWO_STEP = "{two_step}"  # replaced by the 2-step variant's first-stage steps
+REST = "{rest}"  # and by its second stage's: the two add up to the other rows' steps (equal tokens)
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ class Table:
 TABLES = {t.name: t for t in (
     Table("supra-t3", "supra", "SUPRA Table 3: SUPRA vs T2R vs the 2-step variant",
           "SUPRA below T2R; the 2-step variant no better than SUPRA",
-          (Row("SUPRA"), Row("T2R", ("--variant", "t2r")), Row("SUPRA 2-step", ("--new-weights-first", TWO_STEP)))),
+          (Row("SUPRA"), Row("T2R", ("--variant", "t2r")),
+           Row("SUPRA 2-step", ("--new-weights-first", TWO_STEP, "--steps", REST)))),
     Table("xatl-t2", "xatl", "XATL Table 2: what the RetNet student takes from the teacher",
           "scratch > E > E+FFN (loss); +W_O worse than E+FFN for RetNet; the hybrid lowest",
           (Row("scratch", ("--transfer", "scratch")),
@@ -146,9 +149,13 @@ def plan(name: str, out: Path, losses=("lm", "kl"), rows=None, budget: str | Non
                                  f"{', '.join(r.slug for r in t.rows)}")
         chosen = [by_name[r] for r in rows]
     extra = list(extra)
-    two_step = None
+    fill = {}
     if any(TWO_STEP in r.args for r in chosen):
-        two_step = str(max(1, int(planned_steps(t.recipe, budget, config, extra) * two_step_fraction)))
+        total = planned_steps(t.recipe, budget, config, extra)
+        first = max(1, int(total * two_step_fraction))
+        if first >= total:
+            raise LinearizeError(f"the 2-step variant needs more than {total} steps to split")
+        fill = {TWO_STEP: str(first), REST: str(total - first)}
     runs = []
     for loss in losses:
         for row in chosen:
@@ -156,7 +163,7 @@ def plan(name: str, out: Path, losses=("lm", "kl"), rows=None, budget: str | Non
             argv = [t.recipe, "--out", str(folder)]
             argv += ["--budget", budget] if budget else []
             argv += ["--config", str(config)] if config else []
-            argv += extra + ["--loss", LOSSES[loss]] + [two_step if a == TWO_STEP else a for a in row.args]
+            argv += extra + ["--loss", LOSSES[loss]] + [fill.get(a, a) for a in row.args]
             runs.append(Run(t.name, row, loss, folder, argv))
     return runs
 
