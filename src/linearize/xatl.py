@@ -23,12 +23,18 @@ weights that follow them:
                 (``input_layernorm``; Gemma 2/3 also ``post_attention_layernorm``). RetNet only:
                 Mamba's output projection reads 2 x hidden features and cannot take W_O, so
                 the norm before a Mamba mixer is always fresh (reported under ``wo``)
+``qkv``         RetNet only: the retention's W_Q, W_K, W_V from the same layer's teacher attention
+                (``mixers/retnet.py`` documents the mapping: values exact, grouped-query heads
+                repeated; queries and keys keep half of each head's RoPE pairs). An initialisation
+                of the new mixer, as MambaInLlama starts Mamba from attention: these weights always
+                train (frozen and LIT do not freeze them); W_G and the GroupNorm stay fresh.
+                With ``wo``: the teacher's q/k/v/o
 ``attention``   the whole softmax attention layers that stay (``keep_softmax``), with their norms
 =============  ==========================================================================
 
 ``transfer=()`` (or ``"scratch"``) transfers nothing: embeddings, norms, FFN, everything is fresh.
 The default is ``embeddings, ffn`` plus ``wo`` where the mixer keeps the teacher's W_O (RetNet,
-not Mamba), plus ``attention`` when softmax layers are kept.
+not Mamba), plus ``attention`` when softmax layers are kept (``qkv`` is opt-in).
 
 The structure is an ordinary spec (``kind`` and ``keep_softmax``), so ``linearize.save``/``load``
 rebuild it; the XATL choices are recorded beside it as ``config.linearize["xatl"]``. Freezing the
@@ -49,13 +55,19 @@ from .mixers.fresh import FreshMixer
 from .models import get_adapter
 
 ARCHITECTURES = kinds.architectures()  # name or alias -> mixer kind (the kinds of role "build")
-TRANSFERS = ("embeddings", "ffn", "wo", "attention")
+TRANSFERS = ("embeddings", "ffn", "wo", "qkv", "attention")
+MIXER_INIT = ("qkv",)  # items that initialise the new mixers: trained like them, never frozen
 SCRATCH = ("scratch", "none", "")
 
 
 def keeps_teacher_output(kind: str) -> bool:
     """Whether the ``kind`` mixer keeps the teacher's W_O (so ``wo`` can be transferred)."""
     return bool(getattr(kinds.mixer_class(kind), "keeps_output", False))
+
+
+def takes_teacher_qkv(kind: str) -> bool:
+    """Whether the ``kind`` mixer can start its q/k/v from the teacher's attention (``qkv``)."""
+    return bool(getattr(kinds.mixer_class(kind), "teacher_qkv", ()))
 
 
 def default_transfer(kind: str) -> tuple[str, ...]:
@@ -124,6 +136,9 @@ def resolve_transfer(transfer, kind: str, keep_softmax) -> tuple[str, ...]:
         raise LinearizeError(f"W_O cannot be transferred to {kind}: its output projection reads other features than "
                              "the teacher's W_O (Mamba's reads 2 x hidden; transfer embeddings, ffn and, with keep_softmax, "
                              "attention)")
+    if "qkv" in items and not takes_teacher_qkv(kind):
+        raise LinearizeError(f"q/k/v cannot be transferred to {kind}: its mixer has no counterpart of the teacher's "
+                             "q/k/v projections (retnet has)")
     if "attention" in items and not keep_softmax:
         raise LinearizeError("transfer 'attention' copies the kept softmax layers: give keep_softmax layers")
     return tuple(x for x in TRANSFERS if x in items)  # canonical order, no repeats
@@ -209,7 +224,8 @@ def transfer_groups(model: nn.Module) -> dict[str, list[tuple[str, nn.Module]]]:
                     for pname, p in child.named_parameters():
                         if child.keeps_output and pname.startswith(child.out_name + "."):
                             continue
-                        groups["new"].append((f"{path}.{pname}", p))
+                        item = "qkv" if pname.split(".")[0] in child.teacher_qkv else "new"
+                        groups[item].append((f"{path}.{pname}", p))
                     if child.keeps_output:
                         groups["wo"].append((f"{path}.{child.out_name}", getattr(child, child.out_name)))
                 else:
@@ -292,16 +308,23 @@ def build_xatl(teacher: nn.Module, arch: str = "retnet", transfer=None, keep_sof
         student = convert(teacher, {**spec, "kind": kind, "keep_softmax": list(softmax_layers)})
         groups = transfer_groups(student)
         for item in TRANSFERS:
-            if item not in items:
+            if item not in items and item not in MIXER_INIT:  # the mixers' own weights are fresh already
                 for _, module in groups[item]:
                     _reinitialise(student, module)
+        if "qkv" in items:
+            teacher_layers = adapter.layers(teacher)
+            for i, layer in enumerate(adapter.layers(student)):
+                mixer = adapter.attention(layer)
+                if isinstance(mixer, FreshMixer):
+                    mixer.load_teacher_qkv(adapter.attention(teacher_layers[i]))
 
     names = _parameter_names(student, groups)
     report = XatlReport(
         kind=kind, transfer=items, keep_softmax=softmax_layers, n_layers=n_layers,
         copied={item: names[item] for item in TRANSFERS if item in items},
-        reinitialised={item: names[item] for item in TRANSFERS if item not in items and names[item]},
-        new=names["new"], numel={n: p.numel() for n, p in student.named_parameters()},
+        reinitialised={item: names[item] for item in TRANSFERS
+                       if item not in items and item not in MIXER_INIT and names[item]},
+        new=names["new"] + [n for item in MIXER_INIT if item not in items for n in names[item]], numel={n: p.numel() for n, p in student.named_parameters()},
     )
     student.config.linearize = {**student.config.linearize, "xatl": {
         "arch": kind, "transfer": list(items), "keep_softmax": list(softmax_layers), "seed": seed}}
@@ -318,7 +341,8 @@ def transferred_parameters(model: nn.Module, transfer=None) -> dict[str, nn.Para
     """The parameters that came from the teacher (the recorded transfer map, or ``transfer``), by name.
 
     Works on a freshly built student and on one rebuilt by ``linearize.load``: the grouping is
-    recomputed from the structure. These are what the frozen / LIT modes freeze.
+    recomputed from the structure. These are what the frozen / LIT modes freeze; the items that only
+    initialise the new mixers (``MIXER_INIT``: ``qkv``) are left out, they train like the mixers.
     """
     if transfer is None:
         record = xatl_record(model)
@@ -328,7 +352,7 @@ def transferred_parameters(model: nn.Module, transfer=None) -> dict[str, nn.Para
     items = tuple(transfer)
     names = _parameter_names(model, transfer_groups(model))
     params = dict(model.named_parameters())
-    return {n: params[n] for item in TRANSFERS if item in items for n in names[item]}
+    return {n: params[n] for item in TRANSFERS if item in items and item not in MIXER_INIT for n in names[item]}
 
 
 def set_requires_grad(parameters, flag: bool) -> int:
@@ -342,7 +366,7 @@ def set_requires_grad(parameters, flag: bool) -> int:
 
 
 __all__ = [
-    "ARCHITECTURES", "DEFAULT_TRANSFER", "TRANSFERS", "XatlReport", "build_xatl", "default_transfer",
-    "parse_keep_softmax", "resolve_keep_softmax", "resolve_transfer", "set_requires_grad", "transfer_groups",
+    "ARCHITECTURES", "DEFAULT_TRANSFER", "MIXER_INIT", "TRANSFERS", "XatlReport", "build_xatl", "default_transfer",
+    "parse_keep_softmax", "resolve_keep_softmax", "resolve_transfer", "set_requires_grad", "takes_teacher_qkv", "transfer_groups",
     "transferred_parameters", "xatl_record", "xatl_softmax_layers",
 ]

@@ -5,6 +5,8 @@
 ``attention_mse``   LoLCATs attention transfer: each layer's output vs the softmax attention it
                     replaced, teacher-forced (+ Hedgehog's attention-weight cross-entropy)
 ``hidden_mse``      each layer's (or block's) output hidden states vs the teacher's, teacher-forced
+``mixer_mse``       each new mixer's output vs the teacher's attention output at its layer,
+                    teacher-forced, from a frozen teacher (RADLADS / MOHAWK alignment; SUPRA, XATL)
 ``kl``              KL(teacher || student) of the next-token distributions (temperature; full or top-k)
 =================  ===============================================================================
 

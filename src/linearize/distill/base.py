@@ -22,6 +22,7 @@ from ..errors import LinearizeError
 from .probes import unwrap
 
 LOSSES: dict[str, type["Loss"]] = {}
+ALIASES = {"lm": "next_token"}  # other names a loss answers to in an objective (--loss lm | kl | kl+lm)
 
 
 @dataclasses.dataclass
@@ -52,6 +53,10 @@ class Loss:
         """Decoder layers whose (inputs, outputs) this loss reads from the teacher's forward."""
         return set(), set()
 
+    def teacher_attention(self, model: nn.Module) -> set[int]:
+        """Decoder layers whose attention output (before the residual) this loss reads from the teacher."""
+        return set()
+
     @classmethod
     def options(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
@@ -61,7 +66,7 @@ class Step:
     """One batch and the forwards run on it. ``model`` is what the Trainer passes (possibly a DDP
     or PEFT wrapper: call it for the forward); ``student`` is the model inside."""
 
-    def __init__(self, model: nn.Module, batch: dict, teacher=None, capture=(set(), set())):
+    def __init__(self, model: nn.Module, batch: dict, teacher=None, capture=(set(), set(), set())):
         self.model, self.batch, self.teacher = model, batch, teacher
         self.capture = capture
         self._memo: dict[str, Any] = {}
@@ -82,7 +87,7 @@ class Step:
 
     def teacher_outputs(self):
         """The teacher's forward on the batch (``TeacherOutputs``: logits, recorded layer inputs and
-        outputs), without gradients."""
+        outputs, attention outputs), without gradients."""
         if self.teacher is None:
             raise LinearizeError("this loss needs the teacher's outputs, but the objective has no teacher")
         return self.memo("teacher", lambda: self.teacher(self.model, self.batch["input_ids"], *self.capture))
@@ -90,7 +95,8 @@ class Step:
 
 def parse_objective(spec) -> list[tuple[float, str]]:
     """``"attention_mse"``, ``"kl+next_token"``, ``"0.5*kl + next_token"`` or ``{"kl": 0.5, "next_token": 1}``
-    -> ``[(weight, name), ...]``, names checked against ``LOSSES``."""
+    -> ``[(weight, name), ...]``, names checked against ``LOSSES`` (``ALIASES`` read as their loss:
+    ``"kl+lm"`` is ``"kl+next_token"``)."""
     if isinstance(spec, dict):
         terms = [(float(w), str(n)) for n, w in spec.items()]
     elif isinstance(spec, str):
@@ -108,9 +114,11 @@ def parse_objective(spec) -> list[tuple[float, str]]:
         raise LinearizeError(f"a loss is a name like kl+next_token or a mapping name -> weight, got {spec!r}")
     if not terms:
         raise LinearizeError("the loss names no term")
+    terms = [(w, ALIASES.get(n, n)) for w, n in terms]
     unknown = [n for _, n in terms if n not in LOSSES]
     if unknown:
-        raise LinearizeError(f"unknown loss {', '.join(unknown)}; accepted: {', '.join(sorted(LOSSES))}")
+        raise LinearizeError(f"unknown loss {', '.join(unknown)}; accepted: {', '.join(sorted(LOSSES))} "
+                             f"({', '.join(f'{a} = {n}' for a, n in ALIASES.items())})")
     if len({n for _, n in terms}) != len(terms):
         raise LinearizeError(f"the loss {spec!r} names a term twice")
     return terms
@@ -154,13 +162,14 @@ class Objective:
     def __repr__(self) -> str:
         return " + ".join(t.name if w == 1 else f"{w:g}*{t.name}" for w, t in self.terms)
 
-    def _capture(self, model) -> tuple[set[int], set[int]]:
-        ins, outs = set(), set()
+    def _capture(self, model) -> tuple[set[int], set[int], set[int]]:
+        ins, outs, attention = set(), set(), set()
         for _, t in self.terms:
             i, o = t.teacher_capture(unwrap(model))
             ins |= i
             outs |= o
-        return ins, outs
+            attention |= t.teacher_attention(unwrap(model))
+        return ins, outs, attention
 
     @staticmethod
     def _sum(values: list[tuple[float, torch.Tensor]]) -> torch.Tensor:
@@ -173,7 +182,7 @@ class Objective:
     def __call__(self, model, batch) -> torch.Tensor:
         if self.needs_teacher and self.teacher is None:
             raise LinearizeError(f"the loss {self!r} needs a teacher; give the objective one")
-        step = Step(model, batch, self.teacher, self._capture(model) if self.needs_teacher else (set(), set()))
+        step = Step(model, batch, self.teacher, self._capture(model) if self.needs_teacher else (set(), set(), set()))
         return self._sum([(w, t(step)) for w, t in self.terms])
 
     def from_outputs(self, outputs, batch) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Forward hooks on decoder layers: read a layer's input or output, or replace its input."""
+"""Forward hooks on decoder layers (or their attention modules): read a module's input or output,
+or replace a layer's input."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def layer_input(args, kwargs) -> torch.Tensor:
 
 
 def layer_output(output) -> torch.Tensor:
-    """A decoder layer's hidden states (layers return a tensor, or a tuple led by one)."""
+    """A decoder layer's hidden states, or an attention module's output (a tensor, or a tuple led by one)."""
     return output[0] if isinstance(output, (tuple, list)) else output
 
 

@@ -8,9 +8,9 @@
   model with the same tokenizer), kept in ``dtype`` (bf16 on CUDA by default), never trained.
   What XATL needs (its mixers have their own projections) and SUPRA once all weights train.
 
-Either is called as ``teacher(model, input_ids, inputs_of, outputs_of) -> TeacherOutputs``, under
-``torch.no_grad``; ``inputs_of`` / ``outputs_of`` name decoder layers whose input / output hidden
-states the losses read.
+Either is called as ``teacher(model, input_ids, inputs_of, outputs_of, attention_of) -> TeacherOutputs``,
+under ``torch.no_grad``; ``inputs_of`` / ``outputs_of`` name decoder layers whose input / output hidden
+states the losses read, ``attention_of`` those whose attention output (before the residual) they read.
 """
 
 from __future__ import annotations
@@ -31,13 +31,17 @@ class TeacherOutputs:
     logits: torch.Tensor
     inputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> hidden states entering it
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> hidden states leaving it
+    attention: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> its attention's output
 
 
-def _forward(model: nn.Module, input_ids, inputs_of, outputs_of) -> TeacherOutputs:
-    layers = dict(enumerate(get_adapter(unwrap(model).config).layers(unwrap(model))))
-    with recording(layers, inputs_of, outputs_of) as (ins, outs):
+def _forward(model: nn.Module, input_ids, inputs_of, outputs_of, attention_of=()) -> TeacherOutputs:
+    adapter = get_adapter(unwrap(model).config)
+    layers = dict(enumerate(adapter.layers(unwrap(model))))
+    attention = {i: adapter.attention(layers[i]) for i in attention_of}
+    with recording(layers, inputs_of, outputs_of) as (ins, outs), recording(attention, (), attention_of) as (_, attn):
         logits = model(input_ids=input_ids, use_cache=False).logits
-    return TeacherOutputs(logits, {i: x.detach() for i, x in ins.items()}, {i: x.detach() for i, x in outs.items()})
+    return TeacherOutputs(logits, {i: x.detach() for i, x in ins.items()}, {i: x.detach() for i, x in outs.items()},
+                          {i: x.detach() for i, x in attn.items()})
 
 
 class SameModelTeacher:
@@ -46,10 +50,10 @@ class SameModelTeacher:
     kind = "same"
 
     @torch.no_grad()
-    def __call__(self, model, input_ids, inputs_of=(), outputs_of=()) -> TeacherOutputs:
+    def __call__(self, model, input_ids, inputs_of=(), outputs_of=(), attention_of=()) -> TeacherOutputs:
         outer = getattr(model, "module", model)  # not through DDP: nothing here is trained
         with softmax_view(outer):  # LoRA layers read the disabled flag, so the inner model skips them too
-            return _forward(unwrap(model), input_ids, inputs_of, outputs_of)
+            return _forward(unwrap(model), input_ids, inputs_of, outputs_of, attention_of)
 
 
 class FrozenTeacher:
@@ -70,9 +74,9 @@ class FrozenTeacher:
         self.model = model
 
     @torch.no_grad()
-    def __call__(self, model, input_ids, inputs_of=(), outputs_of=()) -> TeacherOutputs:
+    def __call__(self, model, input_ids, inputs_of=(), outputs_of=(), attention_of=()) -> TeacherOutputs:
         device = next(self.model.parameters()).device
-        return _forward(self.model, input_ids.to(device), inputs_of, outputs_of)
+        return _forward(self.model, input_ids.to(device), inputs_of, outputs_of, attention_of)
 
 
 TEACHER_FORMS = ("same", "copy")

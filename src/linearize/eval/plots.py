@@ -76,6 +76,33 @@ def eval_curves(metrics: dict[str, str | Path], out_png: str | Path, tokens_per_
     return _save(plt, fig, ax, out_png)
 
 
+def curve_panels(panels: dict[str, dict[str, list[tuple[float, float]]]], out_png: str | Path,
+                 title: str | None = None, ylabel: str = "validation next-token loss") -> Path:
+    """Curves side by side, one panel per key of ``panels`` (e.g. per training loss), each holding
+    ``label -> [(tokens, value), ...]``; the panels share their y axis, a label keeps its colour."""
+    panels = {name: series for name, series in panels.items() if series}
+    if not panels:
+        raise LinearizeError("no curve to draw")
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), sharey=True, squeeze=False)
+    labels = list(dict.fromkeys(label for series in panels.values() for label in series))
+    colours = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    for ax, (name, series) in zip(axes[0], panels.items()):
+        for label, points in series.items():
+            ax.plot([x for x, _ in points], [y for _, y in points], marker="o", markersize=3, label=label,
+                    color=colours[label])
+        ax.set_title(name)
+        ax.set_xlabel("training tokens")
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel(ylabel)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return Path(out_png)
+
+
 def recall_heatmaps(recall: dict, out_png: str | Path, title: str) -> Path:
     """One model's recall grids side by side: passkey and niah as length x depth, mqar as N x distance;
     each cell coloured and labelled with its accuracy (a cell with no query left blank)."""

@@ -40,6 +40,9 @@ class FreshMixer(Mixer):
     """Base of the mixers with their own projections; ``keeps_output`` keeps the teacher's W_O."""
 
     keeps_output: bool = True
+    # own parameters (top-level submodule names) that XATL's ``qkv`` transfer sets from the teacher's
+    # attention (``load_teacher_qkv``); empty: the mixer has no counterpart of q/k/v
+    teacher_qkv: tuple[str, ...] = ()
 
     def __init__(self, attn, adapter, geometry, spec, layer_idx, n_layers):
         super().__init__(attn, adapter, geometry, spec, layer_idx, n_layers)
@@ -61,6 +64,10 @@ class FreshMixer(Mixer):
             if bias:
                 lin.bias.zero_()
         return self.new_parameters_like(lin)
+
+    def load_teacher_qkv(self, attn: nn.Module) -> None:
+        """Set the ``teacher_qkv`` parameters from the teacher attention ``attn`` of this layer."""
+        raise LinearizeError(f"{self.kind} has no counterpart of the teacher's q/k/v projections")
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, layer_past=None, **kwargs):

@@ -12,6 +12,22 @@ theta_i = 10000^(-2i/d_k)), applied from the number of tokens the layer's cache 
 
 W_Q, W_K, W_V, W_G and the GroupNorm are new (``wq``/``wk``/``wv``/``wg``/``group_norm``, names that
 never collide with the teacher's); W_O is the teacher's ``o_proj`` (``dense`` for GPT-NeoX).
+XATL's ``qkv`` transfer item starts W_Q, W_K and W_V from the teacher's attention of the same layer
+instead (``retention_from_attention``; W_O is the ``wo`` item, W_G and the GroupNorm stay fresh):
+
+- W_V: exact. Each retention head reads the values of the teacher's key/value head it shares
+  (grouped-query teachers: key/value head ``i // (H / Hk)``, as the teacher's own ``repeat_kv``),
+  at the teacher's head width, so ``X W_V`` is the teacher's repeated value projection.
+- W_Q, W_K: the retention keys are half the teacher's head width, so each head keeps d_k of the
+  teacher's D rows (keys repeated per query head as values are): whole rotation pairs of RoPE's
+  rotate-half layout, evenly spaced in frequency. Retention pair j (features j and j + d_k/2) takes
+  the teacher's pair ``p_j = j * (D/2) // (d_k/2)`` (features p_j and p_j + D/2), so with d_k = D/2
+  every other pair, and the angles ``t * theta`` coincide when the teacher's RoPE base is RetNet's
+  10000. The rows are copied exactly; what differs from the teacher is the score (decay in place of
+  softmax, d_k^-1/2 scaling) and what is dropped: q/k/v biases (Qwen2) and per-head QK-norms (Qwen3,
+  Gemma 3), which the retention does not have, and for partial-rotary teachers (GPT-NeoX) the pairs
+  are the same row selection without being rotation pairs beyond the rotary dims.
+
 The parallel/chunked and recurrent forms are ``ops.linear_attention`` with ``log_decay`` and
 ``normalize=False`` (fla's chunk_simple_gla on CUDA); the state is ``[B, H, 1, d_k, d_v]`` fp32.
 """
@@ -30,9 +46,33 @@ from .decay import log_decay
 from .fresh import FreshMixer
 
 
+def rotary_pairs(head_dim: int, key_dim: int) -> torch.Tensor:
+    """The teacher's per-head features a ``key_dim``-wide retention query/key keeps: whole RoPE pairs
+    (rotate-half layout), evenly spaced; ``[key_dim]`` indices into ``0..head_dim-1``."""
+    half, k_half = head_dim // 2, key_dim // 2
+    if not 0 < k_half <= half:
+        raise LinearizeError(f"a retention key of width {key_dim} cannot take pairs of a head of width {head_dim}")
+    first = torch.arange(k_half) * half // k_half
+    return torch.cat([first, first + half])
+
+
+def retention_from_attention(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, key_dim: int):
+    """RetNet's W_Q ``[H * d_k, hidden]``, W_K ``[H * d_k, hidden]`` and W_V ``[H * D, hidden]`` from a
+    teacher's per-head W_Q ``[H, D, hidden]`` and W_K, W_V ``[Hk, D, hidden]`` (see the module docstring)."""
+    h, d, hidden = wq.shape
+    hk = wk.shape[0]
+    if hk < 1 or h % hk or wv.shape[0] != hk:
+        raise LinearizeError(f"{h} query heads cannot share {hk} key/value heads evenly")
+    wk, wv = wk.repeat_interleave(h // hk, dim=0), wv.repeat_interleave(h // hk, dim=0)
+    keep = rotary_pairs(d, key_dim).to(wq.device)
+    return (wq[:, keep].reshape(h * key_dim, hidden), wk[:, keep].reshape(h * key_dim, hidden),
+            wv.reshape(h * d, hidden))
+
+
 class RetNetRetention(FreshMixer):
     kind = "retnet"
     keeps_output = True
+    teacher_qkv = ("wq", "wk", "wv")
 
     def __init__(self, attn, adapter, geometry, spec, layer_idx, n_layers):
         super().__init__(attn, adapter, geometry, spec, layer_idx, n_layers)
@@ -51,6 +91,15 @@ class RetNetRetention(FreshMixer):
         self.wg = self.fresh_linear(d, h * self.value_dim)
         self.group_norm = self.new_parameters_like(nn.GroupNorm(h, h * self.value_dim, eps=1e-6))
         self.register_fixed_buffers()
+
+    def load_teacher_qkv(self, attn) -> None:
+        """W_Q, W_K, W_V from the teacher's attention ``attn`` of this layer (``retention_from_attention``)."""
+        wq, wk, wv = self.adapter.qkv_weights(attn, self.geometry)
+        if wq.shape[1] != self.value_dim:
+            raise LinearizeError(f"the teacher's heads are {wq.shape[1]} wide, the retention's values {self.value_dim}")
+        with torch.no_grad():
+            for name, weight in zip(self.teacher_qkv, retention_from_attention(wq, wk, wv, self.key_dim)):
+                getattr(self, name).weight.copy_(weight)
 
     def fixed_buffers(self):
         inv_freq = 1.0 / 10000 ** (torch.arange(0, self.key_dim, 2, dtype=torch.float64) / self.key_dim)

@@ -64,6 +64,11 @@ class Adapter:
         """[B, T, hidden] -> q [B, H, T, D], k and v [B, Hk, T, D], before RoPE."""
         raise NotImplementedError
 
+    def qkv_weights(self, attn: nn.Module, geometry: Geometry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The teacher attention's projection weights per head: W_Q ``[H, D, hidden]``, W_K and W_V
+        ``[Hk, D, hidden]`` (views of ``attn``'s weights; biases and QK-norms are not included)."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its q/k/v weights")
+
     def rope(self, m: nn.Module, q, k, position_embeddings):
         if m.geometry.rotary is None or position_embeddings is None:
             return q, k

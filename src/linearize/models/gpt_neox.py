@@ -26,6 +26,10 @@ class GPTNeoXAdapter(Adapter):
         qkv = m.query_key_value(x).view(b, t, -1, 3 * d).transpose(1, 2)
         return qkv.chunk(3, dim=-1)
 
+    def qkv_weights(self, attn, geometry):
+        w = attn.query_key_value.weight  # per head [q | k | v], as qkv reads it
+        return w.view(geometry.n_heads, 3, geometry.head_dim, w.shape[1]).unbind(1)
+
     def out(self, m, o):
         b, h, t, d = o.shape
         return m.dense(o.transpose(1, 2).reshape(b, t, h * d))

@@ -36,6 +36,11 @@ class LlamaFamilyAdapter(Adapter):
             q, k = m.q_norm(q), m.k_norm(k)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
+    def qkv_weights(self, attn, geometry):
+        d = geometry.head_dim
+        return tuple(getattr(attn, n).weight.view(-1, d, getattr(attn, n).in_features)
+                     for n in ("q_proj", "k_proj", "v_proj"))
+
     def out(self, m, o):
         b, h, t, d = o.shape
         return m.o_proj(o.transpose(1, 2).reshape(b, t, h * d))

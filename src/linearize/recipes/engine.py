@@ -51,6 +51,9 @@ class TrainConfig:
     eval_steps: int = 50
     save_steps: int | None = None  # default: eval_steps (early stopping needs them aligned)
     early_stopping_patience: int | None = None
+    # also log the validation next-token loss (eval_next_token) where the training loss is another
+    # (kl, hidden_mse): curves of runs trained on different objectives stay comparable
+    eval_next_token: bool = False
     logging_steps: int = 10
     seed: int = 0
     bf16: bool | None = None  # None: bf16 on CUDA, fp32 elsewhere
@@ -76,11 +79,15 @@ class RecipeTrainer(Trainer):
     """A Trainer whose loss comes from the recipe; ``graphed`` (a ``linearize.graphed.GraphedLoss``)
     computes the training loss, and through it the backward, from CUDA graphs."""
 
-    def __init__(self, *args, loss_fn: LossFn, graphed=None, **kwargs):
+    def __init__(self, *args, loss_fn: LossFn, graphed=None, eval_extra: dict[str, LossFn] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.loss_fn = loss_fn
         self.graphed = graphed
         self.model_accepts_loss_kwargs = False  # the recipe's loss is a per-batch mean
+        # losses evaluated beside the objective on the validation batches, logged as eval_<name>
+        # (the mean over this process's batches)
+        self.eval_extra = dict(eval_extra or {})
+        self._extra_sums: dict[str, list[float]] = {}
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.graphed is not None and model.training and torch.is_grad_enabled():
@@ -97,7 +104,17 @@ class RecipeTrainer(Trainer):
         inputs = self._prepare_inputs(inputs)
         with torch.no_grad():
             loss = self.loss_fn(model, inputs).detach()
+            for name, fn in self.eval_extra.items():
+                total = self._extra_sums.setdefault(name, [0.0, 0])
+                total[0] += float(fn(model, inputs))
+                total[1] += 1
         return loss, None, None
+
+    def log(self, logs: dict, *args, **kwargs):
+        if "eval_loss" in logs and self._extra_sums:
+            logs = {**logs, **{f"eval_{name}": s / max(n, 1) for name, (s, n) in self._extra_sums.items()}}
+            self._extra_sums = {}
+        return super().log(logs, *args, **kwargs)
 
 
 def under_fsdp() -> bool:
@@ -191,6 +208,7 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
         eval_dataset=eval_dataset,
         callbacks=all_callbacks,
         loss_fn=loss_fn,
+        eval_extra={"next_token": next_token_loss} if cfg.eval_next_token else None,
         graphed=_graphed_loss(model, loss_fn, cfg, args) if cfg.cuda_graph else None,
     )
     if resume is True and not any(out.glob("checkpoint-*")):
