@@ -200,13 +200,17 @@ STAGE1_WEIGHTS = "trained.safetensors"
 
 
 def _save_trained(student, stage_dir: Path) -> None:
-    """What a stage-1 block trained (the parameters that require gradients), where ``--resume`` finds
-    it: a run stopped after the block goes on from these weights, not from the untrained conversion."""
+    """What a stage-1 block trained (the parameters that require gradients) and the random state after
+    it, where ``--resume`` finds them: a run stopped after the block goes on from these weights, not
+    from the untrained conversion, and draws what the uninterrupted run draws next."""
     from safetensors.torch import save_file
 
     trained = {n: p.detach().cpu().contiguous() for n, p in student.named_parameters() if p.requires_grad}
     tmp = stage_dir / (STAGE1_WEIGHTS + ".tmp")
     save_file(trained, str(tmp))
+    # the random state too: what follows (stage 2's LoRA initialisation) draws the same numbers after a resume
+    rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    torch.save(rng, stage_dir / "rng.pt")
     tmp.replace(stage_dir / STAGE1_WEIGHTS)
 
 
@@ -224,6 +228,11 @@ def _load_trained(student, stage_dir: Path) -> None:
                 raise LinearizeError(f"{path} holds {name}, which this student does not have: resume with the "
                                      "settings the run started with")
             params[name].copy_(value)
+    if (stage_dir / "rng.pt").exists():
+        rng = torch.load(stage_dir / "rng.pt", weights_only=True)
+        torch.set_rng_state(rng["cpu"])
+        if torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dict:
@@ -287,9 +296,6 @@ def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
     for p in student.parameters():
         p.requires_grad_(False)
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets, bias="none")
-    from transformers import set_seed
-
-    set_seed(cfg.seed)  # LoRA's initialisation does not depend on what ran before (a resumed run skips stage 1)
     peft_model = get_peft_model(student, lora)
     start = _start_clock()
     trainer = train(peft_model, train_ds, eval_ds, next_token_loss, cfg.stage_config("stage2", out / "stage2"),
