@@ -16,6 +16,10 @@ evaluate() {  # evaluate CHECKPOINT NAME
   PYTHONPATH=/tmp/evalsite:$PYTHONPATH lin eval "$1" --tasks all "${limit[@]}" --batch-size ${EVAL_BATCH:-32} \
     --name "$2" --out $RUNS/eval/$2.json 2>&1 | quiet | tail -20
 }
+recall() {  # recall CHECKPOINT NAME: the recall grid to 8k and the loss by position
+  lin eval "$1" --tasks recall --by-position --limit ${RECALL_LIMIT:-4} --batch-size 16 --name "$2" \
+    --out $RUNS/eval/recall-$2.json 2>&1 | quiet | tail -14
+}
 gpu_slot() {  # hold one of SLOTS GPU slots until this script exits
   while true; do
     for i in $(seq 1 ${SLOTS:-3}); do
@@ -75,11 +79,22 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
       lin eval $ck --tasks recall --by-position --limit ${RECALL_LIMIT:-4} --batch-size 16 --name lolcats-s$S \
         --out $RUNS/eval/recall-lolcats-s$S.json 2>&1 | quiet | tail -14
     done ;;
-  gemma)  # Gemma 3 270M (staged by dev/gpu_teacher.sh): the teacher's scores, a LoLCATs student (STEPS per stage), its scores
+  gemma-teacher)  # Gemma 3 270M's own scores (staged by dev/gpu_teacher.sh)
     G=/tmp/stage/gemma-3-270m.gguf; waitfor $G 1500 || exit 1
-    evaluate $G gemma-teacher
+    EVAL_BATCH=${EVAL_BATCH:-8} evaluate $G gemma-teacher ;;
+  gemma)  # a LoLCATs student of Gemma 3 270M (STEPS per stage; the SmolLM2 recipe runs 1220), its scores
+    G=/tmp/stage/gemma-3-270m.gguf; waitfor $G 1500 || exit 1
     lin lolcats --teacher $G --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} \
       --out $RUNS/gemma-lolcats 2>&1 | quiet | tail -12
-    evaluate $RUNS/gemma-lolcats/final gemma-lolcats ;;
+    EVAL_BATCH=${EVAL_BATCH:-8} evaluate $RUNS/gemma-lolcats/final gemma-lolcats ;;
+  recall-supra)  # a SUPRA student (STEPS, default 1220: 10M tokens), its zero-shot scores and recall grid
+    lin supra --teacher $T --budget gpu --steps ${STEPS:-1220} --out $RUNS/recall-supra 2>&1 | quiet | tail -8
+    evaluate $RUNS/recall-supra/final recall-supra
+    recall $RUNS/recall-supra/final supra ;;
+  recall-xatl)  # the XATL hybrid (RetNet, softmax at two layers; 610 steps: 5M tokens), its scores and recall grid
+    lin xatl --teacher $T --budget gpu --arch retnet --transfer embeddings,ffn,wo,attention --hybrid xatl \
+      --steps ${XATL_STEPS:-610} --eval-steps 61 --out $RUNS/recall-xatl 2>&1 | quiet | tail -8
+    evaluate $RUNS/recall-xatl/final recall-xatl
+    recall $RUNS/recall-xatl/final xatl-hybrid ;;
   *) echo "unknown job $1"; exit 2 ;;
 esac

@@ -150,6 +150,34 @@ def test_no_separator_without_eos():
     assert blocks.tolist() == [ids(tokenizer, "fox dog") + ids(tokenizer, "alice")]
 
 
+def bos_tokenizer() -> PreTrainedTokenizerFast:
+    """The word tokenizer with a post-processor that puts [BOS] before every text, as Gemma's does."""
+    from tokenizers import processors
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(SENTENCES, trainers.WordLevelTrainer(special_tokens=["[UNK]", "[EOS]", "[BOS]"]))
+    bos = tokenizer.token_to_id("[BOS]")
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[BOS] $A", pair="[BOS] $A [BOS] $B", special_tokens=[("[BOS]", bos)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="[EOS]", bos_token="[BOS]")
+
+
+def test_rows_start_with_bos_when_the_tokenizer_adds_one(tmp_path, tok, linearize_home):
+    tokenizer = bos_tokenizer()
+    bos = tokenizer.bos_token_id
+    assert packing.leading_bos(tokenizer) == bos and packing.leading_bos(tok) is None
+    blocks = pack_blocks(["one two three four five six seven"], tokenizer, block_len=4)
+    assert blocks.tolist() == [[bos] + ids(tokenizer, "one two three"), [bos] + ids(tokenizer, "four five six")]
+    # the splits and their cache follow, and the key differs from a BOS-less packing of the same text
+    path = write_jsonl(tmp_path / "docs.jsonl", [{"text": d} for d in many_documents(50)])
+    train = load_blocks(path, tokenizer, block_len=8, split="train")
+    assert (train[:, 0] == bos).all() and (train[:, 1:] != bos).all()
+    assert torch.equal(load_blocks(path, tokenizer, block_len=8, split="train"), train)
+    assert len(list((linearize_home / "blocks").glob("*-train.pt"))) == 1
+
+
 def test_incomplete_tail_dropped(tok):
     blocks = pack_blocks(["one two three four five six seven"], tok, block_len=3)
     assert blocks.tolist() == [ids(tok, "one two three"), ids(tok, "four five six")]

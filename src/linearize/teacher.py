@@ -142,8 +142,11 @@ def load_tokenizer(spec: str | os.PathLike | None = None):
     data cache keys), without reading any weights: seconds instead of a model load. ``spec`` as in
     ``load_teacher``; a linearize checkpoint folder works too. The embedded default is read from
     its dequantised cache, built first if absent (as ``load_teacher`` would)."""
+    named = named_teacher(spec) if isinstance(spec, str) else None
     if _is_default(spec):
         folder, source = _cached_default(), DEFAULT_TEACHER
+    elif named is not None:
+        folder, source = _cached_named(named), named.name
     else:
         text = os.fspath(spec).strip()
         path = Path(text).expanduser()

@@ -14,6 +14,7 @@ import torch
 
 from ..paths import cache_dir
 from .gutenberg import GUTENBERG_PACKAGE, is_gutenberg
+from .packing import leading_bos
 from .sources import source_files
 
 if TYPE_CHECKING:
@@ -68,6 +69,9 @@ def cache_key(
         "val_fraction": float(val_fraction),
         "seed": seed,
     }
+    bos = leading_bos(tokenizer)
+    if bos is not None:  # rows start with BOS; tokenizers without one keep their earlier keys
+        parts["bos"] = bos
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:24]
 
 

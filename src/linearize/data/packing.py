@@ -33,10 +33,22 @@ def pack_blocks(texts: Sequence[str], tokenizer: PreTrainedTokenizerBase, block_
 
     Documents are tokenized without special tokens and joined with the tokenizer's EOS token id
     between them (no separator if it has none). The incomplete tail is dropped, so every row is a
-    contiguous slice of the stream. Raises ``LinearizeError`` if there is not one full block.
+    contiguous slice of the stream. A tokenizer that starts every text with BOS (Gemma, Llama)
+    gets BOS at the start of every row, followed by ``block_len - 1`` stream tokens: such models
+    were trained so and score far worse without it (Gemma 3 270M: ppl 17.6 with BOS, 203 without,
+    on one paragraph). Raises ``LinearizeError`` if there is not one full block.
     """
     check_block_len(block_len)
-    return cut_blocks(token_stream(texts, tokenizer), block_len, "the text")
+    return cut_blocks(token_stream(texts, tokenizer), block_len, "the text", leading_bos(tokenizer))
+
+
+def leading_bos(tokenizer: PreTrainedTokenizerBase) -> int | None:
+    """The BOS id if the tokenizer puts it before every text it encodes, else None."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos if ids and ids[0] == bos else None
 
 
 def token_stream(texts: Sequence[str], tokenizer: PreTrainedTokenizerBase) -> torch.Tensor:
@@ -112,8 +124,13 @@ def encode(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[in
     return tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
 
 
-def cut_blocks(stream: torch.Tensor, block_len: int, what: str) -> torch.Tensor:
-    """The stream's full ``block_len`` rows (the tail dropped); one line naming ``what`` if none."""
+def cut_blocks(stream: torch.Tensor, block_len: int, what: str, bos: int | None = None) -> torch.Tensor:
+    """The stream's full ``block_len`` rows (the tail dropped); one line naming ``what`` if none.
+
+    With ``bos``, each row is ``bos`` then the next ``block_len - 1`` tokens of the stream."""
+    if bos is not None and block_len > 1:
+        rows = cut_blocks(stream, block_len - 1, what)
+        return torch.cat([torch.full((rows.shape[0], 1), bos, dtype=rows.dtype), rows], dim=1)
     n_blocks = stream.numel() // block_len
     if n_blocks == 0:
         if stream.numel() == 0:

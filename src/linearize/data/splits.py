@@ -42,7 +42,9 @@ def build_splits(
             return split_single_document(texts[0], tokenizer, block_len, val_fraction, name)
         documents = split_documents(texts, val_fraction, seed)
     return {
-        split: packing.cut_blocks(packing.token_stream(texts, tokenizer), block_len, f"the {split} split of {name}")
+        split: packing.cut_blocks(
+            packing.token_stream(texts, tokenizer), block_len, f"the {split} split of {name}", packing.leading_bos(tokenizer)
+        )
         for split, texts in documents.items()
     }
 
@@ -76,7 +78,7 @@ def split_single_document(
     text: str, tokenizer: PreTrainedTokenizerBase, block_len: int, val_fraction: float, name: str
 ) -> dict[str, torch.Tensor]:
     """Split one document's blocks: the last ``val_fraction`` (at least one) are validation."""
-    blocks = packing.cut_blocks(packing.token_stream([text], tokenizer), block_len, name)
+    blocks = packing.cut_blocks(packing.token_stream([text], tokenizer), block_len, name, packing.leading_bos(tokenizer))
     n_blocks = blocks.shape[0]
     if n_blocks < 2:
         raise LinearizeError(
