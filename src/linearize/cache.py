@@ -102,6 +102,12 @@ class RecurrentLayer(CacheLayerMixin):
         raise RuntimeError("a recurrent state cannot be cropped back to an earlier length")
 
 
+def layer_cache(*candidates):
+    """The cache an attention module was called with, whichever name the decoder layer used:
+    ``cache`` (transformers >= 5.2x), ``past_key_values`` (earlier 5.x) or ``layer_past`` (GPT-NeoX)."""
+    return next((c for c in candidates if c is not None), None)
+
+
 def recurrent_slot(cache, layer_idx: int) -> RecurrentLayer:
     """The ``RecurrentLayer`` for ``layer_idx`` in any transformers Cache, put there on first use."""
     layers = cache.layers

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..cache import recurrent_slot
+from ..cache import layer_cache, recurrent_slot
 from ..errors import LinearizeError
 from ..models.base import Adapter, Geometry
 from ..ops.fla_backend import triton_available
@@ -167,8 +167,8 @@ class Mixer(nn.Module):
         yield
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                past_key_values=None, layer_past=None, **kwargs):
-        cache = past_key_values if past_key_values is not None else layer_past
+                past_key_values=None, layer_past=None, cache=None, **kwargs):
+        cache = layer_cache(cache, past_key_values, layer_past)
         slot = recurrent_slot(cache, self.layer_idx) if cache is not None else None
         state = slot.state if slot is not None else None
         q, k, v = self.adapter.qkv(self, hidden_states)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import recurrent_slot
+from ..cache import layer_cache, recurrent_slot
 from ..errors import LinearizeError
 from .base import Mixer, is_static, key_padding_mask
 
@@ -70,8 +70,8 @@ class FreshMixer(Mixer):
         raise LinearizeError(f"{self.kind} has no counterpart of the teacher's q/k/v projections")
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                past_key_values=None, layer_past=None, **kwargs):
-        cache = past_key_values if past_key_values is not None else layer_past
+                past_key_values=None, layer_past=None, cache=None, **kwargs):
+        cache = layer_cache(cache, past_key_values, layer_past)
         slot = recurrent_slot(cache, self.layer_idx) if cache is not None else None
         state = slot.state if slot is not None else None
         if is_static(slot):  # fast decoding: the position lives on the device, every token is real
