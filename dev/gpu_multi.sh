@@ -6,9 +6,10 @@
 # Parts (each prints its figures and writes JSON under $OUT):
 #   same   LoLCATs, 60 + 60 steps, seed 0: 1 GPU at batch 8 against torchrun on 2 GPUs at batch 4
 #          each (the same global batch): training losses step by step and the held-out perplexities
-#   speed  tokens/s of LoLCATs stage 1 / stage 2 and SUPRA at batch 8 per GPU: 1 GPU, then 2 GPUs
-#   fsdp   LoLCATs stage 1 under accelerate's FSDP config (linearize.recipes.launch fsdp): loss and
-#          peak memory of each GPU
+#   speed  tokens/s of LoLCATs stage 1 / stage 2 and SUPRA at batch 8 per GPU (STEPS=300 per stage): 1 GPU,
+#          then 2 GPUs; whole-stage and steady (from logged step WARM=50 on) figures
+#   fsdp   LoLCATs stage 1 under accelerate's FSDP config (linearize.recipes.launch fsdp) and under torchrun
+#          (data-parallel), batch 8 per GPU: tokens/s, perplexity, attention MSE, peak memory of each GPU
 # .gpu/g holds the corpus as one archive: tar -C .gpu/e -cJf .gpu/g/gutenberg.tar.xz gutenberg.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; R=/tmp/runs/multi; mkdir -p "$OUT" "$R"
@@ -21,7 +22,10 @@ lolcats() {  # lolcats NAME LAUNCHER... -- ARGS...
   local launcher=(); while [ "$1" != -- ]; do launcher+=("$1"); shift; done; shift
   timeout 300 "${launcher[@]}" -m linearize lolcats --teacher $T --budget gpu --eval-blocks 16 --seed 0 \
     --out $R/$name "$@" 2>&1 | quiet | tail -8
-  cp $R/$name/results.json "$OUT/$name.json" 2>/dev/null; cp $R/$name/metrics.jsonl "$OUT/$name.metrics.jsonl" 2>/dev/null
+  local res; res=$(ls $R/$name/results.json $R/$name/*/results.json 2>/dev/null | head -1)
+  [ -n "$res" ] && cp "$res" "$OUT/$name.json"
+  res=$(ls $R/$name/metrics.jsonl $R/$name/*/metrics.jsonl 2>/dev/null | head -1)
+  [ -n "$res" ] && cp "$res" "$OUT/$name.metrics.jsonl"
 }
 one=(env CUDA_VISIBLE_DEVICES=0 python3); two=(torchrun --standalone --nproc_per_node 2)
 for part in "$@"; do
@@ -58,45 +62,59 @@ print(f"same global batch: {len(common)} logged losses, max relative difference 
 PY
       ;;
     speed)
-      lolcats speed-lolcats-1gpu "${one[@]}" -- --batch-size 8 --stage1-steps 60 --stage2-steps 60 --eval-steps 1000
-      lolcats speed-lolcats-2gpu "${two[@]}" -- --batch-size 8 --stage1-steps 60 --stage2-steps 60 --eval-steps 1000
+      # STEPS steps per stage; tokens/s over the whole stage and "steady" (from the logged step
+      # WARM on, from metrics.jsonl's elapsed_s: the first steps' compilation left out)
+      S=${STEPS:-300}
+      timeout 200 "${one[@]}" -m linearize supra --teacher $T --budget gpu --batch-size 8 --steps 20 \
+        --eval-steps 1000 --eval-blocks 4 --seed 0 --out $R/supra-warm 2>&1 | quiet | tail -2  # fla compiles once
+      lolcats speed-lolcats-1gpu "${one[@]}" -- --batch-size 8 --stage1-steps $S --stage2-steps $S --eval-steps 1000
+      lolcats speed-lolcats-2gpu "${two[@]}" -- --batch-size 8 --stage1-steps $S --stage2-steps $S --eval-steps 1000
       for n in 1 2; do
         launcher=("${one[@]}"); [ $n = 2 ] && launcher=("${two[@]}")
-        /usr/bin/time -f "supra-$n wall %e s" timeout 300 "${launcher[@]}" -m linearize supra --teacher $T --budget gpu \
-          --batch-size 8 --steps 120 --eval-steps 1000 --eval-blocks 16 --seed 0 --out $R/supra-$n 2>&1 | quiet | tail -5
+        timeout 300 "${launcher[@]}" -m linearize supra --teacher $T --budget gpu \
+          --batch-size 8 --steps $S --eval-steps 1000 --eval-blocks 16 --seed 0 --out $R/supra-$n 2>&1 | quiet | tail -5
         cp $R/supra-$n/results.json "$OUT/speed-supra-${n}gpu.json" 2>/dev/null
+        cp $R/supra-$n/metrics.jsonl "$OUT/speed-supra-${n}gpu.metrics.jsonl" 2>/dev/null
       done
-      python3 - "$OUT" <<'PY'
-import json, sys, pathlib
-out = pathlib.Path(sys.argv[1])
-def get(name, *path):
-    d = json.loads((out / name).read_text())
-    for p in path:
-        d = d[p]
-    return d
+      WARM=${WARM:-50} python3 - "$OUT" <<'PY'
+import json, os, sys, pathlib
+out, warm = pathlib.Path(sys.argv[1]), int(os.environ["WARM"])
+def steady(name, stage, tokens_per_step):
+    rows = [json.loads(l) for l in (out / f"{name}.metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if r.get("stage") == stage and "loss" in r and r.get("elapsed_s") is not None]
+    a = next(r for r in rows if r["step"] >= warm); b = rows[-1]
+    return (b["step"] - a["step"]) * tokens_per_step / (b["elapsed_s"] - a["elapsed_s"])
 rows = {}
-for stage in ("stage1", "stage2"):
-    one, two = (get(f"speed-lolcats-{n}gpu.json", stage, "tokens_per_second") for n in (1, 2))
-    rows[f"lolcats {stage}"] = [one, two, two / one]
-def supra(n):
-    d = json.loads((out / f"speed-supra-{n}gpu.json").read_text())
-    return d.get("tokens_per_second") or d.get("train", {}).get("tokens_per_second")
-try:
-    rows["supra"] = [supra(1), supra(2), supra(2) / supra(1)]
-except Exception as e:
-    rows["supra"] = f"not read: {e}"
+for label, stage, whole in (("lolcats stage1", "stage1[0]", ("stage1",)), ("lolcats stage2", "stage2", ("stage2",)),
+                            ("supra", "uptrain", ("train",))):
+    base = "speed-lolcats" if label.startswith("lolcats") else "speed-supra"
+    rec = {}
+    for n in (1, 2):
+        d = json.loads((out / f"{base}-{n}gpu.json").read_text())
+        for p in whole:
+            d = d[p]
+        try:
+            st = steady(f"{base}-{n}gpu", stage, 8 * 1024 * n)
+        except (StopIteration, FileNotFoundError, KeyError) as e:
+            st = None
+        rec[f"{n}gpu"] = {"whole": d["tokens_per_second"], "steady": st}
+    rec["ratio_whole"] = rec["2gpu"]["whole"] / rec["1gpu"]["whole"]
+    rec["ratio_steady"] = rec["2gpu"]["steady"] / rec["1gpu"]["steady"] if rec["1gpu"]["steady"] and rec["2gpu"]["steady"] else None
+    rows[label] = rec
 (out / "speed.json").write_text(json.dumps(rows, indent=1))
 for k, v in rows.items():
-    print(k, v if isinstance(v, str) else f"1 GPU {v[0]:,.0f} tok/s, 2 GPUs {v[1]:,.0f} tok/s, {v[2]:.2f}x")
+    print(k, json.dumps(v))
 PY
       ;;
     fsdp)
       cfg=$(python3 -m linearize.recipes.launch fsdp)
       lolcats fsdp-stage1 accelerate launch --config_file "$cfg" --num_processes 2 -- \
-        --rows stage1-only --batch-size 4 --stage1-steps 30 --eval-steps 1000
-      python3 -c "import json,sys; d=json.load(open('$OUT/fsdp-stage1.json')); s=d.get('stage1',{}); \
-print('fsdp stage 1:', s.get('steps'), 'steps', s.get('tokens_per_second'), 'tok/s, peak GiB (rank 0)', \
-(s.get('peak_gpu_bytes') or 0)/2**30, 'ppl', d.get('perplexity'))" 2>&1 ;;
+        --rows stage1-only --batch-size 8 --stage1-steps ${FSDP_STEPS:-100} --eval-steps 1000
+      lolcats ddp-stage1 "${two[@]}" -- --rows stage1-only --batch-size 8 --stage1-steps ${FSDP_STEPS:-100} --eval-steps 1000
+      for r in fsdp ddp; do python3 -c "import json,sys; d=json.load(open('$OUT/$r-stage1.json')); s=d.get('stage1',{}); \
+print('$r stage 1:', s.get('steps'), 'steps', round(s.get('tokens_per_second') or 0), 'tok/s, peak GiB per rank', \
+[round(b/2**30, 2) for b in s.get('peak_gpu_bytes_per_rank') or []], 'ppl', d.get('perplexity'), 'mse', \
+sum(d['layer_mse_after'].values())/len(d['layer_mse_after']))" 2>&1; done ;;
     *) echo "unknown part $part" ;;
   esac
 done

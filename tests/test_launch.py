@@ -28,9 +28,8 @@ def test_the_module_prints_a_path_or_one_error_line():
     assert bad.returncode == 2 and bad.stderr.startswith("linearize: error:") and bad.stderr.count("\n") == 1
 
 
-def test_stage_one_under_fsdp_is_refused_before_the_teacher_loads(monkeypatch, capsys, tmp_path):
-    """Attention transfer's per-layer losses bypass FSDP's backward hooks (on two H200s the backward
-    met a freed weight): refused with one line, before any model loads."""
+def test_stage_two_under_fsdp_is_refused_before_the_teacher_loads(monkeypatch, capsys, tmp_path):
+    """LoRA under FSDP is not gathered for merging: refused with one line, before any model loads."""
     import time
 
     import linearize.recipes.lolcats  # noqa: F401  (imports are not what the bound measures)
@@ -40,5 +39,26 @@ def test_stage_one_under_fsdp_is_refused_before_the_teacher_loads(monkeypatch, c
     start = time.perf_counter()
     assert main(["lolcats", "--teacher", str(tmp_path / "absent"), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("linearize: error: stage 1 (attention transfer) does not run under FSDP")
+    assert err.startswith("linearize: error: stage 2 (LoRA) does not run under FSDP")
     assert err.count("\n") == 1 and time.perf_counter() - start < 5
+
+
+def test_attention_transfer_under_fsdp_matches_one_process(tmp_path):
+    """Two gloo processes with every decoder layer and the model sharded by FSDP2 (as accelerate's
+    FSDP config does), each on half the batch: attention transfer's loss and gathered gradients equal
+    one unsharded process's on the whole batch. Without the loss's zero-weighted logits term the
+    backward meets weights FSDP already freed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).with_name("fsdp_attention_transfer.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run([sys.executable, str(script), str(tmp_path)], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "gradients agree" in two.stdout, two.stdout[-2000:]

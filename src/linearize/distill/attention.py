@@ -18,7 +18,7 @@ from ..convert import mixers
 from ..errors import LinearizeError
 from .base import Loss, Step
 from .hooks import StopForward
-from .probes import transfer_probes, unwrap
+from .probes import fully_sharded, transfer_probes, unwrap
 
 
 def _stop_hook(module):
@@ -52,8 +52,9 @@ class AttentionMSE(Loss):
                 raise LinearizeError(f"attention_mse: layers {missing} are not converted layers of this model")
             # later layers are not needed (their input is the teacher's): cut the forward there
             hook = _stop_hook(probes[layers[-1]]) if self.stop_early and not distributed else None
+            out = None
             try:
-                step.model(input_ids=step.batch["input_ids"], use_cache=False)
+                out = step.model(input_ids=step.batch["input_ids"], use_cache=False)
             except StopForward:
                 pass
             finally:
@@ -62,6 +63,13 @@ class AttentionMSE(Loss):
         loss = self.mse_factor * torch.stack([probes[i].mse for i in layers]).mean()
         if self.xent_factor:
             loss = loss + self.xent_factor * torch.stack([probes[i].xent for i in layers]).mean()
+        if out is not None and fully_sharded(step.model):
+            # FSDP gathers a layer's weights for its backward from hooks on the layer's outputs (and
+            # reduces the gradients from the model's): the MSE leaves each layer before them. A term of
+            # weight 0 on the logits runs the backward through every layer's output, and the probes tie
+            # each mixer's prediction to that output, so each layer is gathered before its MSE's
+            # gradient needs its weights. Cost: a backward pass of zeros through the model.
+            loss = loss + 0.0 * out.logits.float().mean()
         return loss
 
 

@@ -37,6 +37,15 @@ def unwrap(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def fully_sharded(model) -> bool:
+    """``model`` or one of its modules is sharded by FSDP2 (``fully_shard``, as accelerate's FSDP config does)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return False
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def softmax_attention_of(mixer: Mixer, q, k, v, position_embeddings) -> torch.Tensor:
     """The softmax attention the mixer replaced, on its q/k/v (before RoPE): ``[B, H, T, D]``."""
     qr, kr = mixer.adapter.rope(mixer, q, k, position_embeddings)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -64,15 +65,23 @@ class TrainConfig:
 
 
 class JsonlLogger(TrainerCallback):
-    """Appends every logged metric (loss, eval_loss, lr, ...) as one JSON line to ``metrics.jsonl``."""
+    """Appends every logged metric (loss, eval_loss, lr, ...) as one JSON line to ``metrics.jsonl``,
+    with ``elapsed_s``, the wall time since the stage's training began: tokens/s between two lines
+    leaves out the first steps' warm-up (kernel compilation, allocator growth)."""
 
     def __init__(self, path: Path, stage: str):
         self.path, self.stage = path, stage
+        self.start = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.time()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if state.is_world_process_zero and logs:
+            elapsed = round(time.time() - self.start, 3) if self.start is not None else None
             with self.path.open("a") as fh:
-                fh.write(json.dumps({"stage": self.stage, "step": state.global_step, **logs}) + "\n")
+                fh.write(json.dumps({"stage": self.stage, "step": state.global_step, **logs,
+                                     "elapsed_s": elapsed}) + "\n")
 
 
 class RecipeTrainer(Trainer):
@@ -121,6 +130,34 @@ def under_fsdp() -> bool:
     """Launched by ``accelerate launch`` with an FSDP configuration (``recipes/launch/fsdp.yaml``)."""
     return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
 
+
+
+def gathered_state(model) -> dict[str, torch.Tensor]:
+    """``model``'s whole state dict on the CPU, on every process; FSDP-sharded tensors are gathered
+    one at a time (a collective: every rank calls it), so no GPU holds the whole model at once."""
+    from torch.distributed.tensor import DTensor
+
+    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
+            for name, t in model.state_dict().items()}
+
+
+def unsharded(model):
+    """``model`` itself, or, where FSDP sharded it in place (a stage trained under accelerate's FSDP
+    config), a plain copy on the same device with the gathered weights and ``requires_grad`` flags, so
+    the next stage wraps a fresh model and rank 0 can save and decode it alone. Every rank calls it."""
+    from ..distill.probes import fully_sharded
+
+    if not fully_sharded(model):
+        return model
+    state = gathered_state(model)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    plain = type(model)._from_config(model.config, dtype=next(model.parameters()).dtype)
+    plain.load_state_dict(state, strict=True)
+    plain.to(device)
+    for n, p in plain.named_parameters():
+        p.requires_grad_(n in trainable)
+    return plain
 
 def _gloo_on_one_host() -> None:
     """Gloo finds its network device by resolving the host name; on machines whose name does not

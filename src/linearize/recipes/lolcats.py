@@ -28,11 +28,12 @@ import torch
 from .. import convert, mixers
 from ..distill import build_objective, layer_mse, softmax_view
 from ..distill.hooks import StopForward, injecting, layer_input
+from ..distill.probes import fully_sharded
 from ..errors import LinearizeError
 from ..eval import perplexity
 from ..models import get_adapter
 from .common import begin_run, finish
-from .engine import TrainConfig, is_main_process, next_token_loss, train, under_fsdp
+from .engine import TrainConfig, gathered_state, is_main_process, next_token_loss, train, under_fsdp, unsharded
 
 __all__ = ["LolcatsConfig", "ablation_config", "layer_mse", "run", "run_stage1", "run_stage2", "summary"]
 
@@ -199,13 +200,21 @@ def _freeze_all_but(student, layers: set[int]) -> None:
 STAGE1_WEIGHTS = "trained.safetensors"
 
 
-def _save_trained(student, stage_dir: Path) -> None:
-    """What a stage-1 block trained (the parameters that require gradients) and the random state after
-    it, where ``--resume`` finds them: a run stopped after the block goes on from these weights, not
-    from the untrained conversion, and draws what the uninterrupted run draws next."""
+def _trained_weights(student) -> dict[str, torch.Tensor]:
+    """The parameters that require gradients, whole and on the CPU (gathered when FSDP shards them:
+    every rank calls this)."""
+    names = {n for n, p in student.named_parameters() if p.requires_grad}
+    if fully_sharded(student):
+        return {n: t.contiguous() for n, t in gathered_state(student).items() if n in names}
+    return {n: p.detach().cpu().contiguous() for n, p in student.named_parameters() if n in names}
+
+
+def _save_trained(trained: dict[str, torch.Tensor], stage_dir: Path) -> None:
+    """What a stage-1 block trained (``_trained_weights``) and the random state after it, where
+    ``--resume`` finds them: a run stopped after the block goes on from these weights, not from the
+    untrained conversion, and draws what the uninterrupted run draws next."""
     from safetensors.torch import save_file
 
-    trained = {n: p.detach().cpu().contiguous() for n, p in student.named_parameters() if p.requires_grad}
     tmp = stage_dir / (STAGE1_WEIGHTS + ".tmp")
     save_file(trained, str(tmp))
     # the random state too: what follows (stage 2's LoRA initialisation) draws the same numbers after a resume
@@ -260,8 +269,10 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
                             stage=f"stage1[{b}]", resume=True if cfg.resume else None,
                             metrics_path=out / "metrics.jsonl")
         steps += trainer.state.global_step
+        # under FSDP every rank gathers the trained weights (a collective); the main process writes
+        trained = _trained_weights(student)
         if is_main_process():  # the block's weights first, then the mark a resumed run trusts
-            _save_trained(student, stage_dir)
+            _save_trained(trained, stage_dir)
             (stage_dir / "done").write_text("ok\n")
     return _timed({"blocks": len(groups), "steps": steps}, start, cfg)
 
@@ -284,6 +295,10 @@ def _timed(info: dict, start: float, cfg: LolcatsConfig) -> dict:
     info = {**info, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / max(seconds, 1e-9)}
     if torch.cuda.is_available():
         info["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # each GPU's, by rank
+            peaks = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(peaks, info["peak_gpu_bytes"])
+            info["peak_gpu_bytes_per_rank"] = peaks
     return info
 
 
@@ -313,11 +328,13 @@ def run(cfg: LolcatsConfig) -> dict:
     unknown = set(cfg.stages) - {"stage1", "stage2"}
     if unknown or not cfg.stages:
         raise LinearizeError(f"stages must be a non-empty subset of stage1, stage2; got {list(cfg.stages)}")
-    if "stage1" in cfg.stages and under_fsdp():
-        raise LinearizeError("stage 1 (attention transfer) does not run under FSDP: its per-layer losses are "
-                             "computed inside the sharded layers, past FSDP's backward hooks; train stage 1 "
-                             "data-parallel (torchrun, or python -m linearize.recipes.launch ddp), or block-wise "
-                             "(--layers-per-block) on one GPU")
+    if "stage2" in cfg.stages and under_fsdp():
+        raise LinearizeError("stage 2 (LoRA) does not run under FSDP yet (the LoRA-wrapped model is not gathered "
+                             "for merging and saving); under FSDP run stage 1 (--rows stage1-only), or train "
+                             "data-parallel (torchrun, or python -m linearize.recipes.launch ddp)")
+    if cfg.layers_per_block and under_fsdp():
+        raise LinearizeError("block-wise stage 1 (--layers-per-block) runs on one GPU or data-parallel (torchrun); "
+                             "under FSDP train every layer jointly (leave --layers-per-block out)")
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
     ppl = results["perplexity"]
     student = convert(teacher, cfg.spec, keep_softmax=list(cfg.keep_softmax) or None, inplace=True)
@@ -325,6 +342,7 @@ def run(cfg: LolcatsConfig) -> dict:
     if "stage1" in cfg.stages:
         results["layer_mse_before"] = layer_mse(student, eval_blocks)
         results["stage1"] = run_stage1(student, train_ds, eval_ds, cfg, out)
+        student = unsharded(student)  # under FSDP: a plain model again, for stage 2 to wrap afresh
         results["layer_mse_after"] = layer_mse(student, eval_blocks)
         ppl["after_stage1"] = perplexity(student, eval_blocks)
         _plot_layer_mse(results, out)
