@@ -64,18 +64,22 @@ PY
     speed)
       # STEPS steps per stage; tokens/s over the whole stage and "steady" (from the logged step
       # WARM on, from metrics.jsonl's elapsed_s: the first steps' compilation left out)
+      # (speed-lolcats and speed-supra run each half, for calls of 10 minutes; speed then sums up)
       S=${STEPS:-300}
+      [ -n "${NO_LOLCATS:-}" ] || {
+      lolcats speed-lolcats-1gpu "${one[@]}" -- --batch-size 8 --stage1-steps $S --stage2-steps $S --eval-steps 1000
+      lolcats speed-lolcats-2gpu "${two[@]}" -- --batch-size 8 --stage1-steps $S --stage2-steps $S --eval-steps 1000; }
+      [ -n "${NO_SUPRA:-}" ] || {
       timeout 200 "${one[@]}" -m linearize supra --teacher $T --budget gpu --batch-size 8 --steps 20 \
         --eval-steps 1000 --eval-blocks 4 --seed 0 --out $R/supra-warm 2>&1 | quiet | tail -2  # fla compiles once
-      lolcats speed-lolcats-1gpu "${one[@]}" -- --batch-size 8 --stage1-steps $S --stage2-steps $S --eval-steps 1000
-      lolcats speed-lolcats-2gpu "${two[@]}" -- --batch-size 8 --stage1-steps $S --stage2-steps $S --eval-steps 1000
       for n in 1 2; do
         launcher=("${one[@]}"); [ $n = 2 ] && launcher=("${two[@]}")
         timeout 300 "${launcher[@]}" -m linearize supra --teacher $T --budget gpu \
           --batch-size 8 --steps $S --eval-steps 1000 --eval-blocks 16 --seed 0 --out $R/supra-$n 2>&1 | quiet | tail -5
         cp $R/supra-$n/results.json "$OUT/speed-supra-${n}gpu.json" 2>/dev/null
         cp $R/supra-$n/metrics.jsonl "$OUT/speed-supra-${n}gpu.metrics.jsonl" 2>/dev/null
-      done
+      done; }
+      cp "$OUT"/speed-* /tmp/runs/multi/ 2>/dev/null; cp /tmp/runs/multi/speed-* "$OUT"/ 2>/dev/null  # both halves' records
       WARM=${WARM:-50} python3 - "$OUT" <<'PY'
 import json, os, sys, pathlib
 out, warm = pathlib.Path(sys.argv[1]), int(os.environ["WARM"])
@@ -89,6 +93,8 @@ for label, stage, whole in (("lolcats stage1", "stage1[0]", ("stage1",)), ("lolc
                             ("supra", "uptrain", ("train",))):
     base = "speed-lolcats" if label.startswith("lolcats") else "speed-supra"
     rec = {}
+    if not (out / f"{base}-2gpu.json").exists():
+        continue
     for n in (1, 2):
         d = json.loads((out / f"{base}-{n}gpu.json").read_text())
         for p in whole:

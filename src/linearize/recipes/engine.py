@@ -210,7 +210,10 @@ def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
         report_to=[],
         remove_unused_columns=False,
         dataloader_num_workers=0,
-        ddp_find_unused_parameters=True,
+        # every objective reaches each parameter it trains (attention transfer ties the mixers' outputs
+        # in with weight 0), so DDP skips the per-step search for unused ones (which the Trainer
+        # would otherwise turn on for PEFT models: LoRA stage 2)
+        ddp_find_unused_parameters=False,
         # CPU runs (tests, laptops) go multi-process through gloo when started with torchrun
         use_cpu=not torch.cuda.is_available(),
         ddp_backend="gloo" if multi_process_cpu else None,
