@@ -251,14 +251,36 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
         eval_extra={"next_token": next_token_loss} if cfg.eval_next_token else None,
         graphed=_graphed_loss(model, loss_fn, cfg, args) if cfg.cuda_graph else None,
     )
-    if resume is True and not any(out.glob("checkpoint-*")):
-        resume = None
+    if resume is True:
+        resume = _complete_checkpoint(out)
     trainer.train(resume_from_checkpoint=resume)  # a NaN/inf loss raises LinearizeError (compute_loss)
     if is_main_process():
         with (out / "train_config.json").open("w") as fh:
             json.dump({**asdict(cfg), "stage": stage, "world_size": int(os.environ.get("WORLD_SIZE", 1))}, fh, indent=1)
     return trainer
 
+
+
+def _complete_checkpoint(out: Path) -> str | None:
+    """The latest checkpoint in ``out`` that the Trainer finished writing (its trainer_state.json is
+    written last), or None. A later one left half-written by a killed run is removed (on the main
+    process), so the resumed run writes it afresh instead of loading a torn checkpoint."""
+    import shutil
+    import sys
+
+    def step(p: Path) -> int:
+        tail = p.name.rsplit("-", 1)[-1]
+        return int(tail) if tail.isdigit() else -1
+
+    found = sorted((p for p in out.glob("checkpoint-*") if p.is_dir() and step(p) >= 0), key=step)
+    complete = [p for p in found if (p / "trainer_state.json").exists()]
+    last = complete[-1] if complete else None
+    for p in found:
+        if p not in complete and (last is None or step(p) > step(last)) and is_main_process():
+            print(f"linearize: {p} was left half-written (the run was stopped while saving it); "
+                  f"resuming from {last.name if last else 'the start of this stage'}", file=sys.stderr)
+            shutil.rmtree(p, ignore_errors=True)
+    return str(last) if last is not None else None
 
 def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArguments):
     """The CUDA-graph replay of the training loss (``--cuda-graph``), where it applies: losses read
