@@ -203,6 +203,21 @@ def _schedule_arguments(p: argparse.ArgumentParser, lr: str, min_lr: str, warmup
     p.add_argument("--warmup-steps", type=int, help=f"linear warmup steps ({warmup})")
 
 
+def _distill_arguments(p: argparse.ArgumentParser, what: str, align: bool = True) -> None:
+    """Learning from the teacher: the loss of the training stage and (uptraining) an alignment stage."""
+    p.add_argument("--loss", help=f"{what}: lm (next-token, the paper's; default), kl (KL to the teacher's next-token "
+                   "distribution, the teacher running beside the student), kl+lm, or any weighted sum of the "
+                   "linearize.distill losses (e.g. 0.5*kl+lm)")
+    p.add_argument("--kl-temperature", type=float, help="KL: softmax temperature of both models (default 1)")
+    p.add_argument("--kl-top-k", type=int, help="KL: over the teacher's k most likely tokens only (default: the "
+                   "whole vocabulary)")
+    if align:
+        p.add_argument("--align-steps", type=int, help="an alignment stage first: this many steps fitting each new "
+                       "mixer's output to the teacher's attention output at its layer (teacher-forced, only the "
+                       "mixers train; RADLADS / MOHAWK). Default 0: none")
+        p.add_argument("--align-lr", type=float, help="learning rate of the alignment stage (default: --lr)")
+
+
 def _uptrain(args, method: str, spec: dict, **fixed) -> int:
     from dataclasses import fields, replace
 
@@ -356,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     lc.add_argument("--stage2-epochs", type=float, help="stage 2 epochs (paper: 2)")
     lc.add_argument("--lora-r", type=int, help="LoRA rank (paper: 8)")
     lc.add_argument("--lora-alpha", type=int, help="LoRA alpha (paper: 16)")
+    _distill_arguments(lc, "stage 2's loss", align=False)
     lc.add_argument("--rows", help="comma-separated comparison rows at the same budget (LoLCATs Table 5): "
                     "lolcats, swap-finetune, stage1-only, no-window; each writes OUT/<row>")
     _spec_arguments(lc)
@@ -372,6 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
     _schedule_arguments(su, "SUPRA: 3e-4 for ~1B models", "SUPRA: 1e-5", "SUPRA: 1000")
     su.add_argument("--new-weights-first", type=int, help="SUPRA's 2-step variant: train only the new weights "
                     "(kernel, GroupNorm) for this many steps first")
+    _distill_arguments(su, "training loss")
     _training_arguments(su)
     _spec_arguments(su)
     su.set_defaults(func=cmd_supra)
@@ -390,6 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     xa.add_argument("--lit-patience", type=int, help="LIT: evaluations below the threshold before unfreezing (1)")
     _schedule_arguments(xa, "XATL: 3e-4", "XATL: 3e-5", "XATL: 2000")
     xa.add_argument("--weight-decay", type=float, help="AdamW weight decay (XATL: 0.1)")
+    _distill_arguments(xa, "training loss")
     _training_arguments(xa)
     xa.set_defaults(func=cmd_xatl, min_lr=None, weight_decay=None)
 
@@ -451,11 +469,13 @@ ARGUMENT_RULES = [
     *((name, lambda v: v >= 1, "a positive whole number") for name in (
         "batch_size", "grad_accum", "lora_r", "layers_per_block", "eval_steps", "steps", "stage1_steps",
         "stage2_steps", "max_new_tokens", "block_len", "train_blocks", "eval_blocks", "prompt_len", "feature_dim",
-        "window", "max_blocks", "prefill_batch", "lora_alpha")),
+        "window", "max_blocks", "prefill_batch", "lora_alpha", "kl_top_k")),
     *((name, lambda v: all(x >= 1 for x in v), "positive whole numbers") for name in ("batch_sizes", "new_tokens")),
     *((name, lambda v: v >= 0, "zero or more") for name in ("temperature", "top_k", "patience", "sparse_cache",
-                                                          "warmup_steps", "stage1_epochs", "stage2_epochs")),
-    *((name, lambda v: v > 0, "positive") for name in ("lr", "min_lr", "stage1_lr", "stage2_lr", "mse_factor")),
+                                                          "warmup_steps", "stage1_epochs", "stage2_epochs",
+                                                          "align_steps")),
+    *((name, lambda v: v > 0, "positive") for name in ("lr", "min_lr", "stage1_lr", "stage2_lr", "mse_factor",
+                                                       "kl_temperature", "align_lr")),
     ("xent_factor", lambda v: v >= 0, "zero or more"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
 ]

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .. import convert, mixers
-from ..distill import build_objective, layer_mse, softmax_view
+from ..distill import SameModelTeacher, build_objective, check_options, layer_mse, softmax_view
 from ..distill.hooks import StopForward, injecting, layer_input
 from ..distill.probes import fully_sharded
 from ..errors import LinearizeError
@@ -79,6 +79,9 @@ class LolcatsConfig:
     lora_r: int = 8
     lora_alpha: int = 16
     lora_targets: tuple[str, ...] | None = None  # None: the family's q/k/v/o projections
+    loss: str = "lm"  # stage 2: lm (the paper's next-token loss), kl or kl+lm (the teacher: the student's own
+    kl_temperature: float = 1.0  # projections with softmax attention and LoRA off, no second model)
+    kl_top_k: int | None = None
     merge: bool = True
     resume: bool = False
     sample_prompt: str = "It is a truth universally acknowledged, that"
@@ -86,6 +89,7 @@ class LolcatsConfig:
     def stage_config(self, stage: str, output_dir: Path) -> TrainConfig:
         first = stage == "stage1"
         return TrainConfig(
+            eval_next_token=not first and not stage2_learns_from_lm(self),
             output_dir=str(output_dir), learning_rate=self.stage1_lr if first else self.stage2_lr,
             epochs=self.stage1_epochs if first else self.stage2_epochs,
             max_steps=self.stage1_steps if first else self.stage2_steps,
@@ -304,6 +308,19 @@ def _timed(info: dict, start: float, cfg: LolcatsConfig) -> dict:
 
 # --- stage 2 -------------------------------------------------------------------------------------
 
+def stage2_learns_from_lm(cfg: LolcatsConfig) -> bool:
+    return cfg.loss.replace(" ", "") in ("lm", "next_token")
+
+
+def _stage2_objective(cfg: LolcatsConfig):
+    """Stage 2's loss: the next-token loss, or an objective reading the teacher, which is the student
+    itself with softmax attention from its frozen projections and LoRA off (exact, no second model)."""
+    if stage2_learns_from_lm(cfg):
+        return next_token_loss
+    return build_objective(cfg.loss, {"kl": {"temperature": cfg.kl_temperature, "top_k": cfg.kl_top_k}},
+                           teacher=SameModelTeacher())
+
+
 def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
     from peft import LoraConfig, get_peft_model
 
@@ -313,9 +330,10 @@ def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
     lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets, bias="none")
     peft_model = get_peft_model(student, lora)
     start = _start_clock()
-    trainer = train(peft_model, train_ds, eval_ds, next_token_loss, cfg.stage_config("stage2", out / "stage2"),
+    trainer = train(peft_model, train_ds, eval_ds, _stage2_objective(cfg), cfg.stage_config("stage2", out / "stage2"),
                     stage="stage2", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
-    info = _timed({"steps": trainer.state.global_step, "lora_targets": targets}, start, cfg)
+    info = _timed({"steps": trainer.state.global_step, "lora_targets": targets,
+                   "loss": "lm" if stage2_learns_from_lm(cfg) else cfg.loss}, start, cfg)
     if cfg.merge:
         return peft_model.merge_and_unload(), info
     return peft_model, info
@@ -328,6 +346,8 @@ def run(cfg: LolcatsConfig) -> dict:
     unknown = set(cfg.stages) - {"stage1", "stage2"}
     if unknown or not cfg.stages:
         raise LinearizeError(f"stages must be a non-empty subset of stage1, stage2; got {list(cfg.stages)}")
+    if "stage2" in cfg.stages and not stage2_learns_from_lm(cfg):
+        check_options(cfg.loss, {"kl": {"temperature": cfg.kl_temperature, "top_k": cfg.kl_top_k}})
     if "stage2" in cfg.stages and under_fsdp():
         raise LinearizeError("stage 2 (LoRA) does not run under FSDP yet (the LoRA-wrapped model is not gathered "
                              "for merging and saving); under FSDP run stage 1 (--rows stage1-only), or train "

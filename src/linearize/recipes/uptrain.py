@@ -1,4 +1,8 @@
-"""Uptraining: train a converted (SUPRA) or newly built (XATL) student end to end on next-token loss.
+"""Uptraining: train a converted (SUPRA) or newly built (XATL) student end to end, on the papers'
+next-token loss (``loss: lm``, the default) or from the teacher (``loss: kl`` or ``kl+lm``: a frozen
+copy of the teacher runs beside the student), optionally after an alignment stage (``align_steps``:
+each mixer's output fitted to the teacher's attention output at its layer, teacher-forced, only the
+mixers training; RADLADS / MOHAWK step 1).
 
 SUPRA (Mercat et al., 2024): swap in SUPRA attention, then train all weights — Adam with betas
 (0.9, 0.95), linear warmup, cosine decay to a floor (3e-4 -> 1e-5 for ~1B models). Variants the paper
@@ -23,6 +27,7 @@ from .. import convert
 from ..errors import LinearizeError
 from ..eval import perplexity
 from .common import begin_run, finish
+from ..distill import FrozenTeacher, build_objective, check_options
 from .engine import TrainConfig, next_token_loss, train
 
 
@@ -59,11 +64,19 @@ class UptrainConfig:
     freeze: str = "unfrozen"  # frozen | unfrozen | lit
     lit_threshold: float = 0.01
     lit_patience: int = 1
+    # learning from the teacher
+    loss: str = "lm"  # lm (the papers' next-token loss), kl, kl+lm, or any distill objective ("0.5*kl+lm")
+    kl_temperature: float = 1.0
+    kl_top_k: int | None = None  # None: KL over the whole vocabulary
+    align_steps: int = 0  # an alignment stage first (mixer_mse, only the mixers train); 0: none
+    align_lr: float | None = None  # None: lr
     sample_prompt: str = "It is a truth universally acknowledged, that"
 
-    def train_config(self, output_dir: Path, steps: int, warmup: int) -> TrainConfig:
+    def train_config(self, output_dir: Path, steps: int, warmup: int, lr: float | None = None,
+                     eval_next_token: bool = False) -> TrainConfig:
         return TrainConfig(
-            output_dir=str(output_dir), learning_rate=self.lr, max_steps=steps, batch_size=self.batch_size,
+            output_dir=str(output_dir), learning_rate=lr or self.lr, max_steps=steps, batch_size=self.batch_size,
+            eval_next_token=eval_next_token,
             grad_accum=self.grad_accum, scheduler="cosine_with_min_lr", warmup_steps=warmup,
             weight_decay=self.weight_decay, adam_betas=(0.9, 0.95), eval_steps=self.eval_steps,
             early_stopping_patience=self.patience, seed=self.seed, logging_steps=max(1, min(10, self.eval_steps)),
@@ -104,14 +117,55 @@ def _build(teacher, cfg: UptrainConfig):
     raise LinearizeError(f"unknown uptraining method {cfg.method!r}; use supra or xatl")
 
 
+def _learns_from_lm(cfg: UptrainConfig) -> bool:
+    return cfg.loss.replace(" ", "") in ("lm", "next_token")
+
+
+def check_distillation(cfg: UptrainConfig) -> None:
+    """The loss and the alignment settings, checked before the teacher loads."""
+    if cfg.align_steps < 0:
+        raise LinearizeError(f"align_steps must be zero or more, got {cfg.align_steps}")
+    if not _learns_from_lm(cfg):
+        check_options(cfg.loss, _loss_options(cfg))
+        if cfg.cuda_graph:
+            raise LinearizeError(f"--cuda-graph replays the next-token loss alone; the loss {cfg.loss!r} reads the "
+                                 "teacher (leave --cuda-graph out)")
+
+
+def _loss_options(cfg: UptrainConfig) -> dict:
+    return {"kl": {"temperature": cfg.kl_temperature, "top_k": cfg.kl_top_k}}
+
+
+def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) -> dict:
+    """The alignment stage: only the mixers train, each toward the teacher's attention output at its
+    layer on the teacher's hidden states (``mixer_mse``); the rest is restored to trainable after."""
+    from ..convert import mixers
+
+    trained = {id(p) for m in mixers(student).values() for p in m.parameters()}
+    for p in student.parameters():
+        p.requires_grad_(id(p) in trained)
+    objective = build_objective("mixer_mse", teacher=frozen)
+    trainer = train(student, train_ds, eval_ds, objective,
+                    cfg.train_config(out / "align", cfg.align_steps, min(cfg.warmup_steps, cfg.align_steps), cfg.align_lr),
+                    stage="align", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
+    for p in student.parameters():
+        p.requires_grad_(True)
+    return {"steps": trainer.state.global_step, "parameters": sum(p.numel() for p in student.parameters() if id(p) in trained)}
+
+
 def run(cfg: UptrainConfig) -> dict:
     if cfg.cuda_graph and not torch.cuda.is_available():  # before the teacher loads
         raise LinearizeError("--cuda-graph needs a CUDA device")
+    check_distillation(cfg)
     if cfg.method == "xatl":  # a bad transfer map fails now, not after the teacher and its perplexity
         from ..xatl import ARCHITECTURES, resolve_transfer
 
         resolve_transfer(cfg.transfer, ARCHITECTURES.get(cfg.arch, cfg.arch), (0,) if cfg.hybrid else ())
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
+    frozen = None
+    if cfg.align_steps or not _learns_from_lm(cfg):
+        # SUPRA converts the teacher in place: the frozen teacher is a copy made first (XATL builds a new model)
+        frozen = FrozenTeacher(teacher, copy_model=cfg.method == "supra")
     student, groups, report = _build(teacher, cfg)
     if report is not None:
         results["transfer_report"] = report.summary()
@@ -129,6 +183,10 @@ def run(cfg: UptrainConfig) -> dict:
         torch.cuda.reset_peak_memory_stats()
     start = time.time()
     steps_done = 0
+    if cfg.align_steps:
+        results["align"] = _align(student, frozen, train_ds, eval_ds, cfg, out)
+        steps_done += results["align"]["steps"]
+        results["perplexity"]["student, after alignment"] = perplexity(student, eval_blocks)
     if cfg.new_weights_first:
         new_ids = {id(p) for p in groups.get("new", [])}
         for p in student.parameters():
@@ -139,7 +197,11 @@ def run(cfg: UptrainConfig) -> dict:
         steps_done += first.state.global_step
         for p in student.parameters():
             p.requires_grad_(True)
-    trainer = train(student, train_ds, eval_ds, next_token_loss, cfg.train_config(out / "train", cfg.steps, cfg.warmup_steps),
+    lm = _learns_from_lm(cfg)
+    objective = next_token_loss if lm else build_objective(cfg.loss, _loss_options(cfg), teacher=frozen)
+    results["loss"] = "lm" if lm else repr(objective)
+    trainer = train(student, train_ds, eval_ds, objective,
+                    cfg.train_config(out / "train", cfg.steps, cfg.warmup_steps, eval_next_token=not lm),
                     stage="uptrain", callbacks=callbacks, resume=True if cfg.resume else None,
                     metrics_path=out / "metrics.jsonl")
     steps_done += trainer.state.global_step
@@ -156,6 +218,11 @@ def run(cfg: UptrainConfig) -> dict:
 def summary(results: dict, label: str) -> str:
     lines = [f"[{label}] held-out perplexity ({results['eval_tokens']:,} tokens)"]
     lines += [f"  {k:<28} {v:10.2f}" for k, v in results["perplexity"].items()]
+    if results.get("loss", "lm") != "lm":
+        lines.append(f"  trained on {results['loss']} from a frozen copy of the teacher")
+    if "align" in results:
+        lines.append(f"  alignment stage: {results['align']['steps']} steps ({results['align']['parameters']:,} mixer "
+                     "parameters fitted to the teacher's attention outputs)")
     t = results["train"]
     lines.append(f"  trained {t['steps']} steps, {t['tokens']:,} tokens ({t['epochs']:.2f} epochs of the corpus) in "
                  f"{t['seconds']:.0f}s ({t['tokens_per_second']:,.0f} tok/s)")
