@@ -96,5 +96,16 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
       --steps ${XATL_STEPS:-610} --eval-steps 61 --out $RUNS/recall-xatl 2>&1 | quiet | tail -8
     evaluate $RUNS/recall-xatl/final recall-xatl
     recall $RUNS/recall-xatl/final xatl-hybrid ;;
+  distill-supra)  # SUPRA learning from the teacher (issue #20): ALIGN alignment steps, then STEPS of kl+lm
+    lin supra --teacher $T --budget gpu --align-steps ${ALIGN:-300} --align-lr 1e-3 --loss ${LOSS:-kl+lm} \
+      --steps ${STEPS:-1220} --out $RUNS/distill-supra 2>&1 | quiet | tail -10
+    evaluate $RUNS/distill-supra/final distill-supra
+    recall $RUNS/distill-supra/final distill-supra ;;
+  distill-xatl)  # the XATL hybrid learning from the teacher, same schedule
+    lin xatl --teacher $T --budget gpu --arch retnet --transfer embeddings,ffn,wo,attention --hybrid xatl \
+      --align-steps ${ALIGN:-300} --align-lr 1e-3 --loss ${LOSS:-kl+lm} --steps ${XATL_STEPS:-610} --eval-steps 61 \
+      --out $RUNS/distill-xatl 2>&1 | quiet | tail -10
+    evaluate $RUNS/distill-xatl/final distill-xatl
+    recall $RUNS/distill-xatl/final distill-xatl-hybrid ;;
   *) echo "unknown job $1"; exit 2 ;;
 esac

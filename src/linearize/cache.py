@@ -102,6 +102,18 @@ class RecurrentLayer(CacheLayerMixin):
         raise RuntimeError("a recurrent state cannot be cropped back to an earlier length")
 
 
+def cache_keyword(model) -> str:
+    """The keyword under which ``model``'s forward takes a cache: ``cache`` (transformers >= 5.2x, where
+    ``past_key_values`` is deprecated) or ``past_key_values`` (earlier 5.x)."""
+    import inspect
+
+    forward = getattr(type(model), "forward", None)
+    try:
+        return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+    except (TypeError, ValueError):
+        return "past_key_values"
+
+
 def layer_cache(*candidates):
     """The cache an attention module was called with, whichever name the decoder layer used:
     ``cache`` (transformers >= 5.2x), ``past_key_values`` (earlier 5.x) or ``layer_past`` (GPT-NeoX)."""

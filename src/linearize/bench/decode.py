@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..cache import LinearizeCache, cache_nbytes
+from ..cache import LinearizeCache, cache_keyword, cache_nbytes
 from ..errors import LinearizeError
 
 PATHS = ("generate", "static", "fast")
@@ -71,7 +71,7 @@ def _generate_run(model, prompt, new_tokens, path):
         kw["past_key_values"] = _cache_for(model)
     _sync(device)
     start = time.perf_counter()
-    model(prompt, past_key_values=_cache_for(model), use_cache=True, logits_to_keep=1)
+    model(prompt, **{cache_keyword(model): _cache_for(model)}, use_cache=True, logits_to_keep=1)
     _sync(device)
     prefill = time.perf_counter() - start
     start = time.perf_counter()

@@ -85,10 +85,10 @@ def prefill_once(model, ids) -> None:
     """One prefill as the fast decoder runs it: the last token's logits and a filled cache."""
     from transformers import DynamicCache
 
-    from ..cache import LinearizeCache
+    from ..cache import LinearizeCache, cache_keyword
 
     cache = LinearizeCache(model) if getattr(model.config, "linearize", None) else DynamicCache(config=model.config)
-    model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    model(ids, **{cache_keyword(model): cache}, use_cache=True, logits_to_keep=1)
 
 
 def measure(model, label: str, path: str, batch: int, prompt_len: int, *, warmup: int = 2, repeats: int = 5,

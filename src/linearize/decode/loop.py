@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from ..cache import LinearizeCache
+from ..cache import LinearizeCache, cache_keyword
 from ..errors import LinearizeError
 from .buffers import StaticCache, StaticKVLayer, join_caches, state_nbytes, static_cache
 from .fusion import fused_projections
@@ -67,8 +67,9 @@ class DecodeStep:
 
     def __init__(self, forward, cache: StaticCache, sampling: Sampling, first: torch.Tensor,
                  attention_mask: torch.Tensor, position: torch.Tensor, *, total: int, max_new_tokens: int,
-                 eos: torch.Tensor, pad: int, dtype: torch.dtype):
+                 eos: torch.Tensor, pad: int, dtype: torch.dtype, cache_keyword: str = "past_key_values"):
         b, t = attention_mask.shape
+        self.cache_keyword = cache_keyword
         dev = attention_mask.device
         self.forward, self.cache, self.sampling, self.eos, self.pad = forward, cache, sampling, eos, pad
         self.position, self.dtype = position, dtype
@@ -89,7 +90,7 @@ class DecodeStep:
             self.kv_valid.index_fill_(1, self.position.view(1), True)
             self.kv_mask.zero_().masked_fill_(~self.kv_valid[:, None, None, :], torch.finfo(self.dtype).min)
         logits = self.forward(self.token, attention_mask=self.kv_mask, position_ids=self.position_ids,
-                              cache_position=self.position.view(1), past_key_values=self.cache,
+                              cache_position=self.position.view(1), **{self.cache_keyword: self.cache},
                               use_cache=True).logits
         nxt = next_tokens(logits[:, -1], self.sampling)
         nxt = torch.where(self.finished, torch.full_like(nxt, self.pad), nxt)
@@ -161,7 +162,7 @@ class FastDecoder:
             cache = LinearizeCache(self.model)
             mask = attention_mask[s : s + n]
             out = self.model(input_ids[s : s + n], attention_mask=mask, position_ids=positions(mask),
-                             past_key_values=cache, use_cache=True, logits_to_keep=1)
+                             **{cache_keyword(self.model): cache}, use_cache=True, logits_to_keep=1)
             logits.append(out.logits[:, -1])
             caches.append(cache)
         return torch.cat(logits), join_caches(caches)
@@ -209,7 +210,7 @@ class FastDecoder:
 
         step = DecodeStep(self.step_forward, static, sampling, next_tokens(logits, sampling), attention_mask,
                           position, total=total, max_new_tokens=max_new_tokens, eos=eos, pad=pad,
-                          dtype=next(self.model.parameters()).dtype)
+                          dtype=next(self.model.parameters()).dtype, cache_keyword=cache_keyword(self.model))
         progress = _Progress(step, streamer, check_every, eos_token_id is not None)
         if streamer is not None:
             streamer.put(input_ids.cpu())
