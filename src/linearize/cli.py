@@ -32,31 +32,85 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sparse-cache", type=int, metavar="S", help="lolcats: tokens per layer and key head kept exactly "
                    "beside the window, those the linear state recalls worst (LoLA); 0 = off (default)")
     g.add_argument("--backend", choices=BACKENDS, help="auto: fla CUDA kernels when installed; torch: PyTorch only")
-    g.add_argument("--config", type=Path, help="a YAML recipe whose keys are the flags above (kind, feature_map, "
-                   "window, ...) and optionally teacher")
+    g.add_argument("--config", type=Path, help="a recipe: a YAML file whose keys are settings (convert: the flags "
+                   "above and teacher; lolcats, supra: any of the command's settings, e.g. stage1_steps, loss, "
+                   "budget), a run's run_config.json (to run it again), or a packaged recipe's name "
+                   "(linearize.recipes.configs); flags win")
+
+
+SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "backend", "sparse_cache")
+
+
+def read_recipe(config) -> dict:
+    """The mapping in a ``--config`` file: a YAML recipe, a run's ``run_config.json`` (YAML reads JSON),
+    or the name of a recipe shipped in the package (``linearize.recipes.configs``, e.g. ``supra_kd``)."""
+    import yaml
+
+    if config is None:
+        return {}
+    path = Path(config)
+    if not path.is_file():
+        from .recipes.configs import names, packaged
+
+        shipped = packaged(str(config))
+        if shipped is None:
+            raise LinearizeError(f"no such recipe file: {config} (nor a packaged recipe: {', '.join(names())})")
+        path = shipped
+    try:
+        recipe = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise LinearizeError(f"could not parse {config}: {str(exc).splitlines()[0]}") from None
+    if not isinstance(recipe, dict):
+        raise LinearizeError(f"{config} must hold a mapping of settings, got {type(recipe).__name__}")
+    return recipe
 
 
 def _spec_from_args(args) -> tuple[dict, dict]:
-    """(spec dict, other recipe keys) from --config and the flags, flags winning."""
-    recipe: dict = {}
-    if args.config is not None:
-        import yaml
-
-        if not args.config.is_file():
-            raise LinearizeError(f"no such recipe file: {args.config}")
-        try:
-            recipe = yaml.safe_load(args.config.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise LinearizeError(f"could not parse {args.config}: {str(exc).splitlines()[0]}") from None
-        if not isinstance(recipe, dict):
-            raise LinearizeError(f"{args.config} must hold a mapping of spec keys, got {type(recipe).__name__}")
+    """(spec dict, other recipe keys) from --config and the flags, flags winning (``convert``)."""
+    recipe = read_recipe(args.config)
     other = {k: recipe.pop(k) for k in ("teacher",) if k in recipe}
-    for key in ("kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "backend",
-                "sparse_cache"):
+    for key in SPEC_FLAGS:
         value = getattr(args, key)
         if value is not None:
             recipe[key] = value
     return recipe, other
+
+
+def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, **fixed):
+    """A recipe's config: the budget preset, then the --config file (any field of the recipe's config,
+    spec keys at the top or under ``spec``), then the flags; ``fixed``: what the command itself sets.
+    Unknown keys in the file fail with one line, before anything loads."""
+    from dataclasses import fields, replace
+
+    from .spec import Spec
+
+    recipe = read_recipe(getattr(args, "config", None))
+    budget = args.budget or recipe.pop("budget", None)
+    spec = {**spec_base, **(recipe.pop("spec", None) or {})}
+    spec.update({k: recipe.pop(k) for k in SPEC_FLAGS if k in recipe and k != "keep_softmax"})
+    spec.update({k: getattr(args, k) for k in SPEC_FLAGS
+                 if k != "keep_softmax" and getattr(args, k, None) is not None})
+    keep = getattr(args, "keep_softmax", None) or recipe.pop("keep_softmax", None) or spec.pop("keep_softmax", None)
+    spec.pop("keep_softmax", None)
+    method = recipe.pop("method", None)
+    if method is not None and method != fixed.get("method", args.command):
+        raise LinearizeError(f"{args.config} is a {method} recipe; run it with 'linearize {method}'")
+    out = str(args.out) if args.out is not None else str(recipe.pop("out", None) or default_out)
+    recipe.pop("out", None)
+    teacher = args.teacher if args.teacher != "default" else recipe.pop("teacher", None)
+    recipe.pop("teacher", None)
+    if budget is not None and budget not in ("cpu", "gpu", "paper"):
+        raise LinearizeError(f"{args.config}: budget must be cpu, gpu or paper, got {budget!r}")
+    cfg = apply_budget(make(out=out), budget)
+    names = {f.name for f in fields(cfg)}
+    unknown = sorted(set(recipe) - names)
+    if unknown:
+        raise LinearizeError(f"{args.config}: no setting {', '.join(unknown)} in the {args.command} recipe; its "
+                             f"settings: budget, {', '.join(sorted(names - {'method'}))}, and the spec keys")
+    flags = {n: getattr(args, n) for n in names - {"teacher", "out", "spec", "keep_softmax", "method"}
+             if getattr(args, n, None) is not None}
+    keep = Spec(keep_softmax=keep).keep_softmax if keep else ()
+    return replace(cfg, **{**recipe, **fixed, **flags}, teacher=teacher, spec=spec, keep_softmax=tuple(keep))
 
 
 def _load_any(model: str, dtype, device):
@@ -143,21 +197,10 @@ def cmd_info(args) -> int:
 
 
 def cmd_lolcats(args) -> int:
-    from dataclasses import fields, replace
-
     from .recipes import lolcats
     from .recipes.engine import is_main_process
-    from .spec import Spec
 
-    spec, other = _spec_from_args(args)
-    keep = spec.pop("keep_softmax", None)
-    cfg = lolcats.apply_budget(lolcats.LolcatsConfig(out=str(args.out)), args.budget)
-    skip = {"teacher", "out", "spec", "keep_softmax"}
-    overrides = {f.name: getattr(args, f.name) for f in fields(cfg)
-                 if f.name not in skip and getattr(args, f.name, None) is not None}
-    cfg = replace(cfg, teacher=args.teacher if args.teacher != "default" else other.get("teacher"),
-                  spec={**lolcats.DEFAULT_SPEC, **spec},
-                  keep_softmax=Spec(keep_softmax=keep).keep_softmax if keep else (), **overrides)
+    cfg = _recipe_config(args, lolcats.LolcatsConfig, lolcats.apply_budget, "runs/lolcats", lolcats.DEFAULT_SPEC)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else [None]
     configs = [lolcats.ablation_config(cfg, row) if row else cfg for row in rows]  # every row checked first
     for row, row_cfg in zip(rows, configs):
@@ -219,16 +262,18 @@ def _distill_arguments(p: argparse.ArgumentParser, what: str, align: bool = True
 
 
 def _uptrain(args, method: str, spec: dict, **fixed) -> int:
-    from dataclasses import fields, replace
+    from dataclasses import replace
 
     from .recipes import uptrain
     from .recipes.engine import is_main_process
 
-    cfg = uptrain.apply_budget(uptrain.UptrainConfig(method=method, out=str(args.out)), args.budget)
-    skip = {"teacher", "out", "spec", "keep_softmax", "method"}
-    overrides = {f.name: getattr(args, f.name) for f in fields(cfg)
-                 if f.name not in skip and getattr(args, f.name, None) is not None}
-    cfg = replace(cfg, teacher=None if args.teacher == "default" else args.teacher, spec=spec, **{**fixed, **overrides})
+    def make(out):  # XATL's optimiser (AdamW weight decay 0.1, cosine floor 3e-5) under the file and the flags
+        extra = dict(weight_decay=0.1, min_lr=3e-5) if method == "xatl" else {}
+        return uptrain.UptrainConfig(method=method, out=out, **extra)
+
+    cfg = _recipe_config(args, make, uptrain.apply_budget, f"runs/{method}", spec, method=method, **fixed)
+    if method == "xatl":
+        cfg = replace(cfg, spec={**cfg.spec, "kind": cfg.arch})
     results = uptrain.run(cfg)
     if is_main_process():
         print(uptrain.summary(results, method))
@@ -236,18 +281,14 @@ def _uptrain(args, method: str, spec: dict, **fixed) -> int:
 
 
 def cmd_supra(args) -> int:
-    from .spec import Spec
-
-    spec, _ = _spec_from_args(args)
-    keep = spec.pop("keep_softmax", None)
-    spec = {"kind": "supra", **spec}
+    spec = {"kind": "supra"}
     if args.variant == "t2r":
         spec.update(norm="sum", decay="none")
-    return _uptrain(args, "supra", spec, keep_softmax=Spec(keep_softmax=keep).keep_softmax if keep else ())
+    return _uptrain(args, "supra", spec)
 
 
 def cmd_xatl(args) -> int:
-    return _uptrain(args, "xatl", {"kind": args.arch}, weight_decay=0.1, min_lr=3e-5)
+    return _uptrain(args, "xatl", {})
 
 
 def cmd_bench(args) -> int:
@@ -352,7 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "stage 2 trains LoRA adapters on next-token loss and merges them. Prints held-out "
                                     "perplexity of the teacher, the converted model and after each stage; writes "
                                     "OUT/final (a standalone checkpoint), OUT/results.json and OUT/metrics.jsonl.")
-    lc.add_argument("--out", type=Path, default=Path("runs/lolcats"), help="run folder (default: %(default)s)")
+    lc.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/lolcats)")
     _training_arguments(lc, budgets=("cpu", "gpu", "paper"))
     lc.add_argument("--stage1-lr", type=float, help="stage 1 learning rate (paper: 1e-2)")
     lc.add_argument("--stage1-steps", type=int, help="stage 1 optimizer steps (overrides epochs)")
@@ -382,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "kernel, RoPE after it, fixed per-head decay, GroupNorm) and train all weights on "
                                     "next-token loss: Adam betas (0.9, 0.95), warmup then cosine to --min-lr. Writes "
                                     "OUT/final, OUT/results.json and OUT/metrics.jsonl (the loss curve).")
-    su.add_argument("--out", type=Path, default=Path("runs/supra"), help="run folder (default: %(default)s)")
+    su.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/supra)")
     su.add_argument("--variant", choices=["supra", "t2r"], default="supra",
                     help="t2r: the baseline SUPRA improves on (normaliser instead of GroupNorm, no decay)")
     _schedule_arguments(su, "SUPRA: 3e-4 for ~1B models", "SUPRA: 1e-5", "SUPRA: 1000")
@@ -397,8 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
                         description="Build an LCI architecture of the teacher's shape (RetNet retention or Mamba in "
                                     "each block), copy the shared weights named by --transfer, initialise the rest "
                                     "fresh, and train it with the transferred weights frozen, unfrozen or LIT.")
-    xa.add_argument("--out", type=Path, default=Path("runs/xatl"), help="run folder (default: %(default)s)")
-    xa.add_argument("--arch", choices=["retnet", "striped_mamba"], default="retnet", help="the new token mixer")
+    xa.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/xatl)")
+    xa.add_argument("--arch", choices=["retnet", "striped_mamba"], help="the new token mixer (default: retnet)")
+    xa.add_argument("--config", type=Path, help="a recipe: a YAML file (or a run's run_config.json, or a packaged "
+                    "recipe's name) whose keys are any of this command's settings; flags win")
     xa.add_argument("--transfer", help="comma-separated: embeddings, ffn, wo, attention; or 'scratch' "
                     "(default: embeddings,ffn,wo for retnet, embeddings,ffn for mamba)")
     xa.add_argument("--hybrid", help="keep softmax attention at these layers: 'xatl' (layers 2 and N/2) or '2,15'")

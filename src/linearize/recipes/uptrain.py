@@ -112,7 +112,7 @@ def _build(teacher, cfg: UptrainConfig):
         hybrid = cfg.hybrid
         if hybrid and hybrid != "xatl":
             hybrid = [int(i) for i in str(hybrid).split(",") if i]
-        student, report = build_xatl(teacher, cfg.arch, transfer=cfg.transfer, hybrid_softmax_layers=hybrid, seed=cfg.seed)
+        student, report = build_xatl(teacher, cfg.arch, transfer=cfg.transfer, keep_softmax=hybrid, seed=cfg.seed)
         return student, {"new": []}, report
     raise LinearizeError(f"unknown uptraining method {cfg.method!r}; use supra or xatl")
 

@@ -1,0 +1,75 @@
+"""Recipes from configuration files: ``linearize <recipe> --config FILE`` sets any setting of the recipe
+(YAML, a run's own run_config.json, or a packaged recipe's name), flags win, unknown keys fail with one
+line before anything loads, and the run_config.json a run saves runs it again to the same figures."""
+
+import json
+from dataclasses import fields
+
+import pytest
+import yaml
+
+from linearize.cli import SPEC_FLAGS, main
+from linearize.recipes import lolcats, uptrain
+from linearize.recipes.configs import names, packaged
+
+
+def _tiny(ws, out) -> dict:
+    return {"teacher": str(ws / "teacher"), "data": str(ws / "corpus.jsonl"), "out": str(out), "budget": "cpu",
+            "block_len": 32, "batch_size": 4, "eval_blocks": 4, "eval_steps": 2, "dtype": "float32",
+            "feature_dim": 8, "window": 4, "stage1_steps": 4, "stage2_steps": 4}
+
+
+def test_lolcats_from_yaml_alone_then_again_from_its_run_config(workspace, monkeypatch, tmp_path):
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_tiny(workspace, tmp_path / "a")))
+    assert main(["lolcats", "--config", str(recipe), "--device", "cpu"]) == 0
+    first = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert first["stage1"]["steps"] == 4 and first["config"]["block_len"] == 32
+    assert first["config"]["spec"]["window"] == 4 and first["config"]["spec"]["feature_dim"] == 8
+    # the saved configuration runs the same run again (to another folder)
+    assert main(["lolcats", "--config", str(tmp_path / "a" / "run_config.json"), "--out", str(tmp_path / "b")]) == 0
+    second = json.loads((tmp_path / "b" / "results.json").read_text())
+    assert second["perplexity"] == pytest.approx(first["perplexity"], rel=1e-6)
+    assert {k: v for k, v in second["config"].items() if k != "out"} == \
+        {k: v for k, v in first["config"].items() if k != "out"}
+
+
+def test_flags_win_over_the_file(workspace, monkeypatch, tmp_path):
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    recipe = tmp_path / "recipe.yaml"
+    settings = {k: v for k, v in _tiny(workspace, tmp_path / "a").items() if not k.startswith("stage")}
+    recipe.write_text(yaml.safe_dump({**settings, "steps": 6, "kind": "supra"}))
+    assert main(["supra", "--config", str(recipe), "--steps", "2", "--feature-dim", "4", "--device", "cpu"]) == 0
+    config = json.loads((tmp_path / "a" / "results.json").read_text())["config"]
+    assert config["steps"] == 2 and config["spec"]["feature_dim"] == 4 and config["block_len"] == 32
+    assert config["method"] == "supra" and config["spec"]["kind"] == "supra"
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"stage1_stepz": 3}, "no setting stage1_stepz in the lolcats recipe"),
+    ({"budget": "huge"}, "budget must be cpu, gpu or paper"),
+    ({"method": "xatl"}, "is a xatl recipe; run it with 'linearize xatl'"),
+    ("- a list", "must hold a mapping of settings"),
+])
+def test_bad_recipe_files_fail_in_one_line_before_loading(content, message, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(content) if isinstance(content, dict) else content)
+    assert main(["lolcats", "--config", str(recipe), "--teacher", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("linearize: error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_a_missing_recipe_names_the_packaged_ones(tmp_path, capsys):
+    assert main(["xatl", "--config", "no_such_recipe", "--teacher", str(tmp_path / "absent")]) == 2
+    err = capsys.readouterr().err
+    assert "no such recipe file: no_such_recipe" in err and "xatl_hybrid" in err
+
+
+@pytest.mark.parametrize("name", names())
+def test_packaged_recipes_name_only_real_settings(name):
+    recipe = yaml.safe_load(packaged(name).read_text())
+    config = lolcats.LolcatsConfig if name.startswith("lolcats") else uptrain.UptrainConfig
+    known = {f.name for f in fields(config)} | set(SPEC_FLAGS) | {"budget"}
+    assert set(recipe) <= known, set(recipe) - known
+    assert packaged(f"{name}.yaml") == packaged(name)
