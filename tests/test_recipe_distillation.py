@@ -75,3 +75,31 @@ def test_bad_distillation_settings_fail_before_the_teacher_loads(argv, message, 
     assert main([*argv, "--teacher", str(tmp_path / "absent"), "--out", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("linearize: error: ") and message in err and err.count("\n") == 1, err
+
+
+@pytest.mark.slow
+def test_distillation_on_two_processes_equals_one(workspace, tmp_path):
+    """The alignment stage and KL training with the frozen teacher on each of 2 gloo processes (half
+    the batch each) log the losses of one process on the whole batch."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "LINEARIZE_HOME": str(tmp_path / "home"), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    runs = {}
+    for name, batch, launcher in (("one", "8", [sys.executable, "-m", "linearize"]),
+                                  ("two", "4", [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                "--nproc_per_node", "2", "-m", "linearize"])):
+        args = ["--teacher", str(workspace / "teacher"), "--data", str(workspace / "corpus.jsonl"),
+                "--out", str(tmp_path / name), "--budget", "cpu", "--block-len", "32", "--batch-size", batch,
+                "--train-blocks", "8", "--eval-blocks", "8", "--steps", "3", "--eval-steps", "1", "--lr", "3e-3",
+                "--dtype", "float32", "--device", "cpu", "--align-steps", "2", "--loss", "kl+lm"]
+        done = subprocess.run([*launcher, "supra", *args], env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-4000:]
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = [(r["stage"], r["step"], r["loss"]) for r in rows if "loss" in r]
+    assert [r[:2] for r in runs["one"]] == [r[:2] for r in runs["two"]] and len(runs["one"]) == 5
+    assert {r[0] for r in runs["one"]} == {"align", "uptrain"}
+    for (_, _, a), (_, _, b) in zip(runs["one"], runs["two"]):
+        assert a == pytest.approx(b, rel=2e-2)
+    assert runs["one"][0][2] == pytest.approx(runs["two"][0][2], rel=1e-5)
