@@ -267,16 +267,37 @@ def _uptrain(args, method: str, spec: dict, **fixed) -> int:
     from .recipes import uptrain
     from .recipes.engine import is_main_process
 
+    cfg = _uptrain_config(args, method, spec, f"runs/{method}", **fixed)
+    results = uptrain.run(cfg)
+    if is_main_process():
+        print(uptrain.summary(results, method))
+    return 0
+
+
+def _uptrain_config(args, method: str, spec: dict, default_out: str, **fixed):
+    from dataclasses import replace
+
+    from .recipes import uptrain
+
     def make(out):  # XATL's optimiser (AdamW weight decay 0.1, cosine floor 3e-5) under the file and the flags
         extra = dict(weight_decay=0.1, min_lr=3e-5) if method == "xatl" else {}
         return uptrain.UptrainConfig(method=method, out=out, **extra)
 
-    cfg = _recipe_config(args, make, uptrain.apply_budget, f"runs/{method}", spec, method=method, **fixed)
-    if method == "xatl":
-        cfg = replace(cfg, spec={**cfg.spec, "kind": cfg.arch})
-    results = uptrain.run(cfg)
+    cfg = _recipe_config(args, make, uptrain.apply_budget, default_out, spec, method=method, **fixed)
+    return replace(cfg, spec={**cfg.spec, "kind": cfg.arch}) if method == "xatl" else cfg
+
+
+def cmd_orderings(args) -> int:
+    from .recipes import orderings
+    from .recipes.engine import is_main_process
+
+    method = orderings.method_of(args.table)
+    base = _uptrain_config(args, method, {"kind": "supra"} if method == "supra" else {}, f"runs/{args.table}")
+    losses = [x.strip() for x in args.losses.split(",") if x.strip()]
+    orderings.row_configs(args.table, base, losses)  # every row checked before the teacher loads
+    record = orderings.run(args.table, base, losses)
     if is_main_process():
-        print(uptrain.summary(results, method))
+        print(record["markdown"])
     return 0
 
 
@@ -454,6 +475,30 @@ def build_parser() -> argparse.ArgumentParser:
     _training_arguments(xa)
     xa.set_defaults(func=cmd_xatl, min_lr=None, weight_decay=None)
 
+    from .recipes.orderings import TABLES
+
+    od = sub.add_parser("orderings", parents=[common], help="the papers' comparison tables (SUPRA Table 3, XATL "
+                        "Tables 2 and 3), LM loss and distillation side by side",
+                        description="Train every row of one of the papers' comparison tables at the same token "
+                                    "budget, once per loss in --losses (the paper's lm, and learning from the teacher), "
+                                    "then write OUT/<loss>/<row> runs, OUT/curves.png (validation next-token loss "
+                                    "against tokens, one panel per loss) and OUT/orderings.md. Finished rows are kept "
+                                    "and an unfinished one resumes when the command runs again.")
+    od.add_argument("table", choices=list(TABLES), help="supra-table3: supra, t2r, supra-2step; xatl-table2: "
+                    "scratch, E, E+FFN, E+FFN+WO, hybrid; xatl-table3: frozen, unfrozen, lit")
+    od.add_argument("--losses", default="lm,kl+lm", help="comma-separated training losses, each a set of rows "
+                    "(default: %(default)s)")
+    od.add_argument("--out", type=Path, help="folder of the table's runs (default: runs/TABLE)")
+    od.add_argument("--config", type=Path, help="a recipe file whose settings every row shares; flags win")
+    _schedule_arguments(od, "the recipe's", "the recipe's", "the recipe's")
+    od.add_argument("--kl-temperature", type=float, help="KL: softmax temperature (default 1)")
+    od.add_argument("--kl-top-k", type=int, help="KL: over the teacher's k most likely tokens (default: all)")
+    od.add_argument("--align-steps", type=int, help="rows learning from the teacher: an alignment stage of this many "
+                    "steps first (default 0; the lm rows never align)")
+    od.add_argument("--align-lr", type=float, help="learning rate of the alignment stage (default: --lr)")
+    _training_arguments(od)
+    od.set_defaults(func=cmd_orderings)
+
     be = sub.add_parser("bench", parents=[common], help="prefill / decode throughput and memory vs the teacher",
                         description="Time a checkpoint and its teacher over batch sizes and generated lengths, each "
                                     "through the chosen decoding paths: prefill and decode tokens/s, ms per step, "
@@ -534,7 +579,7 @@ def check_arguments(args) -> None:
             shown = " ".join(map(str, value)) if isinstance(value, (list, tuple)) else value
             raise LinearizeError(f"{flag} must be {what}, got {shown}")
     out = getattr(args, "out", None)
-    if getattr(args, "command", None) in ("convert", "lolcats", "supra", "xatl") and out is not None \
+    if getattr(args, "command", None) in ("convert", "lolcats", "supra", "xatl", "orderings") and out is not None \
             and Path(out).exists() and not Path(out).is_dir():
         raise LinearizeError(f"--out {out} is a file; the command writes a folder there")
 

@@ -117,8 +117,13 @@ def _build(teacher, cfg: UptrainConfig):
     raise LinearizeError(f"unknown uptraining method {cfg.method!r}; use supra or xatl")
 
 
+def learns_from_lm(loss: str) -> bool:
+    """``loss`` is the papers' next-token loss alone."""
+    return loss.replace(" ", "") in ("lm", "next_token")
+
+
 def _learns_from_lm(cfg: UptrainConfig) -> bool:
-    return cfg.loss.replace(" ", "") in ("lm", "next_token")
+    return learns_from_lm(cfg.loss)
 
 
 def check_distillation(cfg: UptrainConfig) -> None:
