@@ -107,5 +107,9 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
       --out $RUNS/distill-xatl 2>&1 | quiet | tail -10
     evaluate $RUNS/distill-xatl/final distill-xatl
     recall $RUNS/distill-xatl/final distill-xatl-hybrid ;;
+  orderings-*)  # a paper's table under lm and kl+lm (issue #20): orderings-supra-table3, orderings-xatl-table2 ...
+    lin orderings ${1#orderings-} --teacher $T --budget gpu --losses ${LOSSES:-lm,kl+lm} --steps ${STEPS:-610} \
+      --eval-steps ${EVAL_STEPS:-61} --align-steps ${ALIGN:-0} --out $RUNS/${1} 2>&1 | quiet | tail -16
+    cp $RUNS/${1}/orderings.md $RUNS/${1}/orderings.json $RUNS/${1}/curves.png $OUT/ 2>/dev/null ;;
   *) echo "unknown job $1"; exit 2 ;;
 esac

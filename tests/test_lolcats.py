@@ -224,3 +224,50 @@ def test_full_window_mixer_weights_are_the_teachers(tiny_model):
     torch.testing.assert_close(mine.sum(-1), torch.ones(6, 12), atol=1e-6, rtol=0)
     with pytest.raises(linearize.LinearizeError, match="no normalised attention weights"):
         attention_weights(linearize.convert(tiny_model("llama"), "supra"), ids)
+
+
+def test_choose_worst_takes_the_largest_scores_in_layer_order():
+    assert lolcats.choose_worst({0: 0.1, 1: 0.9, 2: 0.5, 3: 0.9}, 2) == [1, 3]
+    assert lolcats.choose_worst({0: 0.2, 1: 0.2, 2: 0.1}, 1) == [0]  # a tie goes to the lower layer
+    assert lolcats.auto_softmax_count("auto:2") == 2 and lolcats.auto_softmax_count((1, 2)) is None
+    with pytest.raises(linearize.LinearizeError, match="positive whole K"):
+        lolcats.auto_softmax_count("auto:x")
+
+
+def test_auto_softmax_layers_keep_the_worst_fitted_layer(workspace, monkeypatch, tmp_path):
+    """keep_softmax auto:1: stage 1 trains every layer, the one with the largest attention MSE after it
+    becomes the teacher's softmax attention again, the others keep their trained feature maps, and the
+    checkpoint records the scores and the choice; the same seed chooses the same layer."""
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    runs = [lolcats.run(_config(workspace, tmp_path / name, keep_softmax="auto:1", stage1_steps=6, stage2_steps=4,
+                                eval_steps=3)) for name in ("a", "b")]
+    res = runs[0]
+    scores = res["layer_mse_after"]
+    chosen = res["auto_softmax"]["chosen"]
+    assert chosen == [max(scores, key=scores.get)] and runs[1]["auto_softmax"]["chosen"] == chosen
+    assert res["auto_softmax"]["scores"] == {str(i): pytest.approx(v) for i, v in scores.items()}
+    model, _ = linearize.load(tmp_path / "a" / "final", device="cpu")
+    assert sorted(linearize.mixers(model)) == sorted(set(range(3)) - set(chosen))
+    record = model.config.linearize
+    assert record["keep_softmax"] == chosen and record["auto_softmax"]["chosen"] == chosen
+    ppl = res["perplexity"]
+    assert ppl["after_stage1"] < ppl["after_stage1, every layer linear"]  # the worst layer back to softmax helps
+
+
+def test_auto_softmax_needs_stage_one(workspace, tmp_path):
+    with pytest.raises(linearize.LinearizeError, match="needs stage 1"):
+        lolcats.run(_config(workspace, tmp_path / "x", keep_softmax="auto:1", stages=("stage2",)))
+
+
+def test_auto_softmax_through_the_cli(workspace, monkeypatch, tmp_path, capsys):
+    from linearize.cli import main
+
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    assert main(_cli_args(workspace, tmp_path / "run", "--stage1-steps", "2", "--stage2-steps", "2",
+                          "--keep-softmax", "auto:1")) == 0
+    assert "softmax kept at layers" in capsys.readouterr().out
+    config = json.loads((tmp_path / "run" / "final" / "config.json").read_text())["linearize"]
+    assert len(config["keep_softmax"]) == 1 and config["auto_softmax"]["k"] == 1
+    assert main(["supra", "--keep-softmax", "auto:1", "--teacher", str(tmp_path / "absent"),
+                 "--out", str(tmp_path / "s")]) == 2
+    assert "is chosen by LoLCATs' attention transfer" in capsys.readouterr().err

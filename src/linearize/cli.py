@@ -28,7 +28,8 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decay", choices=DECAYS, help="fixed per-head decay (default: retnet for supra, none otherwise)")
     g.add_argument("--norm", choices=NORMS, help="sum: divide by phi(q).sum phi(k); group: GroupNorm per head "
                    "(default: group for supra, sum otherwise; supra with --norm sum --decay none is T2R)")
-    g.add_argument("--keep-softmax", metavar="I,J", help="comma-separated layer indices that keep softmax attention")
+    g.add_argument("--keep-softmax", metavar="I,J", help="comma-separated layer indices that keep softmax attention; "
+                   "lolcats also takes auto:K (the K layers stage 1 fits worst, by attention-output MSE, stay softmax)")
     g.add_argument("--sparse-cache", type=int, metavar="S", help="lolcats: tokens per layer and key head kept exactly "
                    "beside the window, those the linear state recalls worst (LoLA); 0 = off (default)")
     g.add_argument("--backend", choices=BACKENDS, help="auto: fla CUDA kernels when installed; torch: PyTorch only")
@@ -109,8 +110,11 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
                              f"settings: budget, {', '.join(sorted(names - {'method'}))}, and the spec keys")
     flags = {n: getattr(args, n) for n in names - {"teacher", "out", "spec", "keep_softmax", "method"}
              if getattr(args, n, None) is not None}
-    keep = Spec(keep_softmax=keep).keep_softmax if keep else ()
-    return replace(cfg, **{**recipe, **fixed, **flags}, teacher=teacher, spec=spec, keep_softmax=tuple(keep))
+    if isinstance(keep, str) and keep.strip().startswith("auto:"):  # chosen by the recipe (lolcats)
+        keep = keep.strip()
+    else:
+        keep = tuple(Spec(keep_softmax=keep).keep_softmax) if keep else ()
+    return replace(cfg, **{**recipe, **fixed, **flags}, teacher=teacher, spec=spec, keep_softmax=keep)
 
 
 def _load_any(model: str, dtype, device):

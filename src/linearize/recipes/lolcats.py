@@ -52,7 +52,7 @@ class LolcatsConfig:
     teacher: str | None = None
     out: str = "runs/lolcats"
     spec: dict = field(default_factory=lambda: dict(DEFAULT_SPEC))
-    keep_softmax: tuple[int, ...] = ()
+    keep_softmax: tuple[int, ...] | str = ()  # layer indices, or "auto:K": the K layers stage 1 fits worst
     stages: tuple[str, ...] = ("stage1", "stage2")
     data: str | None = None  # None: the embedded Gutenberg corpus
     block_len: int = 1024
@@ -339,6 +339,49 @@ def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
     return peft_model, info
 
 
+# --- automatic softmax layers --------------------------------------------------------------------
+
+def auto_softmax_count(keep) -> int | None:
+    """K of ``keep_softmax: "auto:K"``, None for explicit layer indices."""
+    if not isinstance(keep, str):
+        return None
+    text = keep.strip()
+    if not text.startswith("auto:"):
+        return None
+    try:
+        k = int(text[5:])
+    except ValueError:
+        k = 0
+    if k < 1:
+        raise LinearizeError(f"keep_softmax auto:K needs a positive whole K, got {keep!r}")
+    return k
+
+
+def choose_worst(scores: dict[int, float], k: int) -> list[int]:
+    """The ``k`` layers with the largest scores (ties: the lower index), in layer order."""
+    return sorted(sorted(scores, key=lambda i: (-scores[i], i))[:k])
+
+
+def keep_worst_layers(teacher, trained, scores: dict[int, float], k: int, spec: dict):
+    """The student with the ``k`` layers that stage 1 fitted worst (largest attention-output MSE,
+    ``scores``) kept as the teacher's softmax attention and every other layer as ``trained`` left it:
+    ``teacher`` is converted in place with those layers kept and takes ``trained``'s weights (the
+    same keys: mixers adopt the teacher's projections under their names). The scores and the choice
+    are recorded in the checkpoint's config (``linearize.auto_softmax``). Returns (student, record)."""
+    chosen = choose_worst(scores, k)
+    student = convert(teacher, spec, keep_softmax=chosen, inplace=True)
+    source = trained.state_dict()
+    target = student.state_dict()
+    missing = sorted(set(target) - set(source))
+    if missing:
+        raise LinearizeError(f"auto softmax layers: the trained student lacks {missing[:3]}")
+    student.load_state_dict({name: source[name] for name in target}, strict=True)
+    record = {"k": k, "chosen": chosen, "score": "attention-output MSE after stage 1 (largest kept softmax)",
+              "scores": {str(i): float(v) for i, v in sorted(scores.items())}}
+    student.config.linearize = {**student.config.linearize, "auto_softmax": record}
+    return student, record
+
+
 # --- the whole recipe ----------------------------------------------------------------------------
 
 def run(cfg: LolcatsConfig) -> dict:
@@ -355,15 +398,29 @@ def run(cfg: LolcatsConfig) -> dict:
     if cfg.layers_per_block and under_fsdp():
         raise LinearizeError("block-wise stage 1 (--layers-per-block) runs on one GPU or data-parallel (torchrun); "
                              "under FSDP train every layer jointly (leave --layers-per-block out)")
+    auto_k = auto_softmax_count(cfg.keep_softmax)
+    if auto_k and "stage1" not in cfg.stages:
+        raise LinearizeError("keep_softmax auto:K picks the layers by their attention-transfer error: it needs stage 1")
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
     ppl = results["perplexity"]
-    student = convert(teacher, cfg.spec, keep_softmax=list(cfg.keep_softmax) or None, inplace=True)
+    if auto_k:  # every layer converted for stage 1; the teacher stays whole to keep the chosen layers from
+        n_layers = len(get_adapter(teacher.config).layers(teacher))
+        if auto_k >= n_layers:
+            raise LinearizeError(f"keep_softmax auto:{auto_k} would keep every layer of {n_layers} softmax")
+        student = convert(teacher, cfg.spec)
+    else:
+        student = convert(teacher, cfg.spec, keep_softmax=list(cfg.keep_softmax) or None, inplace=True)
     ppl["converted"] = perplexity(student, eval_blocks)
     if "stage1" in cfg.stages:
         results["layer_mse_before"] = layer_mse(student, eval_blocks)
         results["stage1"] = run_stage1(student, train_ds, eval_ds, cfg, out)
         student = unsharded(student)  # under FSDP: a plain model again, for stage 2 to wrap afresh
         results["layer_mse_after"] = layer_mse(student, eval_blocks)
+        if auto_k:
+            ppl["after_stage1, every layer linear"] = perplexity(student, eval_blocks)
+            student, results["auto_softmax"] = keep_worst_layers(teacher, student, results["layer_mse_after"], auto_k,
+                                                                 cfg.spec)
+        del teacher
         ppl["after_stage1"] = perplexity(student, eval_blocks)
         _plot_layer_mse(results, out)
     if "stage2" in cfg.stages:
@@ -425,13 +482,16 @@ def summary(results: dict, row: str = "lolcats") -> str:
     names = {"teacher": "teacher (softmax)", "converted": "converted, before training",
              "after_stage1": "after stage 1 (attention transfer)", "after_stage2": "after stage 2 (LoRA)"}
     lines = [f"[{row}] held-out perplexity ({results['eval_tokens']:,} tokens)"]
-    lines += [f"  {names[k]:<36} {v:10.2f}" for k, v in ppl.items()]
+    lines += [f"  {names.get(k, k):<36} {v:10.2f}" for k, v in ppl.items()]
     for stage in ("stage1", "stage2"):
         if stage in results:
             r = results[stage]
             peak = f", peak {r['peak_gpu_bytes'] / 2**30:.2f} GiB" if "peak_gpu_bytes" in r else ""
             lines.append(f"  {stage}: {r['steps']} steps, {r['tokens']:,} tokens in {r['seconds']:.0f}s "
                          f"({r['tokens_per_second']:,.0f} tok/s{peak})")
+    if "auto_softmax" in results:
+        a = results["auto_softmax"]
+        lines.append(f"  softmax kept at layers {a['chosen']} (auto:{a['k']}: the largest attention MSE after stage 1)")
     if "layer_mse_before" in results:
         b, a = results["layer_mse_before"], results["layer_mse_after"]
         mean = lambda d: sum(d.values()) / len(d)  # noqa: E731

@@ -128,6 +128,9 @@ def _learns_from_lm(cfg: UptrainConfig) -> bool:
 
 def check_distillation(cfg: UptrainConfig) -> None:
     """The loss and the alignment settings, checked before the teacher loads."""
+    if isinstance(cfg.keep_softmax, str):
+        raise LinearizeError(f"keep_softmax {cfg.keep_softmax} is chosen by LoLCATs' attention transfer (linearize "
+                             "lolcats); here give layer indices (e.g. 2,15)")
     if cfg.align_steps < 0:
         raise LinearizeError(f"align_steps must be zero or more, got {cfg.align_steps}")
     if not _learns_from_lm(cfg):
