@@ -35,7 +35,8 @@ for part in "$@"; do
       mkdir -p /tmp/stage /tmp/linhome && cp .gpu/a/teacher.gguf.part1 /tmp/stage/ \
         && tar -C /tmp/linhome -xJf .gpu/g/gutenberg.tar.xz \
         && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
-        && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt" ;;
+        && nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/device.txt" \
+        && nvidia-smi topo -m | tee -a "$OUT/device.txt" ;;  # NVLink or PCIe: what the all-reduce runs over
     join)
       cat /tmp/stage/teacher.gguf.part1 .gpu/b/teacher.gguf.part2 > $T.tmp \
         && [ "$(sha256sum $T.tmp | cut -d' ' -f1)" = "$(cat .gpu/b/teacher.gguf.sha256)" ] && mv $T.tmp $T \
