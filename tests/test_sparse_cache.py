@@ -237,3 +237,30 @@ def test_fast_decoder_refuses_the_cache_clearly(tiny_model):
     student = linearize.convert(tiny_model("llama"), SPEC)
     with pytest.raises(LinearizeError, match="fast decoding does not handle"):
         fast_generate(student, torch.ones(1, 5, dtype=torch.long), max_new_tokens=2)
+
+
+def test_eval_takes_a_sparse_cache_without_training(tmp_path, monkeypatch, tiny_model):
+    """`linearize eval CK --sparse-cache S` scores the checkpoint with S exact tokens per layer (its
+    spec in the record says so); S = 0 is the checkpoint as saved; a teacher is refused in one line."""
+    import json
+
+    from helpers import tiny_tokenizer
+    from linearize.cli import main
+
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i % 77 + 20}" for i in range(400)))
+    teacher = tiny_model("llama")
+    linearize.save(linearize.convert(teacher, {"kind": "lolcats", "window": 4}), tiny_tokenizer(), tmp_path / "ck")
+    linearize.save(teacher, tiny_tokenizer(), tmp_path / "teacher")
+    ppl = {}
+    for s in (0, 8):
+        out = tmp_path / f"s{s}.json"
+        assert main(["eval", str(tmp_path / "ck"), "--source", str(text), "--block-len", "64", "--device", "cpu",
+                     "--quiet", "--sparse-cache", str(s), "--out", str(out)]) == 0
+        record = json.loads(out.read_text())
+        assert record["model"]["spec"]["sparse_cache"] == s
+        ppl[s] = record["perplexity"]["value"]
+    assert ppl[0] != ppl[8]
+    assert main(["eval", str(tmp_path / "teacher"), "--source", str(text), "--device", "cpu", "--quiet",
+                 "--sparse-cache", "8"]) == 2

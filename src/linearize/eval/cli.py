@@ -56,7 +56,15 @@ def cmd_eval(args) -> int:
         raise LinearizeError("--split all needs --source: the default corpus's training books are not held out")
     if args.out is not None:
         check_out_path(args.out)
+    if args.sparse_cache is not None and args.sparse_cache < 0:
+        raise LinearizeError(f"--sparse-cache must be zero or more, got {args.sparse_cache}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
+    if args.sparse_cache is not None:
+        if not getattr(model.config, "linearize", None):
+            raise LinearizeError("--sparse-cache adds an exact cache to a converted checkpoint; this model is not one")
+        from ..convert import respec
+
+        respec(model, sparse_cache=args.sparse_cache)  # recorded in the results' spec
     record = evaluate(model, tokenizer, tasks=args.tasks, limit=args.limit, with_perplexity=not args.no_perplexity,
                       source=source, block_len=args.block_len, max_blocks=args.max_blocks,
                       batch_size=args.batch_size, max_length=args.max_length, seed=args.seed, name=args.name,
@@ -185,6 +193,9 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
     e.add_argument("--name", default=None, help="the model's name in results and reports (default: from the path)")
     e.add_argument("--out", type=Path, default=None, help="write the JSON results to this file (checked before "
                    "the evaluation starts)")
+    e.add_argument("--sparse-cache", type=int, default=None, metavar="S",
+                   help="evaluate a converted checkpoint with a sparse exact cache of S tokens per layer and key head "
+                        "(LoLA; no training: linearize.respec), e.g. 0, 16, 64 for a memory/recall sweep")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
