@@ -111,5 +111,20 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     lin orderings ${1#orderings-} --teacher $T --budget gpu --losses ${LOSSES:-lm,kl+lm} --steps ${STEPS:-610} \
       --eval-steps ${EVAL_STEPS:-61} --align-steps ${ALIGN:-0} --out $RUNS/${1} 2>&1 | quiet | tail -16
     cp $RUNS/${1}/orderings.md $RUNS/${1}/orderings.json $RUNS/${1}/curves.png $OUT/ 2>/dev/null ;;
+  dial)  # issue #21's dial: memory against recall for LoLCATs, + sparse caches, auto-K and hand-placed K, the teacher
+    for v in "lolcats:" "auto1:--keep-softmax auto:1" "auto2:--keep-softmax auto:2" "hand2:--keep-softmax 2,15"; do
+      name=${v%%:*}; flags=${v#*:}
+      lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} $flags \
+        --out $RUNS/dial-$name 2>&1 | quiet | tail -6
+      lin eval $RUNS/dial-$name/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name $name \
+        --out $RUNS/dial/$name.json 2>&1 | quiet | tail -4
+    done
+    for S in ${SPARSE:-16 64 256}; do
+      lin eval $RUNS/dial-lolcats/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --sparse-cache $S \
+        --name lolcats-s$S --out $RUNS/dial/lolcats-s$S.json 2>&1 | quiet | tail -4
+    done
+    lin eval $T --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name teacher --out $RUNS/dial/teacher.json \
+      2>&1 | quiet | tail -4
+    lin report $RUNS/dial --out $RUNS/dial/README.md --title "Memory against recall" && cp -r $RUNS/dial $OUT/ ;;
   *) echo "unknown job $1"; exit 2 ;;
 esac

@@ -415,3 +415,39 @@ def test_real_teacher_passes_passkey_at_512_tokens(teacher):
           f"e.g. {task['examples'][0]}")
     assert task["prompt_tokens"][0] >= 0.98 * 512 and task["decoder"] == "fast"
     assert correct >= 9
+
+
+def test_records_carry_state_bytes_and_the_report_draws_the_dial(tiny_model, tmp_path):
+    """Each eval record states the model's decoding memory at 8k tokens (what `linearize info --length
+    8192` reports); with recall results the report adds the memory-against-recall table and dial.png.
+    The recall grids here are the GPU records of docs/gpu-runs/recall, with the state bytes RESULTS.md
+    gives for them (those records predate the field)."""
+    from pathlib import Path
+
+    from linearize.eval.report import dial_points, figures, render
+    from linearize.eval.results import model_identity
+    from linearize.info import state_bytes
+
+    teacher = tiny_model("llama")
+    student = linearize.convert(teacher, {"kind": "lolcats", "window": 4}, keep_softmax=[1])
+    for model in (teacher, student):
+        assert model_identity(model)["state_bytes_8k"] == state_bytes(model, 8192)["total"] > 0
+    assert model_identity(student)["state_bytes_8k"] < model_identity(teacher)["state_bytes_8k"]
+
+    raw = Path(__file__).parent.parent / "docs" / "gpu-runs" / "recall"
+    sizes = {"recall-teacher": 188_700_000, "recall-lolcats-s0": 5_940_000, "recall-lolcats-s64": 8_990_000,
+             "recall-supra": 4_423_680}
+    records = []
+    for name, size in sizes.items():
+        record = json.loads((raw / f"{name}.json").read_text())
+        record["model"]["state_bytes_8k"] = size
+        records.append((tmp_path / f"{name}.json", record))
+    points = dial_points(records)
+    assert [p["name"] for p in points] == ["supra", "lolcats-s0", "lolcats-s64", "teacher"]  # by memory
+    teacher_point = points[-1]
+    assert teacher_point["passkey_2k"] == pytest.approx(0.85) and teacher_point["passkey_8k"] == pytest.approx(0.6)
+    page = render(records, title="dial")
+    assert "## Memory against recall" in page and "| teacher | 188.70 MB | 85.0 | 60.0 | 81.0 | 28.34 |" in page
+    made = figures(records, (), tmp_path)
+    dial = [png for caption, png in made if caption.startswith("memory against recall")]
+    assert len(dial) == 1 and dial[0].stat().st_size > 0

@@ -103,6 +103,39 @@ def curve_panels(panels: dict[str, dict[str, list[tuple[float, float]]]], out_pn
     return Path(out_png)
 
 
+def dial_plot(points: list[dict], out_png: str | Path) -> Path:
+    """Two panels over state bytes per sequence at 8k (log x): recall in percent (passkey at 2k and 8k,
+    mqar; a marker per metric, a label per model) and held-out perplexity (log y)."""
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    xs = [p["state_bytes"] / 1e6 for p in points]
+    for key, marker, label in (("passkey_2k", "o", "passkey 2k"), ("passkey_8k", "s", "passkey 8k"), ("mqar", "^", "mqar")):
+        pts = [(x, 100 * p[key]) for x, p in zip(xs, points) if p.get(key) is not None]
+        if pts:
+            left.scatter([x for x, _ in pts], [y for _, y in pts], marker=marker, label=label)
+    for x, p in zip(xs, points):
+        left.annotate(p["name"], (x, 100 * max(v for v in (p.get("passkey_2k"), p.get("passkey_8k"), p.get("mqar"), 0)
+                                               if v is not None)), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    left.set_xscale("log")
+    left.set_xlabel("state per sequence at 8k tokens (MB)")
+    left.set_ylabel("exact match (%)")
+    left.set_ylim(-5, 105)
+    left.legend(fontsize=8)
+    with_ppl = [(x, p) for x, p in zip(xs, points) if p.get("ppl") is not None]
+    if with_ppl:
+        right.scatter([x for x, _ in with_ppl], [p["ppl"] for _, p in with_ppl])
+        for x, p in with_ppl:
+            right.annotate(p["name"], (x, p["ppl"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+        right.set_yscale("log")
+    right.set_xscale("log")
+    right.set_xlabel("state per sequence at 8k tokens (MB)")
+    right.set_ylabel("held-out perplexity")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return Path(out_png)
+
+
 def recall_heatmaps(recall: dict, out_png: str | Path, title: str) -> Path:
     """One model's recall grids side by side: passkey and niah as length x depth, mqar as N x distance;
     each cell coloured and labelled with its accuracy (a cell with no query left blank)."""

@@ -122,8 +122,47 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=(),
                   "avg is the mean over the tasks a row ran. Settings per row:", ""]
         lines += notes
     lines += _recall_section(records, references)
+    lines += _dial_section(records)
     lines += _position_section(records)
     return "\n".join(lines) + "\n"
+
+
+def _by_length(record: dict, task: str, length: int) -> float | None:
+    t = (record.get("recall") or {}).get(task)
+    if not t or length not in t.get("lengths", []):
+        return None
+    return t["by_length"][t["lengths"].index(length)]
+
+
+def dial_points(records) -> list[dict]:
+    """Memory against recall, a point per record with recall results and a decoding-memory figure:
+    state bytes per sequence at 8k tokens, passkey at 2k and 8k, mqar, held-out ppl."""
+    points = []
+    for path, record in records:
+        state = record["model"].get("state_bytes_8k")
+        if state is None or not record.get("recall"):
+            continue
+        mqar = record["recall"].get("mqar")
+        ppl = record.get("perplexity")
+        points.append({"name": record["model"].get("name") or path.stem, "state_bytes": state,
+                       "passkey_2k": _by_length(record, "passkey", 2048), "passkey_8k": _by_length(record, "passkey", 8192),
+                       "mqar": mqar["value"] if mqar else None, "ppl": ppl["value"] if ppl else None})
+    return sorted(points, key=lambda p: p["state_bytes"])
+
+
+def _dial_section(records) -> list[str]:
+    points = dial_points(records)
+    if not points:
+        return []
+    lines = ["", "## Memory against recall", "",
+             "Decoding state of one sequence after 8,192 tokens (bf16 keys and values of softmax layers, fp32 "
+             "recurrent states) against what the model recalls; the figure `dial.png` draws the same points.", "",
+             "| model | state at 8k | passkey 2k | passkey 8k | mqar | ppl |", "|---|---|---|---|---|---|"]
+    for p in points:
+        ppl = f"{p['ppl']:.2f}" if p["ppl"] is not None else "–"
+        lines.append(f"| {p['name']} | {p['state_bytes'] / 1e6:.2f} MB | {_pct(p['passkey_2k'])} | "
+                     f"{_pct(p['passkey_8k'])} | {_pct(p['mqar'])} | {ppl} |")
+    return lines
 
 
 def _recovery_table(records, references, task_names) -> list[str]:
@@ -337,6 +376,12 @@ def figures(records, runs, out_dir: Path, attention_maps: bool = False) -> list[
     if attention_maps:
         made += _attention_maps(records, out_dir)
     made += _recall_maps(records, out_dir)
+    points = dial_points(records)
+    if points:
+        from .plots import dial_plot
+
+        made.append(("memory against recall: state bytes per sequence at 8k tokens (log) against passkey at 2k "
+                     "and 8k, mqar, and held-out perplexity", dial_plot(points, out_dir / "dial.png")))
     return made
 
 

@@ -55,7 +55,19 @@ def model_identity(model, source: str | None = None, name: str | None = None) ->
         "dtype": str(first.dtype).removeprefix("torch."),
         "device": str(first.device),
         "fingerprint": fingerprint(model),
+        # decoding memory of one sequence after 8,192 tokens (linearize info --length 8192): the x axis of the
+        # memory / recall dial in reports
+        "state_bytes_8k": _state_bytes_8k(model),
     }
+
+
+def _state_bytes_8k(model) -> int | None:
+    from ..info import state_bytes
+
+    try:
+        return int(state_bytes(model, 8192)["total"])
+    except (LinearizeError, AttributeError, KeyError, TypeError):
+        return None  # a family whose geometry the adapters cannot read: no memory figure
 
 
 def _default_name(source, spec) -> str:
