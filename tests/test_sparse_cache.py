@@ -231,12 +231,32 @@ def test_bad_cache_specs_fail_with_one_line(tiny_model):
         assert "\n" not in str(err.value)
 
 
-def test_fast_decoder_refuses_the_cache_clearly(tiny_model):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_fast_decoder_equals_generate_with_a_cache(tiny_model, family, monkeypatch):
+    """The fast decoder (fixed buffers, batched, left padding) decodes a student with a sparse cache as
+    generate() does: greedy tokens equal, each sequence of a left-padded batch as alone, past many
+    window wrap-arounds and cache evictions."""
     from linearize.fast import fast_generate
 
-    student = linearize.convert(tiny_model("llama"), SPEC)
-    with pytest.raises(LinearizeError, match="fast decoding does not handle"):
-        fast_generate(student, torch.ones(1, 5, dtype=torch.long), max_new_tokens=2)
+    student = tiny_student(tiny_model, family, {"kind": "lolcats", "window": 3, "feature_dim": 8, "sparse_cache": 2})
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 97, (n,), generator=g) for n in (9, 4, 6)]
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    ring_steps = []
+    real_step = ops.sparse_hybrid_attention_step_ring
+    monkeypatch.setattr(ops, "sparse_hybrid_attention_step_ring",
+                        lambda *a, **k: ring_steps.append(1) or real_step(*a, **k))
+    batch = fast_generate(student, ids, mask, max_new_tokens=16, pad_token_id=0)
+    assert len(ring_steps) == 15 * 3  # every decode step of every layer on the fixed buffers
+    for i, p in enumerate(prompts):
+        ref = student.generate(p[None], max_new_tokens=16, do_sample=False, pad_token_id=0)
+        assert torch.equal(batch[i, width:], ref[0, len(p):]), i
+    assert torch.equal(fast_generate(student, prompts[0][None], max_new_tokens=20),
+                       greedy_by_full_forwards(student, prompts[0][None], 20))
 
 
 def test_eval_takes_a_sparse_cache_without_training(tmp_path, monkeypatch, tiny_model):
@@ -264,3 +284,36 @@ def test_eval_takes_a_sparse_cache_without_training(tmp_path, monkeypatch, tiny_
     assert ppl[0] != ppl[8]
     assert main(["eval", str(tmp_path / "teacher"), "--source", str(text), "--device", "cpu", "--quiet",
                  "--sparse-cache", "8"]) == 2
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("prefill", [1, 2, 9])
+def test_ring_step_is_the_step_in_place(case, prefill):
+    """The fast decoder's form (a fixed ring of w slots, updated in place, no host synchronisation)
+    gives the step's outputs and decisions token by token, from prefixes shorter and longer than the
+    window and with a left-padded row, across epoch boundaries and ring wrap-arounds."""
+    b, h, hk, t, w, cap = case
+    xs, _ = _inputs(b, h, hk, t + prefill)
+    q, k, qf, kf, v = (x.detach() for x in xs)
+    gamma = torch.sigmoid(torch.randn(h, generator=torch.Generator().manual_seed(1), dtype=torch.float64))
+    mask = torch.ones(b, t + prefill, dtype=torch.bool)
+    if b > 1:
+        mask[1, : min(prefill, 2)] = False  # the second row starts with padding
+    state = ops.empty_sparse_hybrid_state(b, hk, q.shape[-1], qf.shape[-1], cap, dtype=torch.float64)
+    at = lambda x, i: x[:, :, i : i + 1]  # noqa: E731
+    kw = dict(scale=0.5, softcap=None)
+    for i in range(prefill):  # the prefix, as a prefill leaves it
+        _, state = ops.sparse_hybrid_attention_step(*(at(x, i) for x in (q, k, qf, kf, v)), gamma, state, window=w,
+                                                    key_mask=mask[:, i : i + 1], **kw)
+    ring = ops.RingSparseState.from_state(state.map(torch.clone), w)
+    for i in range(prefill, prefill + t):
+        args = [at(x, i) for x in (q, k, qf, kf, v)]
+        y, state = ops.sparse_hybrid_attention_step(*args, gamma, state, window=w, key_mask=mask[:, i : i + 1], **kw)
+        y_ring, ring = ops.sparse_hybrid_attention_step_ring(*args, gamma, ring, key_mask=mask[:, i : i + 1], **kw)
+        _close(y_ring, y)
+    assert torch.equal(ring.count, state.count)
+    _close(ring.linear, state.linear)
+    # the cache holds the same tokens (slots may differ in order)
+    assert torch.equal(ring.cache_valid.sum(-1), state.cache_valid.sum(-1))
+    key = lambda s: torch.where(s.cache_valid, s.cache_pos, -1).sort(-1).values  # noqa: E731
+    assert torch.equal(key(ring), key(state))

@@ -89,7 +89,7 @@ def static_cache(model, cache: LinearizeCache, total: int, position: torch.Tenso
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, RecurrentLayer):
             state, layer.state = layer.state, None
-            if isinstance(state, ops.HybridState):
+            if isinstance(state, (ops.HybridState, ops.SparseHybridState)):
                 state = converted[i].ring_state(state, keep_key_features=keep_key_features)
             else:
                 state = state.contiguous()
@@ -109,8 +109,9 @@ def join_caches(caches: list) -> LinearizeCache:
         parts = [c.layers[i] for c in caches]
         if isinstance(layer, RecurrentLayer):
             states = [p.state for p in parts]
-            if isinstance(layer.state, ops.HybridState):
-                layer.state = ops.HybridState(*(torch.cat(xs) for xs in zip(*(s.tensors() for s in states))))
+            if isinstance(layer.state, (ops.HybridState, ops.SparseHybridState)):
+                kind = type(layer.state)
+                layer.state = kind(*(torch.cat(xs) for xs in zip(*(s.tensors() for s in states))))
             else:
                 layer.state = torch.cat(states)
         else:

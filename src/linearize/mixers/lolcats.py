@@ -113,12 +113,16 @@ class LolcatsAttention(LinearAttention):
         """Whether the fast decoder runs this layer's steps as one Triton kernel
         (``hybrid_step_fused_triton``): on CUDA, with Hedgehog maps and RoPE by rotating halves."""
         g = self.geometry
-        return (self.fast_decodable() and self.window_logit.is_cuda and triton_available() and type(self.feature_map_q) is Hedgehog
+        return (not self.spec.sparse_cache and self.window_logit.is_cuda and triton_available()
+                and type(self.feature_map_q) is Hedgehog
                 and type(self.feature_map_k) is Hedgehog and rotates_half(g.rotary, g.head_dim))
 
     def ring_state(self, state: ops.HybridState, keep_key_features: bool = False) -> ops.HybridState:
         """The fast decoder's fixed-shape state from a prefill's ``state`` (whose buffers it takes
-        over): a ring of ``window`` slots, laid out for the fused kernel where that runs."""
+        over): a ring of ``window`` slots, laid out for the fused kernel where that runs; with a sparse
+        cache, the ring and the cache updated in place (``ops.RingSparseState``)."""
+        if isinstance(state, ops.SparseHybridState):
+            return ops.RingSparseState.from_state(state, self.spec.window)
         ring = ops.RingHybridState.from_state(state, self.spec.window, keep_key_features=keep_key_features, copy=False)
         if keep_key_features or not self.fused_decoding():
             return ring
@@ -129,9 +133,14 @@ class LolcatsAttention(LinearAttention):
                                             value_splits(ring.keys.shape[0], g.n_heads, g.head_dim))
 
     def fast_decodable(self) -> bool:
-        return not self.spec.sparse_cache  # the fast decoder has no fixed buffers for the cache yet
+        return True
 
     def step(self, q, k, v, position_embeddings, state):
+        if isinstance(state, ops.RingSparseState):  # the fast decoder's fixed buffers
+            q, k, qf, kf = self._inputs(q, k, position_embeddings)
+            g = self.geometry
+            return ops.sparse_hybrid_attention_step_ring(q, k, qf, kf, v, self.window_weight(), state, scale=g.scaling,
+                                                         softcap=g.softcap, key_mask=self.key_mask)
         if isinstance(state, ops.SparseHybridState):
             q, k, qf, kf = self._inputs(q, k, position_embeddings)
             return ops.sparse_hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
@@ -178,7 +187,7 @@ class LolcatsAttention(LinearAttention):
         return total
 
     def fast_state_bytes(self, dtype):
-        if self.spec.sparse_cache:  # decoded by generate(), not the fast path (see fast_decodable)
+        if self.spec.sparse_cache:  # the ring keeps its key features (the cache's priorities need them)
             return self.state_bytes(dtype)
         # the fast path recomputes key features on eviction; its fused kernel keeps two linear states
         return self.state_bytes(dtype, key_features=False, linear_states=2 if self.fused_decoding() else 1)

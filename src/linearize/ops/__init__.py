@@ -36,12 +36,14 @@ from .hybrid_attention import (
     use_hybrid_kernel,
 )
 from .sparse_hybrid_attention import (
+    RingSparseState,
     SparseHybridState,
     empty_sparse_hybrid_state,
     sparse_hybrid_attention_chunked,
     sparse_hybrid_attention_naive,
     sparse_hybrid_attention_recurrent,
     sparse_hybrid_attention_step,
+    sparse_hybrid_attention_step_ring,
 )
 from .hybrid_attention import kernel_dtype as hybrid_attention_kernel_dtype
 from .softmax_attention import softmax_attention, softmax_attention_weights
@@ -75,6 +77,7 @@ __all__ = [
     "linear_attention_step", "softmax_attention", "softmax_attention_weights", "hybrid_attention_weights",
     "use_fla", "use_hybrid_kernel", "SparseHybridState", "empty_sparse_hybrid_state", "sparse_hybrid_attention_chunked",
     "sparse_hybrid_attention_naive", "sparse_hybrid_attention_recurrent", "sparse_hybrid_attention_step",
+    "sparse_hybrid_attention_step_ring", "RingSparseState",
     "DeltaWindowState", "delta_window_chunked", "delta_window_naive", "delta_window_recurrent", "delta_window_step",
     "empty_delta_window_state", "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla",
     "gated_delta_rule_naive", "gated_delta_rule_step",

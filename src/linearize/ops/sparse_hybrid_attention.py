@@ -264,6 +264,111 @@ def sparse_hybrid_attention_step(
     return y.reshape(bb, hk * grp, 1, d).to(q.dtype), new
 
 
+@dataclass
+class RingSparseState(SparseHybridState):
+    """A ``SparseHybridState`` whose window is a fixed ring of exactly ``w`` slots, updated in place with
+    the cache (the fast decoder's form: every step has the same shapes and touches the same buffers,
+    what a CUDA graph needs). Empty slots hold zeros and ``valid = False``; ``slot`` (a 0-d long
+    tensor) is the next slot to overwrite, whose token is the one leaving the window."""
+
+    slot: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*super().tensors(), self.slot)
+
+    def map(self, fn) -> "RingSparseState":
+        return RingSparseState(*(fn(x) for x in super().tensors()), slot=self.slot.clone())
+
+    @classmethod
+    def from_state(cls, state: SparseHybridState, window: int) -> "RingSparseState":
+        """A ring holding ``state``'s window, oldest first with the empty slots in front (slot 0 is
+        overwritten first); the ring owns ``state``'s tensors afterwards."""
+        have = state.keys.shape[2]
+        if have > window:
+            raise ValueError(f"the state holds {have} window tokens, more than the window ({window})")
+        pad = window - have
+
+        def front(x, dim):
+            shape = list(x.shape)
+            shape[dim] = pad
+            return torch.cat([x.new_zeros(shape), x], dim=dim).contiguous()
+
+        rest = [x.contiguous() for x in state.tensors()[5:]]
+        return cls(front(state.keys, 2), front(state.key_features, 2), front(state.values, 2), front(state.valid, 1),
+                   front(state.window_scores, 2), *rest,
+                   slot=torch.zeros((), dtype=torch.long, device=state.keys.device))
+
+
+def sparse_hybrid_attention_step_ring(
+    q, k, qf, kf, v, gamma, state: RingSparseState, *, scale: float, softcap: float | None = None,
+    key_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, RingSparseState]:
+    """``sparse_hybrid_attention_step`` on a ``RingSparseState``, in place and without a host
+    synchronisation (the epoch's rescoring is computed every step and kept where a boundary falls):
+    the same outputs and decisions, token by token."""
+    acc = state.linear.dtype
+    b, n_kv = k.shape[:2]
+    cap, window = state.cache_keys.shape[2], state.keys.shape[2]
+    real = key_mask[:, 0] if key_mask is not None else torch.ones(b, dtype=torch.bool, device=k.device)
+    kf, v = _real_keys(real[:, None], kf, v)
+    started = (state.count > 0) | real
+    rel = state.count
+    boundary = (started & (rel >= window) & (rel % window == 0))[:, None, None]
+    lin = state.linear.squeeze(2)
+    state.window_scores.copy_(torch.where(boundary, recall_error(state.key_features, state.values, lin),
+                                          state.window_scores))
+    state.cache_scores.copy_(torch.where(boundary, recall_error(state.cache_features, state.cache_values, lin),
+                                         state.cache_scores))
+    # the token in the ring's next slot leaves the window (an empty slot or padding: valid False, no effect)
+    idx = state.slot.view(1)
+    lk, lf, lv = (x.index_select(2, idx) for x in (state.keys, state.key_features, state.values))
+    l_valid = state.valid.index_select(1, idx)[:, None, :].expand(b, n_kv, 1)
+    l_pri = state.window_scores.index_select(2, idx)
+    l_pos = (rel - window)[:, None, None].expand(b, n_kv, 1)
+    ck, cf, cv, cvalid = state.cache_keys, state.cache_features, state.cache_values, state.cache_valid
+    cand_valid = torch.cat([cvalid, l_valid], dim=2)
+    cand_pri = torch.cat([state.cache_scores, l_pri], dim=2)
+    cand_pos = torch.cat([state.cache_pos, l_pos], dim=2)
+    full = cand_valid.sum(-1) > cap
+    victim = _lowest(cand_pri, cand_pos, cand_valid)
+    empty = (~cvalid).long().argmax(-1) if cap else victim
+    slot = torch.where(full, victim, empty)
+    write = l_valid[..., 0] & (slot < cap)
+    pick = (torch.arange(cap + 1, device=k.device) == victim[..., None]).to(acc) * full[..., None]
+    gone_f = (pick[..., None] * torch.cat([cf, lf], dim=2).to(acc)).sum(2, keepdim=True)
+    gone_v = (pick[..., None] * torch.cat([cv, lv], dim=2).to(acc)).sum(2, keepdim=True)
+    state.linear.add_((gone_f.transpose(-1, -2) @ _augment(gone_v, True)).unsqueeze(2))
+    put = (torch.arange(cap, device=k.device) == slot[..., None]) & write[..., None]
+    for x, new in ((ck, lk), (cf, lf), (cv, lv)):
+        x.copy_(torch.where(put[..., None], new, x))
+    state.cache_scores.copy_(torch.where(put, l_pri, state.cache_scores))
+    state.cache_pos.copy_(torch.where(put, l_pos, state.cache_pos))
+    cvalid.logical_or_(put)
+    # the new token takes the slot
+    state.keys.index_copy_(2, idx, k.to(state.keys.dtype))
+    state.key_features.index_copy_(2, idx, kf.to(state.key_features.dtype))
+    state.values.index_copy_(2, idx, v.to(state.values.dtype))
+    state.valid.index_copy_(1, idx, real[:, None])
+    state.window_scores.index_fill_(2, idx, 0)
+    qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
+    g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
+    wmask = state.valid[:, None, None, None, :]
+    cmask = cvalid[:, :, None, None, :]
+    sw = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap)
+    neg = torch.finfo(sw.dtype).min
+    sw = sw.masked_fill(~wmask, neg)
+    sc = _scores(qg, ck.to(acc).unsqueeze(2), scale, softcap).masked_fill(~cmask, neg)
+    c = torch.cat([sw, sc], dim=-1).amax(dim=-1, keepdim=True)
+    out = (g * torch.exp(sw - c) * wmask) @ _augment(state.values.to(acc), True).unsqueeze(2)
+    out = out + (g * torch.exp(sc - c) * cmask) @ _augment(cv.to(acc), True).unsqueeze(2) + qfg @ state.linear
+    y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
+    y = y * real[:, None, None, None, None]
+    state.slot.copy_((state.slot + 1) % window)
+    state.count.add_(started.long())
+    bb, hk, grp, _, d = y.shape
+    return y.reshape(bb, hk * grp, 1, d).to(q.dtype), state
+
+
 def sparse_hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, cache_size, scale, softcap=None,
                                       initial_state=None, key_mask=None):
     """Token by token through ``sparse_hybrid_attention_step`` (the decoding form)."""
