@@ -271,3 +271,23 @@ def test_auto_softmax_through_the_cli(workspace, monkeypatch, tmp_path, capsys):
     assert main(["supra", "--keep-softmax", "auto:1", "--teacher", str(tmp_path / "absent"),
                  "--out", str(tmp_path / "s")]) == 2
     assert "is chosen by LoLCATs' attention transfer" in capsys.readouterr().err
+
+
+def test_auto_softmax_picks_the_layer_with_sharp_attention(workspace, monkeypatch, tmp_path):
+    """A teacher whose layer 1 attends sharply (its q/k scaled up: close to a lookup, what recall needs)
+    while layers 0 and 2 attend almost uniformly (q/k scaled down: easy for a linear map): auto:1
+    keeps layer 1 softmax."""
+    from helpers import tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    teacher = AutoModelForCausalLM.from_pretrained(workspace / "teacher")
+    with torch.no_grad():
+        for i, layer in enumerate(teacher.model.layers):
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj):
+                proj.weight.mul_(6.0 if i == 1 else 0.1)
+    teacher.save_pretrained(tmp_path / "teacher")
+    tiny_tokenizer().save_pretrained(tmp_path / "teacher")
+    res = lolcats.run(_config(workspace, tmp_path / "run", teacher=str(tmp_path / "teacher"), keep_softmax="auto:1",
+                              stages=("stage1",), stage1_steps=6, eval_steps=3))
+    assert res["auto_softmax"]["chosen"] == [1], res["layer_mse_after"]
