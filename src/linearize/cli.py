@@ -266,8 +266,6 @@ def _distill_arguments(p: argparse.ArgumentParser, what: str, align: bool = True
 
 
 def _uptrain(args, method: str, spec: dict, **fixed) -> int:
-    from dataclasses import replace
-
     from .recipes import uptrain
     from .recipes.engine import is_main_process
 

@@ -264,6 +264,13 @@ def hybrid_attention_step(
     return y.reshape(b, hk * grp, 1, d).to(q.dtype), HybridState(keys, feats, values, linear, valid)
 
 
+def pad_front(x: torch.Tensor, dim: int, pad: int) -> torch.Tensor:
+    """``x`` with ``pad`` zeros in front along ``dim``: a ring's empty slots before a prefill's window."""
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
 @dataclass
 class RingHybridState(HybridState):
     """A ``HybridState`` whose window is a fixed ring of exactly ``w`` slots, updated in place.
@@ -297,11 +304,7 @@ class RingHybridState(HybridState):
         if have > window:
             raise ValueError(f"the state holds {have} window tokens, more than the window ({window})")
         pad = window - have
-
-        def front(x, dim):
-            shape = list(x.shape)
-            shape[dim] = pad
-            return torch.cat([torch.zeros(shape, dtype=x.dtype, device=x.device), x], dim=dim)
+        front = lambda x, dim: pad_front(x, dim, pad)  # noqa: E731
 
         valid = front(state.valid, 1)
         keep = valid[:, None, :, None]

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .hybrid_attention import _real_keys, _scores, hybrid_final_state
+from .hybrid_attention import _real_keys, _scores, hybrid_final_state, pad_front
 from .linear_attention import _augment, _group, accum_dtype
 
 
@@ -192,6 +192,28 @@ def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_
 
 # --- decoding --------------------------------------------------------------------------------------
 
+def _read_one(q, qf, gamma, keys, values, valid, cache_keys, cache_values, cache_valid, linear, real, scale, softcap):
+    """One query token's output ``[B, H, 1, D]`` over the window (``valid`` [B, w]), the cache
+    (``cache_valid`` [B, Hk, S]) and the linear state, under one normaliser; padding queries give 0."""
+    acc = linear.dtype
+    n_kv = keys.shape[1]
+    qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
+    g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
+    wmask = valid[:, None, None, None, :]
+    cmask = cache_valid[:, :, None, None, :]
+    sw = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap)
+    neg = torch.finfo(sw.dtype).min
+    sw = sw.masked_fill(~wmask, neg)
+    sc = _scores(qg, cache_keys.to(acc).unsqueeze(2), scale, softcap).masked_fill(~cmask, neg)
+    c = torch.cat([sw, sc], dim=-1).amax(dim=-1, keepdim=True)
+    out = (g * torch.exp(sw - c) * wmask) @ _augment(values.to(acc), True).unsqueeze(2)
+    out = out + (g * torch.exp(sc - c) * cmask) @ _augment(cache_values.to(acc), True).unsqueeze(2) + qfg @ linear
+    y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
+    y = y * real[:, None, None, None, None]
+    bb, hk, grp, _, d = y.shape
+    return y.reshape(bb, hk * grp, 1, d).to(q.dtype)
+
+
 def sparse_hybrid_attention_step(
     q, k, qf, kf, v, gamma, state: SparseHybridState, *, window: int, scale: float,
     softcap: float | None = None, key_mask: torch.Tensor | None = None,
@@ -245,23 +267,10 @@ def sparse_hybrid_attention_step(
         cvalid = cvalid | put
         keys, feats, values, valid = keys[:, :, 1:], feats[:, :, 1:], values[:, :, 1:], valid[:, 1:]
         window_scores = window_scores[:, :, 1:]
-    qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
-    g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
-    wmask = valid[:, None, None, None, :]
-    cmask = cvalid[:, :, None, None, :]
-    sw = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap)
-    neg = torch.finfo(sw.dtype).min
-    sw = sw.masked_fill(~wmask, neg)
-    sc = _scores(qg, ck.to(acc).unsqueeze(2), scale, softcap).masked_fill(~cmask, neg)
-    c = torch.cat([sw, sc], dim=-1).amax(dim=-1, keepdim=True)
-    out = (g * torch.exp(sw - c) * wmask) @ _augment(values.to(acc), True).unsqueeze(2)
-    out = out + (g * torch.exp(sc - c) * cmask) @ _augment(cv.to(acc), True).unsqueeze(2) + qfg @ linear
-    y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
-    y = y * real[:, None, None, None, None]
-    bb, hk, grp, _, d = y.shape
+    y = _read_one(q, qf, gamma, keys, values, valid, ck, cv, cvalid, linear, real, scale, softcap)
     new = SparseHybridState(keys, feats, values, valid, window_scores, linear, ck, cf, cv, cvalid, cache_scores,
                             cpos, state.count + started.long())
-    return y.reshape(bb, hk * grp, 1, d).to(q.dtype), new
+    return y, new
 
 
 @dataclass
@@ -286,12 +295,7 @@ class RingSparseState(SparseHybridState):
         have = state.keys.shape[2]
         if have > window:
             raise ValueError(f"the state holds {have} window tokens, more than the window ({window})")
-        pad = window - have
-
-        def front(x, dim):
-            shape = list(x.shape)
-            shape[dim] = pad
-            return torch.cat([x.new_zeros(shape), x], dim=dim).contiguous()
+        front = lambda x, dim: pad_front(x, dim, window - have).contiguous()  # noqa: E731
 
         rest = [x.contiguous() for x in state.tensors()[5:]]
         return cls(front(state.keys, 2), front(state.key_features, 2), front(state.values, 2), front(state.valid, 1),
@@ -350,23 +354,11 @@ def sparse_hybrid_attention_step_ring(
     state.values.index_copy_(2, idx, v.to(state.values.dtype))
     state.valid.index_copy_(1, idx, real[:, None])
     state.window_scores.index_fill_(2, idx, 0)
-    qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
-    g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
-    wmask = state.valid[:, None, None, None, :]
-    cmask = cvalid[:, :, None, None, :]
-    sw = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap)
-    neg = torch.finfo(sw.dtype).min
-    sw = sw.masked_fill(~wmask, neg)
-    sc = _scores(qg, ck.to(acc).unsqueeze(2), scale, softcap).masked_fill(~cmask, neg)
-    c = torch.cat([sw, sc], dim=-1).amax(dim=-1, keepdim=True)
-    out = (g * torch.exp(sw - c) * wmask) @ _augment(state.values.to(acc), True).unsqueeze(2)
-    out = out + (g * torch.exp(sc - c) * cmask) @ _augment(cv.to(acc), True).unsqueeze(2) + qfg @ state.linear
-    y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
-    y = y * real[:, None, None, None, None]
+    y = _read_one(q, qf, gamma, state.keys, state.values, state.valid, ck, cv, cvalid, state.linear, real, scale,
+                  softcap)
     state.slot.copy_((state.slot + 1) % window)
     state.count.add_(started.long())
-    bb, hk, grp, _, d = y.shape
-    return y.reshape(bb, hk * grp, 1, d).to(q.dtype), state
+    return y, state
 
 
 def sparse_hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, cache_size, scale, softcap=None,
