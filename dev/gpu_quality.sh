@@ -107,6 +107,14 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
       --out $RUNS/distill-xatl 2>&1 | quiet | tail -10
     evaluate $RUNS/distill-xatl/final distill-xatl
     recall $RUNS/distill-xatl/final distill-xatl-hybrid ;;
+  distill-xatl-scratch)  # the same hybrid from scratch (no weights transferred), same schedule: the transfer's margin
+    lin xatl --teacher $T --budget gpu --arch retnet --transfer scratch --hybrid xatl \
+      --align-steps ${ALIGN:-300} --align-lr 1e-3 --loss ${LOSS:-kl+lm} --steps ${XATL_STEPS:-610} --eval-steps 61 \
+      --out $RUNS/distill-xatl-scratch 2>&1 | quiet | tail -10 ;;
+  lolcats-kl)  # LoLCATs with stage 2 on KL to the teacher (STEPS per stage), against the paper's LM loss at equal tokens
+    lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-300} --stage2-steps ${STEPS:-300} --loss ${LOSS:-kl} \
+      --out $RUNS/lolcats-kl 2>&1 | quiet | tail -12
+    evaluate $RUNS/lolcats-kl/final lolcats-kl ;;
   orderings-*)  # a paper's table under lm and kl+lm (issue #20): orderings-supra-table3, orderings-xatl-table2 ...
     lin orderings ${1#orderings-} --teacher $T --budget gpu --losses ${LOSSES:-lm,kl+lm} --steps ${STEPS:-610} \
       --eval-steps ${EVAL_STEPS:-61} --align-steps ${ALIGN:-0} --out $RUNS/${1} 2>&1 | quiet | tail -16

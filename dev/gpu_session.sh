@@ -2,7 +2,7 @@
 # One device lease, many calls. Jobs run in the background (setsid), so the GPU works on while this
 # session answers between calls; each call waits, then brings back every job's log tail and one
 # tarball of results (under $OUT). Files live in /tmp and survive only while the machine is warm.
-#   setup              carry .gpu/a .whl: keep teacher part 1, install the wheels
+#   setup              carry .gpu/a .whl [.gpu/g]: keep teacher part 1, install the wheels [, the corpus]
 #   eval-setup         carry .gpu/e: lm-eval, datasets, the task data and the corpus (see gpu_prepare.sh)
 #   join               carry .gpu/b: join the teacher and check its sha256
 #   start NAME CMD...  run CMD (a bash script line) in the background from a snapshot of the code
@@ -26,6 +26,8 @@ EOF
 case ${1:?verb} in
   setup)
     mkdir -p /tmp/stage /tmp/linhome && cp -r .gpu/a/teacher.gguf.part1 /tmp/stage/ || exit 1
+    # the corpus (3 MB, carry .gpu/g too) lets training start before eval-setup brings lm-eval
+    [ -f .gpu/g/gutenberg.tar.xz ] && { tar -C /tmp/linhome -xJf .gpu/g/gutenberg.tar.xz || exit 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/device.txt
     python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', \
