@@ -474,3 +474,21 @@ def test_report_settings_say_how_many_documents_a_row_ran():
     assert "limit 300 docs/task" in line and "every document" not in line
     record["settings"] = {"tasks": [], "limit": None}  # perplexity only: nothing about documents
     assert "docs" not in _settings_line(1, Path("a.json"), record) and "document" not in _settings_line(1, Path("a.json"), record)
+
+
+def test_curve_points_draw_next_token_loss_after_alignment(tmp_path):
+    """A distilled run's curve is its validation next-token loss, not its KL, and its alignment
+    stage's steps count in its tokens; a run on next-token loss draws eval_loss."""
+    from linearize.eval.plots import curve_points
+
+    rows = [{"stage": "align", "step": 5, "eval_loss": 0.9},
+            {"stage": "uptrain", "step": 10, "loss": 7.0},
+            {"stage": "uptrain", "step": 10, "eval_loss": 2.5, "eval_next_token": 4.25},
+            {"stage": "uptrain", "step": 20, "eval_loss": 2.0, "eval_next_token": 4.0}]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert curve_points(path, "uptrain", offset=5) == [(15, 4.25), (25, 4.0)]
+    assert curve_points(path) == [(5, 0.9), (10, 4.25), (20, 4.0)]
+    lm = tmp_path / "lm.jsonl"
+    lm.write_text(json.dumps({"stage": "uptrain", "step": 3, "eval_loss": 5.5}) + "\n")
+    assert curve_points(lm, "uptrain") == [(3, 5.5)]

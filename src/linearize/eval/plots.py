@@ -51,17 +51,27 @@ def layer_mse_plot(results_json: str | Path, out_png: str | Path) -> Path:
     return _save(plt, fig, ax, out_png)
 
 
+def curve_points(metrics_jsonl: str | Path, stage: str | None = None, offset: int = 0) -> list[tuple[int, float]]:
+    """``(step, validation next-token loss)`` of one run's ``metrics.jsonl``: ``eval_next_token`` where
+    the run logged it (its training loss was another), else ``eval_loss``; only ``stage``'s rows when
+    given; steps shifted by ``offset`` (an earlier stage's steps)."""
+    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    return [(offset + r["step"], r.get("eval_next_token", r["eval_loss"])) for r in rows
+            if "eval_loss" in r and (stage is None or r.get("stage") == stage)]
+
+
 def eval_curves(metrics: dict[str, str | Path], out_png: str | Path, tokens_per_step: dict[str, int] | int,
-                stages: dict[str, str] | None = None) -> Path:
-    """Validation loss against training tokens for several runs (``label -> metrics.jsonl``);
-    ``stages`` (label -> stage name) keeps one stage of a multi-stage run (e.g. LoLCATs' stage2).
-    A run with no evaluation of its stage is left out (a LoLCATs stage-1-only run evaluates
-    attention MSE, not next-token loss); no run at all is an error."""
+                stages: dict[str, str] | None = None, offsets: dict[str, int] | None = None) -> Path:
+    """Validation next-token loss against training tokens for several runs (``label -> metrics.jsonl``);
+    ``stages`` (label -> stage name) keeps one stage of a multi-stage run (e.g. LoLCATs' stage2);
+    ``offsets`` (label -> steps) counts the steps of an earlier stage, e.g. an alignment stage, in the
+    tokens. A run trained on another loss (KL to the teacher) logs its next-token loss as
+    ``eval_next_token``: that is drawn, so the runs compare. A run with no evaluation of its stage is
+    left out (a LoLCATs stage-1-only run evaluates attention MSE, not next-token loss); no run at all
+    is an error."""
     series = {}
     for label, path in metrics.items():
-        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-        want = (stages or {}).get(label)
-        points = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r and (want is None or r.get("stage") == want)]
+        points = curve_points(path, (stages or {}).get(label), (offsets or {}).get(label, 0))
         if points:
             series[label] = points
     if not series:
@@ -72,7 +82,7 @@ def eval_curves(metrics: dict[str, str | Path], out_png: str | Path, tokens_per_
         scale = tokens_per_step[label] if isinstance(tokens_per_step, dict) else tokens_per_step
         ax.plot([s * scale for s, _ in points], [v for _, v in points], marker="o", label=label)
     ax.set_xlabel("training tokens")
-    ax.set_ylabel("validation loss")
+    ax.set_ylabel("validation next-token loss")
     return _save(plt, fig, ax, out_png)
 
 

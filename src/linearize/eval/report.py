@@ -352,7 +352,7 @@ def figures(records, runs, out_dir: Path, attention_maps: bool = False) -> list[
     out_dir.mkdir(parents=True, exist_ok=True)
     made: list[tuple[str, Path]] = []
     runs = list(dict.fromkeys([*runs, *(r for _, rec in records if (r := training_run(rec, runs)))]))
-    metrics, tokens, stages = {}, {}, {}
+    metrics, tokens, stages, offsets = {}, {}, {}, {}
     labels = run_labels(runs)
     for run in runs:
         res = _run_results(run)
@@ -364,13 +364,14 @@ def figures(records, runs, out_dir: Path, attention_maps: bool = False) -> list[
             tokens[label] = cfg["block_len"] * cfg.get("batch_size", 1) * cfg.get("grad_accum", 1)
             # LoLCATs runs: stage 2's next-token loss (stage 1 evaluates attention MSE); else the uptraining
             stages[label] = "stage2" if ("stage2" in res or "stage1" in res) else ("uptrain" if "train" in res else None)
+            offsets[label] = (res.get("align") or {}).get("steps", 0)  # an alignment stage's tokens count too
         if "layer_mse_before" in res:
             made.append((f"{name}: attention MSE per layer, before and after stage 1",
                          layer_mse_plot(run / "results.json", out_dir / f"{name.replace('/', '-')}-layer-mse.png")))
     if metrics:
         try:
-            made.insert(0, ("validation loss against training tokens",
-                            eval_curves(metrics, out_dir / "curves.png", tokens, stages)))
+            made.insert(0, ("validation next-token loss against training tokens",
+                            eval_curves(metrics, out_dir / "curves.png", tokens, stages, offsets)))
         except LinearizeError:
             pass  # runs without evaluations: nothing to draw
     if attention_maps:
