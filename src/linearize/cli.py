@@ -214,55 +214,31 @@ def cmd_lolcats(args) -> int:
     return 0
 
 
-def _training_arguments(p: argparse.ArgumentParser, budgets=("cpu", "gpu")) -> None:
-    """Options every training recipe shares."""
+TRAINING_FLAGS = ("data", "block_len", "batch_size", "grad_accum", "train_blocks", "eval_blocks", "eval_steps",
+                  "patience", "seed", "resume")
+SCHEDULE_FLAGS = ("compile", "cuda_graph", "steps", "lr", "min_lr", "warmup_steps")
+KL_FLAGS = ("kl_temperature", "kl_top_k")
+
+
+def _training_arguments(p: argparse.ArgumentParser, cls, budgets=("cpu", "gpu")) -> None:
+    """Options every training recipe shares: the teacher, the budget preset, and the shared settings of
+    ``RunConfig`` (flags derived from ``cls``'s fields)."""
+    from .recipes.config import add_flags
+
     p.add_argument("--teacher", default="default", help=TEACHER_HELP)
-    p.add_argument("--data", default=None, help="training text: a file, folder, .jsonl or hf:NAME (default: Gutenberg)")
     p.add_argument("--budget", choices=budgets, default=None,
                    help="token budget preset: cpu (minutes on 2 cores), gpu (~20M tokens)"
                         + (", paper (2 epochs per stage)" if "paper" in budgets else "")
                         + "; default: gpu on CUDA, cpu otherwise")
-    p.add_argument("--block-len", type=int, help="tokens per training block (packed sequences)")
-    p.add_argument("--batch-size", type=int, help="blocks per device per step")
-    p.add_argument("--grad-accum", type=int, help="gradient accumulation steps")
-    p.add_argument("--train-blocks", type=int, help="use at most this many training blocks")
-    p.add_argument("--eval-blocks", type=int, help="validation blocks for early stopping and perplexity")
-    p.add_argument("--eval-steps", type=int, help="evaluate (and checkpoint) every N steps")
-    p.add_argument("--patience", type=int, help="early stopping: evaluations without improvement")
-    p.add_argument("--seed", type=int, help="seed for data order and initialisation")
-    p.add_argument("--resume", action="store_true", default=None, help="continue from the newest checkpoints in OUT")
+    add_flags(p, cls, TRAINING_FLAGS)
 
 
-def _schedule_arguments(p: argparse.ArgumentParser, lr: str, min_lr: str, warmup: str) -> None:
-    """Steps and the warmup + cosine schedule of the uptraining recipes (the paper's value in brackets),
-    compilation (every weight trains, so the whole model goes through torch.compile) and CUDA graphs."""
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="train the model through torch.compile (on CUDA: the mixers' many small elementwise "
-                        "kernels fused; the first steps pay the compilation; `python -m linearize.bench.train "
-                        "--compile` measures the gain)")
-    p.add_argument("--cuda-graph", action="store_true", default=None,
-                   help="replay each training step's forward and backward as CUDA graphs (one CUDA GPU): the "
-                        "host stops issuing the kernels one by one, which bounds the linear students' eager "
-                        "steps (docs/RESULTS.md); the first step captures, a new batch shape captures again")
-    p.add_argument("--steps", type=int, help="optimizer steps")
-    p.add_argument("--lr", type=float, help=f"peak learning rate ({lr})")
-    p.add_argument("--min-lr", type=float, help=f"cosine floor ({min_lr})")
-    p.add_argument("--warmup-steps", type=int, help=f"linear warmup steps ({warmup})")
-
-
-def _distill_arguments(p: argparse.ArgumentParser, what: str, align: bool = True) -> None:
+def _distill_arguments(p: argparse.ArgumentParser, cls, what: str, align: bool = True) -> None:
     """Learning from the teacher: the loss of the training stage and (uptraining) an alignment stage."""
-    p.add_argument("--loss", help=f"{what}: lm (next-token, the paper's; default), kl (KL to the teacher's next-token "
-                   "distribution, the teacher running beside the student), kl+lm, or any weighted sum of the "
-                   "linearize.distill losses (e.g. 0.5*kl+lm)")
-    p.add_argument("--kl-temperature", type=float, help="KL: softmax temperature of both models (default 1)")
-    p.add_argument("--kl-top-k", type=int, help="KL: over the teacher's k most likely tokens only (default: the "
-                   "whole vocabulary)")
-    if align:
-        p.add_argument("--align-steps", type=int, help="an alignment stage first: this many steps fitting each new "
-                       "mixer's output to the teacher's attention output at its layer (teacher-forced, only the "
-                       "mixers train; RADLADS / MOHAWK). Default 0: none")
-        p.add_argument("--align-lr", type=float, help="learning rate of the alignment stage (default: --lr)")
+    from .recipes.config import add_flags, flag_help
+
+    add_flags(p, cls, ("loss",), helps={"loss": f"{what}: {flag_help(cls, 'loss')}"})
+    add_flags(p, cls, KL_FLAGS + (("align_steps", "align_lr") if align else ()))
 
 
 def _uptrain(args, method: str, spec: dict, **fixed) -> int:
@@ -410,6 +386,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokens (kept softmax layers' KV caches grow with it)")
     i.set_defaults(func=cmd_info)
 
+    from .recipes import lolcats
+    from .recipes.config import add_flags
+    from .recipes.uptrain import UptrainConfig as Uptrain
+
     lc = sub.add_parser("lolcats", parents=[common], help="LoLCATs: attention transfer, then LoRA (two stages)",
                         description="Linearize a teacher with LoLCATs: stage 1 trains only the feature maps (and the "
                                     "window weights) so each layer matches its softmax attention (MSE, teacher-forced); "
@@ -417,25 +397,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "perplexity of the teacher, the converted model and after each stage; writes "
                                     "OUT/final (a standalone checkpoint), OUT/results.json and OUT/metrics.jsonl.")
     lc.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/lolcats)")
-    _training_arguments(lc, budgets=("cpu", "gpu", "paper"))
-    lc.add_argument("--stage1-lr", type=float, help="stage 1 learning rate (paper: 1e-2)")
-    lc.add_argument("--stage1-steps", type=int, help="stage 1 optimizer steps (overrides epochs)")
-    lc.add_argument("--stage1-epochs", type=float, help="stage 1 epochs (paper: 2)")
-    lc.add_argument("--layers-per-block", type=int, help="stage 1 in blocks of k layers (1: layer by layer; "
-                    "default: all layers jointly); bounds memory by k layers")
-    lc.add_argument("--block-inputs", choices=["cache", "recompute"],
-                    help="block-wise stage 1: train each block on the teacher's hidden states entering it, "
-                         "computed once and kept in CPU memory (cache, the default, as LoLCATs), or run the "
-                         "earlier layers at every step (recompute: no host memory)")
-    lc.add_argument("--mse-factor", type=float, help="stage 1 loss scale (LoLCATs: 1000)")
-    lc.add_argument("--xent-factor", type=float, help="stage 1: add Hedgehog's cross-entropy on attention weights "
-                    "with this weight (LoLCATs: 0; quadratic memory in the block length)")
-    lc.add_argument("--stage2-lr", type=float, help="stage 2 (LoRA) learning rate (paper: 1e-4)")
-    lc.add_argument("--stage2-steps", type=int, help="stage 2 optimizer steps (overrides epochs)")
-    lc.add_argument("--stage2-epochs", type=float, help="stage 2 epochs (paper: 2)")
-    lc.add_argument("--lora-r", type=int, help="LoRA rank (paper: 8)")
-    lc.add_argument("--lora-alpha", type=int, help="LoRA alpha (paper: 16)")
-    _distill_arguments(lc, "stage 2's loss", align=False)
+    _training_arguments(lc, lolcats.LolcatsConfig, budgets=("cpu", "gpu", "paper"))
+    add_flags(lc, lolcats.LolcatsConfig, ("stage1_lr", "stage1_steps", "stage1_epochs", "layers_per_block", "block_inputs",
+                                          "mse_factor", "xent_factor", "stage2_lr", "stage2_steps", "stage2_epochs",
+                                          "lora_r", "lora_alpha"), notes=lolcats.LolcatsConfig.PAPER)
+    _distill_arguments(lc, lolcats.LolcatsConfig, "stage 2's loss", align=False)
     lc.add_argument("--rows", help="comma-separated comparison rows at the same budget (LoLCATs Table 5): "
                     "lolcats, swap-finetune, stage1-only, no-window; each writes OUT/<row>")
     _spec_arguments(lc)
@@ -449,11 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/supra)")
     su.add_argument("--variant", choices=["supra", "t2r"], default="supra",
                     help="t2r: the baseline SUPRA improves on (normaliser instead of GroupNorm, no decay)")
-    _schedule_arguments(su, "SUPRA: 3e-4 for ~1B models", "SUPRA: 1e-5", "SUPRA: 1000")
-    su.add_argument("--new-weights-first", type=int, help="SUPRA's 2-step variant: train only the new weights "
-                    "(kernel, GroupNorm) for this many steps first")
-    _distill_arguments(su, "training loss")
-    _training_arguments(su)
+    add_flags(su, Uptrain, SCHEDULE_FLAGS + ("new_weights_first",),
+              notes={"lr": "SUPRA: 3e-4 for ~1B models", "min_lr": "SUPRA: 1e-5", "warmup_steps": "SUPRA: 1000"})
+    _distill_arguments(su, Uptrain, "training loss")
+    _training_arguments(su, Uptrain)
     _spec_arguments(su)
     su.set_defaults(func=cmd_supra)
 
@@ -462,19 +427,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "each block), copy the shared weights named by --transfer, initialise the rest "
                                     "fresh, and train it with the transferred weights frozen, unfrozen or LIT.")
     xa.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/xatl)")
-    xa.add_argument("--arch", choices=["retnet", "striped_mamba"], help="the new token mixer (default: retnet)")
     xa.add_argument("--config", type=Path, help="a recipe: a YAML file (or a run's run_config.json, or a packaged "
                     "recipe's name) whose keys are any of this command's settings; flags win")
-    xa.add_argument("--transfer", help="comma-separated: embeddings, ffn, wo, attention; or 'scratch' "
-                    "(default: embeddings,ffn,wo for retnet, embeddings,ffn for mamba)")
-    xa.add_argument("--hybrid", help="keep softmax attention at these layers: 'xatl' (layers 2 and N/2) or '2,15'")
-    xa.add_argument("--freeze", choices=["frozen", "unfrozen", "lit"], help="transferred weights (default: unfrozen)")
-    xa.add_argument("--lit-threshold", type=float, help="LIT: unfreeze when validation improves by less than this (0.01)")
-    xa.add_argument("--lit-patience", type=int, help="LIT: evaluations below the threshold before unfreezing (1)")
-    _schedule_arguments(xa, "XATL: 3e-4", "XATL: 3e-5", "XATL: 2000")
-    xa.add_argument("--weight-decay", type=float, help="AdamW weight decay (XATL: 0.1)")
-    _distill_arguments(xa, "training loss")
-    _training_arguments(xa)
+    add_flags(xa, Uptrain, ("arch", "transfer", "hybrid", "freeze", "lit_threshold", "lit_patience") + SCHEDULE_FLAGS
+              + ("weight_decay",), notes={"lr": "XATL: 3e-4", "min_lr": "XATL: 3e-5", "warmup_steps": "XATL: 2000",
+                                          "weight_decay": "XATL: 0.1"})
+    _distill_arguments(xa, Uptrain, "training loss")
+    _training_arguments(xa, Uptrain)
     xa.set_defaults(func=cmd_xatl, min_lr=None, weight_decay=None)
 
     from .recipes.orderings import TABLES
@@ -492,13 +451,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: %(default)s)")
     od.add_argument("--out", type=Path, help="folder of the table's runs (default: runs/TABLE)")
     od.add_argument("--config", type=Path, help="a recipe file whose settings every row shares; flags win")
-    _schedule_arguments(od, "the recipe's", "the recipe's", "the recipe's")
-    od.add_argument("--kl-temperature", type=float, help="KL: softmax temperature (default 1)")
-    od.add_argument("--kl-top-k", type=int, help="KL: over the teacher's k most likely tokens (default: all)")
-    od.add_argument("--align-steps", type=int, help="rows learning from the teacher: an alignment stage of this many "
-                    "steps first (default 0; the lm rows never align)")
-    od.add_argument("--align-lr", type=float, help="learning rate of the alignment stage (default: --lr)")
-    _training_arguments(od)
+    add_flags(od, Uptrain, SCHEDULE_FLAGS + KL_FLAGS, notes={"lr": "the recipe's", "min_lr": "the recipe's",
+                                                          "warmup_steps": "the recipe's"})
+    add_flags(od, Uptrain, ("align_steps", "align_lr"), helps={
+        "align_steps": "rows learning from the teacher: an alignment stage of this many steps first (default 0; the "
+                       "lm rows never align)"})
+    _training_arguments(od, Uptrain)
     od.set_defaults(func=cmd_orderings)
 
     be = sub.add_parser("bench", parents=[common], help="prefill / decode throughput and memory vs the teacher",

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+import typing
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ from ..errors import LinearizeError
 from ..eval import perplexity
 from ..models import get_adapter
 from .common import begin_run, finish
+from .config import RunConfig, setting
 from .engine import TrainConfig, gathered_state, is_main_process, next_token_loss, train, under_fsdp, unsharded
 
 __all__ = ["LolcatsConfig", "ablation_config", "layer_mse", "run", "run_stage1", "run_stage2", "summary"]
@@ -48,43 +50,42 @@ ABLATIONS = {
 
 
 @dataclass
-class LolcatsConfig:
-    teacher: str | None = None
+class LolcatsConfig(RunConfig):
+    """The LoLCATs recipe's settings: ``RunConfig``'s shared ones (``loss``: stage 2's; the teacher is
+    the student's own projections with softmax attention and LoRA off, no second model) and its stages'."""
+
     out: str = "runs/lolcats"
     spec: dict = field(default_factory=lambda: dict(DEFAULT_SPEC))
     keep_softmax: tuple[int, ...] | str = ()  # layer indices, or "auto:K": the K layers stage 1 fits worst
-    stages: tuple[str, ...] = ("stage1", "stage2")
-    data: str | None = None  # None: the embedded Gutenberg corpus
-    block_len: int = 1024
-    train_blocks: int | None = None  # None: all
-    eval_blocks: int = 16
-    batch_size: int = 8
-    grad_accum: int = 1
     eval_steps: int = 50
-    patience: int | None = 3  # early stopping, in evaluations without improvement
-    seed: int = 0
-    dtype: str | None = None
+    patience: int | None = 3
+    stages: tuple[str, ...] = ("stage1", "stage2")
     # stage 1
-    stage1_lr: float = 1e-2
-    stage1_epochs: float = 2.0
-    stage1_steps: int = -1
-    mse_factor: float = 1000.0
-    xent_factor: float = 0.0  # > 0 adds Hedgehog's cross-entropy on attention weights (quadratic in T)
-    layers_per_block: int | None = None  # None: all layers jointly
-    block_inputs: str = "cache"  # blocks train on cached teacher states entering them, or "recompute" them
+    stage1_lr: float = setting(1e-2, "stage 1 learning rate")
+    stage1_epochs: float = setting(2.0, "stage 1 epochs")
+    stage1_steps: int = setting(-1, "stage 1 optimizer steps (overrides epochs)")
+    mse_factor: float = setting(1000.0, "stage 1 loss scale")
+    xent_factor: float = setting(0.0, "stage 1: add Hedgehog's cross-entropy on attention weights with this weight "
+                                      "(quadratic memory in the block length)")
+    layers_per_block: int | None = setting(None, "stage 1 in blocks of k layers (1: layer by layer; default: all "
+                                                 "layers jointly); bounds memory by k layers")
+    block_inputs: str = setting("cache", "block-wise stage 1: train each block on the teacher's hidden states "
+                                         "entering it, computed once and kept in CPU memory (cache, the default, as "
+                                         "LoLCATs), or run the earlier layers at every step (recompute: no host memory)",
+                                choices=("cache", "recompute"))
     # stage 2
-    stage2_lr: float = 1e-4
-    stage2_epochs: float = 2.0
-    stage2_steps: int = -1
-    lora_r: int = 8
-    lora_alpha: int = 16
+    stage2_lr: float = setting(1e-4, "stage 2 (LoRA) learning rate")
+    stage2_epochs: float = setting(2.0, "stage 2 epochs")
+    stage2_steps: int = setting(-1, "stage 2 optimizer steps (overrides epochs)")
+    lora_r: int = setting(8, "LoRA rank")
+    lora_alpha: int = setting(16, "LoRA alpha")
     lora_targets: tuple[str, ...] | None = None  # None: the family's q/k/v/o projections
-    loss: str = "lm"  # stage 2: lm (the paper's next-token loss), kl or kl+lm (the teacher: the student's own
-    kl_temperature: float = 1.0  # projections with softmax attention and LoRA off, no second model)
-    kl_top_k: int | None = None
     merge: bool = True
-    resume: bool = False
-    sample_prompt: str = "It is a truth universally acknowledged, that"
+
+    # what the paper used, shown beside each flag's help
+    PAPER: typing.ClassVar[dict] = {"stage1_lr": "paper: 1e-2", "stage1_epochs": "paper: 2", "mse_factor": "LoLCATs: 1000",
+                                    "xent_factor": "LoLCATs: 0", "stage2_lr": "paper: 1e-4", "stage2_epochs": "paper: 2",
+                                    "lora_r": "paper: 8", "lora_alpha": "paper: 16"}
 
     def stage_config(self, stage: str, output_dir: Path) -> TrainConfig:
         first = stage == "stage1"

@@ -27,50 +27,48 @@ from .. import convert
 from ..errors import LinearizeError
 from ..eval import perplexity
 from .common import begin_run, finish
+from .config import RunConfig, setting
 from ..distill import FrozenTeacher, build_objective, check_options
 from .engine import TrainConfig, next_token_loss, train
 
 
 @dataclass
-class UptrainConfig:
+class UptrainConfig(RunConfig):
+    """SUPRA's and XATL's settings: ``RunConfig``'s shared ones, the schedule, and each method's own."""
+
     method: str = "supra"  # supra | xatl
-    teacher: str | None = None
     out: str = "runs/supra"
     spec: dict = field(default_factory=lambda: {"kind": "supra"})
     keep_softmax: tuple[int, ...] = ()
-    data: str | None = None
-    block_len: int = 1024
-    train_blocks: int | None = None
-    eval_blocks: int = 16
-    batch_size: int = 8
-    grad_accum: int = 1
-    steps: int = 1000
-    lr: float = 3e-4
-    min_lr: float = 1e-5
-    warmup_steps: int = 100
-    weight_decay: float = 0.0
-    eval_steps: int = 100
-    patience: int | None = None
-    seed: int = 0
-    dtype: str | None = None
-    resume: bool = False
-    compile: bool = False  # torch.compile the model for training (CUDA: fewer, fused kernels)
-    cuda_graph: bool = False  # replay each step's forward and backward as CUDA graphs (CUDA, one GPU)
-    new_weights_first: int = 0  # SUPRA 2-step: steps that train only the new weights first
+    steps: int = setting(1000, "optimizer steps")
+    lr: float = setting(3e-4, "peak learning rate")
+    min_lr: float = setting(1e-5, "cosine floor")
+    warmup_steps: int = setting(100, "linear warmup steps")
+    weight_decay: float = setting(0.0, "AdamW weight decay")
+    compile: bool = setting(False, "train the model through torch.compile (on CUDA: the mixers' many small "
+                                   "elementwise kernels fused; the first steps pay the compilation; `python -m "
+                                   "linearize.bench.train --compile` measures the gain)")
+    cuda_graph: bool = setting(False, "replay each training step's forward and backward as CUDA graphs (one CUDA "
+                                      "GPU): the host stops issuing the kernels one by one, which bounds the linear "
+                                      "students' eager steps (docs/RESULTS.md); the first step captures, a new batch "
+                                      "shape captures again")
+    new_weights_first: int = setting(0, "SUPRA's 2-step variant: train only the new weights (kernel, GroupNorm) "
+                                        "for this many steps first")
     # XATL
-    arch: str = "retnet"
-    transfer: tuple[str, ...] | str | None = None  # None: the architecture's default map
-    hybrid: str | None = None  # "xatl" (layers 2 and N//2) or "2,15"
-    freeze: str = "unfrozen"  # frozen | unfrozen | lit
-    lit_threshold: float = 0.01
-    lit_patience: int = 1
-    # learning from the teacher
-    loss: str = "lm"  # lm (the papers' next-token loss), kl, kl+lm, or any distill objective ("0.5*kl+lm")
-    kl_temperature: float = 1.0
-    kl_top_k: int | None = None  # None: KL over the whole vocabulary
-    align_steps: int = 0  # an alignment stage first (mixer_mse, only the mixers train); 0: none
-    align_lr: float | None = None  # None: lr
-    sample_prompt: str = "It is a truth universally acknowledged, that"
+    arch: str = setting("retnet", "the new token mixer (default: retnet)", choices=("retnet", "striped_mamba"))
+    transfer: tuple[str, ...] | str | None = setting(
+        None, "comma-separated: embeddings, ffn, wo, attention (the kept softmax layers), qkv (RetNet: the "
+              "retention's q/k/v from the teacher's attention); or 'scratch' (default: embeddings,ffn,wo for "
+              "retnet, embeddings,ffn for mamba)")
+    hybrid: str | None = setting(None, "keep softmax attention at these layers: 'xatl' (layers 2 and N/2) or '2,15'")
+    freeze: str = setting("unfrozen", "transferred weights (default: unfrozen)", choices=("frozen", "unfrozen", "lit"))
+    lit_threshold: float = setting(0.01, "LIT: unfreeze when validation improves by less than this (0.01)")
+    lit_patience: int = setting(1, "LIT: evaluations below the threshold before unfreezing (1)")
+    # learning from the teacher: an alignment stage first
+    align_steps: int = setting(0, "an alignment stage first: this many steps fitting each new mixer's output to the "
+                                  "teacher's attention output at its layer (teacher-forced, only the mixers train; "
+                                  "RADLADS / MOHAWK). Default 0: none")
+    align_lr: float | None = setting(None, "learning rate of the alignment stage (default: --lr)")
 
     def train_config(self, output_dir: Path, steps: int, warmup: int, lr: float | None = None,
                      eval_next_token: bool = False) -> TrainConfig:

@@ -1,0 +1,109 @@
+"""One run configuration: the settings every recipe shares, declared once (``RunConfig``), each
+with the help text of its command-line flag.
+
+A recipe's config subclasses ``RunConfig`` and declares its own settings the same way
+(``setting(default, help)``); it may redeclare a shared setting's default without repeating its
+help. ``add_flags`` derives a command's flags from these fields (``--block-len`` from
+``block_len``: the type from the annotation, a bool as a switch, choices and help from the field), so
+a setting is written once and the CLI, a YAML recipe (``--config``) and the saved
+``run_config.json`` name it the same way. Every flag's default is None: the budget preset, the file
+and the config's own default decide what an unset flag means (``linearize.cli``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+
+__all__ = ["RunConfig", "add_flags", "flag_help", "setting"]
+
+_NONE = type(None)
+
+
+def setting(default=dataclasses.MISSING, help: str | None = None, *, choices=None, metavar: str | None = None,
+            default_factory=dataclasses.MISSING):
+    """A config field with what its flag needs: ``help`` (None: no flag of its own), ``choices``."""
+    metadata = {"help": help, "choices": tuple(choices) if choices else None, "metavar": metavar}
+    return field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+@dataclass
+class RunConfig:
+    """What every training recipe takes: the teacher, the data, batches, evaluation, the seed, and the
+    loss learnt from the teacher. ``spec``, ``keep_softmax``, ``teacher``, ``out`` and ``dtype`` come
+    through flags of their own (the mixer spec's, ``--teacher``, ``--out``, ``--dtype``)."""
+
+    teacher: str | None = None
+    out: str = "runs/run"
+    spec: dict = field(default_factory=dict)
+    keep_softmax: tuple[int, ...] | str = ()
+    data: str | None = setting(None, "training text: a .txt/.md/.jsonl file, a folder, hf:NAME, generated:NAME, "
+                                     "corpus:NAME, or a mixture A=W,B=W (see 'linearize data --help'; default: "
+                                     "Gutenberg)")
+    block_len: int = setting(1024, "tokens per training block (packed sequences)")
+    train_blocks: int | None = setting(None, "use at most this many training blocks")
+    eval_blocks: int = setting(16, "validation blocks for early stopping and perplexity")
+    batch_size: int = setting(8, "blocks per device per step")
+    grad_accum: int = setting(1, "gradient accumulation steps")
+    eval_steps: int = setting(100, "evaluate (and checkpoint) every N steps")
+    patience: int | None = setting(None, "early stopping: evaluations without improvement")
+    seed: int = setting(0, "seed for data order and initialisation")
+    dtype: str | None = None
+    resume: bool = setting(False, "continue from the newest checkpoints in OUT")
+    # learning from the teacher (linearize.distill)
+    loss: str = setting("lm", "lm (next-token, the paper's; default), kl (KL to the teacher's next-token "
+                              "distribution, the teacher running beside the student), kl+lm, or any weighted sum "
+                              "of the linearize.distill losses (e.g. 0.5*kl+lm)")
+    kl_temperature: float = setting(1.0, "KL: softmax temperature of both models (default 1)")
+    kl_top_k: int | None = setting(None, "KL: over the teacher's k most likely tokens only (default: the whole "
+                                         "vocabulary)")
+    sample_prompt: str = "It is a truth universally acknowledged, that"
+
+
+def _field_metadata(cls, name: str) -> dict:
+    """The first declaration of ``name`` along ``cls``'s bases that carries flag metadata."""
+    for klass in cls.__mro__:
+        f = getattr(klass, "__dataclass_fields__", {}).get(name)
+        if f is not None and f.metadata.get("help"):
+            return dict(f.metadata)
+    raise KeyError(f"{cls.__name__}.{name} has no flag (no help text)")
+
+
+def flag_help(cls, name: str) -> str:
+    """The help text of setting ``name`` of config class ``cls``."""
+    return _field_metadata(cls, name)["help"]
+
+
+def _flag_type(annotation):
+    """int / float / str for a field's annotation (``int | None`` -> int; a union with str -> str)."""
+    args = [a for a in typing.get_args(annotation) if a is not _NONE] or [annotation]
+    if str in args:
+        return str
+    base = typing.get_origin(args[0]) or args[0]
+    return base if base in (int, float, str, bool) else str
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, names, notes: dict | None = None,
+              helps: dict | None = None) -> None:
+    """Add ``--<name>`` for each setting in ``names`` of config class ``cls``, derived from its field:
+    a bool is a switch, others take a value of the annotated type; help from the field (``helps``
+    replaces it for this command, ``notes`` appends a parenthesised remark, e.g. the paper's value)."""
+    hints = typing.get_type_hints(cls)
+    for name in names:
+        meta = _field_metadata(cls, name)
+        text = (helps or {}).get(name) or meta["help"]
+        if notes and name in notes:
+            text = f"{text} ({notes[name]})"
+        kwargs: dict = {"help": text.replace("%", "%%"), "default": None}
+        kind = _flag_type(hints[name])
+        if kind is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = kind
+            if meta.get("choices"):
+                kwargs["choices"] = list(meta["choices"])
+            if meta.get("metavar"):
+                kwargs["metavar"] = meta["metavar"]
+        parser.add_argument("--" + name.replace("_", "-"), **kwargs)
