@@ -10,7 +10,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 python3 -c "import torch, transformers, triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)" | tee -a "$OUT/device.txt"
 timeout ${BENCH_TIMEOUT:-400} python3 -m linearize.bench.mixers --out "$OUT/mixers.json" "$@" 2>&1 | tee "$OUT/mixers.md"
-timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "${GPU_TESTS:-}" \
-  "tests/test_model.py::test_greedy_generate_equals_argmax_of_parallel_forwards" \
-  "tests/test_model.py::test_generate_with_explicit_linearize_cache" \
-  "tests/test_model.py::test_save_load_roundtrip_gives_identical_logits" 2>&1 | tee "$OUT/tests.txt" | tail -15
+timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x -p no:cacheprovider tests/gpu/test_gpu.py -k "${GPU_TESTS:-}" \
+  "tests/models/test_model.py::test_greedy_generate_equals_argmax_of_parallel_forwards" \
+  "tests/models/test_model.py::test_generate_with_explicit_linearize_cache" \
+  "tests/models/test_model.py::test_save_load_roundtrip_gives_identical_logits" 2>&1 | tee "$OUT/tests.txt" | tail -15

@@ -20,7 +20,7 @@ for part in ${@:-tests kernels launches prefill train}; do
   echo "=== $part $(date +%T)"
   case $part in
     tests)
-      timeout 480 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_hybrid.py 2>&1 \
+      timeout 480 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_hybrid.py 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | head -40 ;;
     kernels)
       timeout 300 python3 dev/hybrid_bench.py --shapes 1x1024 8x1024 1x8192 32x1024 1x32768 \

@@ -11,8 +11,8 @@ for part in "$@"; do
   echo "=== $part $(date +%T)"
   case $part in
     tests)  # CUDA graph vs eager vs generate(), our Triton kernels vs their PyTorch twins (fla's own: test_gpu.py)
-      timeout 300 python3 -m pytest -v -p no:cacheprovider tests/test_gpu_decode.py tests/test_gpu_kernels.py \
-        "tests/test_gpu.py::test_retnet_trains_through_fla_under_autocast" 2>&1 \
+      timeout 300 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_decode.py tests/gpu/test_gpu_kernels.py \
+        "tests/gpu/test_gpu.py::test_retnet_trains_through_fla_under_autocast" 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed" ;;
     fast)  # the linearized students' fast path over batch sizes and generated lengths
       student lolcats; student supra
@@ -58,7 +58,7 @@ for part in "$@"; do
     train-graph)  # the same with each step's forward and backward replayed as CUDA graphs (linearize.graphed),
       # beside the eager teacher: the students' eager steps are host-bound (docs/RESULTS.md, training speed)
       # (fla compiles for every model on a fresh machine: 240 s ran out after two of the four models)
-      timeout ${GRAPH_TEST_TIMEOUT:-540} python3 -m pytest -v -p no:cacheprovider tests/test_gpu.py -k "graphed or cuda_graphs" 2>&1 \
+      timeout ${GRAPH_TEST_TIMEOUT:-540} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_gpu.py -k "graphed or cuda_graphs" 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed|Error"
       timeout 500 python3 -m linearize.bench.train --teacher $T --models ${GRAPH_MODELS:-teacher supra retnet striped_mamba} \
         --shapes 16x1024 8x2048 2x8192 --steps 6 --cuda-graph --out $S/train_graph.json 2>&1 | grep -v Warning | tail -16 ;;
@@ -66,7 +66,7 @@ for part in "$@"; do
       # (dev/scan_bench.py; SCAN_ARGS, default --sweep), then StripedMamba's training speed beside the teacher's. Eager:
       # graphed steps pass a mask, which keeps the PyTorch convolution. Speed does not depend on the
       # weights, so T may be a shape-only teacher (dev/shape_teacher.py).
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k "scan or conv" 2>&1 | tail -3
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k "scan or conv" 2>&1 | tail -3
       timeout 400 python3 dev/scan_bench.py --kernels ${SCAN_ARGS:---sweep} 2>&1 | tee $S/scan_bench.txt
       timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \
         --shapes 16x1024 8x2048 2x8192 --steps 6 --out $S/train_mamba.json 2>&1 | tail -8 ;;

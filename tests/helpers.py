@@ -64,7 +64,7 @@ def greedy_by_full_forwards(model, prompt, n: int):
 
 
 def run_triton_interpreter_script(name: str, *args: str) -> None:
-    """Run ``tests/<name> [args]`` (a check of our Triton kernels through Triton's CPU interpreter) in
+    """Run ``tests/ops/<name> [args]`` (a check of our Triton kernels through Triton's CPU interpreter) in
     a fresh process, which must print ``ok``; skipped where Triton is not installed."""
     import os
     import subprocess
@@ -75,7 +75,7 @@ def run_triton_interpreter_script(name: str, *args: str) -> None:
 
     pytest.importorskip("triton")
     here = Path(__file__).parent
-    done = subprocess.run([sys.executable, str(here / name), *args], capture_output=True, text=True, timeout=600,
+    done = subprocess.run([sys.executable, str(here / "ops" / name), *args], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(here.parent / "src")})
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 

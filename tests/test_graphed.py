@@ -3,7 +3,7 @@
 Capture fails on any host synchronisation inside the captured forward and backward. Here the
 capture is simulated on the CPU (transformers and the mixers are told a stream is capturing) and
 every operation that would make the host wait for the device is refused; the replay itself is
-checked against the eager step on CUDA (tests/test_gpu.py).
+checked against the eager step on CUDA (tests/gpu/test_gpu.py).
 """
 
 import importlib

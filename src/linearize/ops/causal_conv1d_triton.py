@@ -37,8 +37,8 @@ A gradient of the final state is added in PyTorch to the last ``K - 1`` inputs i
 
 All arithmetic is fp32 whatever the dtypes of ``x``, the weight and the bias; ``y`` and ``dx`` are
 in ``x``'s dtype, the parameter gradients in the parameters'. Tested against the float64 PyTorch
-form with Triton's interpreter on the CPU (``tests/triton_interpret_conv.py``) and on CUDA
-(``tests/test_gpu_kernels.py``).
+form with Triton's interpreter on the CPU (``tests/ops/triton_interpret_conv.py``) and on CUDA
+(``tests/gpu/test_gpu_kernels.py``).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ whose rows share ``w[h]`` and ``b[h]``, so the backward sums ``dw`` and ``db`` o
 in registers and writes one partial per (token block, head); PyTorch adds the partials up.
 Statistics and everything else are in fp32 whatever the input dtypes; the mean and rstd of every
 row are kept for the backward pass. Tested against the PyTorch form with Triton's interpreter on the
-CPU (``tests/triton_interpret_group_norm_gate.py``) and on CUDA (``tests/test_gpu_kernels.py``).
+CPU (``tests/ops/triton_interpret_group_norm_gate.py``) and on CUDA (``tests/gpu/test_gpu_kernels.py``).
 """
 
 from __future__ import annotations

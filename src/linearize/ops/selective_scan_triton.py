@@ -44,8 +44,8 @@ softplus backward over ``[B, T, Dn]``.)
 
 Decays are ``exp2(dt * A log2(e))``. Everything accumulates in fp32 whatever the input dtype; y, du
 and ddt are written in their inputs' dtypes. Tested against the PyTorch forms with Triton's
-interpreter on the CPU (``tests/triton_interpret_scan.py``) and on CUDA
-(``tests/test_gpu_kernels.py``); the constants are the fastest of ``dev/scan_bench.py --sweep``
+interpreter on the CPU (``tests/ops/triton_interpret_scan.py``) and on CUDA
+(``tests/gpu/test_gpu_kernels.py``); the constants are the fastest of ``dev/scan_bench.py --sweep``
 on an H100 (docs/RESULTS.md), except ``CKPT``: 4 was 4-9 % faster than 8 but doubles the
 checkpoints' memory (302 MB per layer at 16 x 1024 instead of 151).
 """

@@ -78,7 +78,7 @@ def mixer_fused_equals_pytorch():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers.py
     from helpers import tiny_config
     from transformers import AutoModelForCausalLM
 

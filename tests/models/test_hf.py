@@ -21,7 +21,7 @@ from linearize.xatl import build_xatl
 
 from helpers import tiny_tokenizer
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 STUDENTS = [
     ("llama", {"kind": "lolcats", "window": 4}),

@@ -24,7 +24,7 @@ from linearize.teacher import NAMED_TEACHERS, NamedTeacher, load_teacher, named_
 
 from helpers import greedy_by_full_forwards, tiny_config, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

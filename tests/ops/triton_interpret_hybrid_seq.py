@@ -10,7 +10,9 @@ rotation and the maps in float64 (gradients of the raw q, k, v, the maps' weight
 
 import os
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers.py
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 
 import torch  # noqa: E402

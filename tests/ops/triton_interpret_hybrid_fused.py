@@ -6,7 +6,9 @@ fused LoLCATs decode step (RoPE, Hedgehog maps, window, linear state, bookkeepin
 
 import os
 import sys
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers.py
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 
 import torch  # noqa: E402

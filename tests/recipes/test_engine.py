@@ -43,7 +43,7 @@ def test_empty_data_and_nothing_trainable(tiny_model, tmp_path):
 def test_cuda_graph_training_goes_through_the_graphed_loss(tiny_model, tmp_path, monkeypatch):
     """--cuda-graph's plumbing on the CPU: every training step's loss (and so its backward) comes from
     the graphed callable, evaluation from the recipe's loss; an eager stand-in takes the graphs' place
-    (the replay itself is checked against the eager step on CUDA, tests/test_gpu.py)."""
+    (the replay itself is checked against the eager step on CUDA, tests/gpu/test_gpu.py)."""
     from linearize.recipes import engine
 
     class StandIn:

@@ -1,4 +1,4 @@
-"""Run by tests/test_launch.py: attention transfer's loss and gradients under FSDP2 on 2 gloo
+"""Run by tests/recipes/test_launch.py: attention transfer's loss and gradients under FSDP2 on 2 gloo
 processes against one unsharded process. ``python fsdp_attention_transfer.py DIR`` writes the
 reference to DIR; under ``torch.distributed.run`` (2 processes) it compares and prints "gradients agree"."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers.py
 from helpers import tiny_config  # noqa: E402
 
 import linearize  # noqa: E402

@@ -434,7 +434,7 @@ def test_records_carry_state_bytes_and_the_report_draws_the_dial(tiny_model, tmp
         assert model_identity(model)["state_bytes_8k"] == state_bytes(model, 8192)["total"] > 0
     assert model_identity(student)["state_bytes_8k"] < model_identity(teacher)["state_bytes_8k"]
 
-    raw = Path(__file__).parent.parent / "docs" / "gpu-runs" / "recall"
+    raw = Path(__file__).parents[2] / "docs" / "gpu-runs" / "recall"
     sizes = {"recall-teacher": 188_700_000, "recall-lolcats-s0": 5_940_000, "recall-lolcats-s64": 8_990_000,
              "recall-supra": 4_423_680}
     records = []
