@@ -257,9 +257,11 @@ def _uptrain_config(args, method: str, spec: dict, default_out: str, **fixed):
 
     from .recipes import uptrain
 
-    def make(out):  # XATL's optimiser (AdamW weight decay 0.1, cosine floor 3e-5) under the file and the flags
-        extra = dict(weight_decay=0.1, min_lr=3e-5) if method == "xatl" else {}
-        return uptrain.UptrainConfig(method=method, out=out, **extra)
+    def make(out):
+        from .recipes.supra import SupraConfig
+        from .recipes.xatl import XatlConfig
+
+        return {"supra": SupraConfig, "xatl": XatlConfig}[method](out=out)
 
     cfg = _recipe_config(args, make, uptrain.apply_budget, default_out, spec, method=method, **fixed)
     return replace(cfg, spec={**cfg.spec, "kind": cfg.arch}) if method == "xatl" else cfg
@@ -388,7 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .recipes import lolcats
     from .recipes.config import add_flags
-    from .recipes.uptrain import UptrainConfig as Uptrain
+    from .recipes.supra import SupraConfig
+    from .recipes.uptrain import UptrainConfig
+    from .recipes.xatl import XatlConfig
 
     lc = sub.add_parser("lolcats", parents=[common], help="LoLCATs: attention transfer, then LoRA (two stages)",
                         description="Linearize a teacher with LoLCATs: stage 1 trains only the feature maps (and the "
@@ -415,10 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/supra)")
     su.add_argument("--variant", choices=["supra", "t2r"], default="supra",
                     help="t2r: the baseline SUPRA improves on (normaliser instead of GroupNorm, no decay)")
-    add_flags(su, Uptrain, SCHEDULE_FLAGS + ("new_weights_first",),
+    add_flags(su, SupraConfig, SCHEDULE_FLAGS + ("new_weights_first",),
               notes={"lr": "SUPRA: 3e-4 for ~1B models", "min_lr": "SUPRA: 1e-5", "warmup_steps": "SUPRA: 1000"})
-    _distill_arguments(su, Uptrain, "training loss")
-    _training_arguments(su, Uptrain)
+    _distill_arguments(su, SupraConfig, "training loss")
+    _training_arguments(su, SupraConfig)
     _spec_arguments(su)
     su.set_defaults(func=cmd_supra)
 
@@ -429,11 +433,11 @@ def build_parser() -> argparse.ArgumentParser:
     xa.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/xatl)")
     xa.add_argument("--config", type=Path, help="a recipe: a YAML file (or a run's run_config.json, or a packaged "
                     "recipe's name) whose keys are any of this command's settings; flags win")
-    add_flags(xa, Uptrain, ("arch", "transfer", "hybrid", "freeze", "lit_threshold", "lit_patience") + SCHEDULE_FLAGS
+    add_flags(xa, XatlConfig, ("arch", "transfer", "hybrid", "freeze", "lit_threshold", "lit_patience") + SCHEDULE_FLAGS
               + ("weight_decay",), notes={"lr": "XATL: 3e-4", "min_lr": "XATL: 3e-5", "warmup_steps": "XATL: 2000",
                                           "weight_decay": "XATL: 0.1"})
-    _distill_arguments(xa, Uptrain, "training loss")
-    _training_arguments(xa, Uptrain)
+    _distill_arguments(xa, XatlConfig, "training loss")
+    _training_arguments(xa, XatlConfig)
     xa.set_defaults(func=cmd_xatl, min_lr=None, weight_decay=None)
 
     from .recipes.orderings import TABLES
@@ -451,12 +455,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "(default: %(default)s)")
     od.add_argument("--out", type=Path, help="folder of the table's runs (default: runs/TABLE)")
     od.add_argument("--config", type=Path, help="a recipe file whose settings every row shares; flags win")
-    add_flags(od, Uptrain, SCHEDULE_FLAGS + KL_FLAGS, notes={"lr": "the recipe's", "min_lr": "the recipe's",
+    add_flags(od, UptrainConfig, SCHEDULE_FLAGS + KL_FLAGS, notes={"lr": "the recipe's", "min_lr": "the recipe's",
                                                           "warmup_steps": "the recipe's"})
-    add_flags(od, Uptrain, ("align_steps", "align_lr"), helps={
+    add_flags(od, UptrainConfig, ("align_steps", "align_lr"), helps={
         "align_steps": "rows learning from the teacher: an alignment stage of this many steps first (default 0; the "
                        "lm rows never align)"})
-    _training_arguments(od, Uptrain)
+    _training_arguments(od, UptrainConfig)
     od.set_defaults(func=cmd_orderings)
 
     be = sub.add_parser("bench", parents=[common], help="prefill / decode throughput and memory vs the teacher",

@@ -5,6 +5,7 @@ import torch
 
 import linearize
 from linearize.recipes import uptrain
+from linearize.recipes.supra import SupraConfig
 
 
 def _mixer_output(student, ids):
@@ -46,10 +47,10 @@ def test_decay_is_applied(tiny_model):
                          ids=["supra", "two-step", "t2r"])
 def test_uptraining_lowers_validation_loss(workspace, monkeypatch, tmp_path, variant):
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
-    cfg = uptrain.UptrainConfig(method="supra", teacher=str(workspace / "teacher"), data=str(workspace / "corpus.jsonl"),
-                                out=str(tmp_path / "run"), block_len=32, eval_blocks=8, batch_size=4, steps=30,
-                                lr=3e-3, min_lr=1e-4, warmup_steps=3, eval_steps=10, dtype="float32",
-                                sample_prompt="w5 w6 w7", **variant)
+    cfg = SupraConfig(teacher=str(workspace / "teacher"), data=str(workspace / "corpus.jsonl"),
+                    out=str(tmp_path / "run"), block_len=32, eval_blocks=8, batch_size=4, steps=30,
+                    lr=3e-3, min_lr=1e-4, warmup_steps=3, eval_steps=10, dtype="float32",
+                    sample_prompt="w5 w6 w7", **variant)
     res = uptrain.run(cfg)
     ppl = res["perplexity"]
     assert ppl["student, after training"] < ppl["student, before training"]

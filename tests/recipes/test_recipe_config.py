@@ -9,7 +9,9 @@ import pytest
 import yaml
 
 from linearize.cli import SPEC_FLAGS, main
-from linearize.recipes import lolcats, uptrain
+from linearize.recipes import lolcats
+from linearize.recipes.supra import SupraConfig
+from linearize.recipes.xatl import XatlConfig
 from linearize.recipes.configs import names, packaged
 
 
@@ -69,7 +71,7 @@ def test_a_missing_recipe_names_the_packaged_ones(tmp_path, capsys):
 @pytest.mark.parametrize("name", names())
 def test_packaged_recipes_name_only_real_settings(name):
     recipe = yaml.safe_load(packaged(name).read_text())
-    config = lolcats.LolcatsConfig if name.startswith("lolcats") else uptrain.UptrainConfig
+    config = {"lolcats": lolcats.LolcatsConfig, "supra": SupraConfig, "xatl": XatlConfig}[name.split("_")[0]]
     known = {f.name for f in fields(config)} | set(SPEC_FLAGS) | {"budget"}
     assert set(recipe) <= known, set(recipe) - known
     assert packaged(f"{name}.yaml") == packaged(name)

@@ -11,14 +11,15 @@ import pytest
 from linearize.cli import build_parser
 from linearize.recipes.config import RunConfig, add_flags, setting
 from linearize.recipes.lolcats import LolcatsConfig
+from linearize.recipes.supra import SupraConfig
 from linearize.recipes.uptrain import UptrainConfig
+from linearize.recipes.xatl import XatlConfig
 
 # flags that are not settings of the recipe's config: the command's own, the shared --dtype/--device,
 # and the mixer spec's (which go into ``spec``)
 NOT_SETTINGS = {"help", "dtype", "device", "teacher", "budget", "out", "config", "rows", "variant", "table", "losses",
                 "kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "sparse_cache",
                 "backend"}
-XATL_ONLY = {"arch", "transfer", "hybrid", "freeze", "lit_threshold", "lit_patience", "weight_decay"}
 
 
 def _command(name):
@@ -37,10 +38,10 @@ def _flagged(cls):
 
 
 @pytest.mark.parametrize("command,cls,left_out", [
-    ("lolcats", LolcatsConfig, {"align_steps", "align_lr"}),
-    ("supra", UptrainConfig, XATL_ONLY),
-    ("xatl", UptrainConfig, {"new_weights_first"}),
-    ("orderings", UptrainConfig, XATL_ONLY | {"new_weights_first", "loss"}),
+    ("lolcats", LolcatsConfig, set()),
+    ("supra", SupraConfig, {"weight_decay"}),
+    ("xatl", XatlConfig, set()),
+    ("orderings", UptrainConfig, {"weight_decay", "loss"}),  # its rows vary the recipe's own settings
 ])
 def test_recipe_flags_are_the_config_settings(command, cls, left_out):
     names = {f.name for f in dataclasses.fields(cls)}
@@ -51,12 +52,16 @@ def test_recipe_flags_are_the_config_settings(command, cls, left_out):
 
 def test_shared_settings_are_declared_once():
     shared = {f.name for f in dataclasses.fields(RunConfig)}
-    for cls in (LolcatsConfig, UptrainConfig):
+    for cls in (LolcatsConfig, SupraConfig, XatlConfig):
         assert issubclass(cls, RunConfig) and shared <= {f.name for f in dataclasses.fields(cls)}
+    # SUPRA and XATL are separate recipes: neither carries the other's settings
+    supra, xatl = ({f.name for f in dataclasses.fields(c)} for c in (SupraConfig, XatlConfig))
+    assert "new_weights_first" in supra - xatl and {"arch", "transfer", "freeze"} <= xatl - supra
+    assert (XatlConfig().weight_decay, XatlConfig().min_lr, SupraConfig().min_lr) == (0.1, 3e-5, 1e-5)
     # a redeclared default keeps the shared help
     help_of = {a.dest: a.help for a in _command("lolcats")._actions}
     assert help_of["eval_steps"] == help_of_supra("eval_steps") == "evaluate (and checkpoint) every N steps"
-    assert LolcatsConfig().eval_steps == 50 and UptrainConfig().eval_steps == 100
+    assert LolcatsConfig().eval_steps == 50 and SupraConfig().eval_steps == 100
 
 
 def help_of_supra(dest):

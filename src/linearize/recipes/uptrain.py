@@ -1,29 +1,24 @@
-"""Uptraining: train a converted (SUPRA) or newly built (XATL) student end to end, on the papers'
-next-token loss (``loss: lm``, the default) or from the teacher (``loss: kl`` or ``kl+lm``: a frozen
-copy of the teacher runs beside the student), optionally after an alignment stage (``align_steps``:
-each mixer's output fitted to the teacher's attention output at its layer, teacher-forced, only the
-mixers training; RADLADS / MOHAWK step 1).
+"""Uptraining, what SUPRA and XATL share: train a student end to end, on the papers' next-token loss
+(``loss: lm``, the default) or from the teacher (``loss: kl`` or ``kl+lm``: a frozen copy of the
+teacher runs beside the student), optionally after an alignment stage (``align_steps``: each mixer's
+output fitted to the teacher's attention output at its layer, teacher-forced, only the mixers
+training; RADLADS / MOHAWK step 1). Adam(W) with betas (0.9, 0.95), linear warmup, cosine decay to a
+floor.
 
-SUPRA (Mercat et al., 2024): swap in SUPRA attention, then train all weights — Adam with betas
-(0.9, 0.95), linear warmup, cosine decay to a floor (3e-4 -> 1e-5 for ~1B models). Variants the paper
-ablates: the decay schedule (``spec.decay``), the T2R baseline (``norm: sum, decay: none``) and the
-2-step variant (``new_weights_first``: train only the new weights for that many steps, then all).
-
-XATL (Chen et al., 2024): build an LCI architecture from the teacher's shared weights
-(``linearize.xatl.build_xatl``) and train it, the transferred weights frozen, unfrozen, or LIT
-(frozen until validation stops improving by ``lit_threshold``, then unfrozen) — AdamW betas
-(0.9, 0.95), weight decay 0.1, cosine 3e-4 -> 3e-5.
+The recipes are ``recipes.supra`` (the teacher converted in place) and ``recipes.xatl`` (a new
+architecture built from the teacher's weights): each a config subclass of ``UptrainConfig`` with its
+own settings and its ``build``; ``run`` trains any of them.
 """
 
 from __future__ import annotations
 
 import time
+import typing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 
-from .. import convert
 from ..errors import LinearizeError
 from ..eval import perplexity
 from .common import begin_run, finish
@@ -34,11 +29,12 @@ from .engine import TrainConfig, next_token_loss, train
 
 @dataclass
 class UptrainConfig(RunConfig):
-    """SUPRA's and XATL's settings: ``RunConfig``'s shared ones, the schedule, and each method's own."""
+    """What SUPRA and XATL share: ``RunConfig``'s settings, the schedule and the alignment stage. Each
+    recipe subclasses it (``recipes.supra.SupraConfig``, ``recipes.xatl.XatlConfig``) with its own
+    settings and ``build``: how the student is made from the teacher."""
 
-    method: str = "supra"  # supra | xatl
-    out: str = "runs/supra"
-    spec: dict = field(default_factory=lambda: {"kind": "supra"})
+    method: str = "uptrain"
+    out: str = "runs/uptrain"
     keep_softmax: tuple[int, ...] = ()
     steps: int = setting(1000, "optimizer steps")
     lr: float = setting(3e-4, "peak learning rate")
@@ -52,23 +48,29 @@ class UptrainConfig(RunConfig):
                                       "GPU): the host stops issuing the kernels one by one, which bounds the linear "
                                       "students' eager steps (docs/RESULTS.md); the first step captures, a new batch "
                                       "shape captures again")
-    new_weights_first: int = setting(0, "SUPRA's 2-step variant: train only the new weights (kernel, GroupNorm) "
-                                        "for this many steps first")
-    # XATL
-    arch: str = setting("retnet", "the new token mixer (default: retnet)", choices=("retnet", "striped_mamba"))
-    transfer: tuple[str, ...] | str | None = setting(
-        None, "comma-separated: embeddings, ffn, wo, attention (the kept softmax layers), qkv (RetNet: the "
-              "retention's q/k/v from the teacher's attention); or 'scratch' (default: embeddings,ffn,wo for "
-              "retnet, embeddings,ffn for mamba)")
-    hybrid: str | None = setting(None, "keep softmax attention at these layers: 'xatl' (layers 2 and N/2) or '2,15'")
-    freeze: str = setting("unfrozen", "transferred weights (default: unfrozen)", choices=("frozen", "unfrozen", "lit"))
-    lit_threshold: float = setting(0.01, "LIT: unfreeze when validation improves by less than this (0.01)")
-    lit_patience: int = setting(1, "LIT: evaluations below the threshold before unfreezing (1)")
     # learning from the teacher: an alignment stage first
     align_steps: int = setting(0, "an alignment stage first: this many steps fitting each new mixer's output to the "
                                   "teacher's attention output at its layer (teacher-forced, only the mixers train; "
                                   "RADLADS / MOHAWK). Default 0: none")
     align_lr: float | None = setting(None, "learning rate of the alignment stage (default: --lr)")
+
+    # what a recipe defines
+    converts_in_place: typing.ClassVar[bool] = False  # the student is the teacher converted: distil from a copy
+
+    def check(self) -> None:
+        """The recipe's own settings, checked before the teacher loads."""
+
+    def build(self, teacher):
+        """``(student, new_parameters, transfer_report or None)`` from the loaded teacher."""
+        raise LinearizeError(f"{type(self).__name__} is no recipe; use linearize.recipes.supra or .xatl")
+
+    def callbacks(self) -> list:
+        """Trainer callbacks of the training stage (XATL: LIT)."""
+        return []
+
+    def stage_before(self) -> int:
+        """Steps that train only the new parameters before the training stage (SUPRA's 2-step variant)."""
+        return 0
 
     def train_config(self, output_dir: Path, steps: int, warmup: int, lr: float | None = None,
                      eval_next_token: bool = False) -> TrainConfig:
@@ -95,24 +97,6 @@ BUDGETS = {
 def apply_budget(cfg: UptrainConfig, budget: str | None) -> UptrainConfig:
     budget = budget or ("gpu" if torch.cuda.is_available() else "cpu")
     return replace(cfg, **BUDGETS[budget])
-
-
-def _build(teacher, cfg: UptrainConfig):
-    """The student, its new parameters (for SUPRA's 2-step variant) and the XATL transfer report."""
-    if cfg.method == "supra":
-        before = {id(p) for p in teacher.parameters()}
-        student = convert(teacher, cfg.spec, keep_softmax=list(cfg.keep_softmax) or None, inplace=True)
-        new = [p for p in student.parameters() if id(p) not in before]
-        return student, {"new": new}, None
-    if cfg.method == "xatl":
-        from ..xatl import build_xatl
-
-        hybrid = cfg.hybrid
-        if hybrid and hybrid != "xatl":
-            hybrid = [int(i) for i in str(hybrid).split(",") if i]
-        student, report = build_xatl(teacher, cfg.arch, transfer=cfg.transfer, keep_softmax=hybrid, seed=cfg.seed)
-        return student, {"new": []}, report
-    raise LinearizeError(f"unknown uptraining method {cfg.method!r}; use supra or xatl")
 
 
 def learns_from_lm(loss: str) -> bool:
@@ -163,28 +147,20 @@ def run(cfg: UptrainConfig) -> dict:
     if cfg.cuda_graph and not torch.cuda.is_available():  # before the teacher loads
         raise LinearizeError("--cuda-graph needs a CUDA device")
     check_distillation(cfg)
-    if cfg.method == "xatl":  # a bad transfer map fails now, not after the teacher and its perplexity
-        from ..xatl import ARCHITECTURES, resolve_transfer
-
-        resolve_transfer(cfg.transfer, ARCHITECTURES.get(cfg.arch, cfg.arch), (0,) if cfg.hybrid else ())
+    cfg.check()  # e.g. a bad transfer map fails now, not after the teacher and its perplexity
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
     frozen = None
     if cfg.align_steps or not _learns_from_lm(cfg):
         # SUPRA converts the teacher in place: the frozen teacher is a copy made first (XATL builds a new model)
-        frozen = FrozenTeacher(teacher, copy_model=cfg.method == "supra")
-    student, groups, report = _build(teacher, cfg)
+        frozen = FrozenTeacher(teacher, copy_model=cfg.converts_in_place)
+    student, new_parameters, report = cfg.build(teacher)
     if report is not None:
         results["transfer_report"] = report.summary()
     results["perplexity"]["student, before training"] = perplexity(student, eval_blocks)
     for p in student.parameters():
         p.requires_grad_(True)
 
-    callbacks = []
-    if cfg.method == "xatl":
-        from ..lit import LitCallback
-
-        # the transferred tensors come from the XATL record in the student's config
-        callbacks.append(LitCallback(mode=cfg.freeze, threshold=cfg.lit_threshold, patience=cfg.lit_patience))
+    callbacks = cfg.callbacks()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.time()
@@ -193,12 +169,12 @@ def run(cfg: UptrainConfig) -> dict:
         results["align"] = _align(student, frozen, train_ds, eval_ds, cfg, out)
         steps_done += results["align"]["steps"]
         results["perplexity"]["student, after alignment"] = perplexity(student, eval_blocks)
-    if cfg.new_weights_first:
-        new_ids = {id(p) for p in groups.get("new", [])}
+    if first_steps := cfg.stage_before():
+        new_ids = {id(p) for p in new_parameters}
         for p in student.parameters():
             p.requires_grad_(id(p) in new_ids)
         first = train(student, train_ds, eval_ds, next_token_loss,
-                      cfg.train_config(out / "new-weights", cfg.new_weights_first, min(cfg.warmup_steps, cfg.new_weights_first)),
+                      cfg.train_config(out / "new-weights", first_steps, min(cfg.warmup_steps, first_steps)),
                       stage="new-weights", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
         steps_done += first.state.global_step
         for p in student.parameters():

@@ -1,0 +1,52 @@
+"""XATL (Chen et al., 2024): build an LCI architecture of the teacher's shape from its shared weights
+(``linearize.xatl.build_xatl``: RetNet retention or Mamba in each block, optionally softmax kept at
+some layers) and train it (``recipes.uptrain.run``) with the transferred weights frozen, unfrozen, or
+LIT (frozen until validation stops improving by ``lit_threshold``, then unfrozen) — AdamW betas
+(0.9, 0.95), weight decay 0.1, cosine 3e-4 -> 3e-5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import setting
+from .uptrain import UptrainConfig, run
+
+__all__ = ["XatlConfig", "run"]
+
+
+@dataclass
+class XatlConfig(UptrainConfig):
+    method: str = "xatl"
+    out: str = "runs/xatl"
+    min_lr: float = 3e-5
+    weight_decay: float = 0.1
+    arch: str = setting("retnet", "the new token mixer (default: retnet)", choices=("retnet", "striped_mamba"))
+    transfer: tuple[str, ...] | str | None = setting(
+        None, "comma-separated: embeddings, ffn, wo, attention (the kept softmax layers), qkv (RetNet: the "
+              "retention's q/k/v from the teacher's attention); or 'scratch' (default: embeddings,ffn,wo for "
+              "retnet, embeddings,ffn for mamba)")
+    hybrid: str | None = setting(None, "keep softmax attention at these layers: 'xatl' (layers 2 and N/2) or '2,15'")
+    freeze: str = setting("unfrozen", "transferred weights (default: unfrozen)", choices=("frozen", "unfrozen", "lit"))
+    lit_threshold: float = setting(0.01, "LIT: unfreeze when validation improves by less than this (0.01)")
+    lit_patience: int = setting(1, "LIT: evaluations below the threshold before unfreezing (1)")
+
+    def check(self) -> None:
+        from ..xatl import ARCHITECTURES, resolve_transfer
+
+        resolve_transfer(self.transfer, ARCHITECTURES.get(self.arch, self.arch), (0,) if self.hybrid else ())
+
+    def build(self, teacher):
+        from ..xatl import build_xatl
+
+        hybrid = self.hybrid
+        if hybrid and hybrid != "xatl":
+            hybrid = [int(i) for i in str(hybrid).split(",") if i]
+        student, report = build_xatl(teacher, self.arch, transfer=self.transfer, keep_softmax=hybrid, seed=self.seed)
+        return student, [], report
+
+    def callbacks(self) -> list:
+        from ..lit import LitCallback
+
+        # the transferred tensors come from the XATL record in the student's config
+        return [LitCallback(mode=self.freeze, threshold=self.lit_threshold, patience=self.lit_patience)]
