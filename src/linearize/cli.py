@@ -86,6 +86,10 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
     from .spec import Spec
 
     recipe = read_recipe(getattr(args, "config", None))
+    if "hybrid" in recipe:  # XATL's earlier name for the kept softmax layers (run configs saved before)
+        hybrid = recipe.pop("hybrid")
+        if hybrid and not recipe.get("keep_softmax"):
+            recipe["keep_softmax"] = hybrid
     budget = args.budget or recipe.pop("budget", None)
     spec = {**spec_base, **(recipe.pop("spec", None) or {})}
     spec.update({k: recipe.pop(k) for k in SPEC_FLAGS if k in recipe and k != "keep_softmax"})
@@ -110,8 +114,8 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
                              f"settings: budget, {', '.join(sorted(names - {'method'}))}, and the spec keys")
     flags = {n: getattr(args, n) for n in names - {"teacher", "out", "spec", "keep_softmax", "method"}
              if getattr(args, n, None) is not None}
-    if isinstance(keep, str) and keep.strip().startswith("auto:"):  # chosen by the recipe (lolcats)
-        keep = keep.strip()
+    if isinstance(keep, str) and (keep.strip().startswith("auto:") or keep.strip() == "xatl" and args.command in ("xatl", "orderings")):
+        keep = keep.strip()  # chosen by the recipe: lolcats' auto:K, xatl's layers 2 and N/2
     else:
         keep = tuple(Spec(keep_softmax=keep).keep_softmax) if keep else ()
     return replace(cfg, **{**recipe, **fixed, **flags}, teacher=teacher, spec=spec, keep_softmax=keep)
@@ -433,7 +437,10 @@ def build_parser() -> argparse.ArgumentParser:
     xa.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/xatl)")
     xa.add_argument("--config", type=Path, help="a recipe: a YAML file (or a run's run_config.json, or a packaged "
                     "recipe's name) whose keys are any of this command's settings; flags win")
-    add_flags(xa, XatlConfig, ("arch", "transfer", "hybrid", "freeze", "lit_threshold", "lit_patience") + SCHEDULE_FLAGS
+    xa.add_argument("--keep-softmax", "--hybrid", dest="keep_softmax", metavar="I,J|xatl",
+                    help="keep softmax attention at these layers: 'xatl' (layers 2 and N/2, the paper's hybrid) or "
+                         "indices such as 2,15 (--hybrid is the same flag)")
+    add_flags(xa, XatlConfig, ("arch", "transfer", "freeze", "lit_threshold", "lit_patience") + SCHEDULE_FLAGS
               + ("weight_decay",), notes={"lr": "XATL: 3e-4", "min_lr": "XATL: 3e-5", "warmup_steps": "XATL: 2000",
                                           "weight_decay": "XATL: 0.1"})
     _distill_arguments(xa, XatlConfig, "training loss")

@@ -87,3 +87,22 @@ def test_cuda_graph_flag_reaches_the_trainer_and_needs_cuda(monkeypatch, tmp_pat
     assert main(["supra", "--cuda-graph", "--out", str(tmp_path / "o"), "--budget", "cpu"]) != 0
     err = capsys.readouterr().err
     assert "--cuda-graph needs a CUDA device" in err and len(err.strip().splitlines()) == 1
+
+
+def test_xatl_names_its_softmax_layers_keep_softmax(monkeypatch, tmp_path, capsys):
+    """XATL's kept softmax layers go by the name every recipe uses (--keep-softmax; --hybrid is the same
+    flag), a run config saved under the earlier name still runs, and only XATL takes 'xatl'."""
+    from linearize.recipes import uptrain
+
+    seen = []
+    monkeypatch.setattr(uptrain, "run", lambda cfg: seen.append(cfg) or {})
+    monkeypatch.setattr(uptrain, "summary", lambda results, method: "")
+    old = tmp_path / "run_config.json"
+    old.write_text(json.dumps({"method": "xatl", "arch": "retnet", "keep_softmax": [], "hybrid": "xatl"}))
+    for extra in (["--keep-softmax", "xatl"], ["--hybrid", "2,15"], ["--config", str(old)], []):
+        assert main(["xatl", *extra, "--out", str(tmp_path / "o"), "--budget", "cpu"]) == 0
+    assert [cfg.keep_softmax for cfg in seen] == ["xatl", (2, 15), "xatl", ()]
+    assert all(not hasattr(cfg, "hybrid") for cfg in seen)
+    for cmd in (["supra"], ["lolcats"]):
+        assert main([*cmd, "--keep-softmax", "xatl", "--out", str(tmp_path / "o"), "--budget", "cpu"]) == 2
+        assert "xatl" in capsys.readouterr().err

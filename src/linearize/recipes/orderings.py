@@ -36,7 +36,7 @@ TABLES: dict[str, tuple[str, dict[str, dict]]] = {
         "E": {"transfer": "embeddings"},
         "E+FFN": {"transfer": "embeddings,ffn"},
         "E+FFN+WO": {"transfer": "embeddings,ffn,wo"},
-        "hybrid": {"transfer": "embeddings,ffn,wo,attention", "hybrid": "xatl"},
+        "hybrid": {"transfer": "embeddings,ffn,wo,attention", "keep_softmax": "xatl"},
     }),
     "xatl-table3": ("xatl", {
         "frozen": {"transfer": "embeddings,ffn", "freeze": "frozen"},

@@ -110,7 +110,7 @@ def _learns_from_lm(cfg: UptrainConfig) -> bool:
 
 def check_distillation(cfg: UptrainConfig) -> None:
     """The loss and the alignment settings, checked before the teacher loads."""
-    if isinstance(cfg.keep_softmax, str):
+    if isinstance(cfg.keep_softmax, str) and not (cfg.method == "xatl" and cfg.keep_softmax == "xatl"):
         raise LinearizeError(f"keep_softmax {cfg.keep_softmax} is chosen by LoLCATs' attention transfer (linearize "
                              "lolcats); here give layer indices (e.g. 2,15)")
     if cfg.align_steps < 0:

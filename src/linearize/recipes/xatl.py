@@ -1,6 +1,6 @@
 """XATL (Chen et al., 2024): build an LCI architecture of the teacher's shape from its shared weights
 (``linearize.xatl.build_xatl``: RetNet retention or Mamba in each block, optionally softmax kept at
-some layers) and train it (``recipes.uptrain.run``) with the transferred weights frozen, unfrozen, or
+some layers: ``keep_softmax``, the name every recipe uses; "xatl" is the paper's layers 2 and N/2) and train it (``recipes.uptrain.run``) with the transferred weights frozen, unfrozen, or
 LIT (frozen until validation stops improving by ``lit_threshold``, then unfrozen) — AdamW betas
 (0.9, 0.95), weight decay 0.1, cosine 3e-4 -> 3e-5.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..errors import LinearizeError
 from .config import setting
 from .uptrain import UptrainConfig, run
 
@@ -26,7 +27,7 @@ class XatlConfig(UptrainConfig):
         None, "comma-separated: embeddings, ffn, wo, attention (the kept softmax layers), qkv (RetNet: the "
               "retention's q/k/v from the teacher's attention); or 'scratch' (default: embeddings,ffn,wo for "
               "retnet, embeddings,ffn for mamba)")
-    hybrid: str | None = setting(None, "keep softmax attention at these layers: 'xatl' (layers 2 and N/2) or '2,15'")
+    keep_softmax: tuple[int, ...] | str = ()  # layer indices, or "xatl": layers 2 and N/2 (the paper's hybrid)
     freeze: str = setting("unfrozen", "transferred weights (default: unfrozen)", choices=("frozen", "unfrozen", "lit"))
     lit_threshold: float = setting(0.01, "LIT: unfreeze when validation improves by less than this (0.01)")
     lit_patience: int = setting(1, "LIT: evaluations below the threshold before unfreezing (1)")
@@ -34,15 +35,16 @@ class XatlConfig(UptrainConfig):
     def check(self) -> None:
         from ..xatl import ARCHITECTURES, resolve_transfer
 
-        resolve_transfer(self.transfer, ARCHITECTURES.get(self.arch, self.arch), (0,) if self.hybrid else ())
+        if isinstance(self.keep_softmax, str) and self.keep_softmax != "xatl":
+            raise LinearizeError(f"keep_softmax {self.keep_softmax!r}: give layer indices (e.g. 2,15) or 'xatl' "
+                                 "(layers 2 and N/2)")
+        resolve_transfer(self.transfer, ARCHITECTURES.get(self.arch, self.arch), (0,) if self.keep_softmax else ())
 
     def build(self, teacher):
         from ..xatl import build_xatl
 
-        hybrid = self.hybrid
-        if hybrid and hybrid != "xatl":
-            hybrid = [int(i) for i in str(hybrid).split(",") if i]
-        student, report = build_xatl(teacher, self.arch, transfer=self.transfer, keep_softmax=hybrid, seed=self.seed)
+        keep = self.keep_softmax if self.keep_softmax == "xatl" else (list(self.keep_softmax) or None)
+        student, report = build_xatl(teacher, self.arch, transfer=self.transfer, keep_softmax=keep, seed=self.seed)
         return student, [], report
 
     def callbacks(self) -> list:
