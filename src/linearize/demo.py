@@ -18,16 +18,17 @@ from pathlib import Path
 import torch
 
 import linearize
-from linearize.cache import LinearizeCache, cache_nbytes
+from linearize.cache import LinearizeCache, cache_keyword, cache_nbytes
 from linearize.data import load_blocks
 from linearize.recipes import lolcats
 
 
 def _held_bytes(model, prompt, n, pad_id):
-    cache = LinearizeCache(model) if getattr(model.config, "linearize", None) else None
-    out = model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id,
-                         past_key_values=cache, return_dict_in_generate=True)
-    return cache_nbytes(out.past_key_values)
+    """Bytes of the decoding cache after ``n`` new tokens (generate() fills the cache it is given)."""
+    cache = LinearizeCache(model)
+    model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id,
+                   **{cache_keyword(model): cache})
+    return cache_nbytes(cache)
 
 
 def exactness(block_len: int) -> float:
@@ -58,8 +59,8 @@ def main(argv=None):
 
     model, tok = linearize.load(a.out / "final")
     prompt = tok("It is a truth universally acknowledged, that", return_tensors="pt").input_ids.to(model.device)
-    small, large = (_held_bytes(model, prompt, n, tok.pad_token_id) for n in (64, 256))
-    print(f"[3] {a.out / 'final'} loads without the teacher; decoding cache after 64 / 256 new tokens: "
+    small, large = (_held_bytes(model, prompt, n, tok.pad_token_id) for n in (64, 128))
+    print(f"[3] {a.out / 'final'} loads without the teacher; decoding cache after 64 / 128 new tokens: "
           f"{small:,} / {large:,} bytes")
     print(f"done in {time.time() - start:.0f}s; details in {a.out}/results.json and {a.out}/metrics.jsonl")
 
