@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 import typing
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
