@@ -114,8 +114,10 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
                              f"settings: budget, {', '.join(sorted(names - {'method'}))}, and the spec keys")
     flags = {n: getattr(args, n) for n in names - {"teacher", "out", "spec", "keep_softmax", "method"}
              if getattr(args, n, None) is not None}
-    if isinstance(keep, str) and (keep.strip().startswith("auto:") or keep.strip() == "xatl" and args.command in ("xatl", "orderings")):
-        keep = keep.strip()  # chosen by the recipe: lolcats' auto:K, xatl's layers 2 and N/2
+    named = isinstance(keep, str) and (keep.strip().startswith("auto:")  # chosen by the recipe: lolcats' auto:K,
+                                       or (keep.strip() == "xatl" and args.command in ("xatl", "orderings")))  # XATL's 2, N/2
+    if named:
+        keep = keep.strip()
     else:
         keep = tuple(Spec(keep_softmax=keep).keep_softmax) if keep else ()
     return replace(cfg, **{**recipe, **fixed, **flags}, teacher=teacher, spec=spec, keep_softmax=keep)
@@ -408,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     _training_arguments(lc, lolcats.LolcatsConfig, budgets=("cpu", "gpu", "paper"))
     add_flags(lc, lolcats.LolcatsConfig, ("stage1_lr", "stage1_steps", "stage1_epochs", "layers_per_block", "block_inputs",
                                           "mse_factor", "xent_factor", "stage2_lr", "stage2_steps", "stage2_epochs",
-                                          "lora_r", "lora_alpha"), notes=lolcats.LolcatsConfig.PAPER)
+                                          "lora_r", "lora_alpha"))
     _distill_arguments(lc, lolcats.LolcatsConfig, "stage 2's loss", align=False)
     lc.add_argument("--rows", help="comma-separated comparison rows at the same budget (LoLCATs Table 5): "
                     "lolcats, swap-finetune, stage1-only, no-window; each writes OUT/<row>")
@@ -423,8 +425,7 @@ def build_parser() -> argparse.ArgumentParser:
     su.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/supra)")
     su.add_argument("--variant", choices=["supra", "t2r"], default="supra",
                     help="t2r: the baseline SUPRA improves on (normaliser instead of GroupNorm, no decay)")
-    add_flags(su, SupraConfig, SCHEDULE_FLAGS + ("new_weights_first",),
-              notes={"lr": "SUPRA: 3e-4 for ~1B models", "min_lr": "SUPRA: 1e-5", "warmup_steps": "SUPRA: 1000"})
+    add_flags(su, SupraConfig, SCHEDULE_FLAGS + ("new_weights_first",))
     _distill_arguments(su, SupraConfig, "training loss")
     _training_arguments(su, SupraConfig)
     _spec_arguments(su)
@@ -441,11 +442,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="keep softmax attention at these layers: 'xatl' (layers 2 and N/2, the paper's hybrid) or "
                          "indices such as 2,15 (--hybrid is the same flag)")
     add_flags(xa, XatlConfig, ("arch", "transfer", "freeze", "lit_threshold", "lit_patience") + SCHEDULE_FLAGS
-              + ("weight_decay",), notes={"lr": "XATL: 3e-4", "min_lr": "XATL: 3e-5", "warmup_steps": "XATL: 2000",
-                                          "weight_decay": "XATL: 0.1"})
+              + ("weight_decay",))
     _distill_arguments(xa, XatlConfig, "training loss")
     _training_arguments(xa, XatlConfig)
-    xa.set_defaults(func=cmd_xatl, min_lr=None, weight_decay=None)
+    xa.set_defaults(func=cmd_xatl)
 
     from .recipes.orderings import TABLES
 

@@ -61,6 +61,9 @@ class RunConfig:
                                          "vocabulary)")
     sample_prompt: str = "It is a truth universally acknowledged, that"
 
+    # what the paper used, shown beside a flag's help (setting -> note)
+    PAPER: typing.ClassVar[dict] = {}
+
 
 def _field_metadata(cls, name: str) -> dict:
     """The first declaration of ``name`` along ``cls``'s bases that carries flag metadata."""
@@ -89,8 +92,10 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, na
               helps: dict | None = None) -> None:
     """Add ``--<name>`` for each setting in ``names`` of config class ``cls``, derived from its field:
     a bool is a switch, others take a value of the annotated type; help from the field (``helps``
-    replaces it for this command, ``notes`` appends a parenthesised remark, e.g. the paper's value)."""
+    replaces it for this command), with a parenthesised remark from ``notes`` (default: ``cls.PAPER``,
+    the paper's values)."""
     hints = typing.get_type_hints(cls)
+    notes = cls.PAPER if notes is None else notes
     for name in names:
         meta = _field_metadata(cls, name)
         text = (helps or {}).get(name) or meta["help"]

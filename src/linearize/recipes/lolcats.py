@@ -82,7 +82,6 @@ class LolcatsConfig(RunConfig):
     lora_targets: tuple[str, ...] | None = None  # None: the family's q/k/v/o projections
     merge: bool = True
 
-    # what the paper used, shown beside each flag's help
     PAPER: typing.ClassVar[dict] = {"stage1_lr": "paper: 1e-2", "stage1_epochs": "paper: 2", "mse_factor": "LoLCATs: 1000",
                                     "xent_factor": "LoLCATs: 0", "stage2_lr": "paper: 1e-4", "stage2_epochs": "paper: 2",
                                     "lora_r": "paper: 8", "lora_alpha": "paper: 16"}

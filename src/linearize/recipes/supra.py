@@ -28,6 +28,7 @@ class SupraConfig(UptrainConfig):
                                         "for this many steps first")
 
     converts_in_place: typing.ClassVar[bool] = True
+    PAPER: typing.ClassVar[dict] = {"lr": "SUPRA: 3e-4 for ~1B models", "min_lr": "SUPRA: 1e-5", "warmup_steps": "SUPRA: 1000"}
 
     def build(self, teacher):
         before = {id(p) for p in teacher.parameters()}

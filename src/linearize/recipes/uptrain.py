@@ -58,7 +58,10 @@ class UptrainConfig(RunConfig):
     converts_in_place: typing.ClassVar[bool] = False  # the student is the teacher converted: distil from a copy
 
     def check(self) -> None:
-        """The recipe's own settings, checked before the teacher loads."""
+        """The recipe's own settings, checked before the teacher loads (``check_distillation`` calls it)."""
+        if isinstance(self.keep_softmax, str):
+            raise LinearizeError(f"keep_softmax {self.keep_softmax} is chosen by LoLCATs' attention transfer "
+                                 "(linearize lolcats); here give layer indices (e.g. 2,15)")
 
     def build(self, teacher):
         """``(student, new_parameters, transfer_report or None)`` from the loaded teacher."""
@@ -109,10 +112,8 @@ def _learns_from_lm(cfg: UptrainConfig) -> bool:
 
 
 def check_distillation(cfg: UptrainConfig) -> None:
-    """The loss and the alignment settings, checked before the teacher loads."""
-    if isinstance(cfg.keep_softmax, str) and not (cfg.method == "xatl" and cfg.keep_softmax == "xatl"):
-        raise LinearizeError(f"keep_softmax {cfg.keep_softmax} is chosen by LoLCATs' attention transfer (linearize "
-                             "lolcats); here give layer indices (e.g. 2,15)")
+    """The recipe's settings (``cfg.check``), the loss and the alignment stage, checked before the teacher loads."""
+    cfg.check()
     if cfg.align_steps < 0:
         raise LinearizeError(f"align_steps must be zero or more, got {cfg.align_steps}")
     if not _learns_from_lm(cfg):
@@ -146,8 +147,7 @@ def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) ->
 def run(cfg: UptrainConfig) -> dict:
     if cfg.cuda_graph and not torch.cuda.is_available():  # before the teacher loads
         raise LinearizeError("--cuda-graph needs a CUDA device")
-    check_distillation(cfg)
-    cfg.check()  # e.g. a bad transfer map fails now, not after the teacher and its perplexity
+    check_distillation(cfg)  # e.g. a bad transfer map fails now, not after the teacher and its perplexity
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
     frozen = None
     if cfg.align_steps or not _learns_from_lm(cfg):

@@ -7,6 +7,7 @@ LIT (frozen until validation stops improving by ``lit_threshold``, then unfrozen
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 
 from ..errors import LinearizeError
@@ -31,6 +32,9 @@ class XatlConfig(UptrainConfig):
     freeze: str = setting("unfrozen", "transferred weights (default: unfrozen)", choices=("frozen", "unfrozen", "lit"))
     lit_threshold: float = setting(0.01, "LIT: unfreeze when validation improves by less than this (0.01)")
     lit_patience: int = setting(1, "LIT: evaluations below the threshold before unfreezing (1)")
+
+    PAPER: typing.ClassVar[dict] = {"lr": "XATL: 3e-4", "min_lr": "XATL: 3e-5", "warmup_steps": "XATL: 2000",
+                                    "weight_decay": "XATL: 0.1"}
 
     def check(self) -> None:
         from ..xatl import ARCHITECTURES, resolve_transfer
