@@ -7,7 +7,9 @@
 #   same   LoLCATs, 60 + 60 steps, seed 0: 1 GPU at batch 8 against torchrun on 2 GPUs at batch 4
 #          each (the same global batch): training losses step by step and the held-out perplexities
 #   speed  tokens/s of LoLCATs stage 1 / stage 2 and SUPRA at batch 8 per GPU (STEPS=300 per stage): 1 GPU,
-#          then 2 GPUs; whole-stage and steady (from logged step WARM=50 on) figures
+#          then 2 GPUs; whole-stage and steady (from logged step WARM=50 on) figures; SUPRA_ARGS=--cuda-graph
+#          TAG=-graphed: SUPRA's rows with those flags, recorded under that tag
+#   probe  ms per SUPRA training step in variants (dev/ddp_probe.py): DDP's options, its hooks, a host sync
 #   fsdp   LoLCATs stage 1 under accelerate's FSDP config (linearize.recipes.launch fsdp) and under torchrun
 #          (data-parallel), batch 8 per GPU: tokens/s, perplexity, attention MSE, peak memory of each GPU
 # .gpu/g holds the corpus as one archive: tar -C .gpu/e -cJf .gpu/g/gutenberg.tar.xz gutenberg.
@@ -71,17 +73,17 @@ PY
       lolcats speed-lolcats-1gpu "${one[@]}" -- --batch-size 8 --stage1-steps $S --stage2-steps $S --eval-steps 1000
       lolcats speed-lolcats-2gpu "${two[@]}" -- --batch-size 8 --stage1-steps $S --stage2-steps $S --eval-steps 1000; }
       [ -n "${NO_SUPRA:-}" ] || {
-      timeout 200 "${one[@]}" -m linearize supra --teacher $T --budget gpu --batch-size 8 --steps 20 \
-        --eval-steps 1000 --eval-blocks 4 --seed 0 --out $R/supra-warm 2>&1 | quiet | tail -2  # fla compiles once
+      [ -e $R/supra-warm ] || timeout 200 "${one[@]}" -m linearize supra --teacher $T --budget gpu --batch-size 8 \
+        --steps 20 --eval-steps 1000 --eval-blocks 4 --seed 0 --out $R/supra-warm 2>&1 | quiet | tail -2  # fla compiles once
       for n in 1 2; do
         launcher=("${one[@]}"); [ $n = 2 ] && launcher=("${two[@]}")
-        timeout 300 "${launcher[@]}" -m linearize supra --teacher $T --budget gpu \
-          --batch-size 8 --steps $S --eval-steps 1000 --eval-blocks 16 --seed 0 --out $R/supra-$n 2>&1 | quiet | tail -5
-        cp $R/supra-$n/results.json "$OUT/speed-supra-${n}gpu.json" 2>/dev/null
-        cp $R/supra-$n/metrics.jsonl "$OUT/speed-supra-${n}gpu.metrics.jsonl" 2>/dev/null
+        timeout 300 "${launcher[@]}" -m linearize supra --teacher $T --budget gpu ${SUPRA_ARGS:-} \
+          --batch-size 8 --steps $S --eval-steps 1000 --eval-blocks 16 --seed 0 --out $R/supra${TAG:-}-$n 2>&1 | quiet | tail -5
+        cp $R/supra${TAG:-}-$n/results.json "$OUT/speed-supra${TAG:-}-${n}gpu.json" 2>/dev/null
+        cp $R/supra${TAG:-}-$n/metrics.jsonl "$OUT/speed-supra${TAG:-}-${n}gpu.metrics.jsonl" 2>/dev/null
       done; }
       cp "$OUT"/speed-* /tmp/runs/multi/ 2>/dev/null; cp /tmp/runs/multi/speed-* "$OUT"/ 2>/dev/null  # both halves' records
-      WARM=${WARM:-50} python3 - "$OUT" <<'PY'
+      TAG=${TAG:-} WARM=${WARM:-50} python3 - "$OUT" <<'PY'
 import json, os, sys, pathlib
 out, warm = pathlib.Path(sys.argv[1]), int(os.environ["WARM"])
 def steady(name, stage, tokens_per_step):
@@ -90,9 +92,10 @@ def steady(name, stage, tokens_per_step):
     a = next(r for r in rows if r["step"] >= warm); b = rows[-1]
     return (b["step"] - a["step"]) * tokens_per_step / (b["elapsed_s"] - a["elapsed_s"])
 rows = {}
+tag = os.environ.get("TAG", "")
 for label, stage, whole in (("lolcats stage1", "stage1[0]", ("stage1",)), ("lolcats stage2", "stage2", ("stage2",)),
-                            ("supra", "uptrain", ("train",))):
-    base = "speed-lolcats" if label.startswith("lolcats") else "speed-supra"
+                            ("supra" + tag, "uptrain", ("train",))):
+    base = "speed-lolcats" if label.startswith("lolcats") else "speed-supra" + tag
     rec = {}
     if not (out / f"{base}-2gpu.json").exists():
         continue
@@ -108,7 +111,7 @@ for label, stage, whole in (("lolcats stage1", "stage1[0]", ("stage1",)), ("lolc
     rec["ratio_whole"] = rec["2gpu"]["whole"] / rec["1gpu"]["whole"]
     rec["ratio_steady"] = rec["2gpu"]["steady"] / rec["1gpu"]["steady"] if rec["1gpu"]["steady"] and rec["2gpu"]["steady"] else None
     rows[label] = rec
-(out / "speed.json").write_text(json.dumps(rows, indent=1))
+(out / f"speed{tag}.json").write_text(json.dumps(rows, indent=1))
 for k, v in rows.items():
     print(k, json.dumps(v))
 PY
@@ -122,6 +125,10 @@ PY
 print('$r stage 1:', s.get('steps'), 'steps', round(s.get('tokens_per_second') or 0), 'tok/s, peak GiB per rank', \
 [round(b/2**30, 2) for b in s.get('peak_gpu_bytes_per_rank') or []], 'ppl', d.get('perplexity'), 'mse', \
 sum(d['layer_mse_after'].values())/len(d['layer_mse_after']))" 2>&1; done ;;
+    probe)  # where a data-parallel SUPRA step loses time (dev/ddp_probe.py): one process, then two
+      timeout 200 "${one[@]}" dev/ddp_probe.py $T 2>&1 | grep -v -i warn | tail -3 | tee "$OUT/probe-1gpu.txt"
+      timeout 300 torchrun --standalone --nproc_per_node 2 dev/ddp_probe.py $T ${PROBE_ARGS:-} 2>&1 | grep -v -i warn \
+        | tail -${PROBE_TAIL:-3} | tee "$OUT/probe-2gpu.txt" ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -22,8 +22,8 @@ from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, Traini
 from ..distill import next_token_loss
 from ..errors import LinearizeError
 
-__all__ = ["JsonlLogger", "LossFn", "RecipeTrainer", "TrainConfig", "is_main_process", "next_token_loss", "train",
-           "training_arguments"]
+__all__ = ["JsonlLogger", "LossFn", "RecipeTrainer", "TrainConfig", "average_gradients", "is_main_process",
+           "next_token_loss", "train", "training_arguments"]
 
 LossFn = Callable[[torch.nn.Module, dict], torch.Tensor]
 
@@ -98,6 +98,14 @@ class RecipeTrainer(Trainer):
         self.eval_extra = dict(eval_extra or {})
         self._extra_sums: dict[str, list[float]] = {}
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        # a graphed step's backward runs without DDP's forward (which arms its gradient hooks), so
+        # under several processes the gradients are averaged here, once per optimizer step
+        if self.graphed is not None and self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
+            average_gradients(self.model)
+        return loss
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.graphed is not None and model.training and torch.is_grad_enabled():
             loss = self.graphed(inputs["input_ids"], inputs["labels"])
@@ -124,6 +132,36 @@ class RecipeTrainer(Trainer):
             logs = {**logs, **{f"eval_{name}": s / max(n, 1) for name, (s, n) in self._extra_sums.items()}}
             self._extra_sums = {}
         return super().log(logs, *args, **kwargs)
+
+
+def average_gradients(model: torch.nn.Module, bucket_bytes: int = 1 << 28) -> None:
+    """Average the gradients of ``model``'s trained parameters over the processes of the default group:
+    flattened into buckets of at most ``bucket_bytes`` (one all-reduce each), divided by the world size,
+    copied back. What DDP does during the backward, for steps whose backward DDP does not see
+    (CUDA-graph replays); a trained parameter without a gradient counts as zero on that process."""
+    import torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    world = dist.get_world_size()
+    grads = []
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+    buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+    for g in grads:
+        group = buckets.setdefault((g.dtype, g.device), [[]])
+        if group[-1] and sum(t.numel() * t.element_size() for t in group[-1]) + g.numel() * g.element_size() > bucket_bytes:
+            group.append([])
+        group[-1].append(g)
+    for key in sorted(buckets, key=str):  # the same order on every process
+        for bucket in buckets[key]:
+            flat = _flatten_dense_tensors(bucket)
+            dist.all_reduce(flat)
+            flat.div_(world)
+            for g, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+                g.copy_(averaged)
 
 
 def under_fsdp() -> bool:
@@ -292,8 +330,9 @@ def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArgume
     if loss_fn is not next_token_loss and not getattr(loss_fn, "capturable", False):
         raise LinearizeError(f"--cuda-graph replays losses read off the student's own forward (the next-token loss); "
                              f"{_loss_name(loss_fn)} cannot be captured")
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise LinearizeError("--cuda-graph runs on one GPU (the gradients' all-reduce is not captured)")
+    if under_fsdp():
+        raise LinearizeError("--cuda-graph runs on one GPU or data-parallel (torchrun); FSDP's sharded "
+                             "parameters cannot be captured")
     if cfg.compile:
         raise LinearizeError("choose --cuda-graph or --compile, not both")
     objective = None if loss_fn is next_token_loss else loss_fn

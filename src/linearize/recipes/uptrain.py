@@ -44,10 +44,10 @@ class UptrainConfig(RunConfig):
     compile: bool = setting(False, "train the model through torch.compile (on CUDA: the mixers' many small "
                                    "elementwise kernels fused; the first steps pay the compilation; `python -m "
                                    "linearize.bench.train --compile` measures the gain)")
-    cuda_graph: bool = setting(False, "replay each training step's forward and backward as CUDA graphs (one CUDA "
-                                      "GPU): the host stops issuing the kernels one by one, which bounds the linear "
-                                      "students' eager steps (docs/RESULTS.md); the first step captures, a new batch "
-                                      "shape captures again")
+    cuda_graph: bool = setting(False, "replay each training step's forward and backward as CUDA graphs (CUDA; "
+                                      "data-parallel under torchrun, the gradients averaged after each replay): the host "
+                                      "stops issuing the kernels one by one, which bounds the linear students' eager "
+                                      "steps (docs/RESULTS.md); the first step captures, a new batch shape captures again")
     # learning from the teacher: an alignment stage first
     align_steps: int = setting(0, "an alignment stage first: this many steps fitting each new mixer's output to the "
                                   "teacher's attention output at its layer (teacher-forced, only the mixers train; "
