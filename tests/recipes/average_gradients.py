@@ -68,8 +68,10 @@ def trainer_steps_agree(rank: int, world: int) -> None:
     with tempfile.TemporaryDirectory() as out:
         cfg = TrainConfig(output_dir=out, learning_rate=1e-2, max_steps=3, batch_size=2, eval_steps=100,
                           save_steps=100)
-        RecipeTrainer(model=model, args=training_arguments(cfg, False), train_dataset=data,
-                      loss_fn=next_token_loss, graphed=graphed).train()
+        trainer = RecipeTrainer(model=model, args=training_arguments(cfg, False), train_dataset=data,
+                                loss_fn=next_token_loss, graphed=graphed)
+        trainer.train()
+    assert trainer._hooks_off, "the Trainer did not wrap the model in DDP"
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)

@@ -97,12 +97,18 @@ class RecipeTrainer(Trainer):
         # (the mean over this process's batches)
         self.eval_extra = dict(eval_extra or {})
         self._extra_sums: dict[str, list[float]] = {}
+        self._hooks_off = False  # DDP's gradient hooks taken off (graphed steps under several processes)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        several = self.graphed is not None and self.accelerator.num_processes > 1
+        if several and isinstance(model, torch.nn.parallel.DistributedDataParallel) and not self._hooks_off:
+            # a graphed step never runs DDP's forward, which arms its gradient hooks; the hooks are
+            # taken off before the first capture (their presence breaks the backward's capture), and
+            # the gradients are averaged below, once per optimizer step
+            model._remove_autograd_hooks()
+            self._hooks_off = True
         loss = super().training_step(model, inputs, num_items_in_batch)
-        # a graphed step's backward runs without DDP's forward (which arms its gradient hooks), so
-        # under several processes the gradients are averaged here, once per optimizer step
-        if self.graphed is not None and self.accelerator.num_processes > 1 and self.accelerator.sync_gradients:
+        if several and self.accelerator.sync_gradients:
             average_gradients(self.model)
         return loss
 
