@@ -71,17 +71,26 @@ class GraphedLoss:
         return (tuple(input_ids.shape), tuple(labels.shape), input_ids.device,
                 tuple(p.requires_grad for p in self.model.parameters()))
 
+    def prime(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """Capture for batches of this shape now (the warm-up steps compute gradients without
+        accumulating them: the parameters and their ``.grad`` are left as they were)."""
+        self._capture(input_ids, labels)
+
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        self._capture(input_ids, labels)
+        return self._graphed(input_ids, labels)
+
+    def _capture(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         key = self._signature(input_ids, labels)
         if key != self._key:
             self._graphed = self._key = None  # let the old graphs' memory go first (they sit in a
             gc.collect()                        # reference cycle: the graphed forward refers to its module)
             torch.cuda.synchronize(input_ids.device)
             torch.cuda.empty_cache()
-            with torch.autocast("cuda", enabled=False):  # the capture sets up its own autocast
+            # the capture sets up its own autocast, on the batch's device (not only the current one)
+            with torch.autocast("cuda", enabled=False), torch.cuda.device(input_ids.device):
                 self._graphed = torch.cuda.make_graphed_callables(
                     _NextTokenLoss(self.model, self.dtype, self.objective), (input_ids.clone(), labels.clone()),
                     num_warmup_iters=self.warmup, allow_unused_input=True)
             self._key = key
             self.captures += 1
-        return self._graphed(input_ids, labels)

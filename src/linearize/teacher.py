@@ -174,9 +174,13 @@ def check_supported(config: PretrainedConfig) -> None:
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` -> CUDA when available else CPU; otherwise the given device, which must exist."""
+    """``None`` -> CUDA when available (under torchrun / accelerate launch the process's own GPU,
+    ``LOCAL_RANK``) else CPU; otherwise the given device, which must exist."""
     if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        local = os.environ.get("LOCAL_RANK")
+        return torch.device("cuda", int(local)) if local is not None and local.isdigit() else torch.device("cuda")
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as err:

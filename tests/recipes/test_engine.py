@@ -81,5 +81,6 @@ def test_cuda_graph_refusals(tiny_model, tmp_path, monkeypatch):
     with pytest.raises(LinearizeError, match="not both"):
         engine._graphed_loss(model, next_token_loss, TrainConfig(**{**cfg.__dict__, "compile": True}), args)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(LinearizeError, match="one GPU"):
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(LinearizeError, match="FSDP's sharded parameters cannot be captured"):
         engine._graphed_loss(model, next_token_loss, cfg, args)

@@ -254,6 +254,7 @@ def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
         report_to=[],
         remove_unused_columns=False,
         dataloader_num_workers=0,
+        dataloader_drop_last=cfg.cuda_graph,  # graphed steps keep one batch shape (a short last batch recaptures)
         # every objective reaches each parameter it trains (attention transfer ties the mixers' outputs
         # in with weight 0), so DDP skips the per-step search for unused ones (which the Trainer
         # would otherwise turn on for PEFT models: LoRA stage 2)
@@ -293,7 +294,7 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
         callbacks=all_callbacks,
         loss_fn=loss_fn,
         eval_extra={"next_token": next_token_loss} if cfg.eval_next_token else None,
-        graphed=_graphed_loss(model, loss_fn, cfg, args) if cfg.cuda_graph else None,
+        graphed=_graphed_loss(model, loss_fn, cfg, args, train_dataset) if cfg.cuda_graph else None,
     )
     if resume is True:
         resume = _complete_checkpoint(out)
@@ -326,7 +327,7 @@ def _complete_checkpoint(out: Path) -> str | None:
             shutil.rmtree(p, ignore_errors=True)
     return str(last) if last is not None else None
 
-def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArguments):
+def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArguments, train_dataset=None):
     """The CUDA-graph replay of the training loss (``--cuda-graph``), where it applies: losses read
     off the student's own forward (``distill`` losses marked ``capturable``: the next-token loss)."""
     from ..graphed import GraphedLoss
@@ -342,7 +343,16 @@ def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArgume
     if cfg.compile:
         raise LinearizeError("choose --cuda-graph or --compile, not both")
     objective = None if loss_fn is next_token_loss else loss_fn
-    return GraphedLoss(model, torch.bfloat16 if args.bf16 else None, objective=objective)
+    graphed = GraphedLoss(model, torch.bfloat16 if args.bf16 else None, objective=objective)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and train_dataset is not None:
+        # under several processes the graphs are captured before the Trainer wraps the model in DDP
+        # (a capture inside the wrapped Trainer step fails: cudaErrorStreamCaptureImplicit); the
+        # training batches have this shape (the last short one is dropped), so the steps replay them
+        ids = torch.zeros(cfg.batch_size, len(train_dataset[0]["input_ids"]), dtype=torch.long,
+                          device=next(model.parameters()).device)
+        model.train()
+        graphed.prime(ids, ids.clone())
+    return graphed
 
 
 def _loss_name(loss_fn) -> str:
