@@ -57,11 +57,17 @@ class SameModelTeacher:
 
 
 class FrozenTeacher:
-    """A separate model, frozen, in ``dtype`` (None: bf16 on CUDA, as it is elsewhere)."""
+    """A separate model, frozen, in ``dtype`` (None: bf16 on CUDA, as it is elsewhere).
+
+    ``shard``: under several processes (a recipe launched with accelerate's FSDP config), shard it
+    with FSDP2 at its first call (one unit per decoder layer, over the default process group), so each
+    process holds 1/N of its weights between forwards, as it does of the student's."""
 
     kind = "copy"
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype | None = None, copy_model: bool = True):
+    def __init__(self, model: nn.Module, dtype: torch.dtype | None = None, copy_model: bool = True,
+                 shard: bool = False):
+        self.shard, self.sharded = shard, False
         model = copy.deepcopy(model) if copy_model else model
         device = next(model.parameters()).device
         if dtype is None and device.type == "cuda":
@@ -75,8 +81,32 @@ class FrozenTeacher:
 
     @torch.no_grad()
     def __call__(self, model, input_ids, inputs_of=(), outputs_of=(), attention_of=()) -> TeacherOutputs:
+        if self.shard and not self.sharded:
+            shard_frozen(self.model)  # here, not at construction: the process group exists by now
+            self.sharded = True
         device = next(self.model.parameters()).device
-        return _forward(self.model, input_ids.to(device), inputs_of, outputs_of, attention_of)
+        out = _forward(self.model, input_ids.to(device), inputs_of, outputs_of, attention_of)
+        if self.sharded and hasattr(self.model, "reshard"):
+            self.model.reshard()  # FSDP keeps the root unit gathered after a forward (for a backward)
+        return out
+
+
+def shard_frozen(model: nn.Module) -> None:
+    """Shard ``model`` in place with FSDP2 over the default process group: each decoder layer one unit
+    (gathered for its forward, freed after), the rest (embeddings, head, final norm) the root unit.
+    Every process calls it; a single process (no group, or a group of one) leaves the model whole."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in get_adapter(model.config).layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 
 
 TEACHER_FORMS = ("same", "copy")

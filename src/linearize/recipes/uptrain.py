@@ -24,7 +24,7 @@ from ..eval import perplexity
 from .common import begin_run, finish
 from .config import RunConfig, setting
 from ..distill import FrozenTeacher, build_objective, check_options
-from .engine import TrainConfig, next_token_loss, train
+from .engine import TrainConfig, next_token_loss, train, under_fsdp
 
 
 @dataclass
@@ -152,7 +152,8 @@ def run(cfg: UptrainConfig) -> dict:
     frozen = None
     if cfg.align_steps or not _learns_from_lm(cfg):
         # SUPRA converts the teacher in place: the frozen teacher is a copy made first (XATL builds a new model)
-        frozen = FrozenTeacher(teacher, copy_model=cfg.converts_in_place)
+        # under accelerate's FSDP config the frozen teacher is sharded like the student
+        frozen = FrozenTeacher(teacher, copy_model=cfg.converts_in_place, shard=under_fsdp())
     student, new_parameters, report = cfg.build(teacher)
     if report is not None:
         results["transfer_report"] = report.summary()
