@@ -26,6 +26,7 @@ STUDENTS = [
     ("gpt_neox", {"kind": "supra"}),
     ("gemma2", {"kind": "lolcats", "window": 4, "feature_dim": 8}),  # soft-capping, scaled embeddings
     ("smollm3", {"kind": "supra"}),  # a layer without RoPE
+    ("llama", {"kind": "delta", "window": 4, "chunk_size": 8}),  # the gated delta rule's ring
 ]
 XATL = [("retnet", None), ("mamba", None), ("retnet", "xatl"), ("mamba", "xatl")]
 

@@ -109,6 +109,32 @@ def test_window_hybrid_padding_is_invisible_and_decoding_resumes_anywhere():
         _close(rest, ref[:, :, cut:])
 
 
+@pytest.mark.parametrize("t,window", [(3, 8), (8, 8), (13, 4), (1, 1)])
+def test_ring_step_is_the_step_in_place(t, window):
+    """The fast decoder's ring of w slots gives the shifting window's outputs token after token (GQA,
+    soft-capping, left padding in the prompt, prompts shorter than, equal to and longer than the
+    window), in the same buffers every step, and ends with the same memory."""
+    n = 12
+    xs = [x.detach() for x in _hybrid_inputs(3, 4, 2, t + n, seed=3)]
+    mask = torch.ones(3, t, dtype=torch.bool)
+    mask[1, : t // 2] = False
+    mask[2, :-1] = False  # one real token
+    kw = dict(scale=0.5, softcap=2.0)
+    _, state = ops.delta_window_chunked(*_cut(xs, slice(None, t)), window=window, **kw, key_mask=mask,
+                                        output_final_state=True, chunk_size=4)
+    ring = ops.RingDeltaState.from_state(state.map(torch.clone), window)
+    buffers = [x.data_ptr() for x in ring.tensors()]
+    assert ring.keys.shape[2] == window
+    for i in range(t, t + n):
+        one = _cut(xs, slice(i, i + 1))
+        ref, state = ops.delta_window_step(*one, state, window=window, **kw)
+        out, ring = ops.delta_window_step_ring(*one, ring, **kw)
+        _close(out, ref)
+    assert [x.data_ptr() for x in ring.tensors()] == buffers
+    _close(ring.memory, state.memory)
+    assert torch.equal(ring.written, state.written)
+
+
 def _fake_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **_):
     """fla's contract ([B, T, H, *], as many key heads as query heads, scale applied to q), by our reference."""
     assert q.shape[2] == k.shape[2] and q.is_contiguous() and k.is_contiguous()
@@ -181,6 +207,26 @@ def test_full_window_delta_student_is_the_teacher(tiny_model, family):
     ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
     student = linearize.convert(teacher, {"kind": "delta", "window": 32})
     torch.testing.assert_close(student(ids).logits, teacher(ids).logits, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+def test_fast_decoder_equals_generate(tiny_model, family):
+    """``linearize.fast`` (the delta state in fixed ring buffers, batched, left-padded prompts, the
+    ring wrapping around many times) gives ``generate()``'s greedy tokens."""
+    from linearize.decode import FastDecoder, fast_generate
+
+    student = tiny_student(tiny_model, family, {**SPEC, "window": 3})
+    with torch.no_grad():  # make the gates matter
+        for m in linearize.mixers(student).values():
+            m.mix_proj.bias.fill_(0.0)
+            m.decay_proj.weight.normal_(0, 0.3)
+    ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ref = student.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast_generate(student, ids, mask, max_new_tokens=16, pad_token_id=0), ref)
+    one_by_one = FastDecoder(student, prefill_batch=1)  # the prefill's states joined
+    assert torch.equal(one_by_one.generate(ids, mask, max_new_tokens=16, pad_token_id=0), ref)
 
 
 def test_delta_left_padded_batch_generates_like_single_sequences(tiny_model):

@@ -44,6 +44,10 @@ def test_full_window_hybrid_reproduces_the_teacher(teacher, ids):
 def test_real_student_roundtrip_and_recurrent_decoding(teacher, ids, tmp_path):
     model, tokenizer = teacher
     student = linearize.convert(model, {"kind": "lolcats", "window": 16}, keep_softmax=[0])
+    delta = linearize.convert(model, {"kind": "delta", "window": 16})  # the gated delta rule's ring
+    with torch.no_grad():
+        for mixer in linearize.mixers(delta).values():
+            mixer.mix_proj.bias.fill_(0.0)  # the memory weighs half
     linearize.save(student, tokenizer, tmp_path / "ckpt")
     loaded, loaded_tok = linearize.load(tmp_path / "ckpt", device="cpu")
     assert loaded_tok.vocab_size == tokenizer.vocab_size
@@ -69,12 +73,16 @@ def test_real_supra_decodes_like_its_parallel_form(teacher, ids):
 
 
 def test_real_fast_decoding_equals_generate(teacher, ids):
-    """linearize.fast on the real teacher's LoLCATs student (the ring window wraps twice) and on the
-    teacher itself: the greedy tokens of generate(), also for a left-padded batch."""
+    """linearize.fast on the real teacher's LoLCATs and gated delta-rule students (the ring window
+    wraps twice) and on the teacher itself: the greedy tokens of generate(), also for a left-padded batch."""
     from linearize.fast import fast_generate
 
     model, tokenizer = teacher
     student = linearize.convert(model, {"kind": "lolcats", "window": 16}, keep_softmax=[0])
+    delta = linearize.convert(model, {"kind": "delta", "window": 16})  # the gated delta rule's ring
+    with torch.no_grad():
+        for mixer in linearize.mixers(delta).values():
+            mixer.mix_proj.bias.fill_(0.0)  # the memory weighs half
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     short, long_ = ids[0, 5:17], ids[0, :30]
     batch = torch.full((2, 30), pad, dtype=torch.long)
@@ -82,7 +90,7 @@ def test_real_fast_decoding_equals_generate(teacher, ids):
     batch[0], mask[0] = long_, 1
     batch[1, 18:], mask[1, 18:] = short, 1
     with torch.no_grad():
-        for m in (student, model):
+        for m in (student, delta, model):
             fast = fast_generate(m, batch, mask, max_new_tokens=32, eos_token_id=None, pad_token_id=pad)
             ref = m.generate(batch, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=pad,
                              eos_token_id=None)

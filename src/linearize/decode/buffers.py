@@ -2,7 +2,8 @@
 
 After the prefill (an ordinary ``LinearizeCache``), ``static_cache`` turns each layer's entry into
 a static one: a converted layer's state (the LoLCATs window becomes a ring of exactly ``window``
-slots, ``ops.RingHybridState``, or ``ops.FusedRingState`` where its fused CUDA kernel runs) and a
+slots, ``ops.RingHybridState``, or ``ops.FusedRingState`` where its fused CUDA kernel runs; the delta
+rule's window ``ops.RingDeltaState``) and a
 kept softmax layer's keys and values, preallocated for the prompt plus every new token. Decode
 steps overwrite these buffers in place and advance one shared device ``position``, so a step reads
 nothing back to the host and can be replayed as a CUDA graph.
@@ -89,7 +90,7 @@ def static_cache(model, cache: LinearizeCache, total: int, position: torch.Tenso
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, RecurrentLayer):
             state, layer.state = layer.state, None
-            if isinstance(state, (ops.HybridState, ops.SparseHybridState)):
+            if isinstance(state, (ops.HybridState, ops.SparseHybridState, ops.DeltaWindowState)):
                 state = converted[i].ring_state(state, keep_key_features=keep_key_features)
             else:
                 state = state.contiguous()
@@ -109,7 +110,7 @@ def join_caches(caches: list) -> LinearizeCache:
         parts = [c.layers[i] for c in caches]
         if isinstance(layer, RecurrentLayer):
             states = [p.state for p in parts]
-            if isinstance(layer.state, (ops.HybridState, ops.SparseHybridState)):
+            if isinstance(layer.state, (ops.HybridState, ops.SparseHybridState, ops.DeltaWindowState)):
                 kind = type(layer.state)
                 layer.state = kind(*(torch.cat(xs) for xs in zip(*(s.tensors() for s in states))))
             else:

@@ -49,8 +49,8 @@ def check_supported(model) -> None:
 
     unsupported = sorted(i for i, m in mixers(model).items() if not m.fast_decodable())
     if unsupported:
-        raise LinearizeError(f"fast decoding does not handle the state of layers {unsupported} (a "
-                             "delta-rule window); use model.generate() (linearize generate --decoder generate)")
+        raise LinearizeError(f"fast decoding has no fixed buffers for the state of layers {unsupported}; "
+                             "use model.generate() (linearize generate --decoder generate)")
     if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
         raise LinearizeError(f"fast decoding needs the sdpa or eager attention, not {cfg._attn_implementation!r}")
 

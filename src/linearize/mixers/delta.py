@@ -130,10 +130,17 @@ class GatedDeltaAttention(Mixer):
 
     def step(self, q, k, v, position_embeddings, state):
         q, k, qd, kd, g, beta, lam = self._inputs(q, k, position_embeddings)
+        if isinstance(state, ops.RingDeltaState):  # the fast decoder's fixed-shape, in-place window
+            g_ = self.geometry
+            return ops.delta_window_step_ring(q, k, qd, kd, v, g, beta, lam, state, scale=g_.scaling,
+                                              softcap=g_.softcap)
         return ops.delta_window_step(q, k, qd, kd, v, g, beta, lam, state, **self._kw(), key_mask=self.key_mask)
 
-    def fast_decodable(self) -> bool:
-        return False  # no fixed buffers for this state in linearize.fast yet
+    def ring_state(self, state: ops.DeltaWindowState, keep_key_features: bool = False) -> ops.RingDeltaState:
+        """The fast decoder's fixed-shape state from a prefill's ``state`` (its memory taken over): the
+        window as a ring of ``window`` slots. (``keep_key_features`` is LoLCATs'; the delta keys are
+        always kept: a token's gates and key are written when it leaves.)"""
+        return ops.RingDeltaState.from_state(state, self.spec.window)
 
     def state_bytes(self, dtype):
         g = self.geometry

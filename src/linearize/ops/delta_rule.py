@@ -46,7 +46,7 @@ import torch.nn.functional as F
 
 from .hybrid_attention import (
     HybridState, empty_hybrid_state, hybrid_attention_chunked, hybrid_attention_naive, hybrid_attention_step,
-    hybrid_final_state,
+    _scores, hybrid_final_state, pad_front,
 )
 from .linear_attention import _group, accum_dtype
 
@@ -321,3 +321,62 @@ def delta_window_recurrent(q, k, qd, kd, v, g, beta, lam, *, window, scale, soft
                                      softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl])
         outs.append(o)
     return torch.cat(outs, dim=2), state
+
+
+@dataclass
+class RingDeltaState(DeltaWindowState):
+    """A ``DeltaWindowState`` whose window is a fixed ring of exactly ``w`` slots, updated in place
+    (the fast decoder's buffers; as ``RingHybridState`` for LoLCATs). The window's softmax does not
+    depend on the order of its keys, so a new token overwrites the oldest slot after that token has
+    been written to the memory. Empty slots hold zeros, ``valid = False`` and ``g = b = 0`` (writing
+    one leaves the memory as it is); ``slot`` (0-d long) is the next slot to overwrite."""
+
+    slot: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*super().tensors(), self.slot)
+
+    def map(self, fn) -> "RingDeltaState":
+        return RingDeltaState(*(fn(x) for x in super().tensors()), slot=self.slot.clone())
+
+    @classmethod
+    def from_state(cls, state: DeltaWindowState, window: int) -> "RingDeltaState":
+        """A ring of ``window`` slots holding ``state``'s window, oldest first with the empty slots in
+        front (overwriting slots 0, 1, ... evicts tokens in the order they came). Takes over
+        ``state``'s memory: ``state`` must not be used afterwards."""
+        have = state.keys.shape[2]
+        if have > window:
+            raise ValueError(f"the state holds {have} window tokens, more than the window ({window})")
+        pad = window - have
+        valid = pad_front(state.valid, 1, pad)
+        keep = valid[:, None, :]
+        front = lambda x: (pad_front(x, 2, pad) * (keep[..., None] if x.dim() == 4 else keep)).contiguous()  # noqa: E731
+        slot = torch.zeros((), dtype=torch.long, device=state.keys.device)
+        return cls(front(state.keys), front(state.values), front(state.delta_keys), front(state.gates),
+                   front(state.betas), valid.contiguous(), state.memory.contiguous(), state.written.clone(), slot=slot)
+
+
+def delta_window_step_ring(q, k, qd, kd, v, g, beta, lam, state: RingDeltaState, *, scale: float, softcap=None):
+    """``delta_window_step`` on a ring state, in place and with fixed shapes (every decoded token is
+    real): the token in slot ``state.slot`` is written to the memory (an empty slot changes nothing),
+    the new token takes its place, then the window's softmax and the memory are read and mixed.
+    Returns ``(y [B, H, 1, D], state)``."""
+    acc = state.memory.dtype
+    n_kv = k.shape[1]
+    idx = state.slot.view(1)
+    take = lambda x: x.index_select(2, idx)[:, :, 0]  # noqa: E731
+    state.memory.copy_(_write(state.memory, take(state.delta_keys), take(state.values), take(state.gates),
+                              take(state.betas)))
+    state.written.logical_or_(state.valid.index_select(1, idx)[:, 0])
+    for buf, new in ((state.keys, k), (state.values, v), (state.delta_keys, kd)):
+        buf.index_copy_(2, idx, new.to(buf.dtype))
+    state.gates.index_copy_(2, idx, g.to(acc))
+    state.betas.index_copy_(2, idx, beta.to(acc))
+    state.valid.index_fill_(1, idx, True)
+    state.slot.add_(1).remainder_(state.keys.shape[2])
+    qg = _group(q, n_kv).to(acc)  # [B, Hk, G, 1, D]
+    scores = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap)
+    scores = scores.masked_fill(~state.valid[:, None, None, None, :], torch.finfo(acc).min)
+    o_win = (torch.softmax(scores, dim=-1) @ state.values.to(acc).unsqueeze(2)).flatten(1, 2)
+    y = _combine(o_win, _readout(qd, state.memory), lam.to(acc), state.written[:, None])
+    return y.to(q.dtype), state
