@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 SPECS = [{"kind": "lolcats", "window": 4, "feature_dim": 8}, {"kind": "supra"},
          {"kind": "linear", "feature_map": "hedgehog", "feature_dim": 8},
          {"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [1]},
-         {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3}]  # the cache's ring, captured too
+         {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3},  # the cache's ring, captured too
+         {"kind": "delta", "window": 4, "chunk_size": 8}]  # the delta rule's ring and memory
 
 
 def _models(tiny_model):
