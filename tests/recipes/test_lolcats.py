@@ -273,6 +273,65 @@ def test_auto_softmax_through_the_cli(workspace, monkeypatch, tmp_path, capsys):
     assert "is chosen by LoLCATs' attention transfer" in capsys.readouterr().err
 
 
+def _copy_task(generator, n, t=32, back=10):
+    """Random tokens; the label at each position is the token ``back`` places earlier."""
+    ids = torch.randint(2, 97, (n, t), generator=generator)
+    labels = torch.full_like(ids, -100)
+    labels[:, back:] = ids[:, :-back]
+    return ids, labels
+
+
+def _recall(model, ids, labels):
+    """How often the model's next-token argmax is the labelled token."""
+    with torch.no_grad():
+        pred = model(input_ids=ids).logits[:, :-1].argmax(-1)
+    real = labels[:, 1:] != -100
+    return (pred[real] == labels[:, 1:][real]).float().mean().item()
+
+
+def test_auto_softmax_keeps_the_layer_a_trained_teacher_recalls_with(monkeypatch, tmp_path):
+    """A tiny teacher trained to repeat the token 10 places back, beyond the window of 4: converting one
+    of its layers alone (the one that learnt the look-up) ruins that recall, converting either other one
+    does not. auto:1 keeps that layer softmax, and the student (the other layers linearized and fitted by
+    stage 1) recalls as the teacher does."""
+    import json as _json
+
+    from helpers import tiny_config, tiny_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    opt = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
+    g, test = torch.Generator().manual_seed(0), _copy_task(torch.Generator().manual_seed(9), 64)
+    for _ in range(300):
+        ids, labels = _copy_task(g, 16)
+        teacher(input_ids=ids, labels=labels).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if _recall(teacher, *test) > 0.98:
+            break
+    assert _recall(teacher, *test) > 0.98
+    spec = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 8, "window": 4}
+    alone = {i: _recall(linearize.convert(teacher, spec, keep_softmax=[j for j in range(3) if j != i]), *test)
+             for i in range(3)}  # recall with only layer i converted
+    carrier = min(alone, key=alone.get)
+    assert alone[carrier] < 0.3 and all(r > 0.9 for i, r in alone.items() if i != carrier), alone
+    teacher.save_pretrained(tmp_path / "teacher")
+    tiny_tokenizer().save_pretrained(tmp_path / "teacher")
+    docs = torch.randint(2, 97, (40, 64), generator=torch.Generator().manual_seed(1))
+    (tmp_path / "corpus.jsonl").write_text("".join(_json.dumps({"text": " ".join(f"w{int(i)}" for i in d)}) + "\n"
+                                                   for d in docs))
+    res = lolcats.run(lolcats.LolcatsConfig(
+        teacher=str(tmp_path / "teacher"), data=str(tmp_path / "corpus.jsonl"), out=str(tmp_path / "run"),
+        block_len=32, eval_blocks=4, batch_size=4, eval_steps=10, patience=None, dtype="float32", spec=spec,
+        keep_softmax="auto:1", stages=("stage1",), stage1_steps=10, sample_prompt="w5 w6"))
+    assert res["auto_softmax"]["chosen"] == [carrier], (res["layer_mse_after"], alone)
+    student, _ = linearize.load(tmp_path / "run" / "final", device="cpu")
+    assert sorted(linearize.mixers(student)) == sorted(set(range(3)) - {carrier})
+    assert _recall(student, *test) > 0.9
+
+
 def test_auto_softmax_picks_the_layer_with_sharp_attention(workspace, monkeypatch, tmp_path):
     """A teacher whose layer 1 attends sharply (its q/k scaled up: close to a lookup, what recall needs)
     while layers 0 and 2 attend almost uniformly (q/k scaled down: easy for a linear map): auto:1
