@@ -103,7 +103,6 @@ def gated_delta_rule_chunked(q, k, v, g, beta, *, chunk_size: int = 64, initial_
     c = chunk_size
     n = -(-t // c)
     pad = n * c - t  # padding at the end: g = beta = 0, no effect on anything before it
-    grp = q.shape[1] // n_kv
     chunks = lambda x: F.pad(x.to(acc), (0, 0, 0, pad)).unflatten(-2, (n, c))  # noqa: E731
     qc = chunks(_group(q, n_kv))  # [B, Hk, G, N, C, K]
     kc, vc = chunks(k), chunks(v)  # [B, Hk, N, C, *]

@@ -10,7 +10,7 @@ import torch
 from .. import save
 from ..checkpoint import record_training
 from ..data import BlockDataset, load_blocks
-from .engine import is_main_process
+from .launch import is_main_process
 
 
 def datasets(cfg, tokenizer):

@@ -21,17 +21,12 @@ from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, Traini
 
 from ..distill import next_token_loss
 from ..errors import LinearizeError
+from .launch import is_main_process, under_fsdp
 
 __all__ = ["JsonlLogger", "LossFn", "RecipeTrainer", "TrainConfig", "average_gradients", "is_main_process",
            "next_token_loss", "train", "training_arguments"]
 
 LossFn = Callable[[torch.nn.Module, dict], torch.Tensor]
-
-
-def is_main_process() -> bool:
-    """True in a single-process run and on global rank 0 of a torchrun/accelerate launch: the one
-    process that writes files (two ranks writing one checkpoint would corrupt it)."""
-    return int(os.environ.get("RANK", "0")) == 0
 
 
 @dataclass
@@ -168,11 +163,6 @@ def average_gradients(model: torch.nn.Module, bucket_bytes: int = 1 << 28) -> No
             flat.div_(world)
             for g, averaged in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
                 g.copy_(averaged)
-
-
-def under_fsdp() -> bool:
-    """Launched by ``accelerate launch`` with an FSDP configuration (``recipes/launch/fsdp.yaml``)."""
-    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
 
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .. import convert, mixers
-from ..distill import SameModelTeacher, build_objective, check_options, layer_mse, softmax_view
+from ..distill import SameModelTeacher, build_objective, check_options, layer_mse, next_token_loss, softmax_view
 from ..distill.hooks import StopForward, injecting, layer_input
 from ..distill.probes import fully_sharded
 from ..errors import LinearizeError
@@ -35,7 +35,9 @@ from ..eval import perplexity
 from ..models import get_adapter
 from .common import begin_run, finish
 from .config import RunConfig, setting
-from .engine import TrainConfig, gathered_state, is_main_process, next_token_loss, train, under_fsdp, unsharded
+if typing.TYPE_CHECKING:
+    from .engine import TrainConfig
+from .launch import is_main_process, under_fsdp
 
 __all__ = ["LolcatsConfig", "ablation_config", "layer_mse", "run", "run_stage1", "run_stage2", "summary"]
 
@@ -87,6 +89,8 @@ class LolcatsConfig(RunConfig):
                                     "lora_r": "paper: 8", "lora_alpha": "paper: 16"}
 
     def stage_config(self, stage: str, output_dir: Path) -> TrainConfig:
+        from .engine import TrainConfig
+
         first = stage == "stage1"
         return TrainConfig(
             eval_next_token=not first and not stage2_learns_from_lm(self),
@@ -207,6 +211,8 @@ STAGE1_WEIGHTS = "trained.safetensors"
 def _trained_weights(student) -> dict[str, torch.Tensor]:
     """The parameters that require gradients, whole and on the CPU (gathered when FSDP shards them:
     every rank calls this)."""
+    from .engine import gathered_state
+
     names = {n for n, p in student.named_parameters() if p.requires_grad}
     if fully_sharded(student):
         return {n: t.contiguous() for n, t in gathered_state(student).items() if n in names}
@@ -249,6 +255,8 @@ def _load_trained(student, stage_dir: Path) -> None:
 
 
 def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dict:
+    from .engine import train
+
     converted = sorted(mixers(student))
     k = cfg.layers_per_block or len(converted)
     groups = [converted[i : i + k] for i in range(0, len(converted), k)]
@@ -322,6 +330,7 @@ def _stage2_objective(cfg: LolcatsConfig):
 
 
 def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
+    from .engine import train
     from peft import LoraConfig, get_peft_model
 
     targets = list(cfg.lora_targets or get_adapter(student.config).lora_targets)
@@ -386,6 +395,8 @@ def keep_worst_layers(teacher, trained, scores: dict[int, float], k: int, spec: 
 
 def run(cfg: LolcatsConfig) -> dict:
     """Both stages on ``cfg.teacher``; writes ``out/final`` (a standalone checkpoint) and ``out/results.json``."""
+    from .engine import unsharded
+
     unknown = set(cfg.stages) - {"stage1", "stage2"}
     if unknown or not cfg.stages:
         raise LinearizeError(f"stages must be a non-empty subset of stage1, stage2; got {list(cfg.stages)}")

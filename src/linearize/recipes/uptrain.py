@@ -23,8 +23,10 @@ from ..errors import LinearizeError
 from ..eval import perplexity
 from .common import begin_run, finish
 from .config import RunConfig, setting
-from ..distill import FrozenTeacher, build_objective, check_options
-from .engine import TrainConfig, next_token_loss, train, under_fsdp
+from ..distill import FrozenTeacher, build_objective, check_options, next_token_loss
+if typing.TYPE_CHECKING:
+    from .engine import TrainConfig
+from .launch import under_fsdp
 
 
 @dataclass
@@ -77,6 +79,8 @@ class UptrainConfig(RunConfig):
 
     def train_config(self, output_dir: Path, steps: int, warmup: int, lr: float | None = None,
                      eval_next_token: bool = False) -> TrainConfig:
+        from .engine import TrainConfig
+
         return TrainConfig(
             output_dir=str(output_dir), learning_rate=lr or self.lr, max_steps=steps, batch_size=self.batch_size,
             eval_next_token=eval_next_token,
@@ -131,6 +135,7 @@ def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) ->
     """The alignment stage: only the mixers train, each toward the teacher's attention output at its
     layer on the teacher's hidden states (``mixer_mse``); the rest is restored to trainable after."""
     from ..convert import mixers
+    from .engine import train
 
     trained = {id(p) for m in mixers(student).values() for p in m.parameters()}
     for p in student.parameters():
@@ -145,6 +150,8 @@ def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) ->
 
 
 def run(cfg: UptrainConfig) -> dict:
+    from .engine import train
+
     if cfg.cuda_graph and not torch.cuda.is_available():  # before the teacher loads
         raise LinearizeError("--cuda-graph needs a CUDA device")
     check_distillation(cfg)  # e.g. a bad transfer map fails now, not after the teacher and its perplexity

@@ -8,6 +8,7 @@ times the batch of one, so give one GPU N x the batch (or N x ``--grad-accum``) 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 CONFIGS = {p.stem: p for p in sorted(Path(__file__).parent.glob("*.yaml"))}
@@ -19,3 +20,14 @@ def config_path(name: str) -> Path:
     if name not in CONFIGS:
         raise LinearizeError(f"no launch configuration {name!r}; choose from {', '.join(CONFIGS)}")
     return CONFIGS[name]
+
+
+def is_main_process() -> bool:
+    """True in a single-process run and on global rank 0 of a torchrun/accelerate launch: the one
+    process that writes files (two ranks writing one checkpoint would corrupt it)."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def under_fsdp() -> bool:
+    """Launched by ``accelerate launch`` with an FSDP configuration (``fsdp.yaml`` here)."""
+    return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
