@@ -38,6 +38,27 @@ def test_both_stages_improve_and_checkpoint_stands_alone(workspace, monkeypatch,
     assert out.shape == (1, 8)
 
 
+def test_stage1_trains_what_the_conversion_added(workspace, monkeypatch, tmp_path):
+    """Attention transfer trains every parameter the mixer added and nothing of the teacher's: for the
+    gated delta rule that is its feature maps and its gates (decay, write strength, mix), not only the
+    feature maps LoLCATs has."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    spec = {"kind": "delta", "window": 4, "chunk_size": 8}
+    res = lolcats.run(_config(workspace, tmp_path / "run", spec=spec, stages=("stage1",), stage1_steps=8))
+    assert all(res["layer_mse_after"][i] < res["layer_mse_before"][i] for i in range(3))
+    teacher = AutoModelForCausalLM.from_pretrained(workspace / "teacher")
+    init = linearize.convert(teacher, spec)
+    student, _ = linearize.load(tmp_path / "run" / "final", device="cpu")
+    for i, mixer in linearize.mixers(student).items():
+        before = dict(linearize.mixers(init)[i].named_parameters())
+        new = {n for n, _ in mixer.new_parameters()}
+        assert {"feature_map_q.weight", "decay_proj.weight", "beta_proj.weight", "mix_proj.bias", "A_log"} <= new
+        for name, p in mixer.named_parameters():
+            assert torch.equal(p, before[name]) != (name in new), (i, name)  # trained iff added
+
+
 def test_layer_by_layer_stage1(workspace, monkeypatch, tmp_path):
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
     res = lolcats.run(_config(workspace, tmp_path / "run", stages=("stage1",), layers_per_block=1, stage1_steps=15))

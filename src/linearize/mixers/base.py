@@ -118,13 +118,21 @@ class Mixer(nn.Module):
     def __init__(self, attn: nn.Module, adapter: Adapter, geometry: Geometry, spec: Spec,
                  layer_idx: int, n_layers: int):
         super().__init__()
-        for name, module in adapter.parts(attn).items():
+        parts = adapter.parts(attn)
+        for name, module in parts.items():
             self.add_module(name, module)
+        self.teacher_parts = tuple(parts)  # the teacher's modules this mixer adopted (projections, norms)
         self.adapter, self.geometry, self.spec = adapter, geometry, spec
         self.layer_idx, self.n_layers = layer_idx, n_layers
         self.config = getattr(attn, "config", None)  # kept: some decoder layers read attn.config
         ref = next(attn.parameters())
         self.teacher_device, self.teacher_dtype = ref.device, ref.dtype
+
+    def new_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """``(name, parameter)`` of what the conversion added (feature maps, window weights, gates,
+        decays, norms): every parameter outside the teacher's adopted modules. Attention transfer
+        trains these."""
+        return [(n, p) for n, p in self.named_parameters() if n.split(".", 1)[0] not in self.teacher_parts]
 
     @classmethod
     def covers(cls, geometry: Geometry, spec: Spec) -> bool:

@@ -199,10 +199,9 @@ def _freeze_all_but(student, layers: set[int]) -> None:
     for p in student.parameters():
         p.requires_grad_(False)
     for i, m in mixers(student).items():
-        if i in layers:
-            for name, p in m.named_parameters():
-                if name.startswith(("feature_map", "window_logit")):
-                    p.requires_grad_(True)
+        if i in layers:  # what the conversion added: feature maps, window weights (and a delta rule's gates)
+            for _, p in m.new_parameters():
+                p.requires_grad_(True)
 
 
 STAGE1_WEIGHTS = "trained.safetensors"
