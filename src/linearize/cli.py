@@ -20,7 +20,9 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("mixer spec (each flag overrides the same key of --config)")
     g.add_argument("--kind", choices=KINDS, help="lolcats: softmax over a sliding window + linear attention for "
                    "older tokens (LoLCATs); linear: normalised linear attention; supra: shared ReLU-MLP kernel, "
-                   "RoPE after it, fixed decay, GroupNorm (SUPRA). Default: lolcats")
+                   "RoPE after it, fixed decay, GroupNorm (SUPRA); delta: softmax over a sliding window + a gated "
+                   "delta-rule memory of older tokens (Gated DeltaNet); retnet, striped_mamba: XATL's fresh mixers "
+                   "(see linearize xatl). Default: lolcats")
     g.add_argument("--feature-map", choices=FEATURE_MAPS, help="learned feature map for lolcats/linear "
                    "(default hedgehog; supra always uses its square shared t2r kernel)")
     g.add_argument("--feature-dim", type=int, help="feature size per head; hedgehog outputs twice this (default 64)")
