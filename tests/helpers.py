@@ -80,6 +80,20 @@ def run_triton_interpreter_script(name: str, *args: str) -> None:
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+def run_two_processes(script, *args: str, timeout: int = 300) -> str:
+    """Run ``script [args]`` under ``torch.distributed.run`` as 2 processes (gloo on the CPU); returns
+    their stdout, failing with the end of stderr if either process fails."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), *args], env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=timeout)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
 def tiny_student(tiny_model, family, spec, dtype=None):
     """A tiny ``family`` model converted with ``spec`` (float64 by default), decoding without EOS."""
     import linearize

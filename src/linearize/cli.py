@@ -210,7 +210,7 @@ def cmd_info(args) -> int:
 
 def cmd_lolcats(args) -> int:
     from .recipes import lolcats
-    from .recipes.engine import is_main_process
+    from .recipes.launch import is_main_process
 
     cfg = _recipe_config(args, lolcats.LolcatsConfig, lolcats.apply_budget, "runs/lolcats", lolcats.DEFAULT_SPEC)
     rows = [r.strip() for r in args.rows.split(",") if r.strip()] if args.rows else [None]
@@ -251,7 +251,7 @@ def _distill_arguments(p: argparse.ArgumentParser, cls, what: str, align: bool =
 
 def _uptrain(args, method: str, spec: dict, **fixed) -> int:
     from .recipes import uptrain
-    from .recipes.engine import is_main_process
+    from .recipes.launch import is_main_process
 
     cfg = _uptrain_config(args, method, spec, f"runs/{method}", **fixed)
     results = uptrain.run(cfg)
@@ -277,7 +277,7 @@ def _uptrain_config(args, method: str, spec: dict, default_out: str, **fixed):
 
 def cmd_orderings(args) -> int:
     from .recipes import orderings
-    from .recipes.engine import is_main_process
+    from .recipes.launch import is_main_process
 
     method = orderings.method_of(args.table)
     base = _uptrain_config(args, method, {"kind": "supra"} if method == "supra" else {}, f"runs/{args.table}")

@@ -394,8 +394,6 @@ def keep_worst_layers(teacher, trained, scores: dict[int, float], k: int, spec: 
 
 def run(cfg: LolcatsConfig) -> dict:
     """Both stages on ``cfg.teacher``; writes ``out/final`` (a standalone checkpoint) and ``out/results.json``."""
-    from .engine import unsharded
-
     unknown = set(cfg.stages) - {"stage1", "stage2"}
     if unknown or not cfg.stages:
         raise LinearizeError(f"stages must be a non-empty subset of stage1, stage2; got {list(cfg.stages)}")
@@ -424,6 +422,8 @@ def run(cfg: LolcatsConfig) -> dict:
     if "stage1" in cfg.stages:
         results["layer_mse_before"] = layer_mse(student, eval_blocks)
         results["stage1"] = run_stage1(student, train_ds, eval_ds, cfg, out)
+        from .engine import unsharded
+
         student = unsharded(student)  # under FSDP: a plain model again, for stage 2 to wrap afresh
         results["layer_mse_after"] = layer_mse(student, eval_blocks)
         if auto_k:

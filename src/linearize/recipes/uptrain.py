@@ -150,11 +150,11 @@ def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) ->
 
 
 def run(cfg: UptrainConfig) -> dict:
-    from .engine import train
-
     if cfg.cuda_graph and not torch.cuda.is_available():  # before the teacher loads
         raise LinearizeError("--cuda-graph needs a CUDA device")
     check_distillation(cfg)  # e.g. a bad transfer map fails now, not after the teacher and its perplexity
+    from .engine import train
+
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
     frozen = None
     if cfg.align_steps or not _learns_from_lm(cfg):
