@@ -84,3 +84,33 @@ def test_cuda_graph_refusals(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     with pytest.raises(LinearizeError, match="FSDP's sharded parameters cannot be captured"):
         engine._graphed_loss(model, next_token_loss, cfg, args)
+
+
+def test_graphed_runs_refuse_what_one_capture_cannot_replay(monkeypatch):
+    """Under torchrun the graphs are captured once, before training: XATL's LIT (a new capture when it
+    unfreezes) is refused with one line; one process is not."""
+    from linearize.recipes.xatl import XatlConfig
+
+    cfg = XatlConfig(cuda_graph=True, freeze="lit")
+    cfg.check()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(LinearizeError, match="LIT's unfreezing needs a new capture"):
+        cfg.check()
+    XatlConfig(cuda_graph=True, freeze="unfrozen").check()
+
+
+def test_the_alignment_stage_trains_eagerly_under_cuda_graph(tiny_model, monkeypatch, tmp_path):
+    """--cuda-graph replays the training stage; the alignment stage reads the teacher, so it runs eagerly."""
+    import types
+
+    import linearize
+    from linearize.recipes import engine, uptrain
+    from linearize.recipes.supra import SupraConfig
+
+    seen = []
+    monkeypatch.setattr(engine, "train", lambda model, tr, ev, loss, cfg, **kw: seen.append(cfg) or
+                        types.SimpleNamespace(state=types.SimpleNamespace(global_step=cfg.max_steps)))
+    student = linearize.convert(tiny_model("llama"), {"kind": "supra"})
+    cfg = SupraConfig(cuda_graph=True, align_steps=3)
+    assert uptrain._align(student, None, None, None, cfg, tmp_path)["steps"] == 3
+    assert seen and seen[0].cuda_graph is False and cfg.train_config(tmp_path, 5, 1).cuda_graph is True

@@ -97,9 +97,9 @@ class RecipeTrainer(Trainer):
     def training_step(self, model, inputs, num_items_in_batch=None):
         several = self.graphed is not None and self.accelerator.num_processes > 1
         if several and isinstance(model, torch.nn.parallel.DistributedDataParallel) and not self._hooks_off:
-            # a graphed step never runs DDP's forward, which arms its gradient hooks; the hooks are
-            # taken off before the first capture (their presence breaks the backward's capture), and
-            # the gradients are averaged below, once per optimizer step
+            # a graphed step never runs DDP's forward, which arms its gradient hooks, so they would
+            # only cost time on every parameter; the gradients are averaged below, once per optimizer
+            # step (the graphs were captured before DDP wrapped the model: _graphed_loss)
             model._remove_autograd_hooks()
             self._hooks_off = True
         loss = super().training_step(model, inputs, num_items_in_batch)

@@ -141,9 +141,11 @@ def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) ->
     for p in student.parameters():
         p.requires_grad_(id(p) in trained)
     objective = build_objective("mixer_mse", teacher=frozen)
-    trainer = train(student, train_ds, eval_ds, objective,
-                    cfg.train_config(out / "align", cfg.align_steps, min(cfg.warmup_steps, cfg.align_steps), cfg.align_lr),
-                    stage="align", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
+    # eager even under --cuda-graph: the alignment loss reads the teacher, which a capture cannot
+    stage = replace(cfg.train_config(out / "align", cfg.align_steps, min(cfg.warmup_steps, cfg.align_steps),
+                                     cfg.align_lr), cuda_graph=False)
+    trainer = train(student, train_ds, eval_ds, objective, stage, stage="align", resume=True if cfg.resume else None,
+                    metrics_path=out / "metrics.jsonl")
     for p in student.parameters():
         p.requires_grad_(True)
     return {"steps": trainer.state.global_step, "parameters": sum(p.numel() for p in student.parameters() if id(p) in trained)}

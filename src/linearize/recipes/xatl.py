@@ -7,6 +7,7 @@ LIT (frozen until validation stops improving by ``lit_threshold``, then unfrozen
 
 from __future__ import annotations
 
+import os
 import typing
 from dataclasses import dataclass
 
@@ -43,6 +44,9 @@ class XatlConfig(UptrainConfig):
             raise LinearizeError(f"keep_softmax {self.keep_softmax!r}: give layer indices (e.g. 2,15) or 'xatl' "
                                  "(layers 2 and N/2)")
         resolve_transfer(self.transfer, ARCHITECTURES.get(self.arch, self.arch), (0,) if self.keep_softmax else ())
+        if self.cuda_graph and self.freeze == "lit" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            raise LinearizeError("--cuda-graph under torchrun captures the step once, before training; LIT's "
+                                 "unfreezing needs a new capture: train on one GPU, or leave --cuda-graph out")
 
     def build(self, teacher):
         from ..xatl import build_xatl
