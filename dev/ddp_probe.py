@@ -7,7 +7,8 @@
 Each variant runs in turn, ``--rounds`` times, every step with the recipe's finiteness check (a host
 sync): ``alone`` (no DDP; under torchrun each process trains its own copy, which shows what two busy
 GPUs cost each other), ``*-nogc`` (Python's garbage collector off), ``ddp`` (as the Trainer wraps it) and
-its options (bucket size, gradient_as_bucket_view, static_graph), ``graphed`` (CUDA-graph replays,
+its options (bucket size, gradient_as_bucket_view, static_graph), ``*-normitem`` (the gradient norm
+read back every step, as the Trainer does), ``graphed`` (CUDA-graph replays,
 ``linearize.graphed``; under torchrun with ``recipes.engine.average_gradients`` after each backward).
 Rank 0 prints medians and 90th percentiles of the step times (ms) as one JSON line; ``--profile`` adds
 the top kernels of three ``ddp`` steps.
@@ -75,7 +76,7 @@ def main() -> None:
     batch["labels"] = batch["input_ids"].clone()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, betas=(0.9, 0.95), fused=True)
 
-    def stepper(wrapped=None, finite=False, graphed=None, average=False):
+    def stepper(wrapped=None, finite=False, graphed=None, average=False, norm_item=False):
         def step():
             if graphed is not None:
                 loss = graphed(batch["input_ids"], batch["labels"])
@@ -87,13 +88,16 @@ def main() -> None:
             loss.backward()
             if average:
                 average_gradients(model)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            if norm_item:  # the Trainer reads the gradient norm back every step (a host sync)
+                float(norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
         return step
 
     def variants():
         yield "alone", stepper(model, finite=True)
+        yield "alone-normitem", stepper(model, finite=True, norm_item=True)
         gc.disable()
         yield "alone-nogc", stepper(model, finite=True)
         gc.enable()
@@ -105,6 +109,7 @@ def main() -> None:
                 wrapped = DDP(model, device_ids=[device.index], **kw)
                 yield name, stepper(wrapped, finite=True)
                 if name == "ddp":
+                    yield "ddp-normitem", stepper(wrapped, finite=True, norm_item=True)
                     gc.disable()
                     yield "ddp-nogc", stepper(wrapped, finite=True)
                     gc.enable()
