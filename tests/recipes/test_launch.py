@@ -61,3 +61,37 @@ def test_attention_transfer_under_fsdp_matches_one_process(tmp_path):
                          timeout=300)
     assert one.returncode == 0, one.stderr[-3000:]
     assert "gradients agree" in run_two_processes(script, str(tmp_path))
+
+
+def test_supra_distillation_under_the_fsdp_config_on_two_processes(workspace, tmp_path):
+    """`accelerate launch` with the packaged FSDP config (on the CPU: gloo, no mixed precision): SUPRA with
+    an alignment stage and KL distillation runs end to end on 2 processes, the frozen teacher sharded
+    over both like the student, and the saved student stands alone."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    import linearize
+    from linearize.recipes.launch import config_path
+
+    cfg = yaml.safe_load(config_path("fsdp").read_text())
+    cfg.update(use_cpu=True, mixed_precision="no")
+    (tmp_path / "fsdp_cpu.yaml").write_text(yaml.safe_dump(cfg))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "LINEARIZE_HOME": str(tmp_path / "home")}
+    done = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp_cpu.yaml"),
+         "--num_processes", "2", "-m", "linearize", "supra", "--teacher", str(workspace / "teacher"),
+         "--data", str(workspace / "corpus.jsonl"), "--out", str(tmp_path / "run"), "--budget", "cpu",
+         "--block-len", "32", "--batch-size", "2", "--eval-blocks", "4", "--steps", "4", "--eval-steps", "2",
+         "--dtype", "float32", "--device", "cpu", "--loss", "kl+lm", "--align-steps", "2"],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "sharded over 2 processes" in done.stdout, done.stdout[-2000:]
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert res["teacher_sharded_over"] == 2 and res["train"]["steps"] == 6
+    assert res["train"]["tokens"] == 6 * 2 * 32 * 2  # both processes' batches
+    model, _ = linearize.load(tmp_path / "run" / "final", device="cpu")
+    assert linearize.mixers(model)

@@ -197,6 +197,8 @@ def run(cfg: UptrainConfig) -> dict:
                     stage="uptrain", callbacks=callbacks, resume=True if cfg.resume else None,
                     metrics_path=out / "metrics.jsonl")
     steps_done += trainer.state.global_step
+    if frozen is not None:  # under FSDP each process held 1/N of the teacher
+        results["teacher_sharded_over"] = trainer.args.world_size if frozen.sharded else 1
     seconds = time.time() - start
     tokens = steps_done * cfg.batch_size * cfg.grad_accum * cfg.block_len * trainer.args.world_size
     results["train"] = {"steps": steps_done, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
@@ -211,7 +213,9 @@ def summary(results: dict, label: str) -> str:
     lines = [f"[{label}] held-out perplexity ({results['eval_tokens']:,} tokens)"]
     lines += [f"  {k:<28} {v:10.2f}" for k, v in results["perplexity"].items()]
     if results.get("loss", "lm") != "lm":
-        lines.append(f"  trained on {results['loss']} from a frozen copy of the teacher")
+        shards = results.get("teacher_sharded_over", 1)
+        lines.append(f"  trained on {results['loss']} from a frozen copy of the teacher"
+                     + (f" (sharded over {shards} processes)" if shards > 1 else ""))
     if "align" in results:
         lines.append(f"  alignment stage: {results['align']['steps']} steps ({results['align']['parameters']:,} mixer "
                      "parameters fitted to the teacher's attention outputs)")
