@@ -71,16 +71,13 @@ class GraphedLoss:
         return (tuple(input_ids.shape), tuple(labels.shape), input_ids.device,
                 tuple(p.requires_grad for p in self.model.parameters()))
 
-    def prime(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
-        """Capture for batches of this shape now (the warm-up steps compute gradients without
-        accumulating them: the parameters and their ``.grad`` are left as they were)."""
-        self._capture(input_ids, labels)
-
     def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        self._capture(input_ids, labels)
+        self.prime(input_ids, labels)
         return self._graphed(input_ids, labels)
 
-    def _capture(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+    def prime(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+        """Capture for batches of this shape unless that is done (the warm-up steps compute gradients
+        without accumulating them: the parameters and their ``.grad`` are left as they were)."""
         key = self._signature(input_ids, labels)
         if key != self._key:
             self._graphed = self._key = None  # let the old graphs' memory go first (they sit in a

@@ -21,7 +21,7 @@ from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, Traini
 
 from ..distill import next_token_loss
 from ..errors import LinearizeError
-from .launch import is_main_process, under_fsdp
+from .launch import is_main_process, under_fsdp, world_size
 
 __all__ = ["JsonlLogger", "LossFn", "RecipeTrainer", "TrainConfig", "average_gradients", "is_main_process",
            "next_token_loss", "train", "training_arguments"]
@@ -151,11 +151,15 @@ def average_gradients(model: torch.nn.Module, bucket_bytes: int = 1 << 28) -> No
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
     buckets: dict[tuple, list[list[torch.Tensor]]] = {}
+    filled: dict[tuple, int] = {}  # bytes in each group's last bucket
     for g in grads:
-        group = buckets.setdefault((g.dtype, g.device), [[]])
-        if group[-1] and sum(t.numel() * t.element_size() for t in group[-1]) + g.numel() * g.element_size() > bucket_bytes:
+        key, size = (g.dtype, g.device), g.numel() * g.element_size()
+        group = buckets.setdefault(key, [[]])
+        if group[-1] and filled[key] + size > bucket_bytes:
             group.append([])
+            filled[key] = 0
         group[-1].append(g)
+        filled[key] = filled.get(key, 0) + size
     for key in sorted(buckets, key=str):  # the same order on every process
         for bucket in buckets[key]:
             flat = _flatten_dense_tensors(bucket)
@@ -207,7 +211,7 @@ def _gloo_on_one_host() -> None:
 
 
 def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
-    multi_process_cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    multi_process_cpu = not torch.cuda.is_available() and world_size() > 1
     if multi_process_cpu:
         _gloo_on_one_host()
     bf16 = torch.cuda.is_available() if cfg.bf16 is None else cfg.bf16
@@ -291,7 +295,7 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
     trainer.train(resume_from_checkpoint=resume)  # a NaN/inf loss raises LinearizeError (compute_loss)
     if is_main_process():
         with (out / "train_config.json").open("w") as fh:
-            json.dump({**asdict(cfg), "stage": stage, "world_size": int(os.environ.get("WORLD_SIZE", 1))}, fh, indent=1)
+            json.dump({**asdict(cfg), "stage": stage, "world_size": world_size()}, fh, indent=1)
     return trainer
 
 
@@ -334,7 +338,7 @@ def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArgume
         raise LinearizeError("choose --cuda-graph or --compile, not both")
     objective = None if loss_fn is next_token_loss else loss_fn
     graphed = GraphedLoss(model, torch.bfloat16 if args.bf16 else None, objective=objective)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and train_dataset is not None:
+    if world_size() > 1 and train_dataset is not None:
         # under several processes the graphs are captured before the Trainer wraps the model in DDP
         # (a capture inside the wrapped Trainer step fails: cudaErrorStreamCaptureImplicit); the
         # training batches have this shape (the last short one is dropped), so the steps replay them

@@ -37,7 +37,7 @@ from .common import begin_run, finish
 from .config import RunConfig, setting
 if typing.TYPE_CHECKING:
     from .engine import TrainConfig
-from .launch import is_main_process, under_fsdp
+from .launch import is_main_process, under_fsdp, world_size
 
 __all__ = ["LolcatsConfig", "ablation_config", "layer_mse", "run", "run_stage1", "run_stage2", "summary"]
 
@@ -298,10 +298,8 @@ def _start_clock() -> float:
 def _timed(info: dict, start: float, cfg: LolcatsConfig) -> dict:
     """Add a stage's wall time, training tokens, tokens/s (tokens over every process) and, on CUDA,
     this process's peak allocated memory to ``info``."""
-    import os
-
     seconds = time.time() - start
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     tokens = info["steps"] * cfg.batch_size * cfg.grad_accum * cfg.block_len * world
     info = {**info, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / max(seconds, 1e-9)}
     if torch.cuda.is_available():

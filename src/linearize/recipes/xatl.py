@@ -7,12 +7,12 @@ LIT (frozen until validation stops improving by ``lit_threshold``, then unfrozen
 
 from __future__ import annotations
 
-import os
 import typing
 from dataclasses import dataclass
 
 from ..errors import LinearizeError
 from .config import setting
+from .launch import world_size
 from .uptrain import UptrainConfig, run
 
 __all__ = ["XatlConfig", "run"]
@@ -44,7 +44,7 @@ class XatlConfig(UptrainConfig):
             raise LinearizeError(f"keep_softmax {self.keep_softmax!r}: give layer indices (e.g. 2,15) or 'xatl' "
                                  "(layers 2 and N/2)")
         resolve_transfer(self.transfer, ARCHITECTURES.get(self.arch, self.arch), (0,) if self.keep_softmax else ())
-        if self.cuda_graph and self.freeze == "lit" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        if self.cuda_graph and self.freeze == "lit" and world_size() > 1:
             raise LinearizeError("--cuda-graph under torchrun captures the step once, before training; LIT's "
                                  "unfreezing needs a new capture: train on one GPU, or leave --cuda-graph out")
 

@@ -28,6 +28,11 @@ def is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def world_size() -> int:
+    """How many processes a torchrun/accelerate launch started (1 otherwise)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def under_fsdp() -> bool:
     """Launched by ``accelerate launch`` with an FSDP configuration (``fsdp.yaml`` here)."""
     return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
