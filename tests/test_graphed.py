@@ -50,6 +50,30 @@ def test_a_training_step_never_waits_on_the_device_while_capturing(tiny_model, m
     assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(captured_grads, grads))
 
 
+@pytest.mark.parametrize("top_k", [None, 5])
+def test_a_kl_step_never_waits_on_the_device_while_capturing(tiny_model, monkeypatch, top_k):
+    """The captured part of a distillation step: the student's forward, KL to the teacher's tensors
+    (computed before, outside the capture) and the backward."""
+    base = importlib.import_module("linearize.mixers.base")
+    import transformers.utils.import_utils as hf_import_utils
+
+    from linearize.distill import FrozenTeacher, build_objective
+    from linearize.graphed import _NextTokenLoss
+
+    model = build(tiny_model("llama"), "supra")
+    model.train()
+    objective = build_objective("kl+next_token", {"kl": {"top_k": top_k, "cache": top_k is not None}},
+                                teacher=FrozenTeacher(tiny_model("llama", seed=1)))
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    teacher = objective.teacher_tensors(model, {"input_ids": ids, "labels": ids})
+    monkeypatch.setattr(base, "capturing", lambda: True)
+    monkeypatch.setattr(hf_import_utils, "is_cuda_stream_capturing", lambda: True)
+    with RefuseHostSync():
+        loss = _NextTokenLoss(model, None, objective)(ids, ids, *teacher)
+        loss.backward()
+    assert loss.item() > 0
+
+
 def test_the_sync_guard_catches_a_host_sync():
     x = torch.ones(3)
     with pytest.raises(AssertionError, match="host wait"), RefuseHostSync():

@@ -14,6 +14,11 @@ What capture needs, and how it is met here:
   capturing, and so do the mixers (``mixers.base.key_padding_mask``);
 - autocast without its weight cache, set up inside the captured callable.
 The loss it returns is the graph's output buffer: read it before the next step replays over it.
+
+A distillation objective (``kl``, ``kl+next_token``) is captured too: the teacher's forward stays
+eager (under no_grad, before each replay) and what the loss reads from it (``Objective.teacher_tensors``:
+the teacher's logits, or their top k) enters the graphs as further inputs, copied into their static
+buffers like the batch.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from .mixers.base import unpadded_batches
 
 
 class _NextTokenLoss(nn.Module):
-    """``model``'s mean next-token loss of ``input_ids`` against ``labels``, under autocast to ``dtype``;
-    with ``objective`` (a capturable ``linearize.distill`` objective), that objective read off the
-    same forward's outputs instead."""
+    """``model``'s mean next-token loss of ``input_ids`` against ``labels``, its forward under autocast
+    to ``dtype``; with ``objective`` (a capturable ``linearize.distill`` objective), that objective
+    computed from the same forward's outputs and ``teacher`` (its ``teacher_tensors``) instead, after
+    the autocast as the Trainer's eager step computes it."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None, objective=None):
         super().__init__()
@@ -37,7 +43,7 @@ class _NextTokenLoss(nn.Module):
         self.dtype = dtype
         self.objective = objective
 
-    def forward(self, input_ids, labels):
+    def forward(self, input_ids, labels, *teacher):
         # under accelerate's mixed precision (the Trainer's bf16), model.forward is wrapped in an
         # autocast with the weight cache, which a capture cannot keep: call the forward it wrapped
         forward = getattr(self.model, "_original_forward", None) or self.model
@@ -46,19 +52,20 @@ class _NextTokenLoss(nn.Module):
         with torch.autocast("cuda", dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None,
                             cache_enabled=False), unpadded_batches():
             outputs = forward(input_ids=input_ids, labels=labels, use_cache=False)
-            if self.objective is None:
-                return outputs.loss
-            return self.objective.from_outputs(outputs, {"input_ids": input_ids, "labels": labels})
+        if self.objective is None:
+            return outputs.loss
+        return self.objective.from_outputs(outputs, {"input_ids": input_ids, "labels": labels}, teacher)
 
 
 class GraphedLoss:
-    """``loss = graphed(input_ids, labels); loss.backward()`` as two CUDA graph replays.
+    """``loss = graphed(input_ids, labels, *teacher); loss.backward()`` as two CUDA graph replays.
 
     Gradients land in the parameters' ``.grad`` as after an eager backward (accumulated, or set
     where they are None), so any optimizer and gradient accumulation work unchanged.
     ``dtype``: the autocast dtype (None: no autocast); ``objective``: a capturable
-    ``linearize.distill`` objective (None: the next-token loss). The first call for a shape captures (after
-    ``warmup`` eager steps on a side stream, which also let fla's kernels autotune).
+    ``linearize.distill`` objective (None: the next-token loss); ``teacher``: its ``teacher_tensors``
+    for the batch, computed eagerly before each call (none for the next-token loss). The first call for
+    a shape captures (after ``warmup`` eager steps on a side stream, which also let fla's kernels autotune).
     """
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None = torch.bfloat16, warmup: int = 3, objective=None):
@@ -67,18 +74,19 @@ class GraphedLoss:
         self._key = None
         self._graphed = None
 
-    def _signature(self, input_ids, labels):
+    def _signature(self, input_ids, labels, teacher):
         return (tuple(input_ids.shape), tuple(labels.shape), input_ids.device,
+                tuple((tuple(t.shape), t.dtype, t.device) for t in teacher),
                 tuple(p.requires_grad for p in self.model.parameters()))
 
-    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        self.prime(input_ids, labels)
-        return self._graphed(input_ids, labels)
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor, *teacher: torch.Tensor) -> torch.Tensor:
+        self.prime(input_ids, labels, *teacher)
+        return self._graphed(input_ids, labels, *teacher)
 
-    def prime(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
+    def prime(self, input_ids: torch.Tensor, labels: torch.Tensor, *teacher: torch.Tensor) -> None:
         """Capture for batches of this shape unless that is done (the warm-up steps compute gradients
         without accumulating them: the parameters and their ``.grad`` are left as they were)."""
-        key = self._signature(input_ids, labels)
+        key = self._signature(input_ids, labels, teacher)
         if key != self._key:
             self._graphed = self._key = None  # let the old graphs' memory go first (they sit in a
             gc.collect()                        # reference cycle: the graphed forward refers to its module)
@@ -87,7 +95,8 @@ class GraphedLoss:
             # the capture sets up its own autocast, on the batch's device (not only the current one)
             with torch.autocast("cuda", enabled=False), torch.cuda.device(input_ids.device):
                 self._graphed = torch.cuda.make_graphed_callables(
-                    _NextTokenLoss(self.model, self.dtype, self.objective), (input_ids.clone(), labels.clone()),
+                    _NextTokenLoss(self.model, self.dtype, self.objective),
+                    (input_ids.clone(), labels.clone(), *(t.detach().clone() for t in teacher)),
                     num_warmup_iters=self.warmup, allow_unused_input=True)
             self._key = key
             self.captures += 1

@@ -146,6 +146,8 @@ def test_the_graphed_path_takes_capturable_objectives_and_refuses_others(tiny_mo
     assert nt.capturable
     graphed = engine._graphed_loss(model, nt, cfg, args)
     assert graphed.objective is nt
+    kl = build_objective("kl+next_token", teacher=FrozenTeacher(tiny_model("llama", seed=1)))
+    assert engine._graphed_loss(model, kl, cfg, args).objective is kl  # the teacher's logits enter as inputs
     with pytest.raises(LinearizeError, match="'attention_mse' cannot be captured"):
         engine._graphed_loss(model, build_objective("attention_mse"), cfg, args)
     batch = _batch()

@@ -91,3 +91,37 @@ def test_top_k_cache_runs_the_teacher_once_per_block(tiny_model):
 def test_bad_options_are_one_line(options, match):
     with pytest.raises(LinearizeError, match=match):
         build_objective("kl", {"kl": options})
+
+
+@pytest.mark.parametrize("spec,options,count", [
+    ("kl", {}, 1), ("kl", {"top_k": 5}, 2), ("kl", {"top_k": 5, "cache": True}, 2),
+    ("kl+lm", {"temperature": 2.0}, 1), ("0.5*kl+next_token", {"top_k": 5, "cache": True}, 2),
+])
+def test_the_graphed_form_equals_the_eager_objective(tiny_model, spec, options, count):
+    """What a CUDA graph replays (``from_outputs`` of the student's forward and the teacher's tensors,
+    computed first) gives the eager objective's value and gradients; ``_NextTokenLoss`` (the captured
+    callable) too. The top-k cache still runs the teacher once per block."""
+    from linearize.graphed import _NextTokenLoss
+
+    model = tiny_model("llama", dtype=torch.float64)
+    calls = []
+    teacher = FrozenTeacher(tiny_model("llama", dtype=torch.float64, seed=1))
+    teacher.model.register_forward_hook(lambda *a: calls.append(1))
+    objective = build_objective(spec, {"kl": options}, teacher=teacher)
+    assert objective.capturable
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    params = list(model.parameters())
+
+    eager = objective(model, batch)
+    eager_grads = torch.autograd.grad(eager, params)
+    tensors = objective.teacher_tensors(model, batch)
+    assert len(tensors) == count and not any(t.requires_grad for t in tensors)
+    assert len(calls) == (1 if options.get("cache") else 2)
+    for value in (objective.from_outputs(model(input_ids=ids, labels=ids, use_cache=False), batch, tensors),
+                  _NextTokenLoss(model, None, objective)(ids, ids, *tensors)):
+        assert value.item() == pytest.approx(eager.item(), rel=1e-12)
+        for a, b in zip(torch.autograd.grad(value, params), eager_grads):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)
+    with pytest.raises(LinearizeError, match=f"reads {count} teacher tensors, got {count + 1}"):
+        objective.from_outputs(model(input_ids=ids, labels=ids, use_cache=False), batch, (*tensors, ids))

@@ -127,20 +127,64 @@ def test_graphed_training_steps_equal_eager_ones(tiny_model, name):
     assert graphed.captures == 2
 
 
-def test_the_trainer_with_cuda_graphs_follows_the_eager_trainer(tiny_model, tmp_path):
+@pytest.mark.parametrize("top_k", [None, 8])
+@pytest.mark.parametrize("name", ["supra", "retnet"])
+def test_graphed_kl_steps_equal_eager_ones(tiny_model, name, top_k):
+    """A ``kl`` objective replayed from CUDA graphs: the frozen teacher (another model, bf16) runs eagerly
+    before each replay and its logits, or their top k, enter the graphs as inputs; loss and gradients
+    are the eager step's, three steps in a row with the optimizer between them, from one capture."""
+    from linearize.bench.train import build
+    from linearize.distill import FrozenTeacher, build_objective
+    from linearize.graphed import GraphedLoss
+
+    shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
+    teacher = tiny_model("llama", **shape).cuda()
+    models = [build(teacher, name), build(teacher, name)]
+    models[1].load_state_dict(models[0].state_dict())
+    objective = build_objective("kl", {"kl": {"top_k": top_k}},
+                                teacher=FrozenTeacher(tiny_model("llama", seed=1, **shape).cuda()))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in models]
+    graphed = GraphedLoss(models[1], torch.bfloat16, objective=objective)
+    g = torch.Generator().manual_seed(0)
+    for step in range(3):
+        ids = torch.randint(0, 97, (2, 128), generator=g).cuda()
+        batch = {"input_ids": ids, "labels": ids}
+        with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            eager = objective(models[0], batch)
+        eager.backward()
+        replayed = graphed(ids, ids, *objective.teacher_tensors(models[1], batch))
+        replayed.backward()
+        assert eager.item() > 1e-3  # the teacher is another model: a KL worth comparing
+        assert abs(replayed.item() - eager.item()) <= 2e-2 * abs(eager.item()), (step, replayed.item(), eager.item())
+        for (n, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+            if a.grad is not None:
+                rel = ((a.grad - b.grad).norm() / a.grad.norm().clamp_min(1e-12)).item()
+                assert rel < 5e-2, (step, n, rel)
+        for o in opts:
+            o.step()
+            o.zero_grad(set_to_none=True)
+    assert graphed.captures == 1
+
+
+@pytest.mark.parametrize("loss", ["lm", "kl+next_token"])
+def test_the_trainer_with_cuda_graphs_follows_the_eager_trainer(tiny_model, tmp_path, loss):
     """The engine's --cuda-graph (TrainConfig.cuda_graph): the Trainer's bf16 steps replayed from graphs
-    log the losses of the eager Trainer's steps, with gradient accumulation."""
+    log the losses of the eager Trainer's steps, with gradient accumulation; on the next-token loss and
+    on kl+next_token from a frozen teacher (another model), whose logits are computed eagerly each step."""
     from linearize.data import BlockDataset
+    from linearize.distill import FrozenTeacher, build_objective
     from linearize.recipes.engine import TrainConfig, next_token_loss, train
 
+    shape = {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 256}
     data = BlockDataset(torch.randint(0, 97, (16, 128), generator=torch.Generator().manual_seed(0)))
+    teacher = None if loss == "lm" else FrozenTeacher(tiny_model("llama", seed=1, **shape).cuda())
     losses = {}
     for graphed in (False, True):
-        model = linearize.convert(tiny_model("llama", num_attention_heads=4, num_key_value_heads=2,
-                                             hidden_size=256).cuda(), {"kind": "supra"})
+        model = linearize.convert(tiny_model("llama", **shape).cuda(), {"kind": "supra"})
+        loss_fn = next_token_loss if loss == "lm" else build_objective(loss, teacher=teacher)
         cfg = TrainConfig(output_dir=str(tmp_path / str(graphed)), learning_rate=1e-3, max_steps=4, batch_size=2,
                           grad_accum=2, logging_steps=1, eval_steps=100, cuda_graph=graphed)
-        trainer = train(model, data, None, next_token_loss, cfg, stage="t")
+        trainer = train(model, data, None, loss_fn, cfg, stage="t")
         losses[graphed] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
         assert (trainer.graphed is not None) == graphed
     assert len(losses[True]) == len(losses[False]) == 4

@@ -1,5 +1,7 @@
 """The training engine's guards: a NaN loss, empty data and nothing to train end with one line."""
 
+import re
+
 import pytest
 import torch
 
@@ -66,6 +68,55 @@ def test_cuda_graph_training_goes_through_the_graphed_loss(tiny_model, tmp_path,
     assert any("eval_loss" in h for h in trainer.state.log_history)
 
 
+def test_graphed_distillation_hands_the_teachers_logits_to_the_replay(tiny_model, tmp_path, monkeypatch):
+    """--cuda-graph with kl+next_token, its plumbing on the CPU: each training step computes the teacher's
+    logits eagerly and passes them to the graphed callable after the batch; a stand-in computing the
+    objective from them (what the graphs replay) logs the eager Trainer's losses."""
+    from linearize.distill import FrozenTeacher, build_objective
+    from linearize.recipes import engine
+
+    objective = build_objective("kl+next_token", teacher=FrozenTeacher(tiny_model("llama", seed=1)))
+    seen = []
+
+    def stand_in(model, *args):
+        def replay(input_ids, labels, *teacher):
+            seen.append(teacher)
+            outputs = model(input_ids=input_ids, labels=labels, use_cache=False)
+            return objective.from_outputs(outputs, {"input_ids": input_ids, "labels": labels}, teacher)
+        return replay
+
+    losses = {}
+    for graphed in (False, True):
+        monkeypatch.setattr(engine, "_graphed_loss", stand_in)
+        cfg = TrainConfig(output_dir=str(tmp_path / str(graphed)), learning_rate=1e-3, max_steps=3, batch_size=2,
+                          grad_accum=2, logging_steps=1, cuda_graph=graphed)
+        trainer = train(tiny_model("llama"), _data(), None, objective, cfg, stage="t")
+        losses[graphed] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(seen) == 6 and all(len(t) == 1 and t[0].shape == (2, 16, 97) for t in seen)
+    assert len(losses[True]) == 3 and losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_graphs_captured_before_ddp_get_the_teachers_tensors(tiny_model, tmp_path, monkeypatch):
+    """Under several processes the graphs are captured before training, on a zero batch: a kl objective's
+    capture gets the teacher's logits for that batch, the next-token loss's nothing more."""
+    from linearize.distill import FrozenTeacher, build_objective
+    from linearize.graphed import GraphedLoss
+    from linearize.recipes import engine
+
+    cfg = TrainConfig(output_dir=str(tmp_path), learning_rate=1e-3, max_steps=1, batch_size=3, cuda_graph=True)
+    args = engine.training_arguments(cfg, False)
+    monkeypatch.setattr(engine.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    primed = []
+    monkeypatch.setattr(GraphedLoss, "prime", lambda self, *tensors: primed.append(tensors))
+    kl = build_objective("kl+next_token", {"kl": {"top_k": 4}}, teacher=FrozenTeacher(tiny_model("llama", seed=1)))
+    for loss_fn in (kl, next_token_loss):
+        engine._graphed_loss(tiny_model("llama"), loss_fn, cfg, args, _data())
+    assert [[tuple(t.shape) for t in p] for p in primed] == [[(3, 16), (3, 16), (3, 16, 4), (3, 16, 4)],
+                                                              [(3, 16), (3, 16)]]
+    assert not primed[0][0].any() and primed[0][3].dtype == torch.long
+
+
 def test_cuda_graph_refusals(tiny_model, tmp_path, monkeypatch):
     from linearize.recipes import engine
 
@@ -97,6 +148,23 @@ def test_graphed_runs_refuse_what_one_capture_cannot_replay(monkeypatch):
     with pytest.raises(LinearizeError, match="LIT's unfreezing needs a new capture"):
         cfg.check()
     XatlConfig(cuda_graph=True, freeze="unfrozen").check()
+
+
+def test_cuda_graph_takes_the_capturable_distillation_losses(monkeypatch):
+    """--cuda-graph with --loss kl or kl+lm (full or top-k) is accepted before the teacher loads; a loss
+    with a term that reads more of the teacher than its logits is refused with one line."""
+    from linearize.recipes.supra import SupraConfig
+    from linearize.recipes.uptrain import check_distillation
+    from linearize.recipes.xatl import XatlConfig
+
+    for loss in ("lm", "kl", "kl+lm", "0.5*kl+lm"):
+        check_distillation(SupraConfig(cuda_graph=True, loss=loss))
+        check_distillation(XatlConfig(cuda_graph=True, loss=loss, kl_top_k=8))
+    for loss, term in (("hidden_mse", "hidden_mse"), ("kl+mixer_mse", "mixer_mse")):
+        check_distillation(SupraConfig(loss=loss))  # eager: fine
+        with pytest.raises(LinearizeError, match=re.escape(f"{term} in the loss '{loss}' cannot be captured")) as err:
+            check_distillation(SupraConfig(cuda_graph=True, loss=loss))
+        assert "\n" not in str(err.value)
 
 
 def test_the_alignment_stage_trains_eagerly_under_cuda_graph(tiny_model, monkeypatch, tmp_path):

@@ -7,7 +7,8 @@
 ``hidden_mse``      each layer's (or block's) output hidden states vs the teacher's, teacher-forced
 ``mixer_mse``       each new mixer's output vs the teacher's attention output at its layer,
                     teacher-forced, from a frozen teacher (RADLADS / MOHAWK alignment; SUPRA, XATL)
-``kl``              KL(teacher || student) of the next-token distributions (temperature; full or top-k)
+``kl``              KL(teacher || student) of the next-token distributions (temperature; full or
+                    top-k; capturable: the teacher's logits enter the graph as inputs)
 =================  ===============================================================================
 
 A recipe names its objective as a string (``"kl+next_token"``, ``"0.5*kl+next_token"``) and gives

@@ -29,8 +29,10 @@ ALIASES = {"lm": "next_token"}  # other names a loss answers to in an objective 
 class Loss:
     """One term of a training objective; ``__call__(step) -> scalar tensor``.
 
-    ``capturable``: computed from the student's own forward alone (``from_outputs``), so a CUDA
-    graph can replay it (``linearize.graphed``). ``needs_teacher``: reads ``step.teacher_outputs()``.
+    ``capturable``: computed by ``from_outputs`` from the student's own forward plus the tensors
+    ``teacher_tensors`` takes from the teacher's forward (eagerly, before a replay; the teacher's
+    logits, say), so a CUDA graph can replay it (``linearize.graphed``): those tensors enter the
+    graph as inputs. ``needs_teacher``: reads ``step.teacher_outputs()``.
     """
 
     name: ClassVar[str] = ""
@@ -45,8 +47,17 @@ class Loss:
     def __call__(self, step: "Step") -> torch.Tensor:
         raise NotImplementedError
 
-    def from_outputs(self, outputs, batch: dict) -> torch.Tensor:
-        """The loss from the student's forward outputs (capturable losses only)."""
+    @property
+    def n_teacher_tensors(self) -> int:
+        """How many tensors ``teacher_tensors`` returns (fixed by the options)."""
+        return 0
+
+    def teacher_tensors(self, step: Step) -> tuple[torch.Tensor, ...]:
+        """What ``from_outputs`` reads from the teacher, computed from ``step`` without gradients."""
+        return ()
+
+    def from_outputs(self, outputs, batch: dict, teacher: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """The loss from the student's forward outputs and ``teacher_tensors`` (capturable losses only)."""
         raise NotImplementedError
 
     def teacher_capture(self, model: nn.Module) -> tuple[set[int], set[int]]:
@@ -179,15 +190,38 @@ class Objective:
             total = v if total is None else total + v
         return total
 
-    def __call__(self, model, batch) -> torch.Tensor:
+    def _step(self, model, batch) -> Step:
         if self.needs_teacher and self.teacher is None:
             raise LinearizeError(f"the loss {self!r} needs a teacher; give the objective one")
-        step = Step(model, batch, self.teacher, self._capture(model) if self.needs_teacher else (set(), set(), set()))
+        return Step(model, batch, self.teacher, self._capture(model) if self.needs_teacher else (set(), set(), set()))
+
+    def __call__(self, model, batch) -> torch.Tensor:
+        step = self._step(model, batch)
         return self._sum([(w, t(step)) for w, t in self.terms])
 
-    def from_outputs(self, outputs, batch) -> torch.Tensor:
-        """The objective from the student's forward outputs (when ``capturable``)."""
-        return self._sum([(w, t.from_outputs(outputs, batch)) for w, t in self.terms])
+    @torch.no_grad()
+    def teacher_tensors(self, model, batch) -> tuple[torch.Tensor, ...]:
+        """Every term's ``teacher_tensors`` for ``batch``, one flat tuple in the terms' order (empty
+        when no term reads the teacher): what a CUDA-graph replay of ``from_outputs`` takes as inputs."""
+        step, flat = self._step(model, batch), []
+        for _, t in self.terms:
+            got = tuple(t.teacher_tensors(step))
+            if len(got) != t.n_teacher_tensors:
+                raise LinearizeError(f"the {t.name} loss gave {len(got)} teacher tensors, not its {t.n_teacher_tensors}")
+            flat += got
+        return tuple(flat)
+
+    def from_outputs(self, outputs, batch, teacher: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        """The objective from the student's forward outputs and ``teacher`` (``teacher_tensors``'s
+        flat tuple, split back per term by each one's ``n_teacher_tensors``), when ``capturable``."""
+        need = sum(t.n_teacher_tensors for _, t in self.terms)
+        if len(teacher) != need:
+            raise LinearizeError(f"the loss {self!r} reads {need} teacher tensors, got {len(teacher)}")
+        values, at = [], 0
+        for w, t in self.terms:
+            values.append((w, t.from_outputs(outputs, batch, tuple(teacher[at:at + t.n_teacher_tensors]))))
+            at += t.n_teacher_tensors
+        return self._sum(values)
 
 
 def build_objective(spec, options: dict | None = None, context: dict | None = None, teacher=None) -> Objective:

@@ -36,8 +36,12 @@ def kl_top_k(student: torch.Tensor, values: torch.Tensor, indices: torch.Tensor,
 
 @dataclasses.dataclass
 class KL(Loss):
+    """Capturable: the teacher's logits (or their top k) are computed eagerly, before a CUDA-graph
+    replay, and enter the graph as inputs (``teacher_tensors``)."""
+
     name = "kl"
     needs_teacher = True
+    capturable = True
 
     temperature: float = 1.0
     top_k: int | None = None  # None: the whole vocabulary
@@ -52,6 +56,10 @@ class KL(Loss):
             raise LinearizeError("kl cache keeps the teacher's top-k logits: give top_k too")
         self._cached: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def n_teacher_tensors(self) -> int:
+        return 1 if self.top_k is None else 2
+
     def _teacher_top_k(self, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
         ids = step.batch["input_ids"]
         keys = [row.cpu().numpy().tobytes() for row in ids] if self.cache else None
@@ -65,9 +73,19 @@ class KL(Loss):
                 self._cached[k] = (v.to("cpu", torch.bfloat16 if v.is_cuda else v.dtype), i.to("cpu", torch.int32))
         return values, indices
 
-    def __call__(self, step: Step) -> torch.Tensor:
-        student = step.outputs().logits
+    def teacher_tensors(self, step: Step) -> tuple[torch.Tensor, ...]:
+        """``(logits,)``, or ``(values, indices)`` of the teacher's top k, on the batch's device."""
+        device = step.batch["input_ids"].device
         if self.top_k is None:
-            return kl_from_logits(student, step.teacher_outputs().logits, self.temperature)
-        values, indices = self._teacher_top_k(step)
-        return kl_top_k(student, values.to(student.device), indices.to(student.device), self.temperature)
+            return (step.teacher_outputs().logits.to(device),)
+        return tuple(t.to(device) for t in self._teacher_top_k(step))
+
+    def from_outputs(self, outputs, batch: dict, teacher: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+        if self.top_k is None:
+            (logits,) = teacher
+            return kl_from_logits(outputs.logits, logits, self.temperature)
+        values, indices = teacher
+        return kl_top_k(outputs.logits, values, indices, self.temperature)
+
+    def __call__(self, step: Step) -> torch.Tensor:
+        return self.from_outputs(step.outputs(), step.batch, self.teacher_tensors(step))

@@ -25,5 +25,5 @@ class NextToken(Loss):
     def __call__(self, step) -> torch.Tensor:
         return step.outputs().loss
 
-    def from_outputs(self, outputs, batch) -> torch.Tensor:
+    def from_outputs(self, outputs, batch, teacher=()) -> torch.Tensor:
         return outputs.loss

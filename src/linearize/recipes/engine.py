@@ -81,7 +81,8 @@ class JsonlLogger(TrainerCallback):
 
 class RecipeTrainer(Trainer):
     """A Trainer whose loss comes from the recipe; ``graphed`` (a ``linearize.graphed.GraphedLoss``)
-    computes the training loss, and through it the backward, from CUDA graphs."""
+    computes the training loss, and through it the backward, from CUDA graphs (a distillation
+    objective's teacher runs eagerly first: its ``teacher_tensors`` go into the replay)."""
 
     def __init__(self, *args, loss_fn: LossFn, graphed=None, eval_extra: dict[str, LossFn] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -109,7 +110,7 @@ class RecipeTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.graphed is not None and model.training and torch.is_grad_enabled():
-            loss = self.graphed(inputs["input_ids"], inputs["labels"])
+            loss = self.graphed(inputs["input_ids"], inputs["labels"], *_teacher_tensors(self.loss_fn, model, inputs))
         else:
             loss = self.loss_fn(model, inputs)
         if model.training and not bool(torch.isfinite(loss.detach())):
@@ -321,16 +322,25 @@ def _complete_checkpoint(out: Path) -> str | None:
             shutil.rmtree(p, ignore_errors=True)
     return str(last) if last is not None else None
 
+
+def _teacher_tensors(loss_fn: LossFn, model, batch: dict) -> tuple[torch.Tensor, ...]:
+    """What a graphed ``loss_fn`` reads from the teacher for ``batch``, computed eagerly (none for the
+    next-token loss)."""
+    compute = getattr(loss_fn, "teacher_tensors", None)
+    return compute(model, batch) if compute is not None else ()
+
+
 def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArguments, train_dataset=None):
-    """The CUDA-graph replay of the training loss (``--cuda-graph``), where it applies: losses read
-    off the student's own forward (``distill`` losses marked ``capturable``: the next-token loss)."""
+    """The CUDA-graph replay of the training loss (``--cuda-graph``), where it applies: losses computed
+    from the student's own forward and tensors from the teacher's, computed before the replay
+    (``distill`` losses marked ``capturable``: the next-token loss, kl)."""
     from ..graphed import GraphedLoss
 
     if not torch.cuda.is_available():
         raise LinearizeError("--cuda-graph needs a CUDA device")
     if loss_fn is not next_token_loss and not getattr(loss_fn, "capturable", False):
-        raise LinearizeError(f"--cuda-graph replays losses read off the student's own forward (the next-token loss); "
-                             f"{_loss_name(loss_fn)} cannot be captured")
+        raise LinearizeError(f"--cuda-graph replays losses computed from the student's forward and the teacher's "
+                             f"logits (the next-token loss, kl); {_loss_name(loss_fn)} cannot be captured")
     if under_fsdp():
         raise LinearizeError("--cuda-graph runs on one GPU or data-parallel (torchrun); FSDP's sharded "
                              "parameters cannot be captured")
@@ -341,11 +351,13 @@ def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArgume
     if world_size() > 1 and train_dataset is not None:
         # under several processes the graphs are captured before the Trainer wraps the model in DDP
         # (a capture inside the wrapped Trainer step fails: cudaErrorStreamCaptureImplicit); the
-        # training batches have this shape (the last short one is dropped), so the steps replay them
+        # training batches have this shape (the last short one is dropped), so the steps replay them;
+        # the teacher's tensors for this batch have the shapes the steps' will have
         ids = torch.zeros(cfg.batch_size, len(train_dataset[0]["input_ids"]), dtype=torch.long,
                           device=next(model.parameters()).device)
         model.train()
-        graphed.prime(ids, ids.clone())
+        batch = {"input_ids": ids, "labels": ids.clone()}
+        graphed.prime(batch["input_ids"], batch["labels"], *_teacher_tensors(loss_fn, model, batch))
     return graphed
 
 

@@ -49,7 +49,9 @@ class UptrainConfig(RunConfig):
     cuda_graph: bool = setting(False, "replay each training step's forward and backward as CUDA graphs (CUDA; "
                                       "data-parallel under torchrun, the gradients averaged after each replay): the host "
                                       "stops issuing the kernels one by one, which bounds the linear students' eager "
-                                      "steps (docs/RESULTS.md); the first step captures, a new batch shape captures again")
+                                      "steps (docs/RESULTS.md); the first step captures, a new batch shape captures again. "
+                                      "With --loss kl or kl+lm the teacher's forward runs eagerly before each replay and "
+                                      "its logits enter the graphs; the alignment stage trains eagerly")
     # learning from the teacher: an alignment stage first
     align_steps: int = setting(0, "an alignment stage first: this many steps fitting each new mixer's output to the "
                                   "teacher's attention output at its layer (teacher-forced, only the mixers train; "
@@ -122,9 +124,12 @@ def check_distillation(cfg: UptrainConfig) -> None:
         raise LinearizeError(f"align_steps must be zero or more, got {cfg.align_steps}")
     if not _learns_from_lm(cfg):
         check_options(cfg.loss, _loss_options(cfg))
-        if cfg.cuda_graph:
-            raise LinearizeError(f"--cuda-graph replays the next-token loss alone; the loss {cfg.loss!r} reads the "
-                                 "teacher (leave --cuda-graph out)")
+        terms = build_objective(cfg.loss, _loss_options(cfg)).terms if cfg.cuda_graph else []
+        uncapturable = [t.name for _, t in terms if not t.capturable]
+        if uncapturable:
+            raise LinearizeError(f"--cuda-graph replays losses computed from the student's forward and the teacher's "
+                                 f"logits (lm, kl, kl+lm); {', '.join(uncapturable)} in the loss {cfg.loss!r} cannot "
+                                 "be captured (leave --cuda-graph out)")
 
 
 def _loss_options(cfg: UptrainConfig) -> dict:
@@ -141,7 +146,8 @@ def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) ->
     for p in student.parameters():
         p.requires_grad_(id(p) in trained)
     objective = build_objective("mixer_mse", teacher=frozen)
-    # eager even under --cuda-graph: the alignment loss reads the teacher, which a capture cannot
+    # eager even under --cuda-graph: the alignment loss runs the student's mixers on the teacher's hidden
+    # states, not on the student's own forward (mixer_mse is not capturable)
     stage = replace(cfg.train_config(out / "align", cfg.align_steps, min(cfg.warmup_steps, cfg.align_steps),
                                      cfg.align_lr), cuda_graph=False)
     trainer = train(student, train_ds, eval_ds, objective, stage, stage="align", resume=True if cfg.resume else None,
