@@ -557,7 +557,11 @@ def _clean_config(config: PretrainedConfig) -> PretrainedConfig:
 def _publish(tmp: Path, target: Path, digest: str) -> None:
     """Rename the finished ``tmp`` folder to ``target``, replacing a stale cache there.
 
-    A concurrent process may publish first; its result is as good as ours."""
+    A concurrent process may publish first; its result is as good as ours, and it stays: replacing a
+    complete cache would pull its files from under a process reading them (a tokenizer read without
+    its tokenizer.json maps every word to the unknown token)."""
+    if _cache_matches(target, digest):
+        return  # the caller removes tmp
     if target.exists():
         stale = target.with_name(f".stale-{target.name}-{uuid.uuid4().hex[:8]}")
         try:

@@ -239,6 +239,26 @@ def test_half_written_cache_never_counts(tmp_path, monkeypatch):
     assert list(teacher.cache_dir("teachers").iterdir()) == []
 
 
+def test_a_complete_cache_published_by_another_process_stays(tmp_path):
+    """Two processes dequantising one GGUF at once: the one that finishes second keeps the first one's
+    complete cache (its files may be open in that process: pulling tokenizer.json from under a reader
+    gave it a tokenizer that maps every word to the unknown token) and drops its own copy; a stale
+    cache (another GGUF, an old format) is replaced."""
+    def folder(name: str, digest: str, marker: str) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        _fake_writer([])(Path("unused.gguf"), out, digest)
+        (out / "marker").write_text(marker)
+        return out
+
+    target = folder("target", "abc", "theirs")
+    teacher._publish(folder("ours", "abc", "ours"), target, "abc")
+    assert (target / "marker").read_text() == "theirs"
+    teacher._publish(folder("newer", "abd", "newer"), target, "abd")
+    assert (target / "marker").read_text() == "newer"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours", "target"]  # the caller removes its own copy
+
+
 def test_cache_without_metadata_is_not_trusted(tmp_path):
     folder = tmp_path / "cache"
     folder.mkdir()
