@@ -55,6 +55,12 @@ for part in "$@"; do
     train-compiled)  # the same with each model's forward compiled (host overhead is part of the students' step)
       timeout 500 python3 -m linearize.bench.train --teacher $T --models teacher supra retnet --shapes 16x1024 2x8192 \
         --steps 6 --compile --out $S/train_compiled.json 2>&1 | grep -v Warning | tail -10 ;;
+    train-distill)  # the distillation step (KL + next-token to a frozen teacher run each step), eager and graphed,
+      # beside the teacher's next-token fine-tune (issue #20: distillation at a one-GPU budget)
+      for g in "" --cuda-graph; do
+        timeout 280 python3 -m linearize.bench.train --teacher $T --models teacher ${DISTILL_MODELS:-supra retnet} \
+          --shapes 8x1024 --steps 10 --loss kl+lm $g --out $S/train_distill${g:+-graph}.json 2>&1 | grep -v Warning | tail -6
+      done ;;
     train-graph)  # the same with each step's forward and backward replayed as CUDA graphs (linearize.graphed),
       # beside the eager teacher: the students' eager steps are host-bound (docs/RESULTS.md, training speed)
       # (fla compiles for every model on a fresh machine: 240 s ran out after two of the four models)

@@ -80,6 +80,27 @@ def test_train_bench_cuda_graph_needs_cuda(tiny_model):
         run(tiny_model("llama"), ["teacher"], [(2, 16)], steps=1, warmup=1, cuda_graph=True)
 
 
+def test_train_bench_times_the_distillation_step(tiny_model, monkeypatch):
+    """``--loss kl+lm``: the students train on KL to a frozen copy of the teacher (+ next-token loss),
+    the teacher's row stays its next-token fine-tune (the divisor); a loss that reads more of the
+    teacher than its logits cannot be replayed from CUDA graphs and is refused under --cuda-graph."""
+    from linearize.bench import train as bench
+    from linearize.distill import Objective
+    from linearize.errors import LinearizeError
+
+    teacher = tiny_model("llama")
+    calls = []
+    real = Objective.__call__
+    monkeypatch.setattr(Objective, "__call__", lambda self, m, b: calls.append(repr(self)) or real(self, m, b))
+    rows = bench.run(teacher, ["teacher", "supra"], [(2, 16)], steps=1, warmup=1, loss="kl+lm")
+    assert [r.model for r in rows] == ["teacher", "supra/kl+lm"]
+    assert rows[0].ratio_to_teacher == 1.0 and rows[1].tokens_per_s > 0
+    assert calls == ["kl + next_token"] * 2  # the student's warm-up and timed step; the teacher's row is lm
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(LinearizeError, match="cannot be captured"):
+        bench.run(teacher, ["supra"], [(2, 16)], steps=1, warmup=1, loss="kl+hidden_mse", cuda_graph=True)
+
+
 def test_train_bench_lolcats_stage_rows_train_what_each_stage_trains(tiny_model):
     """``lolcats-stage1``: the feature maps and window weights on the attention-transfer loss;
     ``lolcats-stage2``: LoRA on next-token loss; both timed against the teacher's full fine-tune."""

@@ -189,3 +189,13 @@ def test_the_trainer_with_cuda_graphs_follows_the_eager_trainer(tiny_model, tmp_
         assert (trainer.graphed is not None) == graphed
     assert len(losses[True]) == len(losses[False]) == 4
     assert all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(losses[True], losses[False])), losses
+
+
+def test_train_bench_times_graphed_distillation(tiny_model):
+    """``bench.train --loss kl+lm --cuda-graph``: the teacher's forward eager, the student's step replayed."""
+    from linearize.bench.train import run
+
+    teacher = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256).cuda()
+    rows = run(teacher, ["teacher", "supra"], [(2, 128)], steps=2, warmup=1, loss="kl+lm", cuda_graph=True)
+    assert [r.model for r in rows] == ["teacher+graph", "supra/kl+lm+graph"]
+    assert all(r.tokens_per_s and r.tokens_per_s > 0 for r in rows), rows

@@ -25,6 +25,12 @@ the mixers' elementwise work around fla's kernels.
 ``--cuda-graph`` replays each step's forward and backward as CUDA graphs (``linearize.graphed``;
 rows named ``MODEL+graph``): the host no longer issues the kernels one by one. Every ratio divides
 by the teacher's fastest run at the shape (eager, compiled or graphed).
+
+``--loss kl`` or ``kl+lm`` times the students' distillation step instead (rows named ``MODEL/LOSS``):
+a frozen bf16 copy of the teacher runs forward each step (eagerly, also under ``--cuda-graph``,
+whose replay then takes its logits) and the student trains on KL to it (+ next-token loss), as
+``linearize supra|xatl --loss ...`` does after its alignment stage. The teacher's row stays its
+next-token fine-tune, the divisor of every ratio.
 """
 
 from __future__ import annotations
@@ -155,16 +161,24 @@ def _release(cuda: bool) -> None:
 
 
 def measure(model, name: str, batch: int, length: int, steps: int, warmup: int, cuda_graph: bool = False,
-            loss_fn=None, all_weights: bool = True) -> TrainRow:
+            loss_fn=None, all_weights: bool = True, objective=None) -> TrainRow:
+    """``objective``: a ``linearize.distill`` objective the step trains on (distillation rows);
+    ``loss_fn(model, ids)``: another loss (the LoLCATs stages); neither: the next-token loss."""
     if cuda_graph and not all_weights:
         return TrainRow(name, batch, length, None, None, None, note="not graphed: a LoLCATs stage row")
     optimizer, ids, cuda = prepare(model, batch, length, all_weights)
     device = ids.device
     graphed = None
+    if objective is not None:
+        batch_of = lambda a, b: {"input_ids": a, "labels": b}
+        loss_fn = lambda m, x: objective(m, batch_of(x, x))
     if cuda_graph:
         from ..graphed import GraphedLoss
 
-        graphed = GraphedLoss(model, torch.bfloat16)
+        graphed = GraphedLoss(model, torch.bfloat16, objective=objective)
+        if objective is not None:  # the teacher runs eagerly before each replay; its logits go in
+            replay = graphed
+            graphed = lambda a, b: replay(a, b, *objective.teacher_tensors(model, batch_of(a, b)))
     try:
         if cuda_graph:  # the capture (first step) allocates what every replay uses: count it
             torch.cuda.reset_peak_memory_stats(device)
@@ -205,16 +219,25 @@ def parse_shape(text: str) -> tuple[int, int]:
 
 
 def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str = "auto",
-        compile: str | None = None, report=None, cuda_graph: bool = False) -> list[TrainRow]:
+        compile: str | None = None, report=None, cuda_graph: bool = False, loss: str = "lm") -> list[TrainRow]:
     """``compile``: a ``torch.compile`` backend ("inductor" on the GPU) to compile each model's forward.
     ``cuda_graph``: replay each step's forward and backward as CUDA graphs (``linearize.graphed``).
+    ``loss``: what the students (not the teacher, not the LoLCATs stages) train on: ``lm``, or a
+    distillation objective such as ``kl`` / ``kl+lm`` against a frozen copy of the teacher.
     ``report``: called with the rows so far after each one (a run cut short by a timeout keeps them)."""
+    from ..distill import FrozenTeacher, build_objective, parse_objective
+
     if cuda_graph and not torch.cuda.is_available():
         raise LinearizeError("--cuda-graph needs a CUDA device")
+    distil = [n for _, n in parse_objective(loss)] != ["next_token"]
+    objective = build_objective(loss, teacher=FrozenTeacher(teacher)) if distil else None
+    if objective is not None and cuda_graph and not objective.capturable:
+        raise LinearizeError(f"--cuda-graph replays the next-token loss and kl; the loss {loss!r} cannot be captured")
     rows = []
     for name in models:
         model, loss_fn = stage_setup(build(teacher, name, backend), name)
-        label = name
+        student_objective = objective if name != "teacher" and name not in STAGES else None
+        label = name if student_objective is None else f"{name}/{loss}"
         if compile:
             model.forward = torch.compile(model.forward, backend=compile)
             label = f"{name}+compile"
@@ -222,7 +245,7 @@ def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str 
             label = f"{label}+graph"
         for b, t in shapes:
             row = measure(model, label, b, t, steps, warmup, cuda_graph=cuda_graph, loss_fn=loss_fn,
-                          all_weights=name not in STAGES)
+                          all_weights=name not in STAGES, objective=student_objective)
             rows.append(row)
             print(json.dumps(asdict(row)), flush=True)
             if report is not None:
@@ -273,6 +296,9 @@ def main(argv=None) -> int:
     p.add_argument("--compile", action="store_true", help="compile each model's forward with torch.compile")
     p.add_argument("--cuda-graph", action="store_true",
                    help="replay each step's forward and backward as CUDA graphs (no host work per kernel)")
+    p.add_argument("--loss", default="lm",
+                   help="what the students train on: lm (next-token), or kl / kl+lm against a frozen copy of the "
+                        "teacher run each step, as the recipes' distillation does (default: %(default)s)")
     p.add_argument("--device", default=None, help="default: cuda when available")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
@@ -289,7 +315,7 @@ def main(argv=None) -> int:
 
         rows = run(teacher, args.models, shapes, args.steps, args.warmup, args.backend,
                    compile="inductor" if args.compile else None, report=save if args.out else None,
-                   cuda_graph=args.cuda_graph)
+                   cuda_graph=args.cuda_graph, loss=args.loss)
     except LinearizeError as e:
         p.exit(2, f"linearize: error: {e}\n")
     print(table(rows))
