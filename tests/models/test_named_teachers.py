@@ -35,11 +35,11 @@ EXPECTED = {
     "gemma-3-270m": dict(model_type="gemma3_text", layers=18, hidden=640, vocab=262144, heads=4, kv_heads=1,
                          head_dim=256, scaling=256 ** -0.5, sliding_window=512, global_layers=[5, 11, 17],
                          rope={"sliding_attention": 10_000.0, "full_attention": 1_000_000.0},
-                         tied=True, bias=False, qk_norm=True, embed_scale=math.sqrt(640), max_ppl=80),
+                         tied=True, bias=False, qk_norm=True, embed_scale=math.sqrt(640), max_ppl=80, bos=True),
     "qwen2.5-coder-0.5b": dict(model_type="qwen2", layers=24, hidden=896, vocab=151936, heads=14, kv_heads=2,
                                head_dim=64, scaling=64 ** -0.5, sliding_window=None, global_layers=list(range(24)),
                                rope={"full_attention": 1_000_000.0}, tied=False, bias=True, qk_norm=False,
-                               embed_scale=None, max_ppl=200),
+                               embed_scale=None, max_ppl=200, bos=False),
 }
 KEEP = {"gemma-3-270m": [5], "qwen2.5-coder-0.5b": [0]}  # one kept softmax layer (a global one) in the round trip
 
@@ -102,6 +102,8 @@ def test_real_weights_reach_the_adapter(real):
     if want["embed_scale"] is not None:
         assert model.model.embed_tokens.embed_scale.item() == pytest.approx(want["embed_scale"], rel=1e-6)
     assert tokenizer.pad_token is not None
+    # Gemma's GGUF asks for BOS before every text (transformers < 5.23 built its tokenizer without it)
+    assert (tokenizer("Hello").input_ids[0] == tokenizer.bos_token_id) == want["bos"]
 
     # the dequantised weights make a language model: a plain English paragraph is predictable (measured:
     # Gemma 3 270M 49.6, Qwen2.5-Coder 0.5B 108 (a code model, quantised twice), SmolLM2-135M 60.9;
