@@ -91,7 +91,7 @@ _NAMED_BY_ALIAS = {alias.lower(): t for t in NAMED_TEACHERS.values() for alias i
 _NAMED_BY_SHA = {t.sha256: t for t in NAMED_TEACHERS.values()}
 
 SOURCE_FILE = "linearize_source.json"  # cache metadata, written last: its presence marks a complete cache
-CACHE_FORMAT = 1  # bump when the cache layout changes, so old caches are rebuilt
+CACHE_FORMAT = 2  # bump when the cache layout or its checks change, so old caches are rebuilt (2: the GGUF tokenizer check)
 ACCEPTED = (
     "give a HF id, a local model folder, a .gguf file, a named teacher (" + ", ".join(NAMED_TEACHERS)
     + ") or nothing for the embedded " + DEFAULT_TEACHER
