@@ -85,11 +85,13 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
   gemma-teacher)  # Gemma 3 270M's own scores (staged by dev/gpu_teacher.sh)
     G=/tmp/stage/gemma-3-270m.gguf; waitfor $G 1500 || exit 1
     EVAL_BATCH=${EVAL_BATCH:-8} evaluate $G gemma-teacher ;;
-  gemma)  # a LoLCATs student of Gemma 3 270M (STEPS per stage; the SmolLM2 recipe runs 1220), its scores
+  gemma)  # a LoLCATs student of Gemma 3 270M (STEPS per stage; the SmolLM2 recipe runs 1220), its scores,
+          # then (RECALL=0: not) the recall grid of the student and of the teacher
     G=/tmp/stage/gemma-3-270m.gguf; waitfor $G 1500 || exit 1
     lin lolcats --teacher $G --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} \
       --out $RUNS/gemma-lolcats 2>&1 | quiet | tail -12
-    EVAL_BATCH=${EVAL_BATCH:-8} evaluate $RUNS/gemma-lolcats/final gemma-lolcats ;;
+    EVAL_BATCH=${EVAL_BATCH:-8} evaluate $RUNS/gemma-lolcats/final gemma-lolcats
+    [ "${RECALL:-1}" = 1 ] && { recall $RUNS/gemma-lolcats/final gemma-lolcats; recall $G gemma-teacher; } ;;
   recall-supra)  # a SUPRA student (STEPS, default 1220: 10M tokens), its zero-shot scores and recall grid
     lin supra --teacher $T --budget gpu --steps ${STEPS:-1220} --out $RUNS/recall-supra 2>&1 | quiet | tail -8
     evaluate $RUNS/recall-supra/final recall-supra
@@ -133,6 +135,9 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
       lin eval $RUNS/dial-$name/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name $name \
         --out $RUNS/dial/$name.json 2>&1 | quiet | tail -4
     done
+    # several dial jobs may share the rows: DIAL_TAIL=0 skips the tail below, DIAL_WAIT names the rows it waits for
+    [ "${DIAL_TAIL:-1}" = 1 ] || exit 0
+    for n in ${DIAL_WAIT:-}; do waitfor $RUNS/dial/$n.json 1500 || exit 1; done
     for S in ${SPARSE:-16 64 256}; do
       lin eval $RUNS/dial-lolcats/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --sparse-cache $S \
         --name lolcats-s$S --out $RUNS/dial/lolcats-s$S.json 2>&1 | quiet | tail -4
