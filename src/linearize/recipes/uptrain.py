@@ -186,12 +186,17 @@ def run(cfg: UptrainConfig) -> dict:
     results["cuda_graph"] = {"setting": cfg.cuda_graph, "graphed": graphed, **({"why": why} if why else {})}
     if why and is_main_process():  # auto, and a condition fails: eager
         print(f"linearize: training eagerly, not as CUDA graphs (--cuda-graph auto): {why}", file=sys.stderr)
+    # under accelerate's FSDP config the frozen teacher is sharded like the student, its weights on the
+    # CPU until then. SUPRA converts the teacher in place: the frozen teacher is a copy made first. XATL
+    # builds a new model from the teacher, then freezes the teacher itself (after the build: freezing
+    # moves it to the CPU under FSDP, casts it to bf16 on CUDA, neither of which is the student's)
     frozen = None
-    if cfg.align_steps or not _learns_from_lm(cfg):
-        # SUPRA converts the teacher in place: the frozen teacher is a copy made first (XATL builds a new model)
-        # under accelerate's FSDP config the frozen teacher is sharded like the student
-        frozen = FrozenTeacher(teacher, copy_model=cfg.converts_in_place, shard=under_fsdp())
+    from_teacher = bool(cfg.align_steps) or not _learns_from_lm(cfg)
+    if from_teacher and cfg.converts_in_place:
+        frozen = FrozenTeacher(teacher, copy_model=True, shard=under_fsdp())
     student, new_parameters, report = cfg.build(teacher)
+    if from_teacher and not cfg.converts_in_place:
+        frozen = FrozenTeacher(teacher, copy_model=False, shard=under_fsdp())
     if report is not None:
         results["transfer_report"] = report.summary()
     results["perplexity"]["student, before training"] = perplexity(student, eval_blocks)
