@@ -7,8 +7,9 @@
 #   same   LoLCATs, 60 + 60 steps, seed 0: 1 GPU at batch 8 against torchrun on 2 GPUs at batch 4
 #          each (the same global batch): training losses step by step and the held-out perplexities
 #   speed  tokens/s of LoLCATs stage 1 / stage 2 and SUPRA at batch 8 per GPU (STEPS=300 per stage): 1 GPU,
-#          then 2 GPUs; whole-stage and steady (from logged step WARM=50 on) figures; SUPRA_ARGS=--cuda-graph
-#          TAG=-graphed: SUPRA's rows with those flags, recorded under that tag
+#          then 2 GPUs; whole-stage and steady (from logged step WARM=50 on) figures; SUPRA_ARGS="--cuda-graph off"
+#          TAG=-eager: SUPRA's rows with those flags, recorded under that tag (SUPRA graphs its steps by default,
+#          --cuda-graph auto; records made before that: untagged rows eager, -graphed ones with --cuda-graph)
 #   probe  ms per SUPRA training step in variants (dev/ddp_probe.py): DDP's options, its hooks, a host sync
 #   fsdp   LoLCATs stage 1 under accelerate's FSDP config (linearize.recipes.launch fsdp) and under torchrun
 #          (data-parallel), batch 8 per GPU: tokens/s, perplexity, attention MSE, peak memory of each GPU

@@ -110,3 +110,45 @@ def test_a_graphed_step_tells_the_mixers_its_batches_are_unpadded(tiny_model, mo
     with torch.no_grad():
         _NextTokenLoss(model, None)(ids, ids)
     assert masks and all(m is None for m in masks)
+
+
+def test_auto_graphs_a_run_only_where_every_condition_holds():
+    """``use_graphs``, the cuda_graph setting's decision, on given facts (no device needed): auto and on
+    graph a run on CUDA with a capturable loss; auto otherwise trains eagerly and names the first
+    condition that fails, on refuses it in one line, off is eager without a reason."""
+    from linearize import LinearizeError
+    from linearize.graphed import use_graphs
+
+    assert use_graphs("auto", cuda=True) == (True, None)
+    assert use_graphs("on", cuda=True) == (True, None)
+    assert use_graphs("off", cuda=True) == (False, None)
+    failing = {
+        "cuda": ({"cuda": False}, "there is no CUDA device"),
+        "loss": ({"uncapturable": "hidden_mse in the loss 'kl+hidden_mse'"},
+                 "hidden_mse in the loss 'kl+hidden_mse' cannot be captured"),
+        "fsdp": ({"fsdp": True}, "FSDP's sharded parameters cannot be captured"),
+        "compile": ({"compile": True}, "--compile is on"),
+        "recipe": ({"other": "LIT needs a new capture"}, "LIT needs a new capture"),
+    }
+    for name, (facts, why) in failing.items():
+        graphed, reason = use_graphs("auto", **{"cuda": True, **facts})
+        assert not graphed and reason.startswith(why), name
+        with pytest.raises(LinearizeError, match="^--cuda-graph on: " + why.replace("+", r"\+")) as err:
+            use_graphs("on", **{"cuda": True, **facts})
+        assert "\n" not in str(err.value) and "auto or off trains eagerly" in str(err.value)
+        assert use_graphs("off", **{"cuda": True, **facts}) == (False, None)
+    # the first condition that fails is the one named
+    assert use_graphs("auto", cuda=False, fsdp=True, compile=True)[1] == "there is no CUDA device"
+    assert use_graphs("auto", cuda=True, fsdp=True, compile=True)[1].startswith("FSDP")
+
+
+def test_the_setting_takes_true_and_false_as_on_and_off():
+    """A recipe file's (or a run config saved before auto's) true/false is on/off; anything else is one line."""
+    from linearize import LinearizeError
+    from linearize.graphed import graph_mode, use_graphs
+
+    assert [graph_mode(v) for v in (True, False, "auto", "on", "off")] == ["on", "off", "auto", "on", "off"]
+    assert use_graphs(True, cuda=True) == (True, None) and use_graphs(False, cuda=True) == (False, None)
+    for bad in ("yes", "", None, 1):
+        with pytest.raises(LinearizeError, match="cuda_graph must be auto, on or off"):
+            graph_mode(bad)

@@ -19,6 +19,10 @@ A distillation objective (``kl``, ``kl+next_token``) is captured too: the teache
 eager (under no_grad, before each replay) and what the loss reads from it (``Objective.teacher_tensors``:
 the teacher's logits, or their top k) enters the graphs as further inputs, copied into their static
 buffers like the batch.
+
+A training run's ``cuda_graph`` setting (``auto``, ``on``, ``off``) becomes a yes or no through
+``use_graphs``: ``auto`` graphs the steps wherever every condition holds and otherwise names the
+first that fails; ``on`` refuses a run where one fails.
 """
 
 from __future__ import annotations
@@ -28,7 +32,45 @@ import gc
 import torch
 from torch import nn
 
+from .errors import LinearizeError
 from .mixers.base import unpadded_batches
+
+MODES = ("auto", "on", "off")  # the cuda_graph setting of the recipes that train with GraphedLoss
+
+
+def graph_mode(value) -> str:
+    """``value`` as one of ``MODES``: a YAML recipe's or an earlier run config's true/false is on/off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value in MODES:
+        return value
+    raise LinearizeError(f"cuda_graph must be auto, on or off (or true/false), got {value!r}")
+
+
+def use_graphs(mode: str, *, cuda: bool, uncapturable: str | None = None, fsdp: bool = False,
+               compile: bool = False, other: str | None = None) -> tuple[bool, str | None]:
+    """Whether a run's training steps replay as CUDA graphs under ``cuda_graph`` ``mode``:
+    ``(True, None)``, or ``(False, why)`` with the first condition that fails (under ``off``: None).
+
+    The conditions: a CUDA device (``cuda``); a loss whose every term is capturable (``uncapturable``:
+    what in it is not, e.g. "hidden_mse in the loss 'kl+hidden_mse'"); no FSDP (``fsdp``: its sharded
+    parameters); no ``compile``; and ``other``, a recipe's own reason (XATL's LIT under torchrun).
+    ``on`` raises one ``LinearizeError`` where one fails; ``auto`` returns it, and the run trains eagerly.
+    """
+    mode = graph_mode(mode)
+    if mode == "off":
+        return False, None
+    conditions = [(not cuda, "there is no CUDA device"),
+                  (uncapturable, (f"{uncapturable} cannot be captured (the graphs replay losses computed from "
+                                  "the student's forward and the teacher's logits: lm, kl, kl+lm)")),
+                  (fsdp, ("FSDP's sharded parameters cannot be captured (graphs run on one GPU or data-parallel "
+                          "under torchrun)")),
+                  (compile, "--compile is on (a step is compiled or graphed, not both)"),
+                  (other, other)]
+    why = next((text for failed, text in conditions if failed), None)
+    if why is not None and mode == "on":
+        raise LinearizeError(f"--cuda-graph on: {why}; --cuda-graph auto or off trains eagerly")
+    return why is None, why
 
 
 class _NextTokenLoss(nn.Module):

@@ -123,11 +123,11 @@ def test_cuda_graph_refusals(tiny_model, tmp_path, monkeypatch):
     model = tiny_model("llama")
     cfg = TrainConfig(output_dir=str(tmp_path), learning_rate=1e-3, max_steps=1, cuda_graph=True)
     if not torch.cuda.is_available():
-        with pytest.raises(LinearizeError, match="needs a CUDA device"):
+        with pytest.raises(LinearizeError, match="--cuda-graph on: there is no CUDA device"):
             train(model, _data(), None, next_token_loss, cfg, stage="t")
     args = engine.training_arguments(cfg, False)
     monkeypatch.setattr(engine.torch.cuda, "is_available", lambda: True)
-    with pytest.raises(LinearizeError, match="next-token loss"):
+    with pytest.raises(LinearizeError, match="the loss '<lambda>' cannot be captured"):
         engine._graphed_loss(model, lambda m, b: next_token_loss(m, b), cfg, args)
     with pytest.raises(LinearizeError, match="not both"):
         engine._graphed_loss(model, next_token_loss, TrainConfig(**{**cfg.__dict__, "compile": True}), args)
@@ -139,15 +139,44 @@ def test_cuda_graph_refusals(tiny_model, tmp_path, monkeypatch):
 
 def test_graphed_runs_refuse_what_one_capture_cannot_replay(monkeypatch):
     """Under torchrun the graphs are captured once, before training: XATL's LIT (a new capture when it
-    unfreezes) is refused with one line; one process is not."""
+    unfreezes) is refused with one line under --cuda-graph on and trains eagerly under auto; one
+    process graphs it."""
+    from linearize.recipes.uptrain import check_distillation, cuda_graphs
     from linearize.recipes.xatl import XatlConfig
 
-    cfg = XatlConfig(cuda_graph=True, freeze="lit")
-    cfg.check()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert cuda_graphs(XatlConfig(cuda_graph="on", freeze="lit")) == (True, None)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(LinearizeError, match="LIT's unfreezing needs a new capture"):
-        cfg.check()
-    XatlConfig(cuda_graph=True, freeze="unfrozen").check()
+    with pytest.raises(LinearizeError, match="LIT's unfreezing needs a new capture") as err:
+        check_distillation(XatlConfig(cuda_graph="on", freeze="lit"))
+    assert "\n" not in str(err.value)
+    graphed, why = cuda_graphs(XatlConfig(freeze="lit"))
+    assert not graphed and "LIT's unfreezing needs a new capture" in why
+    assert cuda_graphs(XatlConfig(cuda_graph="on", freeze="unfrozen")) == (True, None)
+
+
+def test_auto_graphs_where_the_run_allows_it(monkeypatch):
+    """A recipe's cuda_graph (auto by default) decided on this process: graphed on CUDA with a capturable
+    loss, eager with the reason on the CPU, under FSDP, with --compile or a loss term that cannot be
+    captured; the training stages' TrainConfig carries the decision."""
+    from linearize.recipes.supra import SupraConfig
+    from linearize.recipes.uptrain import cuda_graphs
+
+    assert SupraConfig().cuda_graph == "auto"
+    if not torch.cuda.is_available():
+        assert cuda_graphs(SupraConfig()) == (False, "there is no CUDA device")
+        assert SupraConfig().train_config("o", 1, 0).cuda_graph is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for loss in ("lm", "kl+lm"):
+        assert cuda_graphs(SupraConfig(loss=loss)) == (True, None)
+    assert SupraConfig().train_config("o", 1, 0).cuda_graph is True
+    assert SupraConfig(cuda_graph="off").train_config("o", 1, 0).cuda_graph is False
+    graphed, why = cuda_graphs(SupraConfig(loss="kl+hidden_mse"))
+    assert not graphed and why.startswith("hidden_mse in the loss 'kl+hidden_mse' cannot be captured")
+    assert cuda_graphs(SupraConfig(compile=True))[1].startswith("--compile is on")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert cuda_graphs(SupraConfig())[1].startswith("FSDP's sharded parameters")
+    assert SupraConfig().train_config("o", 1, 0).cuda_graph is False
 
 
 def test_cuda_graph_takes_the_capturable_distillation_losses(monkeypatch):
@@ -157,6 +186,7 @@ def test_cuda_graph_takes_the_capturable_distillation_losses(monkeypatch):
     from linearize.recipes.uptrain import check_distillation
     from linearize.recipes.xatl import XatlConfig
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for loss in ("lm", "kl", "kl+lm", "0.5*kl+lm"):
         check_distillation(SupraConfig(cuda_graph=True, loss=loss))
         check_distillation(XatlConfig(cuda_graph=True, loss=loss, kl_top_k=8))
@@ -179,6 +209,7 @@ def test_the_alignment_stage_trains_eagerly_under_cuda_graph(tiny_model, monkeyp
     monkeypatch.setattr(engine, "train", lambda model, tr, ev, loss, cfg, **kw: seen.append(cfg) or
                         types.SimpleNamespace(state=types.SimpleNamespace(global_step=cfg.max_steps)))
     student = linearize.convert(tiny_model("llama"), {"kind": "supra"})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the training stage's decision: graphed
     cfg = SupraConfig(cuda_graph=True, align_steps=3)
     assert uptrain._align(student, None, None, None, cfg, tmp_path)["steps"] == 3
     assert seen and seen[0].cuda_graph is False and cfg.train_config(tmp_path, 5, 1).cuda_graph is True

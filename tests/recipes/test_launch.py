@@ -63,10 +63,12 @@ def test_attention_transfer_under_fsdp_matches_one_process(tmp_path):
     assert "gradients agree" in run_two_processes(script, str(tmp_path))
 
 
-def test_supra_distillation_under_the_fsdp_config_on_two_processes(workspace, tmp_path):
-    """`accelerate launch` with the packaged FSDP config (on the CPU: gloo, no mixed precision): SUPRA with
-    an alignment stage and KL distillation runs end to end on 2 processes, the frozen teacher sharded
-    over both like the student, and the saved student stands alone."""
+@pytest.mark.parametrize("recipe", ["supra", "xatl"])
+def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, tmp_path):
+    """`accelerate launch` with the packaged FSDP config (on the CPU: gloo, no mixed precision): SUPRA or
+    XATL with an alignment stage and KL distillation runs end to end on 2 processes, the frozen teacher
+    (SUPRA's a copy, XATL's the teacher itself) sharded over both like the student, and the saved
+    student stands alone."""
     import json
     import os
     import subprocess
@@ -83,10 +85,11 @@ def test_supra_distillation_under_the_fsdp_config_on_two_processes(workspace, tm
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "LINEARIZE_HOME": str(tmp_path / "home")}
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp_cpu.yaml"),
-         "--num_processes", "2", "-m", "linearize", "supra", "--teacher", str(workspace / "teacher"),
+         "--num_processes", "2", "-m", "linearize", recipe, "--teacher", str(workspace / "teacher"),
          "--data", str(workspace / "corpus.jsonl"), "--out", str(tmp_path / "run"), "--budget", "cpu",
          "--block-len", "32", "--batch-size", "2", "--eval-blocks", "4", "--steps", "4", "--eval-steps", "2",
-         "--dtype", "float32", "--device", "cpu", "--loss", "kl+lm", "--align-steps", "2"],
+         "--dtype", "float32", "--device", "cpu", "--loss", "kl+lm", "--align-steps", "2",
+         *(["--arch", "retnet", "--transfer", "embeddings,ffn"] if recipe == "xatl" else [])],
         env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "sharded over 2 processes" in done.stdout, done.stdout[-2000:]

@@ -76,14 +76,18 @@ def test_flag_kinds_and_help_come_from_the_field():
         mode: str = setting("a", "which", choices=("a", "b"))
         switch: bool = setting(False, "turn it on")
         items: tuple[str, ...] | str | None = setting(None, "comma-separated")
+        graphs: str = setting("auto", "three ways", choices=("auto", "on", "off"), const="on")
 
     p = argparse.ArgumentParser()
-    add_flags(p, Cfg, ("ratio", "count", "mode", "switch", "items", "batch_size"), notes={"ratio": "paper: 1"})
-    args = p.parse_args(["--ratio", "0.25", "--count", "3", "--mode", "b", "--switch", "--items", "x,y"])
+    add_flags(p, Cfg, ("ratio", "count", "mode", "switch", "items", "graphs", "batch_size"), notes={"ratio": "paper: 1"})
+    args = p.parse_args(["--ratio", "0.25", "--count", "3", "--mode", "b", "--switch", "--items", "x,y", "--graphs"])
     assert (args.ratio, args.count, args.mode, args.switch, args.items) == (0.25, 3, "b", True, "x,y")
+    assert args.graphs == "on" and p.parse_args(["--graphs", "off"]).graphs == "off"  # a const: the bare flag's value
     assert p.parse_args([]).batch_size is None and p.parse_args([]).switch is None  # unset: the config decides
-    with pytest.raises(SystemExit):
-        p.parse_args(["--mode", "c"])
+    assert p.parse_args([]).graphs is None
+    for bad in (["--mode", "c"], ["--graphs", "maybe"]):
+        with pytest.raises(SystemExit):
+            p.parse_args(bad)
     assert "50% in its help (paper: 1)" in p.format_help().replace("\n", " ").replace("  ", " ")
     with pytest.raises(KeyError):
         add_flags(p, Cfg, ("sample_prompt",))  # a setting without help has no flag

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from linearize.cli import main
 
 
@@ -24,19 +26,31 @@ def test_xatl_with_lit(workspace, monkeypatch, tmp_path, capsys):
 
 
 def test_supra_t2r_variant(workspace, monkeypatch, tmp_path, capsys):
+    """The T2R variant; and --cuda-graph auto (the default) on the CPU trains eagerly, says why in one
+    line and records it in results.json."""
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # the CPU's run, also on a GPU machine
     assert main(["supra", *_common(workspace, tmp_path / "s"), "--variant", "t2r"]) == 0
     config = json.loads((tmp_path / "s" / "final" / "config.json").read_text())
     assert config["linearize"]["spec"]["norm"] == "sum" and config["linearize"]["spec"]["decay"] == "none"
+    results = json.loads((tmp_path / "s" / "results.json").read_text())
+    assert results["config"]["cuda_graph"] == "auto"
+    assert results["cuda_graph"] == {"setting": "auto", "graphed": False, "why": "there is no CUDA device"}
+    notes = [line for line in capsys.readouterr().err.splitlines() if "CUDA graphs" in line]
+    assert notes == ["linearize: training eagerly, not as CUDA graphs (--cuda-graph auto): there is no CUDA device"]
 
 
-def test_xatl_from_scratch_through_the_cli(workspace, monkeypatch, tmp_path):
-    """--transfer scratch (as --help offers it) builds the architecture with nothing copied."""
+def test_xatl_from_scratch_through_the_cli(workspace, monkeypatch, tmp_path, capsys):
+    """--transfer scratch (as --help offers it) builds the architecture with nothing copied; --cuda-graph
+    off trains eagerly without a note, as results.json records."""
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
     assert main(["xatl", *_common(workspace, tmp_path / "x"), "--arch", "retnet", "--transfer", "scratch",
-                 "--steps", "2", "--eval-steps", "2"]) == 0
+                 "--steps", "2", "--eval-steps", "2", "--cuda-graph", "off"]) == 0
     res = json.loads((tmp_path / "x" / "results.json").read_text())
     assert "nothing (scratch)" in res["transfer_report"]
+    assert res["cuda_graph"] == {"setting": "off", "graphed": False}
+    assert json.loads((tmp_path / "x" / "train" / "train_config.json").read_text())["cuda_graph"] is False
+    assert "CUDA graphs" not in capsys.readouterr().err
 
 
 def test_xatl_bad_transfer_fails_before_loading_the_teacher(workspace, monkeypatch, tmp_path, capsys):
@@ -65,28 +79,52 @@ def test_compile_flag_reaches_the_trainer(monkeypatch, tmp_path):
     assert flags == [True, True, False]
 
 
-def test_cuda_graph_flag_reaches_the_trainer_and_needs_cuda(monkeypatch, tmp_path, capsys):
-    """`--cuda-graph` on supra/xatl sets TrainConfig.cuda_graph; without CUDA the run stops with one
-    line before loading anything."""
+def test_cuda_graph_setting_reaches_the_trainer(monkeypatch, tmp_path, capsys):
+    """`--cuda-graph` on supra/xatl is `on`, `--cuda-graph off|auto` the others, unset is auto; a recipe
+    file's true/false (and YAML's on/off) are on/off, flags win; each reaches TrainConfig.cuda_graph
+    through the run's decision (here on a CUDA device said to be there)."""
     import torch
 
-    import linearize
     from linearize.recipes import uptrain
 
     seen = []
-    real_run = uptrain.run
     monkeypatch.setattr(uptrain, "run", lambda cfg: seen.append(cfg) or {})
     monkeypatch.setattr(uptrain, "summary", lambda results, method: "")
-    for cmd in (["supra", "--cuda-graph"], ["xatl", "--arch", "retnet", "--cuda-graph"], ["supra"]):
+    files = {}
+    for name, text in (("true", "cuda_graph: true"), ("false", "cuda_graph: false"), ("on", "cuda_graph: on"),
+                       ("off", "cuda_graph: off"), ("auto", "cuda_graph: auto")):
+        files[name] = tmp_path / f"{name}.yaml"
+        files[name].write_text(text + "\n")
+    commands = (["supra", "--cuda-graph"], ["xatl", "--arch", "retnet", "--cuda-graph"], ["supra"],
+                ["supra", "--cuda-graph", "off"], ["xatl", "--cuda-graph", "auto"],
+                *(["supra", "--config", str(files[n])] for n in ("true", "false", "on", "off", "auto")),
+                ["supra", "--config", str(files["true"]), "--cuda-graph", "off"])
+    for cmd in commands:
         assert main([*cmd, "--out", str(tmp_path / "o"), "--budget", "cpu"]) == 0
-    assert [cfg.train_config(tmp_path / "o", 1, 0).cuda_graph for cfg in seen] == [True, True, False]
+    settings = ["on", "on", "auto", "off", "auto", "on", "off", "on", "off", "auto", "off"]
+    assert [cfg.cuda_graph for cfg in seen] == settings
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert [cfg.train_config(tmp_path / "o", 1, 0).cuda_graph for cfg in seen] == [s != "off" for s in settings]
+    (tmp_path / "bad.yaml").write_text("cuda_graph: sometimes\n")
+    assert main(["supra", "--config", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == ("linearize: error: cuda_graph must be auto, on or off (or true/false), "
+                                               "got 'sometimes'")
+
+
+def test_cuda_graph_on_without_cuda_stops_in_one_line(monkeypatch, tmp_path, capsys):
+    """`--cuda-graph` (on) on a machine without CUDA stops with one line before loading anything."""
+    import torch
+
+    import linearize
+
     if torch.cuda.is_available():
-        return
-    monkeypatch.setattr(uptrain, "run", real_run)
+        pytest.skip("a CUDA device is here")
     monkeypatch.setattr(linearize, "load_teacher", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
-    assert main(["supra", "--cuda-graph", "--out", str(tmp_path / "o"), "--budget", "cpu"]) != 0
-    err = capsys.readouterr().err
-    assert "--cuda-graph needs a CUDA device" in err and len(err.strip().splitlines()) == 1
+    for cmd in (["supra", "--cuda-graph"], ["xatl", "--cuda-graph", "on"]):
+        assert main([*cmd, "--out", str(tmp_path / "o"), "--budget", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.strip() == ("linearize: error: --cuda-graph on: there is no CUDA device; --cuda-graph auto or off "
+                               "trains eagerly")
 
 
 def test_xatl_names_its_softmax_layers_keep_softmax(monkeypatch, tmp_path, capsys):

@@ -16,6 +16,7 @@ states the losses read, ``attention_of`` those whose attention output (before th
 from __future__ import annotations
 
 import copy
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -61,19 +62,25 @@ class FrozenTeacher:
 
     ``shard``: under several processes (a recipe launched with accelerate's FSDP config), shard it
     with FSDP2 at its first call (one unit per decoder layer, over the default process group), so each
-    process holds 1/N of its weights between forwards, as it does of the student's."""
+    process holds 1/N of its weights between forwards, as it does of the student's. Until then the
+    weights wait on the CPU (a copy is made there tensor by tensor; a model kept as it is moves there)
+    and ``fully_shard`` moves each unit to the process's device as it shards it: no GPU holds the
+    whole teacher a second time, only one unit at a time."""
 
     kind = "copy"
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None = None, copy_model: bool = True,
                  shard: bool = False):
         self.shard, self.sharded = shard, False
-        model = copy.deepcopy(model) if copy_model else model
         device = next(model.parameters()).device
         if dtype is None and device.type == "cuda":
             dtype = torch.bfloat16
-        if dtype is not None:
-            model = model.to(dtype)
+        if shard:  # the weights wait on the CPU until fully_shard takes them (shard_frozen)
+            model = _copy_on_cpu(model, dtype) if copy_model else model.to("cpu", dtype)
+        else:
+            model = copy.deepcopy(model) if copy_model else model
+            if dtype is not None:
+                model = model.to(dtype)
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
@@ -82,7 +89,8 @@ class FrozenTeacher:
     @torch.no_grad()
     def __call__(self, model, input_ids, inputs_of=(), outputs_of=(), attention_of=()) -> TeacherOutputs:
         if self.shard and not self.sharded:
-            shard_frozen(self.model)  # here, not at construction: the process group exists by now
+            # here, not at construction: the process group exists by now, and the batch is on the device
+            shard_frozen(self.model, input_ids.device)
             self.sharded = True
         device = next(self.model.parameters()).device
         out = _forward(self.model, input_ids.to(device), inputs_of, outputs_of, attention_of)
@@ -91,19 +99,33 @@ class FrozenTeacher:
         return out
 
 
-def shard_frozen(model: nn.Module) -> None:
-    """Shard ``model`` in place with FSDP2 over the default process group: each decoder layer one unit
-    (gathered for its forward, freed after), the rest (embeddings, head, final norm) the root unit.
-    Every process calls it; a single process (no group, or a group of one) leaves the model whole."""
+def _copy_on_cpu(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """A deep copy of ``model`` with its parameters and buffers copied to the CPU one at a time (never a
+    second whole model on ``model``'s device), floating-point ones cast to ``dtype`` on the way (None:
+    kept); weights tied in ``model`` stay tied in the copy."""
+    memo = {}
+    for t in itertools.chain(model.parameters(), model.buffers()):
+        if id(t) not in memo:
+            on_cpu = t.detach().to("cpu", dtype if dtype is not None and t.is_floating_point() else t.dtype, copy=True)
+            memo[id(t)] = nn.Parameter(on_cpu, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else on_cpu
+    return copy.deepcopy(model, memo)  # deepcopy takes each tensor's copy from the memo
+
+
+def shard_frozen(model: nn.Module, device: torch.device) -> None:
+    """Shard ``model`` in place with FSDP2 over the default process group, onto ``device``: each decoder
+    layer one unit (gathered for its forward, freed after), the rest (embeddings, head, final norm)
+    the root unit. ``fully_shard`` moves a unit's weights (which may wait on the CPU) to ``device``
+    as it shards them. Every process calls it; a single process (no group, or a group of one) moves
+    the model whole to ``device``."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
+        model.to(device)
         return
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    device = next(model.parameters()).device
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = init_device_mesh(torch.device(device).type, (dist.get_world_size(),))
     for layer in get_adapter(model.config).layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

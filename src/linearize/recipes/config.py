@@ -4,10 +4,10 @@ with the help text of its command-line flag.
 A recipe's config subclasses ``RunConfig`` and declares its own settings the same way
 (``setting(default, help)``); it may redeclare a shared setting's default without repeating its
 help. ``add_flags`` derives a command's flags from these fields (``--block-len`` from
-``block_len``: the type from the annotation, a bool as a switch, choices and help from the field), so
-a setting is written once and the CLI, a YAML recipe (``--config``) and the saved
-``run_config.json`` name it the same way. Every flag's default is None: the budget preset, the file
-and the config's own default decide what an unset flag means (``linearize.cli``).
+``block_len``: the type from the annotation, a bool as a switch, choices, help and the value of a
+bare flag from the field), so a setting is written once and the CLI, a YAML recipe (``--config``)
+and the saved ``run_config.json`` name it the same way. Every flag's default is None: the budget
+preset, the file and the config's own default decide what an unset flag means (``linearize.cli``).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ _NONE = type(None)
 
 
 def setting(default=dataclasses.MISSING, help: str | None = None, *, choices=None, metavar: str | None = None,
-            default_factory=dataclasses.MISSING):
-    """A config field with what its flag needs: ``help`` (None: no flag of its own), ``choices``."""
-    metadata = {"help": help, "choices": tuple(choices) if choices else None, "metavar": metavar}
+            const=None, default_factory=dataclasses.MISSING):
+    """A config field with what its flag needs: ``help`` (None: no flag of its own), ``choices``, and
+    ``const``: the value of the flag given without one (``--cuda-graph`` is ``--cuda-graph on``)."""
+    metadata = {"help": help, "choices": tuple(choices) if choices else None, "metavar": metavar, "const": const}
     return field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -91,9 +92,9 @@ def _flag_type(annotation):
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, names, notes: dict | None = None,
               helps: dict | None = None) -> None:
     """Add ``--<name>`` for each setting in ``names`` of config class ``cls``, derived from its field:
-    a bool is a switch, others take a value of the annotated type; help from the field (``helps``
-    replaces it for this command), with a parenthesised remark from ``notes`` (default: ``cls.PAPER``,
-    the paper's values)."""
+    a bool is a switch, others take a value of the annotated type (optional where the field has a
+    ``const``); help from the field (``helps`` replaces it for this command), with a parenthesised
+    remark from ``notes`` (default: ``cls.PAPER``, the paper's values)."""
     hints = typing.get_type_hints(cls)
     notes = cls.PAPER if notes is None else notes
     for name in names:
@@ -111,4 +112,6 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls, na
                 kwargs["choices"] = list(meta["choices"])
             if meta.get("metavar"):
                 kwargs["metavar"] = meta["metavar"]
+            if meta.get("const") is not None:
+                kwargs.update(nargs="?", const=meta["const"])
         parser.add_argument("--" + name.replace("_", "-"), **kwargs)

@@ -54,7 +54,7 @@ class TrainConfig:
     seed: int = 0
     bf16: bool | None = None  # None: bf16 on CUDA, fp32 elsewhere
     compile: bool = False  # torch.compile the model (TrainingArguments.torch_compile)
-    cuda_graph: bool = False  # replay each step's forward and backward as CUDA graphs (linearize.graphed)
+    cuda_graph: bool = False  # steps replayed as CUDA graphs (linearize.graphed; a recipe's auto/on/off: use_graphs)
     save_total_limit: int = 2
     extra: dict = field(default_factory=dict)  # passed straight to TrainingArguments
 
@@ -334,18 +334,11 @@ def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArgume
     """The CUDA-graph replay of the training loss (``--cuda-graph``), where it applies: losses computed
     from the student's own forward and tensors from the teacher's, computed before the replay
     (``distill`` losses marked ``capturable``: the next-token loss, kl)."""
-    from ..graphed import GraphedLoss
+    from ..graphed import GraphedLoss, use_graphs
 
-    if not torch.cuda.is_available():
-        raise LinearizeError("--cuda-graph needs a CUDA device")
-    if loss_fn is not next_token_loss and not getattr(loss_fn, "capturable", False):
-        raise LinearizeError(f"--cuda-graph replays losses computed from the student's forward and the teacher's "
-                             f"logits (the next-token loss, kl); {_loss_name(loss_fn)} cannot be captured")
-    if under_fsdp():
-        raise LinearizeError("--cuda-graph runs on one GPU or data-parallel (torchrun); FSDP's sharded "
-                             "parameters cannot be captured")
-    if cfg.compile:
-        raise LinearizeError("choose --cuda-graph or --compile, not both")
+    capturable = loss_fn is next_token_loss or getattr(loss_fn, "capturable", False)
+    use_graphs("on", cuda=torch.cuda.is_available(), uncapturable=None if capturable else _loss_name(loss_fn),
+               fsdp=under_fsdp(), compile=cfg.compile)  # one line where a condition fails
     objective = None if loss_fn is next_token_loss else loss_fn
     graphed = GraphedLoss(model, torch.bfloat16 if args.bf16 else None, objective=objective)
     if world_size() > 1 and train_dataset is not None:

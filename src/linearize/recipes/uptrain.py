@@ -12,6 +12,7 @@ own settings and its ``build``; ``run`` trains any of them.
 
 from __future__ import annotations
 
+import sys
 import time
 import typing
 from dataclasses import dataclass, replace
@@ -21,12 +22,13 @@ import torch
 
 from ..errors import LinearizeError
 from ..eval import perplexity
+from ..graphed import MODES, graph_mode, use_graphs
 from .common import begin_run, finish
 from .config import RunConfig, setting
 from ..distill import FrozenTeacher, build_objective, check_options, next_token_loss
 if typing.TYPE_CHECKING:
     from .engine import TrainConfig
-from .launch import under_fsdp
+from .launch import is_main_process, under_fsdp
 
 
 @dataclass
@@ -46,12 +48,15 @@ class UptrainConfig(RunConfig):
     compile: bool = setting(False, "train the model through torch.compile (on CUDA: the mixers' many small "
                                    "elementwise kernels fused; the first steps pay the compilation; `python -m "
                                    "linearize.bench.train --compile` measures the gain)")
-    cuda_graph: bool = setting(False, "replay each training step's forward and backward as CUDA graphs (CUDA; "
-                                      "data-parallel under torchrun, the gradients averaged after each replay): the host "
-                                      "stops issuing the kernels one by one, which bounds the linear students' eager "
-                                      "steps (docs/RESULTS.md); the first step captures, a new batch shape captures again. "
-                                      "With --loss kl or kl+lm the teacher's forward runs eagerly before each replay and "
-                                      "its logits enter the graphs; the alignment stage trains eagerly")
+    cuda_graph: str = setting("auto", "auto (default): replay each training step's forward and backward as CUDA graphs "
+                                      "where the run allows it (CUDA, one GPU or data-parallel under torchrun; not FSDP, "
+                                      "--compile or a loss term such as hidden_mse), else train eagerly and say why in "
+                                      "one line; on (the flag alone): refuse a run that cannot; off: eagerly. Graphed, "
+                                      "the host stops issuing the kernels one by one, which bounds the linear students' "
+                                      "eager steps (docs/RESULTS.md); the first step captures, a new batch shape captures "
+                                      "again; with --loss kl or kl+lm the teacher's forward runs eagerly before each "
+                                      "replay and its logits enter the graphs; the alignment stage trains eagerly",
+                              choices=MODES, const="on")
     # learning from the teacher: an alignment stage first
     align_steps: int = setting(0, "an alignment stage first: this many steps fitting each new mixer's output to the "
                                   "teacher's attention output at its layer (teacher-forced, only the mixers train; "
@@ -60,6 +65,9 @@ class UptrainConfig(RunConfig):
 
     # what a recipe defines
     converts_in_place: typing.ClassVar[bool] = False  # the student is the teacher converted: distil from a copy
+
+    def __post_init__(self):
+        self.cuda_graph = graph_mode(self.cuda_graph)  # a YAML recipe's or an earlier run config's true/false
 
     def check(self) -> None:
         """The recipe's own settings, checked before the teacher loads (``check_distillation`` calls it)."""
@@ -74,6 +82,11 @@ class UptrainConfig(RunConfig):
     def callbacks(self) -> list:
         """Trainer callbacks of the training stage (XATL: LIT)."""
         return []
+
+    def graphs_blocked(self) -> str | None:
+        """Why the recipe's own settings keep its training steps from replaying as CUDA graphs (None:
+        nothing; ``cuda_graphs`` checks what every recipe shares)."""
+        return None
 
     def stage_before(self) -> int:
         """Steps that train only the new parameters before the training stage (SUPRA's 2-step variant)."""
@@ -90,7 +103,7 @@ class UptrainConfig(RunConfig):
             weight_decay=self.weight_decay, adam_betas=(0.9, 0.95), eval_steps=self.eval_steps,
             early_stopping_patience=self.patience, seed=self.seed, logging_steps=max(1, min(10, self.eval_steps)),
             extra={"lr_scheduler_kwargs": {"min_lr": self.min_lr}}, compile=self.compile,
-            cuda_graph=self.cuda_graph,
+            cuda_graph=cuda_graphs(self)[0],
         )
 
 
@@ -124,12 +137,19 @@ def check_distillation(cfg: UptrainConfig) -> None:
         raise LinearizeError(f"align_steps must be zero or more, got {cfg.align_steps}")
     if not _learns_from_lm(cfg):
         check_options(cfg.loss, _loss_options(cfg))
-        terms = build_objective(cfg.loss, _loss_options(cfg)).terms if cfg.cuda_graph else []
-        uncapturable = [t.name for _, t in terms if not t.capturable]
-        if uncapturable:
-            raise LinearizeError(f"--cuda-graph replays losses computed from the student's forward and the teacher's "
-                                 f"logits (lm, kl, kl+lm); {', '.join(uncapturable)} in the loss {cfg.loss!r} cannot "
-                                 "be captured (leave --cuda-graph out)")
+    cuda_graphs(cfg)  # --cuda-graph on where the steps cannot replay: refused here
+
+
+def cuda_graphs(cfg: UptrainConfig) -> tuple[bool, str | None]:
+    """Whether the training steps of ``cfg``'s run replay as CUDA graphs, and if not, why (under
+    ``cuda_graph: auto``): ``linearize.graphed.use_graphs`` on this process's device and launch, the
+    loss's terms, ``compile`` and the recipe's own reason (``graphs_blocked``). Raises ``LinearizeError``
+    under ``on`` where they cannot."""
+    terms = [] if _learns_from_lm(cfg) else build_objective(cfg.loss, _loss_options(cfg)).terms
+    uncapturable = ", ".join(t.name for _, t in terms if not t.capturable)
+    return use_graphs(cfg.cuda_graph, cuda=torch.cuda.is_available(),
+                      uncapturable=f"{uncapturable} in the loss {cfg.loss!r}" if uncapturable else None,
+                      fsdp=under_fsdp(), compile=cfg.compile, other=cfg.graphs_blocked())
 
 
 def _loss_options(cfg: UptrainConfig) -> dict:
@@ -158,18 +178,25 @@ def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) ->
 
 
 def run(cfg: UptrainConfig) -> dict:
-    if cfg.cuda_graph and not torch.cuda.is_available():  # before the teacher loads
-        raise LinearizeError("--cuda-graph needs a CUDA device")
     check_distillation(cfg)  # e.g. a bad transfer map fails now, not after the teacher and its perplexity
     from .engine import train
 
+    graphed, why = cuda_graphs(cfg)
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
+    results["cuda_graph"] = {"setting": cfg.cuda_graph, "graphed": graphed, **({"why": why} if why else {})}
+    if why and is_main_process():  # auto, and a condition fails: eager
+        print(f"linearize: training eagerly, not as CUDA graphs (--cuda-graph auto): {why}", file=sys.stderr)
+    # under accelerate's FSDP config the frozen teacher is sharded like the student, its weights on the
+    # CPU until then. SUPRA converts the teacher in place: the frozen teacher is a copy made first. XATL
+    # builds a new model from the teacher, then freezes the teacher itself (after the build: freezing
+    # moves it to the CPU under FSDP, casts it to bf16 on CUDA, neither of which is the student's)
     frozen = None
-    if cfg.align_steps or not _learns_from_lm(cfg):
-        # SUPRA converts the teacher in place: the frozen teacher is a copy made first (XATL builds a new model)
-        # under accelerate's FSDP config the frozen teacher is sharded like the student
-        frozen = FrozenTeacher(teacher, copy_model=cfg.converts_in_place, shard=under_fsdp())
+    from_teacher = bool(cfg.align_steps) or not _learns_from_lm(cfg)
+    if from_teacher and cfg.converts_in_place:
+        frozen = FrozenTeacher(teacher, copy_model=True, shard=under_fsdp())
     student, new_parameters, report = cfg.build(teacher)
+    if from_teacher and not cfg.converts_in_place:
+        frozen = FrozenTeacher(teacher, copy_model=False, shard=under_fsdp())
     if report is not None:
         results["transfer_report"] = report.summary()
     results["perplexity"]["student, before training"] = perplexity(student, eval_blocks)

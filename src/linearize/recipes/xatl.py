@@ -44,9 +44,12 @@ class XatlConfig(UptrainConfig):
             raise LinearizeError(f"keep_softmax {self.keep_softmax!r}: give layer indices (e.g. 2,15) or 'xatl' "
                                  "(layers 2 and N/2)")
         resolve_transfer(self.transfer, ARCHITECTURES.get(self.arch, self.arch), (0,) if self.keep_softmax else ())
-        if self.cuda_graph and self.freeze == "lit" and world_size() > 1:
-            raise LinearizeError("--cuda-graph under torchrun captures the step once, before training; LIT's "
-                                 "unfreezing needs a new capture: train on one GPU, or leave --cuda-graph out")
+
+    def graphs_blocked(self) -> str | None:
+        if self.freeze == "lit" and world_size() > 1:
+            return ("under torchrun the step is captured once, before training, and LIT's unfreezing needs a new "
+                    "capture (one GPU can graph LIT)")
+        return None
 
     def build(self, teacher):
         from ..xatl import build_xatl
