@@ -75,3 +75,22 @@ def test_packaged_recipes_name_only_real_settings(name):
     known = {f.name for f in fields(config)} | set(SPEC_FLAGS) | {"budget"}
     assert set(recipe) <= known, set(recipe) - known
     assert packaged(f"{name}.yaml") == packaged(name)
+
+
+def test_a_sample_that_fails_to_decode_loses_no_results(workspace, monkeypatch, tmp_path):
+    """The recipe's last act decodes a sample; when that fails, the checkpoint and results.json are
+    already written."""
+    import linearize.fast
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("decoding broke")
+
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(linearize.fast, "fast_generate", broken)
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(_tiny(workspace, tmp_path / "a")))
+    with pytest.raises(RuntimeError, match="decoding broke"):
+        main(["lolcats", "--config", str(recipe), "--device", "cpu"])
+    results = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert results["stage2"]["steps"] == 4 and "sample" not in results
+    assert (tmp_path / "a" / "final" / "config.json").exists()

@@ -45,7 +45,8 @@ def begin_run(cfg):
 
 def finish(student, tokenizer, out: Path, results: dict, prompt: str) -> dict:
     """Record the run in the student's config (``record_training``: recipe, tokens, date), save
-    ``out/final``, add a greedy sample decoded recurrently, write ``out/results.json``.
+    ``out/final``, write ``out/results.json``, then add a greedy sample decoded recurrently to it. The
+    results are written before the sample is decoded, so a decoding that fails loses none of them.
 
     Only the main process writes; the other ranks of a multi-process run return the results as they are.
     """
@@ -58,6 +59,7 @@ def finish(student, tokenizer, out: Path, results: dict, prompt: str) -> dict:
                     seconds=train.get("seconds"), data=cfg.get("data") or "gutenberg",
                     **({"stages": list(cfg["stages"])} if "stages" in cfg else {}))
     save(student, tokenizer, out / "final")
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(next(student.parameters()).device)
     with torch.no_grad():
         # long enough to run past a LoLCATs window (64), where the linear attention takes over;
