@@ -114,27 +114,34 @@ def load_teacher(
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    named = named_teacher(spec) if isinstance(spec, str) else None
-    if _is_default(spec):
-        folder, source = _cached_default(), DEFAULT_TEACHER
-    elif named is not None:
-        folder, source = _cached_named(named), named.name
-    else:
-        text = os.fspath(spec).strip()
-        path = Path(text).expanduser()
-        if text.lower().endswith(".gguf"):
-            folder, source = _cached_gguf(path), str(path.resolve())
-        elif path.is_dir():
-            folder, source = path, str(path.resolve())
-        elif path.exists():
-            raise LinearizeError(f"teacher '{text}' is a file but not a .gguf file; {ACCEPTED}")
-        elif not _could_be_hub_id(text):
-            raise LinearizeError(f"teacher '{text}': no such file or folder; {ACCEPTED}")
-        else:
-            model, tokenizer = _load_hub(text, dtype)
-            return _finish(model, tokenizer, device, text)
+    folder, source = _resolve(spec)
+    if folder is None:
+        model, tokenizer = _load_hub(source, dtype)
+        return _finish(model, tokenizer, device, source)
     model, tokenizer = _load_folder(folder, dtype)
     return _finish(model, tokenizer, device, source)
+
+
+def _resolve(spec) -> tuple[Path | None, str]:
+    """Where ``load_teacher(spec)`` reads from: ``(folder, source)`` for the embedded default, a named
+    teacher, a ``.gguf`` file (dequantised into the cache first) or a local folder; ``(None, id)`` for
+    a Hugging Face id. Anything else is one ``LinearizeError``."""
+    named = named_teacher(spec) if isinstance(spec, str) else None
+    if _is_default(spec):
+        return _cached_default(), DEFAULT_TEACHER
+    if named is not None:
+        return _cached_named(named), named.name
+    text = os.fspath(spec).strip()
+    path = Path(text).expanduser()
+    if text.lower().endswith(".gguf"):
+        return _cached_gguf(path), str(path.resolve())
+    if path.is_dir():
+        return path, str(path.resolve())
+    if path.exists():
+        raise LinearizeError(f"teacher '{text}' is a file but not a .gguf file; {ACCEPTED}")
+    if not _could_be_hub_id(text):
+        raise LinearizeError(f"teacher '{text}': no such file or folder; {ACCEPTED}")
+    return None, text
 
 
 def load_tokenizer(spec: str | os.PathLike | None = None):
@@ -142,25 +149,12 @@ def load_tokenizer(spec: str | os.PathLike | None = None):
     data cache keys), without reading any weights: seconds instead of a model load. ``spec`` as in
     ``load_teacher``; a linearize checkpoint folder works too. The embedded default is read from
     its dequantised cache, built first if absent (as ``load_teacher`` would)."""
-    named = named_teacher(spec) if isinstance(spec, str) else None
-    if _is_default(spec):
-        folder, source = _cached_default(), DEFAULT_TEACHER
-    elif named is not None:
-        folder, source = _cached_named(named), named.name
-    else:
-        text = os.fspath(spec).strip()
-        path = Path(text).expanduser()
-        if text.lower().endswith(".gguf"):
-            folder, source = _cached_gguf(path), str(path.resolve())
-        elif path.is_dir():
-            folder, source = path, str(path.resolve())
-        elif path.exists():
-            raise LinearizeError(f"teacher '{text}' is a file but not a .gguf file; {ACCEPTED}")
-        else:
-            try:
-                return _with_pad_token(AutoTokenizer.from_pretrained(text), text)
-            except Exception as err:
-                raise _hub_error(text, err) from None
+    folder, source = _resolve(spec)
+    if folder is None:
+        try:
+            return _with_pad_token(AutoTokenizer.from_pretrained(source), source)
+        except Exception as err:
+            raise _hub_error(source, err) from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder)
     except Exception as err:
