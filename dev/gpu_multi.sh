@@ -10,6 +10,8 @@
 #          then 2 GPUs; whole-stage and steady (from logged step WARM=50 on) figures; SUPRA_ARGS="--cuda-graph off"
 #          TAG=-eager: SUPRA's rows with those flags, recorded under that tag (SUPRA graphs its steps by default,
 #          --cuda-graph auto; records made before that: untagged rows eager, -graphed ones with --cuda-graph)
+#   fsdp-distill  SUPRA's distillation (align 20 steps, then kl+lm, FSDP_STEPS) under FSDP and under torchrun:
+#          tokens/s, peak memory per GPU, the teacher's shards
 #   probe  ms per SUPRA training step in variants (dev/ddp_probe.py): DDP's options, its hooks, a host sync
 #   fsdp   LoLCATs stage 1 under accelerate's FSDP config (linearize.recipes.launch fsdp) and under torchrun
 #          (data-parallel), batch 8 per GPU: tokens/s, perplexity, attention MSE, peak memory of each GPU
@@ -126,6 +128,19 @@ PY
 print('$r stage 1:', s.get('steps'), 'steps', round(s.get('tokens_per_second') or 0), 'tok/s, peak GiB per rank', \
 [round(b/2**30, 2) for b in s.get('peak_gpu_bytes_per_rank') or []], 'ppl', d.get('perplexity'), 'mse', \
 sum(d['layer_mse_after'].values())/len(d['layer_mse_after']))" 2>&1; done ;;
+    fsdp-distill)  # SUPRA learning from the teacher (align, then kl+lm) under FSDP (the frozen teacher sharded
+                   # too) and under torchrun: tokens/s, peak memory of each GPU, how many ways the teacher was split
+      cfg=$(python3 -m linearize.recipes.launch fsdp)
+      for r in fsdp ddp; do
+        launcher=(accelerate launch --config_file "$cfg" --num_processes 2); [ $r = ddp ] && launcher=("${two[@]}")
+        timeout 300 "${launcher[@]}" -m linearize supra --teacher $T --budget gpu --batch-size 8 --align-steps 20 \
+          --loss kl+lm --steps ${FSDP_STEPS:-100} --eval-steps 1000 --eval-blocks 16 --seed 0 --out $R/distill-$r 2>&1 \
+          | quiet | tail -6
+        cp $R/distill-$r/results.json "$OUT/distill-$r.json" 2>/dev/null
+        python3 -c "import json; d=json.load(open('$OUT/distill-$r.json')); t=d['train']; print('$r distillation:', \
+t['steps'], 'steps', round(t['tokens_per_second']), 'tok/s, peak GiB per rank', [round(b/2**30, 2) for b in \
+t.get('peak_gpu_bytes_per_rank') or []], 'teacher sharded over', d.get('teacher_sharded_over'), 'graphs', d.get('cuda_graph'))" 2>&1
+      done ;;
     probe)  # where a data-parallel SUPRA step loses time (dev/ddp_probe.py): one process, then two
       timeout 200 "${one[@]}" dev/ddp_probe.py $T 2>&1 | grep -v -i warn | tail -3 | tee "$OUT/probe-1gpu.txt"
       timeout 300 torchrun --standalone --nproc_per_node 2 dev/ddp_probe.py $T ${PROBE_ARGS:-} 2>&1 | grep -v -i warn \

@@ -37,7 +37,7 @@ from .common import begin_run, finish
 from .config import RunConfig, setting
 if typing.TYPE_CHECKING:
     from .engine import TrainConfig
-from .launch import is_main_process, under_fsdp, world_size
+from .launch import is_main_process, peak_gpu_memory, under_fsdp, world_size
 
 __all__ = ["LolcatsConfig", "ablation_config", "layer_mse", "run", "run_stage1", "run_stage2", "summary"]
 
@@ -301,14 +301,8 @@ def _timed(info: dict, start: float, cfg: LolcatsConfig) -> dict:
     seconds = time.time() - start
     world = world_size()
     tokens = info["steps"] * cfg.batch_size * cfg.grad_accum * cfg.block_len * world
-    info = {**info, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / max(seconds, 1e-9)}
-    if torch.cuda.is_available():
-        info["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():  # each GPU's, by rank
-            peaks = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(peaks, info["peak_gpu_bytes"])
-            info["peak_gpu_bytes_per_rank"] = peaks
-    return info
+    return {**info, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / max(seconds, 1e-9),
+            **peak_gpu_memory()}
 
 
 # --- stage 2 -------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from .config import RunConfig, setting
 from ..distill import FrozenTeacher, build_objective, check_options, next_token_loss
 if typing.TYPE_CHECKING:
     from .engine import TrainConfig
-from .launch import is_main_process, under_fsdp
+from .launch import is_main_process, peak_gpu_memory, under_fsdp
 
 
 @dataclass
@@ -236,8 +236,7 @@ def run(cfg: UptrainConfig) -> dict:
     tokens = steps_done * cfg.batch_size * cfg.grad_accum * cfg.block_len * trainer.args.world_size
     results["train"] = {"steps": steps_done, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
                         "epochs": tokens / max(results["train_tokens_per_epoch"], 1)}  # passes over the corpus
-    if torch.cuda.is_available():
-        results["train"]["peak_gpu_bytes"] = torch.cuda.max_memory_allocated()
+    results["train"].update(peak_gpu_memory())  # under FSDP: each GPU's share of the student and the teacher
     results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
     return finish(student, tok, out, results, cfg.sample_prompt)
 

@@ -36,3 +36,19 @@ def world_size() -> int:
 def under_fsdp() -> bool:
     """Launched by ``accelerate launch`` with an FSDP configuration (``fsdp.yaml`` here)."""
     return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
+
+
+def peak_gpu_memory() -> dict:
+    """This process's peak allocated CUDA memory, ``{"peak_gpu_bytes": n}``, with every process's
+    (``peak_gpu_bytes_per_rank``, by rank) under torch.distributed; ``{}`` without CUDA. Every
+    process of a launch calls it (the gather is collective)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    info = {"peak_gpu_bytes": torch.cuda.max_memory_allocated()}
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        peaks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(peaks, info["peak_gpu_bytes"])
+        info["peak_gpu_bytes_per_rank"] = peaks
+    return info
