@@ -157,6 +157,44 @@ def test_fla_wrapper_layout(monkeypatch):
     _close(state, ref_state)
 
 
+
+@pytest.mark.parametrize("capability,triton,tilelang,refused", [
+    ((9, 0), "3.3.1", False, False), ((9, 0), "3.4.0", False, True), ((9, 0), "3.6.0", False, True),
+    ((9, 0), "3.7.1rc1", False, True), ((9, 0), "3.7.1", False, False), ((9, 0), "3.8.0", False, False),
+    ((8, 0), "3.6.0", False, False), ((10, 0), "3.6.0", False, False), ((9, 0), "3.6.0", True, False)])
+def test_fla_gated_backward_refused(capability, triton, tilelang, refused):
+    """fla 0.6 refuses the gated backward on Hopper with Triton in [3.4.0, 3.7.1) and no TileLang."""
+    from linearize.ops.fla_backend import fla_gated_backward_refused
+
+    assert fla_gated_backward_refused(capability, triton, tilelang) is refused
+
+
+def test_auto_backend_trains_off_fla_where_its_backward_is_refused(monkeypatch, caplog):
+    """Where fla would refuse the backward, "auto" takes the chunked form for calls that need
+    gradients (saying so once), keeps fla for forward-only calls; "fla" keeps fla."""
+    from linearize.ops import delta_rule, fla_backend
+
+    calls = []
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = lambda *a, **kw: calls.append(1) or _fake_chunk_gated_delta_rule(*a, **kw)
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    monkeypatch.setattr(fla_backend, "use_fla", lambda q, backend, dtype=None: backend != "torch")
+    monkeypatch.setattr(fla_backend, "fla_gated_backward_refused_on", lambda device: True)
+    delta_rule._say_fla_backward_refused.cache_clear()
+    xs = _gdn_inputs(2, 4, 2, 9)
+    ref, _ = ops.gated_delta_rule_chunked(*xs)
+    with caplog.at_level("WARNING", logger="linearize.ops.delta_rule"):
+        for _ in range(2):
+            out, _ = ops.gated_delta_rule(*xs, backend="auto")
+            _close(out, ref)
+    assert not calls
+    assert len([r for r in caplog.records if "PyTorch chunked form" in r.message]) == 1
+    with torch.no_grad():
+        ops.gated_delta_rule(*xs, backend="auto")
+    assert len(calls) == 1
+    ops.gated_delta_rule(*xs, backend="fla")
+    assert len(calls) == 2
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("shape", [(2, 9, 3, 300), (1, 4, 4, 2100)])
