@@ -397,8 +397,8 @@ def delta_window_step_ring(q, k, qd, kd, v, g, beta, lam, state: RingDeltaState,
     state.valid.index_fill_(1, idx, True)
     state.slot.add_(1).remainder_(state.keys.shape[2])
     qg = _group(q, n_kv).to(acc)  # [B, Hk, G, 1, D]
-    scores = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap)
-    scores = scores.masked_fill(~state.valid[:, None, None, None, :], torch.finfo(acc).min)
+    scores = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap)  # in the autocast dtype under autocast
+    scores = scores.masked_fill(~state.valid[:, None, None, None, :], torch.finfo(scores.dtype).min)
     o_win = (torch.softmax(scores, dim=-1) @ state.values.to(acc).unsqueeze(2)).flatten(1, 2)
     y = _combine(o_win, _readout(qd, state.memory), lam.to(acc), state.written[:, None])
     return y.to(q.dtype), state
