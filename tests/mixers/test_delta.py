@@ -135,6 +135,42 @@ def test_ring_step_is_the_step_in_place(t, window):
     assert torch.equal(ring.written, state.written)
 
 
+def test_ring_step_runs_under_bfloat16_autocast_with_empty_slots():
+    """Decoding under bf16 autocast (as after training on the GPU) gives bf16 scores while the state
+    is fp32: the empty slots of a ring (a prompt shorter than the window) are masked with a value
+    the scores' dtype holds, and the steps stay close to the fp32 ones."""
+    t, window, n = 3, 8, 10
+    xs = [x.detach().float() for x in _hybrid_inputs(2, 4, 2, t + n, seed=5)]
+    kw = dict(scale=0.5, softcap=2.0)
+    _, state = ops.delta_window_chunked(*_cut(xs, slice(None, t)), window=window, **kw, output_final_state=True,
+                                        chunk_size=4)
+    ring = ops.RingDeltaState.from_state(state.map(torch.clone), window)
+    ring_bf16 = ops.RingDeltaState.from_state(state.map(torch.clone), window)
+    state_bf16 = state
+    assert not ring.valid.all()
+    for i in range(t, t + n):
+        one = _cut(xs, slice(i, i + 1))
+        ref, ring = ops.delta_window_step_ring(*one, ring, **kw)
+        half = [x.bfloat16() if j < 5 else x for j, x in enumerate(one)]  # q, k, qd, kd, v; fp32 gates
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, ring_bf16 = ops.delta_window_step_ring(*half, ring_bf16, **kw)
+            out_step, state_bf16 = ops.delta_window_step(*half, state_bf16, window=window, **kw)
+        assert out.dtype == torch.bfloat16
+        for o in (out, out_step):
+            torch.testing.assert_close(o.float(), ref, atol=0.05, rtol=0.05)
+    torch.testing.assert_close(ring_bf16.memory, ring.memory, atol=0.05, rtol=0.05)
+
+
+def test_fast_decoder_runs_under_bfloat16_autocast(tiny_model):
+    """The fast decoder of a delta student under bf16 autocast, the prompt shorter than the window."""
+    from linearize.decode import fast_generate
+
+    student = tiny_student(tiny_model, "llama", {**SPEC, "window": 8}, dtype=torch.float32)
+    ids = torch.randint(2, 97, (2, 3), generator=torch.Generator().manual_seed(2))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = fast_generate(student, ids, torch.ones_like(ids), max_new_tokens=10, pad_token_id=0)
+    assert out.shape == (2, 13) and torch.equal(out[:, :3], ids)
+
 def _fake_chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **_):
     """fla's contract ([B, T, H, *], as many key heads as query heads, scale applied to q), by our reference."""
     assert q.shape[2] == k.shape[2] and q.is_contiguous() and k.is_contiguous()
@@ -156,6 +192,44 @@ def test_fla_wrapper_layout(monkeypatch):
     _close(out, ref)
     _close(state, ref_state)
 
+
+
+@pytest.mark.parametrize("capability,triton,tilelang,refused", [
+    ((9, 0), "3.3.1", False, False), ((9, 0), "3.4.0", False, True), ((9, 0), "3.6.0", False, True),
+    ((9, 0), "3.7.1rc1", False, True), ((9, 0), "3.7.1", False, False), ((9, 0), "3.8.0", False, False),
+    ((8, 0), "3.6.0", False, False), ((10, 0), "3.6.0", False, False), ((9, 0), "3.6.0", True, False)])
+def test_fla_gated_backward_refused(capability, triton, tilelang, refused):
+    """fla 0.6 refuses the gated backward on Hopper with Triton in [3.4.0, 3.7.1) and no TileLang."""
+    from linearize.ops.fla_backend import fla_gated_backward_refused
+
+    assert fla_gated_backward_refused(capability, triton, tilelang) is refused
+
+
+def test_auto_backend_trains_off_fla_where_its_backward_is_refused(monkeypatch, caplog):
+    """Where fla would refuse the backward, "auto" takes the chunked form for calls that need
+    gradients (saying so once), keeps fla for forward-only calls; "fla" keeps fla."""
+    from linearize.ops import delta_rule, fla_backend
+
+    calls = []
+    fake = types.ModuleType("fla.ops.gated_delta_rule")
+    fake.chunk_gated_delta_rule = lambda *a, **kw: calls.append(1) or _fake_chunk_gated_delta_rule(*a, **kw)
+    monkeypatch.setitem(sys.modules, "fla.ops.gated_delta_rule", fake)
+    monkeypatch.setattr(fla_backend, "use_fla", lambda q, backend, dtype=None: backend != "torch")
+    monkeypatch.setattr(fla_backend, "fla_gated_backward_refused_on", lambda device: True)
+    delta_rule._say_fla_backward_refused.cache_clear()
+    xs = _gdn_inputs(2, 4, 2, 9)
+    ref, _ = ops.gated_delta_rule_chunked(*xs)
+    with caplog.at_level("WARNING", logger="linearize.ops.delta_rule"):
+        for _ in range(2):
+            out, _ = ops.gated_delta_rule(*xs, backend="auto")
+            _close(out, ref)
+    assert not calls
+    assert len([r for r in caplog.records if "PyTorch chunked form" in r.message]) == 1
+    with torch.no_grad():
+        ops.gated_delta_rule(*xs, backend="auto")
+    assert len(calls) == 1
+    ops.gated_delta_rule(*xs, backend="fla")
+    assert len(calls) == 2
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -137,6 +137,23 @@ def test_hybrid_runs_under_bfloat16_autocast(form):
     torch.testing.assert_close(out.double(), ref.detach(), atol=0.1, rtol=0.05)
 
 
+def test_hybrid_steps_run_under_bfloat16_autocast():
+    """The decode steps (shifting window and ring) under bf16 autocast from a prompt shorter than the
+    window: the empty slots are masked with the bf16 scores' own minimum."""
+    xs, gamma = _hybrid_inputs(1, 4, 2, 12)
+    kw = dict(window=8, scale=0.5)
+    ref = ops.hybrid_attention_naive(*xs, gamma, **kw).detach()
+    xs, gamma = [x.detach().float() for x in xs], gamma.detach().float()
+    _, state = ops.hybrid_attention_chunked(*(x[:, :, :3] for x in xs), gamma, **kw, output_final_state=True)
+    ring = ops.RingHybridState.from_state(state, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for i in range(3, 12):
+            one = [x[:, :, i : i + 1] for x in xs]
+            out, state = ops.hybrid_attention_step(*one, gamma, state, **kw)
+            out_ring, ring = ops.hybrid_attention_step_ring(*one, gamma, ring, scale=0.5)
+            for o in (out, out_ring):
+                torch.testing.assert_close(o.double(), ref[:, :, i : i + 1], atol=0.1, rtol=0.05)
+
 def test_hybrid_with_full_window_is_softmax():
     xs, gamma = _hybrid_inputs(2, 6, 2, 19)
     q, k, _, _, v = xs

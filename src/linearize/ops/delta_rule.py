@@ -39,6 +39,8 @@ window covering the sequence is exactly the teacher's softmax.
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +51,8 @@ from .hybrid_attention import (
     _scores, hybrid_final_state, pad_front,
 )
 from .linear_attention import _group, accum_dtype
+
+logger = logging.getLogger(__name__)
 
 
 # --- the gated delta rule -------------------------------------------------------------------------
@@ -158,15 +162,34 @@ def gated_delta_rule(q, k, v, g, beta, *, initial_state=None, output_final_state
                      backend="auto"):
     """The sequence form: fla's kernel where ``use_fla`` says so (CUDA, half precision or backend
     "fla"; under autocast fp32 inputs go in the autocast dtype, as for ``linear_attention``), the
-    PyTorch chunked form otherwise."""
-    from .fla_backend import kernel_inputs, use_fla
+    PyTorch chunked form otherwise.
 
-    q, k, v = kernel_inputs(q, k, v, backend)
-    if use_fla(q, backend):
-        return gated_delta_rule_fla(q, k, v, g, beta, initial_state=initial_state,
-                                    output_final_state=output_final_state)
+    "auto" also keeps a call that needs gradients off fla where fla's backward would refuse it
+    (``fla_gated_backward_refused``: Hopper with Triton in [3.4.0, 3.7.1), no TileLang), and says
+    so once; forward-only calls still take fla. Backend "fla" keeps fla, whose backward then raises
+    with its own advice (upgrade Triton or install tilelang)."""
+    from .fla_backend import fla_gated_backward_refused_on, kernel_inputs, use_fla
+
+    qk, kk, vk = kernel_inputs(q, k, v, backend)
+    if use_fla(qk, backend):
+        if not (backend == "auto" and _needs_grad(q, k, v, g, beta, initial_state)
+                and fla_gated_backward_refused_on(q.device)):
+            return gated_delta_rule_fla(qk, kk, vk, g, beta, initial_state=initial_state,
+                                        output_final_state=output_final_state)
+        _say_fla_backward_refused()
     return gated_delta_rule_chunked(q, k, v, g, beta, chunk_size=chunk_size, initial_state=initial_state,
                                     output_final_state=output_final_state)
+
+
+def _needs_grad(*xs) -> bool:
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in xs)
+
+
+@functools.cache
+def _say_fla_backward_refused():
+    logger.warning("the gated delta rule trains through its PyTorch chunked form, not fla: fla's gated "
+                   "backward (chunk_bwd_dqkwg) refuses Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs (fla #640); "
+                   "upgrade Triton to >= 3.7.1 or install tilelang to train through fla")
 
 
 # --- the hybrid: window softmax + the delta memory of older tokens ------------------------------------
@@ -374,8 +397,8 @@ def delta_window_step_ring(q, k, qd, kd, v, g, beta, lam, state: RingDeltaState,
     state.valid.index_fill_(1, idx, True)
     state.slot.add_(1).remainder_(state.keys.shape[2])
     qg = _group(q, n_kv).to(acc)  # [B, Hk, G, 1, D]
-    scores = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap)
-    scores = scores.masked_fill(~state.valid[:, None, None, None, :], torch.finfo(acc).min)
+    scores = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap)  # in the autocast dtype under autocast
+    scores = scores.masked_fill(~state.valid[:, None, None, None, :], torch.finfo(scores.dtype).min)
     o_win = (torch.softmax(scores, dim=-1) @ state.values.to(acc).unsqueeze(2)).flatten(1, 2)
     y = _combine(o_win, _readout(qd, state.memory), lam.to(acc), state.written[:, None])
     return y.to(q.dtype), state

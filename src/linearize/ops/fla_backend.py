@@ -8,6 +8,9 @@ a cumulative sum in PyTorch, as fla's own ``chunk_linear_attn`` does it.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -29,6 +32,39 @@ def use_fla(q: torch.Tensor, backend: str, dtype: torch.dtype | None = None) -> 
     if backend == "fla" and not ok:
         raise RuntimeError("backend='fla' needs CUDA tensors (not float64) and the flash-linear-attention package")
     return ok and (backend == "fla" or dtype in (torch.bfloat16, torch.float16))
+
+
+def fla_gated_backward_refused(capability: tuple[int, int], triton_version: str, tilelang: bool) -> bool:
+    """Whether fla 0.6's ``chunk_bwd_dqkwg`` refuses a gated backward (a non-None ``g``, as in
+    ``chunk_gated_delta_rule``'s; ``chunk_simple_gla`` with ``g_gamma`` passes None): it raises on
+    Hopper (capability 9.x) with Triton >= 3.4.0 and < 3.7.1, which compile that kernel wrongly
+    there (fla issue #640), unless its TileLang backend (``tilelang``) takes the call first. Versions
+    are compared as fla compares them."""
+    from packaging.version import Version
+
+    bad = Version("3.4.0") <= Version(triton_version) < Version("3.7.1")
+    return capability[0] == 9 and bad and not tilelang
+
+
+def fla_tilelang_backward() -> bool:
+    """fla's TileLang backend takes ``chunk_bwd_dqkwg``'s gated calls: tilelang and nvcc installed,
+    neither ``FLA_TILELANG=0`` nor ``FLA_DISABLE_BACKEND_DISPATCH=1`` set (what fla's dispatch checks)."""
+    if os.environ.get("FLA_DISABLE_BACKEND_DISPATCH") == "1":
+        return False
+    try:
+        from fla.ops.common.backends import CommonTileLangBackend
+    except Exception:  # another fla layout: assume no TileLang
+        return False
+    return CommonTileLangBackend.is_available() and CommonTileLangBackend().is_enabled()
+
+
+@functools.cache
+def fla_gated_backward_refused_on(device: torch.device) -> bool:
+    """``fla_gated_backward_refused`` for this CUDA device, the installed Triton and fla."""
+    import triton
+
+    return fla_gated_backward_refused(torch.cuda.get_device_capability(device), triton.__version__,
+                                      fla_tilelang_backward())
 
 
 def linear_attention_fla(q, k, v, *, log_decay=None, normalize=True, eps=1e-6, initial_state=None,

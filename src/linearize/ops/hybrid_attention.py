@@ -255,7 +255,8 @@ def hybrid_attention_step(
     qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
     g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
     mask = valid[:, None, None, None, :]
-    scores = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap).masked_fill(~mask, torch.finfo(acc).min)
+    scores = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap)  # in the autocast dtype under autocast
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     c = scores.amax(dim=-1, keepdim=True)
     a = g * torch.exp(scores - c) * mask
     out = a @ _augment(values.to(acc), True).unsqueeze(2) + qfg @ linear
@@ -400,7 +401,8 @@ def hybrid_attention_step_ring(
     qg, qfg = _group(q, n_kv).to(acc), _group(qf, n_kv).to(acc)
     g = gamma.to(acc).reshape(n_kv, -1)[..., None, None]
     mask = state.valid[:, None, None, None, :]
-    scores = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap).masked_fill(~mask, torch.finfo(acc).min)
+    scores = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap)  # in the autocast dtype under autocast
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     c = scores.amax(dim=-1, keepdim=True)
     a = g * torch.exp(scores - c) * mask
     out = a @ _augment(state.values.to(acc), True).unsqueeze(2) + qfg @ state.linear
