@@ -124,10 +124,10 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     lin orderings ${1#orderings-} --teacher $T --budget gpu --losses ${LOSSES:-lm,kl+lm} --steps ${STEPS:-610} \
       --eval-steps ${EVAL_STEPS:-61} --align-steps ${ALIGN:-0} --out $RUNS/${1} 2>&1 | quiet | tail -16
     cp $RUNS/${1}/orderings.md $RUNS/${1}/orderings.json $RUNS/${1}/curves.png $OUT/ 2>/dev/null ;;
-  dial)  # issue #21's dial: memory against recall for LoLCATs, + sparse caches, auto-K and hand-placed K, the
-         # gated delta rule (DIAL_ROWS picks rows by name), the teacher
+  dial)  # issue #21's dial: memory against recall for LoLCATs, + sparse caches, auto-K (by attention MSE; autor2 by
+         # the recall score) and hand-placed K, the gated delta rule (DIAL_ROWS picks rows by name), the teacher
     for v in "lolcats:" "auto1:--keep-softmax auto:1" "auto2:--keep-softmax auto:2" "auto4:--keep-softmax auto:4" \
-             "hand2:--keep-softmax 2,15" "delta:--kind delta"; do
+             "autor2:--keep-softmax auto:2 --auto-softmax-score recall" "hand2:--keep-softmax 2,15" "delta:--kind delta"; do
       [ -n "${DIAL_ROWS:-}" ] && [[ ",$DIAL_ROWS," != *",${v%%:*},"* ]] && continue
       name=${v%%:*}; flags=${v#*:}
       lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} $flags \

@@ -31,7 +31,8 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--norm", choices=NORMS, help="sum: divide by phi(q).sum phi(k); group: GroupNorm per head "
                    "(default: group for supra, sum otherwise; supra with --norm sum --decay none is T2R)")
     g.add_argument("--keep-softmax", metavar="I,J", help="comma-separated layer indices that keep softmax attention; "
-                   "lolcats also takes auto:K (the K layers stage 1 fits worst, by attention-output MSE, stay softmax)")
+                   "lolcats also takes auto:K (K layers chosen after stage 1 stay softmax: by attention-output MSE, or "
+                   "see --auto-softmax-score)")
     g.add_argument("--sparse-cache", type=int, metavar="S", help="lolcats: tokens per layer and key head kept exactly "
                    "beside the window, those the linear state recalls worst (LoLA); 0 = off (default)")
     g.add_argument("--backend", choices=BACKENDS, help="auto: fla CUDA kernels when installed; torch: PyTorch only")
@@ -412,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     _training_arguments(lc, lolcats.LolcatsConfig, budgets=("cpu", "gpu", "paper"))
     add_flags(lc, lolcats.LolcatsConfig, ("stage1_lr", "stage1_steps", "stage1_epochs", "layers_per_block", "block_inputs",
                                           "mse_factor", "xent_factor", "stage2_lr", "stage2_steps", "stage2_epochs",
-                                          "lora_r", "lora_alpha"))
+                                          "lora_r", "lora_alpha", "auto_softmax_score", "auto_softmax_distance"))
     _distill_arguments(lc, lolcats.LolcatsConfig, "stage 2's loss", align=False)
     lc.add_argument("--rows", help="comma-separated comparison rows at the same budget (LoLCATs Table 5): "
                     "lolcats, swap-finetune, stage1-only, no-window; each writes OUT/<row>")

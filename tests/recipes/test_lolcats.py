@@ -267,6 +267,8 @@ def test_auto_softmax_layers_keep_the_worst_fitted_layer(workspace, monkeypatch,
     chosen = res["auto_softmax"]["chosen"]
     assert chosen == [max(scores, key=scores.get)] and runs[1]["auto_softmax"]["chosen"] == chosen
     assert res["auto_softmax"]["scores"] == {str(i): pytest.approx(v) for i, v in scores.items()}
+    assert res["auto_softmax"]["score"].startswith("mse: ")
+    assert f"softmax kept at layers {chosen} (auto:1 by mse: " in lolcats.summary(res)
     model, _ = linearize.load(tmp_path / "a" / "final", device="cpu")
     assert sorted(linearize.mixers(model)) == sorted(set(range(3)) - set(chosen))
     record = model.config.linearize
@@ -285,10 +287,12 @@ def test_auto_softmax_through_the_cli(workspace, monkeypatch, tmp_path, capsys):
 
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
     assert main(_cli_args(workspace, tmp_path / "run", "--stage1-steps", "2", "--stage2-steps", "2",
-                          "--keep-softmax", "auto:1")) == 0
-    assert "softmax kept at layers" in capsys.readouterr().out
+                          "--keep-softmax", "auto:1", "--auto-softmax-score", "recall",
+                          "--auto-softmax-distance", "12")) == 0
+    assert "(auto:1 by recall: " in capsys.readouterr().out
     config = json.loads((tmp_path / "run" / "final" / "config.json").read_text())["linearize"]
     assert len(config["keep_softmax"]) == 1 and config["auto_softmax"]["k"] == 1
+    assert config["auto_softmax"]["copy_task"]["distance"] == 12
     assert main(["supra", "--keep-softmax", "auto:1", "--teacher", str(tmp_path / "absent"),
                  "--out", str(tmp_path / "s")]) == 2
     assert "is chosen by LoLCATs' attention transfer" in capsys.readouterr().err
@@ -310,17 +314,21 @@ def _recall(model, ids, labels):
     return (pred[real] == labels[:, 1:][real]).float().mean().item()
 
 
-def test_auto_softmax_keeps_the_layer_a_trained_teacher_recalls_with(monkeypatch, tmp_path):
-    """A tiny teacher trained to repeat the token 10 places back, beyond the window of 4: converting one
-    of its layers alone (the one that learnt the look-up) ruins that recall, converting either other one
-    does not. auto:1 keeps that layer softmax, and the student (the other layers linearized and fitted by
-    stage 1) recalls as the teacher does."""
-    import json as _json
+RECALL_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 8, "window": 4}
+
+
+@pytest.fixture(scope="module")
+def recall_teacher(tmp_path_factory):
+    """A tiny teacher trained to repeat the token 10 places back, beyond the window of 4, saved with a
+    random-word corpus in ``root``: converting one of its layers alone (``carrier``, the one that
+    learnt the look-up) ruins that recall, converting either other one does not. ``test``: recall
+    prompts (``_copy_task``)."""
+    from types import SimpleNamespace
 
     from helpers import tiny_config, tiny_tokenizer
     from transformers import AutoModelForCausalLM
 
-    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    root = tmp_path_factory.mktemp("recall")
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(tiny_config("llama"))
     opt = torch.optim.AdamW(teacher.parameters(), lr=3e-3)
@@ -333,24 +341,134 @@ def test_auto_softmax_keeps_the_layer_a_trained_teacher_recalls_with(monkeypatch
         if _recall(teacher, *test) > 0.98:
             break
     assert _recall(teacher, *test) > 0.98
-    spec = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 8, "window": 4}
-    alone = {i: _recall(linearize.convert(teacher, spec, keep_softmax=[j for j in range(3) if j != i]), *test)
+    alone = {i: _recall(linearize.convert(teacher, RECALL_SPEC, keep_softmax=[j for j in range(3) if j != i]), *test)
              for i in range(3)}  # recall with only layer i converted
     carrier = min(alone, key=alone.get)
     assert alone[carrier] < 0.3 and all(r > 0.9 for i, r in alone.items() if i != carrier), alone
-    teacher.save_pretrained(tmp_path / "teacher")
-    tiny_tokenizer().save_pretrained(tmp_path / "teacher")
+    teacher.save_pretrained(root / "teacher")
+    tiny_tokenizer().save_pretrained(root / "teacher")
     docs = torch.randint(2, 97, (40, 64), generator=torch.Generator().manual_seed(1))
-    (tmp_path / "corpus.jsonl").write_text("".join(_json.dumps({"text": " ".join(f"w{int(i)}" for i in d)}) + "\n"
-                                                   for d in docs))
-    res = lolcats.run(lolcats.LolcatsConfig(
-        teacher=str(tmp_path / "teacher"), data=str(tmp_path / "corpus.jsonl"), out=str(tmp_path / "run"),
-        block_len=32, eval_blocks=4, batch_size=4, eval_steps=10, patience=None, dtype="float32", spec=spec,
-        keep_softmax="auto:1", stages=("stage1",), stage1_steps=10, sample_prompt="w5 w6"))
-    assert res["auto_softmax"]["chosen"] == [carrier], (res["layer_mse_after"], alone)
+    (root / "corpus.jsonl").write_text("".join(json.dumps({"text": " ".join(f"w{int(i)}" for i in d)}) + "\n"
+                                               for d in docs))
+    return SimpleNamespace(root=root, teacher=teacher, carrier=carrier, test=test)
+
+
+def _recall_config(t, out, **kw):
+    """auto:1 after a short stage 1 on ``recall_teacher``."""
+    return lolcats.LolcatsConfig(
+        teacher=str(t.root / "teacher"), data=str(t.root / "corpus.jsonl"), out=str(out), block_len=32,
+        eval_blocks=4, batch_size=4, eval_steps=10, patience=None, dtype="float32", spec=RECALL_SPEC,
+        keep_softmax="auto:1", stages=("stage1",), stage1_steps=10, sample_prompt="w5 w6", **kw)
+
+
+def test_auto_softmax_keeps_the_layer_a_trained_teacher_recalls_with(recall_teacher, monkeypatch, tmp_path):
+    """auto:1 (by attention MSE) keeps the layer the trained teacher recalls with softmax, and the
+    student (the other layers linearized and fitted by stage 1) recalls as the teacher does."""
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    carrier = recall_teacher.carrier
+    res = lolcats.run(_recall_config(recall_teacher, tmp_path / "run"))
+    assert res["auto_softmax"]["chosen"] == [carrier], res["layer_mse_after"]
     student, _ = linearize.load(tmp_path / "run" / "final", device="cpu")
     assert sorted(linearize.mixers(student)) == sorted(set(range(3)) - {carrier})
-    assert _recall(student, *test) > 0.9
+    assert _recall(student, *recall_teacher.test) > 0.9
+
+
+def test_copy_task_repeats_a_span_beyond_the_window():
+    """The recall score's task: random regular tokens, the first span again ``distance`` tokens later,
+    labels on the copy but its first token; the same seed draws the same task."""
+    from helpers import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    ids, labels = lolcats.copy_task(tok, 97, 20, sequences=3, span=8, seed=5)
+    assert ids.shape == labels.shape == (3, 28)
+    assert torch.equal(ids[:, 20:], ids[:, :8]) and not torch.equal(ids[:, 8:16], ids[:, :8])
+    assert (labels[:, :21] == -100).all() and torch.equal(labels[:, 21:], ids[:, 21:])
+    assert ids.min() >= 2 and ids.max() <= 96  # w0 (pad, unk) and w1 (eos) are special
+    assert torch.equal(lolcats.copy_task(tok, 97, 20, sequences=3, span=8, seed=5)[0], ids)
+    assert not torch.equal(lolcats.copy_task(tok, 97, 20, sequences=3, span=8, seed=6)[0], ids)
+    short, _ = lolcats.copy_task(tok, 97, 6, span=8)  # the span is at most the distance
+    assert short.shape == (lolcats.RECALL_SEQUENCES, 12) and torch.equal(short[:, 6:], short[:, :6])
+    assert lolcats.copy_task(tok, 40, 20)[0].max() < 40  # only ids the model embeds
+    assert lolcats.recall_distance(lolcats.LolcatsConfig(spec=RECALL_SPEC)) == 16  # 4 x the window
+    assert lolcats.recall_distance(lolcats.LolcatsConfig()) == 256
+    assert lolcats.recall_distance(lolcats.LolcatsConfig(spec=RECALL_SPEC, auto_softmax_distance=10)) == 10
+
+
+def test_copy_loss_falls_when_the_recalling_layer_is_softmax(recall_teacher):
+    """The recall score on the converted teacher (every layer linear): the recalling layer's softmax
+    attention alone brings the copy loss down, the others' do not; every layer softmax is the teacher;
+    the greedy second round scores the rest with the first choice softmax; nothing stays swapped."""
+    from helpers import tiny_tokenizer
+
+    student = linearize.convert(recall_teacher.teacher, RECALL_SPEC)
+    kept = linearize.mixers(student)
+    c = recall_teacher.carrier
+    ids, labels = lolcats.copy_task(tiny_tokenizer(), 97, 10, seed=0)  # the teacher's distance
+    linear = lolcats.copy_loss(student, ids, labels)
+    alone = {i: lolcats.copy_loss(student, ids, labels, [i]) for i in range(3)}
+    assert alone[c] < linear - 1.0 and all(abs(alone[i] - linear) < 0.2 for i in range(3) if i != c), (linear, alone)
+    teacher = lolcats.copy_loss(recall_teacher.teacher, ids, labels)
+    assert lolcats.copy_loss(student, ids, labels, range(3)) == pytest.approx(teacher, abs=1e-4)
+    chosen, rounds = lolcats.recall_choice(student, ids, labels, 2)
+    assert c in chosen and len(chosen) == 2 and [r["softmax"] for r in rounds] == [[], [c]]
+    assert rounds[0]["loss"] == pytest.approx(linear) and rounds[1]["loss"] == pytest.approx(alone[c])
+    assert rounds[0]["scores"] == {str(i): pytest.approx(linear - alone[i]) for i in range(3)}
+    assert rounds[1]["scores"] == {str(i): pytest.approx(alone[c] - lolcats.copy_loss(student, ids, labels, [c, i]))
+                                   for i in range(3) if i != c}
+    assert linearize.mixers(student) == kept and lolcats.copy_loss(student, ids, labels) == linear
+
+
+def test_recall_score_is_the_same_for_a_seed(recall_teacher):
+    """The recall score draws its task from the run's seed: the same seed scores and chooses the same,
+    another seed draws another task. It does not read the attention MSE, which would choose otherwise."""
+    from dataclasses import replace
+
+    from helpers import tiny_tokenizer
+
+    student = linearize.convert(recall_teacher.teacher, RECALL_SPEC)
+    cfg = lolcats.LolcatsConfig(spec=RECALL_SPEC, auto_softmax_score="recall", auto_softmax_distance=10, seed=3)
+    mse = {i: 0.0 if i == recall_teacher.carrier else 9.0 for i in range(3)}
+    chosen, record = lolcats.auto_softmax_choice(student, tiny_tokenizer(), mse, 1, cfg)
+    assert (chosen, record) == lolcats.auto_softmax_choice(student, tiny_tokenizer(), mse, 1, cfg)
+    assert chosen == [recall_teacher.carrier] and record["copy_task"]["seed"] == 3
+    other = lolcats.auto_softmax_choice(student, tiny_tokenizer(), mse, 1, replace(cfg, seed=4))[1]
+    assert other["copy_task"]["seed"] == 4 and other["scores"] != record["scores"]
+    by_mse = lolcats.auto_softmax_choice(student, tiny_tokenizer(), mse, 1, replace(cfg, auto_softmax_score="mse"))
+    assert by_mse[0] != chosen and by_mse[1]["score"].startswith("mse: ")
+
+
+def test_recall_score_keeps_the_recalling_layer_and_records_it(recall_teacher, monkeypatch, tmp_path):
+    """auto:1 by the recall score after stage 1 keeps the recalling layer softmax; the score's name,
+    every layer's score and the choice are in results.json and the checkpoint's config, and the
+    summary names the score."""
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    c = recall_teacher.carrier
+    res = lolcats.run(_recall_config(recall_teacher, tmp_path / "run", auto_softmax_score="recall",
+                                     auto_softmax_distance=10))
+    record = res["auto_softmax"]
+    assert record["chosen"] == [c] and record["k"] == 1 and record["score"].startswith("recall: ")
+    assert set(record["scores"]) == {"0", "1", "2"} and max(record["scores"], key=record["scores"].get) == str(c)
+    assert record["copy_task"]["distance"] == 10 and record["rounds"][0]["scores"] == record["scores"]
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["auto_softmax"] == record
+    config = json.loads((tmp_path / "run" / "final" / "config.json").read_text())["linearize"]
+    assert config["auto_softmax"] == record and config["keep_softmax"] == [c]
+    student, _ = linearize.load(tmp_path / "run" / "final", device="cpu")
+    assert sorted(linearize.mixers(student)) == sorted(set(range(3)) - {c})
+    assert _recall(student, *recall_teacher.test) > 0.9
+    assert f"softmax kept at layers [{c}] (auto:1 by recall: " in lolcats.summary(res)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"auto_softmax_score": "entropy"}, "auto_softmax_score must be one of mse, recall, got 'entropy'"),
+    ({"auto_softmax_score": "recall", "keep_softmax": (1,)}, "which this run does not ask for"),
+    ({"auto_softmax_score": "recall", "auto_softmax_distance": 1}, "auto_softmax_distance must be a whole number"),
+])
+def test_bad_auto_softmax_settings_fail_in_one_line_before_loading(tmp_path, settings, message):
+    cfg = lolcats.LolcatsConfig(**{"teacher": str(tmp_path / "absent"), "out": str(tmp_path / "run"),
+                                   "keep_softmax": "auto:1", **settings})
+    with pytest.raises(linearize.LinearizeError, match=message) as err:
+        lolcats.run(cfg)
+    assert "\n" not in str(err.value) and not (tmp_path / "run").exists()
 
 
 def test_auto_softmax_picks_the_layer_with_sharp_attention(workspace, monkeypatch, tmp_path):

@@ -53,6 +53,8 @@ def test_flags_win_over_the_file(workspace, monkeypatch, tmp_path):
     ({"budget": "huge"}, "budget must be cpu, gpu or paper"),
     ({"method": "xatl"}, "is a xatl recipe; run it with 'linearize xatl'"),
     ("- a list", "must hold a mapping of settings"),
+    ({"keep_softmax": "auto:2", "auto_softmax_score": "entropy"}, "auto_softmax_score must be one of mse, recall"),
+    ({"auto_softmax_score": "recall"}, "chooses the layers of keep_softmax auto:K, which this run does not ask for"),
 ])
 def test_bad_recipe_files_fail_in_one_line_before_loading(content, message, tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"

@@ -11,6 +11,10 @@ A block trains on the teacher's hidden states entering it, computed once and kep
 Stage 2 — low-rank linearizing. LoRA (r=8, alpha=16 on q/k/v/o by default) trained on next-token
 loss; the adapters are merged into the saved checkpoint unless ``merge`` is off.
 
+``keep_softmax: auto:K`` converts every layer for stage 1, then keeps softmax the K layers with the
+largest ``auto_softmax_score``: their attention-output MSE after stage 1, or how much their softmax
+attention lowers the loss of copying a random span from beyond the window (``auto_softmax_choice``).
+
 Paper defaults: Hedgehog maps, feature dim 64, window 64, lr 1e-2 (stage 1) and 1e-4 (stage 2),
 2 epochs each on 1024-token packs, batch 8, early stopping on the validation loss.
 """
@@ -41,6 +45,7 @@ from .launch import is_main_process, peak_gpu_memory, under_fsdp, world_size
 
 __all__ = ["LolcatsConfig", "ablation_config", "layer_mse", "run", "run_stage1", "run_stage2", "summary"]
 
+AUTO_SCORES = ("mse", "recall")  # how keep_softmax auto:K scores the layers (``auto_softmax_choice``)
 DEFAULT_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64}
 # The comparison rows of LoLCATs Table 5, by name -> (stages, spec changes)
 ABLATIONS = {
@@ -58,7 +63,7 @@ class LolcatsConfig(RunConfig):
 
     out: str = "runs/lolcats"
     spec: dict = field(default_factory=lambda: dict(DEFAULT_SPEC))
-    keep_softmax: tuple[int, ...] | str = ()  # layer indices, or "auto:K": the K layers stage 1 fits worst
+    keep_softmax: tuple[int, ...] | str = ()  # layer indices, or "auto:K": K layers chosen after stage 1
     eval_steps: int = 50
     patience: int | None = 3
     stages: tuple[str, ...] = ("stage1", "stage2")
@@ -75,6 +80,16 @@ class LolcatsConfig(RunConfig):
                                          "entering it, computed once and kept in CPU memory (cache, the default, as "
                                          "LoLCATs), or run the earlier layers at every step (recompute: no host memory)",
                                 choices=("cache", "recompute"))
+    # keep_softmax auto:K: how the K layers are chosen after stage 1
+    auto_softmax_score: str = setting("mse", "keep_softmax auto:K keeps softmax the K layers with the largest score: "
+                                             "mse (attention-output MSE after stage 1; default) or recall (how much "
+                                             "the layer's softmax attention lowers the loss of copying a random "
+                                             "span from beyond the window; one layer at a time, each beside those "
+                                             "already chosen)",
+                                      choices=AUTO_SCORES)
+    auto_softmax_distance: int | None = setting(None, "auto_softmax_score recall: tokens from a span's first "
+                                                      "occurrence to its copy (default: 4 x the window)",
+                                                metavar="N")
     # stage 2
     stage2_lr: float = setting(1e-4, "stage 2 (LoRA) learning rate")
     stage2_epochs: float = setting(2.0, "stage 2 epochs")
@@ -362,13 +377,116 @@ def choose_worst(scores: dict[int, float], k: int) -> list[int]:
     return sorted(sorted(scores, key=lambda i: (-scores[i], i))[:k])
 
 
-def keep_worst_layers(teacher, trained, scores: dict[int, float], k: int, spec: dict):
-    """The student with the ``k`` layers that stage 1 fitted worst (largest attention-output MSE,
-    ``scores``) kept as the teacher's softmax attention and every other layer as ``trained`` left it:
-    ``teacher`` is converted in place with those layers kept and takes ``trained``'s weights (the
-    same keys: mixers adopt the teacher's projections under their names). The scores and the choice
-    are recorded in the checkpoint's config (``linearize.auto_softmax``). Returns (student, record)."""
-    chosen = choose_worst(scores, k)
+RECALL_SEQUENCES = 8  # copy-task sequences the recall score runs (one batch on a GPU)
+RECALL_SPAN = 64  # tokens of the copied span (fewer when the distance is shorter)
+
+
+def recall_distance(cfg: LolcatsConfig) -> int:
+    """The recall score's copy distance: ``auto_softmax_distance``, else 4 x the spec's window (256
+    for LoLCATs' 64), which puts every copied token's first occurrence beyond the window: only the
+    linear state, or a softmax layer, can bring it back."""
+    from ..spec import Spec
+
+    return cfg.auto_softmax_distance or 4 * Spec.coerce(cfg.spec).window
+
+
+def copy_task(tokenizer, vocab_rows: int, distance: int, sequences: int = RECALL_SEQUENCES,
+              span: int = RECALL_SPAN, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The recall score's task: ``sequences`` rows of random tokens from the tokenizer's regular ids
+    (below its vocabulary size and the model's ``vocab_rows`` embeddings, special tokens left out),
+    in which the first ``min(span, distance)`` tokens come again ``distance`` tokens later (random
+    tokens between). Returns ``(ids, labels)``, both ``[sequences, distance + span]``: the labels are
+    the copy's tokens but its first (which nothing predicts), -100 elsewhere, so a model predicts
+    each labelled token by finding its first occurrence ``distance`` tokens back (an induction
+    copy). The same ``seed`` draws the same task."""
+    span = min(span, distance)
+    special = set(tokenizer.all_special_ids)
+    regular = torch.tensor([i for i in range(min(tokenizer.vocab_size, vocab_rows)) if i not in special])
+    if len(regular) == 0:
+        raise LinearizeError("the recall score needs regular token ids, and this tokenizer has only special ones")
+    draw = torch.randint(len(regular), (sequences, distance + span), generator=torch.Generator().manual_seed(seed))
+    ids = regular[draw]
+    ids[:, distance:] = ids[:, :span]
+    labels = torch.full_like(ids, -100)
+    labels[:, distance + 1 :] = ids[:, distance + 1 :]
+    return ids, labels
+
+
+@torch.no_grad()
+def copy_loss(model, ids: torch.Tensor, labels: torch.Tensor, softmax_layers=(), batch_size: int = 8) -> float:
+    """Mean next-token cross-entropy of ``model`` on the labelled tokens of ``copy_task``, with the
+    converted layers in ``softmax_layers`` giving the teacher's softmax attention (``SoftmaxAttention``
+    from their own projections, which are the teacher's: the attention ``keep_chosen_layers`` keeps)
+    and every other converted layer its own mixer. The model's mixers are back afterwards. Runs
+    ``batch_size`` rows at a time, fewer where their logits would pass ``LOGIT_BUDGET``."""
+    from ..distill.probes import SoftmaxAttention, swapped
+    from ..eval.perplexity import LOGIT_BUDGET
+
+    device = next(model.parameters()).device
+    rows = max(1, min(batch_size, LOGIT_BUDGET // (ids.shape[1] * model.config.get_text_config().vocab_size)))
+    restored = set(softmax_layers)
+    total, count = 0.0, 0
+    with swapped(model, lambda m: SoftmaxAttention(m) if m.layer_idx in restored else None):
+        for s in range(0, len(ids), rows):
+            logits = model(input_ids=ids[s : s + rows].to(device), use_cache=False).logits[:, :-1]
+            target = labels[s : s + rows, 1:].to(device)
+            real = target != -100
+            total += torch.nn.functional.cross_entropy(logits[real].double(), target[real], reduction="sum").item()
+            count += int(real.sum())
+            del logits
+    return total / count
+
+
+def recall_choice(student, ids: torch.Tensor, labels: torch.Tensor, k: int, batch_size: int = 8):
+    """The ``k`` converted layers whose softmax attention most lowers ``copy_loss``, chosen greedily:
+    each round scores every layer not yet chosen by the loss with the layers chosen so far softmax
+    minus the loss with that layer softmax too, and takes the largest (ties: the lower index). The
+    first round's scores are each layer's gain alone (every other layer linear); later rounds see
+    the earlier choices, so a second layer that only repeats what the first restores scores low.
+    Costs 1 + k x (layers) forwards of ``ids``. Returns (chosen, in layer order; the rounds:
+    the layers softmax before it, their loss and every candidate's score)."""
+    candidates = sorted(mixers(student))
+    chosen: list[int] = []
+    loss = copy_loss(student, ids, labels, (), batch_size)
+    rounds = []
+    for _ in range(k):
+        losses = {i: copy_loss(student, ids, labels, chosen + [i], batch_size) for i in candidates if i not in chosen}
+        gains = {i: loss - v for i, v in losses.items()}
+        best = choose_worst(gains, 1)[0]
+        rounds.append({"softmax": list(chosen), "loss": loss, "scores": {str(i): v for i, v in gains.items()}})
+        chosen.append(best)
+        loss = losses[best]
+    return sorted(chosen), rounds
+
+
+def auto_softmax_choice(student, tokenizer, mse: dict[int, float], k: int, cfg: LolcatsConfig):
+    """Which ``k`` layers ``keep_softmax: auto:K`` keeps, by ``cfg.auto_softmax_score``: ``mse`` the
+    largest attention-output MSE after stage 1 (``mse``, by layer), ``recall`` the greedy gains on
+    ``copy_task`` (``recall_choice``; the task drawn from ``cfg.seed``, so a run chooses again as it
+    chose). Returns (chosen, record); the record's ``score`` names the score, ``scores`` holds every
+    layer's (recall: the first round's, ``rounds`` all of them)."""
+    if cfg.auto_softmax_score == "mse":
+        chosen = choose_worst(mse, k)
+        return chosen, {"k": k, "chosen": chosen, "score": "mse: attention-output MSE after stage 1, the largest kept",
+                        "scores": {str(i): float(v) for i, v in sorted(mse.items())}}
+    distance = recall_distance(cfg)
+    rows = student.get_input_embeddings().num_embeddings
+    ids, labels = copy_task(tokenizer, rows, distance, seed=cfg.seed)
+    chosen, rounds = recall_choice(student, ids, labels, k, cfg.batch_size)
+    return chosen, {"k": k, "chosen": chosen,
+                    "score": f"recall: the loss of copying a random span {distance} tokens back, every layer "
+                             "linear, minus that with the layer softmax; the largest kept, greedily",
+                    "scores": rounds[0]["scores"], "rounds": rounds,
+                    "copy_task": {"sequences": len(ids), "span": min(RECALL_SPAN, distance), "distance": distance,
+                                  "seed": cfg.seed, "loss_every_layer_linear": rounds[0]["loss"]}}
+
+
+def keep_chosen_layers(teacher, trained, chosen: list[int], spec: dict, record: dict):
+    """The student with the ``chosen`` layers kept as the teacher's softmax attention and every other
+    layer as ``trained`` left it: ``teacher`` is converted in place with those layers kept and takes
+    ``trained``'s weights (the same keys: mixers adopt the teacher's projections under their names).
+    ``record`` (``auto_softmax_choice``'s: the score, every layer's, the choice) goes into the
+    checkpoint's config (``linearize.auto_softmax``)."""
     student = convert(teacher, spec, keep_softmax=chosen, inplace=True)
     source = trained.state_dict()
     target = student.state_dict()
@@ -376,10 +494,8 @@ def keep_worst_layers(teacher, trained, scores: dict[int, float], k: int, spec: 
     if missing:
         raise LinearizeError(f"auto softmax layers: the trained student lacks {missing[:3]}")
     student.load_state_dict({name: source[name] for name in target}, strict=True)
-    record = {"k": k, "chosen": chosen, "score": "attention-output MSE after stage 1 (largest kept softmax)",
-              "scores": {str(i): float(v) for i, v in sorted(scores.items())}}
     student.config.linearize = {**student.config.linearize, "auto_softmax": record}
-    return student, record
+    return student
 
 
 # --- the whole recipe ----------------------------------------------------------------------------
@@ -399,6 +515,15 @@ def run(cfg: LolcatsConfig) -> dict:
         raise LinearizeError("block-wise stage 1 (--layers-per-block) runs on one GPU or data-parallel (torchrun); "
                              "under FSDP train every layer jointly (leave --layers-per-block out)")
     auto_k = auto_softmax_count(cfg.keep_softmax)
+    if cfg.auto_softmax_score not in AUTO_SCORES:
+        raise LinearizeError(f"auto_softmax_score must be one of {', '.join(AUTO_SCORES)}, "
+                             f"got {cfg.auto_softmax_score!r}")
+    if cfg.auto_softmax_score != "mse" and not auto_k:
+        raise LinearizeError(f"auto_softmax_score {cfg.auto_softmax_score} chooses the layers of keep_softmax auto:K, "
+                             "which this run does not ask for")
+    distance = cfg.auto_softmax_distance
+    if distance is not None and (isinstance(distance, bool) or not isinstance(distance, int) or distance < 2):
+        raise LinearizeError(f"auto_softmax_distance must be a whole number of tokens, 2 or more, got {distance!r}")
     if auto_k and "stage1" not in cfg.stages:
         raise LinearizeError("keep_softmax auto:K picks the layers by their attention-transfer error: it needs stage 1")
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
@@ -420,8 +545,8 @@ def run(cfg: LolcatsConfig) -> dict:
         results["layer_mse_after"] = layer_mse(student, eval_blocks)
         if auto_k:
             ppl["after_stage1, every layer linear"] = perplexity(student, eval_blocks)
-            student, results["auto_softmax"] = keep_worst_layers(teacher, student, results["layer_mse_after"], auto_k,
-                                                                 cfg.spec)
+            chosen, results["auto_softmax"] = auto_softmax_choice(student, tok, results["layer_mse_after"], auto_k, cfg)
+            student = keep_chosen_layers(teacher, student, chosen, cfg.spec, results["auto_softmax"])
         del teacher
         ppl["after_stage1"] = perplexity(student, eval_blocks)
         _plot_layer_mse(results, out)
@@ -494,7 +619,7 @@ def summary(results: dict, row: str = "lolcats") -> str:
                          f"({r['tokens_per_second']:,.0f} tok/s{peak})")
     if "auto_softmax" in results:
         a = results["auto_softmax"]
-        lines.append(f"  softmax kept at layers {a['chosen']} (auto:{a['k']}: the largest attention MSE after stage 1)")
+        lines.append(f"  softmax kept at layers {a['chosen']} (auto:{a['k']} by {a['score']})")
     if "layer_mse_before" in results:
         b, a = results["layer_mse_before"], results["layer_mse_after"]
         mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
