@@ -108,8 +108,8 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     recall $RUNS/distill-supra/final distill-supra ;;
   distill-xatl)  # the XATL hybrid learning from the teacher, same schedule
     lin xatl --teacher $T --budget gpu --arch retnet --transfer embeddings,ffn,wo,attention --hybrid xatl \
-      --align-steps ${ALIGN:-300} --align-lr 1e-3 --loss ${LOSS:-kl+lm} --steps ${XATL_STEPS:-610} --eval-steps 61 \
-      --out $RUNS/distill-xatl 2>&1 | quiet | tail -10
+      --align-steps ${ALIGN:-300} --align-lr 1e-3 --loss ${LOSS:-kl+lm} --steps ${XATL_STEPS:-610} \
+      --eval-steps ${EVAL_STEPS:-61} ${XATL_ARGS:-} --out $RUNS/distill-xatl 2>&1 | quiet | tail -10
     evaluate $RUNS/distill-xatl/final distill-xatl
     recall $RUNS/distill-xatl/final distill-xatl-hybrid ;;
   distill-xatl-scratch)  # the same hybrid from scratch (no weights transferred), same schedule: the transfer's margin
@@ -124,23 +124,29 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     lin orderings ${1#orderings-} --teacher $T --budget gpu --losses ${LOSSES:-lm,kl+lm} --steps ${STEPS:-610} \
       --eval-steps ${EVAL_STEPS:-61} --align-steps ${ALIGN:-0} --out $RUNS/${1} 2>&1 | quiet | tail -16
     cp $RUNS/${1}/orderings.md $RUNS/${1}/orderings.json $RUNS/${1}/curves.png $OUT/ 2>/dev/null ;;
-  dial)  # issue #21's dial: memory against recall for LoLCATs, + sparse caches, auto-K (by attention MSE; autor2 by
-         # the recall score) and hand-placed K, the gated delta rule (DIAL_ROWS picks rows by name), the teacher
+  dial)  # issue #21's dial: memory against recall for LoLCATs, + sparse caches (SPARSE sizes, SPARSE_PRIORITIES rules), auto-K (by attention MSE; autor2 by
+         # the recall score) and hand-placed K, the gated delta rule, LoLCATs trained on 4,096-token blocks (long4k)
+         # (DIAL_ROWS picks rows by name; DIAL_EVAL adds eval flags, e.g. --by-position), the teacher
     for v in "lolcats:" "auto1:--keep-softmax auto:1" "auto2:--keep-softmax auto:2" "auto4:--keep-softmax auto:4" \
-             "autor2:--keep-softmax auto:2 --auto-softmax-score recall" "hand2:--keep-softmax 2,15" "delta:--kind delta"; do
+             "autor2:--keep-softmax auto:2 --auto-softmax-score recall" "hand2:--keep-softmax 2,15" "delta:--kind delta" \
+             "long4k:--block-len 4096 --batch-size 2"; do
       [ -n "${DIAL_ROWS:-}" ] && [[ ",$DIAL_ROWS," != *",${v%%:*},"* ]] && continue
       name=${v%%:*}; flags=${v#*:}
       lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} $flags \
         --out $RUNS/dial-$name 2>&1 | quiet | tail -6
-      lin eval $RUNS/dial-$name/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name $name \
+      lin eval $RUNS/dial-$name/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name $name ${DIAL_EVAL:-} \
         --out $RUNS/dial/$name.json 2>&1 | quiet | tail -4
     done
     # several dial jobs may share the rows: DIAL_TAIL=0 skips the tail below, DIAL_WAIT names the rows it waits for
     [ "${DIAL_TAIL:-1}" = 1 ] || exit 0
     for n in ${DIAL_WAIT:-}; do waitfor $RUNS/dial/$n.json 1500 || exit 1; done
+    # each S under each of SPARSE_PRIORITIES (recall: LoLA's rule, rows lolcats-sS; novelty: rows lolcats-sS-novelty)
     for S in ${SPARSE:-16 64 256}; do
-      lin eval $RUNS/dial-lolcats/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --sparse-cache $S \
-        --name lolcats-s$S --out $RUNS/dial/lolcats-s$S.json 2>&1 | quiet | tail -4
+      for P in ${SPARSE_PRIORITIES:-recall}; do
+        name=lolcats-s$S; [ "$P" = recall ] || name=$name-$P
+        lin eval $RUNS/dial-lolcats/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --sparse-cache $S \
+          --sparse-priority $P --name $name --out $RUNS/dial/$name.json 2>&1 | quiet | tail -4
+      done
     done
     lin eval $T --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name teacher --out $RUNS/dial/teacher.json \
       2>&1 | quiet | tail -4
