@@ -15,7 +15,7 @@ DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def _spec_arguments(p: argparse.ArgumentParser) -> None:
-    from .spec import BACKENDS, DECAYS, FEATURE_MAPS, KINDS, NORMS
+    from .spec import BACKENDS, DECAYS, FEATURE_MAPS, KINDS, NORMS, SPARSE_PRIORITIES
 
     g = p.add_argument_group("mixer spec (each flag overrides the same key of --config)")
     g.add_argument("--kind", choices=KINDS, help="lolcats: softmax over a sliding window + linear attention for "
@@ -34,7 +34,11 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
                    "lolcats also takes auto:K (K layers chosen after stage 1 stay softmax: by attention-output MSE, or "
                    "see --auto-softmax-score)")
     g.add_argument("--sparse-cache", type=int, metavar="S", help="lolcats: tokens per layer and key head kept exactly "
-                   "beside the window, those the linear state recalls worst (LoLA); 0 = off (default)")
+                   "beside the window, those the linear state recalls worst (LoLA; or see --sparse-priority); "
+                   "0 = off (default)")
+    g.add_argument("--sparse-priority", choices=SPARSE_PRIORITIES, help="lolcats with --sparse-cache: which tokens "
+                   "the cache keeps: recall (those the linear state recalls worst, LoLA; the default) or novelty "
+                   "(those whose values are least like the other candidates')")
     g.add_argument("--backend", choices=BACKENDS, help="auto: fla CUDA kernels when installed; torch: PyTorch only")
     g.add_argument("--config", type=Path, help="a recipe: a YAML file whose keys are settings (convert: the flags "
                    "above and teacher; lolcats, supra: any of the command's settings, e.g. stage1_steps, loss, "
@@ -42,7 +46,15 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
                    "(linearize.recipes.configs); flags win")
 
 
-SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "backend", "sparse_cache")
+SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "backend",
+              "sparse_cache", "sparse_priority")
+
+
+def _check_sparse_priority(args, spec: dict) -> None:
+    """``--sparse-priority`` only chooses what a sparse cache keeps: without one it would do nothing."""
+    if getattr(args, "sparse_priority", None) is not None and not spec.get("sparse_cache"):
+        raise LinearizeError("--sparse-priority chooses which tokens the sparse cache keeps; give the cache a size "
+                             "with --sparse-cache S (or sparse_cache in --config)")
 
 
 def read_recipe(config) -> dict:
@@ -77,6 +89,7 @@ def _spec_from_args(args) -> tuple[dict, dict]:
         value = getattr(args, key)
         if value is not None:
             recipe[key] = value
+    _check_sparse_priority(args, recipe)
     return recipe, other
 
 
@@ -98,6 +111,7 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
     spec.update({k: recipe.pop(k) for k in SPEC_FLAGS if k in recipe and k != "keep_softmax"})
     spec.update({k: getattr(args, k) for k in SPEC_FLAGS
                  if k != "keep_softmax" and getattr(args, k, None) is not None})
+    _check_sparse_priority(args, spec)
     keep = getattr(args, "keep_softmax", None) or recipe.pop("keep_softmax", None) or spec.pop("keep_softmax", None)
     spec.pop("keep_softmax", None)
     method = recipe.pop("method", None)

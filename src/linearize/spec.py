@@ -18,6 +18,7 @@ FEATURE_MAPS = ("hedgehog", "t2r", "elu", "relu")
 DECAYS = ("none", "retnet", "lightning")
 NORMS = ("sum", "group")
 BACKENDS = ("auto", "torch", "fla")
+SPARSE_PRIORITIES = ("recall", "novelty")  # ops.sparse_hybrid_attention.PRIORITIES
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,10 @@ class Spec:
     sparse_cache: lolcats only: tokens per layer and key head kept exactly beside the window, chosen
         by how badly the linear state recalls them (LoLA; ``ops/sparse_hybrid_attention.py``); 0 = off.
         Adds no parameters: a converted checkpoint takes one without training (``convert.respec``).
+    sparse_priority: which older tokens the sparse cache keeps: ``recall`` (LoLA's self-recall error,
+        the tokens the linear state reads back worst) or ``novelty`` (the tokens whose values are least
+        like any other candidate's: repeated text goes to the linear state, one-off tokens stay). Like
+        ``sparse_cache`` it adds no parameters; it has no effect while ``sparse_cache`` is 0.
     backend: ``auto`` (fla CUDA kernels when installed; lolcats: the hybrid's Triton kernels on
         CUDA, ``ops.use_hybrid_kernel``), ``torch`` or ``fla`` (the CUDA kernels required).
     """
@@ -68,7 +73,11 @@ class Spec:
         "cli": True, "choices": BACKENDS, "help": "auto: fla CUDA kernels when installed; torch: PyTorch only"})
     sparse_cache: int = field(default=0, metadata={
         "cli": True, "help": "lolcats: tokens per layer and key head kept exactly beside the window, chosen by how badly "
-        "the linear state recalls them (LoLA); 0 = off"})
+        "the linear state recalls them (LoLA; or see --sparse-priority); 0 = off"})
+    sparse_priority: str = field(default="recall", metadata={
+        "cli": True, "choices": SPARSE_PRIORITIES, "help": "lolcats with --sparse-cache: keep the tokens the linear "
+        "state recalls worst (recall, LoLA; the default) or those whose values are least like the other candidates' "
+        "(novelty)"})
 
     def __post_init__(self):
         _check_choice("kind", self.kind, _kinds.names())
@@ -76,6 +85,7 @@ class Spec:
         _check_choice("decay", self.decay, DECAYS, optional=True)
         _check_choice("norm", self.norm, NORMS, optional=True)
         _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("sparse_priority", self.sparse_priority, SPARSE_PRIORITIES)
         for name in ("feature_dim", "window", "chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -13,6 +13,7 @@ SPECS = [{"kind": "lolcats", "window": 4, "feature_dim": 8}, {"kind": "supra"},
          {"kind": "linear", "feature_map": "hedgehog", "feature_dim": 8},
          {"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [1]},
          {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3},  # the cache's ring, captured too
+         {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3, "sparse_priority": "novelty"},
          {"kind": "delta", "window": 4, "chunk_size": 8}]  # the delta rule's ring and memory
 
 

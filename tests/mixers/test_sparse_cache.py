@@ -1,6 +1,7 @@
 """The LoLCATs hybrid with a sparse exact cache (LoLA): the three forms agree in float64 (values,
-gradients, final states), it reduces to the hybrid and to softmax at its extremes, padding is
-invisible, it keeps the tokens the linear state recalls worst, and a converted model decodes with it."""
+gradients, final states) under either priority, it reduces to the hybrid and to softmax at its
+extremes, padding is invisible, it keeps the tokens the linear state recalls worst (``recall``) or
+a one-off token among repeats (``novelty``), and a converted model decodes with it."""
 
 import pytest
 import torch
@@ -55,10 +56,11 @@ CASES = [(2, 4, 2, 23, 3, 2), (1, 6, 3, 17, 4, 3), (2, 2, 2, 13, 4, 1), (1, 4, 1
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("softcap", [None, 2.0])
-def test_sparse_forms_agree(case, softcap):
+@pytest.mark.parametrize("priority", ["recall", "novelty"])
+def test_sparse_forms_agree(case, softcap, priority):
     b, h, hk, t, w, cap = case
     xs, gamma = _inputs(b, h, hk, t)
-    kw = dict(window=w, cache_size=cap, scale=0.5, softcap=softcap)
+    kw = dict(window=w, cache_size=cap, scale=0.5, softcap=softcap, priority=priority)
     ref = ops.sparse_hybrid_attention_naive(*xs, gamma, **kw)
     chunked, s_chunk = ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, output_final_state=True)
     rec, s_rec = ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw)
@@ -90,7 +92,8 @@ def test_a_cache_holding_everything_is_softmax():
 
 
 @pytest.mark.parametrize("window", [3, 4])
-def test_padding_is_invisible_and_decoding_resumes_anywhere(window):
+@pytest.mark.parametrize("priority", ["recall", "novelty"])
+def test_padding_is_invisible_and_decoding_resumes_anywhere(window, priority):
     """Left padding (and a padded token inside) changes no real token's output in any form; each
     sequence decides exactly as it would alone (epochs count from its first real token); decoding
     on from a prefill of any length equals one pass."""
@@ -99,7 +102,7 @@ def test_padding_is_invisible_and_decoding_resumes_anywhere(window):
     mask[1, :5] = False
     mask[2, :10] = False
     mask[2, 14] = False
-    kw = dict(window=window, cache_size=2, scale=0.5)
+    kw = dict(window=window, cache_size=2, scale=0.5, priority=priority)
     ref = ops.sparse_hybrid_attention_naive(*xs, gamma, **kw, key_mask=mask)
     chunked, s_chunk = ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, key_mask=mask, output_final_state=True)
     rec, s_rec = ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw, key_mask=mask)
@@ -131,6 +134,41 @@ def test_the_token_recalled_worst_is_kept():
     assert state.cache_pos.flatten().tolist() == [9]
 
 
+def test_novelty_keeps_a_one_off_token_among_repeats():
+    """A pass key in repeated filler: the filler alternates two large values, the key's value is small
+    and points elsewhere. The linear state reads the filler back worse than the key (when the key
+    leaves the window its self-recall error is the lowest of its epoch), so the recall rule caches
+    filler; the novelty rule sees that every filler value has a near-copy among the candidates and
+    keeps the key, in the chunked and the recurrent form alike."""
+    g = torch.Generator().manual_seed(7)
+    t, w = 40, 6  # every leaver set holds each filler value at least twice, the key's set too
+    q = torch.randn(1, 2, t, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 1, t, 4, generator=g, dtype=torch.float64)
+    qf = torch.randn(1, 2, t, 6, generator=g, dtype=torch.float64).exp()
+    kf = torch.randn(1, 1, t, 6, generator=g, dtype=torch.float64).exp()
+    v = torch.zeros(1, 1, t, 4, dtype=torch.float64)
+    v[0, 0, 0::2, 0], v[0, 0, 1::2, 0] = 10.0, -10.0  # the filler: two values, alternating
+    v[0, 0, :, 1:] = 0.01 * torch.randn(t, 3, generator=g, dtype=torch.float64)  # not exact copies
+    v[0, 0, 9] = torch.tensor([0.0, 1.0, 0.5, -0.5], dtype=torch.float64)  # the key
+    gamma = torch.tensor([0.3, 0.6], dtype=torch.float64)
+    kept = {}
+    for priority in ("recall", "novelty"):
+        kw = dict(window=w, cache_size=1, scale=0.5, priority=priority)
+        _, state = ops.sparse_hybrid_attention_chunked(q, k, qf, kf, v, gamma, **kw, output_final_state=True)
+        _, s_rec = ops.sparse_hybrid_attention_recurrent(q, k, qf, kf, v, gamma, **kw)
+        _same_state(state, s_rec)
+        kept[priority] = state.cache_pos.flatten().tolist()
+    assert kept["novelty"] == [9]
+    assert kept["recall"] != [9]
+
+
+def test_unknown_priority_fails():
+    xs, gamma = _inputs(1, 2, 1, 9)
+    for form in (ops.sparse_hybrid_attention_naive, ops.sparse_hybrid_attention_chunked):
+        with pytest.raises(ValueError, match="priority must be one of"):
+            form(*xs, gamma, window=2, cache_size=1, scale=0.5, priority="attention")
+
+
 def test_runs_under_bfloat16_autocast():
     xs, gamma = _inputs(1, 4, 2, 40)
     ref = ops.sparse_hybrid_attention_naive(*xs, gamma, window=8, cache_size=4, scale=0.5)
@@ -142,7 +180,8 @@ def test_runs_under_bfloat16_autocast():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_forms_agree_on_cuda():
+@pytest.mark.parametrize("priority", ["recall", "novelty"])
+def test_forms_agree_on_cuda(priority):
     """The chunked form's selection (argsorts, cumulative sums, scatters) on CUDA, in float64, against
     the decoding form, at SmolLM2's head sizes and a cache of 16 beside a window of 16."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -153,7 +192,7 @@ def test_forms_agree_on_cuda():
     gamma = torch.full((h,), 0.1, device="cuda", dtype=torch.float64)
     mask = torch.ones(b, t, dtype=torch.bool, device="cuda")
     mask[1, :37] = False
-    kw = dict(window=16, cache_size=16, scale=d ** -0.5, key_mask=mask)
+    kw = dict(window=16, cache_size=16, scale=d ** -0.5, key_mask=mask, priority=priority)
     chunked, s_chunk = ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, output_final_state=True)
     rec, s_rec = ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw)
     _close(chunked, rec)
@@ -165,9 +204,10 @@ def test_forms_agree_on_cuda():
 SPEC = {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3}
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox"])
-def test_decoding_through_the_cache_equals_parallel_forward(tiny_model, family):
-    student = tiny_student(tiny_model, family, SPEC)
+@pytest.mark.parametrize("family,priority", [("llama", "recall"), ("gemma2", "recall"), ("gpt_neox", "recall"),
+                                             ("llama", "novelty")])
+def test_decoding_through_the_cache_equals_parallel_forward(tiny_model, family, priority):
+    student = tiny_student(tiny_model, family, {**SPEC, "sparse_priority": priority})
     ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(decode_incrementally(student, ids, 13), student(ids, use_cache=False).logits,
                                atol=1e-10, rtol=0)
@@ -220,25 +260,78 @@ def test_respec_gives_a_converted_checkpoint_a_cache(tiny_model, tmp_path):
     linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
     loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")
     torch.testing.assert_close(loaded(ids).logits, after, atol=0, rtol=0)
+    linearize.respec(student, sparse_priority="novelty")
+    assert student.config.linearize["spec"]["sparse_priority"] == "novelty"
+    novelty = student(ids).logits
+    assert not torch.allclose(novelty, after)
+    linearize.save(student, tiny_tokenizer(), tmp_path / "novelty")
+    loaded, _ = linearize.load(tmp_path / "novelty", device="cpu")
+    assert linearize.spec_of(loaded).sparse_priority == "novelty"
+    torch.testing.assert_close(loaded(ids).logits, novelty, atol=0, rtol=0)
     with pytest.raises(LinearizeError, match="respec changes only"):
         linearize.respec(student, window=8)
 
 
+def test_a_checkpoint_saved_before_sparse_priority_loads_with_recall(tiny_model, tmp_path):
+    """A record whose spec has a sparse cache but no ``sparse_priority`` key (saved before the key
+    existed) loads with LoLA's rule, ``recall``."""
+    import json
+
+    from helpers import tiny_tokenizer
+
+    student = linearize.convert(tiny_model("llama"), {"kind": "lolcats", "window": 4, "sparse_cache": 4})
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(3))
+    linearize.save(student, tiny_tokenizer(), tmp_path / "old")
+    config = tmp_path / "old" / "config.json"
+    record = json.loads(config.read_text())
+    del record["linearize"]["spec"]["sparse_priority"]
+    config.write_text(json.dumps(record))
+    loaded, _ = linearize.load(tmp_path / "old", device="cpu")
+    assert linearize.spec_of(loaded).sparse_priority == "recall"
+    torch.testing.assert_close(loaded(ids).logits, student(ids).logits, atol=0, rtol=0)
+
+
+def test_the_priorities_are_the_specs():
+    from linearize.ops.sparse_hybrid_attention import PRIORITIES
+    from linearize.spec import SPARSE_PRIORITIES
+
+    assert PRIORITIES == SPARSE_PRIORITIES
+
+
+def test_a_sparse_priority_flag_without_a_cache_fails_with_one_line(tmp_path, capsys):
+    """``--sparse-priority`` on convert or a recipe needs ``--sparse-cache`` (or sparse_cache in the
+    recipe): without a cache it would change nothing. With one, it reaches the spec."""
+    from linearize.cli import _spec_from_args, build_parser, main
+
+    for command in ("convert", "lolcats"):
+        argv = [command, "--teacher", str(tmp_path / "absent"), "--out", str(tmp_path / "out"),
+                "--sparse-priority", "novelty"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "--sparse-priority" in err and "--sparse-cache" in err and err.count("\n") == 1, err
+    args = build_parser().parse_args(["convert", "--out", str(tmp_path / "out"), "--sparse-cache", "8",
+                                      "--sparse-priority", "novelty"])
+    spec, _ = _spec_from_args(args)
+    assert (spec["sparse_cache"], spec["sparse_priority"]) == (8, "novelty")
+
+
 def test_bad_cache_specs_fail_with_one_line(tiny_model):
-    for bad in [{"sparse_cache": -1}, {"sparse_cache": 2.5}, {"kind": "linear", "sparse_cache": 4}]:
+    for bad in [{"sparse_cache": -1}, {"sparse_cache": 2.5}, {"kind": "linear", "sparse_cache": 4},
+                {"sparse_cache": 4, "sparse_priority": "attention"}]:
         with pytest.raises(LinearizeError) as err:
             linearize.convert(tiny_model("llama"), bad)
         assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_fast_decoder_equals_generate_with_a_cache(tiny_model, family, monkeypatch):
+@pytest.mark.parametrize("family,priority", [("llama", "recall"), ("qwen3", "recall"), ("llama", "novelty")])
+def test_fast_decoder_equals_generate_with_a_cache(tiny_model, family, priority, monkeypatch):
     """The fast decoder (fixed buffers, batched, left padding) decodes a student with a sparse cache as
     generate() does: greedy tokens equal, each sequence of a left-padded batch as alone, past many
     window wrap-arounds and cache evictions."""
     from linearize.fast import fast_generate
 
-    student = tiny_student(tiny_model, family, {"kind": "lolcats", "window": 3, "feature_dim": 8, "sparse_cache": 2})
+    student = tiny_student(tiny_model, family, {"kind": "lolcats", "window": 3, "feature_dim": 8, "sparse_cache": 2,
+                                                "sparse_priority": priority})
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 97, (n,), generator=g) for n in (9, 4, 6)]
     width = max(len(p) for p in prompts)
@@ -259,9 +352,10 @@ def test_fast_decoder_equals_generate_with_a_cache(tiny_model, family, monkeypat
                        greedy_by_full_forwards(student, prompts[0][None], 20))
 
 
-def test_eval_takes_a_sparse_cache_without_training(tmp_path, monkeypatch, tiny_model):
-    """`linearize eval CK --sparse-cache S` scores the checkpoint with S exact tokens per layer (its
-    spec in the record says so); S = 0 is the checkpoint as saved; a teacher is refused in one line."""
+def test_eval_takes_a_sparse_cache_without_training(tmp_path, monkeypatch, tiny_model, capsys):
+    """`linearize eval CK --sparse-cache S [--sparse-priority P]` scores the checkpoint with S exact
+    tokens per layer kept by rule P (its spec in the record says so); S = 0 is the checkpoint as saved;
+    a teacher is refused in one line, and so is a priority for a checkpoint without a cache."""
     import json
 
     from helpers import tiny_tokenizer
@@ -282,13 +376,27 @@ def test_eval_takes_a_sparse_cache_without_training(tmp_path, monkeypatch, tiny_
         assert record["model"]["spec"]["sparse_cache"] == s
         ppl[s] = record["perplexity"]["value"]
     assert ppl[0] != ppl[8]
+    out = tmp_path / "novelty.json"
+    assert main(["eval", str(tmp_path / "ck"), "--source", str(text), "--block-len", "64", "--device", "cpu",
+                 "--quiet", "--sparse-cache", "8", "--sparse-priority", "novelty", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert (record["model"]["spec"]["sparse_cache"], record["model"]["spec"]["sparse_priority"]) == (8, "novelty")
+    assert record["perplexity"]["value"] != ppl[8]
     assert main(["eval", str(tmp_path / "teacher"), "--source", str(text), "--device", "cpu", "--quiet",
                  "--sparse-cache", "8"]) == 2
+    capsys.readouterr()
+    # a priority for a checkpoint without a cache (and no --sparse-cache) would change nothing: refused
+    assert main(["eval", str(tmp_path / "ck"), "--source", str(text), "--device", "cpu", "--quiet",
+                 "--sparse-priority", "novelty"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # after the load's progress
+    assert len(errors) == 1 and errors[0].startswith("linearize: error: --sparse-priority"), errors
+    assert "sparse_cache 0" in errors[0] and "--sparse-cache S" in errors[0]
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("prefill", [1, 2, 9])
-def test_ring_step_is_the_step_in_place(case, prefill):
+@pytest.mark.parametrize("priority", ["recall", "novelty"])
+def test_ring_step_is_the_step_in_place(case, prefill, priority):
     """The fast decoder's form (a fixed ring of w slots, updated in place, no host synchronisation)
     gives the step's outputs and decisions token by token, from prefixes shorter and longer than the
     window and with a left-padded row, across epoch boundaries and ring wrap-arounds."""
@@ -301,7 +409,7 @@ def test_ring_step_is_the_step_in_place(case, prefill):
         mask[1, : min(prefill, 2)] = False  # the second row starts with padding
     state = ops.empty_sparse_hybrid_state(b, hk, q.shape[-1], qf.shape[-1], cap, dtype=torch.float64)
     at = lambda x, i: x[:, :, i : i + 1]  # noqa: E731
-    kw = dict(scale=0.5, softcap=None)
+    kw = dict(scale=0.5, softcap=None, priority=priority)
     for i in range(prefill):  # the prefix, as a prefill leaves it
         _, state = ops.sparse_hybrid_attention_step(*(at(x, i) for x in (q, k, qf, kf, v)), gamma, state, window=w,
                                                     key_mask=mask[:, i : i + 1], **kw)

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from linearize.errors import LinearizeError
+from linearize.spec import SPARSE_PRIORITIES
 
 
 def _positive_int(text: str) -> int:
@@ -59,12 +60,18 @@ def cmd_eval(args) -> int:
     if args.sparse_cache is not None and args.sparse_cache < 0:
         raise LinearizeError(f"--sparse-cache must be zero or more, got {args.sparse_cache}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.sparse_cache is not None:
+    if args.sparse_cache is not None or args.sparse_priority is not None:
+        flag = "--sparse-cache" if args.sparse_cache is not None else "--sparse-priority"
         if not getattr(model.config, "linearize", None):
-            raise LinearizeError("--sparse-cache adds an exact cache to a converted checkpoint; this model is not one")
-        from ..convert import respec
+            raise LinearizeError(f"{flag} changes the sparse exact cache of a converted checkpoint; "
+                                 "this model is not one")
+        from ..convert import respec, spec_of
 
-        respec(model, sparse_cache=args.sparse_cache)  # recorded in the results' spec
+        if args.sparse_cache is None and not spec_of(model).sparse_cache:
+            raise LinearizeError("--sparse-priority chooses which tokens the sparse cache keeps, and this checkpoint "
+                                 "has none (sparse_cache 0); add --sparse-cache S")
+        # recorded in the results' spec
+        respec(model, sparse_cache=args.sparse_cache, sparse_priority=args.sparse_priority)
     record = evaluate(model, tokenizer, tasks=args.tasks, limit=args.limit, with_perplexity=not args.no_perplexity,
                       source=source, block_len=args.block_len, max_blocks=args.max_blocks,
                       batch_size=args.batch_size, max_length=args.max_length, seed=args.seed, name=args.name,
@@ -196,6 +203,11 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
     e.add_argument("--sparse-cache", type=int, default=None, metavar="S",
                    help="evaluate a converted checkpoint with a sparse exact cache of S tokens per layer and key head "
                         "(LoLA; no training: linearize.respec), e.g. 0, 16, 64 for a memory/recall sweep")
+    e.add_argument("--sparse-priority", choices=SPARSE_PRIORITIES, default=None,
+                   help="which tokens the sparse cache keeps: recall (those the linear state recalls worst, LoLA) "
+                        "or novelty (those whose values are least like the other candidates'); default: the "
+                        "checkpoint's (recall unless saved otherwise). Needs a cache: --sparse-cache or the "
+                        "checkpoint's")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 

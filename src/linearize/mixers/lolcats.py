@@ -4,7 +4,8 @@ softmax terms (initialised to 0.1 as in LoLCATs). With a window covering the who
 exactly the teacher's softmax attention.
 
 With ``spec.sparse_cache = S > 0`` each key head also keeps, beside the window, the ``S`` older tokens
-its linear state recalls worst, exactly (LoLA; ``ops/sparse_hybrid_attention.py``): the softmax runs
+its linear state recalls worst, exactly (LoLA; ``ops/sparse_hybrid_attention.py``; with
+``spec.sparse_priority = "novelty"`` those whose values are least like the other candidates'): the softmax runs
 over window and cache, the linear state over the rest. It adds no parameters (any converted
 checkpoint takes it as is) and trains through the softmax over window and cache.
 
@@ -63,7 +64,8 @@ class LolcatsAttention(LinearAttention):
                 return fused
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
         if self.spec.sparse_cache:
-            kw = dict(**self._kw(), cache_size=self.spec.sparse_cache, key_mask=self.key_mask)
+            kw = dict(**self._kw(), cache_size=self.spec.sparse_cache, key_mask=self.key_mask,
+                      priority=self.spec.sparse_priority)
             if state is None:
                 return ops.sparse_hybrid_attention_chunked(q, k, qf, kf, v, self.window_weight(), **kw,
                                                            output_final_state=want_state)
@@ -140,11 +142,12 @@ class LolcatsAttention(LinearAttention):
             q, k, qf, kf = self._inputs(q, k, position_embeddings)
             g = self.geometry
             return ops.sparse_hybrid_attention_step_ring(q, k, qf, kf, v, self.window_weight(), state, scale=g.scaling,
-                                                         softcap=g.softcap, key_mask=self.key_mask)
+                                                         softcap=g.softcap, key_mask=self.key_mask,
+                                                         priority=self.spec.sparse_priority)
         if isinstance(state, ops.SparseHybridState):
             q, k, qf, kf = self._inputs(q, k, position_embeddings)
             return ops.sparse_hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
-                                                    key_mask=self.key_mask)
+                                                    key_mask=self.key_mask, priority=self.spec.sparse_priority)
         if isinstance(state, ops.FusedRingState):  # everything from RoPE to the output in one launch
             from ..ops.hybrid_step_triton import hybrid_step_fused_triton
 

@@ -2,9 +2,10 @@
 last ``w`` tokens and over ``S`` older tokens kept exactly, linear attention over all the rest.
 
 Tokens leaving the sliding window go either into the linear state or into a cache of at most ``S``
-tokens (raw keys, key features, values), chosen by how badly the linear state recalls them; a
-cached token pushed out later is folded into the linear state. Memory stays constant: window +
-``S`` tokens + the linear state. With ``S = 0`` this is exactly the hybrid of
+tokens (raw keys, key features, values), chosen by how badly the linear state recalls them (or, with
+``priority="novelty"``, by how unlike the other candidates' their values are); a cached token pushed
+out later is folded into the linear state. Memory stays constant: window + ``S`` tokens + the
+linear state. With ``S = 0`` this is exactly the hybrid of
 ``hybrid_attention.py``.
 
 Output for query t (one shared normaliser, ``gamma`` a per-query-head weight, as in LoLCATs eq. 7):
@@ -27,8 +28,21 @@ group share their key head's cache, as they share its keys, values and linear st
       pi_x = || v_x - phi_k(k_x) N / (phi_k(k_x) . z) ||_2       (0 readout while z is empty)
 
   LoLA's self-recall error: the key, used as a query of the linear state, should read back its own
-  value; the worse it does, the more the token needs an exact copy. Priorities are fixed for the
-  epoch; ties go to the younger token (higher position wins).
+  value; the worse it does, the more the token needs an exact copy (``priority="recall"``, the
+  default). ``priority="novelty"`` ranks the same candidates by how unlike every other candidate
+  (the current cache and the epoch's leavers, all held exactly at the boundary) their values are:
+
+      pi_x = - max_{y candidate, y != x} cos(v_x, v_y)          (1 when x is the only candidate)
+
+  Text that repeats (filler, boilerplate) has near-copies among the candidates and goes to the
+  linear state; a one-off token (a pass key's digits) has none and stays. Like the self-recall
+  error it needs no training, and it reads only what the cache holds anyway. It is a lead, not a
+  result: a CPU diagnosis (``dev/sparse_needle.py``: a briefly trained SmolLM2 student, a few
+  passkey prompts, S = 256, selection replayed offline) found the self-recall error often dropping
+  some of the key's digits where value novelty kept them; end to end the student then recalled more
+  of the key from 512-token prompts but still not from 1,024-token ones. The comparison on a trained
+  student (GPU) is pending.
+  Priorities are fixed for the epoch; ties go to the younger token (higher position wins).
 * At each time t, token ``t - w`` leaves the window (if real) and joins the cache; if the cache then
   holds ``S + 1`` tokens, the one of lowest priority is folded into the linear state (it may be the
   newcomer). With fixed priorities this keeps, at every t, the top ``S`` of the epoch's members and
@@ -116,6 +130,34 @@ def recall_error(kf: torch.Tensor, v: torch.Tensor, linear: torch.Tensor) -> tor
         return (v.to(linear.dtype) - read).norm(dim=-1)
 
 
+def value_novelty(v: torch.Tensor, valid: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``-max cos(v_x, v_y)`` over the other valid candidates y of each candidate x: ``v`` ``[B, Hk, M,
+    D]``, ``valid`` ``[B, Hk, M]`` -> ``[B, Hk, M]`` in ``acc`` (1 where x has no other candidate; an
+    all-zero value has cosine 0 with everything). Computed outside autocast."""
+    with torch.autocast(v.device.type, enabled=False):
+        x = v.to(acc)
+        x = x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
+        sim = x @ x.transpose(-1, -2)
+        m = v.shape[-2]
+        others = valid[..., None, :] & ~torch.eye(m, dtype=torch.bool, device=v.device)
+        best = sim.masked_fill(~others, -torch.inf).amax(dim=-1)
+        return -torch.where(others.any(dim=-1), best, -1.0)
+
+
+PRIORITIES = ("recall", "novelty")
+
+
+def priorities(kind: str, kf: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
+    """The epoch's priorities of one candidate set (``kf`` ``[B, Hk, M, F]``, ``v`` ``[B, Hk, M, D]``,
+    ``valid`` ``[B, Hk, M]``, the linear state ``[B, Hk, F, D + 1]``): ``recall_error`` (``kind =
+    "recall"``) or ``value_novelty`` among the valid candidates (``"novelty"``). ``[B, Hk, M]``."""
+    if kind == "recall":
+        return recall_error(kf, v, linear)
+    if kind == "novelty":
+        return value_novelty(v, valid, linear.dtype)
+    raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {kind!r}")
+
+
 def _beaten_by(pri: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """``[..., x, y]``: candidate y (valid) outranks candidate x (higher priority; ties: younger)."""
     px, py = pri[..., :, None], pri[..., None, :]
@@ -133,10 +175,13 @@ def _lowest(pri: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.
 # --- the reference -------------------------------------------------------------------------------
 
 def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_size: int, scale: float,
-                                  softcap: float | None = None, key_mask: torch.Tensor | None = None):
+                                  softcap: float | None = None, key_mask: torch.Tensor | None = None,
+                                  priority: str = "recall"):
     """The definition, literally: per sequence and key head, sets of positions (window, cache,
     folded) evolve token by token, and every output is an explicit sum. Slow (Python loops over
     tokens): for tests. Returns ``[B, H, T, D]``."""
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
     acc = accum_dtype(q.dtype)
     b, n_kv, t, d = k.shape
     group = q.shape[1] // n_kv
@@ -160,7 +205,12 @@ def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_
                     with torch.no_grad():
                         fk = kf[bi, hk, folded]
                         num, den = fk.T @ v[bi, hk, folded], fk.sum(0)
-                        for s in cached + [s for s in range(ti - w, ti) if real_l[bi][s]]:
+                        cands = cached + [s for s in range(ti - w, ti) if real_l[bi][s]]
+                        unit = {s: v[bi, hk, s] / v[bi, hk, s].norm().clamp_min(torch.finfo(acc).tiny) for s in cands}
+                        for s in cands:
+                            if priority == "novelty":  # the most similar other candidate's cosine, negated
+                                pri[s] = -max((float(unit[s] @ unit[y]) for y in cands if y != s), default=-1.0)
+                                continue
                             f_s = kf[bi, hk, s]
                             dn = f_s @ den
                             read = (f_s @ num) / dn if dn > 0 else torch.zeros_like(v[bi, hk, s])
@@ -214,9 +264,20 @@ def _read_one(q, qf, gamma, keys, values, valid, cache_keys, cache_values, cache
     return y.reshape(bb, hk * grp, 1, d).to(q.dtype)
 
 
+def _rescored(kind, state, window_valid, lin):
+    """The boundary's priorities of the window's tokens and the cache's (one candidate set):
+    ``(window [B, Hk, n], cache [B, Hk, S])``."""
+    n = state.values.shape[2]
+    b, n_kv = state.values.shape[:2]
+    pri = priorities(kind, torch.cat([state.key_features, state.cache_features], dim=2),
+                     torch.cat([state.values, state.cache_values], dim=2),
+                     torch.cat([window_valid[:, None, :].expand(b, n_kv, n), state.cache_valid], dim=2), lin)
+    return pri[..., :n], pri[..., n:]
+
+
 def sparse_hybrid_attention_step(
     q, k, qf, kf, v, gamma, state: SparseHybridState, *, window: int, scale: float,
-    softcap: float | None = None, key_mask: torch.Tensor | None = None,
+    softcap: float | None = None, key_mask: torch.Tensor | None = None, priority: str = "recall",
 ) -> tuple[torch.Tensor, SparseHybridState]:
     """One token (``T = 1``; ``key_mask`` [B, 1]). Returns ``(y [B, H, 1, D], new_state)``; the state is
     updated out of place. The cache size is the state's."""
@@ -232,8 +293,9 @@ def sparse_hybrid_attention_step(
     if bool(boundary.any()):  # rescore the cache and the window (this epoch's leavers)
         lin = state.linear.squeeze(2)
         sel = boundary[:, None, None]
-        window_scores = torch.where(sel, recall_error(state.key_features, state.values, lin), window_scores)
-        cache_scores = torch.where(sel, recall_error(state.cache_features, state.cache_values, lin), cache_scores)
+        new_w, new_c = _rescored(priority, state, state.valid, lin)
+        window_scores = torch.where(sel, new_w, window_scores)
+        cache_scores = torch.where(sel, new_c, cache_scores)
     keys = torch.cat([state.keys, k.to(state.keys.dtype)], dim=2)
     feats = torch.cat([state.key_features, kf.to(state.key_features.dtype)], dim=2)
     values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
@@ -305,7 +367,7 @@ class RingSparseState(SparseHybridState):
 
 def sparse_hybrid_attention_step_ring(
     q, k, qf, kf, v, gamma, state: RingSparseState, *, scale: float, softcap: float | None = None,
-    key_mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None, priority: str = "recall",
 ) -> tuple[torch.Tensor, RingSparseState]:
     """``sparse_hybrid_attention_step`` on a ``RingSparseState``, in place and without a host
     synchronisation (the epoch's rescoring is computed every step and kept where a boundary falls):
@@ -319,10 +381,9 @@ def sparse_hybrid_attention_step_ring(
     rel = state.count
     boundary = (started & (rel >= window) & (rel % window == 0))[:, None, None]
     lin = state.linear.squeeze(2)
-    state.window_scores.copy_(torch.where(boundary, recall_error(state.key_features, state.values, lin),
-                                          state.window_scores))
-    state.cache_scores.copy_(torch.where(boundary, recall_error(state.cache_features, state.cache_values, lin),
-                                         state.cache_scores))
+    new_w, new_c = _rescored(priority, state, state.valid, lin)
+    state.window_scores.copy_(torch.where(boundary, new_w, state.window_scores))
+    state.cache_scores.copy_(torch.where(boundary, new_c, state.cache_scores))
     # the token in the ring's next slot leaves the window (an empty slot or padding: valid False, no effect)
     idx = state.slot.view(1)
     lk, lf, lv = (x.index_select(2, idx) for x in (state.keys, state.key_features, state.values))
@@ -362,7 +423,7 @@ def sparse_hybrid_attention_step_ring(
 
 
 def sparse_hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, cache_size, scale, softcap=None,
-                                      initial_state=None, key_mask=None):
+                                      initial_state=None, key_mask=None, priority="recall"):
     """Token by token through ``sparse_hybrid_attention_step`` (the decoding form)."""
     b, h, t, d = q.shape
     state = initial_state or empty_sparse_hybrid_state(b, k.shape[1], d, kf.shape[-1], cache_size,
@@ -372,7 +433,7 @@ def sparse_hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, cache_s
         sl = slice(i, i + 1)
         o, state = sparse_hybrid_attention_step(
             q[:, :, sl], k[:, :, sl], qf[:, :, sl], kf[:, :, sl], v[:, :, sl], gamma, state, window=window,
-            scale=scale, softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl])
+            scale=scale, softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl], priority=priority)
         outs.append(o)
     return torch.cat(outs, dim=2), state
 
@@ -392,7 +453,7 @@ def _take(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: int):
+def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: int, priority: str = "recall"):
     """The cache decisions over chunks of ``w`` tokens (one epoch each), whose origins are on chunk
     boundaries. ``kf`` ``[B, Hk, N w, F]``, ``v`` ``[B, Hk, N w, D]``, ``real`` ``[B, N w]``.
 
@@ -424,7 +485,7 @@ def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: 
         pos = torch.cat([slot_pos, leavers.expand(b, n_kv, w)], dim=2)  # [B, Hk, M]
         valid = torch.cat([slot_valid, l_valid[:, None].expand(b, n_kv, w)], dim=2)
         cand_f, cand_v = _take(kf, pos).to(acc), _take(v, pos).to(acc)
-        pri = recall_error(cand_f, cand_v, lin)
+        pri = priorities(priority, cand_f, cand_v, valid, lin)
         rec_pri.append(pri)
         beaten = _beaten_by(pri, pos, valid)  # [B, Hk, M, M]
         rivals = beaten[..., :cap].sum(-1, keepdim=True) + beaten[..., cap:].long().cumsum(-1)  # [B, Hk, M, w]
@@ -442,7 +503,7 @@ def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: 
 
 def sparse_hybrid_attention_chunked(
     q, k, qf, kf, v, gamma, *, window: int, cache_size: int, scale: float, softcap: float | None = None,
-    output_final_state: bool = False, key_mask: torch.Tensor | None = None,
+    output_final_state: bool = False, key_mask: torch.Tensor | None = None, priority: str = "recall",
 ) -> tuple[torch.Tensor, SparseHybridState | None]:
     """The sequence form, in chunks of ``window`` tokens, one selection epoch each.
 
@@ -476,7 +537,7 @@ def sparse_hybrid_attention_chunked(
     flat = lambda x: F.pad(x.to(acc), (0, 0, 0, pad))  # noqa: E731  [B, *, Tp, E]
     kk, ff, vv = flat(k), flat(kf), flat(v)
     rr = F.pad(real, (0, pad))
-    fold, slot_pos, slot_valid, pri = _select(ff, vv, rr, w, cap)
+    fold, slot_pos, slot_valid, pri = _select(ff, vv, rr, w, cap, priority)
 
     qc = flat(_group(q, n_kv).flatten(1, 2)).view(b, n_kv, grp, n, w, d)
     qfc = flat(_group(qf, n_kv).flatten(1, 2)).view(b, n_kv, grp, n, w, -1)
