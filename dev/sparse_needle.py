@@ -415,7 +415,7 @@ def rule_in_op(model, rule):
         return orig_inputs(self, q, k, position_embeddings)
 
     def op(q, k, qf, kf, v, gamma, *, window, cache_size, scale, softcap=None, output_final_state=False,
-           key_mask=None):
+           key_mask=None, priority=None):  # the rule decides, not the spec's sparse_priority
         assert q.shape[0] == 1 and (key_mask is None or bool(key_mask.all())) and not output_final_state
         return hybrid_with_rule(q, k, qf, kf, v, gamma, scale=scale, softcap=softcap, window=window,
                                 cache_size=cache_size, rule=rule, extra=current["extra"]), None
@@ -472,7 +472,8 @@ def main(argv=None):
     a = ap.parse_args(argv)
     torch.manual_seed(0)
     model, tok = linearize.load(a.checkpoint, device="cpu")
-    linearize.respec(model, sparse_cache=a.sparse_cache)
+    # the op's rule is rule A (self-recall), whatever the checkpoint's sparse_priority: the replay check needs it
+    linearize.respec(model, sparse_cache=a.sparse_cache, sparse_priority="recall")
     model.eval()
     mixers = {m.layer_idx: m for m in linearize.mixers(model).values()}
     w = next(iter(mixers.values())).spec.window
