@@ -55,3 +55,15 @@ def test_a_copy_to_shard_is_made_on_the_cpu_not_on_the_teachers_gpu():
     assert frozen.model.lm_head.weight is frozen.model.model.embed_tokens.weight
     assert not any(p.requires_grad for p in frozen.model.parameters())
     assert {t.device.type for t in teacher.state_dict().values()} == {"cuda"}  # the teacher itself is left be
+
+
+def test_a_teacher_loaded_on_the_cpu_to_shard_is_bf16_where_cuda_is_there(monkeypatch, tiny_model):
+    """Under FSDP a recipe loads the teacher on the CPU; with a GPU to shard it onto, its frozen copy is
+    bf16, as a copy of a teacher on the GPU is; without one, its dtype is kept."""
+    from linearize.distill import FrozenTeacher
+
+    assert {p.dtype for p in FrozenTeacher(tiny_model(), shard=True).model.parameters()} == {torch.float32}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    frozen = FrozenTeacher(tiny_model(), shard=True)
+    assert {p.dtype for p in frozen.model.parameters()} == {torch.bfloat16}
+    assert {p.device.type for p in frozen.model.parameters()} == {"cpu"}

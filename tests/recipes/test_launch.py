@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import yaml
 
 from linearize.errors import LinearizeError
@@ -63,13 +64,57 @@ def test_attention_transfer_under_fsdp_matches_one_process(tmp_path):
     assert "gradients agree" in run_two_processes(script, str(tmp_path))
 
 
-@pytest.mark.parametrize("recipe", ["supra", "xatl"])
+def test_auto_softmax_layers_under_fsdp_are_refused_before_the_teacher_loads(monkeypatch, capsys, tmp_path):
+    """keep_softmax auto:K chooses on the trained student whole, which FSDP never puts on one GPU: refused
+    with one line, before any model loads."""
+    import linearize.recipes.lolcats  # noqa: F401
+    from linearize.cli import main
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert main(["lolcats", "--rows", "stage1-only", "--keep-softmax", "auto:1", "--teacher", str(tmp_path / "absent"),
+                 "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("linearize: error: keep_softmax auto:K runs on one GPU or data-parallel") and err.count("\n") == 1
+
+
+def test_under_fsdp_the_teacher_loads_on_the_cpu_and_nothing_is_measured_before_sharding(monkeypatch, capsys,
+                                                                                         workspace, tmp_path):
+    """begin_run under accelerate's FSDP config: the teacher is loaded on the CPU, not on the device a
+    plain load picks (here a stand-in for the process's GPU: the meta device, which holds no data), its
+    perplexity is not measured, and results.json's skipped says why; one line says so. Without FSDP the
+    teacher goes where a plain load puts it and is measured (on the CPU, for that part)."""
+    from linearize import teacher as teacher_module
+    from linearize.recipes.common import begin_run
+    from linearize.recipes.supra import SupraConfig
+
+    cfg = SupraConfig(teacher=str(workspace / "teacher"), data=str(workspace / "corpus.jsonl"), out=str(tmp_path / "run"),
+                      block_len=32, eval_blocks=2, train_blocks=8)
+    real = teacher_module.resolve_device
+    monkeypatch.setattr(teacher_module, "resolve_device", lambda d: torch.device("meta") if d is None else real(d))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    _, teacher, *_, results = begin_run(cfg, skip_under_fsdp=("perplexity: student, before training",))
+    assert results["teacher_loaded_on"] == "cpu" and {p.device.type for p in teacher.parameters()} == {"cpu"}
+    assert results["perplexity"] == {}
+    assert list(results["skipped"]) == ["perplexity: teacher", "perplexity: student, before training"]
+    assert all("FSDP" in why for why in results["skipped"].values())
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("linearize:")]
+    assert len(said) == 1 and said[0].startswith("linearize: under FSDP the teacher loads on the CPU")
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    monkeypatch.setattr(teacher_module, "resolve_device", real)
+    _, teacher, *_, results = begin_run(cfg)
+    assert "skipped" not in results and results["perplexity"]["teacher"] > 1
+
+
+@pytest.mark.parametrize("recipe", ["supra", "xatl", "lolcats"])
 def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, tmp_path):
     """`accelerate launch` with the packaged FSDP config (on the CPU: gloo, no mixed precision): SUPRA or
     XATL with an alignment stage and KL distillation runs end to end on 2 processes, the frozen teacher
     (SUPRA's a copy, XATL's the teacher itself) sharded over both like the student, and the saved
-    student stands alone."""
+    student stands alone; LoLCATs' stage 1 alone likewise. The teacher was loaded on the CPU, nothing
+    was measured before the training (results.json says why), and the trained student's perplexity was.
+    (On the CPU accelerate trains the student data-parallel: what FSDP does to it is for GPU runs.)"""
     import json
+    import math
     import os
     import subprocess
     import sys
@@ -83,18 +128,32 @@ def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, 
     cfg.update(use_cpu=True, mixed_precision="no")
     (tmp_path / "fsdp_cpu.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "LINEARIZE_HOME": str(tmp_path / "home")}
+    if recipe == "lolcats":
+        options = ["--rows", "stage1-only", "--stage1-steps", "4", "--window", "4", "--feature-dim", "8"]
+    else:
+        options = ["--steps", "4", "--loss", "kl+lm", "--align-steps", "2",
+                   *(["--arch", "retnet", "--transfer", "embeddings,ffn"] if recipe == "xatl" else [])]
     done = subprocess.run(
         [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(tmp_path / "fsdp_cpu.yaml"),
          "--num_processes", "2", "-m", "linearize", recipe, "--teacher", str(workspace / "teacher"),
          "--data", str(workspace / "corpus.jsonl"), "--out", str(tmp_path / "run"), "--budget", "cpu",
-         "--block-len", "32", "--batch-size", "2", "--eval-blocks", "4", "--steps", "4", "--eval-steps", "2",
-         "--dtype", "float32", "--device", "cpu", "--loss", "kl+lm", "--align-steps", "2",
-         *(["--arch", "retnet", "--transfer", "embeddings,ffn"] if recipe == "xatl" else [])],
+         "--block-len", "32", "--batch-size", "2", "--eval-blocks", "4", "--eval-steps", "2",
+         "--dtype", "float32", "--device", "cpu", *options],
         env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "sharded over 2 processes" in done.stdout, done.stdout[-2000:]
-    res = json.loads((tmp_path / "run" / "results.json").read_text())
-    assert res["teacher_sharded_over"] == 2 and res["train"]["steps"] == 6
-    assert res["train"]["tokens"] == 6 * 2 * 32 * 2  # both processes' batches
-    model, _ = linearize.load(tmp_path / "run" / "final", device="cpu")
+    assert done.stderr.count("linearize: under FSDP the teacher loads on the CPU") == 1  # the main process's line
+    run = tmp_path / "run" / ("stage1-only" if recipe == "lolcats" else "")
+    res = json.loads((run / "results.json").read_text())
+    assert res["teacher_loaded_on"] == "cpu" and "teacher" not in res["perplexity"]
+    if recipe == "lolcats":
+        assert set(res["skipped"]) == {"perplexity: teacher", "perplexity: converted", "layer_mse_before"}
+        assert list(res["perplexity"]) == ["after_stage1"] and math.isfinite(res["perplexity"]["after_stage1"])
+        assert res["train"]["steps"] == 4 and len(res["layer_mse_after"]) == 3
+    else:
+        assert "sharded over 2 processes" in done.stdout, done.stdout[-2000:]
+        assert set(res["skipped"]) == {"perplexity: teacher", "perplexity: student, before training"}
+        assert math.isfinite(res["perplexity"]["student, after training"])
+        assert res["teacher_sharded_over"] == 2 and res["train"]["steps"] == 6
+        assert res["train"]["tokens"] == 6 * 2 * 32 * 2  # both processes' batches
+    model, _ = linearize.load(run / "final", device="cpu")
     assert linearize.mixers(model)

@@ -73,7 +73,9 @@ class FrozenTeacher:
                  shard: bool = False):
         self.shard, self.sharded = shard, False
         device = next(model.parameters()).device
-        if dtype is None and device.type == "cuda":
+        # bf16 where the teacher runs on CUDA: on its device, or (shard) on the process's GPU that
+        # fully_shard moves it to from the CPU, where a recipe under FSDP loaded it
+        if dtype is None and (device.type == "cuda" or (shard and torch.cuda.is_available())):
             dtype = torch.bfloat16
         if shard:  # the weights wait on the CPU until fully_shard takes them (shard_frozen)
             model = _copy_on_cpu(model, dtype) if copy_model else model.to("cpu", dtype)

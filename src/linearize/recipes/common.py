@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -10,7 +11,11 @@ import torch
 from .. import save
 from ..checkpoint import record_training
 from ..data import BlockDataset, load_blocks
-from .launch import is_main_process
+from .launch import is_main_process, under_fsdp
+
+# what results.json says of a measurement left out under accelerate's FSDP config (results["skipped"])
+SKIPPED_UNDER_FSDP = ("under FSDP the teacher loads on the CPU and no whole model goes onto one GPU before the "
+                      "Trainer shards it, so nothing is measured before training (the trained student is, sharded)")
 
 
 def datasets(cfg, tokenizer):
@@ -21,23 +26,45 @@ def datasets(cfg, tokenizer):
     return BlockDataset(train_blocks), BlockDataset(eval_blocks), eval_blocks
 
 
-def begin_run(cfg):
+def begin_run(cfg, skip_under_fsdp: tuple[str, ...] = ()):
     """What every recipe run begins with: its output folder, the seed, the teacher, the data and the
     results record with the teacher's held-out perplexity.
+
+    Under accelerate's FSDP config (``launch.under_fsdp``) the teacher loads on the CPU (in the dtype it
+    would have on the process's device: bf16 on CUDA unless ``cfg.dtype`` says otherwise), where the
+    recipe builds the student from it; the Trainer's ``fully_shard`` moves each unit to the GPU, so no
+    GPU holds a whole model. Nothing is evaluated before that: the teacher's perplexity and what the
+    recipe names in ``skip_under_fsdp`` (e.g. ``"perplexity: student, before training"``) are listed in
+    ``results["skipped"]`` with the reason, and the main process says so in one line.
+    ``results["teacher_loaded_on"]`` records the device the teacher was loaded on.
 
     Returns ``(out, teacher, tokenizer, train_ds, eval_ds, eval_blocks, results)``."""
     from dataclasses import asdict
 
     from .. import load_teacher
     from ..eval import perplexity
+    from ..teacher import resolve_device, resolve_dtype
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
-    teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
+    fsdp = under_fsdp()
+    if fsdp:  # on the CPU, in the dtype the process's own device would give it
+        teacher, tok = load_teacher(cfg.teacher, dtype=resolve_dtype(cfg.dtype, resolve_device(None)), device="cpu")
+    else:
+        teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
     train_ds, eval_ds, eval_blocks = datasets(cfg, tok)
     results: dict = {"config": asdict(cfg), "train_tokens_per_epoch": train_ds.blocks.numel(),
-                     "eval_tokens": eval_blocks.numel(), "perplexity": {"teacher": perplexity(teacher, eval_blocks)}}
+                     "eval_tokens": eval_blocks.numel(), "teacher_loaded_on": str(next(teacher.parameters()).device),
+                     "perplexity": {}}
+    if fsdp:
+        skipped = ("perplexity: teacher", *skip_under_fsdp)
+        results["skipped"] = dict.fromkeys(skipped, SKIPPED_UNDER_FSDP)
+        if is_main_process():
+            print(f"linearize: under FSDP the teacher loads on the CPU and nothing is measured before the training "
+                  f"shards the models; skipped: {', '.join(skipped)} (results.json: skipped)", file=sys.stderr)
+    else:
+        results["perplexity"]["teacher"] = perplexity(teacher, eval_blocks)
     if is_main_process():  # a run stopped before results.json still says what its curves mean
         (out / "run_config.json").write_text(json.dumps(results["config"], indent=1, default=str))
     return out, teacher, tok, train_ds, eval_ds, eval_blocks, results

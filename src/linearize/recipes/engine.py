@@ -180,17 +180,19 @@ def gathered_state(model) -> dict[str, torch.Tensor]:
             for name, t in model.state_dict().items()}
 
 
-def unsharded(model):
+def unsharded(model, device=None):
     """``model`` itself, or, where FSDP sharded it in place (a stage trained under accelerate's FSDP
-    config), a plain copy on the same device with the gathered weights and ``requires_grad`` flags, so
-    the next stage wraps a fresh model and rank 0 can save and decode it alone. Every rank calls it."""
+    config), a plain copy on ``device`` (None: the process's own, the GPU it was sharded over) with the
+    gathered weights and ``requires_grad`` flags, so the next stage wraps a fresh model and rank 0 can
+    save and decode it alone. Every rank calls it."""
     from ..distill.probes import fully_sharded
 
     if not fully_sharded(model):
         return model
     state = gathered_state(model)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     plain = type(model)._from_config(model.config, dtype=next(model.parameters()).dtype)
     plain.load_state_dict(state, strict=True)
     plain.to(device)

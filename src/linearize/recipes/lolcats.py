@@ -526,7 +526,14 @@ def run(cfg: LolcatsConfig) -> dict:
         raise LinearizeError(f"auto_softmax_distance must be a whole number of tokens, 2 or more, got {distance!r}")
     if auto_k and "stage1" not in cfg.stages:
         raise LinearizeError("keep_softmax auto:K picks the layers by their attention-transfer error: it needs stage 1")
-    out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
+    fsdp = under_fsdp()
+    if auto_k and fsdp:
+        raise LinearizeError("keep_softmax auto:K runs on one GPU or data-parallel (torchrun): under FSDP the "
+                             "choice would need the trained student whole on one device; give the layers "
+                             "(--keep-softmax 2,15) or leave them out")
+    # under FSDP the teacher loads on the CPU and is converted there; nothing is measured before stage 1
+    out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(
+        cfg, skip_under_fsdp=("perplexity: converted", "layer_mse_before"))
     ppl = results["perplexity"]
     if auto_k:  # every layer converted for stage 1; the teacher stays whole to keep the chosen layers from
         n_layers = len(get_adapter(teacher.config).layers(teacher))
@@ -535,13 +542,17 @@ def run(cfg: LolcatsConfig) -> dict:
         student = convert(teacher, cfg.spec)
     else:
         student = convert(teacher, cfg.spec, keep_softmax=list(cfg.keep_softmax) or None, inplace=True)
-    ppl["converted"] = perplexity(student, eval_blocks)
+    if not fsdp:
+        ppl["converted"] = perplexity(student, eval_blocks)
     if "stage1" in cfg.stages:
-        results["layer_mse_before"] = layer_mse(student, eval_blocks)
+        if not fsdp:
+            results["layer_mse_before"] = layer_mse(student, eval_blocks)
         results["stage1"] = run_stage1(student, train_ds, eval_ds, cfg, out)
         from .engine import unsharded
 
-        student = unsharded(student)  # under FSDP: a plain model again, for stage 2 to wrap afresh
+        if not fsdp:
+            student = unsharded(student)  # a plain model again, for stage 2 to wrap afresh
+        # under FSDP (stage 1 alone, no auto:K) measured on the sharded student, every rank taking part
         results["layer_mse_after"] = layer_mse(student, eval_blocks)
         if auto_k:
             ppl["after_stage1, every layer linear"] = perplexity(student, eval_blocks)
@@ -549,6 +560,8 @@ def run(cfg: LolcatsConfig) -> dict:
             student = keep_chosen_layers(teacher, student, chosen, cfg.spec, results["auto_softmax"])
         del teacher
         ppl["after_stage1"] = perplexity(student, eval_blocks)
+        if fsdp:  # gathered whole on the CPU alone, where rank 0 saves it and decodes the sample (finish)
+            student = unsharded(student, device="cpu")
         _plot_layer_mse(results, out)
     if "stage2" in cfg.stages:
         student, results["stage2"] = run_stage2(student, train_ds, eval_ds, cfg, out)
@@ -564,7 +577,7 @@ def run(cfg: LolcatsConfig) -> dict:
 
 def _plot_layer_mse(results: dict, out: Path) -> None:
     """out/layer_mse.png when matplotlib is installed (the figures are in results.json regardless)."""
-    if not is_main_process():
+    if not is_main_process() or "layer_mse_before" not in results:  # under FSDP: not measured before stage 1
         return
     try:
         from ..eval.plots import layer_mse_plot
@@ -620,9 +633,11 @@ def summary(results: dict, row: str = "lolcats") -> str:
     if "auto_softmax" in results:
         a = results["auto_softmax"]
         lines.append(f"  softmax kept at layers {a['chosen']} (auto:{a['k']} by {a['score']})")
+    mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
     if "layer_mse_before" in results:
         b, a = results["layer_mse_before"], results["layer_mse_after"]
-        mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
         lines.append(f"  attention MSE, mean over layers: {mean(b):.3g} -> {mean(a):.3g}")
+    elif results.get("layer_mse_after"):  # under FSDP nothing is measured before stage 1
+        lines.append(f"  attention MSE, mean over layers, after stage 1: {mean(results['layer_mse_after']):.3g}")
     lines.append(f"  sample (recurrent decoding): {results['sample']!r}")
     return "\n".join(lines)

@@ -182,7 +182,9 @@ def run(cfg: UptrainConfig) -> dict:
     from .engine import train
 
     graphed, why = cuda_graphs(cfg)
-    out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(cfg)
+    fsdp = under_fsdp()  # the teacher loads on the CPU, and the student is built there (begin_run)
+    out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(
+        cfg, skip_under_fsdp=("perplexity: student, before training",))
     results["cuda_graph"] = {"setting": cfg.cuda_graph, "graphed": graphed, **({"why": why} if why else {})}
     if why and is_main_process():  # auto, and a condition fails: eager
         print(f"linearize: training eagerly, not as CUDA graphs (--cuda-graph auto): {why}", file=sys.stderr)
@@ -193,13 +195,14 @@ def run(cfg: UptrainConfig) -> dict:
     frozen = None
     from_teacher = bool(cfg.align_steps) or not _learns_from_lm(cfg)
     if from_teacher and cfg.converts_in_place:
-        frozen = FrozenTeacher(teacher, copy_model=True, shard=under_fsdp())
+        frozen = FrozenTeacher(teacher, copy_model=True, shard=fsdp)
     student, new_parameters, report = cfg.build(teacher)
     if from_teacher and not cfg.converts_in_place:
-        frozen = FrozenTeacher(teacher, copy_model=False, shard=under_fsdp())
+        frozen = FrozenTeacher(teacher, copy_model=False, shard=fsdp)
     if report is not None:
         results["transfer_report"] = report.summary()
-    results["perplexity"]["student, before training"] = perplexity(student, eval_blocks)
+    if not fsdp:  # under FSDP the student waits on the CPU until the Trainer shards it: not measured whole
+        results["perplexity"]["student, before training"] = perplexity(student, eval_blocks)
     for p in student.parameters():
         p.requires_grad_(True)
 
