@@ -67,3 +67,10 @@ def test_a_teacher_loaded_on_the_cpu_to_shard_is_bf16_where_cuda_is_there(monkey
     frozen = FrozenTeacher(tiny_model(), shard=True)
     assert {p.dtype for p in frozen.model.parameters()} == {torch.bfloat16}
     assert {p.device.type for p in frozen.model.parameters()} == {"cpu"}
+
+
+def test_mixer_mse_on_a_sharded_student_gives_the_whole_students_gradients():
+    """The alignment stage under FSDP: mixer_mse on a student sharded per layer has the loss and the
+    gradients of the whole student (the backward reaches each layer's output, where FSDP gathers its
+    weights)."""
+    assert "sharded mixer_mse agrees" in run_two_processes(Path(__file__).with_name("mixer_mse_fsdp.py"))

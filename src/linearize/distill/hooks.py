@@ -23,12 +23,16 @@ def layer_output(output) -> torch.Tensor:
     return output[0] if isinstance(output, (tuple, list)) else output
 
 
-def injecting(layer: nn.Module, current: dict):
+def injecting(layer: nn.Module, current: dict, tie: bool = False):
     """Make ``layer`` take ``current["hidden"]`` as its input hidden states (a forward pre-hook);
-    returns the hook's handle."""
+    returns the hook's handle. ``tie``: the injected input is ``hidden + 0 * (the layer's own input)``,
+    so the backward still reaches the layers below (FSDP gathers each layer's weights for its backward
+    from hooks on the layer's inputs and outputs, which a replaced input would cut off)."""
     def inject(module, args, kwargs):
         ref = layer_input(args, kwargs)
         hidden = current["hidden"].to(device=ref.device, dtype=ref.dtype)
+        if tie:
+            hidden = hidden + 0.0 * ref
         return ((hidden, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": hidden})
     return layer.register_forward_pre_hook(inject, with_kwargs=True)
 

@@ -22,6 +22,7 @@ from ..errors import LinearizeError
 from ..models import get_adapter
 from .base import Loss, Step
 from .hooks import StopForward, injecting, recording
+from .probes import fully_sharded
 
 
 @dataclasses.dataclass
@@ -58,13 +59,24 @@ class MixerMSE(Loss):
             raise LinearizeError(f"mixer_mse: layers {bad} out of range: the model has layers 0..{len(layer_list) - 1}")
         teacher = step.teacher_outputs()
         attention = {i: adapter.attention(layer_list[i]) for i in chosen}
+        # under FSDP the whole forward runs and the backward passes through every layer (see below)
+        sharded = fully_sharded(step.model)
+        out = None
         with ExitStack() as stack:
             for i in chosen:
-                stack.callback(injecting(layer_list[i], {"hidden": teacher.inputs[i]}).remove)
-            _, outs = stack.enter_context(recording(attention, outputs=chosen, stop_after=chosen[-1]))
+                stack.callback(injecting(layer_list[i], {"hidden": teacher.inputs[i]}, tie=sharded).remove)
+            _, outs = stack.enter_context(recording(attention, outputs=chosen,
+                                                    stop_after=None if sharded else chosen[-1]))
             try:
-                step.model(input_ids=step.batch["input_ids"], use_cache=False)
+                out = step.model(input_ids=step.batch["input_ids"], use_cache=False)
             except StopForward:
                 pass
         errors = [F.mse_loss(outs[i].float(), teacher.attention[i].to(outs[i].device).float()) for i in chosen]
-        return self.factor * torch.stack(errors).mean()
+        loss = self.factor * torch.stack(errors).mean()
+        if sharded and out is not None:
+            # FSDP gathers a layer's weights for its backward from hooks on the layer's output, and the MSE
+            # leaves each layer inside it: a term of weight 0 on the logits runs the backward through every
+            # layer's output (the injected inputs are tied to the layers below), so each layer is gathered
+            # before its mixer's gradient needs its weights (as attention_mse does)
+            loss = loss + 0.0 * out.logits.float().mean()
+        return loss

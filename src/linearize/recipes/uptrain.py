@@ -215,6 +215,7 @@ def run(cfg: UptrainConfig) -> dict:
         results["align"] = _align(student, frozen, train_ds, eval_ds, cfg, out)
         steps_done += results["align"]["steps"]
         results["perplexity"]["student, after alignment"] = perplexity(student, eval_blocks)
+        student = _plain(student)
     if first_steps := cfg.stage_before():
         new_ids = {id(p) for p in new_parameters}
         for p in student.parameters():
@@ -223,6 +224,7 @@ def run(cfg: UptrainConfig) -> dict:
                       cfg.train_config(out / "new-weights", first_steps, min(cfg.warmup_steps, first_steps)),
                       stage="new-weights", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
         steps_done += first.state.global_step
+        student = _plain(student)
         for p in student.parameters():
             p.requires_grad_(True)
     lm = _learns_from_lm(cfg)
@@ -241,7 +243,17 @@ def run(cfg: UptrainConfig) -> dict:
                         "epochs": tokens / max(results["train_tokens_per_epoch"], 1)}  # passes over the corpus
     results["train"].update(peak_gpu_memory())  # under FSDP: each GPU's share of the student and the teacher
     results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
-    return finish(student, tok, out, results, cfg.sample_prompt)
+    return finish(_plain(student), tok, out, results, cfg.sample_prompt)
+
+
+def _plain(student):
+    """Between stages and before saving: under FSDP the student a stage left sharded, gathered whole
+    on the CPU (every rank takes part), so the next stage's Trainer shards a plain model afresh (it finds
+    no decoder layer class in one already sharded) and rank 0 saves and decodes it alone; otherwise the
+    student itself."""
+    from .engine import unsharded
+
+    return unsharded(student, device="cpu") if under_fsdp() else student
 
 
 def summary(results: dict, label: str) -> str:
