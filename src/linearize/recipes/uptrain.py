@@ -163,6 +163,8 @@ def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) ->
     from .engine import train
 
     trained = {id(p) for m in mixers(student).values() for p in m.parameters()}
+    # counted now: under FSDP the Trainer swaps each parameter for its sharded one
+    count = sum(p.numel() for p in student.parameters() if id(p) in trained)
     for p in student.parameters():
         p.requires_grad_(id(p) in trained)
     objective = build_objective("mixer_mse", teacher=frozen)
@@ -174,7 +176,7 @@ def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) ->
                     metrics_path=out / "metrics.jsonl")
     for p in student.parameters():
         p.requires_grad_(True)
-    return {"steps": trainer.state.global_step, "parameters": sum(p.numel() for p in student.parameters() if id(p) in trained)}
+    return {"steps": trainer.state.global_step, "parameters": count}
 
 
 def run(cfg: UptrainConfig) -> dict:
