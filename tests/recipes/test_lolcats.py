@@ -38,6 +38,24 @@ def test_both_stages_improve_and_checkpoint_stands_alone(workspace, monkeypatch,
     assert out.shape == (1, 8)
 
 
+@pytest.mark.parametrize("priority", ["recall", "novelty"])
+def test_trains_with_a_sparse_cache(workspace, monkeypatch, tmp_path, priority):
+    """LoLCATs trained with its sparse exact cache on (the cache shorter than the blocks, so tokens are
+    cached and evicted): stage 1 lowers every layer's attention MSE, stage 2 the validation loss, and
+    the checkpoint keeps the cache and its rule."""
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    spec = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 8, "window": 4, "sparse_cache": 3,
+            "sparse_priority": priority}
+    res = lolcats.run(_config(workspace, tmp_path / "run", spec=spec, stage1_steps=12, stage2_steps=12))
+    assert all(res["layer_mse_after"][i] < res["layer_mse_before"][i] for i in range(3))
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    stage2 = [e["eval_loss"] for e in evals if e["stage"] == "stage2" and "eval_loss" in e]
+    assert stage2[-1] < stage2[0]
+    model, _ = linearize.load(tmp_path / "run" / "final", device="cpu")
+    assert model.config.linearize["spec"]["sparse_cache"] == 3
+    assert model.config.linearize["spec"]["sparse_priority"] == priority
+
+
 def test_stage1_trains_what_the_conversion_added(workspace, monkeypatch, tmp_path):
     """Attention transfer trains every parameter the mixer added and nothing of the teacher's: for the
     gated delta rule that is its feature maps and its gates (decay, write strength, mix), not only the
