@@ -134,8 +134,9 @@ sum(d['layer_mse_after'].values())/len(d['layer_mse_after']))" 2>&1; done ;;
       for r in fsdp ddp; do
         launcher=(accelerate launch --config_file "$cfg" --num_processes 2); [ $r = ddp ] && launcher=("${two[@]}")
         timeout 300 "${launcher[@]}" -m linearize supra --teacher $T --budget gpu --batch-size 8 --align-steps 20 \
-          --loss kl+lm --steps ${FSDP_STEPS:-100} --eval-steps 1000 --eval-blocks 16 --seed 0 --out $R/distill-$r 2>&1 \
-          | quiet | tail -6
+          --loss kl+lm --steps ${FSDP_STEPS:-100} --eval-steps 1000 --eval-blocks 16 --seed 0 --out $R/distill-$r \
+          > "$OUT/distill-$r.log" 2>&1  # the whole log comes back: a failure's traceback is in it
+        quiet < "$OUT/distill-$r.log" | grep -E "Error|rror:" | sort -u | head -3; quiet < "$OUT/distill-$r.log" | tail -6
         cp $R/distill-$r/results.json "$OUT/distill-$r.json" 2>/dev/null
         python3 -c "import json; d=json.load(open('$OUT/distill-$r.json')); t=d['train']; print('$r distillation:', \
 t['steps'], 'steps', round(t['tokens_per_second']), 'tok/s, peak GiB per rank', [round(b/2**30, 2) for b in \
