@@ -130,12 +130,14 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     cp $RUNS/${1}/orderings.md $RUNS/${1}/orderings.json $RUNS/${1}/curves.png $OUT/ 2>/dev/null ;;
   dial)  # issue #21's dial: memory against recall for LoLCATs, + sparse caches (SPARSE sizes, SPARSE_PRIORITIES rules), auto-K (by attention MSE; autor2 by
          # the recall score) and hand-placed K, the gated delta rule, LoLCATs trained on 4,096-token blocks (long4k),
-         # LoLCATs trained with a novelty cache of 64 (trained64n; long4k64n on 4,096-token blocks)
+         # LoLCATs trained with a novelty cache of 64 (trained64n; long4k64n on 4,096-token blocks), with a cache of 64
+         # on the window's scale (trained64w)
          # (DIAL_ROWS picks rows by name; DIAL_EVAL adds eval flags, e.g. --by-position), the teacher
     for v in "lolcats:" "auto1:--keep-softmax auto:1" "auto2:--keep-softmax auto:2" "auto4:--keep-softmax auto:4" \
              "autor2:--keep-softmax auto:2 --auto-softmax-score recall" "hand2:--keep-softmax 2,15" "delta:--kind delta" \
              "long4k:--block-len 4096 --batch-size 2" "trained64n:--sparse-cache 64 --sparse-priority novelty" \
-             "long4k64n:--block-len 4096 --batch-size 2 --sparse-cache 64 --sparse-priority novelty"; do
+             "long4k64n:--block-len 4096 --batch-size 2 --sparse-cache 64 --sparse-priority novelty" \
+             "trained64w:--sparse-cache 64 --sparse-anchor window"; do
       [ -n "${DIAL_ROWS:-}" ] && [[ ",$DIAL_ROWS," != *",${v%%:*},"* ]] && continue
       name=${v%%:*}; flags=${v#*:}
       lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} $flags \
@@ -146,12 +148,15 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     # several dial jobs may share the rows: DIAL_TAIL=0 skips the tail below, DIAL_WAIT names the rows it waits for
     [ "${DIAL_TAIL:-1}" = 1 ] || exit 0
     for n in ${DIAL_WAIT:-}; do waitfor $RUNS/dial/$n.json 1500 || exit 1; done
-    # each S under each of SPARSE_PRIORITIES (recall: LoLA's rule, rows lolcats-sS; novelty: rows lolcats-sS-novelty)
+    # each S under each of SPARSE_PRIORITIES and SPARSE_ANCHORS (recall and joint, the defaults: rows lolcats-sS;
+    # others add their names: lolcats-s64-novelty, lolcats-s64-window, lolcats-s64-novelty-window)
     for S in ${SPARSE:-16 64 256}; do
       for P in ${SPARSE_PRIORITIES:-recall}; do
-        name=lolcats-s$S; [ "$P" = recall ] || name=$name-$P
-        lin eval $RUNS/dial-lolcats/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --sparse-cache $S \
-          --sparse-priority $P --name $name --out $RUNS/dial/$name.json 2>&1 | quiet | tail -4
+        for A in ${SPARSE_ANCHORS:-joint}; do
+          name=lolcats-s$S; [ "$P" = recall ] || name=$name-$P; [ "$A" = joint ] || name=$name-$A
+          lin eval $RUNS/dial-lolcats/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --sparse-cache $S \
+            --sparse-priority $P --sparse-anchor $A --name $name --out $RUNS/dial/$name.json 2>&1 | quiet | tail -4
+        done
       done
     done
     lin eval $T --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name teacher --out $RUNS/dial/teacher.json \

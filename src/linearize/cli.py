@@ -15,7 +15,7 @@ DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def _spec_arguments(p: argparse.ArgumentParser) -> None:
-    from .spec import BACKENDS, DECAYS, FEATURE_MAPS, KINDS, NORMS, SPARSE_PRIORITIES
+    from .spec import BACKENDS, DECAYS, FEATURE_MAPS, KINDS, NORMS, SPARSE_ANCHORS, SPARSE_PRIORITIES
 
     g = p.add_argument_group("mixer spec (each flag overrides the same key of --config)")
     g.add_argument("--kind", choices=KINDS, help="lolcats: softmax over a sliding window + linear attention for "
@@ -39,6 +39,9 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sparse-priority", choices=SPARSE_PRIORITIES, help="lolcats with --sparse-cache: which tokens "
                    "the cache keeps: recall (those the linear state recalls worst, LoLA; the default) or novelty "
                    "(those whose values are least like the other candidates')")
+    g.add_argument("--sparse-anchor", choices=SPARSE_ANCHORS, help="lolcats with --sparse-cache: which scores set "
+                   "the softmax terms' scale against the linear terms: joint (the largest over window and cache; the "
+                   "default) or window (the window's, as the hybrid was trained)")
     g.add_argument("--backend", choices=BACKENDS, help="auto: fla CUDA kernels when installed; torch: PyTorch only")
     g.add_argument("--config", type=Path, help="a recipe: a YAML file whose keys are settings (convert: the flags "
                    "above and teacher; lolcats, supra: any of the command's settings, e.g. stage1_steps, loss, "
@@ -47,14 +50,15 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
 
 
 SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "backend",
-              "sparse_cache", "sparse_priority")
+              "sparse_cache", "sparse_priority", "sparse_anchor")
 
 
 def _check_sparse_priority(args, spec: dict) -> None:
     """``--sparse-priority`` only chooses what a sparse cache keeps: without one it would do nothing."""
-    if getattr(args, "sparse_priority", None) is not None and not spec.get("sparse_cache"):
-        raise LinearizeError("--sparse-priority chooses which tokens the sparse cache keeps; give the cache a size "
-                             "with --sparse-cache S (or sparse_cache in --config)")
+    for flag in ("sparse_priority", "sparse_anchor"):
+        if getattr(args, flag, None) is not None and not spec.get("sparse_cache"):
+            raise LinearizeError(f"--{flag.replace('_', '-')} sets how the sparse cache works; give the cache a size "
+                                 "with --sparse-cache S (or sparse_cache in --config)")
 
 
 def read_recipe(config) -> dict:

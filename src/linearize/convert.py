@@ -88,7 +88,7 @@ def spec_of(model: nn.Module) -> Spec | None:
     return Spec.coerce(info["spec"]) if info else None
 
 
-RUNTIME_KEYS = ("sparse_cache", "sparse_priority", "backend", "chunk_size")  # spec keys that add or drop no parameters
+RUNTIME_KEYS = ("sparse_cache", "sparse_priority", "sparse_anchor", "backend", "chunk_size")  # spec keys that add or drop no parameters
 
 
 def respec(model: nn.Module, **changes) -> nn.Module:

@@ -19,6 +19,7 @@ DECAYS = ("none", "retnet", "lightning")
 NORMS = ("sum", "group")
 BACKENDS = ("auto", "torch", "fla")
 SPARSE_PRIORITIES = ("recall", "novelty")  # ops.sparse_hybrid_attention.PRIORITIES
+SPARSE_ANCHORS = ("joint", "window")  # ops.sparse_hybrid_attention.ANCHORS
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,10 @@ class Spec:
         "cli": True, "choices": SPARSE_PRIORITIES, "help": "lolcats with --sparse-cache: keep the tokens the linear "
         "state recalls worst (recall, LoLA; the default) or those whose values are least like the other candidates' "
         "(novelty)"})
+    sparse_anchor: str = field(default="joint", metadata={
+        "cli": True, "choices": SPARSE_ANCHORS, "help": "lolcats with --sparse-cache: which scores set the softmax "
+        "terms' scale against the linear terms: joint (the largest over window and cache; the default) or window "
+        "(the window's, as the hybrid was trained: a cached token weighs what it would in the window)"})
 
     def __post_init__(self):
         _check_choice("kind", self.kind, _kinds.names())
@@ -86,6 +91,7 @@ class Spec:
         _check_choice("norm", self.norm, NORMS, optional=True)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("sparse_priority", self.sparse_priority, SPARSE_PRIORITIES)
+        _check_choice("sparse_anchor", self.sparse_anchor, SPARSE_ANCHORS)
         for name in ("feature_dim", "window", "chunk_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

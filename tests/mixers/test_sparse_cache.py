@@ -11,6 +11,7 @@ from helpers import decode_incrementally, greedy_by_full_forwards, random_grads,
 from linearize import LinearizeError, ops
 from linearize.cache import LinearizeCache, cache_nbytes
 from linearize.info import state_bytes
+from linearize.ops.sparse_hybrid_attention import ANCHORS
 
 TOL = 1e-10
 
@@ -56,11 +57,11 @@ CASES = [(2, 4, 2, 23, 3, 2), (1, 6, 3, 17, 4, 3), (2, 2, 2, 13, 4, 1), (1, 4, 1
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("softcap", [None, 2.0])
-@pytest.mark.parametrize("priority", ["recall", "novelty"])
-def test_sparse_forms_agree(case, softcap, priority):
+@pytest.mark.parametrize("priority,anchor", [("recall", "joint"), ("novelty", "joint"), ("recall", "window")])
+def test_sparse_forms_agree(case, softcap, priority, anchor):
     b, h, hk, t, w, cap = case
     xs, gamma = _inputs(b, h, hk, t)
-    kw = dict(window=w, cache_size=cap, scale=0.5, softcap=softcap, priority=priority)
+    kw = dict(window=w, cache_size=cap, scale=0.5, softcap=softcap, priority=priority, anchor=anchor)
     ref = ops.sparse_hybrid_attention_naive(*xs, gamma, **kw)
     chunked, s_chunk = ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, output_final_state=True)
     rec, s_rec = ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw)
@@ -92,8 +93,8 @@ def test_a_cache_holding_everything_is_softmax():
 
 
 @pytest.mark.parametrize("window", [3, 4])
-@pytest.mark.parametrize("priority", ["recall", "novelty"])
-def test_padding_is_invisible_and_decoding_resumes_anywhere(window, priority):
+@pytest.mark.parametrize("priority,anchor", [("recall", "joint"), ("novelty", "joint"), ("recall", "window")])
+def test_padding_is_invisible_and_decoding_resumes_anywhere(window, priority, anchor):
     """Left padding (and a padded token inside) changes no real token's output in any form; each
     sequence decides exactly as it would alone (epochs count from its first real token); decoding
     on from a prefill of any length equals one pass."""
@@ -102,7 +103,7 @@ def test_padding_is_invisible_and_decoding_resumes_anywhere(window, priority):
     mask[1, :5] = False
     mask[2, :10] = False
     mask[2, 14] = False
-    kw = dict(window=window, cache_size=2, scale=0.5, priority=priority)
+    kw = dict(window=window, cache_size=2, scale=0.5, priority=priority, anchor=anchor)
     ref = ops.sparse_hybrid_attention_naive(*xs, gamma, **kw, key_mask=mask)
     chunked, s_chunk = ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, key_mask=mask, output_final_state=True)
     rec, s_rec = ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw, key_mask=mask)
@@ -162,11 +163,57 @@ def test_novelty_keeps_a_one_off_token_among_repeats():
     assert kept["recall"] != [9]
 
 
+def test_window_anchor_keeps_the_trained_balance_of_window_and_linear_terms():
+    """With ``anchor="window"`` a cached token weighs what it would in the window: against the plain
+    hybrid (no cache), caching a token moves only that token's weight from phi_q . phi_k to
+    gamma exp(s - c_w) (c_w the window's largest score), so a cache whose tokens score above the
+    window leaves the window's terms and the linear terms as they were. Under "joint" those tokens
+    raise c and shrink every softmax term against the linear ones: the two differ exactly there."""
+    g = torch.Generator().manual_seed(3)
+    t, w = 16, 4
+    q = torch.randn(1, 2, t, 4, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 1, t, 4, generator=g, dtype=torch.float64)
+    qf = torch.randn(1, 2, t, 6, generator=g, dtype=torch.float64).exp()
+    kf = torch.randn(1, 1, t, 6, generator=g, dtype=torch.float64).exp()
+    v = torch.randn(1, 1, t, 4, generator=g, dtype=torch.float64)
+    gamma = torch.tensor([0.4, 0.7], dtype=torch.float64)
+    kw = dict(window=w, cache_size=1, scale=0.5)
+    _, state = ops.sparse_hybrid_attention_chunked(q, k, qf, kf, v, gamma, **kw, output_final_state=True)
+    p = state.cache_pos.flatten().tolist()[0]  # the token cached at the end (chosen from features and values)
+    k[0, 0, p] = 2.0 * q[0, 0, -1]  # it scores far above the window for the last query of head 0
+    _, again = ops.sparse_hybrid_attention_chunked(q, k, qf, kf, v, gamma, **kw, output_final_state=True)
+    assert again.cache_pos.flatten().tolist() == [p] and p < t - w
+    out = {a: ops.sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, **kw, anchor=a)[0, :, -1] for a in ANCHORS}
+    # by hand, for the last query: window, token p exact, the rest linear, on the window's scale
+    win, lin = list(range(t - w, t)), [s for s in range(t - w) if s != p]
+    for h in range(2):
+        s_all = (k[0, 0] @ q[0, h, -1]) * 0.5
+        c_w = s_all[win].max()
+        assert h == 1 or s_all[p] > c_w + 1  # the premise: the cached token outscores the window
+        a = torch.zeros(t, dtype=torch.float64)
+        a[win + [p]] = gamma[h] * torch.exp(s_all[win + [p]] - c_w)
+        a[lin] = kf[0, 0, lin] @ qf[0, h, -1]
+        torch.testing.assert_close(out["window"][h], a @ v[0, 0] / a.sum(), atol=1e-12, rtol=0)
+    assert not torch.allclose(out["joint"][0], out["window"][0])
+
+
+def test_the_anchor_matters_only_with_a_cache():
+    xs, gamma = _inputs(2, 4, 2, 19)
+    kw = dict(window=4, scale=0.5)
+    for cap in (0,):
+        a, b = (ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, cache_size=cap, anchor=x)[0] for x in ANCHORS)
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    a, b = (ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, cache_size=3, anchor=x)[0] for x in ANCHORS)
+    assert not torch.allclose(a, b)
+
+
 def test_unknown_priority_fails():
     xs, gamma = _inputs(1, 2, 1, 9)
     for form in (ops.sparse_hybrid_attention_naive, ops.sparse_hybrid_attention_chunked):
         with pytest.raises(ValueError, match="priority must be one of"):
             form(*xs, gamma, window=2, cache_size=1, scale=0.5, priority="attention")
+        with pytest.raises(ValueError, match="anchor must be one of"):
+            form(*xs, gamma, window=2, cache_size=1, scale=0.5, anchor="cache")
 
 
 def test_runs_under_bfloat16_autocast():
@@ -204,10 +251,11 @@ def test_forms_agree_on_cuda(priority):
 SPEC = {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3}
 
 
-@pytest.mark.parametrize("family,priority", [("llama", "recall"), ("gemma2", "recall"), ("gpt_neox", "recall"),
-                                             ("llama", "novelty")])
-def test_decoding_through_the_cache_equals_parallel_forward(tiny_model, family, priority):
-    student = tiny_student(tiny_model, family, {**SPEC, "sparse_priority": priority})
+@pytest.mark.parametrize("family,priority,anchor", [("llama", "recall", "joint"), ("gemma2", "recall", "joint"),
+                                                    ("gpt_neox", "recall", "joint"), ("llama", "novelty", "joint"),
+                                                    ("llama", "recall", "window")])
+def test_decoding_through_the_cache_equals_parallel_forward(tiny_model, family, priority, anchor):
+    student = tiny_student(tiny_model, family, {**SPEC, "sparse_priority": priority, "sparse_anchor": anchor})
     ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(decode_incrementally(student, ids, 13), student(ids, use_cache=False).logits,
                                atol=1e-10, rtol=0)
@@ -323,15 +371,16 @@ def test_bad_cache_specs_fail_with_one_line(tiny_model):
         assert "\n" not in str(err.value)
 
 
-@pytest.mark.parametrize("family,priority", [("llama", "recall"), ("qwen3", "recall"), ("llama", "novelty")])
-def test_fast_decoder_equals_generate_with_a_cache(tiny_model, family, priority, monkeypatch):
+@pytest.mark.parametrize("family,priority,anchor", [("llama", "recall", "joint"), ("qwen3", "recall", "joint"),
+                                                    ("llama", "novelty", "joint"), ("llama", "recall", "window")])
+def test_fast_decoder_equals_generate_with_a_cache(tiny_model, family, priority, anchor, monkeypatch):
     """The fast decoder (fixed buffers, batched, left padding) decodes a student with a sparse cache as
     generate() does: greedy tokens equal, each sequence of a left-padded batch as alone, past many
     window wrap-arounds and cache evictions."""
     from linearize.fast import fast_generate
 
     student = tiny_student(tiny_model, family, {"kind": "lolcats", "window": 3, "feature_dim": 8, "sparse_cache": 2,
-                                                "sparse_priority": priority})
+                                                "sparse_priority": priority, "sparse_anchor": anchor})
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 97, (n,), generator=g) for n in (9, 4, 6)]
     width = max(len(p) for p in prompts)
@@ -382,6 +431,12 @@ def test_eval_takes_a_sparse_cache_without_training(tmp_path, monkeypatch, tiny_
     record = json.loads(out.read_text())
     assert (record["model"]["spec"]["sparse_cache"], record["model"]["spec"]["sparse_priority"]) == (8, "novelty")
     assert record["perplexity"]["value"] != ppl[8]
+    out = tmp_path / "anchor.json"
+    assert main(["eval", str(tmp_path / "ck"), "--source", str(text), "--block-len", "64", "--device", "cpu",
+                 "--quiet", "--sparse-cache", "8", "--sparse-anchor", "window", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert (record["model"]["spec"]["sparse_cache"], record["model"]["spec"]["sparse_anchor"]) == (8, "window")
+    assert record["perplexity"]["value"] != ppl[8]
     assert main(["eval", str(tmp_path / "teacher"), "--source", str(text), "--device", "cpu", "--quiet",
                  "--sparse-cache", "8"]) == 2
     capsys.readouterr()
@@ -391,12 +446,16 @@ def test_eval_takes_a_sparse_cache_without_training(tmp_path, monkeypatch, tiny_
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]  # after the load's progress
     assert len(errors) == 1 and errors[0].startswith("linearize: error: --sparse-priority"), errors
     assert "sparse_cache 0" in errors[0] and "--sparse-cache S" in errors[0]
+    assert main(["eval", str(tmp_path / "ck"), "--source", str(text), "--device", "cpu", "--quiet",
+                 "--sparse-anchor", "window"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and errors[0].startswith("linearize: error: --sparse-anchor"), errors
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("prefill", [1, 2, 9])
-@pytest.mark.parametrize("priority", ["recall", "novelty"])
-def test_ring_step_is_the_step_in_place(case, prefill, priority):
+@pytest.mark.parametrize("priority,anchor", [("recall", "joint"), ("novelty", "joint"), ("recall", "window")])
+def test_ring_step_is_the_step_in_place(case, prefill, priority, anchor):
     """The fast decoder's form (a fixed ring of w slots, updated in place, no host synchronisation)
     gives the step's outputs and decisions token by token, from prefixes shorter and longer than the
     window and with a left-padded row, across epoch boundaries and ring wrap-arounds."""
@@ -409,7 +468,7 @@ def test_ring_step_is_the_step_in_place(case, prefill, priority):
         mask[1, : min(prefill, 2)] = False  # the second row starts with padding
     state = ops.empty_sparse_hybrid_state(b, hk, q.shape[-1], qf.shape[-1], cap, dtype=torch.float64)
     at = lambda x, i: x[:, :, i : i + 1]  # noqa: E731
-    kw = dict(scale=0.5, softcap=None, priority=priority)
+    kw = dict(scale=0.5, softcap=None, priority=priority, anchor=anchor)
     for i in range(prefill):  # the prefix, as a prefill leaves it
         _, state = ops.sparse_hybrid_attention_step(*(at(x, i) for x in (q, k, qf, kf, v)), gamma, state, window=w,
                                                     key_mask=mask[:, i : i + 1], **kw)

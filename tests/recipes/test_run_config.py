@@ -19,7 +19,7 @@ from linearize.recipes.xatl import XatlConfig
 # and the mixer spec's (which go into ``spec``)
 NOT_SETTINGS = {"help", "dtype", "device", "teacher", "budget", "out", "config", "rows", "variant", "table", "losses",
                 "kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "sparse_cache",
-                "sparse_priority", "backend"}
+                "sparse_priority", "sparse_anchor", "backend"}
 
 
 def _command(name):

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from linearize.errors import LinearizeError
-from linearize.spec import SPARSE_PRIORITIES
+from linearize.spec import SPARSE_ANCHORS, SPARSE_PRIORITIES
 
 
 def _positive_int(text: str) -> int:
@@ -60,18 +60,20 @@ def cmd_eval(args) -> int:
     if args.sparse_cache is not None and args.sparse_cache < 0:
         raise LinearizeError(f"--sparse-cache must be zero or more, got {args.sparse_cache}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.sparse_cache is not None or args.sparse_priority is not None:
-        flag = "--sparse-cache" if args.sparse_cache is not None else "--sparse-priority"
+    if args.sparse_cache is not None or args.sparse_priority is not None or args.sparse_anchor is not None:
+        flag = ("--sparse-cache" if args.sparse_cache is not None else
+                "--sparse-priority" if args.sparse_priority is not None else "--sparse-anchor")
         if not getattr(model.config, "linearize", None):
             raise LinearizeError(f"{flag} changes the sparse exact cache of a converted checkpoint; "
                                  "this model is not one")
         from ..convert import respec, spec_of
 
         if args.sparse_cache is None and not spec_of(model).sparse_cache:
-            raise LinearizeError("--sparse-priority chooses which tokens the sparse cache keeps, and this checkpoint "
-                                 "has none (sparse_cache 0); add --sparse-cache S")
+            raise LinearizeError(f"{flag} sets how the sparse cache works, and this checkpoint has none "
+                                 "(sparse_cache 0); add --sparse-cache S")
         # recorded in the results' spec
-        respec(model, sparse_cache=args.sparse_cache, sparse_priority=args.sparse_priority)
+        respec(model, sparse_cache=args.sparse_cache, sparse_priority=args.sparse_priority,
+               sparse_anchor=args.sparse_anchor)
     record = evaluate(model, tokenizer, tasks=args.tasks, limit=args.limit, with_perplexity=not args.no_perplexity,
                       source=source, block_len=args.block_len, max_blocks=args.max_blocks,
                       batch_size=args.batch_size, max_length=args.max_length, seed=args.seed, name=args.name,
@@ -208,6 +210,11 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                         "or novelty (those whose values are least like the other candidates'); default: the "
                         "checkpoint's (recall unless saved otherwise). Needs a cache: --sparse-cache or the "
                         "checkpoint's")
+    e.add_argument("--sparse-anchor", choices=SPARSE_ANCHORS, default=None,
+                   help="which scores set the sparse cache's softmax terms against the linear terms: joint (the "
+                        "largest over window and cache) or window (the window's, as the hybrid was trained: a cached "
+                        "token weighs what it would in the window); default: the checkpoint's (joint unless saved "
+                        "otherwise)")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 

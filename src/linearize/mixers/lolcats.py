@@ -65,7 +65,7 @@ class LolcatsAttention(LinearAttention):
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
         if self.spec.sparse_cache:
             kw = dict(**self._kw(), cache_size=self.spec.sparse_cache, key_mask=self.key_mask,
-                      priority=self.spec.sparse_priority)
+                      priority=self.spec.sparse_priority, anchor=self.spec.sparse_anchor)
             if state is None:
                 return ops.sparse_hybrid_attention_chunked(q, k, qf, kf, v, self.window_weight(), **kw,
                                                            output_final_state=want_state)
@@ -143,11 +143,11 @@ class LolcatsAttention(LinearAttention):
             g = self.geometry
             return ops.sparse_hybrid_attention_step_ring(q, k, qf, kf, v, self.window_weight(), state, scale=g.scaling,
                                                          softcap=g.softcap, key_mask=self.key_mask,
-                                                         priority=self.spec.sparse_priority)
+                                                         priority=self.spec.sparse_priority, anchor=self.spec.sparse_anchor)
         if isinstance(state, ops.SparseHybridState):
             q, k, qf, kf = self._inputs(q, k, position_embeddings)
             return ops.sparse_hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
-                                                    key_mask=self.key_mask, priority=self.spec.sparse_priority)
+                                                    key_mask=self.key_mask, priority=self.spec.sparse_priority, anchor=self.spec.sparse_anchor)
         if isinstance(state, ops.FusedRingState):  # everything from RoPE to the output in one launch
             from ..ops.hybrid_step_triton import hybrid_step_fused_triton
 

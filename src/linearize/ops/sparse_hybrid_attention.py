@@ -14,7 +14,12 @@ Output for query t (one shared normaliser, ``gamma`` a per-query-head weight, as
     a_ts = phi_q(q_t) . phi_k(k_s)      for every other real s <= t (folded into the linear state)
     y_t  = sum_s a_ts v_s / sum_s a_ts
 
-where ``c_t`` is the largest score over window and cache.
+where ``c_t`` is the largest score over window and cache (``anchor="joint"``, the default). With
+``anchor="window"`` the linear terms are scaled by ``exp(c_w - c_t)``, ``c_w`` the largest score over the
+window alone: the softmax terms stand against the linear ones as in the hybrid the student was trained
+as (whose ``c`` is the window's), and a cached token weighs what it would in the window. Under
+``"joint"`` a cached token scoring above the window lowers every softmax term against the linear
+terms, the needle's own included.
 
 **Which tokens are cached** is decided per sequence and per *key head* (the ``G`` query heads of a
 group share their key head's cache, as they share its keys, values and linear state):
@@ -145,6 +150,14 @@ def value_novelty(v: torch.Tensor, valid: torch.Tensor, acc: torch.dtype) -> tor
 
 
 PRIORITIES = ("recall", "novelty")
+ANCHORS = ("joint", "window")
+
+
+def _check(priority: str, anchor: str) -> None:
+    if priority not in PRIORITIES:
+        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+    if anchor not in ANCHORS:
+        raise ValueError(f"anchor must be one of {', '.join(ANCHORS)}, got {anchor!r}")
 
 
 def priorities(kind: str, kf: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
@@ -176,12 +189,11 @@ def _lowest(pri: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.
 
 def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_size: int, scale: float,
                                   softcap: float | None = None, key_mask: torch.Tensor | None = None,
-                                  priority: str = "recall"):
+                                  priority: str = "recall", anchor: str = "joint"):
     """The definition, literally: per sequence and key head, sets of positions (window, cache,
     folded) evolve token by token, and every output is an explicit sum. Slow (Python loops over
     tokens): for tests. Returns ``[B, H, T, D]``."""
-    if priority not in PRIORITIES:
-        raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+    _check(priority, anchor)
     acc = accum_dtype(q.dtype)
     b, n_kv, t, d = k.shape
     group = q.shape[1] // n_kv
@@ -225,13 +237,16 @@ def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_
                 if not real_l[bi][ti]:
                     outs.append(torch.zeros(group, d, dtype=acc, device=q.device))
                     continue
-                soft = [x for x in range(max(0, ti - w + 1), ti + 1) if real_l[bi][x]] + cached
+                in_window = [x for x in range(max(0, ti - w + 1), ti + 1) if real_l[bi][x]]
+                soft = in_window + cached
                 per_head = []
                 for gi in range(group):
                     hq = hk * group + gi
                     sc = _scores(q[bi, hq, ti][None], k[bi, hk, soft], scale, softcap)[0]
                     a_soft = gamma[hq] * torch.exp(sc - sc.max())
                     a_lin = kf[bi, hk, folded] @ qf[bi, hq, ti]
+                    if anchor == "window":  # the linear terms against the window's largest score
+                        a_lin = a_lin * torch.exp(sc[: len(in_window)].max() - sc.max())
                     num = a_soft @ v[bi, hk, soft] + a_lin @ v[bi, hk, folded]
                     per_head.append(num / (a_soft.sum() + a_lin.sum()))
                 outs.append(torch.stack(per_head))
@@ -242,7 +257,8 @@ def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_
 
 # --- decoding --------------------------------------------------------------------------------------
 
-def _read_one(q, qf, gamma, keys, values, valid, cache_keys, cache_values, cache_valid, linear, real, scale, softcap):
+def _read_one(q, qf, gamma, keys, values, valid, cache_keys, cache_values, cache_valid, linear, real, scale, softcap,
+              anchor="joint"):
     """One query token's output ``[B, H, 1, D]`` over the window (``valid`` [B, w]), the cache
     (``cache_valid`` [B, Hk, S]) and the linear state, under one normaliser; padding queries give 0."""
     acc = linear.dtype
@@ -256,8 +272,11 @@ def _read_one(q, qf, gamma, keys, values, valid, cache_keys, cache_values, cache
     sw = sw.masked_fill(~wmask, neg)
     sc = _scores(qg, cache_keys.to(acc).unsqueeze(2), scale, softcap).masked_fill(~cmask, neg)
     c = torch.cat([sw, sc], dim=-1).amax(dim=-1, keepdim=True)
+    read = qfg @ linear
+    if anchor == "window":
+        read = read * torch.exp(sw.amax(dim=-1, keepdim=True) - c)
     out = (g * torch.exp(sw - c) * wmask) @ _augment(values.to(acc), True).unsqueeze(2)
-    out = out + (g * torch.exp(sc - c) * cmask) @ _augment(cache_values.to(acc), True).unsqueeze(2) + qfg @ linear
+    out = out + (g * torch.exp(sc - c) * cmask) @ _augment(cache_values.to(acc), True).unsqueeze(2) + read
     y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
     y = y * real[:, None, None, None, None]
     bb, hk, grp, _, d = y.shape
@@ -278,9 +297,11 @@ def _rescored(kind, state, window_valid, lin):
 def sparse_hybrid_attention_step(
     q, k, qf, kf, v, gamma, state: SparseHybridState, *, window: int, scale: float,
     softcap: float | None = None, key_mask: torch.Tensor | None = None, priority: str = "recall",
+    anchor: str = "joint",
 ) -> tuple[torch.Tensor, SparseHybridState]:
     """One token (``T = 1``; ``key_mask`` [B, 1]). Returns ``(y [B, H, 1, D], new_state)``; the state is
     updated out of place. The cache size is the state's."""
+    _check(priority, anchor)
     acc = state.linear.dtype
     b, n_kv = k.shape[:2]
     cap = state.cache_keys.shape[2]
@@ -329,7 +350,7 @@ def sparse_hybrid_attention_step(
         cvalid = cvalid | put
         keys, feats, values, valid = keys[:, :, 1:], feats[:, :, 1:], values[:, :, 1:], valid[:, 1:]
         window_scores = window_scores[:, :, 1:]
-    y = _read_one(q, qf, gamma, keys, values, valid, ck, cv, cvalid, linear, real, scale, softcap)
+    y = _read_one(q, qf, gamma, keys, values, valid, ck, cv, cvalid, linear, real, scale, softcap, anchor)
     new = SparseHybridState(keys, feats, values, valid, window_scores, linear, ck, cf, cv, cvalid, cache_scores,
                             cpos, state.count + started.long())
     return y, new
@@ -367,7 +388,7 @@ class RingSparseState(SparseHybridState):
 
 def sparse_hybrid_attention_step_ring(
     q, k, qf, kf, v, gamma, state: RingSparseState, *, scale: float, softcap: float | None = None,
-    key_mask: torch.Tensor | None = None, priority: str = "recall",
+    key_mask: torch.Tensor | None = None, priority: str = "recall", anchor: str = "joint",
 ) -> tuple[torch.Tensor, RingSparseState]:
     """``sparse_hybrid_attention_step`` on a ``RingSparseState``, in place and without a host
     synchronisation (the epoch's rescoring is computed every step and kept where a boundary falls):
@@ -416,14 +437,14 @@ def sparse_hybrid_attention_step_ring(
     state.valid.index_copy_(1, idx, real[:, None])
     state.window_scores.index_fill_(2, idx, 0)
     y = _read_one(q, qf, gamma, state.keys, state.values, state.valid, ck, cv, cvalid, state.linear, real, scale,
-                  softcap)
+                  softcap, anchor)
     state.slot.copy_((state.slot + 1) % window)
     state.count.add_(started.long())
     return y, state
 
 
 def sparse_hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, cache_size, scale, softcap=None,
-                                      initial_state=None, key_mask=None, priority="recall"):
+                                      initial_state=None, key_mask=None, priority="recall", anchor="joint"):
     """Token by token through ``sparse_hybrid_attention_step`` (the decoding form)."""
     b, h, t, d = q.shape
     state = initial_state or empty_sparse_hybrid_state(b, k.shape[1], d, kf.shape[-1], cache_size,
@@ -433,7 +454,8 @@ def sparse_hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, cache_s
         sl = slice(i, i + 1)
         o, state = sparse_hybrid_attention_step(
             q[:, :, sl], k[:, :, sl], qf[:, :, sl], kf[:, :, sl], v[:, :, sl], gamma, state, window=window,
-            scale=scale, softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl], priority=priority)
+            scale=scale, softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl], priority=priority,
+            anchor=anchor)
         outs.append(o)
     return torch.cat(outs, dim=2), state
 
@@ -504,6 +526,7 @@ def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: 
 def sparse_hybrid_attention_chunked(
     q, k, qf, kf, v, gamma, *, window: int, cache_size: int, scale: float, softcap: float | None = None,
     output_final_state: bool = False, key_mask: torch.Tensor | None = None, priority: str = "recall",
+    anchor: str = "joint",
 ) -> tuple[torch.Tensor, SparseHybridState | None]:
     """The sequence form, in chunks of ``window`` tokens, one selection epoch each.
 
@@ -515,6 +538,7 @@ def sparse_hybrid_attention_chunked(
     (cached or folded during the chunk), and the linear state of the tokens folded before the
     chunk (a cumulative sum of per-chunk sums).
     """
+    _check(priority, anchor)
     acc = accum_dtype(q.dtype)
     b, n_kv, t, d = k.shape
     grp = q.shape[1] // n_kv
@@ -559,6 +583,9 @@ def sparse_hybrid_attention_chunked(
     neg = torch.finfo(s2.dtype).min
     s2 = s2.masked_fill(~soft2[:, :, None], neg)
     top = s2.amax(dim=-1, keepdim=True)
+    if anchor == "window":  # the window's largest score (its keys are among chunks c-1 and c)
+        win2 = (in_window & real2[:, None, :, None, :])[:, :, None]
+        top_w = s2.masked_fill(~win2, neg).amax(dim=-1, keepdim=True)
     if cap:  # the cache at each chunk's start
         sk, sf, sv = _take(kk, slot_pos), _take(ff, slot_pos), _take(vv, slot_pos)  # [B, Hk, N, S, *]
         s_fold = fold.gather(2, slot_pos.flatten(2)).view_as(slot_pos)
@@ -566,7 +593,8 @@ def sparse_hybrid_attention_chunked(
         soft_s = slot_valid[..., None, :] & ~folded_s
         ss = _scores(qc, sk.unsqueeze(2), scale, softcap).masked_fill(~soft_s[:, :, None], neg)
         top = torch.maximum(top, ss.amax(dim=-1, keepdim=True))
-    a2 = g * torch.exp(s2 - top) * soft2[:, :, None] + (qfc @ f2.transpose(-1, -2)) * folded2[:, :, None]
+    lin = torch.exp(top_w - top) if anchor == "window" else 1.0  # the linear terms' factor
+    a2 = g * torch.exp(s2 - top) * soft2[:, :, None] + (qfc @ f2.transpose(-1, -2)) * folded2[:, :, None] * lin
     out = a2 @ _augment(v2, True)
     # linear state before each chunk: tokens folded during chunk c are among its candidates
     ends = ((torch.arange(n, device=dev) + 1) * w)[:, None]  # [N, 1]
@@ -574,12 +602,12 @@ def sparse_hybrid_attention_chunked(
     inc = (f2[:, :, 0, :, :w] * gone2).transpose(-1, -2) @ _augment(v2[:, :, 0, :, :w], True)  # [B, Hk, N, F, D+1]
     if cap:
         a_s = (g * torch.exp(ss - top) * soft_s[:, :, None]
-               + (qfc @ sf.unsqueeze(2).transpose(-1, -2)) * folded_s[:, :, None])
+               + (qfc @ sf.unsqueeze(2).transpose(-1, -2)) * folded_s[:, :, None] * lin)
         out = out + a_s @ _augment(sv, True).unsqueeze(2)
         gone_s = (slot_valid & (s_fold < ends)).to(acc)[..., None]
         inc = inc + (sf * gone_s).transpose(-1, -2) @ _augment(sv, True)
     before = torch.cumsum(inc, dim=2) - inc
-    out = out + qfc @ before.unsqueeze(2)
+    out = out + (qfc @ before.unsqueeze(2)) * lin
     y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
     y = y.flatten(3, 4)[..., :t, :] * real[:, None, None, :, None]  # [B, Hk, G, T, D]
     y = y.reshape(b, -1, t, d)
