@@ -53,8 +53,9 @@ SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "norm", "
               "sparse_cache", "sparse_priority", "sparse_anchor")
 
 
-def _check_sparse_priority(args, spec: dict) -> None:
-    """``--sparse-priority`` only chooses what a sparse cache keeps: without one it would do nothing."""
+def _check_sparse_options(args, spec: dict) -> None:
+    """``--sparse-priority`` and ``--sparse-anchor`` only set how a sparse cache works: without one they
+    would do nothing."""
     for flag in ("sparse_priority", "sparse_anchor"):
         if getattr(args, flag, None) is not None and not spec.get("sparse_cache"):
             raise LinearizeError(f"--{flag.replace('_', '-')} sets how the sparse cache works; give the cache a size "
@@ -93,7 +94,7 @@ def _spec_from_args(args) -> tuple[dict, dict]:
         value = getattr(args, key)
         if value is not None:
             recipe[key] = value
-    _check_sparse_priority(args, recipe)
+    _check_sparse_options(args, recipe)
     return recipe, other
 
 
@@ -115,7 +116,7 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
     spec.update({k: recipe.pop(k) for k in SPEC_FLAGS if k in recipe and k != "keep_softmax"})
     spec.update({k: getattr(args, k) for k in SPEC_FLAGS
                  if k != "keep_softmax" and getattr(args, k, None) is not None})
-    _check_sparse_priority(args, spec)
+    _check_sparse_options(args, spec)
     keep = getattr(args, "keep_softmax", None) or recipe.pop("keep_softmax", None) or spec.pop("keep_softmax", None)
     spec.pop("keep_softmax", None)
     method = recipe.pop("method", None)

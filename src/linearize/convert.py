@@ -88,7 +88,8 @@ def spec_of(model: nn.Module) -> Spec | None:
     return Spec.coerce(info["spec"]) if info else None
 
 
-RUNTIME_KEYS = ("sparse_cache", "sparse_priority", "sparse_anchor", "backend", "chunk_size")  # spec keys that add or drop no parameters
+# spec keys that add or drop no parameters
+RUNTIME_KEYS = ("sparse_cache", "sparse_priority", "sparse_anchor", "backend", "chunk_size")
 
 
 def respec(model: nn.Module, **changes) -> nn.Module:

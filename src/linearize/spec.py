@@ -50,6 +50,9 @@ class Spec:
         the tokens the linear state reads back worst) or ``novelty`` (the tokens whose values are least
         like any other candidate's: repeated text goes to the linear state, one-off tokens stay). Like
         ``sparse_cache`` it adds no parameters; it has no effect while ``sparse_cache`` is 0.
+    sparse_anchor: how cached tokens weigh against the linear terms: ``joint`` (the softmax terms on the
+        scale of the largest score over window and cache) or ``window`` (on the window's, as the hybrid
+        was trained: a cached token weighs what it would in the window). No parameters either.
     backend: ``auto`` (fla CUDA kernels when installed; lolcats: the hybrid's Triton kernels on
         CUDA, ``ops.use_hybrid_kernel``), ``torch`` or ``fla`` (the CUDA kernels required).
     """

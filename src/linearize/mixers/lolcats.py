@@ -5,7 +5,8 @@ exactly the teacher's softmax attention.
 
 With ``spec.sparse_cache = S > 0`` each key head also keeps, beside the window, the ``S`` older tokens
 its linear state recalls worst, exactly (LoLA; ``ops/sparse_hybrid_attention.py``; with
-``spec.sparse_priority = "novelty"`` those whose values are least like the other candidates'): the softmax runs
+``spec.sparse_priority = "novelty"`` those whose values are least like the other candidates'; ``spec.sparse_anchor``
+sets how they weigh against the linear terms): the softmax runs
 over window and cache, the linear state over the rest. It adds no parameters (any converted
 checkpoint takes it as is) and trains through the softmax over window and cache.
 
@@ -57,6 +58,10 @@ class LolcatsAttention(LinearAttention):
         g = self.geometry
         return dict(window=self.spec.window, scale=g.scaling, softcap=g.softcap)
 
+    def _sparse_rule(self):
+        """The sparse cache's rule, as every form of the op takes it."""
+        return dict(key_mask=self.key_mask, priority=self.spec.sparse_priority, anchor=self.spec.sparse_anchor)
+
     def sequence(self, q, k, v, position_embeddings, state, want_state):
         if state is None and not self.spec.sparse_cache:
             fused = self._kernel_sequence(q, k, v, position_embeddings, want_state)
@@ -64,8 +69,7 @@ class LolcatsAttention(LinearAttention):
                 return fused
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
         if self.spec.sparse_cache:
-            kw = dict(**self._kw(), cache_size=self.spec.sparse_cache, key_mask=self.key_mask,
-                      priority=self.spec.sparse_priority, anchor=self.spec.sparse_anchor)
+            kw = dict(**self._kw(), cache_size=self.spec.sparse_cache, **self._sparse_rule())
             if state is None:
                 return ops.sparse_hybrid_attention_chunked(q, k, qf, kf, v, self.window_weight(), **kw,
                                                            output_final_state=want_state)
@@ -142,12 +146,11 @@ class LolcatsAttention(LinearAttention):
             q, k, qf, kf = self._inputs(q, k, position_embeddings)
             g = self.geometry
             return ops.sparse_hybrid_attention_step_ring(q, k, qf, kf, v, self.window_weight(), state, scale=g.scaling,
-                                                         softcap=g.softcap, key_mask=self.key_mask,
-                                                         priority=self.spec.sparse_priority, anchor=self.spec.sparse_anchor)
+                                                         softcap=g.softcap, **self._sparse_rule())
         if isinstance(state, ops.SparseHybridState):
             q, k, qf, kf = self._inputs(q, k, position_embeddings)
             return ops.sparse_hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
-                                                    key_mask=self.key_mask, priority=self.spec.sparse_priority, anchor=self.spec.sparse_anchor)
+                                                    **self._sparse_rule())
         if isinstance(state, ops.FusedRingState):  # everything from RoPE to the output in one launch
             from ..ops.hybrid_step_triton import hybrid_step_fused_triton
 

@@ -548,10 +548,6 @@ def run(cfg: LolcatsConfig) -> dict:
         if not fsdp:
             results["layer_mse_before"] = layer_mse(student, eval_blocks)
         results["stage1"] = run_stage1(student, train_ds, eval_ds, cfg, out)
-        from .engine import unsharded
-
-        if not fsdp:
-            student = unsharded(student)  # a plain model again, for stage 2 to wrap afresh
         # under FSDP (stage 1 alone, no auto:K) measured on the sharded student, every rank taking part
         results["layer_mse_after"] = layer_mse(student, eval_blocks)
         if auto_k:
@@ -561,6 +557,8 @@ def run(cfg: LolcatsConfig) -> dict:
         del teacher
         ppl["after_stage1"] = perplexity(student, eval_blocks)
         if fsdp:  # gathered whole on the CPU alone, where rank 0 saves it and decodes the sample (finish)
+            from .engine import unsharded
+
             student = unsharded(student, device="cpu")
         _plot_layer_mse(results, out)
     if "stage2" in cfg.stages:

@@ -249,13 +249,13 @@ def run(cfg: UptrainConfig) -> dict:
 
 
 def _plain(student):
-    """Between stages and before saving: under FSDP the student a stage left sharded, gathered whole
-    on the CPU (every rank takes part), so the next stage's Trainer shards a plain model afresh (it finds
-    no decoder layer class in one already sharded) and rank 0 saves and decodes it alone; otherwise the
-    student itself."""
+    """Between stages and before saving: a student a stage left sharded (FSDP), gathered whole on the
+    CPU (every rank takes part), so the next stage's Trainer shards a plain model afresh (it finds no
+    decoder layer class in one already sharded) and rank 0 saves and decodes it alone; any other
+    student as it is (``engine.unsharded``)."""
     from .engine import unsharded
 
-    return unsharded(student, device="cpu") if under_fsdp() else student
+    return unsharded(student, device="cpu")
 
 
 def summary(results: dict, label: str) -> str:
