@@ -11,6 +11,8 @@
 #   prefill   the prefill sweep, student (kernels) vs teacher (sdpa, flash_attention_2 if installed) in
 #             one run, then the student's PyTorch form at 1k and 8k (before)
 #   train     bench.train at 8x1024: teacher full fine-tune, LoLCATs stage 1 and stage 2
+#   profile   where a training step's time goes (bench.profile train at 8x1024: kernels, host phases) for the
+#             teacher and both LoLCATs stages, and a 1k prefill's kernels, student and teacher
 # An untrained student: speed does not depend on the weights. Rows land in $S (/tmp/runs/hybrid).
 set -uo pipefail
 T=${T:-/tmp/stage/teacher.gguf}; S=${S:-/tmp/runs/hybrid}; C=${C:-/tmp/ckpt/lolcats}; mkdir -p "$S"
@@ -42,6 +44,16 @@ for part in ${@:-tests kernels launches prefill train}; do
     train)
       timeout 300 python3 -m linearize.bench.train --teacher "$T" --models teacher lolcats-stage1 lolcats-stage2 \
         --shapes 8x1024 --steps 10 --out "$S/train.json" 2>&1 | quiet | tail -6 ;;
+    profile)
+      student
+      for m in teacher lolcats-stage1 lolcats-stage2; do
+        timeout 240 python3 -m linearize.bench.profile train --model $m --teacher "$T" --shape 8x1024 --top 25 \
+          --out "$S/profile_train_$m.json" 2>&1 | quiet | tail -40
+      done
+      for m in "$C" "$T"; do
+        timeout 120 python3 -m linearize.bench.profile prefill "$m" --batch 1 --prompt-len 1024 --top 20 \
+          --out "$S/profile_prefill_$(basename $m).json" 2>&1 | quiet | tail -28
+      done ;;
     *) echo "unknown part $part" ;;
   esac
 done

@@ -14,7 +14,7 @@ evaluate() {  # evaluate CHECKPOINT NAME
   local n=0; until [ -e /tmp/evalsite/.ready ]; do sleep 10; n=$((n + 10)); [ $n -ge 1500 ] && return 1; done
   local limit=(--limit "$LIMIT"); [ "$LIMIT" = all ] && limit=()  # LIMIT=all: every document of every task
   PYTHONPATH=/tmp/evalsite:$PYTHONPATH lin eval "$1" --tasks all "${limit[@]}" --batch-size ${EVAL_BATCH:-32} \
-    --name "$2" --out $RUNS/eval/$2.json 2>&1 | quiet | tail -20
+    ${EVAL_FLAGS:-} --name "$2" --out $RUNS/eval/$2.json 2>&1 | quiet | tail -20
 }
 recall() {  # recall CHECKPOINT NAME: the recall grid to 8k and the loss by position
   lin eval "$1" --tasks recall --by-position --limit ${RECALL_LIMIT:-4} --batch-size 16 --name "$2" \
@@ -149,18 +149,24 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     [ "${DIAL_TAIL:-1}" = 1 ] || exit 0
     for n in ${DIAL_WAIT:-}; do waitfor $RUNS/dial/$n.json 1500 || exit 1; done
     # each S under each of SPARSE_PRIORITIES and SPARSE_ANCHORS (recall and joint, the defaults: rows lolcats-sS;
-    # others add their names: lolcats-s64-novelty, lolcats-s64-window, lolcats-s64-novelty-window)
+    # others add their names: lolcats-s64-novelty, lolcats-s64-window, lolcats-s64-novelty-window), on the row
+    # SPARSE_FROM's student (default lolcats; e.g. long4k: rows long4k-s256-window ...); TEACHER_ROW=0 skips the teacher
+    src=${SPARSE_FROM:-lolcats}
     for S in ${SPARSE:-16 64 256}; do
       for P in ${SPARSE_PRIORITIES:-recall}; do
         for A in ${SPARSE_ANCHORS:-joint}; do
-          name=lolcats-s$S; [ "$P" = recall ] || name=$name-$P; [ "$A" = joint ] || name=$name-$A
-          lin eval $RUNS/dial-lolcats/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --sparse-cache $S \
+          name=$src-s$S; [ "$P" = recall ] || name=$name-$P; [ "$A" = joint ] || name=$name-$A
+          lin eval $RUNS/dial-$src/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --sparse-cache $S \
             --sparse-priority $P --sparse-anchor $A --name $name --out $RUNS/dial/$name.json 2>&1 | quiet | tail -4
         done
       done
     done
-    lin eval $T --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name teacher --out $RUNS/dial/teacher.json \
-      2>&1 | quiet | tail -4
+    [ "${TEACHER_ROW:-1}" = 0 ] || lin eval $T --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name teacher \
+      --out $RUNS/dial/teacher.json 2>&1 | quiet | tail -4
     lin report $RUNS/dial --out $RUNS/dial/README.md --title "Memory against recall" && cp -r $RUNS/dial $OUT/ ;;
+  dial-tasks)  # zero-shot tasks of a dial row's student: DIAL_CK (e.g. long4k), eval flags EVAL_FLAGS (e.g. the sparse
+              # cache's), the name NAME
+    waitfor $RUNS/dial/${DIAL_CK:?}.json 2400 || exit 1  # its recall row: written after its training
+    evaluate $RUNS/dial-$DIAL_CK/final ${NAME:?} ;;
   *) echo "unknown job $1"; exit 2 ;;
 esac
