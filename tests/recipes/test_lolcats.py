@@ -155,8 +155,8 @@ def test_cli_runs_the_comparison_rows(workspace, monkeypatch, tmp_path, capsys):
     assert '"kind": "linear"' in (tmp_path / "rows" / "no-window" / "final" / "config.json").read_text()
     if not torch.cuda.is_available():  # --cuda-graph auto (the default): eager, the reason said once per row
         notes = [line for line in captured.err.splitlines() if "CUDA graphs" in line]
-        assert notes == ["linearize: training eagerly, not as CUDA graphs (--cuda-graph auto): there is no CUDA "
-                         "device"] * 2
+        note = "linearize: training eagerly, not as CUDA graphs (--cuda-graph auto): there is no CUDA device"
+        assert notes == [note] * 2
         eager = {"graphed": False, "why": "there is no CUDA device"}
         records = [json.loads((tmp_path / "rows" / row / "results.json").read_text())["cuda_graph"]
                    for row in ("swap-finetune", "no-window")]
