@@ -58,7 +58,7 @@ def test_a_kl_step_never_waits_on_the_device_while_capturing(tiny_model, monkeyp
     import transformers.utils.import_utils as hf_import_utils
 
     from linearize.distill import FrozenTeacher, build_objective
-    from linearize.graphed import _NextTokenLoss
+    from linearize.graphed import _TrainingLoss
 
     model = build(tiny_model("llama"), "supra")
     model.train()
@@ -69,7 +69,7 @@ def test_a_kl_step_never_waits_on_the_device_while_capturing(tiny_model, monkeyp
     monkeypatch.setattr(base, "capturing", lambda: True)
     monkeypatch.setattr(hf_import_utils, "is_cuda_stream_capturing", lambda: True)
     with RefuseHostSync():
-        loss = _NextTokenLoss(model, None, objective)(ids, ids, *teacher)
+        loss = _TrainingLoss(model, None, objective)(ids, ids, *teacher)
         loss.backward()
     assert loss.item() > 0
 
@@ -97,7 +97,7 @@ def test_a_graphed_step_tells_the_mixers_its_batches_are_unpadded(tiny_model, mo
     base = importlib.import_module("linearize.mixers.base")
     import transformers.utils.import_utils as hf_import_utils
 
-    from linearize.graphed import _NextTokenLoss
+    from linearize.graphed import _TrainingLoss
 
     model = build(tiny_model("llama"), "striped_mamba")
     fresh = importlib.import_module("linearize.mixers.fresh")
@@ -108,7 +108,7 @@ def test_a_graphed_step_tells_the_mixers_its_batches_are_unpadded(tiny_model, mo
     monkeypatch.setattr(fresh, "key_padding_mask", lambda *a: masks.append(original(*a)) or masks[-1])
     ids = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        _NextTokenLoss(model, None)(ids, ids)
+        _TrainingLoss(model, None)(ids, ids)
     assert masks and all(m is None for m in masks)
 
 
@@ -152,3 +152,85 @@ def test_the_setting_takes_true_and_false_as_on_and_off():
     for bad in ("yes", "", None, 1):
         with pytest.raises(LinearizeError, match="cuda_graph must be auto, on or off"):
             graph_mode(bad)
+
+
+def test_attention_transfer_is_the_loss_captured_whole():
+    """``attention_mse`` runs the student's forward itself (its teacher is the student's own softmax
+    view), so a graph captures its whole call; an objective is captured whole when every term is."""
+    from linearize.distill import LOSSES, build_objective
+
+    assert [name for name, cls in LOSSES.items() if cls.captured_whole] == ["attention_mse"]
+    assert not any(cls.captured_whole and cls.capturable for cls in LOSSES.values())
+    assert build_objective("attention_mse").captured_whole
+    assert build_objective("2*attention_mse").captured_whole
+    for spec in ("next_token", "kl+next_token", "attention_mse+next_token"):
+        assert not build_objective(spec).captured_whole, spec
+
+
+@pytest.mark.parametrize("kind,xent", [("lolcats", 0.0), ("lolcats", 1.0), ("linear", 0.0)])
+def test_an_attention_transfer_step_never_waits_on_the_device_while_capturing(tiny_model, monkeypatch, kind, xent):
+    """LoLCATs stage 1 as a graph captures it (``_TrainingLoss`` on the attention_mse objective: probes
+    swapped in, the forward cut after the last trained layer): no host synchronisation, and the eager
+    objective's value and gradients."""
+    base = importlib.import_module("linearize.mixers.base")
+    import transformers.utils.import_utils as hf_import_utils
+
+    import linearize
+    from linearize.distill import build_objective
+    from linearize.graphed import _TrainingLoss
+    from linearize.recipes.lolcats import _freeze_all_but
+
+    model = linearize.convert(tiny_model("llama"), {"kind": kind, "feature_dim": 8, "window": 4})
+    model.train()
+    _freeze_all_but(model, {0, 1, 2})
+    trained = [p for p in model.parameters() if p.requires_grad]
+    objective = build_objective("attention_mse", context={"layers": (0, 1, 2), "mse_factor": 1000.0,
+                                                          "xent_factor": xent})
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    eager = objective(model, {"input_ids": ids, "labels": ids})
+    grads = torch.autograd.grad(eager, trained)
+    monkeypatch.setattr(base, "capturing", lambda: True)
+    monkeypatch.setattr(hf_import_utils, "is_cuda_stream_capturing", lambda: True)
+    with RefuseHostSync():
+        captured = _TrainingLoss(model, None, objective)(ids, ids)
+        captured_grads = torch.autograd.grad(captured, trained)
+    assert captured.item() > 0
+    assert torch.allclose(captured, eager, rtol=1e-5, atol=1e-7)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(captured_grads, grads))
+    assert all(type(m).__name__ != "AttentionTransferProbe" for m in model.modules())  # the mixers are back
+
+
+@pytest.mark.parametrize("peft", [False, True])
+def test_a_loss_captured_whole_calls_the_forward_accelerate_wrapped(tiny_model, peft):
+    """Under accelerate's mixed precision ``model.forward`` is an autocast wrapper with a weight cache
+    (which a capture cannot keep) and ``model._original_forward`` the forward it wrapped: a loss that
+    calls ``model(...)`` itself gets the latter inside the captured callable, and the wrapper is back
+    afterwards (a LoRA model, stage 2's, too)."""
+    import linearize
+    from linearize.distill import build_objective
+    from linearize.graphed import _TrainingLoss
+
+    model = linearize.convert(tiny_model("llama"), {"kind": "lolcats", "feature_dim": 8, "window": 4})
+    if peft:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"]))
+    calls = []
+
+    def wrapper(*args, **kwargs):  # what accelerate's autocast wrapper stands for here
+        calls.append("wrapper")
+        raise AssertionError("the autocast wrapper was called inside the captured loss")
+
+    model._original_forward = model.forward
+    model.forward = wrapper
+    objective = build_objective("attention_mse", context={"mse_factor": 1000.0})
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+    loss = _TrainingLoss(model, None, objective)(ids, ids)
+    assert loss.item() > 0 and not calls
+    assert model.forward is wrapper  # restored
+    with pytest.raises(AssertionError, match="autocast wrapper"):
+        model(input_ids=ids)
+    del model.forward  # a model accelerate never wrapped keeps its forward as it is
+    del model._original_forward
+    assert _TrainingLoss(model, None, objective)(ids, ids).item() == pytest.approx(loss.item())
+    assert "forward" not in vars(model)

@@ -432,7 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     _training_arguments(lc, lolcats.LolcatsConfig, budgets=("cpu", "gpu", "paper"))
     add_flags(lc, lolcats.LolcatsConfig, ("stage1_lr", "stage1_steps", "stage1_epochs", "layers_per_block", "block_inputs",
                                           "mse_factor", "xent_factor", "stage2_lr", "stage2_steps", "stage2_epochs",
-                                          "lora_r", "lora_alpha", "auto_softmax_score", "auto_softmax_distance"))
+                                          "lora_r", "lora_alpha", "auto_softmax_score", "auto_softmax_distance",
+                                          "cuda_graph"))
     _distill_arguments(lc, lolcats.LolcatsConfig, "stage 2's loss", align=False)
     lc.add_argument("--rows", help="comma-separated comparison rows at the same budget (LoLCATs Table 5): "
                     "lolcats, swap-finetune, stage1-only, no-window; each writes OUT/<row>")

@@ -20,6 +20,10 @@ eager (under no_grad, before each replay) and what the loss reads from it (``Obj
 the teacher's logits, or their top k) enters the graphs as further inputs, copied into their static
 buffers like the batch.
 
+A loss that runs the student's forward itself (``Objective.captured_whole``: LoLCATs' ``attention_mse``,
+whose teacher is the student's own softmax attention, swapped in per layer for the forward) is captured
+whole: the graphs replay its call, probes and all, and it takes no inputs but the batch.
+
 A training run's ``cuda_graph`` setting (``auto``, ``on``, ``off``) becomes a yes or no through
 ``use_graphs``: ``auto`` graphs the steps wherever every condition holds and otherwise names the
 first that fails; ``on`` refuses a run where one fails.
@@ -28,6 +32,7 @@ first that fails; ``on`` refuses a run where one fails.
 from __future__ import annotations
 
 import gc
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -62,7 +67,8 @@ def use_graphs(mode: str, *, cuda: bool, uncapturable: str | None = None, fsdp: 
         return False, None
     conditions = [(not cuda, "there is no CUDA device"),
                   (uncapturable, (f"{uncapturable} cannot be captured (the graphs replay losses computed from "
-                                  "the student's forward and the teacher's logits: lm, kl, kl+lm)")),
+                                  "the student's forward and the teacher's logits: lm, kl, kl+lm; or one that runs "
+                                  "the student's forward itself: attention_mse)")),
                   (fsdp, ("FSDP's sharded parameters cannot be captured (graphs run on one GPU or data-parallel "
                           "under torchrun)")),
                   (compile, "--compile is on (a step is compiled or graphed, not both)"),
@@ -73,11 +79,33 @@ def use_graphs(mode: str, *, cuda: bool, uncapturable: str | None = None, fsdp: 
     return why is None, why
 
 
-class _NextTokenLoss(nn.Module):
-    """``model``'s mean next-token loss of ``input_ids`` against ``labels``, its forward under autocast
-    to ``dtype``; with ``objective`` (a capturable ``linearize.distill`` objective), that objective
-    computed from the same forward's outputs and ``teacher`` (its ``teacher_tensors``) instead, after
-    the autocast as the Trainer's eager step computes it."""
+@contextmanager
+def _unwrapped_forward(model: nn.Module):
+    """Inside, ``model.forward`` is the forward accelerate's mixed precision wrapped (in an autocast with
+    the weight cache, which a capture cannot keep), for a loss that calls ``model(...)`` itself; the
+    wrapper is back afterwards. A model accelerate did not wrap is left as it is."""
+    original = getattr(model, "_original_forward", None)
+    if original is None:
+        yield
+        return
+    wrapped = vars(model).get("forward")
+    model.forward = original
+    try:
+        yield
+    finally:
+        if wrapped is None:
+            del model.forward
+        else:
+            model.forward = wrapped
+
+
+class _TrainingLoss(nn.Module):
+    """The training loss a graph captures, under autocast to ``dtype`` (None: none): ``model``'s mean
+    next-token loss of ``input_ids`` against ``labels``; with ``objective`` (a ``linearize.distill``
+    objective) either that objective computed from the same forward's outputs and ``teacher`` (its
+    ``teacher_tensors``; ``capturable``), after the autocast as the Trainer's eager step computes it,
+    or, where it runs the student's forward itself (``captured_whole``), the objective's own call on
+    ``model`` and the batch, inside the same autocast."""
 
     def __init__(self, model: nn.Module, dtype: torch.dtype | None, objective=None):
         super().__init__()
@@ -86,13 +114,19 @@ class _NextTokenLoss(nn.Module):
         self.objective = objective
 
     def forward(self, input_ids, labels, *teacher):
-        # under accelerate's mixed precision (the Trainer's bf16), model.forward is wrapped in an
-        # autocast with the weight cache, which a capture cannot keep: call the forward it wrapped
-        forward = getattr(self.model, "_original_forward", None) or self.model
+        whole = self.objective is not None and getattr(self.objective, "captured_whole", False)
         # no attention mask goes in, so no token is padding: the mixers need not keep transformers'
         # causal mask as a padding mask while the stream captures
         with torch.autocast("cuda", dtype=self.dtype or torch.bfloat16, enabled=self.dtype is not None,
                             cache_enabled=False), unpadded_batches():
+            if whole:
+                # the objective calls model(...): under accelerate's mixed precision (the Trainer's
+                # bf16) that is the autocast-wrapped forward, so it gets the one it wrapped instead
+                with _unwrapped_forward(self.model):
+                    return self.objective(self.model, {"input_ids": input_ids, "labels": labels})
+            # under accelerate's mixed precision, model.forward is wrapped in an autocast with the
+            # weight cache, which a capture cannot keep: call the forward it wrapped
+            forward = getattr(self.model, "_original_forward", None) or self.model
             outputs = forward(input_ids=input_ids, labels=labels, use_cache=False)
         if self.objective is None:
             return outputs.loss
@@ -104,9 +138,10 @@ class GraphedLoss:
 
     Gradients land in the parameters' ``.grad`` as after an eager backward (accumulated, or set
     where they are None), so any optimizer and gradient accumulation work unchanged.
-    ``dtype``: the autocast dtype (None: no autocast); ``objective``: a capturable
-    ``linearize.distill`` objective (None: the next-token loss); ``teacher``: its ``teacher_tensors``
-    for the batch, computed eagerly before each call (none for the next-token loss). The first call for
+    ``dtype``: the autocast dtype (None: no autocast); ``objective``: a ``linearize.distill`` objective
+    that is ``capturable`` or ``captured_whole`` (None: the next-token loss); ``teacher``: a capturable
+    objective's ``teacher_tensors`` for the batch, computed eagerly before each call (none for the
+    next-token loss and for an objective captured whole). The first call for
     a shape captures (after ``warmup`` eager steps on a side stream, which also let fla's kernels autotune).
     """
 
@@ -137,7 +172,7 @@ class GraphedLoss:
             # the capture sets up its own autocast, on the batch's device (not only the current one)
             with torch.autocast("cuda", enabled=False), torch.cuda.device(input_ids.device):
                 self._graphed = torch.cuda.make_graphed_callables(
-                    _NextTokenLoss(self.model, self.dtype, self.objective),
+                    _TrainingLoss(self.model, self.dtype, self.objective),
                     (input_ids.clone(), labels.clone(), *(t.detach().clone() for t in teacher)),
                     num_warmup_iters=self.warmup, allow_unused_input=True)
             self._key = key

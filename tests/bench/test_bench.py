@@ -107,16 +107,52 @@ def test_train_bench_lolcats_stage_rows_train_what_each_stage_trains(tiny_model)
     from linearize.bench.train import build, run, stage_setup
 
     teacher = tiny_model("llama")
-    stage1, loss1 = stage_setup(build(teacher, "lolcats-stage1"), "lolcats-stage1")
+    stage1, objective1 = stage_setup(build(teacher, "lolcats-stage1"), "lolcats-stage1")
     trained = {n for n, p in stage1.named_parameters() if p.requires_grad}
     assert trained and all(".feature_map_" in n or n.endswith("window_logit") for n in trained)
-    assert loss1(stage1, torch.randint(2, 97, (2, 8))).item() > 0
-    stage2, loss2 = stage_setup(build(teacher, "lolcats-stage2"), "lolcats-stage2")
+    assert repr(objective1) == "attention_mse" and objective1.captured_whole
+    ids = torch.randint(2, 97, (2, 8))
+    assert objective1(stage1, {"input_ids": ids, "labels": ids}).item() > 0
+    stage2, objective2 = stage_setup(build(teacher, "lolcats-stage2"), "lolcats-stage2")
     trained = {n for n, p in stage2.named_parameters() if p.requires_grad}
-    assert loss2 is None and trained and all("lora_" in n for n in trained)
+    assert objective2 is None and trained and all("lora_" in n for n in trained)
     rows = run(teacher, ["teacher", "lolcats-stage1", "lolcats-stage2"], [(2, 16)], steps=1, warmup=1)
     assert [r.model for r in rows] == ["teacher", "lolcats-stage1", "lolcats-stage2"]
     assert all(r.tokens_per_s > 0 and r.ratio_to_teacher > 0 for r in rows)
+
+
+def test_train_bench_graphs_the_lolcats_stage_rows(tiny_model, monkeypatch):
+    """``--cuda-graph`` graphs the stage rows as the recipe does: stage 1's attention_mse objective
+    captured whole, stage 2's next-token loss on the LoRA model, no teacher tensors for either; the
+    teacher's row is graphed too (the ratios compare graphed with graphed). On the CPU the capture is
+    stood in for by the callable it captures, run eagerly."""
+    import linearize.graphed as graphed_module
+    from linearize.bench.train import run
+
+    made = []
+
+    class StandIn:
+        def __init__(self, model, dtype=None, warmup=3, objective=None):
+            self.model, self.objective, self.calls = model, objective, 0
+            self.step = graphed_module._TrainingLoss(model, None, objective)
+            made.append(self)
+
+        def __call__(self, input_ids, labels, *teacher):
+            assert not teacher
+            self.calls += 1
+            return self.step(input_ids, labels)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what run() asks; the models stay on the CPU
+    monkeypatch.setattr(graphed_module, "GraphedLoss", StandIn)
+    rows = run(tiny_model("llama"), ["teacher", "lolcats-stage1", "lolcats-stage2"], [(2, 16)], steps=2, warmup=1,
+               cuda_graph=True)
+    assert [r.model for r in rows] == ["teacher+graph", "lolcats-stage1+graph", "lolcats-stage2+graph"]
+    assert all(r.note == "" and r.tokens_per_s > 0 and r.ratio_to_teacher > 0 for r in rows), rows
+    assert [m.calls for m in made] == [3, 3, 3]  # every step, warm-up and timed, through the graphed loss
+    teacher, stage1, stage2 = made
+    assert teacher.objective is None and stage2.objective is None
+    assert repr(stage1.objective) == "attention_mse"
+    assert type(stage2.model).__name__.startswith("Peft")
 
 
 def test_bench_prefill_sweep_on_tiny_models(tiny_model, tmp_path, capsys):

@@ -30,6 +30,21 @@ def test_train_profile_lists_the_step_operators():
     assert "forward" in python and python["forward"]["cum_us_per_step"] >= python["forward"]["own_us_per_step"] > 0
 
 
+def test_train_profile_of_a_lolcats_stage_and_its_cuda_graph_flag():
+    """A LoLCATs stage row profiles its own loss; ``--cuda-graph`` needs a CUDA device (one line)."""
+    from linearize import LinearizeError
+
+    out = profile.profile_train(_tiny_teacher(), "lolcats-stage1", 2, 16, steps=1, warmup=1, top=50)
+    assert out["model"] == "lolcats-stage1" and out["cuda_graph"] is False and out["us_per_step"] > 0
+    if not torch.cuda.is_available():
+        try:
+            profile.profile_train(_tiny_teacher(), "lolcats-stage2", 2, 16, steps=1, warmup=1, cuda_graph=True)
+        except LinearizeError as e:
+            assert str(e) == "--cuda-graph needs a CUDA device"
+        else:
+            raise AssertionError("profiled a graphed step without CUDA")
+
+
 def test_gpu_busy_is_the_union_of_the_kernel_intervals():
     from types import SimpleNamespace as NS
 

@@ -134,8 +134,8 @@ def test_softmax_view_turns_lora_off(tiny_model):
     torch.testing.assert_close(viewed, teacher(ids).logits, atol=1e-10, rtol=0)
 
 
-def test_the_graphed_path_takes_capturable_objectives_and_refuses_others(tiny_model, monkeypatch):
-    from linearize.graphed import _NextTokenLoss
+def test_the_graphed_path_takes_capturable_and_whole_objectives_and_refuses_others(tiny_model, monkeypatch):
+    from linearize.graphed import _TrainingLoss
     from linearize.recipes import engine
 
     model = tiny_model("llama")
@@ -148,9 +148,14 @@ def test_the_graphed_path_takes_capturable_objectives_and_refuses_others(tiny_mo
     assert graphed.objective is nt
     kl = build_objective("kl+next_token", teacher=FrozenTeacher(tiny_model("llama", seed=1)))
     assert engine._graphed_loss(model, kl, cfg, args).objective is kl  # the teacher's logits enter as inputs
-    with pytest.raises(LinearizeError, match="'attention_mse' cannot be captured"):
-        engine._graphed_loss(model, build_objective("attention_mse"), cfg, args)
+    transfer = build_objective("attention_mse")  # runs the student's forward itself: captured whole
+    assert transfer.captured_whole and not transfer.capturable
+    assert engine._graphed_loss(model, transfer, cfg, args).objective is transfer
+    with pytest.raises(LinearizeError, match=r"'attention_mse \+ next_token' cannot be captured"):
+        engine._graphed_loss(model, build_objective("attention_mse+next_token"), cfg, args)
+    with pytest.raises(LinearizeError, match="'hidden_mse' cannot be captured"):
+        engine._graphed_loss(model, build_objective("hidden_mse", teacher=FrozenTeacher(tiny_model("llama"))), cfg, args)
     batch = _batch()
     with torch.no_grad():
-        value = _NextTokenLoss(model, None, nt)(batch["input_ids"], batch["labels"])
+        value = _TrainingLoss(model, None, nt)(batch["input_ids"], batch["labels"])
         assert value.item() == pytest.approx(2 * engine.next_token_loss(model, batch).item(), rel=1e-6)

@@ -99,9 +99,9 @@ def test_bad_options_are_one_line(options, match):
 ])
 def test_the_graphed_form_equals_the_eager_objective(tiny_model, spec, options, count):
     """What a CUDA graph replays (``from_outputs`` of the student's forward and the teacher's tensors,
-    computed first) gives the eager objective's value and gradients; ``_NextTokenLoss`` (the captured
+    computed first) gives the eager objective's value and gradients; ``_TrainingLoss`` (the captured
     callable) too. The top-k cache still runs the teacher once per block."""
-    from linearize.graphed import _NextTokenLoss
+    from linearize.graphed import _TrainingLoss
 
     model = tiny_model("llama", dtype=torch.float64)
     calls = []
@@ -119,7 +119,7 @@ def test_the_graphed_form_equals_the_eager_objective(tiny_model, spec, options, 
     assert len(tensors) == count and not any(t.requires_grad for t in tensors)
     assert len(calls) == (1 if options.get("cache") else 2)
     for value in (objective.from_outputs(model(input_ids=ids, labels=ids, use_cache=False), batch, tensors),
-                  _NextTokenLoss(model, None, objective)(ids, ids, *tensors)):
+                  _TrainingLoss(model, None, objective)(ids, ids, *tensors)):
         assert value.item() == pytest.approx(eager.item(), rel=1e-12)
         for a, b in zip(torch.autograd.grad(value, params), eager_grads):
             torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-14)

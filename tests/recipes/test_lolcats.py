@@ -148,10 +148,19 @@ def test_cli_runs_the_comparison_rows(workspace, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
     assert main(_cli_args(workspace, tmp_path / "rows", "--stage1-steps", "2", "--stage2-steps", "2",
                           "--rows", "swap-finetune,no-window")) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     assert "[swap-finetune]" in text and "[no-window]" in text
     assert (tmp_path / "rows" / "swap-finetune" / "final" / "config.json").exists()
     assert '"kind": "linear"' in (tmp_path / "rows" / "no-window" / "final" / "config.json").read_text()
+    if not torch.cuda.is_available():  # --cuda-graph auto (the default): eager, the reason said once per row
+        notes = [line for line in captured.err.splitlines() if "CUDA graphs" in line]
+        note = "linearize: training eagerly, not as CUDA graphs (--cuda-graph auto): there is no CUDA device"
+        assert notes == [note] * 2
+        eager = {"graphed": False, "why": "there is no CUDA device"}
+        records = [json.loads((tmp_path / "rows" / row / "results.json").read_text())["cuda_graph"]
+                   for row in ("swap-finetune", "no-window")]
+        assert records == [{"setting": "auto", "stage2": eager}, {"setting": "auto", "stage1": eager, "stage2": eager}]
 
 
 def test_cli_checks_every_row_before_training_any(workspace, monkeypatch, tmp_path, capsys):
@@ -507,3 +516,120 @@ def test_auto_softmax_picks_the_layer_with_sharp_attention(workspace, monkeypatc
     res = lolcats.run(_config(workspace, tmp_path / "run", teacher=str(tmp_path / "teacher"), keep_softmax="auto:1",
                               stages=("stage1",), stage1_steps=6, eval_steps=3))
     assert res["auto_softmax"]["chosen"] == [1], res["layer_mse_after"]
+
+
+def test_cuda_graph_decisions_per_stage(monkeypatch):
+    """``cuda_graph`` (auto by default) decided per stage, before anything loads: on CUDA both stages
+    replay (stage 1's attention_mse captured whole; stage 2's lm, kl or kl+lm); what rules a stage out
+    is named (auto trains it eagerly), refused in one line under on, and reaches the stage's TrainConfig."""
+    from linearize.recipes.lolcats import LolcatsConfig, cuda_graphs
+
+    def decide(**settings):
+        cfg = LolcatsConfig(**settings)
+        return {stage: cuda_graphs(cfg, stage) for stage in ("stage1", "stage2")}
+
+    yes = (True, None)
+    assert LolcatsConfig().cuda_graph == "auto"
+    if not torch.cuda.is_available():
+        assert decide() == {"stage1": (False, "there is no CUDA device"), "stage2": (False, "there is no CUDA device")}
+        assert LolcatsConfig().stage_config("stage1", "o").cuda_graph is False
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for settings in ({}, {"xent_factor": 0.1}, {"loss": "kl"}, {"loss": "kl+lm", "kl_top_k": 8},
+                     {"layers_per_block": 1, "block_inputs": "recompute"}, {"cuda_graph": "on"}, {"cuda_graph": True}):
+        assert decide(**settings) == {"stage1": yes, "stage2": yes}, settings
+    assert [LolcatsConfig().stage_config(s, "o").cuda_graph for s in ("stage1", "stage2")] == [True, True]
+    assert decide(cuda_graph="off") == {"stage1": (False, None), "stage2": (False, None)}
+    assert LolcatsConfig(cuda_graph=False).stage_config("stage2", "o").cuda_graph is False
+
+    blockwise = decide(layers_per_block=2)
+    assert blockwise["stage2"] == yes and not blockwise["stage1"][0]
+    assert blockwise["stage1"][1].startswith("block-wise stage 1 from cached inputs")
+    assert LolcatsConfig(layers_per_block=2).stage_config("stage1", "o").cuda_graph is False
+    sparse = decide(spec={"kind": "lolcats", "sparse_cache": 16})
+    assert all(not g and why.startswith("a sparse cache (--sparse-cache)") for g, why in sparse.values())
+    hidden = decide(loss="kl+hidden_mse")
+    assert hidden["stage1"] == yes and hidden["stage2"][1].startswith("hidden_mse in the loss 'kl+hidden_mse' cannot")
+    refusals = {"layers_per_block": 2, "spec": {"kind": "lolcats", "sparse_cache": 16}, "loss": "hidden_mse"}
+    for key, value in refusals.items():
+        with pytest.raises(linearize.LinearizeError, match="^--cuda-graph on: ") as err:
+            decide(cuda_graph="on", **{key: value})
+        assert "\n" not in str(err.value) and str(err.value).endswith("--cuda-graph auto or off trains eagerly")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert decide()["stage1"][1].startswith("FSDP's sharded parameters")
+
+
+def test_cuda_graph_flag_of_the_lolcats_command(monkeypatch, tmp_path, capsys):
+    """``--cuda-graph`` alone is on, ``--cuda-graph off|auto`` the others, unset is auto; a recipe file's
+    true/false are on/off and flags win; a bad value is one line."""
+    from linearize.cli import main
+
+    seen = []
+    monkeypatch.setattr(lolcats, "run", lambda cfg: seen.append(cfg) or {})
+    monkeypatch.setattr(lolcats, "summary", lambda results, row="lolcats": "")
+    (tmp_path / "true.yaml").write_text("cuda_graph: true\n")
+    (tmp_path / "false.yaml").write_text("cuda_graph: false\n")
+    commands = (["--cuda-graph"], [], ["--cuda-graph", "off"], ["--cuda-graph", "auto"],
+                ["--config", str(tmp_path / "true.yaml")], ["--config", str(tmp_path / "false.yaml")],
+                ["--config", str(tmp_path / "true.yaml"), "--cuda-graph", "auto"])
+    for extra in commands:
+        assert main(["lolcats", *extra, "--out", str(tmp_path / "o"), "--budget", "cpu"]) == 0
+    assert [cfg.cuda_graph for cfg in seen] == ["on", "auto", "off", "auto", "on", "off", "auto"]
+    (tmp_path / "bad.yaml").write_text("cuda_graph: sometimes\n")
+    assert main(["lolcats", "--config", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "o")]) == 2
+    assert capsys.readouterr().err.strip() == ("linearize: error: cuda_graph must be auto, on or off (or true/false), "
+                                               "got 'sometimes'")
+
+
+def test_cuda_graph_on_refuses_a_run_before_loading(monkeypatch, tmp_path, capsys):
+    """``--cuda-graph on`` where a stage cannot replay stops in one line before the teacher loads:
+    without CUDA, or (on CUDA) block-wise stage 1 from cached inputs."""
+    from linearize.cli import main
+
+    monkeypatch.setattr(linearize, "load_teacher", lambda *a, **k: pytest.fail("the teacher was loaded"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["lolcats", "--cuda-graph", "--out", str(tmp_path / "o"), "--budget", "cpu"]) == 2
+    assert capsys.readouterr().err.strip() == ("linearize: error: --cuda-graph on: there is no CUDA device; "
+                                               "--cuda-graph auto or off trains eagerly")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["lolcats", "--cuda-graph", "on", "--layers-per-block", "1", "--out", str(tmp_path / "o"),
+                 "--budget", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("linearize: error: --cuda-graph on: block-wise stage 1 from cached inputs") and "\n" not in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_graphed_stages_train_through_the_graphed_loss(workspace, monkeypatch, tmp_path):
+    """The recipe's plumbing of graphed stages on the CPU: with both stages graphed (said to be), stage 1's
+    steps run the attention_mse objective and stage 2's the LoRA model's next-token loss through the
+    callable a graph captures (``_TrainingLoss``, here eagerly in place of the replay); results.json
+    records the decisions; stage 1 still lowers every layer's attention MSE."""
+    from linearize.distill import next_token_loss
+    from linearize.graphed import _TrainingLoss
+    from linearize.recipes import engine
+
+    made = []
+
+    class StandIn:
+        def __init__(self, model, loss_fn, cfg, args, train_dataset=None):
+            self.loss_fn, self.calls = loss_fn, 0
+            self.step = _TrainingLoss(model, None, None if loss_fn is next_token_loss else loss_fn)
+            made.append(self)
+
+        def __call__(self, input_ids, labels, *teacher):
+            self.calls += 1
+            assert not teacher  # neither stage reads a teacher's tensors
+            return self.step(input_ids, labels)
+
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(lolcats, "cuda_graphs", lambda cfg, stage: (True, None))
+    monkeypatch.setattr(engine, "_graphed_loss", StandIn)
+    res = lolcats.run(_config(workspace, tmp_path / "run", stage1_steps=6, stage2_steps=3))
+    assert res["cuda_graph"] == {"setting": "auto", "stage1": {"graphed": True}, "stage2": {"graphed": True}}
+    assert [m.calls for m in made] == [6, 3]
+    stage1, stage2 = made
+    assert stage1.loss_fn.captured_whole and repr(stage1.loss_fn) == "attention_mse"
+    assert stage2.loss_fn is next_token_loss and type(stage2.step.model).__name__.startswith("Peft")
+    assert all(res["layer_mse_after"][i] < res["layer_mse_before"][i] for i in range(3))
+    for stage in ("stage1/joint", "stage2"):
+        assert json.loads((tmp_path / "run" / stage / "train_config.json").read_text())["cuda_graph"] is True

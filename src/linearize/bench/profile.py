@@ -1,6 +1,6 @@
 """Where a step's time goes: the kernels of one training step or of the decode steps, by time.
 
-    python -m linearize.bench.profile train --model supra --shape 2x8192 [--teacher T] [--top 20]
+    python -m linearize.bench.profile train --model supra --shape 2x8192 [--teacher T] [--top 20] [--cuda-graph]
     python -m linearize.bench.profile decode CHECKPOINT [--batch 1] [--compile] [--tokens 16]
     python -m linearize.bench.profile prefill CHECKPOINT [--batch 1] [--prompt-len 1024] [--backend torch]
 
@@ -9,7 +9,9 @@ bf16 autocast over fp32 weights on CUDA), after warm-up steps, under ``torch.pro
 kernels it reports the step's wall time measured without the profiler, how long the GPU was busy
 (the union of the kernels' intervals) against the profiled span, and the host's CUDA runtime calls
 (launches, synchronisations, copies, allocations): a step whose wall time exceeds its kernel time
-waits on the host, and these say whether on launches or on a synchronisation.
+waits on the host, and these say whether on launches or on a synchronisation. ``--cuda-graph``
+profiles the step as ``bench.train --cuda-graph`` times it: forward and backward replayed from
+CUDA graphs (the LoLCATs stages through the recipe's graphed loss).
 ``decode``: ``linearize.fast`` decoding without the CUDA graph (a graph replays the same kernels;
 the profiler sees them one by one only without it), optionally with the step compiled.
 Prints the kernels grouped by name with their total device time and launch count, per step; on
@@ -85,7 +87,7 @@ def gpu_busy(prof) -> tuple[float, float]:
     return busy, spans[-1][1] - spans[0][0]
 
 
-def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync, loss_fn=None) -> dict:
+def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync, loss_fn=None, graphed=None) -> dict:
     """Host time per step of the forward, the backward and the optimizer, with no synchronisation in
     between: where the host is the bottleneck these add up to the wall time, and say which phase
     issues its work slowest (the backward's Python autograd functions run on autograd's own thread,
@@ -97,7 +99,7 @@ def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync, loss_fn=Non
     acc = dict.fromkeys(("forward", "backward", "optimizer", "drain"), 0.0)
     for _ in range(steps):
         marks = [time.perf_counter()]
-        _step(model, optimizer, ids, cuda, marks=marks, loss_fn=loss_fn)
+        _step(model, optimizer, ids, cuda, graphed, marks=marks, loss_fn=loss_fn)
         sync()
         marks.append(time.perf_counter())
         for k, a, b in zip(acc, marks, marks[1:]):
@@ -125,23 +127,29 @@ def python_hotspots(step, steps: int, top: int, sync) -> list[dict]:
 
 
 def profile_train(teacher, model_name: str, batch: int, length: int, steps: int = 2, warmup: int = 2,
-                  top: int = 20, python_top: int = 0) -> dict:
+                  top: int = 20, python_top: int = 0, cuda_graph: bool = False) -> dict:
+    """``cuda_graph``: the step's forward and backward replayed from CUDA graphs (the first warm-up
+    step captures); needs a CUDA device."""
     import time
 
     from torch.profiler import profile
 
-    from .train import STAGES, _step, build, prepare, stage_setup
+    from .train import STAGES, _step, build, graphed_step, loss_of, prepare, stage_setup
 
-    model, loss_fn = stage_setup(build(teacher, model_name), model_name)
+    model, objective = stage_setup(build(teacher, model_name), model_name)
     optimizer, ids, cuda = prepare(model, batch, length, all_weights=model_name not in STAGES)
+    if cuda_graph and not cuda:
+        raise LinearizeError("--cuda-graph needs a CUDA device")
     device = ids.device
+    loss_fn = loss_of(objective)
+    graphed = graphed_step(model, objective) if cuda_graph else None
 
     def sync():
         if cuda:
             torch.cuda.synchronize(device)
 
     def step():
-        _step(model, optimizer, ids, cuda, loss_fn=loss_fn)
+        _step(model, optimizer, ids, cuda, graphed, loss_fn=loss_fn)
 
     for _ in range(warmup):
         step()
@@ -151,7 +159,7 @@ def profile_train(teacher, model_name: str, batch: int, length: int, steps: int 
         step()
     sync()
     wall = (time.perf_counter() - t0) / steps * 1e6
-    phases = host_phases(model, optimizer, ids, cuda, steps, sync, loss_fn=loss_fn)
+    phases = host_phases(model, optimizer, ids, cuda, steps, sync, loss_fn=loss_fn, graphed=graphed)
     with profile(activities=_activities(device)) as prof:
         for _ in range(steps):
             step()
@@ -160,7 +168,8 @@ def profile_train(teacher, model_name: str, batch: int, length: int, steps: int 
     if python_top:
         out["python"] = python_hotspots(step, steps, python_top, sync)
     busy, span = gpu_busy(prof) if cuda else (0.0, 0.0)
-    out.update(what="train", model=model_name, batch=batch, length=length, wall_us_per_step=wall, host_phases_us=phases,
+    out.update(what="train", model=model_name + ("+graph" if cuda_graph else ""), batch=batch, length=length,
+               cuda_graph=cuda_graph, wall_us_per_step=wall, host_phases_us=phases,
                gpu_busy_us_per_step=busy / steps, profiled_span_us_per_step=span / steps,
                runtime=runtime_calls(prof, steps)[:top])
     return out
@@ -288,6 +297,8 @@ def main(argv=None) -> int:
     tr.add_argument("--steps", type=int, default=2, help="profiled steps (default: %(default)s)")
     tr.add_argument("--python", type=int, default=0, metavar="N",
                     help="also list the N Python functions with the most host time (cProfile)")
+    tr.add_argument("--cuda-graph", action="store_true",
+                    help="replay the step's forward and backward as CUDA graphs, as bench.train --cuda-graph does")
     de = sub.add_parser("decode", help="the decode steps of a checkpoint on the fast path")
     de.add_argument("model", help="a linearize checkpoint (or a teacher spec)")
     de.add_argument("--batch", type=int, default=1)
@@ -313,7 +324,8 @@ def main(argv=None) -> int:
         if args.what == "train":
             b, t = parse_shape(args.shape)
             teacher, _ = linearize.load_teacher(args.teacher, dtype="float32", device=device)
-            result = profile_train(teacher, args.model, b, t, steps=args.steps, top=args.top, python_top=args.python)
+            result = profile_train(teacher, args.model, b, t, steps=args.steps, top=args.top, python_top=args.python,
+                                   cuda_graph=args.cuda_graph)
         else:
             model, _ = linearize.load_model(args.model, dtype=args.dtype, device=device)
             if args.what == "prefill":

@@ -23,8 +23,10 @@ kernels (docs/RESULTS.md: SUPRA's kernels take 144 ms of a 171 ms step at 2 x 81
 the mixers' elementwise work around fla's kernels.
 
 ``--cuda-graph`` replays each step's forward and backward as CUDA graphs (``linearize.graphed``;
-rows named ``MODEL+graph``): the host no longer issues the kernels one by one. Every ratio divides
-by the teacher's fastest run at the shape (eager, compiled or graphed).
+rows named ``MODEL+graph``): the host no longer issues the kernels one by one. The LoLCATs stages
+replay through the recipe's own graphed loss: stage 1's ``attention_mse`` captured whole, stage 2's
+next-token loss on the LoRA model. Every ratio divides by the teacher's fastest run at the shape
+(eager, compiled or graphed).
 
 ``--loss kl`` or ``kl+lm`` times the students' distillation step instead (rows named ``MODEL/LOSS``):
 a frozen bf16 copy of the teacher runs forward each step (eagerly, also under ``--cuda-graph``,
@@ -85,9 +87,10 @@ def build(teacher, name: str, backend: str = "auto"):
 
 def stage_setup(model, name: str):
     """For a LoLCATs stage row: make ``model`` train what that stage trains and return
-    ``(model, loss_fn(model, ids))``; for the other rows ``(model, None)`` (next-token loss, every
-    weight). Stage 1 goes through the recipe's own pieces (freezing, the ``attention_mse`` loss), so it
-    times what ``linearize lolcats`` runs."""
+    ``(model, objective)``: stage 1's ``attention_mse`` objective (called as ``objective(model, batch)``),
+    stage 2's LoRA model with None (its next-token loss); for the other rows ``(model, None)``
+    (next-token loss, every weight). Stage 1 goes through the recipe's own pieces (freezing, the
+    ``attention_mse`` loss), so it times what ``linearize lolcats`` runs."""
     if name == "lolcats-stage1":
         from ..convert import mixers
         from ..distill import build_objective
@@ -95,9 +98,8 @@ def stage_setup(model, name: str):
 
         layers = sorted(mixers(model))
         lolcats._freeze_all_but(model, set(layers))
-        loss = build_objective("attention_mse", context=dict(layers=tuple(layers),
-                                                             mse_factor=lolcats.LolcatsConfig.mse_factor))
-        return model, lambda m, ids: loss(m, {"input_ids": ids})
+        return model, build_objective("attention_mse", context=dict(layers=tuple(layers),
+                                                                    mse_factor=lolcats.LolcatsConfig.mse_factor))
     if name == "lolcats-stage2":
         from peft import LoraConfig, get_peft_model
 
@@ -111,6 +113,25 @@ def stage_setup(model, name: str):
         lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets, bias="none")
         return get_peft_model(model, lora), None
     return model, None
+
+
+def loss_of(objective):
+    """``loss_fn(model, ids)`` of ``objective`` on a packed batch (its labels the ids); None for None."""
+    if objective is None:
+        return None
+    return lambda m, ids: objective(m, {"input_ids": ids, "labels": ids})
+
+
+def graphed_step(model, objective=None):
+    """The CUDA-graph replay of ``model``'s step on ``objective`` (None: the next-token loss), as the
+    recipes' engine replays it, called as ``graphed(ids, labels)``: a capturable objective's teacher
+    tensors are computed eagerly before each replay; one captured whole takes the batch alone."""
+    from ..graphed import GraphedLoss
+
+    graphed = GraphedLoss(model, torch.bfloat16, objective=objective)
+    if objective is None or objective.captured_whole:
+        return graphed
+    return lambda a, b: graphed(a, b, *objective.teacher_tensors(model, {"input_ids": a, "labels": b}))
 
 
 def _step(model, optimizer, ids, autocast: bool, graphed=None, marks: list | None = None, loss_fn=None):
@@ -161,26 +182,15 @@ def _release(cuda: bool) -> None:
 
 
 def measure(model, name: str, batch: int, length: int, steps: int, warmup: int, cuda_graph: bool = False,
-            loss_fn=None, all_weights: bool = True, objective=None) -> TrainRow:
-    """``objective``: a ``linearize.distill`` objective the step trains on (distillation rows);
-    ``loss_fn(model, ids)``: another loss (the LoLCATs stages); neither: the next-token loss."""
-    if cuda_graph and not all_weights:
-        return TrainRow(name, batch, length, None, None, None, note="not graphed: a LoLCATs stage row")
+            all_weights: bool = True, objective=None) -> TrainRow:
+    """``objective``: a ``linearize.distill`` objective the step trains on (distillation rows, LoLCATs
+    stage 1); None: the next-token loss. ``all_weights=False`` trains what ``model`` marks trainable."""
     optimizer, ids, cuda = prepare(model, batch, length, all_weights)
     device = ids.device
-    graphed = None
-    if objective is not None:
-        batch_of = lambda a, b: {"input_ids": a, "labels": b}
-        loss_fn = lambda m, x: objective(m, batch_of(x, x))
-    if cuda_graph:
-        from ..graphed import GraphedLoss
-
-        graphed = GraphedLoss(model, torch.bfloat16, objective=objective)
-        if objective is not None:  # the teacher runs eagerly before each replay; its logits go in
-            replay = graphed
-            graphed = lambda a, b: replay(a, b, *objective.teacher_tensors(model, batch_of(a, b)))
+    loss_fn = loss_of(objective)
+    graphed = graphed_step(model, objective) if cuda_graph else None
     try:
-        if cuda_graph:  # the capture (first step) allocates what every replay uses: count it
+        if cuda_graph and cuda:  # the capture (first step) allocates what every replay uses: count it
             torch.cuda.reset_peak_memory_stats(device)
         for _ in range(warmup):
             _step(model, optimizer, ids, cuda, graphed, loss_fn=loss_fn)
@@ -235,7 +245,7 @@ def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str 
         raise LinearizeError(f"--cuda-graph replays the next-token loss and kl; the loss {loss!r} cannot be captured")
     rows = []
     for name in models:
-        model, loss_fn = stage_setup(build(teacher, name, backend), name)
+        model, stage_objective = stage_setup(build(teacher, name, backend), name)
         student_objective = objective if name != "teacher" and name not in STAGES else None
         label = name if student_objective is None else f"{name}/{loss}"
         if compile:
@@ -244,8 +254,8 @@ def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str 
         if cuda_graph:
             label = f"{label}+graph"
         for b, t in shapes:
-            row = measure(model, label, b, t, steps, warmup, cuda_graph=cuda_graph, loss_fn=loss_fn,
-                          all_weights=name not in STAGES, objective=student_objective)
+            row = measure(model, label, b, t, steps, warmup, cuda_graph=cuda_graph, all_weights=name not in STAGES,
+                          objective=stage_objective or student_objective)
             rows.append(row)
             print(json.dumps(asdict(row)), flush=True)
             if report is not None:

@@ -3,7 +3,8 @@
 =================  ===============================================================================
 ``next_token``      the student's own next-token cross-entropy (capturable in a CUDA graph)
 ``attention_mse``   LoLCATs attention transfer: each layer's output vs the softmax attention it
-                    replaced, teacher-forced (+ Hedgehog's attention-weight cross-entropy)
+                    replaced, teacher-forced (+ Hedgehog's attention-weight cross-entropy;
+                    captured whole in a CUDA graph: it runs the student's forward itself)
 ``hidden_mse``      each layer's (or block's) output hidden states vs the teacher's, teacher-forced
 ``mixer_mse``       each new mixer's output vs the teacher's attention output at its layer,
                     teacher-forced, from a frozen teacher (RADLADS / MOHAWK alignment; SUPRA, XATL)

@@ -6,6 +6,11 @@ wrappers put in place for the forward (``probes.transfer_probes``): q/k/v are pr
 the converted layers outside ``layers`` give the teacher's output. The loss is ``mse_factor`` x the
 mean over ``layers`` of the output MSE (1000 in the LoLCATs code), plus ``xent_factor`` x the mean
 cross-entropy of their attention weights to the teacher's (LoLCATs: 0; quadratic memory in T).
+
+The loss runs the student's forward itself and reads no teacher tensors (the teacher is the
+student's own projections), so a CUDA graph captures the whole call (``captured_whole``;
+``linearize.graphed``): the probes are swapped in and out while the graph is captured, and each
+replay runs the kernels they issued then.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ def _stop_hook(module):
 @dataclasses.dataclass
 class AttentionMSE(Loss):
     name = "attention_mse"
+    captured_whole = True
 
     layers: tuple[int, ...] | None = None  # None: every converted layer
     mse_factor: float = 1.0

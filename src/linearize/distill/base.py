@@ -32,11 +32,15 @@ class Loss:
     ``capturable``: computed by ``from_outputs`` from the student's own forward plus the tensors
     ``teacher_tensors`` takes from the teacher's forward (eagerly, before a replay; the teacher's
     logits, say), so a CUDA graph can replay it (``linearize.graphed``): those tensors enter the
-    graph as inputs. ``needs_teacher``: reads ``step.teacher_outputs()``.
+    graph as inputs. ``captured_whole``: the call itself runs the forward of the student it reads
+    (``step.model`` on ``step.batch``, needing no tensor from outside the batch) and nothing in it
+    waits on the device, so a CUDA graph can capture the whole call: ``attention_mse``, whose teacher
+    is the student's own softmax view. ``needs_teacher``: reads ``step.teacher_outputs()``.
     """
 
     name: ClassVar[str] = ""
     capturable: ClassVar[bool] = False
+    captured_whole: ClassVar[bool] = False
     needs_teacher: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs):
@@ -165,6 +169,11 @@ class Objective:
     @property
     def capturable(self) -> bool:
         return all(t.capturable for _, t in self.terms)
+
+    @property
+    def captured_whole(self) -> bool:
+        """Every term runs its own forward and a CUDA graph can capture the call whole (``Loss.captured_whole``)."""
+        return all(t.captured_whole for _, t in self.terms)
 
     @property
     def needs_teacher(self) -> bool:

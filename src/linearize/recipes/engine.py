@@ -327,7 +327,9 @@ def _complete_checkpoint(out: Path) -> str | None:
 
 def _teacher_tensors(loss_fn: LossFn, model, batch: dict) -> tuple[torch.Tensor, ...]:
     """What a graphed ``loss_fn`` reads from the teacher for ``batch``, computed eagerly (none for the
-    next-token loss)."""
+    next-token loss, nor for a loss captured whole: it runs its own forward)."""
+    if getattr(loss_fn, "captured_whole", False):
+        return ()
     compute = getattr(loss_fn, "teacher_tensors", None)
     return compute(model, batch) if compute is not None else ()
 
@@ -335,10 +337,12 @@ def _teacher_tensors(loss_fn: LossFn, model, batch: dict) -> tuple[torch.Tensor,
 def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArguments, train_dataset=None):
     """The CUDA-graph replay of the training loss (``--cuda-graph``), where it applies: losses computed
     from the student's own forward and tensors from the teacher's, computed before the replay
-    (``distill`` losses marked ``capturable``: the next-token loss, kl)."""
+    (``distill`` losses marked ``capturable``: the next-token loss, kl), and losses that run the
+    student's forward themselves (``captured_whole``: attention_mse)."""
     from ..graphed import GraphedLoss, use_graphs
 
-    capturable = loss_fn is next_token_loss or getattr(loss_fn, "capturable", False)
+    capturable = (loss_fn is next_token_loss or getattr(loss_fn, "capturable", False)
+                  or getattr(loss_fn, "captured_whole", False))
     use_graphs("on", cuda=torch.cuda.is_available(), uncapturable=None if capturable else _loss_name(loss_fn),
                fsdp=under_fsdp(), compile=cfg.compile)  # one line where a condition fails
     objective = None if loss_fn is next_token_loss else loss_fn

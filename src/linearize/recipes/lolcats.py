@@ -15,6 +15,12 @@ loss; the adapters are merged into the saved checkpoint unless ``merge`` is off.
 largest ``auto_softmax_score``: their attention-output MSE after stage 1, or how much their softmax
 attention lowers the loss of copying a random span from beyond the window (``auto_softmax_choice``).
 
+``cuda_graph`` (auto by default): each stage's training steps replay as CUDA graphs
+(``linearize.graphed``) where the run allows it: stage 1's ``attention_mse`` is captured whole (it
+runs the student's forward with its probes itself), stage 2's next-token loss (or ``kl`` from the
+student's own softmax view, computed eagerly before each replay) from the LoRA model's forward.
+``cuda_graphs`` says, per stage, whether and if not why.
+
 Paper defaults: Hedgehog maps, feature dim 64, window 64, lr 1e-2 (stage 1) and 1e-4 (stage 2),
 2 epochs each on 1024-token packs, batch 8, early stopping on the validation loss.
 """
@@ -36,6 +42,7 @@ from ..distill.hooks import StopForward, injecting, layer_input
 from ..distill.probes import fully_sharded
 from ..errors import LinearizeError
 from ..eval import perplexity
+from ..graphed import MODES, graph_mode, use_graphs
 from ..models import get_adapter
 from .common import begin_run, finish
 from .config import RunConfig, setting
@@ -43,7 +50,8 @@ if typing.TYPE_CHECKING:
     from .engine import TrainConfig
 from .launch import is_main_process, peak_gpu_memory, under_fsdp, world_size
 
-__all__ = ["LolcatsConfig", "ablation_config", "layer_mse", "run", "run_stage1", "run_stage2", "summary"]
+__all__ = ["LolcatsConfig", "ablation_config", "cuda_graphs", "layer_mse", "run", "run_stage1", "run_stage2",
+           "summary"]
 
 AUTO_SCORES = ("mse", "recall")  # how keep_softmax auto:K scores the layers (``auto_softmax_choice``)
 DEFAULT_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64}
@@ -98,16 +106,32 @@ class LolcatsConfig(RunConfig):
     lora_alpha: int = setting(16, "LoRA alpha")
     lora_targets: tuple[str, ...] | None = None  # None: the family's q/k/v/o projections
     merge: bool = True
+    cuda_graph: str = setting("auto", "auto (default): replay each stage's training steps (forward and backward) as "
+                                      "CUDA graphs where the run allows it (CUDA, one GPU or data-parallel under "
+                                      "torchrun; not FSDP, a sparse cache, block-wise stage 1 from cached inputs "
+                                      "(--layers-per-block with --block-inputs cache) or a stage-2 loss term such as "
+                                      "hidden_mse), else train that stage eagerly and say why in one line; on (the "
+                                      "flag alone): refuse a run that cannot; off: eagerly. Graphed, the host stops "
+                                      "issuing the kernels one by one (thousands per eager step); the first step of "
+                                      "each stage (and of each block) captures, a new batch shape captures again; "
+                                      "stage 1's attention transfer is captured whole, and with --loss kl the "
+                                      "teacher's logits (the student's own softmax view) are computed eagerly before "
+                                      "each replay and enter the graphs",
+                              choices=MODES, const="on")
 
     PAPER: typing.ClassVar[dict] = {"stage1_lr": "paper: 1e-2", "stage1_epochs": "paper: 2", "mse_factor": "LoLCATs: 1000",
                                     "xent_factor": "LoLCATs: 0", "stage2_lr": "paper: 1e-4", "stage2_epochs": "paper: 2",
                                     "lora_r": "paper: 8", "lora_alpha": "paper: 16"}
+
+    def __post_init__(self):
+        self.cuda_graph = graph_mode(self.cuda_graph)  # a YAML recipe's or an earlier run config's true/false
 
     def stage_config(self, stage: str, output_dir: Path) -> TrainConfig:
         from .engine import TrainConfig
 
         first = stage == "stage1"
         return TrainConfig(
+            cuda_graph=cuda_graphs(self, stage)[0],
             eval_next_token=not first and not stage2_learns_from_lm(self),
             output_dir=str(output_dir), learning_rate=self.stage1_lr if first else self.stage2_lr,
             epochs=self.stage1_epochs if first else self.stage2_epochs,
@@ -115,6 +139,55 @@ class LolcatsConfig(RunConfig):
             batch_size=self.batch_size, grad_accum=self.grad_accum, eval_steps=self.eval_steps,
             early_stopping_patience=self.patience, seed=self.seed, logging_steps=max(1, min(10, self.eval_steps)),
         )
+
+
+def cuda_graphs(cfg: LolcatsConfig, stage: str) -> tuple[bool, str | None]:
+    """Whether ``stage``'s (``stage1`` or ``stage2``) training steps replay as CUDA graphs, and if not,
+    why (under ``cuda_graph: auto``): ``linearize.graphed.use_graphs`` on this process's device and
+    launch, stage 2's loss terms, and what the recipe's settings rule out: a sparse cache, and
+    block-wise stage 1 fed cached inputs (each batch's teacher states enter the block from outside the
+    model). Raises ``LinearizeError`` under ``on`` where they cannot."""
+    from ..spec import Spec
+
+    uncapturable = other = None
+    if stage == "stage2" and not stage2_learns_from_lm(cfg):
+        terms = build_objective(cfg.loss, _loss_options(cfg)).terms
+        whole = all(t.captured_whole for _, t in terms)
+        names = ", ".join(t.name for _, t in terms if not (t.capturable or whole))
+        uncapturable = f"{names} in the loss {cfg.loss!r}" if names else None
+    if stage == "stage1" and cfg.layers_per_block and cfg.block_inputs == "cache":
+        other = ("block-wise stage 1 from cached inputs (--layers-per-block with --block-inputs cache) feeds each "
+                 "batch's teacher states into its block from outside the model (--block-inputs recompute can be "
+                 "graphed)")
+    elif Spec.coerce(cfg.spec).sparse_cache:
+        other = ("a sparse cache (--sparse-cache) trains through its PyTorch form, not yet checked under CUDA-graph "
+                 "capture")
+    return use_graphs(cfg.cuda_graph, cuda=torch.cuda.is_available(), uncapturable=uncapturable, fsdp=under_fsdp(),
+                      other=other)
+
+
+def _graph_decisions(cfg: LolcatsConfig) -> dict[str, tuple[bool, str | None]]:
+    """``cuda_graphs`` of each stage ``cfg`` runs (``on``: raises where one cannot)."""
+    return {stage: cuda_graphs(cfg, stage) for stage in ("stage1", "stage2") if stage in cfg.stages}
+
+
+def _graph_record(cfg: LolcatsConfig, decisions: dict) -> dict:
+    """``results["cuda_graph"]``: the setting, and per stage whether it was graphed and if not why;
+    under ``auto`` each reason is printed once (one line for the stages it keeps eager)."""
+    import sys
+
+    record = {"setting": cfg.cuda_graph}
+    reasons: dict[str, list[str]] = {}
+    for stage, (graphed, why) in decisions.items():
+        record[stage] = {"graphed": graphed, **({"why": why} if why else {})}
+        if why:
+            reasons.setdefault(why, []).append(stage)
+    if is_main_process():
+        for why, stages in reasons.items():
+            which = "" if len(stages) == len(decisions) else " " + " and ".join(s.replace("stage", "stage ")
+                                                                                for s in stages)
+            print(f"linearize: training{which} eagerly, not as CUDA graphs (--cuda-graph auto): {why}", file=sys.stderr)
+    return record
 
 
 # --- stage 1 -------------------------------------------------------------------------------------
@@ -295,6 +368,13 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
                             stage=f"stage1[{b}]", resume=True if cfg.resume else None,
                             metrics_path=out / "metrics.jsonl")
         steps += trainer.state.global_step
+        if trainer.graphed is not None and len(groups) > 1:
+            # the block's graphs (a reference cycle): their memory goes before the next block captures its own
+            import gc
+
+            trainer.graphed = None
+            gc.collect()
+            torch.cuda.empty_cache()
         # under FSDP every rank gathers the trained weights (a collective); the main process writes
         trained = _trained_weights(student)
         if is_main_process():  # the block's weights first, then the mark a resumed run trusts
@@ -326,13 +406,16 @@ def stage2_learns_from_lm(cfg: LolcatsConfig) -> bool:
     return cfg.loss.replace(" ", "") in ("lm", "next_token")
 
 
+def _loss_options(cfg: LolcatsConfig) -> dict:
+    return {"kl": {"temperature": cfg.kl_temperature, "top_k": cfg.kl_top_k}}
+
+
 def _stage2_objective(cfg: LolcatsConfig):
     """Stage 2's loss: the next-token loss, or an objective reading the teacher, which is the student
     itself with softmax attention from its frozen projections and LoRA off (exact, no second model)."""
     if stage2_learns_from_lm(cfg):
         return next_token_loss
-    return build_objective(cfg.loss, {"kl": {"temperature": cfg.kl_temperature, "top_k": cfg.kl_top_k}},
-                           teacher=SameModelTeacher())
+    return build_objective(cfg.loss, _loss_options(cfg), teacher=SameModelTeacher())
 
 
 def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
@@ -506,7 +589,7 @@ def run(cfg: LolcatsConfig) -> dict:
     if unknown or not cfg.stages:
         raise LinearizeError(f"stages must be a non-empty subset of stage1, stage2; got {list(cfg.stages)}")
     if "stage2" in cfg.stages and not stage2_learns_from_lm(cfg):
-        check_options(cfg.loss, {"kl": {"temperature": cfg.kl_temperature, "top_k": cfg.kl_top_k}})
+        check_options(cfg.loss, _loss_options(cfg))
     if "stage2" in cfg.stages and under_fsdp():
         raise LinearizeError("stage 2 (LoRA) does not run under FSDP yet (the LoRA-wrapped model is not gathered "
                              "for merging and saving); under FSDP run stage 1 (--rows stage1-only), or train "
@@ -526,6 +609,7 @@ def run(cfg: LolcatsConfig) -> dict:
         raise LinearizeError(f"auto_softmax_distance must be a whole number of tokens, 2 or more, got {distance!r}")
     if auto_k and "stage1" not in cfg.stages:
         raise LinearizeError("keep_softmax auto:K picks the layers by their attention-transfer error: it needs stage 1")
+    decisions = _graph_decisions(cfg)  # --cuda-graph on where a stage cannot replay: refused here
     fsdp = under_fsdp()
     if auto_k and fsdp:
         raise LinearizeError("keep_softmax auto:K runs on one GPU or data-parallel (torchrun): under FSDP the "
@@ -535,6 +619,7 @@ def run(cfg: LolcatsConfig) -> dict:
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(
         cfg, skip_under_fsdp=("perplexity: converted", "layer_mse_before"))
     ppl = results["perplexity"]
+    results["cuda_graph"] = _graph_record(cfg, decisions)
     if auto_k:  # every layer converted for stage 1; the teacher stays whole to keep the chosen layers from
         n_layers = len(get_adapter(teacher.config).layers(teacher))
         if auto_k >= n_layers:
