@@ -11,6 +11,11 @@
 #   prefill   the prefill sweep, student (kernels) vs teacher (sdpa, flash_attention_2 if installed) in
 #             one run, then the student's PyTorch form at 1k and 8k (before)
 #   train     bench.train at 8x1024: teacher full fine-tune, LoLCATs stage 1 and stage 2
+#   graphs    the CUDA tests of the LoLCATs stages as CUDA graphs, then bench.train at 8x1024 eager and graphed
+#             (teacher, stage 1, stage 2): the ratio takes the teacher's faster row
+#   ceiling   the teacher's prefill kernels at 1k, 8k and 32k (batch 1): attention's share of the GPU time bounds
+#             what any attention replacement can gain there (Amdahl)
+#   sweep     hybrid_bench.py --sweep: warps and blocks of the kernels at 8x1024 and 1x8192
 #   profile   where a training step's time goes (bench.profile train at 8x1024: kernels, host phases) for the
 #             teacher and both LoLCATs stages, and a 1k prefill's kernels, student and teacher
 # An untrained student: speed does not depend on the weights. Rows land in $S (/tmp/runs/hybrid).
@@ -44,6 +49,19 @@ for part in ${@:-tests kernels launches prefill train}; do
     train)
       timeout 300 python3 -m linearize.bench.train --teacher "$T" --models teacher lolcats-stage1 lolcats-stage2 \
         --shapes 8x1024 --steps 10 --out "$S/train.json" 2>&1 | quiet | tail -6 ;;
+    graphs)
+      timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_lolcats_graphs.py 2>&1 | tail -15
+      for g in "" --cuda-graph; do
+        timeout 300 python3 -m linearize.bench.train --teacher "$T" --models teacher lolcats-stage1 lolcats-stage2 \
+          --shapes 8x1024 --steps 20 $g --out "$S/train${g:+_graphed}.json" 2>&1 | quiet | tail -5
+      done ;;
+    ceiling)
+      for n in 1024 8192 32768; do
+        timeout 120 python3 -m linearize.bench.profile prefill "$T" --batch 1 --prompt-len $n --top 6 \
+          --out "$S/ceiling_teacher_$n.json" 2>&1 | quiet | tail -9
+      done ;;
+    sweep)
+      timeout 400 python3 dev/hybrid_bench.py --shapes 8x1024 1x8192 --sweep --out "$S/hybrid_sweep.json" 2>&1 | quiet | tail -30 ;;
     profile)
       student
       for m in teacher lolcats-stage1 lolcats-stage2; do
