@@ -12,7 +12,7 @@
 #             one run, then the student's PyTorch form at 1k and 8k (before)
 #   train     bench.train at 8x1024: teacher full fine-tune, LoLCATs stage 1 and stage 2
 #   graphs    the CUDA tests of the LoLCATs stages as CUDA graphs, then bench.train at 8x1024 eager and graphed
-#             (teacher, stage 1, stage 2): the ratio takes the teacher's faster row
+#             in one run (teacher, stage 1, stage 2; --cuda-graph both): ratios divide by the teacher's faster row
 #   ceiling   the teacher's prefill kernels at 1k, 8k and 32k (batch 1): attention's share of the GPU time bounds
 #             what any attention replacement can gain there (Amdahl)
 #   sweep     hybrid_bench.py --sweep: warps and blocks of the kernels at 8x1024 and 1x8192
@@ -51,10 +51,8 @@ for part in ${@:-tests kernels launches prefill train}; do
         --shapes 8x1024 --steps 10 --out "$S/train.json" 2>&1 | quiet | tail -6 ;;
     graphs)
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_lolcats_graphs.py 2>&1 | tail -15
-      for g in "" --cuda-graph; do
-        timeout 300 python3 -m linearize.bench.train --teacher "$T" --models teacher lolcats-stage1 lolcats-stage2 \
-          --shapes 8x1024 --steps 20 $g --out "$S/train${g:+_graphed}.json" 2>&1 | quiet | tail -5
-      done ;;
+      timeout 400 python3 -m linearize.bench.train --teacher "$T" --models teacher lolcats-stage1 lolcats-stage2 \
+        --shapes 8x1024 --steps 20 --cuda-graph both --out "$S/train_graphed.json" 2>&1 | quiet | tail -8 ;;
     ceiling)
       for n in 1024 8192 32768; do
         timeout 120 python3 -m linearize.bench.profile prefill "$T" --batch 1 --prompt-len $n --top 6 \

@@ -80,6 +80,38 @@ def test_train_bench_cuda_graph_needs_cuda(tiny_model):
         run(tiny_model("llama"), ["teacher"], [(2, 16)], steps=1, warmup=1, cuda_graph=True)
 
 
+def test_train_bench_times_each_model_eager_and_graphed_in_one_run(tiny_model, monkeypatch):
+    """``--cuda-graph both``: every model is timed eagerly, then graphed, in the one run, and every row's
+    ratio divides by the teacher's faster row at its shape; a setting other than off/on/both is one line."""
+    from linearize.bench import train as bench
+    from linearize.errors import LinearizeError
+
+    speeds = {"teacher": 100.0, "teacher+graph": 120.0, "supra": 60.0, "supra+graph": 90.0}
+    timed = []
+
+    def measure(model, label, b, t, steps, warmup, cuda_graph=False, **kw):
+        timed.append((label, cuda_graph))
+        return bench.TrainRow(label, b, t, speeds[label], 1.0, 1)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # measure is stubbed: nothing runs on CUDA
+    monkeypatch.setattr(bench, "measure", measure)
+    monkeypatch.setattr(bench, "_release", lambda cuda: None)
+    rows = bench.run(tiny_model("llama"), ["teacher", "supra"], [(2, 16)], steps=1, warmup=1, cuda_graph="both")
+    assert timed == [("teacher", False), ("teacher+graph", True), ("supra", False), ("supra+graph", True)]
+    assert [round(r.ratio_to_teacher, 3) for r in rows] == [0.833, 1.0, 0.5, 0.75]
+    import linearize
+
+    got = []  # what the command line passes on: the flag alone is on, a value is taken as given
+    monkeypatch.setattr(linearize, "load_teacher", lambda *a, **k: (None, None))
+    monkeypatch.setattr(bench, "run", lambda *a, cuda_graph=None, **k: got.append(cuda_graph) or [])
+    for flags in (["--cuda-graph", "both"], ["--cuda-graph"], []):
+        assert bench.main(["--models", "teacher", "--shapes", "2x16", "--device", "cpu", *flags]) == 0
+    assert got == ["both", "on", "off"]
+    monkeypatch.undo()
+    with pytest.raises(LinearizeError, match="off, on or both"):
+        bench.run(tiny_model("llama"), ["teacher"], [(2, 16)], cuda_graph="sometimes")
+
+
 def test_train_bench_times_the_distillation_step(tiny_model, monkeypatch):
     """``--loss kl+lm``: the students train on KL to a frozen copy of the teacher (+ next-token loss),
     the teacher's row stays its next-token fine-tune (the divisor); a loss that reads more of the

@@ -228,15 +228,25 @@ def parse_shape(text: str) -> tuple[int, int]:
     return b, t
 
 
+# the cuda_graph setting of ``run`` and ``--cuda-graph`` -> which steps each model is timed with (graphed or not)
+GRAPH_MODES = {False: (False,), True: (True,), "off": (False,), "on": (True,), "both": (False, True)}
+
+
 def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str = "auto",
-        compile: str | None = None, report=None, cuda_graph: bool = False, loss: str = "lm") -> list[TrainRow]:
+        compile: str | None = None, report=None, cuda_graph: bool | str = False, loss: str = "lm") -> list[TrainRow]:
     """``compile``: a ``torch.compile`` backend ("inductor" on the GPU) to compile each model's forward.
-    ``cuda_graph``: replay each step's forward and backward as CUDA graphs (``linearize.graphed``).
+    ``cuda_graph``: replay each step's forward and backward as CUDA graphs (``linearize.graphed``): True
+    or "on"; "both": each model eagerly, then graphed, in this one run (the ratios then divide by the
+    teacher's faster row); False or "off": eagerly.
     ``loss``: what the students (not the teacher, not the LoLCATs stages) train on: ``lm``, or a
     distillation objective such as ``kl`` / ``kl+lm`` against a frozen copy of the teacher.
     ``report``: called with the rows so far after each one (a run cut short by a timeout keeps them)."""
     from ..distill import FrozenTeacher, build_objective, parse_objective
 
+    modes = GRAPH_MODES.get(cuda_graph)
+    if modes is None:
+        raise LinearizeError(f"cuda_graph must be off, on or both, got {cuda_graph!r}")
+    cuda_graph = True in modes
     if cuda_graph and not torch.cuda.is_available():
         raise LinearizeError("--cuda-graph needs a CUDA device")
     distil = [n for _, n in parse_objective(loss)] != ["next_token"]
@@ -251,15 +261,14 @@ def run(teacher, models, shapes, steps: int = 10, warmup: int = 3, backend: str 
         if compile:
             model.forward = torch.compile(model.forward, backend=compile)
             label = f"{name}+compile"
-        if cuda_graph:
-            label = f"{label}+graph"
-        for b, t in shapes:
-            row = measure(model, label, b, t, steps, warmup, cuda_graph=cuda_graph, all_weights=name not in STAGES,
-                          objective=stage_objective or student_objective)
-            rows.append(row)
-            print(json.dumps(asdict(row)), flush=True)
-            if report is not None:
-                report(with_ratios(rows))
+        for graphed in modes:
+            for b, t in shapes:
+                row = measure(model, f"{label}+graph" if graphed else label, b, t, steps, warmup, cuda_graph=graphed,
+                              all_weights=name not in STAGES, objective=stage_objective or student_objective)
+                rows.append(row)
+                print(json.dumps(asdict(row)), flush=True)
+                if report is not None:
+                    report(with_ratios(rows))
         del model
         _release(torch.cuda.is_available())
     return with_ratios(rows)
@@ -304,8 +313,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "fla"], help="linear-attention backend")
     p.add_argument("--compile", action="store_true", help="compile each model's forward with torch.compile")
-    p.add_argument("--cuda-graph", action="store_true",
-                   help="replay each step's forward and backward as CUDA graphs (no host work per kernel)")
+    p.add_argument("--cuda-graph", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                   help="replay each step's forward and backward as CUDA graphs (no host work per kernel): on (the "
+                        "flag alone), or both: each model eagerly and graphed in this one run, the ratios dividing by "
+                        "the teacher's faster row (default: %(default)s)")
     p.add_argument("--loss", default="lm",
                    help="what the students train on: lm (next-token), or kl / kl+lm against a frozen copy of the "
                         "teacher run each step, as the recipes' distillation does (default: %(default)s)")
