@@ -150,6 +150,8 @@ def test_the_graphed_path_takes_capturable_and_whole_objectives_and_refuses_othe
     assert engine._graphed_loss(model, kl, cfg, args).objective is kl  # the teacher's logits enter as inputs
     transfer = build_objective("attention_mse")  # runs the student's forward itself: captured whole
     assert transfer.captured_whole and not transfer.capturable
+    assert nt.uncapturable == kl.uncapturable == transfer.uncapturable == []
+    assert build_objective("attention_mse+next_token").uncapturable == ["attention_mse"]
     assert engine._graphed_loss(model, transfer, cfg, args).objective is transfer
     with pytest.raises(LinearizeError, match=r"'attention_mse \+ next_token' cannot be captured"):
         engine._graphed_loss(model, build_objective("attention_mse+next_token"), cfg, args)

@@ -176,6 +176,12 @@ class Objective:
         return all(t.captured_whole for _, t in self.terms)
 
     @property
+    def uncapturable(self) -> list[str]:
+        """The terms that keep a CUDA graph from replaying this objective: none where it is captured
+        whole, else those not ``capturable``."""
+        return [] if self.captured_whole else [t.name for _, t in self.terms if not t.capturable]
+
+    @property
     def needs_teacher(self) -> bool:
         return any(t.needs_teacher for _, t in self.terms)
 

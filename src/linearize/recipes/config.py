@@ -62,6 +62,10 @@ class RunConfig:
                                          "vocabulary)")
     sample_prompt: str = "It is a truth universally acknowledged, that"
 
+    def loss_options(self) -> dict:
+        """The options ``build_objective`` takes for ``loss``'s terms from these settings."""
+        return {"kl": {"temperature": self.kl_temperature, "top_k": self.kl_top_k}}
+
     # what the paper used, shown beside a flag's help (setting -> note)
     PAPER: typing.ClassVar[dict] = {}
 

@@ -341,8 +341,7 @@ def _graphed_loss(model, loss_fn: LossFn, cfg: TrainConfig, args: TrainingArgume
     student's forward themselves (``captured_whole``: attention_mse)."""
     from ..graphed import GraphedLoss, use_graphs
 
-    capturable = (loss_fn is next_token_loss or getattr(loss_fn, "capturable", False)
-                  or getattr(loss_fn, "captured_whole", False))
+    capturable = loss_fn is next_token_loss or getattr(loss_fn, "uncapturable", None) == []
     use_graphs("on", cuda=torch.cuda.is_available(), uncapturable=None if capturable else _loss_name(loss_fn),
                fsdp=under_fsdp(), compile=cfg.compile)  # one line where a condition fails
     objective = None if loss_fn is next_token_loss else loss_fn

@@ -151,9 +151,7 @@ def cuda_graphs(cfg: LolcatsConfig, stage: str) -> tuple[bool, str | None]:
 
     uncapturable = other = None
     if stage == "stage2" and not stage2_learns_from_lm(cfg):
-        terms = build_objective(cfg.loss, _loss_options(cfg)).terms
-        whole = all(t.captured_whole for _, t in terms)
-        names = ", ".join(t.name for _, t in terms if not (t.capturable or whole))
+        names = ", ".join(build_objective(cfg.loss, cfg.loss_options()).uncapturable)
         uncapturable = f"{names} in the loss {cfg.loss!r}" if names else None
     if stage == "stage1" and cfg.layers_per_block and cfg.block_inputs == "cache":
         other = ("block-wise stage 1 from cached inputs (--layers-per-block with --block-inputs cache) feeds each "
@@ -406,16 +404,12 @@ def stage2_learns_from_lm(cfg: LolcatsConfig) -> bool:
     return cfg.loss.replace(" ", "") in ("lm", "next_token")
 
 
-def _loss_options(cfg: LolcatsConfig) -> dict:
-    return {"kl": {"temperature": cfg.kl_temperature, "top_k": cfg.kl_top_k}}
-
-
 def _stage2_objective(cfg: LolcatsConfig):
     """Stage 2's loss: the next-token loss, or an objective reading the teacher, which is the student
     itself with softmax attention from its frozen projections and LoRA off (exact, no second model)."""
     if stage2_learns_from_lm(cfg):
         return next_token_loss
-    return build_objective(cfg.loss, _loss_options(cfg), teacher=SameModelTeacher())
+    return build_objective(cfg.loss, cfg.loss_options(), teacher=SameModelTeacher())
 
 
 def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
@@ -589,7 +583,7 @@ def run(cfg: LolcatsConfig) -> dict:
     if unknown or not cfg.stages:
         raise LinearizeError(f"stages must be a non-empty subset of stage1, stage2; got {list(cfg.stages)}")
     if "stage2" in cfg.stages and not stage2_learns_from_lm(cfg):
-        check_options(cfg.loss, _loss_options(cfg))
+        check_options(cfg.loss, cfg.loss_options())
     if "stage2" in cfg.stages and under_fsdp():
         raise LinearizeError("stage 2 (LoRA) does not run under FSDP yet (the LoRA-wrapped model is not gathered "
                              "for merging and saving); under FSDP run stage 1 (--rows stage1-only), or train "

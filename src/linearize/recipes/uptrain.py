@@ -136,7 +136,7 @@ def check_distillation(cfg: UptrainConfig) -> None:
     if cfg.align_steps < 0:
         raise LinearizeError(f"align_steps must be zero or more, got {cfg.align_steps}")
     if not _learns_from_lm(cfg):
-        check_options(cfg.loss, _loss_options(cfg))
+        check_options(cfg.loss, cfg.loss_options())
     cuda_graphs(cfg)  # --cuda-graph on where the steps cannot replay: refused here
 
 
@@ -145,15 +145,11 @@ def cuda_graphs(cfg: UptrainConfig) -> tuple[bool, str | None]:
     ``cuda_graph: auto``): ``linearize.graphed.use_graphs`` on this process's device and launch, the
     loss's terms, ``compile`` and the recipe's own reason (``graphs_blocked``). Raises ``LinearizeError``
     under ``on`` where they cannot."""
-    terms = [] if _learns_from_lm(cfg) else build_objective(cfg.loss, _loss_options(cfg)).terms
-    uncapturable = ", ".join(t.name for _, t in terms if not t.capturable)
+    names = [] if _learns_from_lm(cfg) else build_objective(cfg.loss, cfg.loss_options()).uncapturable
+    uncapturable = ", ".join(names)
     return use_graphs(cfg.cuda_graph, cuda=torch.cuda.is_available(),
                       uncapturable=f"{uncapturable} in the loss {cfg.loss!r}" if uncapturable else None,
                       fsdp=under_fsdp(), compile=cfg.compile, other=cfg.graphs_blocked())
-
-
-def _loss_options(cfg: UptrainConfig) -> dict:
-    return {"kl": {"temperature": cfg.kl_temperature, "top_k": cfg.kl_top_k}}
 
 
 def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) -> dict:
@@ -230,7 +226,7 @@ def run(cfg: UptrainConfig) -> dict:
         for p in student.parameters():
             p.requires_grad_(True)
     lm = _learns_from_lm(cfg)
-    objective = next_token_loss if lm else build_objective(cfg.loss, _loss_options(cfg), teacher=frozen)
+    objective = next_token_loss if lm else build_objective(cfg.loss, cfg.loss_options(), teacher=frozen)
     results["loss"] = "lm" if lm else repr(objective)
     trainer = train(student, train_ds, eval_ds, objective,
                     cfg.train_config(out / "train", cfg.steps, cfg.warmup_steps, eval_next_token=not lm),
