@@ -95,6 +95,39 @@ def test_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference_on_cu
             assert _err(a, e) < (GAMMA_TOLS[dtype] if name == "gamma" else tol), name
 
 
+@pytest.mark.parametrize("case", [(2, 9, 64, True), (1, 3, 32, False), (2, 3, 0, False)])  # (b, h, R, per-head W)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hedgehog_rope_prelude_kernels_equal_the_float64_reference_on_cuda(dtype, case):
+    """The backward's fused prelude (``hedgehog_rope_triton``): rotated x, features, dx and dW against
+    ``rope_half`` + ``hedgehog_features`` + autograd in float64; RoPE over every dim, half of them or
+    none, per-head or shared weights, a length off the tiles."""
+    from linearize.ops.hedgehog_rope_triton import hedgehog_rope_backward, hedgehog_rope_forward
+    from linearize.ops.hybrid_triton import hedgehog_features, rope_half
+
+    b, h, rot, per_head = case
+    t, d, fh = 300, 64, 64
+    g = torch.Generator(device="cuda").manual_seed(1)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.float64)  # noqa: E731
+    x = r(b, t, h + 1, d)[:, :, 1:].transpose(1, 2).to(dtype)  # a strided view, as the adapters give q/k
+    w = r(h if per_head else 1, d, fh) * 0.3
+    cos = sin = None
+    if rot:
+        angles = r(1, t, rot // 2) * 3
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    d_rot, d_feat = r(b, h, t, d), r(b, h, t, 2 * fh)
+    rx, rw = x.double().requires_grad_(), w.clone().requires_grad_()
+    xr = rope_half(rx, cos, sin) if rot else rx
+    feat = hedgehog_features(xr, rw)
+    want_dx, want_dw = torch.autograd.grad([feat, xr], [rx, rw], [d_feat, d_rot])
+    fcos, fsin = (None, None) if not rot else (cos.float(), sin.float())
+    got_xr, got_feat = hedgehog_rope_forward(x, fcos, fsin, w.float())
+    dx, dw = hedgehog_rope_backward(x, fcos, fsin, w.float(), d_rot.float(), d_feat.float())
+    assert got_feat.dtype == dx.dtype == dtype and dw.dtype == torch.float32 and dw.shape == w.shape
+    tol = TOLS[dtype]
+    for name, a, e in (("xr", got_xr, xr), ("features", got_feat, feat), ("dx", dx, want_dx), ("dw", dw, want_dw)):
+        assert _err(a, e.detach()) < tol, name
+
+
 @pytest.mark.parametrize("shape", [(2, 9, 3, 300, 70, None), (1, 6, 2, 777, 0, 20.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_hybrid_kernels_with_given_features_equal_the_float64_reference_on_cuda(dtype, shape):
