@@ -14,6 +14,10 @@ TOLS = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 # gamma's gradient sums P_t / gamma over every query, terms of both signs: its relative rounding is
 # larger than the others' in half precision (fp16 through Triton's interpreter: 1.4e-3 against 5e-4)
 GAMMA_TOLS = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+# In bf16 a fixed bound stands in for what the format allows only at small sizes: at ~1k tokens the
+# PyTorch form itself (the same ops in bf16) is that far from float64. There, as flash attention's
+# tests do, the kernels pass at <= 2x the PyTorch form's own bf16 error.
+TORCH_FACTOR = 2.0
 
 
 def _err(got, want):
@@ -88,11 +92,22 @@ def test_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference_on_cu
         assert _err(getattr(state, name), getattr(want_state, name).double()) < tol, name
     assert state.linear.dtype == torch.float32 and torch.equal(state.valid, want_state.valid)
     grads = torch.autograd.grad((got.double() * w).sum(), mine)
-    for name, a, e in zip(("qkv", "wq", "wk", "gamma"), grads, grads_want):
+    bounds = {name: (GAMMA_TOLS if name == "gamma" else TOLS)[dtype] for name in ("qkv", "wq", "wk", "gamma")}
+    if dtype == torch.bfloat16:  # the PyTorch form in bf16 against float64 sets the floor
+        low = [qkv.to(dtype).requires_grad_(), wq.to(dtype).requires_grad_(), wk.to(dtype).requires_grad_(),
+               gamma.float().requires_grad_()]
+        lq, lk, lv = _split(low[0], h, hk)
+        lrope = tuple(x.to(dtype) for x in rope)
+        lqr, lkr = rope_half(lq, *lrope), rope_half(lk, *lrope)
+        ly, _ = ops.hybrid_attention_chunked(lqr, lkr, hedgehog_features(lqr, low[1]), hedgehog_features(lkr, low[2]),
+                                             lv, low[3], **kw)
+        for name, a, e in zip(bounds, torch.autograd.grad((ly.double() * w).sum(), low), grads_want):
+            bounds[name] = max(bounds[name], TORCH_FACTOR * _err(a, e))
+    for name, a, e in zip(bounds, grads, grads_want):
         if name == "gamma" and t <= 64:
             assert (a.double() - e).abs().max() < 1e-3  # softmax alone: gamma's gradient is 0
         else:
-            assert _err(a, e) < (GAMMA_TOLS[dtype] if name == "gamma" else tol), name
+            assert _err(a, e) < bounds[name], (name, _err(a, e), bounds[name])
 
 
 @pytest.mark.parametrize("case", [(2, 9, 64, True), (1, 3, 32, False), (2, 3, 0, False)])  # (b, h, R, per-head W)
