@@ -164,8 +164,15 @@ def test_hybrid_kernels_with_given_features_equal_the_float64_reference_on_cuda(
     got, _ = ops.hybrid_attention(*mine, **kw, backend=backend)
     assert _err(got, want) < TOLS[dtype]
     grads = torch.autograd.grad((got.double() * w).sum(), mine)
-    for name, a, e in zip(("q", "k", "qf", "kf", "v", "gamma"), grads, grads_want):
-        assert _err(a, e) < (GAMMA_TOLS if name == "gamma" else TOLS)[dtype], name
+    names = ("q", "k", "qf", "kf", "v", "gamma")
+    bounds = {name: (GAMMA_TOLS if name == "gamma" else TOLS)[dtype] for name in names}
+    if dtype == torch.bfloat16:  # the PyTorch form in bf16 against float64 sets the floor
+        low = [x.detach().clone().requires_grad_() for x in mine]
+        ly, _ = ops.hybrid_attention_chunked(*low, **kw)
+        for name, a, e in zip(names, torch.autograd.grad((ly.double() * w).sum(), low), grads_want):
+            bounds[name] = max(bounds[name], TORCH_FACTOR * _err(a, e))
+    for name, a, e in zip(names, grads, grads_want):
+        assert _err(a, e) < bounds[name], (name, _err(a, e), bounds[name])
 
 
 def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
@@ -219,6 +226,9 @@ def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
         assert not calls
         half, grads_half, _ = run("auto", autocast=True)
         assert calls
+        calls.clear()
+        _, grads_half_torch, _ = run("torch", autocast=True)  # the PyTorch form's own bf16 error sets the floor
+        assert not calls
     finally:
         hybrid_triton.hybrid_triton_forward = launch
     real = mask.bool()
@@ -226,7 +236,7 @@ def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
     assert _err(half[real], want[real].double()) < 3e-2
     for name, e in grads_want.items():
         assert _err(grads[name], e.double()) < 1e-3, name
-        assert _err(grads_half[name], e.double()) < 1e-1, name
+        assert _err(grads_half[name], e.double()) < max(1e-1, TORCH_FACTOR * _err(grads_half_torch[name], e.double())), name
     for a, e in zip(cache.layers, cache_want.layers):
         for x, y in zip(a.state.tensors(), e.state.tensors()):
             assert torch.equal(x, y) if x.dtype == torch.bool else _err(x, y.double()) < 1e-4
