@@ -13,6 +13,9 @@
 #   train     bench.train at 8x1024: teacher full fine-tune, LoLCATs stage 1 and stage 2
 #   graphs    the CUDA tests of the LoLCATs stages as CUDA graphs, then bench.train at 8x1024 eager and graphed
 #             in one run (teacher, stage 1, stage 2; --cuda-graph both): ratios divide by the teacher's faster row
+#   prelude   the backward's RoPE + Hedgehog prelude as Triton kernels (hybrid_triton.FUSED_PRELUDE) against
+#             PyTorch: the CUDA tests, the kernels alone at 8x1024 and 1x8192, and bench.train's graphed rows
+#             (teacher, stage 1, stage 2) with the switch on, then off
 #   ceiling   the teacher's prefill kernels at 1k, 8k and 32k (batch 1): attention's share of the GPU time bounds
 #             what any attention replacement can gain there (Amdahl)
 #   sweep     hybrid_bench.py --sweep: warps and blocks of the kernels at 8x1024 and 1x8192
@@ -53,6 +56,16 @@ for part in ${@:-tests kernels launches prefill train}; do
       timeout 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_lolcats_graphs.py 2>&1 | tail -15
       timeout 400 python3 -m linearize.bench.train --teacher "$T" --models teacher lolcats-stage1 lolcats-stage2 \
         --shapes 8x1024 --steps 20 --cuda-graph both --out "$S/train_graphed.json" 2>&1 | quiet | tail -8 ;;
+    prelude)
+      timeout 480 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_hybrid.py 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | head -40
+      timeout 300 python3 dev/hybrid_bench.py --shapes 8x1024 1x8192 --skip "torch chunked" \
+        --out "$S/prelude_bench.json" 2>&1 | quiet
+      for fused in True False; do
+        timeout 300 python3 -c "import sys; from linearize.ops import hybrid_triton; hybrid_triton.FUSED_PRELUDE = $fused
+from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher "$T" --shapes 8x1024 --steps 20 \
+          --models teacher lolcats-stage1 lolcats-stage2 --cuda-graph on --out "$S/train_prelude_$fused.json" 2>&1 | quiet | tail -5
+      done ;;
     ceiling)
       for n in 1024 8192 32768; do
         timeout 120 python3 -m linearize.bench.profile prefill "$T" --batch 1 --prompt-len $n --top 6 \

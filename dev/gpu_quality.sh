@@ -106,12 +106,14 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
       --steps ${STEPS:-1220} ${SUPRA_ARGS:-} --out $RUNS/distill-supra 2>&1 | quiet | tail -10
     evaluate $RUNS/distill-supra/final distill-supra
     recall $RUNS/distill-supra/final distill-supra ;;
-  distill-xatl)  # the XATL hybrid learning from the teacher, same schedule
+  distill-xatl)  # the XATL hybrid learning from the teacher, same schedule; NAME (default distill-xatl) names the
+                 # run, XATL_ARGS adds flags (e.g. --transfer embeddings,ffn,wo,qkv,attention, --data A,B)
+    n=${NAME:-distill-xatl}
     lin xatl --teacher $T --budget gpu --arch retnet --transfer embeddings,ffn,wo,attention --hybrid xatl \
       --align-steps ${ALIGN:-300} --align-lr 1e-3 --loss ${LOSS:-kl+lm} --steps ${XATL_STEPS:-610} \
-      --eval-steps ${EVAL_STEPS:-61} ${XATL_ARGS:-} --out $RUNS/distill-xatl 2>&1 | quiet | tail -10
-    evaluate $RUNS/distill-xatl/final distill-xatl
-    recall $RUNS/distill-xatl/final distill-xatl-hybrid ;;
+      --eval-steps ${EVAL_STEPS:-61} ${XATL_ARGS:-} --out $RUNS/$n 2>&1 | quiet | tail -10
+    evaluate $RUNS/$n/final $n
+    recall $RUNS/$n/final $n-hybrid ;;
   generate)  # text sampled from the teacher (issue #20's data-free distillation): GEN_TOKENS new tokens, stored as
               # generated:smollm2; then e.g. XATL_ARGS="--data gutenberg,generated:smollm2" ... distill-xatl
     lin data generate --teacher $T --tokens ${GEN_TOKENS:-10000000} --batch-size ${GEN_BATCH:-256} --name smollm2 \

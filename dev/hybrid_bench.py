@@ -4,6 +4,8 @@ forward and of forward + backward (median of ``triton.testing.do_bench``, compil
 
 * ``kernels (fused)``: RoPE and Hedgehog maps inside the forward kernels, from the projections' q/k/v
   (what the LoLCATs mixer runs);
+* ``kernels (fused), PyTorch prelude``: the same forward; the backward recomputes RoPE and the maps
+  in PyTorch (``hybrid_triton.FUSED_PRELUDE = False``) instead of the prelude's Triton kernels;
 * ``kernels (features given)``: RoPE and the maps in PyTorch, the hybrid in the kernels (what pays:
   fusing the maps or not);
 * ``torch chunked``: RoPE, the maps and ``hybrid_attention_chunked`` in PyTorch (before the kernels);
@@ -43,12 +45,14 @@ def _inputs(b, t, g):
 
 def paths(b, t, g):
     from linearize import ops
+    from linearize.ops import hybrid_triton as hybrid_triton_module
     from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half
 
     qkv, rope, wq, wk, logit = _inputs(b, t, g)
     kw = dict(window=W, scale=D ** -0.5)
 
-    def fused():
+    def fused(prelude=True):
+        hybrid_triton_module.FUSED_PRELUDE = prelude  # read by the backward, which runs before the next path
         q, k, v = _split(qkv)
         return hybrid_triton(q, k, v, logit, hedgehog=(wq, wk), rope=rope, **kw, logit=True)[0]
 
@@ -70,7 +74,8 @@ def paths(b, t, g):
         return torch.nn.functional.scaled_dot_product_attention(qr, kr, v, is_causal=True, enable_gqa=True)
 
     grads = [qkv, wq, wk, logit]
-    return {"kernels (fused)": fused, "kernels (features given)": given, "torch chunked": chunked,
+    return {"kernels (fused)": fused, "kernels (fused), PyTorch prelude": lambda: fused(False),
+            "kernels (features given)": given, "torch chunked": chunked,
             "teacher sdpa": teacher}, qkv, grads
 
 

@@ -22,10 +22,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from linearize.ops import hedgehog_rope_triton as hp
 from linearize.ops import hybrid_triton as ht
 
 FP32_POINTERS = {"sums_ptr", "den_ptr", "mx_ptr", "gamma_ptr", "dq_ptr", "dqf_ptr", "rho_ptr", "dc_ptr", "dgamma_ptr",
-                 "qsums_ptr", "rsums_ptr", "dk_ptr", "dv_ptr", "dkf_ptr", "src_ptr", "dst_ptr", "fin_ptr"}
+                 "qsums_ptr", "rsums_ptr", "dk_ptr", "dv_ptr", "dkf_ptr", "src_ptr", "dst_ptr", "fin_ptr",
+                 "w_ptr", "drot_ptr", "dfeat_ptr", "dw_ptr"}  # (the last: hedgehog_rope_triton's prelude)
 
 
 def _ptxas() -> str:
@@ -60,7 +62,7 @@ def report(fn, consts: dict, warps: int, dtype: str) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("kernels", nargs="*", default=["chunk_sums", "forward", "scan", "backward_q", "backward_kv",
-                                                  "backward_kf"])
+                                                  "backward_kf", "prelude_forward", "prelude_backward"])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--warps", type=int, default=None, help="default: the module's constants")
     p.add_argument("--query-rows", type=int, default=ht.QUERY_ROWS)
@@ -81,6 +83,11 @@ def main(argv=None) -> int:
     builds.append(("backward_kv", ht._backward_kv, {**backward, "SOFTCAP": True, "BK": args.key_rows, "G": 3},
                    ht.BWD_WARPS))
     builds.append(("backward_kf", ht._backward_kf, {**backward, "BF": 128, "BK": args.key_rows, "G": 3}, ht.BWD_WARPS))
+    # the backward's fused prelude (hedgehog_rope_triton): RoPE + Hedgehog maps, forward and backward
+    prelude = dict(ROPE=True, BD=64, BF=64, PREC=prec)
+    builds.append(("prelude_forward", hp._prelude_forward, {**prelude, "BT": hp.FWD_ROWS}, hp.FWD_WARPS))
+    builds.append(("prelude_backward", hp._prelude_backward, {**prelude, "DROT": True, "DX": True, "DW": True,
+                                                              "BT": hp.BWD_ROWS}, hp.BWD_WARPS))
     for name, fn, consts, warps in builds:
         if name in args.kernels:
             warps = args.warps or warps

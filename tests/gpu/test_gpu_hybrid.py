@@ -14,6 +14,10 @@ TOLS = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 1e-2}
 # gamma's gradient sums P_t / gamma over every query, terms of both signs: its relative rounding is
 # larger than the others' in half precision (fp16 through Triton's interpreter: 1.4e-3 against 5e-4)
 GAMMA_TOLS = {torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
+# In bf16 a fixed bound stands in for what the format allows only at small sizes: at ~1k tokens the
+# PyTorch form itself (the same ops in bf16) is that far from float64. There, as flash attention's
+# tests do, the kernels pass at <= 2x the PyTorch form's own bf16 error.
+TORCH_FACTOR = 2.0
 
 
 def _err(got, want):
@@ -88,11 +92,55 @@ def test_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference_on_cu
         assert _err(getattr(state, name), getattr(want_state, name).double()) < tol, name
     assert state.linear.dtype == torch.float32 and torch.equal(state.valid, want_state.valid)
     grads = torch.autograd.grad((got.double() * w).sum(), mine)
-    for name, a, e in zip(("qkv", "wq", "wk", "gamma"), grads, grads_want):
+    bounds = {name: (GAMMA_TOLS if name == "gamma" else TOLS)[dtype] for name in ("qkv", "wq", "wk", "gamma")}
+    if dtype == torch.bfloat16:  # the PyTorch form in bf16 against float64 sets the floor
+        low = [qkv.to(dtype).requires_grad_(), wq.to(dtype).requires_grad_(), wk.to(dtype).requires_grad_(),
+               gamma.float().requires_grad_()]
+        lq, lk, lv = _split(low[0], h, hk)
+        lrope = tuple(x.to(dtype) for x in rope)
+        lqr, lkr = rope_half(lq, *lrope), rope_half(lk, *lrope)
+        ly, _ = ops.hybrid_attention_chunked(lqr, lkr, hedgehog_features(lqr, low[1]), hedgehog_features(lkr, low[2]),
+                                             lv, low[3], **kw)
+        for name, a, e in zip(bounds, torch.autograd.grad((ly.double() * w).sum(), low), grads_want):
+            bounds[name] = max(bounds[name], TORCH_FACTOR * _err(a, e))
+    for name, a, e in zip(bounds, grads, grads_want):
         if name == "gamma" and t <= 64:
             assert (a.double() - e).abs().max() < 1e-3  # softmax alone: gamma's gradient is 0
         else:
-            assert _err(a, e) < (GAMMA_TOLS[dtype] if name == "gamma" else tol), name
+            assert _err(a, e) < bounds[name], (name, _err(a, e), bounds[name])
+
+
+@pytest.mark.parametrize("case", [(2, 9, 64, True), (1, 3, 32, False), (2, 3, 0, False)])  # (b, h, R, per-head W)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_hedgehog_rope_prelude_kernels_equal_the_float64_reference_on_cuda(dtype, case):
+    """The backward's fused prelude (``hedgehog_rope_triton``): rotated x, features, dx and dW against
+    ``rope_half`` + ``hedgehog_features`` + autograd in float64; RoPE over every dim, half of them or
+    none, per-head or shared weights, a length off the tiles."""
+    from linearize.ops.hedgehog_rope_triton import hedgehog_rope_backward, hedgehog_rope_forward
+    from linearize.ops.hybrid_triton import hedgehog_features, rope_half
+
+    b, h, rot, per_head = case
+    t, d, fh = 300, 64, 64
+    g = torch.Generator(device="cuda").manual_seed(1)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.float64)  # noqa: E731
+    x = r(b, t, h + 1, d)[:, :, 1:].transpose(1, 2).to(dtype)  # a strided view, as the adapters give q/k
+    w = r(h if per_head else 1, d, fh) * 0.3
+    cos = sin = None
+    if rot:
+        angles = r(1, t, rot // 2) * 3
+        cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    d_rot, d_feat = r(b, h, t, d), r(b, h, t, 2 * fh)
+    rx, rw = x.double().requires_grad_(), w.clone().requires_grad_()
+    xr = rope_half(rx, cos, sin) if rot else rx
+    feat = hedgehog_features(xr, rw)
+    want_dx, want_dw = torch.autograd.grad([feat, xr], [rx, rw], [d_feat, d_rot])
+    fcos, fsin = (None, None) if not rot else (cos.float(), sin.float())
+    got_xr, got_feat = hedgehog_rope_forward(x, fcos, fsin, w.float())
+    dx, dw = hedgehog_rope_backward(x, fcos, fsin, w.float(), d_rot.float(), d_feat.float())
+    assert got_feat.dtype == dx.dtype == dtype and dw.dtype == torch.float32 and dw.shape == w.shape
+    tol = TOLS[dtype]
+    for name, a, e in (("xr", got_xr, xr), ("features", got_feat, feat), ("dx", dx, want_dx), ("dw", dw, want_dw)):
+        assert _err(a, e.detach()) < tol, name
 
 
 @pytest.mark.parametrize("shape", [(2, 9, 3, 300, 70, None), (1, 6, 2, 777, 0, 20.0)])
@@ -116,8 +164,15 @@ def test_hybrid_kernels_with_given_features_equal_the_float64_reference_on_cuda(
     got, _ = ops.hybrid_attention(*mine, **kw, backend=backend)
     assert _err(got, want) < TOLS[dtype]
     grads = torch.autograd.grad((got.double() * w).sum(), mine)
-    for name, a, e in zip(("q", "k", "qf", "kf", "v", "gamma"), grads, grads_want):
-        assert _err(a, e) < (GAMMA_TOLS if name == "gamma" else TOLS)[dtype], name
+    names = ("q", "k", "qf", "kf", "v", "gamma")
+    bounds = {name: (GAMMA_TOLS if name == "gamma" else TOLS)[dtype] for name in names}
+    if dtype == torch.bfloat16:  # the PyTorch form in bf16 against float64 sets the floor
+        low = [x.detach().clone().requires_grad_() for x in mine]
+        ly, _ = ops.hybrid_attention_chunked(*low, **kw)
+        for name, a, e in zip(names, torch.autograd.grad((ly.double() * w).sum(), low), grads_want):
+            bounds[name] = max(bounds[name], TORCH_FACTOR * _err(a, e))
+    for name, a, e in zip(names, grads, grads_want):
+        assert _err(a, e) < bounds[name], (name, _err(a, e), bounds[name])
 
 
 def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
@@ -171,6 +226,9 @@ def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
         assert not calls
         half, grads_half, _ = run("auto", autocast=True)
         assert calls
+        calls.clear()
+        _, grads_half_torch, _ = run("torch", autocast=True)  # the PyTorch form's own bf16 error sets the floor
+        assert not calls
     finally:
         hybrid_triton.hybrid_triton_forward = launch
     real = mask.bool()
@@ -178,7 +236,7 @@ def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
     assert _err(half[real], want[real].double()) < 3e-2
     for name, e in grads_want.items():
         assert _err(grads[name], e.double()) < 1e-3, name
-        assert _err(grads_half[name], e.double()) < 1e-1, name
+        assert _err(grads_half[name], e.double()) < max(1e-1, TORCH_FACTOR * _err(grads_half_torch[name], e.double())), name
     for a, e in zip(cache.layers, cache_want.layers):
         for x, y in zip(a.state.tensors(), e.state.tensors()):
             assert torch.equal(x, y) if x.dtype == torch.bool else _err(x, y.double()) < 1e-4

@@ -40,8 +40,14 @@ RoPE and Hedgehog feature maps may run inside the forward kernels (``rope`` / ``
 arguments of ``hybrid_triton``): the rotation by halves of the first R dims of each head, and
 ``[softmax(x W), softmax(-x W)]`` per tile, so neither rotated q/k nor features are written to
 memory. The backward kernels take features from memory: the backward recomputes rotation and
-features in PyTorch (``rope_half`` and ``hedgehog_features`` below) and lets autograd carry
-dphi and the rotated gradients back to q, k and the feature weights.
+features, and carries dphi and the rotated gradients back to q, k and the feature weights. With
+``FUSED_PRELUDE`` (the default) that prelude is Triton too (``hedgehog_rope_triton.py``): per side,
+one launch writes the rotated q/k and their features (as the forward kernels compute them: fp32
+rotation from cos/sin as given), one launch gives the gradient of the unrotated q/k (softmax backward
+of both halves, ``dY W^T`` and the rotated gradient, rotated back) and per-program partial sums of
+the weights' gradient, reduced by one torch sum (deterministic). Without it, PyTorch recomputes them
+(``rope_half`` and ``hedgehog_features`` below, in the input dtype) and autograd carries them back:
+~25 small launches per side and layer on an H100 profile of a training step.
 
 Precision: products of bf16/fp16 inputs on tensor cores with fp32 accumulation (softmax weights,
 features and the fp32 states rounded to the input dtype first, as flash attention and fla do),
@@ -69,6 +75,9 @@ QUERY_ROWS = 32  # query rows per program of the output pass and the query-side 
 KEY_ROWS = 16  # key rows per program of the key-side backward passes
 SCAN_TILE = 8192  # chunks x state entries per program of the scans
 TINY = tl.constexpr(1.1754943508222875e-38)  # the clamp of the denominator (fp32's smallest normal)
+# The backward's prelude with Hedgehog maps (RoPE, the maps and their gradients): the Triton kernels of
+# ``hedgehog_rope_triton`` (True) or PyTorch with autograd (False; ``rope_half``, ``hedgehog_features``)
+FUSED_PRELUDE = True
 
 
 @triton.jit
@@ -750,6 +759,8 @@ class _HybridTriton(torch.autograd.Function):
     def backward(ctx, dy):
         q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, y, *saved = ctx.saved_tensors
         needs = ctx.needs_input_grad
+        if FUSED_PRELUDE and wq is not None:
+            return _HybridTriton._fused_prelude_backward(ctx, dy)
         inputs = (q, k, qf, kf, wq, wk)
         # the prelude the forward kernels fused (RoPE, feature maps), again in PyTorch with autograd
         leaves = [None if x is None else x.detach().requires_grad_(need)
@@ -782,6 +793,33 @@ class _HybridTriton(torch.autograd.Function):
         dq_, dk_, dqf_, dkf_, dwq, dwk = result
         return (dq_, dk_, dv.to(v.dtype) if needs[2] else None, dgamma.to(gamma.dtype) if needs[3] else None,
                 dqf_, dkf_, dwq, dwk, None, None, None, None, None, None, None)
+
+    @staticmethod
+    def _fused_prelude_backward(ctx, dy):
+        """``backward`` with Hedgehog maps, the prelude as Triton kernels (``hedgehog_rope_triton``):
+        rotated q/k and their features in one launch each, then their gradients (of the unrotated
+        q/k and the maps' weights) in one launch and a sum each, no autograd."""
+        from .hedgehog_rope_triton import hedgehog_rope_backward, hedgehog_rope_forward
+
+        q, k, v, gamma, _, _, wq, wk, cos, sin, key_mask, y, *saved = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        qr, fq = hedgehog_rope_forward(q, cos, sin, wq)
+        kr, fk = hedgehog_rope_forward(k, cos, sin, wk)
+        weight = torch.sigmoid(gamma.float()) if ctx.logit else gamma
+        dq, dk, dv, dfq, dfk, dgamma = hybrid_triton_backward(dy, qr, kr, v, fq, fk, weight, y, saved,
+                                                              key_mask=key_mask, **ctx.kw)
+        if ctx.logit:
+            dgamma = dgamma * weight * (1.0 - weight)
+        out = []
+        for x, w, dr, df, need_x, need_w in ((q, wq, dq, dfq, needs[0], needs[6]),
+                                             (k, wk, dk, dfk, needs[1], needs[7])):
+            dx = dw = None
+            if need_x or need_w:
+                dx, dw = hedgehog_rope_backward(x, cos, sin, w, dr, df, need_dx=need_x, need_dw=need_w)
+            out.append((dx, None if dw is None else dw.to(w.dtype)))
+        (dq_, dwq), (dk_, dwk) = out
+        return (dq_, dk_, dv.to(v.dtype) if needs[2] else None, dgamma.to(gamma.dtype) if needs[3] else None,
+                None, None, dwq, dwk, None, None, None, None, None, None, None)
 
 
 def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float | None = None, key_mask=None,
