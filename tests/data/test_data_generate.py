@@ -84,6 +84,16 @@ def test_more_tokens_add_shards(teacher, workspace, tmp_path):
     assert _shards(tmp_path / "grown") == _shards(tmp_path / "direct")
 
 
+def test_a_shard_with_unicode_line_separators_reads_back(tmp_path):
+    """Sampled text may hold U+2028, U+2029 or U+0085, which JSON leaves raw and str.splitlines()
+    treats as line ends: a 10M-token run on the GPU wrote such shards and then could not read them."""
+    records = [{"text": "a\u2028b\u2029c\x85d\x0be", "new_tokens": 4}, {"text": "plain", "new_tokens": 1}]
+    generate._write_shard(tmp_path / "part-000000.jsonl", records)
+    assert generate.read_shard(tmp_path / "part-000000.jsonl") == records
+    assert generate.done_so_far(tmp_path) == (1, 5)
+    assert read_texts(str(tmp_path / "part-000000.jsonl")) == [r["text"] for r in records]
+
+
 def test_other_settings_or_a_foreign_folder_are_refused(teacher, workspace, tmp_path):
     model, tok = teacher
     generate_text(model, tok, tmp_path / "g", 10, _settings(workspace), progress=False)

@@ -96,7 +96,9 @@ def shard_path(out: Path, index: int) -> Path:
 
 
 def read_shard(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    # lines end at "\n" alone: json.dumps(ensure_ascii=False) leaves U+2028, U+2029 and U+0085 raw
+    # inside strings, and str.splitlines() would cut a record there
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
 
 
 def done_so_far(out: Path) -> tuple[int, int]:

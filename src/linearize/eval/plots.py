@@ -55,7 +55,7 @@ def curve_points(metrics_jsonl: str | Path, stage: str | None = None, offset: in
     """``(step, validation next-token loss)`` of one run's ``metrics.jsonl``: ``eval_next_token`` where
     the run logged it (its training loss was another), else ``eval_loss``; only ``stage``'s rows when
     given; steps shifted by ``offset`` (an earlier stage's steps)."""
-    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text(encoding="utf-8").split("\n") if line.strip()]
     return [(offset + r["step"], r.get("eval_next_token", r["eval_loss"])) for r in rows
             if "eval_loss" in r and (stage is None or r.get("stage") == stage)]
 
