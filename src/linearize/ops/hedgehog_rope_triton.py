@@ -35,7 +35,7 @@ import triton.language as tl
 from .hybrid_triton import _features, _pow2, _precision, _rotated
 
 # Tiles and warps: no spills in sm_90 builds (``dev/hybrid_registers.py prelude_forward prelude_backward``,
-# Triton 3.9, D = 64, F/2 = 64, bf16), not yet timed on a GPU. Forward: 96 registers a thread at 64
+# Triton 3.9, D = 64, F/2 = 64, bf16), not swept on a GPU. Forward: 96 registers a thread at 64
 # rows and 8 warps. Backward: 214 (bf16 cos/sin; fp32: 226) at 32 rows and 8 warps (16 rows: 182;
 # 32 rows and 4 warps spill ~350 bytes, 64 rows and 8 warps ~200)
 FWD_ROWS = 64  # token rows per program of the forward
