@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .hybrid_triton import _features, _pow2, _precision, _rotated
+from .triton_tiles import _features, _pow2, _precision, _rotated
 
 # Tiles and warps: no spills in sm_90 builds (``dev/hybrid_registers.py prelude_forward prelude_backward``,
 # Triton 3.9, D = 64, F/2 = 64, bf16), not swept on a GPU. Forward: 96 registers a thread at 64

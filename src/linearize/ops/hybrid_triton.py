@@ -64,6 +64,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .hedgehog_rope_triton import hedgehog_rope_backward, hedgehog_rope_forward
+from .triton_tiles import _features, _load_features, _pow2, _precision, _rotated, _tile
+
 # Tiles and warps: the fewest register spills of sm_90 builds (ptxas -v, Triton 3.9, w = D = 64,
 # Hedgehog F = 2 x 64, bf16): 8 warps everywhere; the output pass's query blocks of 32 rows spill
 # ~120 bytes a thread (64 rows: ~480), the query-side backward's 16 (64 rows: 550), the key-side
@@ -106,66 +109,12 @@ def _query_rows(pid, T, W, OFF, BW: tl.constexpr, BQ: tl.constexpr):
 
 
 @triton.jit
-def _tile(ptr, t, ok, st, d, D):
-    """Rows ``t`` of a ``[T, D]`` slice with token stride ``st`` (zeros where not ``ok``)."""
-    return tl.load(ptr + t[:, None] * st + d[None, :], mask=ok[:, None] & (d < D)[None, :], other=0.0)
-
-
-@triton.jit
 def _real(mask_ptr, t, ok, MASK: tl.constexpr):
     """Which rows are real tokens: they exist and (with ``MASK``) the key mask says so."""
     real = ok
     if MASK:
         real = ok & (tl.load(mask_ptr + t, mask=ok, other=0) != 0)
     return real
-
-
-@triton.jit
-def _rotated(ptr, t, ok, st, d, D, cos_ptr, sin_ptr, sct, R, ROPE: tl.constexpr):
-    """Rows ``t`` rotated by halves over their first ``R`` dims (``ROPE``), in fp32."""
-    x = _tile(ptr, t, ok, st, d, D).to(tl.float32)
-    if ROPE:
-        half = R // 2
-        m = ok[:, None] & (d < R)[None, :]
-        partner = tl.where(d < half, d + half, d - half)
-        p = tl.load(ptr + t[:, None] * st + partner[None, :], mask=m, other=0.0).to(tl.float32)
-        cos = tl.load(cos_ptr + t[:, None] * sct + d[None, :], mask=m, other=1.0).to(tl.float32)
-        sin = tl.load(sin_ptr + t[:, None] * sct + d[None, :], mask=m, other=0.0).to(tl.float32)
-        x = x * cos + tl.where((d < half)[None, :], -p, p) * sin
-    return x
-
-
-@triton.jit
-def _load_features(f_ptr, t, ok, sft, FW, dtype, BF: tl.constexpr, FP: tl.constexpr):
-    """Rows ``t`` of ``FP * FW`` features as FP parts ``[BW, BF]`` of ``FW`` features each."""
-    f = tl.arange(0, BF)
-    out = ()
-    for i in tl.static_range(FP):
-        out = out + (tl.load(f_ptr + t[:, None] * sft + (i * FW + f)[None, :], mask=ok[:, None] & (f < FW)[None, :],
-                             other=0.0).to(dtype),)
-    return out
-
-
-@triton.jit
-def _features(x, f_ptr, t, ok, sft, w_ptr, d, D, FW, BF: tl.constexpr, FP: tl.constexpr, HEDGEHOG: tl.constexpr,
-              PREC: tl.constexpr):
-    """The features of rows ``x`` ``[BW, BD]`` as a tuple of ``[BW, BF]`` parts in ``x``'s dtype:
-    Hedgehog's ``(softmax(x W), softmax(-x W))`` from ``W`` ``[D, FW]`` (computed in fp32), or
-    loaded from ``f_ptr`` (``_load_features``)."""
-    if HEDGEHOG:
-        f = tl.arange(0, BF)
-        fm = (f < FW)[None, :]
-        w = tl.load(w_ptr + d[:, None] * FW + f[None, :], mask=(d < D)[:, None] & fm, other=0.0)
-        proj = tl.dot(x, w.to(x.dtype), input_precision=PREC)
-        pos = tl.where(fm, proj, float("-inf"))
-        pos = tl.exp(pos - tl.max(pos, axis=1)[:, None])
-        pos = (pos / tl.sum(pos, axis=1)[:, None]).to(x.dtype)
-        neg = tl.where(fm, -proj, float("-inf"))
-        neg = tl.exp(neg - tl.max(neg, axis=1)[:, None])
-        out = (pos, (neg / tl.sum(neg, axis=1)[:, None]).to(x.dtype))
-    else:
-        out = _load_features(f_ptr, t, ok, sft, FW, x.dtype, BF, FP)
-    return out
 
 
 @triton.jit
@@ -557,15 +506,6 @@ def _backward_kf(v_ptr, qf_ptr, kf_ptr, mask_ptr, rsums_ptr, dy_ptr, den_ptr, rh
 
 # --- PyTorch side -------------------------------------------------------------------------------
 
-def _pow2(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
-
-
-def _precision(dtype: torch.dtype) -> str:
-    """tl.dot's precision: fp32 inputs multiply in full fp32 (the others are half-precision products)."""
-    return "tf32" if dtype in (torch.bfloat16, torch.float16) else "ieee"
-
-
 def rope_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE by rotating halves over the first ``R = cos.shape[-1]`` dims of each head, the same
     rotation the kernels apply: ``x`` ``[B, H, T, D]``, ``cos``/``sin`` ``[B or 1, T, R]``."""
@@ -799,8 +739,6 @@ class _HybridTriton(torch.autograd.Function):
         """``backward`` with Hedgehog maps, the prelude as Triton kernels (``hedgehog_rope_triton``):
         rotated q/k and their features in one launch each, then their gradients (of the unrotated
         q/k and the maps' weights) in one launch and a sum each, no autograd."""
-        from .hedgehog_rope_triton import hedgehog_rope_backward, hedgehog_rope_forward
-
         q, k, v, gamma, _, _, wq, wk, cos, sin, key_mask, y, *saved = ctx.saved_tensors
         needs = ctx.needs_input_grad
         qr, fq = hedgehog_rope_forward(q, cos, sin, wq)
