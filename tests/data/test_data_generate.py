@@ -14,6 +14,7 @@ from linearize.cli import main
 from linearize.data import generate, load_blocks, read_texts
 from linearize.data.generate import Settings, generate_text
 from linearize.errors import LinearizeError
+from linearize.paths import read_json_lines
 
 
 @pytest.fixture(autouse=True)
@@ -89,7 +90,7 @@ def test_a_shard_with_unicode_line_separators_reads_back(tmp_path):
     treats as line ends: a 10M-token run on the GPU wrote such shards and then could not read them."""
     records = [{"text": "a\u2028b\u2029c\x85d\x0be", "new_tokens": 4}, {"text": "plain", "new_tokens": 1}]
     generate._write_shard(tmp_path / "part-000000.jsonl", records)
-    assert generate.read_shard(tmp_path / "part-000000.jsonl") == records
+    assert read_json_lines(tmp_path / "part-000000.jsonl") == records
     assert generate.done_so_far(tmp_path) == (1, 5)
     assert read_texts(str(tmp_path / "part-000000.jsonl")) == [r["text"] for r in records]
 

@@ -27,6 +27,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..errors import LinearizeError
+from ..paths import read_json_lines
 
 FORMAT = 1
 MANIFEST = "manifest.json"
@@ -95,19 +96,21 @@ def shard_path(out: Path, index: int) -> Path:
     return out / f"part-{index:06d}.jsonl"
 
 
-def read_shard(path: Path) -> list[dict]:
-    # lines end at "\n" alone: json.dumps(ensure_ascii=False) leaves U+2028, U+2029 and U+0085 raw
-    # inside strings, and str.splitlines() would cut a record there
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+def _contents(out: Path) -> tuple[int, int, int]:
+    """(whole shards from the first on, documents in them, new tokens in them): one read of each shard."""
+    index = documents = tokens = 0
+    while shard_path(out, index).is_file():
+        records = read_json_lines(shard_path(out, index))
+        documents += len(records)
+        tokens += sum(record["new_tokens"] for record in records)
+        index += 1
+    return index, documents, tokens
 
 
 def done_so_far(out: Path) -> tuple[int, int]:
     """(whole shards from the first on, new tokens in them)."""
-    index, tokens = 0, 0
-    while shard_path(out, index).is_file():
-        tokens += sum(record["new_tokens"] for record in read_shard(shard_path(out, index)))
-        index += 1
-    return index, tokens
+    shards, _, tokens = _contents(out)
+    return shards, tokens
 
 
 def generate_text(model, tokenizer, out: str | Path, tokens: int, settings: Settings, *,
@@ -152,8 +155,7 @@ def generate_text(model, tokenizer, out: str | Path, tokens: int, settings: Sett
 
 
 def summary(out: Path) -> dict:
-    shards, new_tokens = done_so_far(out)
-    documents = sum(len(read_shard(shard_path(out, i))) for i in range(shards))
+    shards, documents, new_tokens = _contents(out)
     return {"out": str(out), "shards": shards, "documents": documents, "new_tokens": new_tokens}
 
 

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 from ..errors import LinearizeError
+from ..paths import read_json_lines
 
 
 def _pyplot():
@@ -55,7 +56,7 @@ def curve_points(metrics_jsonl: str | Path, stage: str | None = None, offset: in
     """``(step, validation next-token loss)`` of one run's ``metrics.jsonl``: ``eval_next_token`` where
     the run logged it (its training loss was another), else ``eval_loss``; only ``stage``'s rows when
     given; steps shifted by ``offset`` (an earlier stage's steps)."""
-    rows = [json.loads(line) for line in Path(metrics_jsonl).read_text(encoding="utf-8").split("\n") if line.strip()]
+    rows = read_json_lines(metrics_jsonl)
     return [(offset + r["step"], r.get("eval_next_token", r["eval_loss"])) for r in rows
             if "eval_loss" in r and (stage is None or r.get("stage") == stage)]
 

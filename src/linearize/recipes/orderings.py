@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..errors import LinearizeError
+from ..paths import read_json_lines
 from . import uptrain
 
 TABLES: dict[str, tuple[str, dict[str, dict]]] = {
@@ -91,7 +92,7 @@ def run(table: str, base: uptrain.UptrainConfig, losses: list[str]) -> dict:
 
 def _curve(cfg: uptrain.UptrainConfig) -> list[tuple[float, float]]:
     """Validation next-token loss against training tokens (every stage of the run, in order)."""
-    rows = [json.loads(x) for x in (Path(cfg.out) / "metrics.jsonl").read_text(encoding="utf-8").split("\n") if x.strip()]
+    rows = read_json_lines(Path(cfg.out) / "metrics.jsonl")
     per_step = cfg.batch_size * cfg.grad_accum * cfg.block_len
     points, offset, last = [], 0, {}
     for stage in ("align", "new-weights", "uptrain"):
