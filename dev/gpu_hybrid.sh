@@ -18,7 +18,9 @@
 #             (teacher, stage 1, stage 2) with the switch on, then off
 #   ceiling   the teacher's prefill kernels at 1k, 8k and 32k (batch 1): attention's share of the GPU time bounds
 #             what any attention replacement can gain there (Amdahl)
-#   sweep     hybrid_bench.py --sweep: warps and blocks of the kernels at 8x1024 and 1x8192
+#   sweep     hybrid_bench.py --kernels --sweep at 8x1024 and 1x8192: each kernel's time, then warps and rows
+#             of the kernels and the prelude varied one at a time, then bench.train's graphed rows (teacher, stage
+#             1, stage 2) with the fastest values, then with the defaults, in one run
 #   profile   where a training step's time goes (bench.profile train at 8x1024: kernels, host phases) for the
 #             teacher and both LoLCATs stages, and a 1k prefill's kernels, student and teacher
 # An untrained student: speed does not depend on the weights. Rows land in $S (/tmp/runs/hybrid).
@@ -30,7 +32,7 @@ for part in ${@:-tests kernels launches prefill train}; do
   echo "=== $part $(date +%T)"
   case $part in
     tests)
-      timeout 480 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_hybrid.py 2>&1 \
+      timeout ${TESTS_S:-900} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_hybrid.py 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | head -40 ;;
     kernels)
       timeout 300 python3 dev/hybrid_bench.py --shapes 1x1024 8x1024 1x8192 32x1024 1x32768 \
@@ -57,7 +59,7 @@ for part in ${@:-tests kernels launches prefill train}; do
       timeout 400 python3 -m linearize.bench.train --teacher "$T" --models teacher lolcats-stage1 lolcats-stage2 \
         --shapes 8x1024 --steps 20 --cuda-graph both --out "$S/train_graphed.json" 2>&1 | quiet | tail -8 ;;
     prelude)
-      timeout 480 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_hybrid.py 2>&1 \
+      timeout ${TESTS_S:-900} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_hybrid.py 2>&1 \
         | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | head -40
       timeout 300 python3 dev/hybrid_bench.py --shapes 8x1024 1x8192 --skip "torch chunked" \
         --out "$S/prelude_bench.json" 2>&1 | quiet
@@ -72,7 +74,18 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
           --out "$S/ceiling_teacher_$n.json" 2>&1 | quiet | tail -9
       done ;;
     sweep)
-      timeout 400 python3 dev/hybrid_bench.py --shapes 8x1024 1x8192 --sweep --out "$S/hybrid_sweep.json" 2>&1 | quiet | tail -30 ;;
+      timeout 500 python3 dev/hybrid_bench.py --shapes 8x1024 1x8192 --skip "torch chunked" --kernels --sweep \
+        --out "$S/hybrid_sweep.json" 2>&1 | quiet | grep -v "^sweep" | tail -45
+      # bench.train's graphed rows with the sweep's knobs ("tuned"), then the defaults, in one run
+      for tag in tuned defaults; do
+        timeout 300 python3 -c "import importlib, json, sys
+knobs = json.load(open('$S/hybrid_sweep.json'))['best']['knobs'] if '$tag' == 'tuned' else {}
+for key, value in knobs.items():
+    module, name = key.rsplit('.', 1); setattr(importlib.import_module('linearize.ops.' + module), name, value)
+print('$tag knobs', knobs)
+from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher "$T" --shapes 8x1024 --steps 20 \
+          --models teacher lolcats-stage1 lolcats-stage2 --cuda-graph on --out "$S/train_$tag.json" 2>&1 | quiet | tail -5
+      done ;;
     profile)
       student
       for m in teacher lolcats-stage1 lolcats-stage2; do

@@ -11,11 +11,11 @@ forward and of forward + backward (median of ``triton.testing.do_bench``, compil
 * ``torch chunked``: RoPE, the maps and ``hybrid_attention_chunked`` in PyTorch (before the kernels);
 * ``teacher sdpa``: RoPE and causal softmax attention through SDPA with grouped keys (the teacher's).
 
-    python dev/hybrid_bench.py [--shapes 1x1024 1x8192 32x1024 1x32768] [--sweep] [--out F]
+    python dev/hybrid_bench.py [--shapes 1x1024 1x8192 32x1024 1x32768] [--sweep] [--kernels] [--out F]
 
-``--sweep`` also times the fused forward and backward under each warp count and query / key
-block of the kernels (``FWD_WARPS``/``BWD_WARPS``, ``QUERY_ROWS``, ``KEY_ROWS``; the defaults are
-the fewest register spills of ``dev/hybrid_registers.py``) and prints the fastest.
+``--sweep`` also times the fused forward and backward with each constant of ``KNOBS`` (warps, query /
+key rows of the hybrid's kernels and the RoPE + Hedgehog prelude's) varied alone, then with each
+one's fastest value together; ``--kernels`` lists each kernel's device time in a forward + backward.
 """
 
 from __future__ import annotations
@@ -100,11 +100,90 @@ def time_path(fn, qkv, grads, backward: bool):
     return out
 
 
+# the kernels' constants the sweep varies, one at a time around the defaults: (module, name, values)
+KNOBS = [("hybrid_triton", "SUM_WARPS", (2, 4, 8)), ("hybrid_triton", "FWD_WARPS", (2, 4, 8)),
+         ("hybrid_triton", "BWD_WARPS", (2, 4, 8)), ("hybrid_triton", "KEY_WARPS", (2, 4, 8)),
+         ("hybrid_triton", "QUERY_ROWS", (16, 32, 64)), ("hybrid_triton", "BWD_QUERY_ROWS", (16, 32, 64)),
+         ("hybrid_triton", "KEY_ROWS", (16, 32, 64)),
+         ("hedgehog_rope_triton", "FWD_ROWS", (64, 128, 256)), ("hedgehog_rope_triton", "FWD_WARPS", (2, 4, 8)),
+         ("hedgehog_rope_triton", "BWD_ROWS", (32, 64, 128)), ("hedgehog_rope_triton", "BWD_WARPS", (2, 4, 8)),
+         ("hedgehog_rope_triton", "PRELUDE_PROGRAMS", (1024, 2048, 4096))]
+
+
+def kernels_ms(fn, qkv, grads, runs: int = 20, total: bool = True):
+    """Device time of the kernels of one forward + backward of ``fn``, in ms: their sum (what a
+    CUDA-graphed training step pays, without the host's launch time that blurs ``do_bench`` here),
+    or with ``total`` False each kernel's (``{name: ms}``, largest first)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from kernel_bench import kernel_ms
+
+    qkv.requires_grad_(True)
+
+    def step():
+        y = fn()
+        torch.autograd.grad(y, [x for x in grads if x.requires_grad], torch.ones_like(y), allow_unused=True)
+
+    try:
+        per = kernel_ms(step, runs)
+        return sum(per.values()) if total else per
+    finally:
+        qkv.requires_grad_(False)
+
+
+def sweep(shapes, g, rows) -> dict:
+    """The fused path's kernel time (``kernels_ms``, summed over ``shapes``) with each of ``KNOBS``
+    varied alone (the others at their defaults), then with every knob at its fastest value; rows go
+    to ``rows``. Returns that combination (``{"module.NAME": value}``); the defaults are restored."""
+    import importlib
+
+    mods = {m: importlib.import_module(f"linearize.ops.{m}") for m, _, _ in KNOBS}
+    defaults = {(m, n): getattr(mods[m], n) for m, n, _ in KNOBS}
+    inputs = {shape: paths(*(int(x) for x in shape.split("x")), g) for shape in shapes}
+
+    def timed(setting: dict) -> float:
+        for (m, n), value in {**defaults, **setting}.items():
+            setattr(mods[m], n, value)
+        total = 0.0
+        for shape, (fns, qkv, grads) in inputs.items():
+            b, t = (int(x) for x in shape.split("x"))
+            try:
+                ms = kernels_ms(fns["kernels (fused)"], qkv, grads)
+            except Exception as err:  # a setting the compiler refuses (e.g. out of shared memory)
+                print(f"sweep {b}x{t} {setting}: failed ({type(err).__name__}: {str(err)[:80]})", flush=True)
+                return float("inf")
+            rows.append({"path": "sweep", "batch": b, "length": t, "knobs": {f"{m}.{n}": v for (m, n), v in setting.items()},
+                         "kernel_ms": ms})
+            print(f"sweep {b}x{t} {setting or 'defaults'}: kernels of forward + backward {ms:.4f} ms", flush=True)
+            total += ms
+        return total
+
+    try:
+        base = timed({})
+        choice = {}
+        for m, n, values in KNOBS:
+            scores = {v: (base if v == defaults[(m, n)] else timed({(m, n): v})) for v in values}
+            fastest = min(scores, key=scores.get)
+            if fastest != defaults[(m, n)] and scores[fastest] < 0.99 * base:
+                choice[(m, n)] = fastest
+        together = timed(choice) if choice else base
+        print(f"defaults {base:.3f} ms; each knob's fastest together {together:.3f} ms: "
+              f"{ {f'{m}.{n}': v for (m, n), v in choice.items()} }", flush=True)
+        return {"defaults_ms": base, "together_ms": together, "knobs": {f"{m}.{n}": v for (m, n), v in choice.items()}}
+    finally:
+        for (m, n), value in defaults.items():
+            setattr(mods[m], n, value)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["1x1024", "1x8192", "32x1024", "1x32768"])
     p.add_argument("--skip", nargs="*", default=[], help="paths to leave out (e.g. 'torch chunked' at long lengths)")
-    p.add_argument("--sweep", action="store_true", help="time the fused kernels under each warp count")
+    p.add_argument("--sweep", action="store_true", help="time the fused kernels with each knob of KNOBS varied alone, "
+                                                          "then with each knob's fastest value together")
+    p.add_argument("--kernels", action="store_true", help="each kernel's device time in a fused forward + backward")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -129,34 +208,21 @@ def main(argv=None) -> int:
             print(f"| {name} | {b}x{t} | {fmt(fwd)} | {fmt(both)} | {tok} |", flush=True)
         del fns, qkv, grads
         torch.cuda.empty_cache()
+    best_knobs = None
     if args.sweep:
-        from linearize.ops import hybrid_triton
-
-        saved = {n: getattr(hybrid_triton, n) for n in ("FWD_WARPS", "BWD_WARPS", "QUERY_ROWS", "KEY_ROWS")}
+        best_knobs = sweep(args.shapes, g, rows)
+    if args.kernels:
         for shape in args.shapes:
             b, t = (int(x) for x in shape.split("x"))
             fns, qkv, grads = paths(b, t, g)
-            best = None
-            for warps in (4, 8):
-                for query_rows in (16, 32, 64):
-                    for key_rows in (16, 32):
-                        knobs = dict(FWD_WARPS=warps, BWD_WARPS=warps, QUERY_ROWS=query_rows, KEY_ROWS=key_rows)
-                        for n, value in knobs.items():
-                            setattr(hybrid_triton, n, value)
-                        ms = (time_path(fns["kernels (fused)"], qkv, grads, False),
-                              time_path(fns["kernels (fused)"], qkv, grads, True))
-                        rows.append({"path": "sweep", "batch": b, "length": t, **knobs, "forward_ms": ms[0],
-                                     "forward_backward_ms": ms[1]})
-                        print(f"sweep {b}x{t} {knobs}: forward {ms[0]:.3f} ms, forward+backward {ms[1]:.3f} ms",
-                              flush=True)
-                        if best is None or ms[1] < best[0]:
-                            best = (ms[1], knobs)
-            print(f"fastest forward+backward at {b}x{t}: {best[1]}")
-        for n, value in saved.items():
-            setattr(hybrid_triton, n, value)
+            per = kernels_ms(fns["kernels (fused)"], qkv, grads, total=False)
+            rows.append({"path": "kernels", "batch": b, "length": t, "kernel_ms": per})
+            print(f"kernels of a fused forward + backward at {b}x{t} (ms per call; {sum(per.values()):.4f} in all):")
+            for name, ms in list(per.items())[:14]:
+                print(f"  {ms:8.4f}  {name[:90]}")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, fh, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "best": best_knobs}, fh, indent=1)
     return 0
 
 

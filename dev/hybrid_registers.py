@@ -18,6 +18,7 @@ import os
 import subprocess
 import tempfile
 
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -65,29 +66,33 @@ def main(argv=None) -> int:
                                                   "backward_kf", "prelude_forward", "prelude_backward"])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--warps", type=int, default=None, help="default: the module's constants")
-    p.add_argument("--query-rows", type=int, default=ht.QUERY_ROWS)
-    p.add_argument("--key-rows", type=int, default=ht.KEY_ROWS)
+    p.add_argument("--query-rows", type=int, default=None, help="default: the module's constants for --dtype")
+    p.add_argument("--key-rows", type=int, default=None, help="default: the module's constants for --dtype")
     args = p.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    kn, hn = ht._knobs(dtype), hp._knobs(dtype)  # the tiles the kernels take for inputs of that dtype
+    query_rows, bwd_query_rows = args.query_rows or kn["QUERY_ROWS"], args.query_rows or kn["BWD_QUERY_ROWS"]
+    key_rows = args.key_rows or kn["KEY_ROWS"]
     prec = "ieee" if args.dtype == "fp32" else "tf32"
     tiles = dict(BW=64, BD=64, PREC=prec)
     builds = []
     for hedgehog in (True, False):
         maps = dict(BF=64 if hedgehog else 128, ROPE=hedgehog, HEDGEHOG=hedgehog, FP=2 if hedgehog else 1, MASK=True)
-        builds.append(("chunk_sums", ht._chunk_sums, {**tiles, **maps, "STATE": True}, ht.SUM_WARPS))
+        builds.append(("chunk_sums", ht._chunk_sums, {**tiles, **maps, "STATE": True}, kn["SUM_WARPS"]))
         builds.append(("forward", ht._forward, {**tiles, **maps, "SOFTCAP": False, "SAVE": True, "LOGIT": True,
-                                                "BQ": args.query_rows}, ht.FWD_WARPS))
+                                                "BQ": query_rows}, kn["FWD_WARPS"]))
     builds.append(("scan", ht._scan, dict(REVERSE=False, FINAL=True, BN=16, BE=512), 4))
     backward = dict(MASK=True, BW=64, BD=64, PREC=prec)
-    builds.append(("backward_q", ht._backward_q, {**backward, "SOFTCAP": True, "BF": 128, "BQ": args.query_rows},
-                   ht.BWD_WARPS))
-    builds.append(("backward_kv", ht._backward_kv, {**backward, "SOFTCAP": True, "BK": args.key_rows, "G": 3},
-                   ht.BWD_WARPS))
-    builds.append(("backward_kf", ht._backward_kf, {**backward, "BF": 128, "BK": args.key_rows, "G": 3}, ht.BWD_WARPS))
+    builds.append(("backward_q", ht._backward_q, {**backward, "SOFTCAP": True, "BF": 128, "BQ": bwd_query_rows},
+                   kn["BWD_WARPS"]))
+    builds.append(("backward_kv", ht._backward_kv, {**backward, "SOFTCAP": True, "BK": key_rows, "G": 3},
+                   kn["KEY_WARPS"]))
+    builds.append(("backward_kf", ht._backward_kf, {**backward, "BF": 128, "BK": key_rows, "G": 3}, kn["KEY_WARPS"]))
     # the backward's fused prelude (hedgehog_rope_triton): RoPE + Hedgehog maps, forward and backward
     prelude = dict(ROPE=True, BD=64, BF=64, PREC=prec)
-    builds.append(("prelude_forward", hp._prelude_forward, {**prelude, "BT": hp.FWD_ROWS}, hp.FWD_WARPS))
+    builds.append(("prelude_forward", hp._prelude_forward, {**prelude, "BT": hn["FWD_ROWS"]}, hn["FWD_WARPS"]))
     builds.append(("prelude_backward", hp._prelude_backward, {**prelude, "DROT": True, "DX": True, "DW": True,
-                                                              "BT": hp.BWD_ROWS}, hp.BWD_WARPS))
+                                                              "BT": hn["BWD_ROWS"]}, hn["BWD_WARPS"]))
     for name, fn, consts, warps in builds:
         if name in args.kernels:
             warps = args.warps or warps

@@ -70,14 +70,15 @@ def check(b, h, t, d, fh, r, shared, seed, dtype=torch.float32, cos_batch=False,
         assert got_xr is mx
     _close(got_feat, feat.detach(), "features", tol)
 
-    saved = prelude.PRELUDE_PROGRAMS
+    saved = prelude.PRELUDE_PROGRAMS, prelude.WIDE
     if programs is not None:  # fewer programs: each sums several tiles (and some tiles past the end)
         prelude.PRELUDE_PROGRAMS = programs
+        prelude.WIDE = {k: v for k, v in prelude.WIDE.items() if k != "PRELUDE_PROGRAMS"}
     try:
         dx, dw = prelude.hedgehog_rope_backward(mx, mcos, msin, mw, None if d_rot is None else d_rot.float(),
                                                 d_feat.float(), need_dx=need_dx, need_dw=need_dw)
     finally:
-        prelude.PRELUDE_PROGRAMS = saved
+        prelude.PRELUDE_PROGRAMS, prelude.WIDE = saved
     if need_dx:
         assert dx.dtype == dtype and dx.shape == x.shape
         _close(dx, want_dx, "dx", tol)
@@ -140,6 +141,7 @@ CASES = {
     "steps": lambda: check(1, 2, 150, 8, 5, 4, False, 6, programs=4),  # several tiles a program, a tile past T
     "half": lambda: check(2, 2, 37, 16, 8, 8, False, 7, dtype=torch.float16),
     "half_shared": lambda: check(1, 3, 50, 16, 8, 12, True, 8, dtype=torch.float16, programs=3),
+    "half_tiles": lambda: check(1, 2, 300, 16, 8, 8, False, 9, dtype=torch.float16),  # 16-bit tiles, T over several
     "switch": check_switch,
     "switch_shared_norope": lambda: check_switch(rot=0, shared=True),
     "switch_weights": lambda: check_switch(rot=4, weights_only=True),

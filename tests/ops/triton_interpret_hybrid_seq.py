@@ -188,17 +188,18 @@ def check_model(family, feature_map="hedgehog"):
 
 
 def check_query_blocks():
-    """Query and key programs of half a chunk (``QUERY_ROWS``, ``KEY_ROWS`` < the window's tile), as
+    """Query and key programs of half a chunk (``QUERY_ROWS``, ``BWD_QUERY_ROWS``, ``KEY_ROWS`` < the window's tile), as
     the kernels run at a window of 64."""
     from linearize.ops import hybrid_triton as kernels
 
-    rows = kernels.QUERY_ROWS, kernels.KEY_ROWS
-    kernels.QUERY_ROWS = kernels.KEY_ROWS = 16
+    rows, wide = (kernels.QUERY_ROWS, kernels.BWD_QUERY_ROWS, kernels.KEY_ROWS), kernels.WIDE
+    kernels.QUERY_ROWS = kernels.BWD_QUERY_ROWS = kernels.KEY_ROWS = 16
+    kernels.WIDE = {}  # fp32 inputs take these rows too
     try:
         check_features(2, 2, 1, 75, 16, 16, 32, None, 40, 10)  # 3 chunks of 32 in two blocks each
         check_hedgehog(1, 2, 1, 50, 16, 8, 16, 20, None, 0, 11)
     finally:
-        kernels.QUERY_ROWS, kernels.KEY_ROWS = rows
+        (kernels.QUERY_ROWS, kernels.BWD_QUERY_ROWS, kernels.KEY_ROWS), kernels.WIDE = rows, wide
 
 
 CASES = {

@@ -34,15 +34,23 @@ import triton.language as tl
 
 from .triton_tiles import _features, _pow2, _precision, _rotated
 
-# Tiles and warps: no spills in sm_90 builds (``dev/hybrid_registers.py prelude_forward prelude_backward``,
-# Triton 3.9, D = 64, F/2 = 64, bf16), not swept on a GPU. Forward: 96 registers a thread at 64
-# rows and 8 warps. Backward: 214 (bf16 cos/sin; fp32: 226) at 32 rows and 8 warps (16 rows: 182;
-# 32 rows and 4 warps spill ~350 bytes, 64 rows and 8 warps ~200)
-FWD_ROWS = 64  # token rows per program of the forward
-FWD_WARPS = 8
-BWD_ROWS = 32  # token rows per tile of the backward
-BWD_WARPS = 8
-PRELUDE_PROGRAMS = 1024  # about how many backward programs (sets how many tiles each one sums into dW)
+# Tiles and warps for 16-bit inputs: the fastest of ``dev/hybrid_bench.py --sweep`` on an H100 (D = 64, F/2 = 64,
+# 8 x 1,024, with the hybrid's kernels): the backward 0.073 ms of device time against 0.133 under the values
+# without spills of sm_90 builds (``dev/hybrid_registers.py``: forward 64 rows and 8 warps, 96 registers a
+# thread; backward 32 rows and 8 warps, 214; PRELUDE_PROGRAMS 1024), which 32- and 64-bit inputs keep (``WIDE``)
+FWD_ROWS = 128  # token rows per program of the forward
+FWD_WARPS = 4
+BWD_ROWS = 64  # token rows per tile of the backward
+BWD_WARPS = 4
+PRELUDE_PROGRAMS = 2048  # about how many backward programs (sets how many tiles each one sums into dW)
+WIDE = dict(FWD_ROWS=64, FWD_WARPS=8, BWD_ROWS=32, BWD_WARPS=8, PRELUDE_PROGRAMS=1024)
+
+
+def _knobs(dtype) -> dict:
+    """The tile constants for inputs of ``dtype``: the module's, with ``WIDE`` over them past 16 bits."""
+    base = dict(FWD_ROWS=FWD_ROWS, FWD_WARPS=FWD_WARPS, BWD_ROWS=BWD_ROWS, BWD_WARPS=BWD_WARPS,
+                PRELUDE_PROGRAMS=PRELUDE_PROGRAMS)
+    return {**base, **WIDE} if dtype.itemsize > 2 else base
 
 
 @triton.jit
@@ -165,11 +173,12 @@ def hedgehog_rope_forward(x, cos, sin, w):
     cos, sin, scb, sct, r = _rope_args(x, cos, sin)
     xr = torch.empty(b, h, t, d, device=x.device, dtype=x.dtype) if r else x
     feat = torch.empty(b, h, t, 2 * fw, device=x.device, dtype=x.dtype)
-    bt = FWD_ROWS
+    kn = _knobs(x.dtype)
+    bt = kn["FWD_ROWS"]
     _prelude_forward[(triton.cdiv(t, bt), b * h)](
         x, cos, sin, w, xr, feat, x.stride(0), x.stride(1), x.stride(2), scb, sct, w.stride(0) if w.shape[0] > 1 else 0,
         h, t, d, fw, r, ROPE=r > 0, BT=bt, BD=_pow2(d), BF=_pow2(fw), PREC=_precision(x.dtype),
-        num_warps=FWD_WARPS)
+        num_warps=kn["FWD_WARPS"])
     return xr, feat
 
 
@@ -187,9 +196,10 @@ def hedgehog_rope_backward(x, cos, sin, w, d_rot, d_feat, *, need_dx: bool = Tru
         raise ValueError(f"hedgehog_rope: d_feat {tuple(d_feat.shape)} for x {tuple(x.shape)} and {2 * fw} features")
     cos, sin, scb, sct, r = _rope_args(x, cos, sin)
     dev = x.device
-    bt = BWD_ROWS
+    kn = _knobs(x.dtype)
+    bt = kn["BWD_ROWS"]
     tiles = triton.cdiv(t, bt)
-    steps = triton.cdiv(tiles, min(tiles, max(1, triton.cdiv(PRELUDE_PROGRAMS, b * h))))
+    steps = triton.cdiv(tiles, min(tiles, max(1, triton.cdiv(kn["PRELUDE_PROGRAMS"], b * h))))
     s = triton.cdiv(tiles, steps)  # programs per sequence and head, `steps` tiles each
     dx = torch.empty(b, h, t, d, device=dev, dtype=x.dtype) if need_dx else x  # not written without
     part = torch.empty(b, h, s, d, fw, device=dev, dtype=torch.float32) if need_dw else d_feat
@@ -199,7 +209,7 @@ def hedgehog_rope_backward(x, cos, sin, w, d_rot, d_feat, *, need_dx: bool = Tru
         w.stride(0) if w.shape[0] > 1 else 0, drot.stride(0), drot.stride(1), drot.stride(2),
         d_feat.stride(0), d_feat.stride(1), d_feat.stride(2), h, t, d, fw, r, steps, s,
         ROPE=r > 0, DROT=d_rot is not None and need_dx, DX=need_dx, DW=need_dw, BT=bt, BD=_pow2(d), BF=_pow2(fw),
-        PREC=_precision(x.dtype), num_warps=BWD_WARPS)
+        PREC=_precision(x.dtype), num_warps=kn["BWD_WARPS"])
     dw = None
     if need_dw:
         dw = part.sum(dim=(0, 2))

@@ -67,20 +67,32 @@ import triton.language as tl
 from .hedgehog_rope_triton import hedgehog_rope_backward, hedgehog_rope_forward
 from .triton_tiles import _features, _load_features, _pow2, _precision, _rotated, _tile
 
-# Tiles and warps: the fewest register spills of sm_90 builds (ptxas -v, Triton 3.9, w = D = 64,
-# Hedgehog F = 2 x 64, bf16): 8 warps everywhere; the output pass's query blocks of 32 rows spill
-# ~120 bytes a thread (64 rows: ~480), the query-side backward's 16 (64 rows: 550), the key-side
-# backward's blocks of 16 keys none and ~330 bytes (32 keys: ~740 and ~370)
-SUM_WARPS = 8  # warps of the chunk sums
-FWD_WARPS = 8  # warps of the output pass
-BWD_WARPS = 8  # warps of the backward passes
-QUERY_ROWS = 32  # query rows per program of the output pass and the query-side backward
-KEY_ROWS = 16  # key rows per program of the key-side backward passes
+# Tiles and warps for 16-bit inputs (bf16, fp16): the fastest of ``dev/hybrid_bench.py --sweep`` on an H100
+# (SmolLM2's shape, w = D = 64, Hedgehog F = 2 x 64, 8 x 1,024): the kernels of a forward + backward took 0.84
+# ms of device time against 1.07 under the fewest register spills of sm_90 builds (8 warps everywhere, query
+# blocks of 32 rows, key blocks of 16), which 32- and 64-bit inputs keep (``WIDE``): their registers are
+# twice as wide, and the 16-bit tiles made the fp32 CUDA tests crawl
+SUM_WARPS = 4  # warps of the chunk sums
+FWD_WARPS = 4  # warps of the output pass
+BWD_WARPS = 4  # warps of the query-side backward pass
+KEY_WARPS = 4  # warps of the key-side backward passes
+QUERY_ROWS = 16  # query rows per program of the output pass
+BWD_QUERY_ROWS = 16  # query rows per program of the query-side backward
+KEY_ROWS = 32  # key rows per program of the key-side backward passes
+WIDE = dict(SUM_WARPS=8, FWD_WARPS=8, BWD_WARPS=8, KEY_WARPS=8, QUERY_ROWS=32, BWD_QUERY_ROWS=32, KEY_ROWS=16)
 SCAN_TILE = 8192  # chunks x state entries per program of the scans
 TINY = tl.constexpr(1.1754943508222875e-38)  # the clamp of the denominator (fp32's smallest normal)
 # The backward's prelude with Hedgehog maps (RoPE, the maps and their gradients): the Triton kernels of
 # ``hedgehog_rope_triton`` (True) or PyTorch with autograd (False; ``rope_half``, ``hedgehog_features``)
 FUSED_PRELUDE = True
+
+
+def _knobs(dtype) -> dict:
+    """The tile constants for inputs of ``dtype``: the module's, with ``WIDE`` over them past 16 bits
+    (read at each call, so a sweep may set them)."""
+    base = dict(SUM_WARPS=SUM_WARPS, FWD_WARPS=FWD_WARPS, BWD_WARPS=BWD_WARPS, KEY_WARPS=KEY_WARPS,
+                QUERY_ROWS=QUERY_ROWS, BWD_QUERY_ROWS=BWD_QUERY_ROWS, KEY_ROWS=KEY_ROWS)
+    return {**base, **WIDE} if dtype.itemsize > 2 else base
 
 
 @triton.jit
@@ -549,6 +561,7 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     b, h, t, d = q.shape
     hk = k.shape[1]
     dt = q.dtype
+    kn = _knobs(dt)
     w = window
     n = -(-t // w)
     off = n * w - t
@@ -593,7 +606,7 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     kf_out = torch.empty(b, hk, t, f, device=dev, dtype=dt) if hedgehog is not None else sums
     _chunk_sums[(n, b * hk)](k, v, kf, wk, cos, sin, mask, sums, kf_out, win_k, win_f, win_v,
                              *_strides(k), *_strides(v), *_strides(kf), swk, scb, sct,
-                             t, w, off, n, hk, d, fw, rot, l, STATE=state, num_warps=SUM_WARPS, **common)
+                             t, w, off, n, hk, d, fw, rot, l, STATE=state, num_warps=kn["SUM_WARPS"], **common)
     if hedgehog is not None:
         kf = kf_out
     linear = torch.empty(b, hk, 1, f, d + 1, device=dev, dtype=torch.float32) if state else sums
@@ -604,11 +617,11 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
         mx = torch.empty_like(den)
     else:
         den = mx = sums  # not written
-    bq = min(QUERY_ROWS, bw)
+    bq = min(kn["QUERY_ROWS"], bw)
     _forward[(n * (bw // bq), b * h)](q, k, v, qf, kf, wq, cos, sin, mask, gamma, sums, y, den, mx,
                          *_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), swq, scb, sct,
                          *_strides(y), t, w, off, n, h, h // hk, d, fw, rot, float(scale), float(softcap or 1.0),
-                         SOFTCAP=softcap is not None, SAVE=save, LOGIT=logit, BQ=bq, num_warps=FWD_WARPS,
+                         SOFTCAP=softcap is not None, SAVE=save, LOGIT=logit, BQ=bq, num_warps=kn["FWD_WARPS"],
                          **common)
     saved = (sums, den, mx) if save else None
     out_state = None
@@ -636,6 +649,7 @@ def hybrid_triton_backward(dy, q, k, v, qf, kf, gamma, y, saved, *, window: int,
     hk = k.shape[1]
     f = qf.shape[-1]
     dt = q.dtype
+    kn = _knobs(dt)
     w = window
     n = -(-t // w)
     off = n * w - t
@@ -652,13 +666,13 @@ def hybrid_triton_backward(dy, q, k, v, qf, kf, gamma, y, saved, *, window: int,
     dqf = torch.empty(b, h, t, f, **f32)
     rho = torch.empty(b, h, t, **f32)
     dc = torch.empty(b, h, t, **f32)
-    bq = min(QUERY_ROWS, bw)
+    bq = min(kn["BWD_QUERY_ROWS"], bw)
     parts = bw // bq  # query programs per chunk
     dgamma = torch.empty(b, h, n * parts, **f32)
     am = torch.empty(b, h, t, device=dev, dtype=torch.int32)
     qsums = torch.empty(b, h, n * parts, e, **f32)
     common = dict(MASK=key_mask is not None, SOFTCAP=softcap is not None, BW=bw, BD=bd, BF=bf, PREC=prec,
-                  num_warps=BWD_WARPS)
+                  num_warps=kn["BWD_WARPS"])
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), *_strides(y), *_strides(dy))
     _backward_q[(n * parts, b * h)](q, k, v, qf, kf, mask, gamma, sums, y, dy, den, mx, am, dq, dqf, rho, dc, dgamma,
                                     qsums, *strides, t, w, off, n, h, h // hk, d, f, float(scale),
@@ -668,9 +682,9 @@ def hybrid_triton_backward(dy, q, k, v, qf, kf, gamma, y, saved, *, window: int,
     dk = torch.empty(b, hk, t, d, **f32)
     dv = torch.empty(b, hk, t, d, **f32)
     dkf = torch.empty(b, hk, t, f, **f32)
-    bk = min(KEY_ROWS, bw)
+    bk = min(kn["KEY_ROWS"], bw)
     grid = (n * (bw // bk), b * hk)
-    key_side = dict(MASK=key_mask is not None, BW=bw, BK=bk, BD=bd, PREC=prec, num_warps=BWD_WARPS, G=h // hk)
+    key_side = dict(MASK=key_mask is not None, BW=bw, BK=bk, BD=bd, PREC=prec, num_warps=kn["KEY_WARPS"], G=h // hk)
     _backward_kv[grid](q, k, v, mask, gamma, dy, den, mx, am, rho, dc, dk, dv, *_strides(q), *_strides(k),
                        *_strides(v), *_strides(dy), t, w, off, hk, d, float(scale), float(softcap or 1.0),
                        SOFTCAP=softcap is not None, **key_side)
