@@ -77,3 +77,25 @@ def test_hybrid_gradient_is_finite_at_padding_queries(form):
     # the padding's keys, features and values get no gradient
     for x in xs[1:]:
         assert torch.equal(x.grad[1, :, :4], torch.zeros_like(x.grad[1, :, :4]))
+
+
+def test_kernel_tiles_follow_the_input_width():
+    """16-bit inputs take the swept tiles (the modules' constants); 32- and 64-bit ones the wider
+    registers' tiles in ``WIDE``, the hybrid's and the prelude's alike; a sweep's setting is read
+    at the call."""
+    pytest.importorskip("triton")
+    from linearize.ops import hedgehog_rope_triton as prelude
+    from linearize.ops import hybrid_triton as kernels
+
+    for module in (kernels, prelude):
+        for dtype in (torch.bfloat16, torch.float16):
+            assert module._knobs(dtype) == {name: getattr(module, name) for name in module._knobs(dtype)}
+        for dtype in (torch.float32, torch.float64):
+            wide = module._knobs(dtype)
+            assert wide.keys() == module._knobs(torch.bfloat16).keys() and all(wide[k] == v for k, v in module.WIDE.items())
+    saved = kernels.FWD_WARPS
+    kernels.FWD_WARPS = 2
+    try:
+        assert kernels._knobs(torch.bfloat16)["FWD_WARPS"] == 2 and kernels._knobs(torch.float32)["FWD_WARPS"] == kernels.WIDE["FWD_WARPS"]
+    finally:
+        kernels.FWD_WARPS = saved
