@@ -37,8 +37,9 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
                    "beside the window, those the linear state recalls worst (LoLA; or see --sparse-priority); "
                    "0 = off (default)")
     g.add_argument("--sparse-priority", choices=SPARSE_PRIORITIES, help="lolcats with --sparse-cache: which tokens "
-                   "the cache keeps: recall (those the linear state recalls worst, LoLA; the default) or novelty "
-                   "(those whose values are least like the other candidates')")
+                   "the cache keeps: recall (those the linear state recalls worst, LoLA; the default), novelty "
+                   "(those whose values are least like the other candidates') or first (the sequence's first S tokens "
+                   "for good: attention sinks)")
     g.add_argument("--sparse-anchor", choices=SPARSE_ANCHORS, help="lolcats with --sparse-cache: which scores set "
                    "the softmax terms' scale against the linear terms: joint (the largest over window and cache; the "
                    "default) or window (the window's, as the hybrid was trained)")

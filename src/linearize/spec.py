@@ -18,7 +18,7 @@ FEATURE_MAPS = ("hedgehog", "t2r", "elu", "relu")
 DECAYS = ("none", "retnet", "lightning")
 NORMS = ("sum", "group")
 BACKENDS = ("auto", "torch", "fla")
-SPARSE_PRIORITIES = ("recall", "novelty")  # ops.sparse_hybrid_attention.PRIORITIES
+SPARSE_PRIORITIES = ("recall", "novelty", "first")  # ops.sparse_hybrid_attention.PRIORITIES
 SPARSE_ANCHORS = ("joint", "window")  # ops.sparse_hybrid_attention.ANCHORS
 
 
@@ -48,7 +48,8 @@ class Spec:
         Adds no parameters: a converted checkpoint takes one without training (``convert.respec``).
     sparse_priority: which older tokens the sparse cache keeps: ``recall`` (LoLA's self-recall error,
         the tokens the linear state reads back worst) or ``novelty`` (the tokens whose values are least
-        like any other candidate's: repeated text goes to the linear state, one-off tokens stay). Like
+        like any other candidate's: repeated text goes to the linear state, one-off tokens stay) or ``first``
+        (the sequence's first ``sparse_cache`` tokens, kept for good: StreamingLLM's attention sinks). Like
         ``sparse_cache`` it adds no parameters; it has no effect while ``sparse_cache`` is 0.
     sparse_anchor: how cached tokens weigh against the linear terms: ``joint`` (the softmax terms on the
         scale of the largest score over window and cache) or ``window`` (on the window's, as the hybrid
@@ -80,8 +81,8 @@ class Spec:
         "the linear state recalls them (LoLA; or see --sparse-priority); 0 = off"})
     sparse_priority: str = field(default="recall", metadata={
         "cli": True, "choices": SPARSE_PRIORITIES, "help": "lolcats with --sparse-cache: keep the tokens the linear "
-        "state recalls worst (recall, LoLA; the default) or those whose values are least like the other candidates' "
-        "(novelty)"})
+        "state recalls worst (recall, LoLA; the default), those whose values are least like the other candidates' "
+        "(novelty) or the sequence's first S tokens for good (first: attention sinks)"})
     sparse_anchor: str = field(default="joint", metadata={
         "cli": True, "choices": SPARSE_ANCHORS, "help": "lolcats with --sparse-cache: which scores set the softmax "
         "terms' scale against the linear terms: joint (the largest over window and cache; the default) or window "

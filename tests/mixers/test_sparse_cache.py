@@ -57,7 +57,8 @@ CASES = [(2, 4, 2, 23, 3, 2), (1, 6, 3, 17, 4, 3), (2, 2, 2, 13, 4, 1), (1, 4, 1
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("softcap", [None, 2.0])
-@pytest.mark.parametrize("priority,anchor", [("recall", "joint"), ("novelty", "joint"), ("recall", "window")])
+@pytest.mark.parametrize("priority,anchor", [("recall", "joint"), ("novelty", "joint"), ("recall", "window"),
+                                             ("first", "joint")])
 def test_sparse_forms_agree(case, softcap, priority, anchor):
     b, h, hk, t, w, cap = case
     xs, gamma = _inputs(b, h, hk, t)
@@ -93,7 +94,8 @@ def test_a_cache_holding_everything_is_softmax():
 
 
 @pytest.mark.parametrize("window", [3, 4])
-@pytest.mark.parametrize("priority,anchor", [("recall", "joint"), ("novelty", "joint"), ("recall", "window")])
+@pytest.mark.parametrize("priority,anchor", [("recall", "joint"), ("novelty", "joint"), ("recall", "window"),
+                                             ("first", "window")])
 def test_padding_is_invisible_and_decoding_resumes_anywhere(window, priority, anchor):
     """Left padding (and a padded token inside) changes no real token's output in any form; each
     sequence decides exactly as it would alone (epochs count from its first real token); decoding
@@ -163,6 +165,27 @@ def test_novelty_keeps_a_one_off_token_among_repeats():
     assert kept["recall"] != [9]
 
 
+def test_first_keeps_the_sequences_first_tokens_for_good():
+    """``priority="first"``: the cache holds each sequence's first S real tokens (positions from its own
+    origin, left padding before it) whatever the values, in the chunked and the recurrent form, and
+    decoding on never replaces them."""
+    xs, gamma = _inputs(2, 4, 2, 31, seed=5)
+    mask = torch.ones(2, 31, dtype=torch.bool)
+    mask[1, :6] = False
+    kw = dict(window=4, cache_size=3, scale=0.5, priority="first", key_mask=mask)
+    _, state = ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, output_final_state=True)
+    _, s_rec = ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw)
+    _same_state(state, s_rec)
+    assert state.cache_valid.all()
+    assert sorted(state.cache_pos[0, 0].tolist()) == sorted(state.cache_pos[1, 1].tolist()) == [0, 1, 2]
+    more = [torch.randn(x.shape[0], x.shape[1], 9, x.shape[3], generator=torch.Generator().manual_seed(6),
+                        dtype=x.dtype) for x in xs]
+    more[2], more[3] = more[2].exp(), more[3].exp()  # features stay positive
+    _, after = ops.sparse_hybrid_attention_recurrent(*more, gamma, **{**kw, "key_mask": None}, initial_state=state)
+    assert torch.equal(after.cache_pos.sort(-1).values, state.cache_pos.sort(-1).values)
+    torch.testing.assert_close(after.cache_keys.sort(-2).values, state.cache_keys.sort(-2).values, atol=0, rtol=0)
+
+
 def test_window_anchor_keeps_the_trained_balance_of_window_and_linear_terms():
     """With ``anchor="window"`` a cached token weighs what it would in the window: against the plain
     hybrid (no cache), caching a token moves only that token's weight from phi_q . phi_k to
@@ -227,7 +250,7 @@ def test_runs_under_bfloat16_autocast():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("priority", ["recall", "novelty"])
+@pytest.mark.parametrize("priority", ["recall", "novelty", "first"])
 def test_forms_agree_on_cuda(priority):
     """The chunked form's selection (argsorts, cumulative sums, scatters) on CUDA, in float64, against
     the decoding form, at SmolLM2's head sizes and a cache of 16 beside a window of 16."""
@@ -253,7 +276,7 @@ SPEC = {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3}
 
 @pytest.mark.parametrize("family,priority,anchor", [("llama", "recall", "joint"), ("gemma2", "recall", "joint"),
                                                     ("gpt_neox", "recall", "joint"), ("llama", "novelty", "joint"),
-                                                    ("llama", "recall", "window")])
+                                                    ("llama", "recall", "window"), ("llama", "first", "window")])
 def test_decoding_through_the_cache_equals_parallel_forward(tiny_model, family, priority, anchor):
     student = tiny_student(tiny_model, family, {**SPEC, "sparse_priority": priority, "sparse_anchor": anchor})
     ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
@@ -372,7 +395,8 @@ def test_bad_cache_specs_fail_with_one_line(tiny_model):
 
 
 @pytest.mark.parametrize("family,priority,anchor", [("llama", "recall", "joint"), ("qwen3", "recall", "joint"),
-                                                    ("llama", "novelty", "joint"), ("llama", "recall", "window")])
+                                                    ("llama", "novelty", "joint"), ("llama", "recall", "window"),
+                                                    ("llama", "first", "window")])
 def test_fast_decoder_equals_generate_with_a_cache(tiny_model, family, priority, anchor, monkeypatch):
     """The fast decoder (fixed buffers, batched, left padding) decodes a student with a sparse cache as
     generate() does: greedy tokens equal, each sequence of a left-padded batch as alone, past many
@@ -454,7 +478,8 @@ def test_eval_takes_a_sparse_cache_without_training(tmp_path, monkeypatch, tiny_
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("prefill", [1, 2, 9])
-@pytest.mark.parametrize("priority,anchor", [("recall", "joint"), ("novelty", "joint"), ("recall", "window")])
+@pytest.mark.parametrize("priority,anchor", [("recall", "joint"), ("novelty", "joint"), ("recall", "window"),
+                                             ("first", "joint")])
 def test_ring_step_is_the_step_in_place(case, prefill, priority, anchor):
     """The fast decoder's form (a fixed ring of w slots, updated in place, no host synchronisation)
     gives the step's outputs and decisions token by token, from prefixes shorter and longer than the

@@ -206,8 +206,9 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                    help="evaluate a converted checkpoint with a sparse exact cache of S tokens per layer and key head "
                         "(LoLA; no training: linearize.respec), e.g. 0, 16, 64 for a memory/recall sweep")
     e.add_argument("--sparse-priority", choices=SPARSE_PRIORITIES, default=None,
-                   help="which tokens the sparse cache keeps: recall (those the linear state recalls worst, LoLA) "
-                        "or novelty (those whose values are least like the other candidates'); default: the "
+                   help="which tokens the sparse cache keeps: recall (those the linear state recalls worst, LoLA), "
+                        "novelty (those whose values are least like the other candidates') or first (the "
+                        "sequence's first S tokens: attention sinks); default: the "
                         "checkpoint's (recall unless saved otherwise). Needs a cache: --sparse-cache or the "
                         "checkpoint's")
     e.add_argument("--sparse-anchor", choices=SPARSE_ANCHORS, default=None,

@@ -5,7 +5,8 @@ exactly the teacher's softmax attention.
 
 With ``spec.sparse_cache = S > 0`` each key head also keeps, beside the window, the ``S`` older tokens
 its linear state recalls worst, exactly (LoLA; ``ops/sparse_hybrid_attention.py``; with
-``spec.sparse_priority = "novelty"`` those whose values are least like the other candidates'; ``spec.sparse_anchor``
+``spec.sparse_priority = "novelty"`` those whose values are least like the other candidates', with ``"first"`` the
+sequence's first ``S`` tokens, StreamingLLM's attention sinks; ``spec.sparse_anchor``
 sets how they weigh against the linear terms): the softmax runs
 over window and cache, the linear state over the rest. It adds no parameters (any converted
 checkpoint takes it as is) and trains through the softmax over window and cache.

@@ -39,6 +39,10 @@ group share their key head's cache, as they share its keys, values and linear st
 
       pi_x = - max_{y candidate, y != x} cos(v_x, v_y)          (1 when x is the only candidate)
 
+  ``priority="first"`` ranks them by age, older first (``pi_x = -x``, positions from the origin):
+  no newcomer ever outranks a cached token, so the cache keeps the sequence's first ``S`` tokens
+  for good, the "attention sinks" StreamingLLM keeps beside its window.
+
   Text that repeats (filler, boilerplate) has near-copies among the candidates and goes to the
   linear state; a one-off token (a pass key's digits) has none and stays. Like the self-recall
   error it needs no training, and it reads only what the cache holds anyway. It is a lead, not a
@@ -149,7 +153,7 @@ def value_novelty(v: torch.Tensor, valid: torch.Tensor, acc: torch.dtype) -> tor
         return -torch.where(others.any(dim=-1), best, -1.0)
 
 
-PRIORITIES = ("recall", "novelty")
+PRIORITIES = ("recall", "novelty", "first")
 ANCHORS = ("joint", "window")
 
 
@@ -160,14 +164,18 @@ def _check(priority: str, anchor: str) -> None:
         raise ValueError(f"anchor must be one of {', '.join(ANCHORS)}, got {anchor!r}")
 
 
-def priorities(kind: str, kf: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
+def priorities(kind: str, kf: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, linear: torch.Tensor,
+               pos: torch.Tensor) -> torch.Tensor:
     """The epoch's priorities of one candidate set (``kf`` ``[B, Hk, M, F]``, ``v`` ``[B, Hk, M, D]``,
-    ``valid`` ``[B, Hk, M]``, the linear state ``[B, Hk, F, D + 1]``): ``recall_error`` (``kind =
-    "recall"``) or ``value_novelty`` among the valid candidates (``"novelty"``). ``[B, Hk, M]``."""
+    ``valid`` ``[B, Hk, M]``, the linear state ``[B, Hk, F, D + 1]``, positions from the origin
+    ``pos`` ``[B, Hk, M]``): ``recall_error`` (``kind = "recall"``), ``value_novelty`` among the valid
+    candidates (``"novelty"``) or minus the position (``"first"``: the older, the higher). ``[B, Hk, M]``."""
     if kind == "recall":
         return recall_error(kf, v, linear)
     if kind == "novelty":
         return value_novelty(v, valid, linear.dtype)
+    if kind == "first":
+        return -pos.to(linear.dtype)
     raise ValueError(f"priority must be one of {', '.join(PRIORITIES)}, got {kind!r}")
 
 
@@ -220,6 +228,9 @@ def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_
                         cands = cached + [s for s in range(ti - w, ti) if real_l[bi][s]]
                         unit = {s: v[bi, hk, s] / v[bi, hk, s].norm().clamp_min(torch.finfo(acc).tiny) for s in cands}
                         for s in cands:
+                            if priority == "first":  # the older, the higher
+                                pri[s] = -float(s - origin)
+                                continue
                             if priority == "novelty":  # the most similar other candidate's cosine, negated
                                 pri[s] = -max((float(unit[s] @ unit[y]) for y in cands if y != s), default=-1.0)
                                 continue
@@ -285,12 +296,18 @@ def _read_one(q, qf, gamma, keys, values, valid, cache_keys, cache_values, cache
 
 def _rescored(kind, state, window_valid, lin):
     """The boundary's priorities of the window's tokens and the cache's (one candidate set):
-    ``(window [B, Hk, n], cache [B, Hk, S])``."""
+    ``(window [B, Hk, n], cache [B, Hk, S])``. The window's newest token is at position ``count - 1``;
+    a ring's oldest sits in its next slot."""
     n = state.values.shape[2]
     b, n_kv = state.values.shape[:2]
+    age = torch.arange(n, device=state.count.device)  # 0: the oldest
+    if isinstance(state, RingSparseState):
+        age = (age - state.slot) % n
+    pos = (state.count[:, None] - n + age)[:, None, :].expand(b, n_kv, n)
     pri = priorities(kind, torch.cat([state.key_features, state.cache_features], dim=2),
                      torch.cat([state.values, state.cache_values], dim=2),
-                     torch.cat([window_valid[:, None, :].expand(b, n_kv, n), state.cache_valid], dim=2), lin)
+                     torch.cat([window_valid[:, None, :].expand(b, n_kv, n), state.cache_valid], dim=2), lin,
+                     torch.cat([pos, state.cache_pos], dim=2))
     return pri[..., :n], pri[..., n:]
 
 
@@ -499,6 +516,7 @@ def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: 
     slot_pos = torch.zeros(b, n_kv, cap, dtype=torch.long, device=dev)
     slot_valid = torch.zeros(b, n_kv, cap, dtype=torch.bool, device=dev)
     rec_pos, rec_valid, rec_pri = [], [], []
+    origin = real.long().argmax(-1)[:, None, None]  # the first real token (on a chunk boundary here)
     for c in range(n):
         rec_pos.append(slot_pos)
         rec_valid.append(slot_valid)
@@ -507,7 +525,7 @@ def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: 
         pos = torch.cat([slot_pos, leavers.expand(b, n_kv, w)], dim=2)  # [B, Hk, M]
         valid = torch.cat([slot_valid, l_valid[:, None].expand(b, n_kv, w)], dim=2)
         cand_f, cand_v = _take(kf, pos).to(acc), _take(v, pos).to(acc)
-        pri = priorities(priority, cand_f, cand_v, valid, lin)
+        pri = priorities(priority, cand_f, cand_v, valid, lin, pos - origin)
         rec_pri.append(pri)
         beaten = _beaten_by(pri, pos, valid)  # [B, Hk, M, M]
         rivals = beaten[..., :cap].sum(-1, keepdim=True) + beaten[..., cap:].long().cumsum(-1)  # [B, Hk, M, w]
