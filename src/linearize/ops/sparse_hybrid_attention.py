@@ -3,10 +3,10 @@ last ``w`` tokens and over ``S`` older tokens kept exactly, linear attention ove
 
 Tokens leaving the sliding window go either into the linear state or into a cache of at most ``S``
 tokens (raw keys, key features, values), chosen by how badly the linear state recalls them (or, with
-``priority="novelty"``, by how unlike the other candidates' their values are); a cached token pushed
-out later is folded into the linear state. Memory stays constant: window + ``S`` tokens + the
-linear state. With ``S = 0`` this is exactly the hybrid of
-``hybrid_attention.py``.
+``priority="novelty"``, by how unlike the other candidates' their values are; with ``"first"``, the
+sequence's first tokens); a cached token pushed out later is folded into the linear state. Memory
+stays constant: window + ``S`` tokens + the linear state. With ``S = 0`` this is exactly the hybrid
+of ``hybrid_attention.py``.
 
 Output for query t (one shared normaliser, ``gamma`` a per-query-head weight, as in LoLCATs eq. 7):
 
@@ -39,18 +39,17 @@ group share their key head's cache, as they share its keys, values and linear st
 
       pi_x = - max_{y candidate, y != x} cos(v_x, v_y)          (1 when x is the only candidate)
 
-  ``priority="first"`` ranks them by age, older first (``pi_x = -x``, positions from the origin):
-  no newcomer ever outranks a cached token, so the cache keeps the sequence's first ``S`` tokens
-  for good, the "attention sinks" StreamingLLM keeps beside its window.
-
   Text that repeats (filler, boilerplate) has near-copies among the candidates and goes to the
   linear state; a one-off token (a pass key's digits) has none and stays. Like the self-recall
   error it needs no training, and it reads only what the cache holds anyway. It is a lead, not a
   result: a CPU diagnosis (``dev/sparse_needle.py``: a briefly trained SmolLM2 student, a few
   passkey prompts, S = 256, selection replayed offline) found the self-recall error often dropping
   some of the key's digits where value novelty kept them; end to end the student then recalled more
-  of the key from 512-token prompts but still not from 1,024-token ones. The comparison on a trained
-  student (GPU) is pending.
+  of the key from 512-token prompts but still not from 1,024-token ones. On trained students (the
+  GPU dial, ``docs/reports/dial.md``) it triples S = 64's passkey.
+  ``priority="first"`` ranks them by age, older first (``pi_x = -x``, positions from the origin):
+  no newcomer ever outranks a cached token, so the cache keeps the sequence's first ``S`` tokens
+  for good, the "attention sinks" StreamingLLM keeps beside its window.
   Priorities are fixed for the epoch; ties go to the younger token (higher position wins).
 * At each time t, token ``t - w`` leaves the window (if real) and joins the cache; if the cache then
   holds ``S + 1`` tokens, the one of lowest priority is folded into the linear state (it may be the
