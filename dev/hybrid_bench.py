@@ -22,8 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_bench import kernel_ms  # noqa: E402
 
 H, HK, D, FH, W = 9, 3, 64, 64, 64
 
@@ -114,12 +119,6 @@ def kernels_ms(fn, qkv, grads, runs: int = 20, total: bool = True):
     """Device time of the kernels of one forward + backward of ``fn``, in ms: their sum (what a
     CUDA-graphed training step pays, without the host's launch time that blurs ``do_bench`` here),
     or with ``total`` False each kernel's (``{name: ms}``, largest first)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from kernel_bench import kernel_ms
-
     qkv.requires_grad_(True)
 
     def step():

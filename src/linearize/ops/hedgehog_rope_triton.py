@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import _features, _pow2, _precision, _rotated
+from .triton_tiles import _features, _pow2, _precision, _rotated, tiles_for
 
 # Tiles and warps for 16-bit inputs: the fastest of ``dev/hybrid_bench.py --sweep`` on an H100 (D = 64, F/2 = 64,
 # 8 x 1,024, with the hybrid's kernels): the backward 0.073 ms of device time against 0.133 under the values
@@ -47,10 +47,8 @@ WIDE = dict(FWD_ROWS=64, FWD_WARPS=8, BWD_ROWS=32, BWD_WARPS=8, PRELUDE_PROGRAMS
 
 
 def _knobs(dtype) -> dict:
-    """The tile constants for inputs of ``dtype``: the module's, with ``WIDE`` over them past 16 bits."""
-    base = dict(FWD_ROWS=FWD_ROWS, FWD_WARPS=FWD_WARPS, BWD_ROWS=BWD_ROWS, BWD_WARPS=BWD_WARPS,
-                PRELUDE_PROGRAMS=PRELUDE_PROGRAMS)
-    return {**base, **WIDE} if dtype.itemsize > 2 else base
+    """The tile constants for inputs of ``dtype`` (``tiles_for``)."""
+    return tiles_for(dtype, ("FWD_ROWS", "FWD_WARPS", "BWD_ROWS", "BWD_WARPS", "PRELUDE_PROGRAMS"), globals(), WIDE)
 
 
 @triton.jit

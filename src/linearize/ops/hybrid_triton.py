@@ -65,7 +65,7 @@ import triton
 import triton.language as tl
 
 from .hedgehog_rope_triton import hedgehog_rope_backward, hedgehog_rope_forward
-from .triton_tiles import _features, _load_features, _pow2, _precision, _rotated, _tile
+from .triton_tiles import _features, _load_features, _pow2, _precision, _rotated, _tile, tiles_for
 
 # Tiles and warps for 16-bit inputs (bf16, fp16): the fastest of ``dev/hybrid_bench.py --sweep`` on an H100
 # (SmolLM2's shape, w = D = 64, Hedgehog F = 2 x 64, 8 x 1,024): the kernels of a forward + backward took 0.84
@@ -88,11 +88,9 @@ FUSED_PRELUDE = True
 
 
 def _knobs(dtype) -> dict:
-    """The tile constants for inputs of ``dtype``: the module's, with ``WIDE`` over them past 16 bits
-    (read at each call, so a sweep may set them)."""
-    base = dict(SUM_WARPS=SUM_WARPS, FWD_WARPS=FWD_WARPS, BWD_WARPS=BWD_WARPS, KEY_WARPS=KEY_WARPS,
-                QUERY_ROWS=QUERY_ROWS, BWD_QUERY_ROWS=BWD_QUERY_ROWS, KEY_ROWS=KEY_ROWS)
-    return {**base, **WIDE} if dtype.itemsize > 2 else base
+    """The tile constants for inputs of ``dtype`` (``tiles_for``)."""
+    return tiles_for(dtype, ("SUM_WARPS", "FWD_WARPS", "BWD_WARPS", "KEY_WARPS", "QUERY_ROWS", "BWD_QUERY_ROWS",
+                             "KEY_ROWS"), globals(), WIDE)
 
 
 @triton.jit

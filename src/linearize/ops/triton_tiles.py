@@ -64,6 +64,14 @@ def _features(x, f_ptr, t, ok, sft, w_ptr, d, D, FW, BF: tl.constexpr, FP: tl.co
     return out
 
 
+def tiles_for(dtype: torch.dtype, names, constants: dict, wide: dict) -> dict:
+    """A kernel module's tile constants ``names`` for inputs of ``dtype``, from its ``constants`` (its
+    globals, read at each call so a sweep may set them), with ``wide`` over them past 16 bits (their
+    registers are twice as wide)."""
+    base = {name: constants[name] for name in names}
+    return {**base, **wide} if dtype.itemsize > 2 else base
+
+
 def _pow2(n: int) -> int:
     return max(16, triton.next_power_of_2(n))
 
