@@ -21,6 +21,8 @@
 #   sweep     hybrid_bench.py --kernels --sweep at 8x1024 and 1x8192: each kernel's time, then warps and rows
 #             of the kernels and the prelude varied one at a time, then bench.train's graphed rows (teacher, stage
 #             1, stage 2) with the fastest values, then with the defaults, in one run
+#   lora      bench.train's graphed teacher and stage-2 rows with peft's LoRA forward and a cast per projection, then
+#             with the fused adapters and one cast (the defaults), with stage 1, in one call
 #   profile   where a training step's time goes (bench.profile train at 8x1024: kernels, host phases) for the
 #             teacher and both LoLCATs stages, and a 1k prefill's kernels, student and teacher
 # An untrained student: speed does not depend on the weights. Rows land in $S (/tmp/runs/hybrid).
@@ -86,6 +88,14 @@ print('$tag knobs', knobs)
 from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher "$T" --shapes 8x1024 --steps 20 \
           --models teacher lolcats-stage1 lolcats-stage2 --cuda-graph on --out "$S/train_$tag.json" 2>&1 | quiet | tail -5
       done ;;
+    lora)  # stage 2 before and after its LoRA fused the adapter's up-projection, scaling and add into one GEMM
+      # and the converted layers cast their input once under autocast: bench.train's graphed rows in one call
+      timeout 300 python3 -c "import sys; from linearize.recipes import lora; from linearize.mixers import base
+lora.fuse_lora_products = lambda model: 0; base.autocast_input = lambda x: x; print('before: peft LoRA, a cast per product')
+from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher "$T" --shapes 8x1024 --steps 20 \
+        --models teacher lolcats-stage2 --cuda-graph on --out "$S/train_lora_before.json" 2>&1 | quiet | tail -4
+      timeout 300 python3 -m linearize.bench.train --teacher "$T" --shapes 8x1024 --steps 20 --cuda-graph on \
+        --models teacher lolcats-stage1 lolcats-stage2 --out "$S/train_lora_after.json" 2>&1 | quiet | tail -5 ;;
     profile)
       student
       for m in teacher lolcats-stage1 lolcats-stage2; do

@@ -101,17 +101,12 @@ def stage_setup(model, name: str):
         return model, build_objective("attention_mse", context=dict(layers=tuple(layers),
                                                                     mse_factor=lolcats.LolcatsConfig.mse_factor))
     if name == "lolcats-stage2":
-        from peft import LoraConfig, get_peft_model
-
         from ..models import get_adapter
         from ..recipes.lolcats import LolcatsConfig
+        from ..recipes.lora import add_lora
 
         cfg = LolcatsConfig()
-        for p in model.parameters():
-            p.requires_grad_(False)
-        targets = list(get_adapter(model.config).lora_targets)
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets, bias="none")
-        return get_peft_model(model, lora), None
+        return add_lora(model, cfg.lora_r, cfg.lora_alpha, get_adapter(model.config).lora_targets), None
     return model, None
 
 

@@ -111,6 +111,19 @@ def head_group_norm(o: torch.Tensor, norm: nn.GroupNorm, gate: torch.Tensor | No
     return x if gate is None else x * F.silu(gate)
 
 
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in autocast's dtype where autocast is on for its device: the projections reading it
+    (q, k and v, and a LoRA adapter's on each) would each cast it anyway, and in the backward each
+    cast's gradient would come back in ``x``'s dtype. Cast once instead: the same products, one
+    copy forward and one backward in place of one per product."""
+    device = x.device.type
+    if x.is_floating_point() and torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        if x.dtype != dtype and x.element_size() > torch.finfo(dtype).bits // 8:  # never widen
+            return x.to(dtype)
+    return x
+
+
 class Mixer(nn.Module):
     kind: str = ""
     key_mask: torch.Tensor | None = None  # the current call's real tokens (left padding), set in forward
@@ -179,7 +192,7 @@ class Mixer(nn.Module):
         cache = layer_cache(cache, past_key_values, layer_past)
         slot = recurrent_slot(cache, self.layer_idx) if cache is not None else None
         state = slot.state if slot is not None else None
-        q, k, v = self.adapter.qkv(self, hidden_states)
+        q, k, v = self.adapter.qkv(self, autocast_input(hidden_states))
         self.key_mask = key_padding_mask(attention_mask, q.shape[2]) if not is_static(slot) else None
         if state is not None and q.shape[2] == 1:
             o, state = self.step(q, k, v, position_embeddings, state)

@@ -414,13 +414,10 @@ def _stage2_objective(cfg: LolcatsConfig):
 
 def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
     from .engine import train
-    from peft import LoraConfig, get_peft_model
+    from .lora import add_lora
 
     targets = list(cfg.lora_targets or get_adapter(student.config).lora_targets)
-    for p in student.parameters():
-        p.requires_grad_(False)
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets, bias="none")
-    peft_model = get_peft_model(student, lora)
+    peft_model = add_lora(student, cfg.lora_r, cfg.lora_alpha, targets)
     start = _start_clock()
     trainer = train(peft_model, train_ds, eval_ds, _stage2_objective(cfg), cfg.stage_config("stage2", out / "stage2"),
                     stage="stage2", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
