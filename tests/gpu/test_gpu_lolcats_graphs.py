@@ -68,11 +68,13 @@ def test_graphed_lolcats_stage1_steps_equal_eager_ones(tiny_model, xent):
 def test_graphed_lolcats_stage2_steps_equal_eager_ones(tiny_model, loss):
     """LoLCATs stage 2 replayed from CUDA graphs: LoRA (r=8 on q/k/v/o) on the next-token loss, or on kl
     to the student's own softmax view (computed eagerly before each replay, its logits entering the
-    graphs), gives the eager step's loss and LoRA gradients, three steps in a row from one capture."""
+    graphs), gives the eager step's loss and LoRA gradients, three steps in a row from one capture; with
+    the recipe's fused adapters (``recipes.lora``), as ``linearize lolcats`` trains them."""
     from peft import LoraConfig, get_peft_model
 
     from linearize.distill import SameModelTeacher, build_objective
     from linearize.graphed import GraphedLoss
+    from linearize.recipes.lora import fuse_lora_products
 
     models = []
     for m in _lolcats_pair(tiny_model):
@@ -81,6 +83,7 @@ def test_graphed_lolcats_stage2_steps_equal_eager_ones(tiny_model, loss):
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, bias="none",
                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False)
         models.append(get_peft_model(m, lora))
+        assert fuse_lora_products(models[-1]) == 4 * m.config.num_hidden_layers
         models[-1].train()
     models[1].load_state_dict(models[0].state_dict())
     objective = None if loss == "lm" else build_objective("kl", teacher=SameModelTeacher())
