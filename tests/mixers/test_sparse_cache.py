@@ -509,3 +509,45 @@ def test_ring_step_is_the_step_in_place(case, prefill, priority, anchor):
     assert torch.equal(ring.cache_valid.sum(-1), state.cache_valid.sum(-1))
     key = lambda s: torch.where(s.cache_valid, s.cache_pos, -1).sort(-1).values  # noqa: E731
     assert torch.equal(key(ring), key(state))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("anchor", ANCHORS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_first_without_a_state_decides_in_closed_form(case, anchor, padded):
+    """``priority="first"`` without a final state (training, scoring) takes its decisions in closed form:
+    the same folds and cache per chunk as the general selection loop, and the same outputs and gradients
+    as the naive form, with left padding and a padded token inside."""
+    from linearize.ops.sparse_hybrid_attention import _select, _select_first
+
+    b, h, hk, t, w, cap = case
+    xs, gamma = _inputs(b, h, hk, t, seed=3)
+    mask = None
+    if padded:
+        mask = torch.ones(b, t, dtype=torch.bool)
+        mask[0, : min(2, t - 1)] = False  # left padding
+        if t > 6:
+            mask[-1, 5] = False  # a hole
+    kw = dict(window=w, cache_size=cap, scale=0.5, priority="first", anchor=anchor, key_mask=mask)
+    ref = ops.sparse_hybrid_attention_naive(*xs, gamma, **kw)
+    fast, state = ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw)
+    assert state is None
+    _close(fast, ref)
+    inputs = (*xs, gamma)
+    for g_fast, g_ref in zip(random_grads(fast, inputs), random_grads(ref, inputs)):
+        _close(g_fast, g_ref)
+    # the decisions themselves, against the loop (origins on chunk boundaries, as the chunked form rolls them)
+    n = -(-t // w)
+    real = torch.ones(b, n * w, dtype=torch.bool)
+    real[:, t:] = False
+    if padded:
+        real[0, : w * (1 if n > 2 else 0)] = False  # an origin one chunk in
+        if n * w > 6:
+            real[-1, 5] = False
+    kf = torch.rand(b, hk, n * w, 3, dtype=torch.float64)
+    v = torch.randn(b, hk, n * w, 2, dtype=torch.float64)
+    fold, slot_pos, slot_valid, _ = _select(kf, v, real, w, cap, "first")
+    fold_c, pos_c, valid_c = _select_first(real, hk, w, cap)
+    assert torch.equal(fold_c, fold)
+    assert torch.equal(valid_c, slot_valid)
+    assert torch.equal(torch.where(valid_c, pos_c, -1), torch.where(slot_valid, slot_pos, -1))

@@ -491,6 +491,28 @@ def _take(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _select_first(real: torch.Tensor, n_kv: int, w: int, cap: int):
+    """``_select``'s ``fold``, ``slot_pos`` and ``slot_valid`` under ``priority="first"``, in closed form
+    (no loop over chunks): the first ``S`` real tokens are never folded (no newcomer outranks them);
+    every later real token is folded the moment it leaves the window, at ``s + w`` (the cache already
+    holds the S older ones), and a token of the last chunk never leaves. The cache at chunk c's start
+    holds the first tokens that left by then (``s < (c - 1) w``), in position order. Slots that hold
+    nothing point at position 0. ``real`` ``[B, N w]`` (origins on chunk boundaries)."""
+    b, tp = real.shape
+    n, dev = tp // w, real.device
+    pos = torch.arange(tp, device=dev)
+    first = real & (real.long().cumsum(-1) <= cap)  # the first S real tokens
+    fold = torch.where(real & ~first & (pos + w < tp), pos + w, tp + w)
+    order = torch.where(first, pos, tp).sort(dim=-1).values  # their positions, ascending; tp: none
+    order = F.pad(order, (0, max(0, cap - tp)), value=tp)[:, :cap]  # [B, S]
+    starts = (torch.arange(n, device=dev) - 1) * w  # [N]: a slot holds its token once s < (c - 1) w
+    slot_valid = (order < tp)[:, None, :] & (order[:, None, :] < starts[None, :, None])  # [B, N, S]
+    slot_pos = torch.where(slot_valid, order[:, None, :], 0)
+    expand = lambda x: x[:, None].expand(b, n_kv, *x.shape[1:])  # noqa: E731  one decision per key head
+    return expand(fold), expand(slot_pos), expand(slot_valid)
+
+
+@torch.no_grad()
 def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: int, priority: str = "recall"):
     """The cache decisions over chunks of ``w`` tokens (one epoch each), whose origins are on chunk
     boundaries. ``kf`` ``[B, Hk, N w, F]``, ``v`` ``[B, Hk, N w, D]``, ``real`` ``[B, N w]``.
@@ -578,7 +600,10 @@ def sparse_hybrid_attention_chunked(
     flat = lambda x: F.pad(x.to(acc), (0, 0, 0, pad))  # noqa: E731  [B, *, Tp, E]
     kk, ff, vv = flat(k), flat(kf), flat(v)
     rr = F.pad(real, (0, pad))
-    fold, slot_pos, slot_valid, pri = _select(ff, vv, rr, w, cap, priority)
+    if priority == "first" and not output_final_state:  # the decisions in closed form (the state needs pri)
+        (fold, slot_pos, slot_valid), pri = _select_first(rr, n_kv, w, cap), None
+    else:
+        fold, slot_pos, slot_valid, pri = _select(ff, vv, rr, w, cap, priority)
 
     qc = flat(_group(q, n_kv).flatten(1, 2)).view(b, n_kv, grp, n, w, d)
     qfc = flat(_group(qf, n_kv).flatten(1, 2)).view(b, n_kv, grp, n, w, -1)
