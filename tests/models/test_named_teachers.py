@@ -117,7 +117,10 @@ def test_real_weights_reach_the_adapter(real):
 
 def test_the_joined_gguf_as_a_path_is_the_same_teacher(real):
     name, model, tokenizer = real
-    gguf = teachers.named_gguf_path(name)
+    try:  # the fixture also accepts a teacher from the cache alone; joining needs its packages
+        gguf = teachers.named_gguf_path(name)
+    except LinearizeError:
+        pytest.skip(f"{name}: its packages are not installed (make teachers)")
     assert teachers._sha256(gguf) == NAMED_TEACHERS[name].sha256
     again, tok = linearize.load_teacher(str(gguf), dtype="float32", device="cpu")  # reads the named cache
     assert again.linearize_source == str(gguf.resolve())
