@@ -27,10 +27,10 @@ def _same_step_then_update(models, opts, eager, replayed, where) -> None:
         o.zero_grad(set_to_none=True)
 
 
-def _lolcats_pair(tiny_model):
-    """Two equal LoLCATs students (Hedgehog maps, window 64) of one tiny teacher on CUDA."""
+def _lolcats_pair(tiny_model, **spec):
+    """Two equal LoLCATs students (Hedgehog maps, window 64; ``spec`` added) of one tiny teacher on CUDA."""
     teacher = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256).cuda()
-    models = [linearize.convert(teacher, {"kind": "lolcats"}) for _ in range(2)]
+    models = [linearize.convert(teacher, {"kind": "lolcats", **spec}) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
     return models
 
@@ -103,6 +103,50 @@ def test_graphed_lolcats_stage2_steps_equal_eager_ones(tiny_model, loss):
         assert eager.item() > 1e-4
         _same_step_then_update(models, opts, eager, replayed, step)
     assert graphed.captures == 1
+
+
+@pytest.mark.parametrize("priority", ["first", "novelty"])
+def test_graphed_sparse_cache_stages_equal_eager_ones(tiny_model, priority):
+    """A student with a sparse cache (S = 4) trains through the cache's PyTorch chunked form, which asks
+    the host nothing without padding: stage 1's attention_mse and stage 2's LoRA step replayed from one
+    capture each give the eager steps' losses and gradients, three steps in a row. (The recipe still
+    trains a sparse cache eagerly under ``--cuda-graph auto``; this is what would let it capture.)"""
+    from linearize.distill import build_objective
+    from linearize.graphed import GraphedLoss
+    from linearize.recipes.lolcats import _freeze_all_but
+    from linearize.recipes.lora import add_lora
+
+    spec = dict(window=16, sparse_cache=4, sparse_priority=priority)
+    g = torch.Generator().manual_seed(0)
+    for stage in ("stage1", "stage2"):
+        models = _lolcats_pair(tiny_model, **spec)
+        objective = None
+        if stage == "stage1":
+            for m in models:
+                _freeze_all_but(m, set(range(m.config.num_hidden_layers)))
+            objective = build_objective("attention_mse", context={"mse_factor": 1000.0, "xent_factor": 0.0})
+        else:
+            models = [add_lora(m, 8, 16, ["q_proj", "k_proj", "v_proj", "o_proj"]) for m in models]
+            with torch.no_grad():  # B = 0 at the start: make the adapters count
+                for name, p in models[0].named_parameters():
+                    if "lora_B" in name:
+                        p.normal_(0, 0.02)
+            models[1].load_state_dict(models[0].state_dict())
+        for m in models:
+            m.train()
+        opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3) for m in models]
+        graphed = GraphedLoss(models[1], torch.bfloat16, objective=objective)
+        for step in range(3):
+            ids = torch.randint(0, 97, (2, 96), generator=g).cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+                eager = (models[0](input_ids=ids, labels=ids, use_cache=False).loss if objective is None
+                         else objective(models[0], {"input_ids": ids, "labels": ids}))
+            eager.backward()
+            replayed = graphed(ids, ids)
+            replayed.backward()
+            assert eager.item() > 1e-4
+            _same_step_then_update(models, opts, eager, replayed, (stage, step))
+        assert graphed.captures == 1
 
 
 def test_the_lolcats_recipe_trains_graphed_end_to_end(tiny_model, tmp_path, monkeypatch):
