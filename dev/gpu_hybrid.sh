@@ -23,6 +23,8 @@
 #             1, stage 2) with the fastest values, then with the defaults, in one run
 #   lora      bench.train's graphed teacher and stage-2 rows with peft's LoRA forward and a cast per projection, then
 #             with the fused adapters and one cast (the defaults), with stage 1, in one call
+#   prefill-sweep  the prefill's output-pass tiles (hybrid_bench.py --sweep-prefill), then the prefill rows
+#             (1k and 8k, batch 1 and 32) with the fastest tiles set in the process, then with the defaults
 #   profile   where a training step's time goes (bench.profile train at 8x1024: kernels, host phases) for the
 #             teacher and both LoLCATs stages, and a 1k prefill's kernels, student and teacher
 # An untrained student: speed does not depend on the weights. Rows land in $S (/tmp/runs/hybrid).
@@ -96,6 +98,21 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
         --models teacher lolcats-stage2 --cuda-graph on --out "$S/train_lora_before.json" 2>&1 | quiet | tail -4
       timeout 300 python3 -m linearize.bench.train --teacher "$T" --shapes 8x1024 --steps 20 --cuda-graph on \
         --models teacher lolcats-stage1 lolcats-stage2 --out "$S/train_lora_after.json" 2>&1 | quiet | tail -5 ;;
+    prefill-sweep)  # the prefill's output-pass tiles: every pair of PREFILL_QUERY_ROWS x PREFILL_WARPS (forward
+      # kernels without gradients), then the prefill rows with the fastest pair set in the process, then the defaults
+      student
+      timeout 400 python3 dev/hybrid_bench.py --shapes 1x1024 32x1024 1x8192 32x8192 --skip "torch chunked" \
+        "kernels (fused), PyTorch prelude" "kernels (features given)" --sweep-prefill \
+        --out "$S/prefill_sweep.json" 2>&1 | quiet | grep -v "^prefill sweep" | tail -12
+      for tag in tuned defaults; do
+        timeout 300 python3 -c "import json, sys; from linearize.ops import hybrid_triton
+knobs = json.load(open('$S/prefill_sweep.json'))['best_prefill']['knobs'] if '$tag' == 'tuned' else {}
+for key, value in knobs.items(): setattr(hybrid_triton, key.split('.')[1], value)
+print('$tag knobs', knobs)
+from linearize.cli import main; sys.exit(main(sys.argv[1:]))" bench "$C" --teacher "$T" --dtype bfloat16 \
+          --prefill 1x1024 32x1024 1x8192 32x8192 --prefill-teacher-paths sdpa --out "$S/prefill_$tag.json" 2>&1 \
+          | quiet | grep -E "knobs|kernels|sdpa" | tail -9
+      done ;;
     profile)
       student
       for m in teacher lolcats-stage1 lolcats-stage2; do

@@ -11,11 +11,14 @@ forward and of forward + backward (median of ``triton.testing.do_bench``, compil
 * ``torch chunked``: RoPE, the maps and ``hybrid_attention_chunked`` in PyTorch (before the kernels);
 * ``teacher sdpa``: RoPE and causal softmax attention through SDPA with grouped keys (the teacher's).
 
-    python dev/hybrid_bench.py [--shapes 1x1024 1x8192 32x1024 1x32768] [--sweep] [--kernels] [--out F]
+    python dev/hybrid_bench.py [--shapes 1x1024 1x8192 32x1024 1x32768] [--sweep] [--sweep-prefill] [--kernels]
+                               [--out F]
 
 ``--sweep`` also times the fused forward and backward with each constant of ``KNOBS`` (warps, query /
 key rows of the hybrid's kernels and the RoPE + Hedgehog prelude's) varied alone, then with each
-one's fastest value together; ``--kernels`` lists each kernel's device time in a forward + backward.
+one's fastest value together; ``--sweep-prefill`` the forward without gradients (a prefill's output
+pass) for every pair of ``PREFILL_KNOBS``; ``--kernels`` lists each kernel's device time in a forward
++ backward.
 """
 
 from __future__ import annotations
@@ -176,6 +179,57 @@ def sweep(shapes, g, rows) -> dict:
             setattr(mods[m], n, value)
 
 
+# the output pass without a backward (a prefill's): its own tiles, swept together
+PREFILL_KNOBS = (("PREFILL_QUERY_ROWS", (16, 32, 64)), ("PREFILL_WARPS", (2, 4, 8)))
+
+
+def sweep_prefill(shapes, g, rows) -> dict:
+    """The fused path's forward without gradients (what a prefill runs): its kernels' device time,
+    summed over ``shapes``, for every pair of ``PREFILL_KNOBS`` values; rows go to ``rows``. Returns the
+    fastest pair (``{"hybrid_triton.NAME": value}``) and its time against the defaults'; the defaults
+    are restored."""
+    import itertools
+
+    from linearize.ops import hybrid_triton as kernels
+
+    names = [n for n, _ in PREFILL_KNOBS]
+    defaults = {n: getattr(kernels, n) for n in names}
+    inputs = {shape: paths(*(int(x) for x in shape.split("x")), g)[0]["kernels (fused)"] for shape in shapes}
+    times = {}
+    try:
+        for values in itertools.product(*(v for _, v in PREFILL_KNOBS)):
+            setting = dict(zip(names, values))
+            for n, v in setting.items():
+                setattr(kernels, n, v)
+            total = 0.0
+            for shape, fn in inputs.items():
+                b, t = (int(x) for x in shape.split("x"))
+
+                def step():
+                    with torch.no_grad():
+                        fn()
+
+                try:
+                    ms = sum(kernel_ms(step, 20).values())
+                except Exception as err:  # a setting the compiler refuses
+                    print(f"prefill sweep {b}x{t} {setting}: failed ({type(err).__name__}: {str(err)[:80]})", flush=True)
+                    total = float("inf")
+                    break
+                rows.append({"path": "prefill sweep", "batch": b, "length": t,
+                             "knobs": {f"hybrid_triton.{n}": v for n, v in setting.items()}, "kernel_ms": ms})
+                print(f"prefill sweep {b}x{t} {setting}: forward kernels {ms:.4f} ms", flush=True)
+                total += ms
+            times[values] = total
+    finally:
+        for n, v in defaults.items():
+            setattr(kernels, n, v)
+    best = min(times, key=times.get)
+    base = times[tuple(defaults[n] for n in names)]
+    print(f"prefill: defaults {base:.3f} ms, fastest {dict(zip(names, best))} {times[best]:.3f} ms", flush=True)
+    return {"defaults_ms": base, "fastest_ms": times[best],
+            "knobs": {f"hybrid_triton.{n}": v for n, v in zip(names, best) if v != defaults[n]}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shapes", nargs="+", default=["1x1024", "1x8192", "32x1024", "1x32768"])
@@ -183,6 +237,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="time the fused kernels with each knob of KNOBS varied alone, "
                                                           "then with each knob's fastest value together")
     p.add_argument("--kernels", action="store_true", help="each kernel's device time in a fused forward + backward")
+    p.add_argument("--sweep-prefill", action="store_true", help="time the fused forward without gradients (a "
+                                                                  "prefill's kernels) for every pair of PREFILL_KNOBS")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -207,9 +263,11 @@ def main(argv=None) -> int:
             print(f"| {name} | {b}x{t} | {fmt(fwd)} | {fmt(both)} | {tok} |", flush=True)
         del fns, qkv, grads
         torch.cuda.empty_cache()
-    best_knobs = None
+    best_knobs = best_prefill = None
     if args.sweep:
         best_knobs = sweep(args.shapes, g, rows)
+    if args.sweep_prefill:
+        best_prefill = sweep_prefill(args.shapes, g, rows)
     if args.kernels:
         for shape in args.shapes:
             b, t = (int(x) for x in shape.split("x"))
@@ -221,7 +279,8 @@ def main(argv=None) -> int:
                 print(f"  {ms:8.4f}  {name[:90]}")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "best": best_knobs}, fh, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows, "best": best_knobs,
+                       "best_prefill": best_prefill}, fh, indent=1)
     return 0
 
 

@@ -16,7 +16,7 @@ def test_hybrid_kernels_equal_the_float64_reference_through_the_interpreter():
     interpreter cannot multiply); RoPE (full, partial, none)
     and Hedgehog maps inside the kernels, shared or per head, and the maps' gradients alone."""
     run_triton_interpreter_script("triton_interpret_hybrid_seq.py", "gqa", "padding", "short", "one", "window1", "blocks",
-                                  "half", "exact", "hedgehog", "hedgehog_partial", "hedgehog_norope")
+                                  "prefill_blocks", "half", "exact", "hedgehog", "hedgehog_partial", "hedgehog_norope")
 
 
 @pytest.mark.slow

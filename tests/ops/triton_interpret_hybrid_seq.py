@@ -202,6 +202,22 @@ def check_query_blocks():
         (kernels.QUERY_ROWS, kernels.BWD_QUERY_ROWS, kernels.KEY_ROWS), kernels.WIDE = rows, wide
 
 
+def check_prefill_blocks():
+    """The output pass without a backward takes its own tiles (``PREFILL_QUERY_ROWS``): half-chunk query
+    programs there while the training pass runs whole chunks, and the other way round; the no-gradient
+    output (``check_features``' last check) and the prefill's state stay the reference's."""
+    from linearize.ops import hybrid_triton as kernels
+
+    saved, wide = (kernels.QUERY_ROWS, kernels.PREFILL_QUERY_ROWS), kernels.WIDE
+    kernels.WIDE = {}  # fp32 inputs take these rows too
+    try:
+        for train_rows, prefill_rows in ((32, 16), (16, 64)):
+            kernels.QUERY_ROWS, kernels.PREFILL_QUERY_ROWS = train_rows, prefill_rows
+            check_features(2, 2, 1, 75, 16, 16, 32, None, 40, 12)  # 3 chunks of 32
+    finally:
+        (kernels.QUERY_ROWS, kernels.PREFILL_QUERY_ROWS), kernels.WIDE = saved, wide
+
+
 CASES = {
     # (b, h, hk, t, d, f, window, softcap, pad, seed)
     "gqa": lambda: check_features(2, 4, 2, 13, 8, 6, 4, None, 0, 0),  # GQA, T off the chunks, 4 chunks
@@ -210,6 +226,7 @@ CASES = {
     "one": lambda: check_features(1, 2, 2, 1, 8, 4, 4, None, 0, 3),  # T = 1
     "window1": lambda: check_features(1, 2, 1, 9, 8, 4, 1, None, 0, 4),  # a window of one token
     "blocks": check_query_blocks,
+    "prefill_blocks": check_prefill_blocks,
     "half": lambda: check_features(1, 4, 2, 40, 16, 16, 8, None, 0, 9, dtype=torch.float16),  # fp16 products
     "exact": lambda: check_features(1, 2, 1, 48, 16, 16, 16, None, 0, 5),  # whole tiles, T a multiple of w
     "hedgehog": lambda: check_hedgehog(2, 4, 2, 21, 8, 5, 8, 4, None, 5, 6),  # RoPE over all dims, padding

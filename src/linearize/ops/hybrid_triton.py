@@ -79,7 +79,13 @@ KEY_WARPS = 4  # warps of the key-side backward passes
 QUERY_ROWS = 16  # query rows per program of the output pass
 BWD_QUERY_ROWS = 16  # query rows per program of the query-side backward
 KEY_ROWS = 32  # key rows per program of the key-side backward passes
-WIDE = dict(SUM_WARPS=8, FWD_WARPS=8, BWD_WARPS=8, KEY_WARPS=8, QUERY_ROWS=32, BWD_QUERY_ROWS=32, KEY_ROWS=16)
+# The output pass with no backward to follow (prefill, scoring) saves nothing and may take other tiles:
+# larger query blocks load each chunk's linear state fewer times. Until an H100 sweep of the forward alone
+# picks them (``dev/hybrid_bench.py --sweep-prefill``), they are the training pass's.
+PREFILL_QUERY_ROWS = 16  # query rows per program of the output pass without a backward
+PREFILL_WARPS = 4  # its warps
+WIDE = dict(SUM_WARPS=8, FWD_WARPS=8, BWD_WARPS=8, KEY_WARPS=8, QUERY_ROWS=32, BWD_QUERY_ROWS=32, KEY_ROWS=16,
+            PREFILL_QUERY_ROWS=32, PREFILL_WARPS=8)
 SCAN_TILE = 8192  # chunks x state entries per program of the scans
 TINY = tl.constexpr(1.1754943508222875e-38)  # the clamp of the denominator (fp32's smallest normal)
 # The backward's prelude with Hedgehog maps (RoPE, the maps and their gradients): the Triton kernels of
@@ -90,7 +96,7 @@ FUSED_PRELUDE = True
 def _knobs(dtype) -> dict:
     """The tile constants for inputs of ``dtype`` (``tiles_for``)."""
     return tiles_for(dtype, ("SUM_WARPS", "FWD_WARPS", "BWD_WARPS", "KEY_WARPS", "QUERY_ROWS", "BWD_QUERY_ROWS",
-                             "KEY_ROWS"), globals(), WIDE)
+                             "KEY_ROWS", "PREFILL_QUERY_ROWS", "PREFILL_WARPS"), globals(), WIDE)
 
 
 @triton.jit
@@ -615,11 +621,12 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
         mx = torch.empty_like(den)
     else:
         den = mx = sums  # not written
-    bq = min(kn["QUERY_ROWS"], bw)
+    bq = min(kn["QUERY_ROWS" if save else "PREFILL_QUERY_ROWS"], bw)
+    warps = kn["FWD_WARPS" if save else "PREFILL_WARPS"]
     _forward[(n * (bw // bq), b * h)](q, k, v, qf, kf, wq, cos, sin, mask, gamma, sums, y, den, mx,
                          *_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), swq, scb, sct,
                          *_strides(y), t, w, off, n, h, h // hk, d, fw, rot, float(scale), float(softcap or 1.0),
-                         SOFTCAP=softcap is not None, SAVE=save, LOGIT=logit, BQ=bq, num_warps=kn["FWD_WARPS"],
+                         SOFTCAP=softcap is not None, SAVE=save, LOGIT=logit, BQ=bq, num_warps=warps,
                          **common)
     saved = (sums, den, mx) if save else None
     out_state = None
