@@ -89,6 +89,12 @@ def test_key_padding_mask_keeps_a_tensor_while_capturing(monkeypatch):
     assert kept.dtype == torch.bool and kept.all()
     with base.unpadded_batches():  # a graphed training step: no attention mask, so nothing to keep
         assert base.key_padding_mask(mask, 5) is None
+
+        class Unread:  # nor is the causal mask read (a reduction over it would be captured, replayed each step)
+            def __getattr__(self, name):
+                raise AssertionError(f"the mask was read: {name}")
+
+        assert base.key_padding_mask(Unread(), 5) is None
     assert base.key_padding_mask(mask, 5) is not None  # and only inside
 
 

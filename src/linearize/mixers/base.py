@@ -27,7 +27,7 @@ def key_padding_mask(attention_mask, q_len: int) -> torch.Tensor | None:
     Read from the mask transformers hands an attention layer: a key is real when some query may
     attend to it (4-D boolean or additive masks; 2-D padding masks as flash-attention gets them).
     """
-    if attention_mask is None:
+    if attention_mask is None or _unpadded:  # inside ``unpadded_batches`` nothing is padding: read nothing
         return None
     if attention_mask.dim() == 2:
         valid = attention_mask.bool()
@@ -39,7 +39,7 @@ def key_padding_mask(attention_mask, q_len: int) -> torch.Tensor | None:
         return None
     valid = valid[:, -q_len:]
     if capturing():  # a CUDA graph cannot ask the host whether all are real: keep the mask as a tensor
-        return None if _unpadded else valid
+        return valid
     return None if bool(valid.all()) else valid
 
 
@@ -54,8 +54,9 @@ _unpadded = False
 @contextlib.contextmanager
 def unpadded_batches():
     """Inside, the caller vouches that every token is real (packed blocks, no attention mask passed),
-    so a capture need not keep the mask as a tensor: the mixers take their unmasked paths, e.g.
-    StripedMamba's fused convolution."""
+    so the mixers do not read the causal mask transformers hands them (under a capture a reduction
+    over it per layer would be replayed every step) and take their unmasked paths, e.g. StripedMamba's
+    fused convolution."""
     global _unpadded
     before, _unpadded = _unpadded, True
     try:
