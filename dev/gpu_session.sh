@@ -5,6 +5,10 @@
 #   setup              carry .gpu/a .whl [.gpu/g]: keep teacher part 1, install the wheels [, the corpus]
 #   eval-setup         carry .gpu/e: lm-eval, datasets, the task data and the corpus (see gpu_prepare.sh)
 #   join               carry .gpu/b: join the teacher and check its sha256
+#   take FILE          bring /tmp/results/FILE back in parts of 15 MiB under $OUT (the device returns files of at
+#                      most 16 MiB): e.g. generated-smollm2.tar.xz from gpu_quality.sh generate; here, `bash
+#                      dev/gpu_prepare.sh mixture DIR` keeps them for .gpu/m
+#   mixture            carry .gpu/m: unpack text generated in an earlier lease (generated:smollm2) into the cache
 #   overlay            carry .gpu/o: pure-Python wheels newer than the machine's (dev/gpu_wheels.sh overlay:
 #                      transformers for GGUF teachers whose tokenizer 5.17 builds wrongly) into /tmp/overlay;
 #                      a job puts them first with OVERLAY=1 (gpu_quality.sh's gemma jobs do)
@@ -48,6 +52,11 @@ print('overlay: transformers', transformers.__version__, 'huggingface_hub', h.__
     rm -rf /tmp/overlay.tmp && pip_t .gpu/o/transformers-*.whl && mv /tmp/overlay.tmp /tmp/overlay.new || exit 1
     rm -rf /tmp/overlay && mv /tmp/overlay.new /tmp/overlay
     check 2>/dev/null || { pip_t .gpu/o/huggingface_hub-*.whl && cp -r /tmp/overlay.tmp/. /tmp/overlay/ && check; } ;;
+  take)
+    f=/tmp/results/${2:?file}; [ -f "$f" ] || { echo "no $f"; exit 1; }
+    split -b 15M -d "$f" "$OUT/$(basename "$f").part" && ls -la "$OUT" ;;
+  mixture)
+    mkdir -p /tmp/linhome && cat .gpu/m/*.part* | tar -C /tmp/linhome -xJf - && ls /tmp/linhome/generated ;;
   eval-setup)
     mkdir -p /tmp/linhome && { [ -d /tmp/linhome/gutenberg ] || cp -r .gpu/e/gutenberg /tmp/linhome/; } || exit 1
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/evalsite .gpu/e/wheels/*.whl \
