@@ -82,13 +82,10 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
         --out "$S/hybrid_sweep.json" 2>&1 | quiet | grep -v "^sweep" | tail -45
       # bench.train's graphed rows with the sweep's knobs ("tuned"), then the defaults, in one run
       for tag in tuned defaults; do
-        timeout 300 python3 -c "import importlib, json, sys
-knobs = json.load(open('$S/hybrid_sweep.json'))['best']['knobs'] if '$tag' == 'tuned' else {}
-for key, value in knobs.items():
-    module, name = key.rsplit('.', 1); setattr(importlib.import_module('linearize.ops.' + module), name, value)
-print('$tag knobs', knobs)
-from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher "$T" --shapes 8x1024 --steps 20 \
-          --models teacher lolcats-stage1 lolcats-stage2 --cuda-graph on --out "$S/train_$tag.json" 2>&1 | quiet | tail -5
+        record=$S/hybrid_sweep.json; [ $tag = tuned ] || record=none
+        timeout 300 python3 dev/with_knobs.py "$record" best linearize.bench.train --teacher "$T" --shapes 8x1024 \
+          --steps 20 --models teacher lolcats-stage1 lolcats-stage2 --cuda-graph on --out "$S/train_$tag.json" 2>&1 \
+          | quiet | tail -5
       done ;;
     lora)  # stage 2 before and after its LoRA fused the adapter's up-projection, scaling and add into one GEMM
       # and the converted layers cast their input once under autocast: bench.train's graphed rows in one call
@@ -105,13 +102,10 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
         "kernels (fused), PyTorch prelude" "kernels (features given)" --sweep-prefill \
         --out "$S/prefill_sweep.json" 2>&1 | quiet | grep -v "^prefill sweep" | tail -12
       for tag in tuned defaults; do
-        timeout 300 python3 -c "import json, sys; from linearize.ops import hybrid_triton
-knobs = json.load(open('$S/prefill_sweep.json'))['best_prefill']['knobs'] if '$tag' == 'tuned' else {}
-for key, value in knobs.items(): setattr(hybrid_triton, key.split('.')[1], value)
-print('$tag knobs', knobs)
-from linearize.cli import main; sys.exit(main(sys.argv[1:]))" bench "$C" --teacher "$T" --dtype bfloat16 \
-          --prefill 1x1024 32x1024 1x8192 32x8192 --prefill-teacher-paths sdpa --out "$S/prefill_$tag.json" 2>&1 \
-          | quiet | grep -E "knobs|kernels|sdpa" | tail -9
+        record=$S/prefill_sweep.json; [ $tag = tuned ] || record=none
+        timeout 300 python3 dev/with_knobs.py "$record" best_prefill linearize.cli bench "$C" --teacher "$T" \
+          --dtype bfloat16 --prefill 1x1024 32x1024 1x8192 32x8192 --prefill-teacher-paths sdpa \
+          --out "$S/prefill_$tag.json" 2>&1 | quiet | grep -E "knobs|kernels|sdpa" | tail -9
       done ;;
     profile)
       student

@@ -1,0 +1,27 @@
+"""Run a module's ``main`` with kernel constants set from a sweep's record, in one process:
+
+    python dev/with_knobs.py RECORD KEY MODULE [ARGS...]
+
+``RECORD[KEY]["knobs"]`` maps ``"module.NAME"`` (a module under ``linearize.ops``) to a value, as
+``hybrid_bench.py --sweep`` (key ``best``) and ``--sweep-prefill`` (``best_prefill``) write it; ``RECORD``
+``none`` runs with the defaults. ``MODULE`` is e.g. ``linearize.bench.train`` or ``linearize.cli``, run
+with ``ARGS`` as its command line.
+"""
+
+import importlib
+import json
+import sys
+
+
+def main(argv) -> int:
+    record, key, module, *args = argv
+    knobs = {} if record == "none" else json.load(open(record))[key]["knobs"]
+    for name, value in knobs.items():
+        owner, constant = name.rsplit(".", 1)
+        setattr(importlib.import_module(f"linearize.ops.{owner}"), constant, value)
+    print("knobs", knobs or "(the defaults)", flush=True)
+    return importlib.import_module(module).main(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
