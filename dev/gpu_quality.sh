@@ -137,7 +137,7 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
          # the recall score) and hand-placed K, the gated delta rule, LoLCATs trained on 4,096-token blocks (long4k),
          # LoLCATs trained with a novelty cache of 64 (trained64n; long4k64n on 4,096-token blocks), with a cache of 64
          # on the window's scale (trained64w), with the first 4 tokens kept as attention sinks (sinks4; sinks4w: window anchor)
-         # (DIAL_ROWS picks rows by name; DIAL_EVAL adds eval flags, e.g. --by-position), the teacher
+         # (DIAL_ROWS picks rows by name; DIAL_ARGS adds training flags; DIAL_EVAL adds eval flags, e.g. --by-position), the teacher
     for v in "lolcats:" "auto1:--keep-softmax auto:1" "auto2:--keep-softmax auto:2" "auto4:--keep-softmax auto:4" \
              "autor2:--keep-softmax auto:2 --auto-softmax-score recall" "hand2:--keep-softmax 2,15" "delta:--kind delta" \
              "long4k:--block-len 4096 --batch-size 2" "trained64n:--sparse-cache 64 --sparse-priority novelty" \
@@ -146,7 +146,7 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
              "sinks4w:--sparse-cache 4 --sparse-priority first --sparse-anchor window"; do
       [ -n "${DIAL_ROWS:-}" ] && [[ ",$DIAL_ROWS," != *",${v%%:*},"* ]] && continue
       name=${v%%:*}; flags=${v#*:}
-      lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} $flags \
+      lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} $flags ${DIAL_ARGS:-} \
         --out $RUNS/dial-$name 2>&1 | quiet | tail -6
       lin eval $RUNS/dial-$name/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name $name ${DIAL_EVAL:-} \
         --out $RUNS/dial/$name.json 2>&1 | quiet | tail -4

@@ -90,3 +90,8 @@ def test_prefill_profile_counts_operators_per_layer():
     assert "launches per decoder layer" in profile.render(out)
     teacher = profile.profile_prefill(_tiny_teacher(), batch=1, prompt_len=12, steps=1)
     assert teacher["model"] == "teacher" and 0 < teacher["launches_per_step"] < out["launches_per_step"]
+    assert "python" not in out
+    hosted = profile.profile_prefill(student, batch=1, prompt_len=12, steps=1, top=5, backend="torch", python_top=4)
+    assert len(hosted["python"]) == 4 and all(r["calls_per_step"] >= 1 for r in hosted["python"])
+    assert hosted["python"][0]["own_us_per_step"] >= hosted["python"][-1]["own_us_per_step"] > 0
+    assert "Python function (cProfile)" in profile.render(hosted)

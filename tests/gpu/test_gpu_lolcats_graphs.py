@@ -105,12 +105,12 @@ def test_graphed_lolcats_stage2_steps_equal_eager_ones(tiny_model, loss):
     assert graphed.captures == 1
 
 
-@pytest.mark.parametrize("priority", ["first", "novelty"])
+@pytest.mark.parametrize("priority", ["first", "novelty", "recall"])
 def test_graphed_sparse_cache_stages_equal_eager_ones(tiny_model, priority):
     """A student with a sparse cache (S = 4) trains through the cache's PyTorch chunked form, which asks
     the host nothing without padding: stage 1's attention_mse and stage 2's LoRA step replayed from one
-    capture each give the eager steps' losses and gradients, three steps in a row. (The recipe still
-    trains a sparse cache eagerly under ``--cuda-graph auto``; this is what would let it capture.)"""
+    capture each give the eager steps' losses and gradients, three steps in a row (what lets the recipe
+    capture a sparse cache under ``--cuda-graph auto``)."""
     from linearize.distill import build_objective
     from linearize.graphed import GraphedLoss
     from linearize.recipes.lolcats import _freeze_all_but

@@ -545,11 +545,11 @@ def test_cuda_graph_decisions_per_stage(monkeypatch):
     assert blockwise["stage2"] == yes and not blockwise["stage1"][0]
     assert blockwise["stage1"][1].startswith("block-wise stage 1 from cached inputs")
     assert LolcatsConfig(layers_per_block=2).stage_config("stage1", "o").cuda_graph is False
-    sparse = decide(spec={"kind": "lolcats", "sparse_cache": 16})
-    assert all(not g and why.startswith("a sparse cache (--sparse-cache)") for g, why in sparse.values())
+    # a sparse cache's PyTorch form asks the host nothing on packed blocks: it captures like the kernels
+    assert decide(spec={"kind": "lolcats", "sparse_cache": 16, "sparse_priority": "first"}) == {"stage1": yes, "stage2": yes}
     hidden = decide(loss="kl+hidden_mse")
     assert hidden["stage1"] == yes and hidden["stage2"][1].startswith("hidden_mse in the loss 'kl+hidden_mse' cannot")
-    refusals = {"layers_per_block": 2, "spec": {"kind": "lolcats", "sparse_cache": 16}, "loss": "hidden_mse"}
+    refusals = {"layers_per_block": 2, "loss": "hidden_mse"}
     for key, value in refusals.items():
         with pytest.raises(linearize.LinearizeError, match="^--cuda-graph on: ") as err:
             decide(cuda_graph="on", **{key: value})

@@ -214,8 +214,9 @@ def profile_decode(model, batch: int = 1, tokens: int = 16, prompt_len: int = 32
 
 @torch.no_grad()
 def profile_prefill(model, batch: int = 1, prompt_len: int = 1024, steps: int = 2, top: int = 20,
-                    backend: str | None = None) -> dict:
-    """Kernels (CUDA) or operators (CPU) of one prefill, per prefill and per decoder layer."""
+                    backend: str | None = None, python_top: int = 0) -> dict:
+    """Kernels (CUDA) or operators (CPU) of one prefill, per prefill and per decoder layer; with
+    ``python_top``, also the Python functions that take the host's time (a short prefill is host-bound)."""
     import time
 
     from torch.profiler import profile
@@ -244,7 +245,10 @@ def profile_prefill(model, batch: int = 1, prompt_len: int = 1024, steps: int = 
             for _ in range(steps):
                 prefill_once(model, ids)
             sync()
+        hotspots = python_hotspots(lambda: prefill_once(model, ids), steps, python_top, sync) if python_top else None
     out = kernel_table(prof, device, steps, top)
+    if hotspots:
+        out["python"] = hotspots
     layers = model.config.num_hidden_layers
     out.update(what="prefill", batch=batch, length=prompt_len, backend=backend or "spec", layers=layers,
                launches_per_layer=out["launches_per_step"] / layers, wall_us_per_step=wall,
@@ -314,6 +318,8 @@ def main(argv=None) -> int:
     pf.add_argument("--backend", choices=["auto", "torch", "fla"], default=None,
                     help="the converted layers' backend (default: the checkpoint's spec)")
     pf.add_argument("--dtype", default="bfloat16")
+    pf.add_argument("--python", type=int, default=0, metavar="N",
+                    help="also list the N Python functions with the most host time (cProfile)")
     for s in (tr, de, pf):
         s.add_argument("--top", type=int, default=20, help="rows to print (default: %(default)s)")
         s.add_argument("--device", default=None, help="default: cuda when available")
@@ -330,7 +336,7 @@ def main(argv=None) -> int:
             model, _ = linearize.load_model(args.model, dtype=args.dtype, device=device)
             if args.what == "prefill":
                 result = profile_prefill(model, args.batch, args.prompt_len, steps=args.steps, top=args.top,
-                                         backend=args.backend)
+                                         backend=args.backend, python_top=args.python)
             else:
                 result = profile_decode(model, args.batch, args.tokens, compile=args.compile, top=args.top,
                                         fuse_projections=not args.unfused)

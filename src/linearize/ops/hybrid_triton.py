@@ -79,10 +79,11 @@ KEY_WARPS = 4  # warps of the key-side backward passes
 QUERY_ROWS = 16  # query rows per program of the output pass
 BWD_QUERY_ROWS = 16  # query rows per program of the query-side backward
 KEY_ROWS = 32  # key rows per program of the key-side backward passes
-# The output pass with no backward to follow (prefill, scoring) saves nothing and may take other tiles:
-# larger query blocks load each chunk's linear state fewer times. Until an H100 sweep of the forward alone
-# picks them (``dev/hybrid_bench.py --sweep-prefill``), they are the training pass's.
-PREFILL_QUERY_ROWS = 16  # query rows per program of the output pass without a backward
+# The output pass with no backward to follow (prefill, scoring) saves nothing and takes its own tiles:
+# a whole window of queries per program loads each chunk's linear state once, where 16 rows load it four
+# times (an H100 sweep of the forward alone, ``dev/hybrid_bench.py --sweep-prefill``: 64 rows / 4 warps
+# fastest at every shape tried)
+PREFILL_QUERY_ROWS = 64  # query rows per program of the output pass without a backward
 PREFILL_WARPS = 4  # its warps
 WIDE = dict(SUM_WARPS=8, FWD_WARPS=8, BWD_WARPS=8, KEY_WARPS=8, QUERY_ROWS=32, BWD_QUERY_ROWS=32, KEY_ROWS=16,
             PREFILL_QUERY_ROWS=32, PREFILL_WARPS=8)

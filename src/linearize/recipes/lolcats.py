@@ -144,10 +144,8 @@ class LolcatsConfig(RunConfig):
 def cuda_graphs(cfg: LolcatsConfig, stage: str) -> tuple[bool, str | None]:
     """Whether ``stage``'s (``stage1`` or ``stage2``) training steps replay as CUDA graphs, and if not,
     why (under ``cuda_graph: auto``): ``linearize.graphed.use_graphs`` on this process's device and
-    launch, stage 2's loss terms, and what the recipe's settings rule out: a sparse cache, and
-    block-wise stage 1 fed cached inputs (each batch's teacher states enter the block from outside the
-    model). Raises ``LinearizeError`` under ``on`` where they cannot."""
-    from ..spec import Spec
+    launch, stage 2's loss terms, and what the recipe's settings rule out: block-wise stage 1 fed
+    cached inputs (each batch's teacher states enter the block from outside the model). Raises ``LinearizeError`` under ``on`` where they cannot."""
 
     uncapturable = other = None
     if stage == "stage2" and not stage2_learns_from_lm(cfg):
@@ -157,9 +155,6 @@ def cuda_graphs(cfg: LolcatsConfig, stage: str) -> tuple[bool, str | None]:
         other = ("block-wise stage 1 from cached inputs (--layers-per-block with --block-inputs cache) feeds each "
                  "batch's teacher states into its block from outside the model (--block-inputs recompute can be "
                  "graphed)")
-    elif Spec.coerce(cfg.spec).sparse_cache:
-        other = ("a sparse cache (--sparse-cache) trains through its PyTorch form, not yet checked under CUDA-graph "
-                 "capture")
     return use_graphs(cfg.cuda_graph, cuda=torch.cuda.is_available(), uncapturable=uncapturable, fsdp=under_fsdp(),
                       other=other)
 
