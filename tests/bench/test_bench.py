@@ -211,5 +211,12 @@ def test_bench_prefill_sweep_on_tiny_models(tiny_model, tmp_path, capsys):
                 assert r["ratio_to_teacher"] == pytest.approx(r["tokens_per_s"] / teacher_best)
     flash = [r for r in rows if r["path"] == "flash_attention_2"]
     assert all(r["note"] or r["tokens_per_s"] for r in flash)
-    assert "| student | torch | 2x13 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| student | torch | 2x13 |" in printed
+    # timed shape by shape (every model and path at one shape, then the next), printed as they come
+    timed = [json.loads(line) for line in printed.splitlines() if line.startswith("{")]
+    assert [(r["batch"], r["prompt_len"]) for r in timed] == [(1, 8)] * 5 + [(2, 13)] * 5
+    assert [(r["model"], r["path"]) for r in timed[:5]] == [("teacher", "sdpa"), ("teacher", "eager"),
+                                                            ("teacher", "flash_attention_2"), ("student", "kernels"),
+                                                            ("student", "torch")]
     assert main(["bench", str(tmp_path / "student"), "--prefill", "2by8", "--device", "cpu"]) == 2

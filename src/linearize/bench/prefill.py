@@ -2,7 +2,8 @@
 
     linearize bench CHECKPOINT --prefill 1x1024 32x1024 256x1024 1x8192 32x8192 1x32768 32x32768
 
-Each (model, path) is timed at every batch x prompt-length shape in one run: a random prompt,
+Each (model, path) is timed at every batch x prompt-length shape in one run, shape by shape (all of
+them at one shape, then the next, so each ratio compares passes timed close together): a random prompt,
 ``warmup`` untimed passes at that shape (Triton compiles its kernels for each new shape class,
 cuDNN/flash pick theirs, the allocator grows), then timed passes (at least one, at most
 ``repeats``, until ``budget_s`` seconds), of which the median counts; tokens/s = batch x length /
@@ -127,27 +128,42 @@ def measure(model, label: str, path: str, batch: int, prompt_len: int, *, warmup
 def sweep(student, teacher, shapes, *, teacher_paths=("sdpa", "flash_attention_2"), student_paths=("kernels",),
           warmup: int = 2, repeats: int = 5, budget_s: float = 3.0, report=None) -> list[PrefillRow]:
     """Rows for every (model, path) at every ``(batch, prompt_len)`` of ``shapes``, printed as JSON
-    lines as they come (``report`` gets the rows so far after each); ``teacher`` may be None."""
+    lines as they come (``report`` gets the rows so far after each); ``teacher`` may be None.
+
+    Shape by shape: every (model, path) runs at one shape before the next shape starts, so a ratio
+    compares passes timed minutes apart at most, not a whole sweep apart (a short prefill is
+    host-bound, and a shared host's speed drifts). Rows come back in (model, path, shape) order."""
     entries = []
     if teacher is not None:
         entries += [("teacher", teacher, p) for p in teacher_paths]
     if student is not None:
         entries += [("student", student, p) for p in student_paths]
-    rows = []
-    for label, model, path in entries:
-        note = _set_attention(model, path) if label == "teacher" else None
-        for b, t in shapes:
+    notes = {}  # a teacher path that cannot run here, found once
+    timed = {}
+    for b, t in shapes:
+        for i, (label, model, path) in enumerate(entries):
+            if label == "teacher":
+                if i not in notes:
+                    notes[i] = _set_attention(model, path)
+                elif not notes[i]:
+                    _set_attention(model, path)
+            note = notes.get(i)
             if note:
                 row = PrefillRow(label, path, b, t, None, None, None, note=note)
             else:
                 backend = "torch" if label == "student" and path == "torch" else None
                 with student_backend(model, backend):
                     row = measure(model, label, path, b, t, warmup=warmup, repeats=repeats, budget_s=budget_s)
-            rows.append(row)
+            timed[i, (b, t)] = row
             print(json.dumps(asdict(row)), flush=True)
             if report is not None:
-                report(with_ratios(rows))
-    return with_ratios(rows)
+                report(with_ratios(_in_order(timed, entries, shapes)))
+    return with_ratios(_in_order(timed, entries, shapes))
+
+
+def _in_order(timed: dict, entries, shapes) -> list[PrefillRow]:
+    """The rows timed so far, by (model, path) and then by shape."""
+    return [timed[i, shape] for i in range(len(entries)) for shape in shapes if (i, shape) in timed]
 
 
 def with_ratios(rows: list[PrefillRow]) -> list[PrefillRow]:
