@@ -112,14 +112,14 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
     pack)  # the fused decode step one program per query head (defaults) vs one per key head for all its query heads
       # (PACK_MIN_PROGRAMS=0), at batch 1, 64 and 256 from 1k-token prompts, beside the teacher's static cache + compile
       student
-      for x in None 0; do
-        timeout 280 python3 -c "import sys; from linearize.ops import hybrid_step_triton as m; m.PACK_MIN_PROGRAMS = $x
-from linearize.cli import main; sys.exit(main(sys.argv[1:]))" bench "$C" --teacher "$([ $x = None ] && echo "$T" || echo none)" \
-          --dtype bfloat16 --paths fast --compile --teacher-paths static --batch-sizes 1 64 256 --new-tokens 256 \
-          --prompt-len 1024 --out "$S/decode_pack_$x.json" 2>&1 | quiet | grep -E "^\| (student|teacher)"
+      pack='{"hybrid_step_triton.PACK_MIN_PROGRAMS": 0}'
+      for tag in per-query-head per-key-head; do
+        knobs=none; teacher=$T; [ $tag = per-key-head ] && { knobs=$pack; teacher=none; }
+        timeout 280 python3 dev/with_knobs.py "$knobs" - linearize.cli bench "$C" --teacher "$teacher" --dtype bfloat16 \
+          --paths fast --compile --teacher-paths static --batch-sizes 1 64 256 --new-tokens 256 --prompt-len 1024 \
+          --out "$S/decode_$tag.json" 2>&1 | quiet | grep -E "knobs|^\| (student|teacher)"
       done
-      timeout 200 python3 -c "import sys; from linearize.ops import hybrid_step_triton as m; m.PACK_MIN_PROGRAMS = 0
-from linearize.bench.profile import main; sys.exit(main(sys.argv[1:]))" decode "$C" --batch 256 --compile --top 6 \
+      timeout 200 python3 dev/with_knobs.py "$pack" - linearize.bench.profile decode "$C" --batch 256 --compile --top 6 \
         --out "$S/profile_decode_b256_pack.json" 2>&1 | quiet | tail -9 ;;
     profile)
       student

@@ -4,7 +4,8 @@
 
 ``RECORD[KEY]["knobs"]`` maps ``"module.NAME"`` (a module under ``linearize.ops``) to a value, as
 ``hybrid_bench.py --sweep`` (key ``best``) and ``--sweep-prefill`` (``best_prefill``) write it; ``RECORD``
-``none`` runs with the defaults. ``MODULE`` is e.g. ``linearize.bench.train`` or ``linearize.cli``, run
+``none`` runs with the defaults, and a JSON object given inline is the knobs themselves (``KEY`` unread),
+e.g. ``'{"hybrid_step_triton.PACK_MIN_PROGRAMS": 0}' -``. ``MODULE`` is e.g. ``linearize.bench.train`` or ``linearize.cli``, run
 with ``ARGS`` as its command line.
 """
 
@@ -15,7 +16,12 @@ import sys
 
 def main(argv) -> int:
     record, key, module, *args = argv
-    knobs = {} if record == "none" else json.load(open(record))[key]["knobs"]
+    if record == "none":
+        knobs = {}
+    elif record.lstrip().startswith("{"):
+        knobs = json.loads(record)
+    else:
+        knobs = json.load(open(record))[key]["knobs"]
     for name, value in knobs.items():
         owner, constant = name.rsplit(".", 1)
         setattr(importlib.import_module(f"linearize.ops.{owner}"), constant, value)

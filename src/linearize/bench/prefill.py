@@ -138,16 +138,15 @@ def sweep(student, teacher, shapes, *, teacher_paths=("sdpa", "flash_attention_2
         entries += [("teacher", teacher, p) for p in teacher_paths]
     if student is not None:
         entries += [("student", student, p) for p in student_paths]
-    notes = {}  # a teacher path that cannot run here, found once
+    unavailable = {}  # teacher paths that cannot run here: their notes
     timed = {}
     for b, t in shapes:
         for i, (label, model, path) in enumerate(entries):
-            if label == "teacher":
-                if i not in notes:
-                    notes[i] = _set_attention(model, path)
-                elif not notes[i]:
-                    _set_attention(model, path)
-            note = notes.get(i)
+            if label == "teacher" and i not in unavailable:
+                note = _set_attention(model, path)
+                if note:
+                    unavailable[i] = note
+            note = unavailable.get(i)
             if note:
                 row = PrefillRow(label, path, b, t, None, None, None, note=note)
             else:
