@@ -25,8 +25,8 @@
 #             with the fused adapters and one cast (the defaults), with stage 1, in one call
 #   prefill-sweep  the prefill's output-pass tiles (hybrid_bench.py --sweep-prefill), then the prefill rows
 #             (1k and 8k, batch 1 and 32) with the fastest tiles set in the process, then with the defaults
-#   pack      the fused decode step per key head (its query heads in one program) against per query head, batch
-#             1-256 from 1k prompts (bench --paths fast --compile; the teacher's static cache beside the defaults)
+#   step      the fused decode step alone (dev/step_bench.py: warps x value parts, STEP_ARGS; STEP_MODULES=FILE adds
+#             an earlier version of the module beside it), then decode batch 1-256 from 1k prompts beside the teacher
 #   profile   where a training step's time goes (bench.profile train at 8x1024: kernels, host phases) for the
 #             teacher and both LoLCATs stages, and a 1k prefill's kernels, student and teacher
 # An untrained student: speed does not depend on the weights. Rows land in $S (/tmp/runs/hybrid).
@@ -109,18 +109,15 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
           --dtype bfloat16 --prefill 1x1024 32x1024 1x8192 32x8192 --prefill-teacher-paths sdpa \
           --out "$S/prefill_$tag.json" 2>&1 | quiet | grep -E "knobs|kernels|sdpa" | tail -9
       done ;;
-    pack)  # the fused decode step one program per query head (defaults) vs one per key head for all its query heads
-      # (PACK_MIN_PROGRAMS=0), at batch 1, 64 and 256 from 1k-token prompts, beside the teacher's static cache + compile
+    step)  # the fused decode step alone (dev/step_bench.py: warps x value parts; STEP_MODULES: other versions of
+      # ops/hybrid_step_triton.py beside it), then decode at batch 1, 64 and 256 from 1k prompts beside the teacher
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k fused_hybrid_step 2>&1 | tail -3
+      timeout 420 python3 dev/step_bench.py ${STEP_ARGS:-} ${STEP_MODULES:+--module $STEP_MODULES} --out "$S/step_bench.json" \
+        2>&1 | quiet
       student
-      pack='{"hybrid_step_triton.PACK_MIN_PROGRAMS": 0}'
-      for tag in per-query-head per-key-head; do
-        knobs=none; teacher=$T; [ $tag = per-key-head ] && { knobs=$pack; teacher=none; }
-        timeout 280 python3 dev/with_knobs.py "$knobs" - linearize.cli bench "$C" --teacher "$teacher" --dtype bfloat16 \
-          --paths fast --compile --teacher-paths static --batch-sizes 1 64 256 --new-tokens 256 --prompt-len 1024 \
-          --out "$S/decode_$tag.json" 2>&1 | quiet | grep -E "knobs|^\| (student|teacher)"
-      done
-      timeout 200 python3 dev/with_knobs.py "$pack" - linearize.bench.profile decode "$C" --batch 256 --compile --top 6 \
-        --out "$S/profile_decode_b256_pack.json" 2>&1 | quiet | tail -9 ;;
+      timeout 280 python3 -m linearize bench "$C" --teacher "$T" --dtype bfloat16 --paths fast --compile --teacher-paths static \
+        --batch-sizes 1 64 256 --new-tokens 256 --prompt-len 1024 --out "$S/decode_step.json" 2>&1 | quiet \
+        | grep -E "^\| (student|teacher)|Error|error:" ;;
     profile)
       student
       for m in teacher lolcats-stage1 lolcats-stage2; do

@@ -21,10 +21,7 @@ from linearize.ops import hybrid_step_triton  # noqa: E402
 torch.set_grad_enabled(False)
 
 
-def check_kernel(b, h, hk, d, fh, window, t, n, softcap, rot, splits, seed, pack=False):
-    """``pack``: one program per key head for all its query heads (``PACK_MIN_PROGRAMS`` = 0)."""
-    hybrid_step_triton.PACK_MIN_PROGRAMS = 0 if pack else None
-    assert hybrid_step_triton.pack_query_heads(b, hk, splits) == pack
+def check_kernel(b, h, hk, d, fh, window, t, n, softcap, rot, splits, seed):
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     fq, fk = Hedgehog(h, d, fh), Hedgehog(hk, d, fh)
@@ -79,10 +76,6 @@ if sys.argv[1:] == ["kernel"]:
     check_kernel(2, 3, 1, 16, 8, window=4, t=3, n=10, softcap=20.0, rot=8, splits=2, seed=1)  # MQA, partial RoPE
     check_kernel(2, 4, 2, 12, 5, window=5, t=9, n=8, softcap=None, rot=12, splits=2, seed=2)  # odd sizes
     check_kernel(1, 4, 2, 16, 4, window=1, t=4, n=4, softcap=None, rot=0, splits=4, seed=3)  # w = 1, no RoPE
-    # one program per key head, its query heads in a loop
-    check_kernel(2, 4, 2, 8, 6, window=4, t=6, n=11, softcap=None, rot=8, splits=1, seed=0, pack=True)
-    check_kernel(2, 3, 1, 16, 8, window=4, t=3, n=10, softcap=20.0, rot=8, splits=2, seed=1, pack=True)
-    check_kernel(1, 4, 2, 16, 4, window=1, t=4, n=4, softcap=None, rot=0, splits=4, seed=3, pack=True)
 else:
     check_decoder()
 print("ok")

@@ -4,8 +4,7 @@
 the new query and key, the query's features, the window softmax, the linear terms, the ring and
 linear-state updates and the slot bookkeeping (with RoPE and the feature maps in PyTorch around
 the ring-step kernel below, a layer's step was 27 launches). One program per (sequence, query
-head, part of the value columns), or at large batches (``PACK_MIN_PROGRAMS``) per (sequence, key
-head, part) for all its query heads; the state is laid out so that no program writes what another
+head, part of the value columns); the state is laid out so that no program writes what another
 reads (``FusedRingState``).
 
 ``hybrid_step_ring_triton`` is the twin of ``hybrid_attention_step_ring`` for other feature maps:
@@ -123,30 +122,26 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
                        keys_ptr, values_ptr, valid_ptr, lin_ptr, slot_ptr, ticks_ptr, y_ptr,
                        sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, swq, swk,
                        scale, softcap, H, HK, W, D, FH, R, NS,
-                       HAS_SOFTCAP: tl.constexpr, PACK: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr,
-                       BDV: tl.constexpr, BF: tl.constexpr):
+                       HAS_SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+                       BF: tl.constexpr):
     bi = tl.program_id(0)
+    h = tl.program_id(1)
     c = tl.program_id(2)
-    G = H // HK
-    if PACK:  # one program per key head: its G query heads share one load of the window and the state
-        hk = tl.program_id(1)
-        h0 = hk * G
-        heads = G
-    else:  # one program per query head
-        h0 = tl.program_id(1)
-        hk = h0 // G
-        heads = 1
-    owner = h0 % G == 0  # the one program per key head (and value part) that updates its state
+    hk = h // (H // HK)
+    owner = h % (H // HK) == 0  # the one program per key head (and value part) that updates its state
     w = tl.arange(0, BW)
     d = tl.arange(0, BD)
     f = tl.arange(0, BF)
     dv = c * BDV + tl.arange(0, BDV)  # this program's value columns
     dm, dvm, fm = d < D, dv < D, f < FH
-    tick = tl.load(ticks_ptr + (bi * H + h0) * NS + c)  # every head's tick moves together
+    tick = tl.load(ticks_ptr + (bi * H + h) * NS + c)
     s = tick % W  # the slot the new token takes; its old token is already in the linear state
     p = tick % 2  # the linear state read now; the other one is written
     here = w == s
     old = (w < W) & (w != s)  # slot s is never read: its owner overwrites it during the launch
+
+    q = _rope(q_ptr + bi * sq_b + h * sq_h, sq_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d, D, R)
+    q_pos, q_neg = _hedgehog(q, wq_ptr + h * swq, d, f, D, FH)
 
     # the window after this step: slot s holds the new token (rounded as the ring stores it)
     ring = (bi * HK + hk) * W * D
@@ -159,6 +154,12 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     values = tl.where(here[:, None], v_new.to(tl.float32)[None, :], values.to(tl.float32))
     live = tl.load(valid_ptr + bi * W + w, mask=old, other=0).to(tl.int1) | here
 
+    # softmax terms of the window and linear terms, one normaliser
+    scores = tl.sum(keys * q[None, :], axis=1) * scale
+    if HAS_SOFTCAP:
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
+    scores = tl.where(live, scores, float("-inf"))
+    a = tl.sigmoid(tl.load(logit_ptr + h).to(tl.float32)) * tl.exp(scores - tl.max(scores, axis=0))
     width = D + 1  # a linear-state row: the values, then the normaliser
     cur = lin_ptr + ((bi * HK + hk) * 2 + p) * 2 * FH * width
     nxt = lin_ptr + ((bi * HK + hk) * 2 + 1 - p) * 2 * FH * width
@@ -168,23 +169,12 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     s_neg = tl.load(cur + FH * width + rows, mask=lm, other=0.0)
     n_pos = tl.load(cur + f * width + D, mask=fm, other=0.0)
     n_neg = tl.load(cur + (FH + f) * width + D, mask=fm, other=0.0)
-
-    for j in range(heads):
-        h = h0 + j
-        q = _rope(q_ptr + bi * sq_b + h * sq_h, sq_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d, D, R)
-        q_pos, q_neg = _hedgehog(q, wq_ptr + h * swq, d, f, D, FH)
-        # softmax terms of the window and linear terms, one normaliser
-        scores = tl.sum(keys * q[None, :], axis=1) * scale
-        if HAS_SOFTCAP:
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
-        scores = tl.where(live, scores, float("-inf"))
-        a = tl.sigmoid(tl.load(logit_ptr + h).to(tl.float32)) * tl.exp(scores - tl.max(scores, axis=0))
-        num = tl.sum(a[:, None] * values, axis=0)
-        num += tl.sum(q_pos[:, None] * s_pos, axis=0) + tl.sum(q_neg[:, None] * s_neg, axis=0)
-        den = tl.sum(a, axis=0) + tl.sum(q_pos * n_pos, axis=0) + tl.sum(q_neg * n_neg, axis=0)
-        tl.store(y_ptr + (bi * H + h) * D + dv,
-                 (num / tl.maximum(den, 1.1754943508222875e-38)).to(y_ptr.dtype.element_ty), mask=dvm)
-        tl.store(ticks_ptr + (bi * H + h) * NS + c, (tick + 1) % (2 * W))
+    num = tl.sum(a[:, None] * values, axis=0)
+    num += tl.sum(q_pos[:, None] * s_pos, axis=0) + tl.sum(q_neg[:, None] * s_neg, axis=0)
+    den = tl.sum(a, axis=0) + tl.sum(q_pos * n_pos, axis=0) + tl.sum(q_neg * n_neg, axis=0)
+    tl.store(y_ptr + (bi * H + h) * D + dv, (num / tl.maximum(den, 1.1754943508222875e-38)).to(y_ptr.dtype.element_ty),
+             mask=dvm)
+    tl.store(ticks_ptr + (bi * H + h) * NS + c, (tick + 1) % (2 * W))
 
     if owner:
         # the other linear state: this one plus the token the next step evicts, from slot s + 1
@@ -207,26 +197,21 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
         tl.store(nxt + (FH + f) * width + D, n_neg + k_neg, mask=tl.where(first, fm, False))
         tl.store(values_ptr + ring + s * D + dv, v_new, mask=dvm)
         tl.store(keys_ptr + ring + s * D + d, k_new, mask=tl.where(first, dm, False))
-        tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=first & (h0 == 0))
-        tl.store(slot_ptr, ((s + 1) % W).to(tl.int64), mask=first & (h0 == 0) & (bi == 0))
+        tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=first & (h == 0))
+        tl.store(slot_ptr, ((s + 1) % W).to(tl.int64), mask=first & (h == 0) & (bi == 0))
 
 
-# Batches of at least this many (sequence, key head, value part) programs run the step one program
-# per key head (its query heads share one load of the window and the linear state) instead of one per
-# query head: fewer, longer programs where the GPU is full anyway. None: never (the default until an
-# H100 measurement picks the threshold: ``dev/gpu_hybrid.sh pack``).
-PACK_MIN_PROGRAMS: int | None = None
+# The fused step's programs: value parts are added until a step has about this many (a batch-1 step
+# would otherwise leave most of the GPU idle); and its warps (None: by the tile, see below). Both are
+# module constants so that dev/step_bench.py can sweep them.
+SPLIT_PROGRAMS = 32
+STEP_WARPS: int | None = None
 
 
-def pack_query_heads(batch: int, n_kv_heads: int, splits: int) -> bool:
-    """Whether ``hybrid_step_fused_triton`` runs one program per key head (``PACK_MIN_PROGRAMS``)."""
-    return PACK_MIN_PROGRAMS is not None and batch * n_kv_heads * splits >= PACK_MIN_PROGRAMS
-
-
-def value_splits(batch: int, n_heads: int, head_dim: int, programs: int = 32, min_width: int = 16) -> int:
+def value_splits(batch: int, n_heads: int, head_dim: int, programs: int | None = None, min_width: int = 16) -> int:
     """Parts of the value columns per head for ``FusedRingState``: halved until the step has about
-    ``programs`` programs (a batch-1 step would otherwise leave most of the GPU idle), each part at
-    least ``min_width`` wide."""
+    ``programs`` programs (default ``SPLIT_PROGRAMS``), each part at least ``min_width`` wide."""
+    programs = SPLIT_PROGRAMS if programs is None else programs
     splits = 1
     while batch * n_heads * splits < programs and head_dim // (2 * splits) >= min_width:
         splits *= 2
@@ -257,13 +242,15 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
         rot, sc_b, sc_d = cos.shape[-1], cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1)
     wq, wk = wq.contiguous(), wk.contiguous()
     bw, bd = triton.next_power_of_2(w), triton.next_power_of_2(d)
-    # warps: ptxas (sm_90) reports spills at 4 warps for a window of 64 x head dim 64, none at 8
-    pack = pack_query_heads(b, hk, splits)
-    _hybrid_fused_step[(b, hk if pack else h, splits)](
+    # warps: a window of 64 x head dim 64 takes 4. At 8, ptxas (sm_90) gives 255 registers a thread and
+    # no spills, but that is one program per SM: on an H100 (dev/step_bench.py, 30 layers' states)
+    # 4 warps, with ~170 bytes of spills, ran the step 1.75x faster at batch 256 and 1.6x at batch 64,
+    # and no slower at batch 1. Larger tiles take proportionally more (not measured).
+    _hybrid_fused_step[(b, h, splits)](
         q, k, v, cos, sin, wq, wk, window_logit, state.keys, state.values, state.valid, state.linear, state.slot,
         state.ticks, y, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, wq.stride(0) if wq.shape[0] > 1 else 0,
         wk.stride(0) if wk.shape[0] > 1 else 0, float(scale), float(softcap or 1.0), h, hk, w, d, fh, rot, splits,
-        HAS_SOFTCAP=softcap is not None, PACK=pack, BW=bw, BD=bd, BDV=triton.next_power_of_2(triton.cdiv(d, splits)),
-        BF=triton.next_power_of_2(fh), num_warps=min(16, max(4, bw * bd // 512)))
+        HAS_SOFTCAP=softcap is not None, BW=bw, BD=bd, BDV=triton.next_power_of_2(triton.cdiv(d, splits)),
+        BF=triton.next_power_of_2(fh), num_warps=STEP_WARPS or min(16, max(4, bw * bd // 1024)))
     return y.transpose(1, 2)

@@ -1,0 +1,131 @@
+"""Time the LoLCATs hybrid's fused decode step (``ops/hybrid_step_triton.py``) alone on CUDA, as the
+fast decoder runs it: one CUDA graph of ``--layers`` steps, each on its own layer's state (so a large
+batch's states do not sit in L2 between steps as they would not in the model), for each batch and
+each setting of the step's constants (warps, value parts).
+
+    python dev/step_bench.py [--batches 1 64 256] [--warps 0 4 8 16] [--splits 0 1 2 4]
+                             [--module FILE ...] [--out FILE]
+
+Shapes are SmolLM2-135M's (9 query heads, 3 key heads, head dim 64, Hedgehog features 2 x 64,
+window 64). ``--warps 0`` and ``--splits 0`` are the module's defaults. ``--module`` adds another
+version of the module (e.g. one from an earlier commit, ``git show REV:src/linearize/ops/hybrid_step_triton.py``)
+to time beside the installed one. Every setting's output for one step from the same state is checked
+against the module's defaults (bf16 tolerance). Prints µs per step and effective GB/s of the state's
+bytes (window read, linear state read and written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+
+import torch
+
+H, HK, D, FH, W = 9, 3, 64, 64, 64
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def timed(step, replays):
+    """µs per replay of ``step`` captured in one CUDA graph (on the CPU: per plain call)."""
+    if DEV == "cpu":
+        import time
+
+        t = time.perf_counter()
+        for _ in range(replays):
+            step()
+        return (time.perf_counter() - t) * 1e6 / replays
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(replays):
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / replays
+
+
+def load(path):
+    if path is None:
+        from linearize.ops import hybrid_step_triton
+
+        return "current", hybrid_step_triton
+    spec = importlib.util.spec_from_file_location(f"step_{abs(hash(path))}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return path, mod
+
+
+def states(b, splits, layers, gen):
+    from linearize.ops import FusedRingState
+
+    out = []
+    for _ in range(layers):
+        r = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
+        linear = r(b, HK, 2, 2 * FH, D + 1).abs() * 0.1  # the normaliser column must stay positive
+        out.append(FusedRingState(r(b, HK, W, D).bfloat16(), torch.empty(b, HK, 0, 2 * FH, device=DEV),
+                                  r(b, HK, W, D).bfloat16(), linear, torch.ones(b, W, dtype=torch.bool, device=DEV),
+                                  slot=torch.zeros((), dtype=torch.long, device=DEV),
+                                  ticks=torch.zeros(b, H, splits, dtype=torch.int32, device=DEV)))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256])
+    p.add_argument("--warps", nargs="+", type=int, default=[0, 4, 8, 16])
+    p.add_argument("--splits", nargs="+", type=int, default=[0, 1, 2, 4])
+    p.add_argument("--module", nargs="*", default=[])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("step_bench.py needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    r = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
+    wq, wk, logit = (r(H, D, FH) * 0.2).bfloat16(), (r(HK, D, FH) * 0.2).bfloat16(), r(H).bfloat16()
+    modules = [load(None), *(load(path) for path in args.module)]
+    rows = []
+    print("| module | batch | warps | splits | µs/step | GB/s | max err |\n|---|---|---|---|---|---|---|")
+    for b in args.batches:
+        q, k, v = (x.transpose(1, 2) for x in r(b, 1, H + 2 * HK, D).bfloat16().split([H, HK, HK], dim=2))
+        ang = 2000.0 * 10000.0 ** (-torch.arange(D // 2, device=DEV) / (D // 2))
+        emb = torch.cat([ang, ang], -1)[None, None]
+        pe = (emb.cos().bfloat16(), emb.sin().bfloat16())
+        state_bytes = b * HK * (2 * W * D * 2 + 2 * 2 * FH * (D + 1) * 4)  # window read, linear read + written
+        want = None
+        for (name, mod), warps, splits in itertools.product(modules, args.warps, args.splits):
+            parts = splits or mod.value_splits(b, H, D)
+            mod.STEP_WARPS = warps or None
+            ref = states(b, parts, 1, torch.Generator(device=DEV).manual_seed(1))[0]  # the same for every setting
+            y = mod.hybrid_step_fused_triton(q, k, v, pe, wq, wk, logit, ref, scale=D ** -0.5).float()
+            want = y if want is None else want
+            err = (y - want).abs().max().item()
+            layers = states(b, parts, args.layers, gen)
+            step = lambda: [mod.hybrid_step_fused_triton(q, k, v, pe, wq, wk, logit, s, scale=D ** -0.5)  # noqa: E731
+                            for s in layers]
+            us = timed(step, args.replays) / args.layers
+            mod.STEP_WARPS = None
+            row = dict(module=name, batch=b, warps=warps or "default", splits=parts, us_per_step=us,
+                       gb_per_s=state_bytes / us / 1e3, max_err=err)
+            rows.append(row)
+            print(f"| {name} | {b} | {row['warps']} | {parts} | {us:.1f} | {row['gb_per_s']:.0f} | {err:.3g} |",
+                  flush=True)
+            del layers
+    if args.out:
+        json.dump(rows, open(args.out, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
