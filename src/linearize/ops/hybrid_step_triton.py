@@ -242,15 +242,16 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
         rot, sc_b, sc_d = cos.shape[-1], cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1)
     wq, wk = wq.contiguous(), wk.contiguous()
     bw, bd = triton.next_power_of_2(w), triton.next_power_of_2(d)
-    # warps: a window of 64 x head dim 64 takes 4. At 8, ptxas (sm_90) gives 255 registers a thread and
-    # no spills, but that is one program per SM: on an H100 (dev/step_bench.py, 30 layers' states)
-    # 4 warps, with ~170 bytes of spills, ran the step 1.75x faster at batch 256 and 1.6x at batch 64,
-    # and no slower at batch 1. Larger tiles take proportionally more (not measured).
+    # warps: a window of 64 x head dim 64 takes 2. At 8, ptxas (sm_90) gives 255 registers a thread and
+    # no spills, but that is one program per SM. On an H100 (dev/step_bench.py, 30 layers' states in
+    # one graph) the step took 132 / 75 / 58 us at 8 / 4 / 2 warps at batch 256, 36 / 23 / 21 at
+    # batch 64 and 8 / 8 / 7 at batch 1, spills notwithstanding. Larger tiles take proportionally more
+    # (not measured).
     _hybrid_fused_step[(b, h, splits)](
         q, k, v, cos, sin, wq, wk, window_logit, state.keys, state.values, state.valid, state.linear, state.slot,
         state.ticks, y, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, wq.stride(0) if wq.shape[0] > 1 else 0,
         wk.stride(0) if wk.shape[0] > 1 else 0, float(scale), float(softcap or 1.0), h, hk, w, d, fh, rot, splits,
         HAS_SOFTCAP=softcap is not None, BW=bw, BD=bd, BDV=triton.next_power_of_2(triton.cdiv(d, splits)),
-        BF=triton.next_power_of_2(fh), num_warps=STEP_WARPS or min(16, max(4, bw * bd // 1024)))
+        BF=triton.next_power_of_2(fh), num_warps=STEP_WARPS or min(16, max(2, bw * bd // 2048)))
     return y.transpose(1, 2)
