@@ -115,7 +115,7 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       timeout 420 python3 dev/step_bench.py ${STEP_ARGS:-} ${STEP_MODULES:+--module $STEP_MODULES} --out "$S/step_bench.json" \
         2>&1 | quiet
       student
-      timeout 280 python3 -m linearize bench "$C" --teacher "$T" --dtype bfloat16 --paths fast --compile --teacher-paths static \
+      timeout 420 python3 -m linearize bench "$C" --teacher "$T" --dtype bfloat16 --paths fast --compile --teacher-paths static \
         --batch-sizes 1 64 256 --new-tokens 256 --prompt-len 1024 --out "$S/decode_step.json" 2>&1 | quiet \
         | grep -E "^\| (student|teacher)|Error|error:" ;;
     profile)
