@@ -130,3 +130,37 @@ def fused_hybrid_steps(q, k, v, cos, sin, fq, fk, logit, key_mask, *, window, t,
         yield hybrid_step_fused_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], pe, fq.weight, fk.weight, logit, mine,
                                        **kw), want
     yield mine, ref
+
+
+def fused_sink_steps(q, k, v, cos, sin, fq, fk, logit, key_mask, *, window, cap, t, n, softcap, splits, anchor):
+    """The LoLCATs decode step with a cache of the first ``cap`` tokens (attention sinks, full after a
+    prefill of ``t`` tokens) twice: the sparse cache's PyTorch ring step (``RingSparseState``) after RoPE
+    and the Hedgehog maps, and the fused Triton step on a ``FusedSinkState`` from the raw q/k/v (``cos``
+    None: no RoPE). Yields ``(fused, reference)`` outputs for tokens ``t .. t + n - 1``, then the two
+    final states as ``(FusedSinkState, RingSparseState)``."""
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb  # full or partial
+
+    from linearize import ops
+    from linearize.ops.hybrid_step_triton import hybrid_step_fused_triton
+
+    rq, rk = apply_rotary_pos_emb(q, k, cos, sin) if cos is not None else (q, k)
+    gamma = torch.sigmoid(logit)
+    kw = dict(scale=q.shape[-1] ** -0.5, softcap=softcap)
+    pre = slice(0, t)
+    _, state = ops.sparse_hybrid_attention_chunked(rq[:, :, pre], rk[:, :, pre], fq(rq[:, :, pre]), fk(rk[:, :, pre]),
+                                                   v[:, :, pre], gamma, window=window, cache_size=cap, **kw,
+                                                   output_final_state=True, key_mask=key_mask, priority="first",
+                                                   anchor=anchor)
+    assert ops.FusedSinkState.settled(state, "first") and not ops.FusedSinkState.settled(state, "recall")
+    ref = ops.RingSparseState.from_state(state.map(lambda x: x.clone()), window)
+    mine = ops.FusedSinkState.from_sparse(state.map(lambda x: x.clone()), window, fk, q.shape[1], splits)
+    mine = mine.map(lambda x: x)  # what a batch reorder does: still the sinks' state
+    assert isinstance(mine, ops.FusedSinkState) and mine.sink_keys is not None
+    for i in range(t, t + n):
+        sl = slice(i, i + 1)
+        want, ref = ops.sparse_hybrid_attention_step_ring(rq[:, :, sl], rk[:, :, sl], fq(rq[:, :, sl]), fk(rk[:, :, sl]),
+                                                          v[:, :, sl], gamma, ref, **kw, priority="first", anchor=anchor)
+        pe = (cos[:, sl], sin[:, sl]) if cos is not None else None
+        yield hybrid_step_fused_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], pe, fq.weight, fk.weight, logit, mine,
+                                       **kw, anchor=anchor), want
+    yield mine, ref

@@ -182,6 +182,34 @@ def test_fused_hybrid_step_equals_rope_features_and_the_ring_step_on_cuda(dtype,
     assert ((mine.ring().linear - ref.linear).norm() / ref.linear.norm()).item() < tol
 
 
+@pytest.mark.parametrize("anchor", ["joint", "window"])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@torch.no_grad()
+def test_fused_hybrid_step_with_sinks_equals_the_sparse_ring_step_on_cuda(dtype, tol, splits, anchor):
+    from helpers import fused_sink_steps
+    from linearize.mixers.feature_maps import Hedgehog
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, hk, d, fh, window, cap, t, n = 2, 9, 3, 64, 64, 64, 4, 100, 80  # SmolLM2's shape, 4 sinks
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
+    fq, fk = Hedgehog(h, d, fh).to("cuda", dtype), Hedgehog(hk, d, fh).to("cuda", dtype)
+    fq.weight.copy_(r(h, d, fh) * 0.2)
+    fk.weight.copy_(r(hk, d, fh) * 0.2)
+    q, k, v = (x.transpose(1, 2) for x in r(b, t + n, h + 2 * hk, d).to(dtype).split([h, hk, hk], dim=2))
+    angles = torch.arange(t + n, device="cuda")[:, None] * 10000.0 ** (-torch.arange(d // 2, device="cuda") / (d // 2))
+    emb = torch.cat([angles, angles], -1)[None]
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    key_mask = torch.ones(b, t, dtype=torch.bool, device="cuda")
+    key_mask[1, :20] = False  # left padding; 80 real tokens: the 4 first have left the window
+    *steps, (mine, ref) = fused_sink_steps(q, k, v, cos, sin, fq, fk, r(h), key_mask, window=window, cap=cap, t=t, n=n,
+                                           softcap=None, splits=splits, anchor=anchor)
+    for i, (got, want) in enumerate(steps):
+        assert ((got.double() - want.double()).norm() / want.double().norm()).item() < tol, i
+    assert ((mine.ring().linear - ref.linear).norm() / ref.linear.norm()).item() < tol
+
+
 @pytest.mark.parametrize("decay,normalize", [(False, True), (True, False), (True, True)])
 def test_triton_linear_step_equals_the_torch_step_on_cuda(decay, normalize):
     from linearize import ops

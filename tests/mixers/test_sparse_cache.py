@@ -551,3 +551,32 @@ def test_first_without_a_state_decides_in_closed_form(case, anchor, padded):
     assert torch.equal(fold_c, fold)
     assert torch.equal(valid_c, slot_valid)
     assert torch.equal(torch.where(valid_c, pos_c, -1), torch.where(slot_valid, slot_pos, -1))
+
+
+def test_first_tokens_take_the_fused_decode_state_once_cached(tiny_model, monkeypatch):
+    """Attention sinks (``sparse_priority: first``) where the fused decode step runs: the prefill's state
+    becomes a ``FusedSinkState`` holding the cached first tokens once every sequence's have left the
+    window, the sparse cache's own ring before; ``fast_state_bytes`` counts the fused state."""
+    from linearize.convert import mixers
+    from linearize.mixers.lolcats import LolcatsAttention
+
+    monkeypatch.setattr(LolcatsAttention, "fused_decoding", lambda self: True)  # as on CUDA
+    student = linearize.convert(tiny_model("llama"), {"kind": "lolcats", "window": 4, "feature_dim": 8,
+                                                      "sparse_cache": 2, "sparse_priority": "first"})
+    ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    for padding, fused in ((2, True), (5, False)):  # 7 real tokens: 3 have left a window of 4; 4: none
+        mask = torch.ones_like(ids)
+        mask[1, :padding] = 0
+        cache = LinearizeCache(student)
+        with torch.no_grad():
+            student(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for i, m in mixers(student).items():
+            sparse = cache.layers[i].state
+            sinks = sparse.cache_keys.clone()
+            state = m.ring_state(sparse)
+            assert isinstance(state, ops.FusedSinkState if fused else ops.RingSparseState)
+            if fused:
+                assert torch.equal(state.sink_keys, sinks) and bool(state.sink_valid.all())
+                held = sum(x.numel() * x.element_size() for x in (state.keys, state.values, state.linear,
+                                                                   state.sink_keys, state.sink_values, state.sink_valid))
+                assert m.fast_state_bytes(torch.float32) == held // 2  # batch of 2

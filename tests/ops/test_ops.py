@@ -240,7 +240,8 @@ def test_triton_hybrid_decode_step_equals_the_ring_step():
 def test_triton_fused_hybrid_decode_step_equals_rope_features_and_the_ring_step():
     """The one-launch LoLCATs decode step (RoPE, Hedgehog maps, window, linear state, bookkeeping),
     run on the CPU by Triton's interpreter: GQA and MQA, left padding, soft-capping, full, partial
-    and no RoPE, split value columns, a window of 1."""
+    and no RoPE, split value columns, a window of 1; with a cache of the first tokens (attention sinks,
+    both anchors) against the sparse cache's ring step."""
     run_triton_interpreter_script("triton_interpret_hybrid_fused.py", "kernel")
 
 

@@ -14,7 +14,7 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 import torch  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
-from helpers import fused_hybrid_steps  # noqa: E402
+from helpers import fused_hybrid_steps, fused_sink_steps  # noqa: E402
 from linearize.mixers.feature_maps import Hedgehog  # noqa: E402
 from linearize.ops import hybrid_step_triton  # noqa: E402
 
@@ -43,6 +43,28 @@ def check_kernel(b, h, hk, d, fh, window, t, n, softcap, rot, splits, seed):
         assert torch.equal(a, e) if a.dtype in (torch.bool, torch.long) else torch.allclose(a, e, atol=1e-5), a.dtype
 
 
+def check_sinks(b, h, hk, d, fh, window, cap, t, n, softcap, rot, splits, anchor, seed):
+    """A cache of the first ``cap`` tokens (attention sinks), full after the prefill: the fused step on a
+    ``FusedSinkState`` against the sparse cache's PyTorch ring step (``RingSparseState``)."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
+    fq, fk = Hedgehog(h, d, fh), Hedgehog(hk, d, fh)
+    fq.weight.copy_(r(h, d, fh) * 0.5)
+    fk.weight.copy_(r(hk, d, fh) * 0.5)
+    q, k, v = (x.transpose(1, 2) for x in r(b, t + n, h + 2 * hk, d).split([h, hk, hk], dim=2))
+    angles = r(b, t + n, max(rot, 2) // 2) * 3
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    key_mask = torch.ones(b, t, dtype=torch.bool)
+    key_mask[-1, : t - window - cap - 1] = False  # left padding; every sequence's first tokens have left the window
+    *steps, (mine, ref) = fused_sink_steps(q, k, v, cos if rot else None, sin, fq, fk, r(h) * 2, key_mask,
+                                           window=window, cap=cap, t=t, n=n, softcap=softcap, splits=splits,
+                                           anchor=anchor)
+    for i, (got, want) in enumerate(steps):
+        assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (i, anchor, (got - want).abs().max())
+    assert torch.equal(mine.sink_keys, ref.cache_keys) and torch.equal(mine.sink_valid, ref.cache_valid)
+    assert torch.allclose(mine.ring().linear, ref.linear, atol=1e-5)
+
+
 def check_decoder():
     from transformers import AutoModelForCausalLM
 
@@ -69,6 +91,23 @@ def check_decoder():
         LolcatsAttention.fused_decoding = on_cuda
         assert calls and torch.equal(fused, plain), family
         calls.clear()
+    # attention sinks (a cache of the first 2 tokens): the fused step once every sequence's are cached (9 real
+    # tokens, window 4), the sparse cache's own step before (4 real tokens: none has left the window)
+    ids = torch.randint(2, 97, (2, 12), generator=torch.Generator().manual_seed(1))
+    for anchor, real, fused_step_runs in (("joint", 9, True), ("window", 9, True), ("joint", 4, False)):
+        torch.manual_seed(0)
+        teacher = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+        model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 2,
+                                            "sparse_priority": "first", "sparse_anchor": anchor})
+        model.generation_config.eos_token_id = None
+        mask = torch.ones_like(ids)
+        mask[1, : 12 - real] = 0
+        plain = FastDecoder(model).generate(ids, mask, max_new_tokens=7)
+        LolcatsAttention.fused_decoding = lambda self: True  # as on CUDA
+        fused = FastDecoder(model).generate(ids, mask, max_new_tokens=7)
+        LolcatsAttention.fused_decoding = on_cuda
+        assert bool(calls) == fused_step_runs and torch.equal(fused, plain), (anchor, real)
+        calls.clear()
 
 
 if sys.argv[1:] == ["kernel"]:
@@ -76,6 +115,10 @@ if sys.argv[1:] == ["kernel"]:
     check_kernel(2, 3, 1, 16, 8, window=4, t=3, n=10, softcap=20.0, rot=8, splits=2, seed=1)  # MQA, partial RoPE
     check_kernel(2, 4, 2, 12, 5, window=5, t=9, n=8, softcap=None, rot=12, splits=2, seed=2)  # odd sizes
     check_kernel(1, 4, 2, 16, 4, window=1, t=4, n=4, softcap=None, rot=0, splits=4, seed=3)  # w = 1, no RoPE
+    for anchor in ("joint", "window"):  # attention sinks: GQA, odd sizes and soft-capping, MQA without RoPE
+        check_sinks(2, 4, 2, 8, 6, window=4, cap=2, t=11, n=9, softcap=None, rot=8, splits=1, anchor=anchor, seed=4)
+        check_sinks(2, 4, 2, 12, 5, window=5, cap=3, t=13, n=7, softcap=20.0, rot=8, splits=2, anchor=anchor, seed=5)
+        check_sinks(1, 3, 1, 16, 4, window=2, cap=4, t=9, n=6, softcap=None, rot=0, splits=4, anchor=anchor, seed=6)
 else:
     check_decoder()
 print("ok")

@@ -118,24 +118,33 @@ class LolcatsAttention(LinearAttention):
 
     def fused_decoding(self) -> bool:
         """Whether the fast decoder runs this layer's steps as one Triton kernel
-        (``hybrid_step_fused_triton``): on CUDA, with Hedgehog maps and RoPE by rotating halves."""
+        (``hybrid_step_fused_triton``): on CUDA, with Hedgehog maps and RoPE by rotating halves, and
+        no sparse cache or one of the first tokens (attention sinks; once it is full it stays as it is)."""
         g = self.geometry
-        return (not self.spec.sparse_cache and self.window_logit.is_cuda and triton_available()
+        sparse = self.spec.sparse_cache and self.spec.sparse_priority != "first"
+        return (not sparse and self.window_logit.is_cuda and triton_available()
                 and type(self.feature_map_q) is Hedgehog
                 and type(self.feature_map_k) is Hedgehog and rotates_half(g.rotary, g.head_dim))
 
     def ring_state(self, state: ops.HybridState, keep_key_features: bool = False) -> ops.HybridState:
         """The fast decoder's fixed-shape state from a prefill's ``state`` (whose buffers it takes
         over): a ring of ``window`` slots, laid out for the fused kernel where that runs; with a sparse
-        cache, the ring and the cache updated in place (``ops.RingSparseState``)."""
+        cache, the ring and the cache updated in place (``ops.RingSparseState``), or for the fused
+        kernel where the cache will not change again (``ops.FusedSinkState``: the first tokens, all cached)."""
+        g = self.geometry
         if isinstance(state, ops.SparseHybridState):
+            if (not keep_key_features and self.fused_decoding()
+                    and ops.FusedSinkState.settled(state, self.spec.sparse_priority)):
+                from ..ops.hybrid_step_triton import value_splits
+
+                return ops.FusedSinkState.from_sparse(state, self.spec.window, self.feature_map_k, g.n_heads,
+                                                      value_splits(state.keys.shape[0], g.n_heads, g.head_dim))
             return ops.RingSparseState.from_state(state, self.spec.window)
         ring = ops.RingHybridState.from_state(state, self.spec.window, keep_key_features=keep_key_features, copy=False)
         if keep_key_features or not self.fused_decoding():
             return ring
         from ..ops.hybrid_step_triton import value_splits
 
-        g = self.geometry
         return ops.FusedRingState.from_ring(ring, self.feature_map_k, g.n_heads,
                                             value_splits(ring.keys.shape[0], g.n_heads, g.head_dim))
 
@@ -158,7 +167,7 @@ class LolcatsAttention(LinearAttention):
             g = self.geometry
             y = hybrid_step_fused_triton(q, k, v, position_embeddings if g.rotary is not None else None,
                                          self.feature_map_q.weight, self.feature_map_k.weight, self.window_logit,
-                                         state, scale=g.scaling, softcap=g.softcap)
+                                         state, scale=g.scaling, softcap=g.softcap, anchor=self.spec.sparse_anchor)
             return y, state
         q, k = self.adapter.rope(self, q, k, position_embeddings)
         qf = self.feature_map_q(q)
@@ -180,13 +189,13 @@ class LolcatsAttention(LinearAttention):
         return ops.hybrid_attention_step(q, k, qf, self.feature_map_k(k), v, self.window_weight(), state,
                                          **self._kw(), key_mask=self.key_mask)
 
-    def state_bytes(self, dtype, key_features: bool = True, linear_states: int = 1):
+    def state_bytes(self, dtype, key_features: bool = True, linear_states: int = 1, sparse: bool = True):
         g = self.geometry
         elem = torch.tensor([], dtype=dtype).element_size()
         per_token = 2 * g.head_dim + (self.feature_map_k.out_dim if key_features else 0)
         window = self.spec.window * g.n_kv_heads * per_token * elem
         total = window + linear_states * g.n_kv_heads * self.feature_map_k.out_dim * (g.head_dim + 1) * 4
-        cache = self.spec.sparse_cache
+        cache = self.spec.sparse_cache if sparse else 0
         if cache:  # SparseHybridState: cached tokens (+ priority, position, slot flag), window priorities, count
             acc = torch.tensor([], dtype=ops.accum_dtype(dtype)).element_size()
             cached = 2 * g.head_dim + self.feature_map_k.out_dim
@@ -194,7 +203,12 @@ class LolcatsAttention(LinearAttention):
         return total
 
     def fast_state_bytes(self, dtype):
-        if self.spec.sparse_cache:  # the ring keeps its key features (the cache's priorities need them)
+        fused = self.fused_decoding()
+        if self.spec.sparse_cache and not fused:  # the ring keeps its key features (the cache's priorities need them)
             return self.state_bytes(dtype)
         # the fast path recomputes key features on eviction; its fused kernel keeps two linear states
-        return self.state_bytes(dtype, key_features=False, linear_states=2 if self.fused_decoding() else 1)
+        total = self.state_bytes(dtype, key_features=False, linear_states=2 if fused else 1, sparse=False)
+        if self.spec.sparse_cache:  # first tokens, once every sequence's are cached (FusedSinkState): keys, values, flags
+            elem = torch.tensor([], dtype=dtype).element_size()
+            total += self.geometry.n_kv_heads * self.spec.sparse_cache * (2 * self.geometry.head_dim * elem + 1)
+        return total

@@ -38,6 +38,7 @@ from .hybrid_attention import (
     use_hybrid_kernel,
 )
 from .sparse_hybrid_attention import (
+    FusedSinkState,
     RingSparseState,
     SparseHybridState,
     empty_sparse_hybrid_state,
@@ -79,7 +80,7 @@ __all__ = [
     "linear_attention_step", "softmax_attention", "softmax_attention_weights", "hybrid_attention_weights",
     "use_fla", "use_hybrid_kernel", "SparseHybridState", "empty_sparse_hybrid_state", "sparse_hybrid_attention_chunked",
     "sparse_hybrid_attention_naive", "sparse_hybrid_attention_recurrent", "sparse_hybrid_attention_step",
-    "sparse_hybrid_attention_step_ring", "RingSparseState",
+    "sparse_hybrid_attention_step_ring", "RingSparseState", "FusedSinkState",
     "DeltaWindowState", "RingDeltaState", "delta_window_chunked", "delta_window_naive", "delta_window_recurrent",
     "delta_window_step", "delta_window_step_ring",
     "empty_delta_window_state", "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla",

@@ -5,7 +5,8 @@ the new query and key, the query's features, the window softmax, the linear term
 linear-state updates and the slot bookkeeping (with RoPE and the feature maps in PyTorch around
 the ring-step kernel below, a layer's step was 27 launches). One program per (sequence, query
 head, part of the value columns); the state is laid out so that no program writes what another
-reads (``FusedRingState``).
+reads (``FusedRingState``). With attention sinks (a sparse cache of the first tokens, once every
+sequence's are cached: ``FusedSinkState``) the cached tokens join the window's softmax.
 
 ``hybrid_step_ring_triton`` is the twin of ``hybrid_attention_step_ring`` for other feature maps:
 one program per (sequence, key head), with the features computed before the call and the validity
@@ -120,10 +121,11 @@ def _hedgehog(x, w_ptr, d, f, D, FH):
 @triton.jit
 def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, logit_ptr,
                        keys_ptr, values_ptr, valid_ptr, lin_ptr, slot_ptr, ticks_ptr, y_ptr,
+                       sinkk_ptr, sinkv_ptr, sinkm_ptr,
                        sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, swq, swk,
-                       scale, softcap, H, HK, W, D, FH, R, NS,
+                       scale, softcap, H, HK, W, D, FH, R, NS, S,
                        HAS_SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                       BF: tl.constexpr):
+                       BF: tl.constexpr, BS: tl.constexpr, WINDOW_ANCHOR: tl.constexpr):
     bi = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -159,7 +161,22 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     if HAS_SOFTCAP:
         scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
     scores = tl.where(live, scores, float("-inf"))
-    a = tl.sigmoid(tl.load(logit_ptr + h).to(tl.float32)) * tl.exp(scores - tl.max(scores, axis=0))
+    gamma = tl.sigmoid(tl.load(logit_ptr + h).to(tl.float32))
+    top = tl.max(scores, axis=0)  # the window's largest score
+    if BS > 0:  # a fixed exact cache of S tokens beside the window (attention sinks): one softmax with it
+        e = tl.arange(0, BS)
+        cached = (bi * HK + hk) * S * D
+        sink_keys = tl.load(sinkk_ptr + cached + e[:, None] * D + d[None, :], mask=(e < S)[:, None] & dm[None, :],
+                            other=0.0).to(tl.float32)
+        sink_scores = tl.sum(sink_keys * q[None, :], axis=1) * scale
+        if HAS_SOFTCAP:
+            sink_scores = softcap * (2.0 * tl.sigmoid(2.0 * sink_scores / softcap) - 1.0)
+        sink_live = tl.load(sinkm_ptr + (bi * HK + hk) * S + e, mask=e < S, other=0).to(tl.int1)
+        sink_scores = tl.where(sink_live, sink_scores, float("-inf"))
+        peak = tl.maximum(top, tl.max(sink_scores, axis=0))
+    else:
+        peak = top
+    a = gamma * tl.exp(scores - peak)
     width = D + 1  # a linear-state row: the values, then the normaliser
     cur = lin_ptr + ((bi * HK + hk) * 2 + p) * 2 * FH * width
     nxt = lin_ptr + ((bi * HK + hk) * 2 + 1 - p) * 2 * FH * width
@@ -169,9 +186,24 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     s_neg = tl.load(cur + FH * width + rows, mask=lm, other=0.0)
     n_pos = tl.load(cur + f * width + D, mask=fm, other=0.0)
     n_neg = tl.load(cur + (FH + f) * width + D, mask=fm, other=0.0)
+    lin_num = tl.sum(q_pos[:, None] * s_pos, axis=0) + tl.sum(q_neg[:, None] * s_neg, axis=0)
+    lin_pos = tl.sum(q_pos * n_pos, axis=0)
+    lin_neg = tl.sum(q_neg * n_neg, axis=0)
     num = tl.sum(a[:, None] * values, axis=0)
-    num += tl.sum(q_pos[:, None] * s_pos, axis=0) + tl.sum(q_neg[:, None] * s_neg, axis=0)
-    den = tl.sum(a, axis=0) + tl.sum(q_pos * n_pos, axis=0) + tl.sum(q_neg * n_neg, axis=0)
+    den = tl.sum(a, axis=0)
+    if BS > 0:
+        if WINDOW_ANCHOR:  # the linear terms weigh against the window's softmax terms as without the cache
+            lift = tl.exp(top - peak)
+            lin_num *= lift
+            lin_pos *= lift
+            lin_neg *= lift
+        a_sink = gamma * tl.exp(sink_scores - peak)
+        sink_values = tl.load(sinkv_ptr + cached + e[:, None] * D + dv[None, :], mask=(e < S)[:, None] & dvm[None, :],
+                              other=0.0).to(tl.float32)
+        num += tl.sum(a_sink[:, None] * sink_values, axis=0)
+        den += tl.sum(a_sink, axis=0)
+    num += lin_num
+    den = den + lin_pos + lin_neg
     tl.store(y_ptr + (bi * H + h) * D + dv, (num / tl.maximum(den, 1.1754943508222875e-38)).to(y_ptr.dtype.element_ty),
              mask=dvm)
     tl.store(ticks_ptr + (bi * H + h) * NS + c, (tick + 1) % (2 * W))
@@ -219,15 +251,17 @@ def value_splits(batch: int, n_heads: int, head_dim: int, programs: int | None =
 
 
 def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit, state, *, scale: float,
-                             softcap=None):
+                             softcap=None, anchor: str = "joint"):
     """The LoLCATs decode step with Hedgehog maps on a ``FusedRingState``, in one launch, in place.
 
     ``q`` ``[B, H, 1, D]`` and ``k``/``v`` ``[B, Hk, 1, D]`` before RoPE (any strides);
     ``position_embeddings`` ``(cos, sin)`` ``[B or 1, 1, R]`` for RoPE by rotating halves over the
     first ``R`` dims of each head, or None for no RoPE; ``wq`` ``[H, D, F/2]`` and ``wk``
     ``[Hk, D, F/2]`` the Hedgehog weights (a leading 1: shared by all heads); ``window_logit``
-    ``[H]`` (gamma = sigmoid of it). Returns ``y`` ``[B, H, 1, D]``, a view of ``[B, 1, H, D]``
-    memory (what o_proj reads)."""
+    ``[H]`` (gamma = sigmoid of it). A ``FusedSinkState`` adds its fixed cache to the window's
+    softmax, one maximum over both; ``anchor`` as ``sparse_hybrid_attention``'s (``"window"``: the
+    linear terms scaled by exp(window max - joint max)). Returns ``y`` ``[B, H, 1, D]``, a view of
+    ``[B, 1, H, D]`` memory (what o_proj reads)."""
     b, h, _, d = q.shape
     hk, w, fh, splits = k.shape[1], state.keys.shape[2], wq.shape[-1], state.ticks.shape[-1]
     if state.linear.shape[-2:] != (2 * fh, d + 1) or state.ticks.shape[:2] != (b, h):
@@ -247,11 +281,18 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
     # one graph) the step took 132 / 75 / 58 us at 8 / 4 / 2 warps at batch 256, 36 / 23 / 21 at
     # batch 64 and 8 / 8 / 7 at batch 1, spills notwithstanding. Larger tiles take proportionally more
     # (not measured).
+    sinks = getattr(state, "sink_keys", None) is not None  # a FusedSinkState: its fixed cache joins the softmax
+    if anchor not in ("joint", "window"):
+        raise ValueError(f"anchor must be 'joint' or 'window', got {anchor!r}")
+    n_sinks = state.sink_keys.shape[2] if sinks else 0
+    sink_k, sink_v, sink_m = (state.sink_keys, state.sink_values, state.sink_valid) if sinks else (q, q, state.valid)
     _hybrid_fused_step[(b, h, splits)](
         q, k, v, cos, sin, wq, wk, window_logit, state.keys, state.values, state.valid, state.linear, state.slot,
-        state.ticks, y, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
-        v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, wq.stride(0) if wq.shape[0] > 1 else 0,
+        state.ticks, y, sink_k, sink_v, sink_m, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1),
+        k.stride(3), v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, wq.stride(0) if wq.shape[0] > 1 else 0,
         wk.stride(0) if wk.shape[0] > 1 else 0, float(scale), float(softcap or 1.0), h, hk, w, d, fh, rot, splits,
-        HAS_SOFTCAP=softcap is not None, BW=bw, BD=bd, BDV=triton.next_power_of_2(triton.cdiv(d, splits)),
-        BF=triton.next_power_of_2(fh), num_warps=STEP_WARPS or min(16, max(2, bw * bd // 2048)))
+        max(n_sinks, 1), HAS_SOFTCAP=softcap is not None, BW=bw, BD=bd,
+        BDV=triton.next_power_of_2(triton.cdiv(d, splits)), BF=triton.next_power_of_2(fh),
+        BS=triton.next_power_of_2(n_sinks) if n_sinks else 0, WINDOW_ANCHOR=sinks and anchor == "window",
+        num_warps=STEP_WARPS or min(16, max(2, bw * bd // 2048)))
     return y.transpose(1, 2)

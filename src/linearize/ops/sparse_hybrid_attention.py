@@ -79,7 +79,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .hybrid_attention import _real_keys, _scores, hybrid_final_state, pad_front
+from .hybrid_attention import FusedRingState, HybridState, RingHybridState, _real_keys, _scores, hybrid_final_state, pad_front
 from .linear_attention import _augment, _group, accum_dtype
 
 
@@ -400,6 +400,50 @@ class RingSparseState(SparseHybridState):
         return cls(front(state.keys, 2), front(state.key_features, 2), front(state.values, 2), front(state.valid, 1),
                    front(state.window_scores, 2), *rest,
                    slot=torch.zeros((), dtype=torch.long, device=state.keys.device))
+
+
+@dataclass
+class FusedSinkState(FusedRingState):
+    """The fused decode step's state (``FusedRingState``) beside a cache that no longer changes: the
+    sequence's first ``S`` tokens under ``priority="first"`` once every sequence's have left the window
+    (a newcomer then never outranks them: each token leaving the window is folded into the linear
+    state, as in the hybrid without a cache). ``hybrid_step_fused_triton`` adds them to the window's
+    softmax, the same step as ``sparse_hybrid_attention_step_ring`` on that state.
+
+    * ``sink_keys``, ``sink_values`` ``[B, Hk, S, D]``: the cached tokens (keys after RoPE);
+    * ``sink_valid`` ``[B, Hk, S]`` bool.
+    """
+
+    sink_keys: torch.Tensor | None = None
+    sink_values: torch.Tensor | None = None
+    sink_valid: torch.Tensor | None = None
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*super().tensors(), self.sink_keys, self.sink_values, self.sink_valid)
+
+    def map(self, fn) -> "FusedSinkState":
+        ring = super().map(fn)
+        return FusedSinkState(*HybridState.tensors(ring), slot=ring.slot, ticks=ring.ticks,
+                              sink_keys=fn(self.sink_keys), sink_values=fn(self.sink_values),
+                              sink_valid=fn(self.sink_valid))
+
+    @staticmethod
+    def settled(state: SparseHybridState, priority: str) -> bool:
+        """Whether ``state``'s cache will not change again: ``priority="first"`` with every slot of
+        every sequence and key head taken (reads a flag on the host)."""
+        return priority == "first" and state.cache_keys.shape[2] > 0 and bool(state.cache_valid.all())
+
+    @classmethod
+    def from_sparse(cls, state: SparseHybridState, window: int, key_feature_map, n_heads: int,
+                    splits: int = 1) -> "FusedSinkState":
+        """The fused step's state from a prefill's ``state`` whose cache is ``settled`` (its window, linear
+        state and cache are taken over; the window's key features are dropped)."""
+        plain = HybridState(state.keys, state.key_features[:, :, :0], state.values, state.linear, state.valid)
+        ring = RingHybridState.from_state(plain, window, keep_key_features=False, copy=False)
+        fused = FusedRingState.from_ring(ring, key_feature_map, n_heads, splits)
+        return cls(*HybridState.tensors(fused), slot=fused.slot, ticks=fused.ticks,
+                   sink_keys=state.cache_keys.contiguous(), sink_values=state.cache_values.contiguous(),
+                   sink_valid=state.cache_valid.contiguous())
 
 
 def sparse_hybrid_attention_step_ring(
