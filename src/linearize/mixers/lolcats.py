@@ -208,7 +208,7 @@ class LolcatsAttention(LinearAttention):
             return self.state_bytes(dtype)
         # the fast path recomputes key features on eviction; its fused kernel keeps two linear states
         total = self.state_bytes(dtype, key_features=False, linear_states=2 if fused else 1, sparse=False)
-        if self.spec.sparse_cache:  # first tokens, once every sequence's are cached (FusedSinkState): keys, values, flags
+        if self.spec.sparse_cache:  # the first tokens, all cached (FusedSinkState): keys, values, flags
             elem = torch.tensor([], dtype=dtype).element_size()
             total += self.geometry.n_kv_heads * self.spec.sparse_cache * (2 * self.geometry.head_dim * elem + 1)
         return total

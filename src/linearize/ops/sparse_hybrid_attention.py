@@ -79,7 +79,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .hybrid_attention import FusedRingState, HybridState, RingHybridState, _real_keys, _scores, hybrid_final_state, pad_front
+from .hybrid_attention import (FusedRingState, HybridState, RingHybridState, _real_keys, _scores, hybrid_final_state,
+                               pad_front)
 from .linear_attention import _augment, _group, accum_dtype
 
 
@@ -438,7 +439,7 @@ class FusedSinkState(FusedRingState):
                     splits: int = 1) -> "FusedSinkState":
         """The fused step's state from a prefill's ``state`` whose cache is ``settled`` (its window, linear
         state and cache are taken over; the window's key features are dropped)."""
-        plain = HybridState(state.keys, state.key_features[:, :, :0], state.values, state.linear, state.valid)
+        plain = HybridState(state.keys, state.key_features, state.values, state.linear, state.valid)
         ring = RingHybridState.from_state(plain, window, keep_key_features=False, copy=False)
         fused = FusedRingState.from_ring(ring, key_feature_map, n_heads, splits)
         return cls(*HybridState.tensors(fused), slot=fused.slot, ticks=fused.ticks,
