@@ -153,17 +153,14 @@ def test_triton_hybrid_step_equals_the_ring_step_on_cuda(dtype, tol):
         assert ((got.double() - want.double()).norm() / want.double().norm()).item() < tol
 
 
-@pytest.mark.parametrize("softcap", [None, 30.0])
-@pytest.mark.parametrize("splits", [1, 4])
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
-@torch.no_grad()
-def test_fused_hybrid_step_equals_rope_features_and_the_ring_step_on_cuda(dtype, tol, splits, softcap):
-    from helpers import fused_hybrid_steps
+def _smollm2_step_inputs(dtype, t, n):
+    """SmolLM2's decode-step shapes on CUDA (batch 2, 9 / 3 heads of 64, Hedgehog features 2 x 64):
+    the maps, strided q/k/v for ``t + n`` tokens, RoPE's cos and sin (shared by the batch) and the draw function."""
     from linearize.mixers.feature_maps import Hedgehog
 
     torch.backends.cuda.matmul.allow_tf32 = False
     g = torch.Generator(device="cuda").manual_seed(0)
-    b, h, hk, d, fh, window, t, n = 2, 9, 3, 64, 64, 64, 100, 80  # SmolLM2's shape, Hedgehog features
+    b, h, hk, d, fh = 2, 9, 3, 64, 64
     r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
     fq, fk = Hedgehog(h, d, fh).to("cuda", dtype), Hedgehog(hk, d, fh).to("cuda", dtype)
     fq.weight.copy_(r(h, d, fh) * 0.2)
@@ -171,7 +168,19 @@ def test_fused_hybrid_step_equals_rope_features_and_the_ring_step_on_cuda(dtype,
     q, k, v = (x.transpose(1, 2) for x in r(b, t + n, h + 2 * hk, d).to(dtype).split([h, hk, hk], dim=2))
     angles = torch.arange(t + n, device="cuda")[:, None] * 10000.0 ** (-torch.arange(d // 2, device="cuda") / (d // 2))
     emb = torch.cat([angles, angles], -1)[None]
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)  # [1, T, D]: shared by the batch
+    return fq, fk, q, k, v, emb.cos().to(dtype), emb.sin().to(dtype), r
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
+@torch.no_grad()
+def test_fused_hybrid_step_equals_rope_features_and_the_ring_step_on_cuda(dtype, tol, splits, softcap):
+    from helpers import fused_hybrid_steps
+
+    window, t, n = 64, 100, 80
+    fq, fk, q, k, v, cos, sin, r = _smollm2_step_inputs(dtype, t, n)
+    b, h = q.shape[:2]
     key_mask = torch.ones(b, t, dtype=torch.bool, device="cuda")
     key_mask[1, : t - window // 2] = False  # left padding: empty slots in the ring
     *steps, (mine, ref) = fused_hybrid_steps(q, k, v, cos, sin, fq, fk, r(h), key_mask, window=window, t=t, n=n,
@@ -188,19 +197,10 @@ def test_fused_hybrid_step_equals_rope_features_and_the_ring_step_on_cuda(dtype,
 @torch.no_grad()
 def test_fused_hybrid_step_with_sinks_equals_the_sparse_ring_step_on_cuda(dtype, tol, splits, anchor):
     from helpers import fused_sink_steps
-    from linearize.mixers.feature_maps import Hedgehog
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    g = torch.Generator(device="cuda").manual_seed(0)
-    b, h, hk, d, fh, window, cap, t, n = 2, 9, 3, 64, 64, 64, 4, 100, 80  # SmolLM2's shape, 4 sinks
-    r = lambda *s: torch.randn(*s, device="cuda", generator=g)  # noqa: E731
-    fq, fk = Hedgehog(h, d, fh).to("cuda", dtype), Hedgehog(hk, d, fh).to("cuda", dtype)
-    fq.weight.copy_(r(h, d, fh) * 0.2)
-    fk.weight.copy_(r(hk, d, fh) * 0.2)
-    q, k, v = (x.transpose(1, 2) for x in r(b, t + n, h + 2 * hk, d).to(dtype).split([h, hk, hk], dim=2))
-    angles = torch.arange(t + n, device="cuda")[:, None] * 10000.0 ** (-torch.arange(d // 2, device="cuda") / (d // 2))
-    emb = torch.cat([angles, angles], -1)[None]
-    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    window, cap, t, n = 64, 4, 100, 80  # 4 sinks
+    fq, fk, q, k, v, cos, sin, r = _smollm2_step_inputs(dtype, t, n)
+    b, h = q.shape[:2]
     key_mask = torch.ones(b, t, dtype=torch.bool, device="cuda")
     key_mask[1, :20] = False  # left padding; 80 real tokens: the 4 first have left the window
     *steps, (mine, ref) = fused_sink_steps(q, k, v, cos, sin, fq, fk, r(h), key_mask, window=window, cap=cap, t=t, n=n,

@@ -21,19 +21,25 @@ from linearize.ops import hybrid_step_triton  # noqa: E402
 torch.set_grad_enabled(False)
 
 
-def check_kernel(b, h, hk, d, fh, window, t, n, softcap, rot, splits, seed):
+def _inputs(b, h, hk, d, fh, t, n, rot, seed):
+    """Hedgehog maps, strided q/k/v (as the adapter splits one projection's output), RoPE's cos and sin
+    over the first ``rot`` dims (None when 0), and the generator's draw function, for ``t + n`` tokens."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
     fq, fk = Hedgehog(h, d, fh), Hedgehog(hk, d, fh)
     fq.weight.copy_(r(h, d, fh) * 0.5)
     fk.weight.copy_(r(hk, d, fh) * 0.5)
-    # strided q/k/v, as the adapter splits one projection's output
     q, k, v = (x.transpose(1, 2) for x in r(b, t + n, h + 2 * hk, d).split([h, hk, hk], dim=2))
     angles = r(b, t + n, rot // 2) * 3
     cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    return fq, fk, q, k, v, cos if rot else None, sin, r
+
+
+def check_kernel(b, h, hk, d, fh, window, t, n, softcap, rot, splits, seed):
+    fq, fk, q, k, v, cos, sin, r = _inputs(b, h, hk, d, fh, t, n, rot, seed)
     key_mask = torch.ones(b, t, dtype=torch.bool)
     key_mask[-1, : t // 2] = False  # left padding: empty slots in the last sequence's ring
-    *steps, (mine, ref) = fused_hybrid_steps(q, k, v, cos if rot else None, sin, fq, fk, r(h), key_mask, window=window,
+    *steps, (mine, ref) = fused_hybrid_steps(q, k, v, cos, sin, fq, fk, r(h), key_mask, window=window,
                                              t=t, n=n, softcap=softcap, splits=splits)
     for i, (got, want) in enumerate(steps):
         assert got.shape == want.shape and got.transpose(1, 2).is_contiguous()
@@ -46,17 +52,10 @@ def check_kernel(b, h, hk, d, fh, window, t, n, softcap, rot, splits, seed):
 def check_sinks(b, h, hk, d, fh, window, cap, t, n, softcap, rot, splits, anchor, seed):
     """A cache of the first ``cap`` tokens (attention sinks), full after the prefill: the fused step on a
     ``FusedSinkState`` against the sparse cache's PyTorch ring step (``RingSparseState``)."""
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=g)  # noqa: E731
-    fq, fk = Hedgehog(h, d, fh), Hedgehog(hk, d, fh)
-    fq.weight.copy_(r(h, d, fh) * 0.5)
-    fk.weight.copy_(r(hk, d, fh) * 0.5)
-    q, k, v = (x.transpose(1, 2) for x in r(b, t + n, h + 2 * hk, d).split([h, hk, hk], dim=2))
-    angles = r(b, t + n, max(rot, 2) // 2) * 3
-    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    fq, fk, q, k, v, cos, sin, r = _inputs(b, h, hk, d, fh, t, n, rot, seed)
     key_mask = torch.ones(b, t, dtype=torch.bool)
     key_mask[-1, : t - window - cap - 1] = False  # left padding; every sequence's first tokens have left the window
-    *steps, (mine, ref) = fused_sink_steps(q, k, v, cos if rot else None, sin, fq, fk, r(h) * 2, key_mask,
+    *steps, (mine, ref) = fused_sink_steps(q, k, v, cos, sin, fq, fk, r(h) * 2, key_mask,
                                            window=window, cap=cap, t=t, n=n, softcap=softcap, splits=splits,
                                            anchor=anchor)
     for i, (got, want) in enumerate(steps):
