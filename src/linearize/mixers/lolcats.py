@@ -135,18 +135,19 @@ class LolcatsAttention(LinearAttention):
         if isinstance(state, ops.SparseHybridState):
             if (not keep_key_features and self.fused_decoding()
                     and ops.FusedSinkState.settled(state, self.spec.sparse_priority)):
-                from ..ops.hybrid_step_triton import value_splits
-
                 return ops.FusedSinkState.from_sparse(state, self.spec.window, self.feature_map_k, g.n_heads,
-                                                      value_splits(state.keys.shape[0], g.n_heads, g.head_dim))
+                                                      self._value_splits(state.keys.shape[0]))
             return ops.RingSparseState.from_state(state, self.spec.window)
         ring = ops.RingHybridState.from_state(state, self.spec.window, keep_key_features=keep_key_features, copy=False)
         if keep_key_features or not self.fused_decoding():
             return ring
-        from ..ops.hybrid_step_triton import value_splits
+        return ops.FusedRingState.from_ring(ring, self.feature_map_k, g.n_heads, self._value_splits(ring.keys.shape[0]))
 
-        return ops.FusedRingState.from_ring(ring, self.feature_map_k, g.n_heads,
-                                            value_splits(ring.keys.shape[0], g.n_heads, g.head_dim))
+    def _value_splits(self, batch: int) -> int:
+        """Parts of each head's value columns for the fused step's programs at this batch."""
+        from ..ops.hybrid_step_triton import value_splits  # (Triton: imported on first use)
+
+        return value_splits(batch, self.geometry.n_heads, self.geometry.head_dim)
 
     def fast_decodable(self) -> bool:
         return True

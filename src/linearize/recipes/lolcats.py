@@ -145,7 +145,8 @@ def cuda_graphs(cfg: LolcatsConfig, stage: str) -> tuple[bool, str | None]:
     """Whether ``stage``'s (``stage1`` or ``stage2``) training steps replay as CUDA graphs, and if not,
     why (under ``cuda_graph: auto``): ``linearize.graphed.use_graphs`` on this process's device and
     launch, stage 2's loss terms, and what the recipe's settings rule out: block-wise stage 1 fed
-    cached inputs (each batch's teacher states enter the block from outside the model). Raises ``LinearizeError`` under ``on`` where they cannot."""
+    cached inputs (each batch's teacher states enter the block from outside the model). Raises
+    ``LinearizeError`` under ``on`` where they cannot."""
 
     uncapturable = other = None
     if stage == "stage2" and not stage2_learns_from_lm(cfg):
