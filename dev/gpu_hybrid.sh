@@ -27,7 +27,8 @@
 #             (1k and 8k, batch 1 and 32) with the fastest tiles set in the process, then with the defaults
 #   step      the fused decode step alone (dev/step_bench.py: warps x value parts, STEP_ARGS; STEP_MODULES=FILE adds
 #             an earlier version of the module beside it), then decode batch 1-256 from 1k prompts beside the teacher
-#   sinks     attention sinks in the fused decode step: CUDA tests, compiled decode with and without them (untrained)
+#   sinks     attention sinks in the fused decode step: CUDA tests, compiled decode from 1k prompts without and with
+#             them (untrained students), each beside the teacher
 #   profile   where a training step's time goes (bench.profile train at 8x1024: kernels, host phases) for the
 #             teacher and both LoLCATs stages, and a 1k prefill's kernels, student and teacher
 # An untrained student: speed does not depend on the weights. Rows land in $S (/tmp/runs/hybrid).
@@ -119,16 +120,16 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       timeout 420 python3 -m linearize bench "$C" --teacher "$T" --dtype bfloat16 --paths fast --compile --teacher-paths static \
         --batch-sizes 1 64 256 --new-tokens 256 --prompt-len 1024 --out "$S/decode_step.json" 2>&1 | quiet \
         | grep -E "^\| (student|teacher)|Error|error:" ;;
-    sinks)  # attention sinks (a cache of the first 4 tokens) in the fused decode step: its CUDA tests, then decode
-      # of untrained students with and without the sinks (128-token prompts, batch 1 and 64), compiled
+    sinks)  # attention sinks (a cache of the first 4 tokens) in the fused decode step: its CUDA tests, then compiled
+      # decode of untrained students without and with the sinks (1k prompts, batch 1, 64 and 256), each beside the teacher
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k sinks 2>&1 | tail -3
       student
       [ -d "$C-sinks" ] || python3 -m linearize convert --teacher "$T" --kind lolcats --sparse-cache 4 \
         --sparse-priority first --out "$C-sinks" --dtype bfloat16 2>&1 | tail -1
       for ck in "$C" "$C-sinks"; do
-        timeout 300 python3 -m linearize bench "$ck" --teacher none --dtype bfloat16 --paths fast --compile \
-          --batch-sizes 1 64 --new-tokens 128 --prompt-len 128 --out "$S/decode_$(basename "$ck").json" 2>&1 | quiet \
-          | grep -E "^\| student|Error|error:"
+        timeout 420 python3 -m linearize bench "$ck" --teacher "$T" --dtype bfloat16 --paths fast --compile \
+          --teacher-paths static --batch-sizes 1 64 256 --new-tokens 256 --prompt-len 1024 \
+          --out "$S/decode_$(basename "$ck").json" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:"
       done ;;
     profile)
       student

@@ -134,13 +134,14 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
       --eval-steps ${EVAL_STEPS:-61} --align-steps ${ALIGN:-0} --out $RUNS/${1} 2>&1 | quiet | tail -16
     cp $RUNS/${1}/orderings.md $RUNS/${1}/orderings.json $RUNS/${1}/curves.png $OUT/ 2>/dev/null ;;
   dial)  # issue #21's dial: memory against recall for LoLCATs, + sparse caches (SPARSE sizes, SPARSE_PRIORITIES rules), auto-K (by attention MSE; autor2 by
-         # the recall score) and hand-placed K, the gated delta rule, LoLCATs trained on 4,096-token blocks (long4k; long8k: 8,192),
+         # the recall score) and hand-placed K, the gated delta rule, Hedgehog linear attention without the window
+         # (nowindow), LoLCATs trained on 4,096-token blocks (long4k; long8k: 8,192),
          # LoLCATs trained with a novelty cache of 64 (trained64n; long4k64n on 4,096-token blocks), with a cache of 64
          # on the window's scale (trained64w), with the first 4 tokens kept as attention sinks (sinks4; sinks4w: window anchor)
          # (DIAL_ROWS picks rows by name; DIAL_ARGS adds training flags; DIAL_EVAL adds eval flags, e.g. --by-position), the teacher
     for v in "lolcats:" "auto1:--keep-softmax auto:1" "auto2:--keep-softmax auto:2" "auto4:--keep-softmax auto:4" \
              "autor2:--keep-softmax auto:2 --auto-softmax-score recall" "hand2:--keep-softmax 2,15" "delta:--kind delta" \
-             "long4k:--block-len 4096 --batch-size 2" "long8k:--block-len 8192 --batch-size 1" "trained64n:--sparse-cache 64 --sparse-priority novelty" \
+             "nowindow:--kind linear" "long4k:--block-len 4096 --batch-size 2" "long8k:--block-len 8192 --batch-size 1" "trained64n:--sparse-cache 64 --sparse-priority novelty" \
              "long4k64n:--block-len 4096 --batch-size 2 --sparse-cache 64 --sparse-priority novelty" \
              "trained64w:--sparse-cache 64 --sparse-anchor window" "sinks4:--sparse-cache 4 --sparse-priority first" \
              "sinks4w:--sparse-cache 4 --sparse-priority first --sparse-anchor window"; do
