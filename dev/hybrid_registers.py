@@ -45,7 +45,8 @@ def report(fn, consts: dict, warps: int, dtype: str) -> str:
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            sig[name] = "*" + {"mask_ptr": "i1", "am_ptr": "i32"}.get(name, "fp32" if name in FP32_POINTERS else dtype)
+            ints = {"mask_ptr": "i1", "am_ptr": "i32", "sink_end_ptr": "i32", "sink_pos_ptr": "i32"}
+            sig[name] = "*" + ints.get(name, "fp32" if name in FP32_POINTERS else dtype)
         elif name in ("scale", "softcap"):
             sig[name] = "fp32"
         else:
@@ -62,8 +63,9 @@ def report(fn, consts: dict, warps: int, dtype: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kernels", nargs="*", default=["chunk_sums", "forward", "scan", "backward_q", "backward_kv",
-                                                  "backward_kf", "prelude_forward", "prelude_backward"])
+    p.add_argument("kernels", nargs="*", default=["chunk_sums", "forward", "prefill", "prefill_sinks", "scan",
+                                                  "backward_q", "backward_kv", "backward_kf", "prelude_forward",
+                                                  "prelude_backward"])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--warps", type=int, default=None, help="default: the module's constants")
     p.add_argument("--query-rows", type=int, default=None, help="default: the module's constants for --dtype")
@@ -78,9 +80,15 @@ def main(argv=None) -> int:
     builds = []
     for hedgehog in (True, False):
         maps = dict(BF=64 if hedgehog else 128, ROPE=hedgehog, HEDGEHOG=hedgehog, FP=2 if hedgehog else 1, MASK=True)
-        builds.append(("chunk_sums", ht._chunk_sums, {**tiles, **maps, "STATE": True}, kn["SUM_WARPS"]))
+        builds.append(("chunk_sums", ht._chunk_sums, {**tiles, **maps, "STATE": True, "SINKS": False}, kn["SUM_WARPS"]))
+        off = dict(SINKS=False, WINDOW_ANCHOR=False, BS=16)
         builds.append(("forward", ht._forward, {**tiles, **maps, "SOFTCAP": False, "SAVE": True, "LOGIT": True,
-                                                "BQ": query_rows}, kn["FWD_WARPS"]))
+                                                "BQ": query_rows, **off}, kn["FWD_WARPS"]))
+        if hedgehog:  # the prefill's output pass (no backward), without and with the first tokens cached
+            for sinks in (False, True):
+                builds.append((f"prefill{'_sinks' if sinks else ''}", ht._forward,
+                               {**tiles, **maps, "SOFTCAP": False, "SAVE": False, "LOGIT": True,
+                                "BQ": kn["PREFILL_QUERY_ROWS"], **off, "SINKS": sinks}, kn["PREFILL_WARPS"]))
     builds.append(("scan", ht._scan, dict(REVERSE=False, FINAL=True, BN=16, BE=512), 4))
     backward = dict(MASK=True, BW=64, BD=64, PREC=prec)
     builds.append(("backward_q", ht._backward_q, {**backward, "SOFTCAP": True, "BF": 128, "BQ": bwd_query_rows},

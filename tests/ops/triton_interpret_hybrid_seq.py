@@ -138,6 +138,117 @@ def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, shared=F
         _close(a, e, "d" + name + " alone")
 
 
+def check_sinks(b, h, hk, t, d, fh, rot, window, cap, softcap, pad, seed, anchor="joint", state=True):
+    """``hybrid_triton_sinks`` (the first ``cap`` real tokens cached, forward kernels, no gradient) against
+    ``sparse_hybrid_attention_naive`` under ``priority="first"`` after the rotation and the maps in float64,
+    and (``state``: the cache settled) its ``SparseHybridState`` against the chunked form's."""
+    from linearize.ops.hybrid_triton import hybrid_triton_sinks, sinks_settled
+
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
+    qkv = r(b, t, h + 2 * hk, d)
+    q, k, v = (x.transpose(1, 2) for x in qkv.split([h, hk, hk], dim=2))
+    wq, wk = r(h, d, fh) * 0.5, r(hk, d, fh) * 0.5
+    angles = r(1, t, rot // 2) * 3 if rot else None
+    rope = (torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()) if rot else None
+    logit = r(h)
+    key_mask = _masks(b, t, pad)
+    kw = dict(window=window, scale=d ** -0.5, softcap=softcap, key_mask=key_mask)
+    rq, rk = (rope_half(q, *rope), rope_half(k, *rope)) if rope is not None else (q, k)
+    qf, kf = hedgehog_features(rq, wq), hedgehog_features(rk, wk)
+    rule = dict(cache_size=cap, priority="first", anchor=anchor)
+    want = ops.sparse_hybrid_attention_naive(rq, rk, qf, kf, v, torch.sigmoid(logit), **kw, **rule)
+    assert sinks_settled(key_mask, t, window, cap) == state, "the case's cache is not as meant"
+    with torch.no_grad():
+        got, got_state = hybrid_triton_sinks(q.float(), k.float(), v.float(), logit.float(), **kw, cache_size=cap,
+                                             hedgehog=(wq.float(), wk.float()), logit=True, anchor=anchor,
+                                             rope=None if rope is None else tuple(x.float() for x in rope),
+                                             output_final_state=state)
+    _close(got, want, "y")
+    if not state:
+        return
+    _, want_state = ops.sparse_hybrid_attention_chunked(rq, rk, qf, kf, v, torch.sigmoid(logit), **kw, **rule,
+                                                        output_final_state=True)
+    for name in ("keys", "key_features", "values", "window_scores", "linear", "cache_keys", "cache_features",
+                 "cache_values", "cache_scores"):
+        a, e = getattr(got_state, name), getattr(want_state, name)
+        assert a.shape == e.shape, (name, a.shape, e.shape)
+        _close(a, e, name)
+    for name in ("valid", "cache_valid", "cache_pos", "count"):
+        assert torch.equal(getattr(got_state, name), getattr(want_state, name)), name
+    # the fast decoder's state from it: the fused step's, as from the reference's
+    assert ops.FusedSinkState.settled(got_state, "first")
+    # and a gradient is refused
+    try:
+        hybrid_triton_sinks(q.float().requires_grad_(), k.float(), v.float(), logit.float(), **kw, cache_size=cap,
+                            hedgehog=(wq.float(), wk.float()), logit=True)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("hybrid_triton_sinks took a tensor that wants a gradient")
+
+
+def check_model_sinks(anchor):
+    """A tiny converted model with 3 attention sinks (``sparse_priority: "first"``), its mixers on the
+    forward kernels (as on CUDA, no gradient) against the PyTorch form: logits of a left-padded batch,
+    the prefill's cache (settled) and the next tokens decoded from it; training keeps the PyTorch form."""
+    from transformers import AutoModelForCausalLM
+
+    import linearize
+    from helpers import tiny_config
+    from linearize.cache import LinearizeCache
+    from linearize.ops import hybrid_triton as kernels
+
+    hybrid_module = sys.modules["linearize.ops.hybrid_attention"]
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
+    model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 6, "sparse_cache": 3,
+                                        "sparse_priority": "first", "sparse_anchor": anchor})
+    ids = torch.randint(2, 97, (2, 14), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    calls = []
+    real_rule, real_sinks = hybrid_module.use_hybrid_kernel, kernels.hybrid_triton_sinks
+
+    def as_on_cuda(q, backend="auto", **kw):
+        return backend != "torch" and (kw.get("dtype") or q.dtype) in hybrid_module.KERNEL_DTYPES
+
+    def counted(*a, **kw):
+        calls.append(kw.get("output_final_state"))
+        return real_sinks(*a, **kw)
+
+    def run(on_kernels):
+        ops.use_hybrid_kernel = hybrid_module.use_hybrid_kernel = as_on_cuda if on_kernels else real_rule
+        kernels.hybrid_triton_sinks = counted
+        try:
+            with torch.no_grad():
+                logits = model(ids, attention_mask=mask, use_cache=False).logits
+                cache = LinearizeCache(model)
+                model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+                nxt = torch.randint(2, 97, (2, 1), generator=torch.Generator().manual_seed(1))
+                step = model(nxt, attention_mask=torch.cat([mask, torch.ones_like(nxt)], 1), past_key_values=cache,
+                             use_cache=True).logits
+            return logits, cache, step
+        finally:
+            ops.use_hybrid_kernel = hybrid_module.use_hybrid_kernel = real_rule
+            kernels.hybrid_triton_sinks = real_sinks
+
+    want, cache_want, step_want = run(False)
+    assert not calls
+    got, cache_got, step_got = run(True)
+    assert calls == [False] * 2 + [True] * 2, calls  # scoring, then the prefill with its state, per layer
+    real = mask.bool()
+    _close(got[real], want[real].double(), "logits")
+    _close(step_got, step_want.double(), "the next token's logits")
+    for a, e in zip(cache_got.layers, cache_want.layers):
+        assert isinstance(a.state, ops.SparseHybridState) and isinstance(e.state, ops.SparseHybridState)
+        for x, y in zip(a.state.tensors(), e.state.tensors()):
+            if x.is_floating_point():
+                _close(x, y.double(), "state")
+            else:
+                assert torch.equal(x, y)
+
+
 def check_model(family, feature_map="hedgehog"):
     """A tiny converted model's forward (left padding), gradients of every parameter and prefill
     state, with the mixers dispatching to the kernels (as on CUDA) and to the PyTorch form."""
@@ -239,6 +350,13 @@ CASES = {
     "model_gpt_neox": lambda: check_model("gpt_neox"),
     "model_smollm3": lambda: check_model("smollm3"),
     "model_t2r": lambda: check_model("llama", "t2r"),
+    # the first tokens cached (b, h, hk, t, d, fh, rot, window, S, softcap, pad, seed)
+    "sinks": lambda: check_sinks(2, 4, 2, 23, 8, 5, 8, 4, 3, None, 6, 12),  # GQA, left padding, RoPE, T off chunks
+    "sinks_window": lambda: check_sinks(2, 4, 2, 23, 8, 5, 8, 4, 3, 2.0, 6, 13, anchor="window"),  # softcap
+    "sinks_partial": lambda: check_sinks(1, 3, 1, 30, 8, 4, 4, 8, 17, None, 0, 14),  # half RoPE, MQA, S > 16
+    "sinks_unsettled": lambda: check_sinks(2, 2, 1, 9, 8, 4, 0, 4, 3, None, 5, 15, state=False),  # no RoPE; 4 real
+    "model_sinks": lambda: check_model_sinks("joint"),
+    "model_sinks_window": lambda: check_model_sinks("window"),
 }
 
 for name in sys.argv[1:] or CASES:

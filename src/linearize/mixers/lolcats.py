@@ -13,9 +13,12 @@ checkpoint takes it as is) and trains through the softmax over window and cache.
 
 Whole sequences (prefill, training, evaluation) run the Triton kernels on CUDA where
 ``ops.use_hybrid_kernel`` allows it (the spec's ``backend``: "auto" or "fla"; "torch" keeps the
-PyTorch chunked form; a sparse cache always does). With Hedgehog maps on both sides the kernels compute the features, and RoPE
+PyTorch chunked form). With Hedgehog maps on both sides the kernels compute the features, and RoPE
 when the family rotates halves, themselves from the projections' q/k; other maps are applied
-in PyTorch first.
+in PyTorch first. A sparse cache runs the PyTorch chunked form, but for the first tokens
+(``sparse_priority: "first"``) with Hedgehog maps where no gradient is needed (prefill, scoring):
+the forward kernels take them (``hybrid_triton_sinks``), and a prefill whose first tokens have
+all left the window gets its state from there too.
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class LolcatsAttention(LinearAttention):
         return dict(key_mask=self.key_mask, priority=self.spec.sparse_priority, anchor=self.spec.sparse_anchor)
 
     def sequence(self, q, k, v, position_embeddings, state, want_state):
-        if state is None and not self.spec.sparse_cache:
+        if state is None:
             fused = self._kernel_sequence(q, k, v, position_embeddings, want_state)
             if fused is not None:
                 return fused
@@ -92,6 +95,8 @@ class LolcatsAttention(LinearAttention):
         if not ops.use_hybrid_kernel(q, self.spec.backend, window=self.spec.window, head_dim=g.head_dim,
                                      feature_width=width, dtype=dtype):
             return None
+        if self.spec.sparse_cache and not self._sinks_on_kernels(hedgehog, q, k, v, want_state):
+            return None
         if not hedgehog:  # features in PyTorch, the hybrid in the kernels
             q, k, qf, kf = self._inputs(q, k, position_embeddings)
             return ops.hybrid_attention(q, k, qf, kf, v, self.window_weight(), **self._kw(),
@@ -107,8 +112,28 @@ class LolcatsAttention(LinearAttention):
                 dtype = ops.hybrid_attention_kernel_dtype(q, k, v)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         # gamma = sigmoid(window_logit) inside the kernels
+        if self.spec.sparse_cache:
+            from ..ops.hybrid_triton import hybrid_triton_sinks
+
+            return hybrid_triton_sinks(q, k, v, self.window_logit, hedgehog=(fq.weight, fk.weight), rope=rope,
+                                       **self._kw(), cache_size=self.spec.sparse_cache, key_mask=self.key_mask,
+                                       logit=True, anchor=self.spec.sparse_anchor, output_final_state=want_state)
         return hybrid_triton(q, k, v, self.window_logit, hedgehog=(fq.weight, fk.weight), rope=rope, **self._kw(),
                              key_mask=self.key_mask, output_final_state=want_state, logit=True)
+
+    def _sinks_on_kernels(self, hedgehog: bool, q, k, v, want_state: bool) -> bool:
+        """Whether this sparse cache's sequence runs the forward kernels: the first tokens
+        (``sparse_priority: "first"``), Hedgehog maps, no gradient wanted (training takes the PyTorch
+        form), and for a prefill's state a cache that is settled (its first tokens out of the window)."""
+        spec = self.spec
+        if spec.sparse_priority != "first" or not hedgehog:
+            return False
+        weights = (q, k, v, self.window_logit, self.feature_map_q.weight, self.feature_map_k.weight)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in weights):
+            return False
+        from ..ops.hybrid_triton import sinks_settled
+
+        return not want_state or sinks_settled(self.key_mask, q.shape[2], spec.window, spec.sparse_cache)
 
     def attention_weights(self, q, k, position_embeddings):
         if self.spec.sparse_cache:

@@ -160,11 +160,12 @@ def _scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, sums_ptr, kf_out_ptr, win_k_ptr, win_f_ptr,
-                win_v_ptr, skb, skh, skt, svb, svh, svt, sfb, sfh, sft, swk, scb, sct,
+def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, sink_end_ptr, sums_ptr, kf_out_ptr,
+                win_k_ptr, win_f_ptr, win_v_ptr, skb, skh, skt, svb, svh, svt, sfb, sfh, sft, swk, scb, sct,
                 T, W, OFF, N, HK, D, FW, R, L,
                 ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
-                STATE: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
+                STATE: tl.constexpr, SINKS: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
+                PREC: tl.constexpr):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // HK
@@ -186,10 +187,13 @@ def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, sums_p
                      mask=ok[:, None] & (f < FW)[None, :])
     base = sums_ptr + (bh * N + c) * (F * (D + 1))
     m2 = (f < FW)[:, None] & (d < D)[None, :]
+    kl = kf
+    if SINKS:  # the cached first tokens (real tokens before the sequence's sink_end) stay out of the linear state
+        kl = _zero_rows(kf, t >= tl.load(sink_end_ptr + b), FP)
     for i in tl.static_range(FP):
         tl.store(base + (i * FW + f)[:, None] * D + d[None, :],
-                 tl.dot(tl.trans(kf[i]), v, input_precision=PREC), mask=m2)
-        tl.store(base + F * D + i * FW + f, tl.sum(kf[i].to(tl.float32), axis=0), mask=f < FW)
+                 tl.dot(tl.trans(kl[i]), v, input_precision=PREC), mask=m2)
+        tl.store(base + F * D + i * FW + f, tl.sum(kl[i].to(tl.float32), axis=0), mask=f < FW)
     if STATE:  # the last chunk is the decoding window: its last L = min(T, w) tokens raw
         keep = _only(ok, c == N - 1)
         row = t - (T - L)
@@ -237,11 +241,12 @@ def _scan(src_ptr, dst_ptr, fin_ptr, N, E, D, F, G, S,
 
 @triton.jit
 def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, cos_ptr, sin_ptr, mask_ptr, gamma_ptr, sums_ptr,
-             y_ptr, den_ptr, mx_ptr,
+             y_ptr, den_ptr, mx_ptr, sink_end_ptr, sink_k_ptr, sink_v_ptr, sink_pos_ptr,
              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft, swq, scb, sct,
-             syb, syh, syt, T, W, OFF, N, H, G, D, FW, R, scale, softcap,
+             syb, syh, syt, T, W, OFF, N, H, G, D, FW, R, S, scale, softcap,
              ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
-             SOFTCAP: tl.constexpr, SAVE: tl.constexpr, LOGIT: tl.constexpr, BW: tl.constexpr, BQ: tl.constexpr,
+             SOFTCAP: tl.constexpr, SAVE: tl.constexpr, LOGIT: tl.constexpr, SINKS: tl.constexpr,
+             WINDOW_ANCHOR: tl.constexpr, BW: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr,
              BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
     c, i, tq, okq = _query_rows(tl.program_id(0), T, W, OFF, BW, BQ)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
@@ -278,7 +283,10 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, cos_ptr, sin_ptr, mask
         den += tl.sum(qf[p].to(tl.float32) * sz[None, :], axis=1)
     # 2. the youngest linear keys: the previous chunk's up to the query's position
     kf_p = _load_features(kf_ptr + b * skfb + hk * skfh, tp, okp, skft, FW, vdt, BF, FP)  # the keys' from memory
-    lin = tl.where((j[None, :] <= i[:, None]) & real_p[None, :], _feature_dot(qf, kf_p, FP, PREC), 0.0)
+    lin_p = real_p
+    if SINKS:  # the first tokens are cached, not linear terms
+        lin_p = real_p & (tp >= tl.load(sink_end_ptr + b))
+    lin = tl.where((j[None, :] <= i[:, None]) & lin_p[None, :], _feature_dot(qf, kf_p, FP, PREC), 0.0)
     v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(vdt)
     num = tl.dot(lin.to(vdt), v_p, num, input_precision=PREC)
     den += tl.sum(lin, axis=1)
@@ -303,6 +311,25 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, cos_ptr, sin_ptr, mask
     v_c = tl.where(real_c[:, None], _tile(vb, tc, okc, svt, d, D), 0.0).to(vdt)
     num_w = tl.dot(a.to(vdt), v_c, num_w * alpha[:, None], input_precision=PREC)
     den_w = den_w * alpha + tl.sum(a, axis=1)
+    if SINKS:  # 4. the cached first tokens that have left the query's window: softmax terms beside the window's
+        js = tl.arange(0, BS)
+        pos = tl.load(sink_pos_ptr + b * S + js, mask=js < S, other=T)  # T: an empty slot
+        cached = (pos[None, :] <= tq[:, None] - W) & (js < S)[None, :]
+        rows = (b * HK + hk) * S + js
+        ms = (js < S)[:, None] & (d < D)[None, :]
+        k_s = tl.load(sink_k_ptr + rows[:, None] * D + d[None, :], mask=ms, other=0.0).to(vdt)
+        s = tl.where(cached, _scores(q, k_s, scale, softcap, SOFTCAP, PREC), float("-inf"))
+        m3 = tl.maximum(m2, tl.max(s, axis=1))
+        top = tl.where(m3 == float("-inf"), 0.0, m3)  # the largest score over window and cache
+        beta = tl.where(m2 == float("-inf"), 0.0, tl.exp(mx - top))
+        a = tl.where(cached, tl.exp(s - top[:, None]), 0.0)
+        v_s = tl.load(sink_v_ptr + rows[:, None] * D + d[None, :], mask=ms, other=0.0).to(vdt)
+        num_w = tl.dot(a.to(vdt), v_s, num_w * beta[:, None], input_precision=PREC)
+        den_w = den_w * beta + tl.sum(a, axis=1)
+        if WINDOW_ANCHOR:  # the linear terms against the window's largest score
+            num = num * beta[:, None]
+            den = den * beta
+        mx = top
     gamma = tl.load(gamma_ptr + h).to(tl.float32)
     if LOGIT:
         gamma = tl.sigmoid(gamma)
@@ -556,11 +583,18 @@ def _last_contiguous(x):
 
 def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=None, key_mask=None, qf=None,
                           kf=None, hedgehog=None, rope=None, save: bool = False, state: bool = False,
-                          logit: bool = False):
+                          logit: bool = False, sinks=None, window_anchor: bool = False):
     """The three forward launches. Returns ``(y, saved, state)``: ``y`` ``[B, H, T, D]`` (a view of
     ``[B, T, H, D]`` memory, what the output projection reads); ``saved`` (with ``save``) the
     per-chunk states and per-query quantities the backward needs; ``state`` (with ``state``) the
-    ``HybridState`` after the sequence."""
+    ``HybridState`` after the sequence.
+
+    ``sinks = (end [B] int32, keys [B, Hk, S, D] rotated, values [B, Hk, S, D], pos [B, S] int32)``: each
+    sequence's first ``S`` real tokens kept exactly (``sparse_priority="first"``, see
+    ``hybrid_triton_sinks``): real tokens before ``end`` leave the linear terms (and the state's
+    linear part), and a query ``t`` gives softmax terms to the cached ones with ``pos <= t - w``
+    (``pos = T``: an empty slot), under one maximum with the window's; ``window_anchor`` scales
+    the linear terms by ``exp(c_window - c)``. No backward (``save`` refused)."""
     from .hybrid_state import HybridState
 
     b, h, t, d = q.shape
@@ -605,11 +639,19 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     else:
         win_k = win_f = win_v = sums  # not written
     common = dict(ROPE=rope is not None, HEDGEHOG=hedgehog is not None, FP=fp, MASK=key_mask is not None,
-                  BW=bw, BD=bd, BF=bf, PREC=prec)
+                  SINKS=sinks is not None, BW=bw, BD=bd, BF=bf, PREC=prec)
+    if sinks is not None:
+        if save:
+            raise ValueError("hybrid_triton_forward: the sinks' form has no backward")
+        sink_end, sink_k, sink_v, sink_pos = (x.contiguous() for x in sinks)
+        n_sinks = sink_k.shape[2]
+    else:
+        sink_end = sink_k = sink_v = sink_pos = q  # not read
+        n_sinks = 0
     # Hedgehog: the first pass writes the keys' features for the output pass (recomputing them there
     # spilled registers at w = D = 64)
     kf_out = torch.empty(b, hk, t, f, device=dev, dtype=dt) if hedgehog is not None else sums
-    _chunk_sums[(n, b * hk)](k, v, kf, wk, cos, sin, mask, sums, kf_out, win_k, win_f, win_v,
+    _chunk_sums[(n, b * hk)](k, v, kf, wk, cos, sin, mask, sink_end, sums, kf_out, win_k, win_f, win_v,
                              *_strides(k), *_strides(v), *_strides(kf), swk, scb, sct,
                              t, w, off, n, hk, d, fw, rot, l, STATE=state, num_warps=kn["SUM_WARPS"], **common)
     if hedgehog is not None:
@@ -625,9 +667,11 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     bq = min(kn["QUERY_ROWS" if save else "PREFILL_QUERY_ROWS"], bw)
     warps = kn["FWD_WARPS" if save else "PREFILL_WARPS"]
     _forward[(n * (bw // bq), b * h)](q, k, v, qf, kf, wq, cos, sin, mask, gamma, sums, y, den, mx,
+                         sink_end, sink_k, sink_v, sink_pos,
                          *_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), swq, scb, sct,
-                         *_strides(y), t, w, off, n, h, h // hk, d, fw, rot, float(scale), float(softcap or 1.0),
-                         SOFTCAP=softcap is not None, SAVE=save, LOGIT=logit, BQ=bq, num_warps=warps,
+                         *_strides(y), t, w, off, n, h, h // hk, d, fw, rot, n_sinks, float(scale),
+                         float(softcap or 1.0), SOFTCAP=softcap is not None, SAVE=save, LOGIT=logit,
+                         WINDOW_ANCHOR=window_anchor, BQ=bq, BS=_pow2(n_sinks), num_warps=warps,
                          **common)
     saved = (sums, den, mx) if save else None
     out_state = None
@@ -822,3 +866,72 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
     cos, sin = rope or (None, None)
     y = _HybridTriton.apply(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit)
     return y, state
+
+
+def hybrid_triton_sinks(q, k, v, gamma, *, window: int, cache_size: int, scale: float, softcap=None, key_mask=None,
+                        hedgehog, rope=None, logit: bool = False, anchor: str = "joint",
+                        output_final_state: bool = False):
+    """``sparse_hybrid_attention_chunked`` under ``priority="first"`` (each sequence's first ``S =
+    cache_size`` real tokens cached for good, StreamingLLM's attention sinks) through the forward
+    kernels, without gradients: ``(y, state or None)``. The kernels leave the first tokens out of the
+    linear sums and add, for query ``t``, softmax terms of those with position ``<= t - w`` (those
+    still in the window are window terms, as in the reference). Inputs as ``hybrid_triton``'s with
+    Hedgehog weights (``hedgehog``), ``anchor`` as the sparse op's.
+
+    ``output_final_state``: the ``SparseHybridState`` after the sequence, for a prefill whose cache
+    is settled, every sequence's first ``S`` tokens having left its window (the caller checks:
+    ``sinks_settled``); the window, the linear state and the cached keys as the reference gives them.
+    """
+    from .sparse_hybrid_attention import SparseHybridState
+
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, gamma, *hedgehog)):
+        raise ValueError("hybrid_triton_sinks has no backward: call it without gradients")
+    b, _, t, d = q.shape
+    hk, cap, dev, dt = k.shape[1], cache_size, q.device, q.dtype
+    real = key_mask.bool() if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=dev)
+    pos = torch.arange(t, device=dev)
+    order = torch.where(real, pos, t).sort(dim=-1).values  # real positions first, ascending; t: none
+    order = torch.nn.functional.pad(order, (0, max(0, cap - t)), value=t)[:, :cap]  # [B, S]
+    has = order < t
+    end = torch.where(has[:, -1], order[:, -1] + 1, t)  # after the S-th real token (all real tokens: t)
+    idx = order.clamp_max(t - 1)
+    take = lambda x: x.gather(2, idx[:, None, :, None].expand(b, x.shape[1], cap, x.shape[-1]))  # noqa: E731
+    sk, sv = take(k), take(v)
+    if rope is not None:  # rotated as the kernels rotate: fp32, then the inputs' dtype
+        cos, sin = (x.expand(b, *x.shape[1:]).gather(1, idx[..., None].expand(b, cap, x.shape[-1])) for x in rope)
+        sk = rope_half(sk.float(), cos.float(), sin.float())
+    sk, sv = (torch.where(has[:, None, :, None], x, 0).to(dt) for x in (sk, sv))
+    sinks = (end.to(torch.int32), sk, sv, order.to(torch.int32))
+    y, _, plain = hybrid_triton_forward(q, k, v, gamma, window=window, scale=scale, softcap=softcap,
+                                        key_mask=None if key_mask is None else key_mask.bool().contiguous(),
+                                        hedgehog=hedgehog, rope=rope, state=output_final_state, logit=logit,
+                                        sinks=sinks, window_anchor=anchor == "window")
+    if not output_final_state:
+        return y, None
+    acc = plain.linear.dtype
+    first = real.long().argmax(dim=1)  # each sequence's origin
+    count = torch.where(real.any(dim=1), t - first, 0)
+    # the window's tokens that leave during the last token's epoch (chunk c - 1 counted from the origin) keep
+    # the boundary's priority, minus their position from the origin; the others' is rescored at the next boundary
+    nwin = plain.keys.shape[2]
+    rel = (t - nwin + torch.arange(nwin, device=dev))[None, :] - first[:, None]  # [B, n]
+    epoch = ((t - 1 - first) // window)[:, None]
+    leaving = (epoch >= 1) & (rel >= (epoch - 1) * window) & (rel < epoch * window)
+    scores = torch.where(leaving, -rel.to(acc), 0.0)[:, None].expand(b, hk, nwin).contiguous()
+    cpos = torch.where(has, order - first[:, None], 0)[:, None].expand(b, hk, cap)
+    wk = hedgehog[1]  # ([Hk or 1, D, F/2] against the keys' [B, Hk, S, D])
+    return y, SparseHybridState(
+        plain.keys, plain.key_features, plain.values, plain.valid, scores, plain.linear, sk,
+        hedgehog_features(sk, wk).to(dt), sv,
+        has[:, None].expand(b, hk, cap).contiguous(), -cpos.to(acc), cpos.contiguous(), count)
+
+
+def sinks_settled(key_mask, t: int, window: int, cache_size: int) -> bool:
+    """Whether every sequence's first ``cache_size`` real tokens have left its window after ``t`` tokens
+    (``key_mask`` ``[B, t]`` or None): the prefill's cache under ``priority="first"`` will not change again
+    (reads a flag on the host where there is a mask)."""
+    if key_mask is None:
+        return t >= cache_size + window
+    real = key_mask.bool()
+    nth = torch.where(real.long().cumsum(-1) == cache_size, torch.arange(t, device=real.device), t).amin(-1)
+    return bool((nth <= t - 1 - window).all())
