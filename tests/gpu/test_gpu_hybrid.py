@@ -110,6 +110,52 @@ def test_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference_on_cu
             assert _err(a, e) < bounds[name], (name, _err(a, e), bounds[name])
 
 
+@pytest.mark.parametrize("anchor", ["joint", "window"])
+@pytest.mark.parametrize("shape", [(2, 9, 3, 300, 70, None), (1, 9, 3, 1024, 0, 30.0), (2, 4, 1, 40, 0, None)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_on_the_forward_kernels_equal_the_float64_reference_on_cuda(dtype, shape, anchor):
+    """``hybrid_triton_sinks`` (the first 4 tokens cached, ``sparse_priority: "first"``): the output and,
+    where the cache is settled, the prefill's ``SparseHybridState`` against ``sparse_hybrid_attention_chunked``
+    after the rotation and the maps in float64 (in bf16 within the bound or 2x the PyTorch form's own bf16
+    error); 40 tokens: the first ones still in the window."""
+    from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton_sinks, rope_half, sinks_settled
+
+    b, h, hk, t, pad, softcap = shape
+    qkv, (wq, wk), rope, gamma, key_mask, kw, r = _hedgehog_case(b, h, hk, t, 64, 64, 64, pad, softcap)
+    kw["key_mask"] = key_mask
+    rule = dict(cache_size=4, priority="first", anchor=anchor)
+    settled = sinks_settled(key_mask, t, 64, 4)
+    assert settled == (t > 68)
+
+    def reference(qkv, wq, wk, rope):
+        q, k, v = _split(qkv, h, hk)
+        qr, kr = rope_half(q, *rope), rope_half(k, *rope)
+        qf, kf = hedgehog_features(qr, wq), hedgehog_features(kr, wk)
+        return ops.sparse_hybrid_attention_chunked(qr, kr, qf, kf, v, gamma.to(qkv.dtype), **kw, **rule,
+                                                   output_final_state=settled)
+
+    with torch.no_grad():
+        want, want_state = reference(qkv, wq, wk, rope)
+        mq, mk, mv = _split(qkv.to(dtype), h, hk)
+        logit = torch.logit(gamma).float()
+        got, state = hybrid_triton_sinks(mq, mk, mv, logit, hedgehog=(wq.float(), wk.float()), logit=True,
+                                         rope=tuple(x.to(dtype) for x in rope), **kw, cache_size=4, anchor=anchor,
+                                         output_final_state=settled)
+        bound = TOLS[dtype]
+        if dtype == torch.bfloat16:
+            low, _ = reference(qkv.to(dtype), wq.to(dtype), wk.to(dtype), tuple(x.to(dtype) for x in rope))
+            bound = max(bound, TORCH_FACTOR * _err(low, want))
+    assert got.dtype == dtype and _err(got, want) < bound, (_err(got, want), bound)
+    if not settled:
+        return
+    for name in ("keys", "key_features", "values", "linear", "cache_keys", "cache_features", "cache_values"):
+        assert _err(getattr(state, name), getattr(want_state, name).double()) < max(bound, TOLS[dtype]), name
+    for name in ("valid", "cache_valid", "cache_pos", "count"):
+        assert torch.equal(getattr(state, name), getattr(want_state, name)), name
+    for name in ("window_scores", "cache_scores"):  # minus positions from the origin
+        assert torch.equal(getattr(state, name).double(), getattr(want_state, name).double()), name
+
+
 @pytest.mark.parametrize("case", [(2, 9, 64, True), (1, 3, 32, False), (2, 3, 0, False)])  # (b, h, R, per-head W)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_hedgehog_rope_prelude_kernels_equal_the_float64_reference_on_cuda(dtype, case):

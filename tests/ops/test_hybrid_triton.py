@@ -19,12 +19,22 @@ def test_hybrid_kernels_equal_the_float64_reference_through_the_interpreter():
                                   "prefill_blocks", "half", "exact", "hedgehog", "hedgehog_partial", "hedgehog_norope")
 
 
+def test_sinks_on_the_forward_kernels_equal_the_float64_reference_through_the_interpreter():
+    """``hybrid_triton_sinks`` (the first S tokens cached, ``sparse_priority: "first"``) against
+    ``sparse_hybrid_attention_naive`` and the chunked form's state: GQA and MQA, left padding, soft-capping,
+    both anchors, RoPE over all dims, half of them and none, S above one key tile (17), a prompt whose
+    first tokens are still in the window (values only) and fewer real tokens than S."""
+    run_triton_interpreter_script("triton_interpret_hybrid_seq.py", "sinks", "sinks_window", "sinks_partial",
+                                  "sinks_unsettled")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["model_llama", "model_gemma2", "model_t2r"])
+@pytest.mark.parametrize("case", ["model_llama", "model_gemma2", "model_t2r", "model_sinks", "model_sinks_window"])
 def test_lolcats_mixers_on_the_kernels_equal_the_torch_form_through_the_interpreter(case):
     """A tiny converted model with its mixers dispatching to the kernels (as on CUDA) against the
     PyTorch form: logits, every parameter's gradient, the prefill's cache; left padding. Llama (GQA,
-    RoPE fused), Gemma 2 (soft-capping), T2R maps (features computed in PyTorch)."""
+    RoPE fused), Gemma 2 (soft-capping), T2R maps (features computed in PyTorch); attention sinks under
+    both anchors (no gradient: logits, the settled prefill's cache, the next token's logits)."""
     run_triton_interpreter_script("triton_interpret_hybrid_seq.py", case)
 
 
