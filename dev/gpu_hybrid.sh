@@ -29,6 +29,8 @@
 #             an earlier version of the module beside it), then decode batch 1-256 from 1k prompts beside the teacher
 #   sinks     attention sinks in the fused decode step: CUDA tests, compiled decode from 1k prompts without and with
 #             them (untrained students), each beside the teacher
+#   sinks-prefill  attention sinks in the prefill's forward kernels: CUDA tests, prefill rows without (beside the
+#             teacher) and with them
 #   profile   where a training step's time goes (bench.profile train at 8x1024: kernels, host phases) for the
 #             teacher and both LoLCATs stages, and a 1k prefill's kernels, student and teacher
 # An untrained student: speed does not depend on the weights. Rows land in $S (/tmp/runs/hybrid).
@@ -131,6 +133,16 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
           --teacher-paths static --batch-sizes 1 64 256 --new-tokens 256 --prompt-len 1024 \
           --out "$S/decode_$(basename "$ck").json" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:"
       done ;;
+    sinks-prefill)  # attention sinks in the prefill's forward kernels: their CUDA tests, then the prefill rows of
+      # untrained students with and without the sinks (with the teacher beside the plain one)
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_hybrid.py -k sinks 2>&1 | tail -3
+      student
+      [ -d "$C-sinks" ] || python3 -m linearize convert --teacher "$T" --kind lolcats --sparse-cache 4 \
+        --sparse-priority first --out "$C-sinks" --dtype bfloat16 2>&1 | tail -1
+      timeout 150 python3 -m linearize bench "$C" --teacher "$T" --dtype bfloat16 --prefill 1x1024 32x1024 1x8192 \
+        32x8192 --prefill-teacher-paths sdpa --out "$S/prefill_plain.json" 2>&1 | quiet | grep -E "kernels|sdpa|rror"
+      timeout 120 python3 -m linearize bench "$C-sinks" --teacher none --dtype bfloat16 --prefill 1x1024 32x1024 \
+        1x8192 32x8192 --out "$S/prefill_sinks.json" 2>&1 | quiet | grep -E "kernels|torch|rror" ;;
     profile)
       student
       for m in teacher lolcats-stage1 lolcats-stage2; do
