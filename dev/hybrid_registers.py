@@ -45,7 +45,7 @@ def report(fn, consts: dict, warps: int, dtype: str) -> str:
         if name in consts:
             sig[name] = "constexpr"
         elif name.endswith("_ptr"):
-            ints = {"mask_ptr": "i1", "am_ptr": "i32", "sink_end_ptr": "i32", "sink_pos_ptr": "i32"}
+            ints = {"mask_ptr": "i1", "am_ptr": "i32", "slot_ptr": "i32", "sink_pos_ptr": "i32"}
             sig[name] = "*" + ints.get(name, "fp32" if name in FP32_POINTERS else dtype)
         elif name in ("scale", "softcap"):
             sig[name] = "fp32"
@@ -63,7 +63,7 @@ def report(fn, consts: dict, warps: int, dtype: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("kernels", nargs="*", default=["chunk_sums", "forward", "prefill", "prefill_sinks", "scan",
+    p.add_argument("kernels", nargs="*", default=["chunk_sums", "chunk_sums_sinks", "forward", "prefill", "prefill_sinks", "scan",
                                                   "backward_q", "backward_kv", "backward_kf", "prelude_forward",
                                                   "prelude_backward"])
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
@@ -81,6 +81,9 @@ def main(argv=None) -> int:
     for hedgehog in (True, False):
         maps = dict(BF=64 if hedgehog else 128, ROPE=hedgehog, HEDGEHOG=hedgehog, FP=2 if hedgehog else 1, MASK=True)
         builds.append(("chunk_sums", ht._chunk_sums, {**tiles, **maps, "STATE": True, "SINKS": False}, kn["SUM_WARPS"]))
+        if hedgehog:  # with the first tokens cached (their rows written beside the window's)
+            builds.append(("chunk_sums_sinks", ht._chunk_sums, {**tiles, **maps, "STATE": True, "SINKS": True},
+                           kn["SUM_WARPS"]))
         off = dict(SINKS=False, WINDOW_ANCHOR=False, BS=16)
         builds.append(("forward", ht._forward, {**tiles, **maps, "SOFTCAP": False, "SAVE": True, "LOGIT": True,
                                                 "BQ": query_rows, **off}, kn["FWD_WARPS"]))

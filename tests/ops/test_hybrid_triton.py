@@ -109,3 +109,28 @@ def test_kernel_tiles_follow_the_input_width():
         assert kernels._knobs(torch.bfloat16)["FWD_WARPS"] == 2 and kernels._knobs(torch.float32)["FWD_WARPS"] == kernels.WIDE["FWD_WARPS"]
     finally:
         kernels.FWD_WARPS = saved
+
+
+def test_sink_plan_places_the_first_real_tokens_once_per_mask():
+    """``sink_plan``: each position's cache slot and each slot's position for the first S real tokens
+    (left padding, a hole, fewer real tokens than S), whether they have all left the window; a later
+    layer's equal mask takes the same plan, a changed one (even the same tensor changed in place) a new one."""
+    from linearize.ops.hybrid_triton import sink_plan
+
+    mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]],
+                        dtype=torch.bool)
+    plan = sink_plan(mask, 3, 10, 4, 3, "cpu")
+    assert plan.slot.tolist() == [[-1, -1, 0, 1, -1, 2, -1, -1, -1, -1], [0, 1, 2, -1, -1, -1, -1, -1, -1, -1],
+                                  [-1] * 8 + [0, 1]]
+    assert plan.pos.tolist() == [[2, 3, 5], [0, 1, 2], [8, 9, 10]]  # 10: an empty slot
+    assert plan.has.tolist() == [[True] * 3, [True] * 3, [True, True, False]] and plan.first.tolist() == [2, 0, 8]
+    assert not plan.settled  # the last sequence has two real tokens
+    assert sink_plan(mask.clone(), 3, 10, 4, 3, "cpu") is plan  # the next layer's mask, equal
+    assert sink_plan(mask, 3, 10, 4, 2, "cpu") is not plan  # another cache size
+    two = mask[:2].clone()
+    p2 = sink_plan(two, 2, 10, 4, 3, "cpu")
+    assert p2.settled  # the 3rd real token at 5 and 2, both <= 10 - 1 - 4
+    two[0, 5] = False  # changed in place: the 3rd real token moves to 6 (still settled), the plan with it
+    p3 = sink_plan(two, 2, 10, 4, 3, "cpu")
+    assert p3 is not p2 and p3.pos[0].tolist() == [2, 3, 6]
+    assert sink_plan(None, 2, 7, 4, 3, "cpu").settled and not sink_plan(None, 2, 6, 4, 3, "cpu").settled

@@ -240,6 +240,16 @@ def check_model_sinks(anchor):
     real = mask.bool()
     _close(got[real], want[real].double(), "logits")
     _close(step_got, step_want.double(), "the next token's logits")
+    # training (gradients wanted) keeps the PyTorch form
+    calls.clear()
+    ops.use_hybrid_kernel = hybrid_module.use_hybrid_kernel = as_on_cuda
+    kernels.hybrid_triton_sinks = counted
+    try:
+        model(ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), use_cache=False).loss.backward()
+    finally:
+        ops.use_hybrid_kernel = hybrid_module.use_hybrid_kernel = real_rule
+        kernels.hybrid_triton_sinks = real_sinks
+    assert not calls and any(p.grad is not None for n, p in model.named_parameters() if "feature_map" in n)
     for a, e in zip(cache_got.layers, cache_want.layers):
         assert isinstance(a.state, ops.SparseHybridState) and isinstance(e.state, ops.SparseHybridState)
         for x, y in zip(a.state.tensors(), e.state.tensors()):

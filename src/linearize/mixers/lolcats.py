@@ -131,9 +131,10 @@ class LolcatsAttention(LinearAttention):
         weights = (q, k, v, self.window_logit, self.feature_map_q.weight, self.feature_map_k.weight)
         if torch.is_grad_enabled() and any(x.requires_grad for x in weights):
             return False
-        from ..ops.hybrid_triton import sinks_settled
+        from ..ops.hybrid_triton import sink_plan
 
-        return not want_state or sinks_settled(self.key_mask, q.shape[2], spec.window, spec.sparse_cache)
+        return not want_state or sink_plan(self.key_mask, q.shape[0], q.shape[2], spec.window, spec.sparse_cache,
+                                           q.device).settled
 
     def attention_weights(self, q, k, position_embeddings):
         if self.spec.sparse_cache:

@@ -60,6 +60,8 @@ pass computes more than it stores at once.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -160,9 +162,9 @@ def _scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, PREC: tl.constexpr):
 
 
 @triton.jit
-def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, sink_end_ptr, sums_ptr, kf_out_ptr,
-                win_k_ptr, win_f_ptr, win_v_ptr, skb, skh, skt, svb, svh, svt, sfb, sfh, sft, swk, scb, sct,
-                T, W, OFF, N, HK, D, FW, R, L,
+def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, slot_ptr, sums_ptr, kf_out_ptr,
+                win_k_ptr, win_f_ptr, win_v_ptr, cache_k_ptr, cache_f_ptr, cache_v_ptr,
+                skb, skh, skt, svb, svh, svt, sfb, sfh, sft, swk, scb, sct, T, W, OFF, N, HK, D, FW, R, L, S,
                 ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
                 STATE: tl.constexpr, SINKS: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
                 PREC: tl.constexpr):
@@ -188,8 +190,9 @@ def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, sink_e
     base = sums_ptr + (bh * N + c) * (F * (D + 1))
     m2 = (f < FW)[:, None] & (d < D)[None, :]
     kl = kf
-    if SINKS:  # the cached first tokens (real tokens before the sequence's sink_end) stay out of the linear state
-        kl = _zero_rows(kf, t >= tl.load(sink_end_ptr + b), FP)
+    if SINKS:  # the cached first tokens (a slot of the cache: >= 0) stay out of the linear state
+        slot = tl.load(slot_ptr + b * T + t, mask=ok, other=-1)
+        kl = _zero_rows(kf, slot < 0, FP)
     for i in tl.static_range(FP):
         tl.store(base + (i * FW + f)[:, None] * D + d[None, :],
                  tl.dot(tl.trans(kl[i]), v, input_precision=PREC), mask=m2)
@@ -202,6 +205,14 @@ def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, sink_e
         for i in tl.static_range(FP):
             tl.store(win_f_ptr + bh * L * F + row[:, None] * F + (i * FW + f)[None, :],
                      kf[i].to(win_f_ptr.dtype.element_ty), mask=keep[:, None] & (f < FW)[None, :])
+        if SINKS:  # the cache's rows: the first tokens' rotated keys, features and values
+            row = bh * S + tl.maximum(slot, 0)
+            put = slot >= 0
+            tl.store(cache_k_ptr + row[:, None] * D + d[None, :], k, mask=put[:, None] & (d < D)[None, :])
+            tl.store(cache_v_ptr + row[:, None] * D + d[None, :], v, mask=put[:, None] & (d < D)[None, :])
+            for i in tl.static_range(FP):
+                tl.store(cache_f_ptr + row[:, None] * F + (i * FW + f)[None, :],
+                         kf[i].to(cache_f_ptr.dtype.element_ty), mask=put[:, None] & (f < FW)[None, :])
 
 
 @triton.jit
@@ -241,7 +252,7 @@ def _scan(src_ptr, dst_ptr, fin_ptr, N, E, D, F, G, S,
 
 @triton.jit
 def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, cos_ptr, sin_ptr, mask_ptr, gamma_ptr, sums_ptr,
-             y_ptr, den_ptr, mx_ptr, sink_end_ptr, sink_k_ptr, sink_v_ptr, sink_pos_ptr,
+             y_ptr, den_ptr, mx_ptr, slot_ptr, sink_pos_ptr,
              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft, swq, scb, sct,
              syb, syh, syt, T, W, OFF, N, H, G, D, FW, R, S, scale, softcap,
              ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
@@ -285,7 +296,7 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, cos_ptr, sin_ptr, mask
     kf_p = _load_features(kf_ptr + b * skfb + hk * skfh, tp, okp, skft, FW, vdt, BF, FP)  # the keys' from memory
     lin_p = real_p
     if SINKS:  # the first tokens are cached, not linear terms
-        lin_p = real_p & (tp >= tl.load(sink_end_ptr + b))
+        lin_p = real_p & (tl.load(slot_ptr + b * T + tp, mask=okp, other=-1) < 0)
     lin = tl.where((j[None, :] <= i[:, None]) & lin_p[None, :], _feature_dot(qf, kf_p, FP, PREC), 0.0)
     v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(vdt)
     num = tl.dot(lin.to(vdt), v_p, num, input_precision=PREC)
@@ -313,17 +324,16 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, cos_ptr, sin_ptr, mask
     den_w = den_w * alpha + tl.sum(a, axis=1)
     if SINKS:  # 4. the cached first tokens that have left the query's window: softmax terms beside the window's
         js = tl.arange(0, BS)
-        pos = tl.load(sink_pos_ptr + b * S + js, mask=js < S, other=T)  # T: an empty slot
-        cached = (pos[None, :] <= tq[:, None] - W) & (js < S)[None, :]
-        rows = (b * HK + hk) * S + js
-        ms = (js < S)[:, None] & (d < D)[None, :]
-        k_s = tl.load(sink_k_ptr + rows[:, None] * D + d[None, :], mask=ms, other=0.0).to(vdt)
+        pos = tl.load(sink_pos_ptr + b * S + js, mask=js < S, other=T)  # their positions (T: an empty slot)
+        oks = (js < S) & (pos < T)
+        cached = (pos[None, :] <= tq[:, None] - W) & oks[None, :]
+        k_s = _rotated(kb, pos, oks, skt, d, D, cos_b, sin_b, sct, R, ROPE).to(vdt)
         s = tl.where(cached, _scores(q, k_s, scale, softcap, SOFTCAP, PREC), float("-inf"))
         m3 = tl.maximum(m2, tl.max(s, axis=1))
         top = tl.where(m3 == float("-inf"), 0.0, m3)  # the largest score over window and cache
         beta = tl.where(m2 == float("-inf"), 0.0, tl.exp(mx - top))
         a = tl.where(cached, tl.exp(s - top[:, None]), 0.0)
-        v_s = tl.load(sink_v_ptr + rows[:, None] * D + d[None, :], mask=ms, other=0.0).to(vdt)
+        v_s = tl.where(oks[:, None], _tile(vb, pos, oks, svt, d, D), 0.0).to(vdt)
         num_w = tl.dot(a.to(vdt), v_s, num_w * beta[:, None], input_precision=PREC)
         den_w = den_w * beta + tl.sum(a, axis=1)
         if WINDOW_ANCHOR:  # the linear terms against the window's largest score
@@ -589,12 +599,14 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     per-chunk states and per-query quantities the backward needs; ``state`` (with ``state``) the
     ``HybridState`` after the sequence.
 
-    ``sinks = (end [B] int32, keys [B, Hk, S, D] rotated, values [B, Hk, S, D], pos [B, S] int32)``: each
-    sequence's first ``S`` real tokens kept exactly (``sparse_priority="first"``, see
-    ``hybrid_triton_sinks``): real tokens before ``end`` leave the linear terms (and the state's
-    linear part), and a query ``t`` gives softmax terms to the cached ones with ``pos <= t - w``
-    (``pos = T``: an empty slot), under one maximum with the window's; ``window_anchor`` scales
-    the linear terms by ``exp(c_window - c)``. No backward (``save`` refused)."""
+    ``sinks = (slot [B, T] int32, pos [B, S] int32)``: each sequence's first ``S`` real tokens kept
+    exactly (``sparse_priority="first"``, see ``hybrid_triton_sinks``): ``slot`` gives each position's
+    place in the cache (-1: none), ``pos`` each slot's position (``T``: empty). They leave the linear
+    terms (and the state's linear part), and a query ``t`` gives softmax terms to those with ``pos <=
+    t - w``, under one maximum with the window's; ``window_anchor`` scales the linear terms by
+    ``exp(c_window - c)``. With ``state``, ``state`` is ``(HybridState, (keys, features, values))``,
+    the cache's rows ``[B, Hk, S, *]`` (keys rotated; slots past the sequence's real tokens unset).
+    No backward (``save`` refused)."""
     from .hybrid_state import HybridState
 
     b, h, t, d = q.shape
@@ -643,17 +655,22 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     if sinks is not None:
         if save:
             raise ValueError("hybrid_triton_forward: the sinks' form has no backward")
-        sink_end, sink_k, sink_v, sink_pos = (x.contiguous() for x in sinks)
-        n_sinks = sink_k.shape[2]
+        slot, sink_pos = (x.contiguous() for x in sinks)
+        n_sinks = sink_pos.shape[1]
     else:
-        sink_end = sink_k = sink_v = sink_pos = q  # not read
+        slot = sink_pos = q  # not read
         n_sinks = 0
     # Hedgehog: the first pass writes the keys' features for the output pass (recomputing them there
     # spilled registers at w = D = 64)
     kf_out = torch.empty(b, hk, t, f, device=dev, dtype=dt) if hedgehog is not None else sums
-    _chunk_sums[(n, b * hk)](k, v, kf, wk, cos, sin, mask, sink_end, sums, kf_out, win_k, win_f, win_v,
+    if state and sinks is not None:
+        cache = tuple(torch.empty(b, hk, n_sinks, e, device=dev, dtype=dt) for e in (d, f, d))
+    else:
+        cache = (sums,) * 3  # not written
+    _chunk_sums[(n, b * hk)](k, v, kf, wk, cos, sin, mask, slot, sums, kf_out, win_k, win_f, win_v, *cache,
                              *_strides(k), *_strides(v), *_strides(kf), swk, scb, sct,
-                             t, w, off, n, hk, d, fw, rot, l, STATE=state, num_warps=kn["SUM_WARPS"], **common)
+                             t, w, off, n, hk, d, fw, rot, l, n_sinks, STATE=state, num_warps=kn["SUM_WARPS"],
+                             **common)
     if hedgehog is not None:
         kf = kf_out
     linear = torch.empty(b, hk, 1, f, d + 1, device=dev, dtype=torch.float32) if state else sums
@@ -667,7 +684,7 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     bq = min(kn["QUERY_ROWS" if save else "PREFILL_QUERY_ROWS"], bw)
     warps = kn["FWD_WARPS" if save else "PREFILL_WARPS"]
     _forward[(n * (bw // bq), b * h)](q, k, v, qf, kf, wq, cos, sin, mask, gamma, sums, y, den, mx,
-                         sink_end, sink_k, sink_v, sink_pos,
+                         slot, sink_pos,
                          *_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), swq, scb, sct,
                          *_strides(y), t, w, off, n, h, h // hk, d, fw, rot, n_sinks, float(scale),
                          float(softcap or 1.0), SOFTCAP=softcap is not None, SAVE=save, LOGIT=logit,
@@ -678,6 +695,8 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     if state:
         valid = key_mask[:, t - l:] if key_mask is not None else torch.ones(b, l, dtype=torch.bool, device=dev)
         out_state = HybridState(win_k, win_f, win_v, linear, valid)
+        if sinks is not None:
+            out_state = (out_state, cache)
     return y, saved, out_state
 
 
@@ -868,6 +887,48 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
     return y, state
 
 
+@dataclass
+class SinkPlan:
+    """Where each sequence's first ``S`` real tokens sit, shared by every layer of one forward (it depends on
+    the key mask and the length only): ``slot`` ``[B, T]`` int32 (each position's cache slot, -1 for
+    none), ``pos`` ``[B, S]`` int32 (each slot's position, ``T`` for empty), ``has`` ``[B, S]``, the
+    origins ``first`` ``[B]`` and whether the cache is settled (every sequence's first tokens have left
+    its window: ``sinks_settled``)."""
+
+    key_mask: torch.Tensor | None  # (a copy: the plan is taken again only for an equal mask)
+    shape: tuple
+    slot: torch.Tensor
+    pos: torch.Tensor
+    has: torch.Tensor
+    first: torch.Tensor
+    settled: bool
+
+
+_PLAN: list[SinkPlan] = []  # the last one (layers after the first take it)
+
+
+def sink_plan(key_mask, b: int, t: int, window: int, cache_size: int, device) -> SinkPlan:
+    """The ``SinkPlan`` of this key mask (None: none) and shape, computed once per forward: a later layer
+    with an equal mask (each layer reads its own from the attention mask) and shape takes it."""
+    shape = (b, t, window, cache_size, str(device))
+    if _PLAN and _PLAN[0].shape == shape and (
+            key_mask is None if _PLAN[0].key_mask is None
+            else key_mask is not None and torch.equal(_PLAN[0].key_mask, key_mask.bool())):
+        return _PLAN[0]
+    real = key_mask.bool() if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=device)
+    rank = real.long().cumsum(-1) - 1  # each real token's place among the sequence's
+    sink = real & (rank < cache_size)
+    slot = torch.where(sink, rank, -1)
+    pos = torch.full((b, cache_size + 1), t, dtype=torch.long, device=device)  # (a last column for the others)
+    pos.scatter_(1, torch.where(sink, rank, cache_size), torch.arange(t, device=device).expand(b, t).contiguous())
+    pos = pos[:, :cache_size]
+    first = real.long().argmax(dim=1)
+    plan = SinkPlan(None if key_mask is None else real.clone(), shape, slot.to(torch.int32).contiguous(),
+                    pos.to(torch.int32).contiguous(), pos < t, first, sinks_settled(key_mask, t, window, cache_size))
+    _PLAN[:] = [plan]
+    return plan
+
+
 def hybrid_triton_sinks(q, k, v, gamma, *, window: int, cache_size: int, scale: float, softcap=None, key_mask=None,
                         hedgehog, rope=None, logit: bool = False, anchor: str = "joint",
                         output_final_state: bool = False):
@@ -875,55 +936,41 @@ def hybrid_triton_sinks(q, k, v, gamma, *, window: int, cache_size: int, scale: 
     cache_size`` real tokens cached for good, StreamingLLM's attention sinks) through the forward
     kernels, without gradients: ``(y, state or None)``. The kernels leave the first tokens out of the
     linear sums and add, for query ``t``, softmax terms of those with position ``<= t - w`` (those
-    still in the window are window terms, as in the reference). Inputs as ``hybrid_triton``'s with
-    Hedgehog weights (``hedgehog``), ``anchor`` as the sparse op's.
+    still in the window are window terms, as in the reference), reading them from ``k`` and ``v``.
+    Inputs as ``hybrid_triton``'s with Hedgehog weights (``hedgehog``), ``anchor`` as the sparse op's.
 
     ``output_final_state``: the ``SparseHybridState`` after the sequence, for a prefill whose cache
     is settled, every sequence's first ``S`` tokens having left its window (the caller checks:
-    ``sinks_settled``); the window, the linear state and the cached keys as the reference gives them.
+    ``sink_plan(...).settled``); the window, the linear state and the cache as the reference gives them.
     """
     from .sparse_hybrid_attention import SparseHybridState
 
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, gamma, *hedgehog)):
         raise ValueError("hybrid_triton_sinks has no backward: call it without gradients")
-    b, _, t, d = q.shape
-    hk, cap, dev, dt = k.shape[1], cache_size, q.device, q.dtype
-    real = key_mask.bool() if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=dev)
-    pos = torch.arange(t, device=dev)
-    order = torch.where(real, pos, t).sort(dim=-1).values  # real positions first, ascending; t: none
-    order = torch.nn.functional.pad(order, (0, max(0, cap - t)), value=t)[:, :cap]  # [B, S]
-    has = order < t
-    end = torch.where(has[:, -1], order[:, -1] + 1, t)  # after the S-th real token (all real tokens: t)
-    idx = order.clamp_max(t - 1)
-    take = lambda x: x.gather(2, idx[:, None, :, None].expand(b, x.shape[1], cap, x.shape[-1]))  # noqa: E731
-    sk, sv = take(k), take(v)
-    if rope is not None:  # rotated as the kernels rotate: fp32, then the inputs' dtype
-        cos, sin = (x.expand(b, *x.shape[1:]).gather(1, idx[..., None].expand(b, cap, x.shape[-1])) for x in rope)
-        sk = rope_half(sk.float(), cos.float(), sin.float())
-    sk, sv = (torch.where(has[:, None, :, None], x, 0).to(dt) for x in (sk, sv))
-    sinks = (end.to(torch.int32), sk, sv, order.to(torch.int32))
-    y, _, plain = hybrid_triton_forward(q, k, v, gamma, window=window, scale=scale, softcap=softcap,
-                                        key_mask=None if key_mask is None else key_mask.bool().contiguous(),
-                                        hedgehog=hedgehog, rope=rope, state=output_final_state, logit=logit,
-                                        sinks=sinks, window_anchor=anchor == "window")
+    b, _, t, _ = q.shape
+    hk, cap = k.shape[1], cache_size
+    plan = sink_plan(key_mask, b, t, window, cap, q.device)
+    if output_final_state and not plan.settled:
+        raise ValueError("hybrid_triton_sinks: the prefill's first tokens are not all out of the window")
+    y, _, out = hybrid_triton_forward(q, k, v, gamma, window=window, scale=scale, softcap=softcap,
+                                      key_mask=None if key_mask is None else key_mask.bool().contiguous(),
+                                      hedgehog=hedgehog, rope=rope, state=output_final_state, logit=logit,
+                                      sinks=(plan.slot, plan.pos), window_anchor=anchor == "window")
     if not output_final_state:
         return y, None
+    plain, (ck, cf, cv) = out
     acc = plain.linear.dtype
-    first = real.long().argmax(dim=1)  # each sequence's origin
-    count = torch.where(real.any(dim=1), t - first, 0)
     # the window's tokens that leave during the last token's epoch (chunk c - 1 counted from the origin) keep
     # the boundary's priority, minus their position from the origin; the others' is rescored at the next boundary
     nwin = plain.keys.shape[2]
-    rel = (t - nwin + torch.arange(nwin, device=dev))[None, :] - first[:, None]  # [B, n]
-    epoch = ((t - 1 - first) // window)[:, None]
+    rel = (t - nwin + torch.arange(nwin, device=q.device))[None, :] - plan.first[:, None]  # [B, n]
+    epoch = ((t - 1 - plan.first) // window)[:, None]
     leaving = (epoch >= 1) & (rel >= (epoch - 1) * window) & (rel < epoch * window)
-    scores = torch.where(leaving, -rel.to(acc), 0.0)[:, None].expand(b, hk, nwin).contiguous()
-    cpos = torch.where(has, order - first[:, None], 0)[:, None].expand(b, hk, cap)
-    wk = hedgehog[1]  # ([Hk or 1, D, F/2] against the keys' [B, Hk, S, D])
+    per_head = lambda x: x[:, None].expand(b, hk, *x.shape[1:]).clone()  # noqa: E731  (each layer's own)
+    cpos = plan.pos.long() - plan.first[:, None]
     return y, SparseHybridState(
-        plain.keys, plain.key_features, plain.values, plain.valid, scores, plain.linear, sk,
-        hedgehog_features(sk, wk).to(dt), sv,
-        has[:, None].expand(b, hk, cap).contiguous(), -cpos.to(acc), cpos.contiguous(), count)
+        plain.keys, plain.key_features, plain.values, plain.valid, per_head(torch.where(leaving, -rel.to(acc), 0.0)),
+        plain.linear, ck, cf, cv, per_head(plan.has), per_head(-cpos.to(acc)), per_head(cpos), t - plan.first)
 
 
 def sinks_settled(key_mask, t: int, window: int, cache_size: int) -> bool:
