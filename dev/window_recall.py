@@ -4,6 +4,9 @@ The teacher runs with sliding-window softmax (the student's window) in every lay
 which keeps full causal softmax; passkey prompts are scored teacher-forced (the answer's digits,
 all argmax-right = correct; and their mean NLL). K grows greedily by the largest NLL drop.
 If the teacher itself cannot recall with K global layers, no student with K softmax layers will.
+``--oracle``: every windowed layer also sees the needle sentence's tokens ("The pass key is N.
+Remember it."), as an exact cache that kept exactly the needle would: a ceiling for any rule that
+picks which tokens a sparse cache keeps (``sparse_cache``) beside the window.
 
     PYTHONPATH=src python dev/window_recall.py --lengths 1024 2048 --trials 2 --rounds 2 [--teacher T]
 """
@@ -30,6 +33,8 @@ class Windowed(nn.Module):
     """The teacher's softmax attention from ``m``'s projections over the last ``window`` keys (and
     the first ``sinks``, as StreamingLLM keeps); ``window`` None: every earlier key."""
 
+    cached: torch.Tensor | None = None  # positions every windowed query also sees (``--oracle``), set per prompt
+
     def __init__(self, m, window, sinks=0):
         super().__init__()
         self.mixer, self.config, self.window, self.sinks = m, m.config, window, sinks
@@ -39,12 +44,15 @@ class Windowed(nn.Module):
         q, k, v = m.adapter.qkv(m, hidden_states)
         qr, kr = m.adapter.rope(m, q, k, position_embeddings)
         g = m.geometry
-        if self.window is None or not self.sinks:
+        if self.window is None or not (self.sinks or Windowed.cached is not None):
             o = softmax_attention(qr, kr, v, scale=g.scaling, softcap=g.softcap, window=self.window)
         else:
             pos = torch.arange(q.shape[2], device=q.device)
             dist = pos[:, None] - pos[None, :]
-            allowed = (dist >= 0) & ((dist < self.window) | (pos[None, :] < self.sinks))
+            seen = pos < self.sinks
+            if Windowed.cached is not None:
+                seen = seen | torch.isin(pos, Windowed.cached.to(pos.device))
+            allowed = (dist >= 0) & ((dist < self.window) | seen[None, :])
             o = torch.nn.functional.scaled_dot_product_attention(qr, kr, v, attn_mask=allowed, scale=g.scaling,
                                                                  enable_gqa=True)
         return m.adapter.out(m, o), None
@@ -55,13 +63,26 @@ def score(model, trials, global_layers, window, device, sinks=0):
     keep = set(global_layers)
     nll, right = 0.0, 0
     with swapped(model, lambda m: Windowed(m, None if m.layer_idx in keep else window, sinks)):
-        for ids, answer in trials:
+        for ids, answer, needle in trials:
+            Windowed.cached = needle
             x = torch.tensor([ids + answer], device=device)
             logits = model(input_ids=x, use_cache=False, logits_to_keep=len(answer) + 1).logits[0, :-1].float()
             target = torch.tensor(answer, device=device)
             nll += torch.nn.functional.cross_entropy(logits, target).item()
             right += bool((logits.argmax(-1) == target).all())
+    Windowed.cached = None
     return nll / len(trials), right / len(trials)
+
+
+def needle_positions(tok, trial) -> torch.Tensor:
+    """The token positions of the trial's needle sentence in its ids."""
+    text = passkey.NEEDLE.format(key=trial.answer)
+    start = trial.prompt.index(text)
+    enc = tok(trial.prompt, return_offsets_mapping=True)
+    if list(enc.input_ids) != list(trial.ids):
+        raise SystemExit("window_recall: the prompt's offsets do not tokenize to its ids")
+    return torch.tensor([i for i, (a, b) in enumerate(enc["offset_mapping"])
+                         if b > start and a < start + len(text)])
 
 
 def main():
@@ -72,6 +93,7 @@ def main():
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--sinks", type=int, default=0, help="first tokens every windowed layer also sees")
+    p.add_argument("--oracle", action="store_true", help="every windowed layer also sees the needle sentence")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,9 +106,9 @@ def main():
             for i in range(a.trials):
                 t = passkey.make_trial(tok, length, length, depth, i, 1234)
                 answer = tok(" " + t.answer, add_special_tokens=False).input_ids
-                trials.append((list(t.ids), answer))
+                trials.append((list(t.ids), answer, needle_positions(tok, t) if a.oracle else None))
     t0 = time.time()
-    record = {"lengths": a.lengths, "trials": len(trials), "window": a.window, "sinks": a.sinks}
+    record = {"lengths": a.lengths, "trials": len(trials), "window": a.window, "sinks": a.sinks, "oracle": a.oracle}
     record["all_global"] = score(model, trials, layers, a.window, device, a.sinks)
     record["all_window"] = score(model, trials, [], a.window, device, a.sinks)
     print("all global", record["all_global"], "all window", record["all_window"], f"{time.time() - t0:.0f}s", flush=True)
