@@ -49,8 +49,9 @@ class Spec:
     sparse_priority: which older tokens the sparse cache keeps: ``recall`` (LoLA's self-recall error,
         the tokens the linear state reads back worst) or ``novelty`` (the tokens whose values are least
         like any other candidate's: repeated text goes to the linear state, one-off tokens stay) or ``first``
-        (the sequence's first ``sparse_cache`` tokens, kept for good: StreamingLLM's attention sinks; once
-        they have left the window, ``linearize.fast`` decodes through the fused CUDA step). Like
+        (the sequence's first ``sparse_cache`` tokens, kept for good: StreamingLLM's attention sinks; with
+        Hedgehog maps on CUDA a prefill or scoring pass runs the hybrid's forward kernels, and once they
+        have left the window ``linearize.fast`` decodes through the fused CUDA step). Like
         ``sparse_cache`` it adds no parameters; it has no effect while ``sparse_cache`` is 0.
     sparse_anchor: how cached tokens weigh against the linear terms: ``joint`` (the softmax terms on the
         scale of the largest score over window and cache) or ``window`` (on the window's, as the hybrid
