@@ -35,7 +35,7 @@ mkdir -p $RUNS/eval
 # OVERLAY=1: the newer pure-Python packages of gpu_session.sh overlay go first (Gemma's GGUF tokenizer needs
 # transformers >= 5.23; the machine has 5.17)
 [ "${OVERLAY:-0}" = 1 ] && { waitfor /tmp/overlay/transformers 1500 || exit 1; export PYTHONPATH=/tmp/overlay:$PYTHONPATH; }
-gpu_slot
+[ "${1:-}" = dial-tasks ] || gpu_slot  # (dial-tasks takes its slot once its row's training is done)
 case ${1:?job} in
   teacher-eval) evaluate $T teacher ;;
   lolcats)  # >= 20M tokens: 10M per stage (8 x 1024 x 1220 steps each)
@@ -174,6 +174,7 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
   dial-tasks)  # zero-shot tasks of a dial row's student: DIAL_CK (e.g. long4k), eval flags EVAL_FLAGS (e.g. the sparse
               # cache's), the name NAME
     waitfor $RUNS/dial/${DIAL_CK:?}.json 2400 || exit 1  # its recall row: written after its training
+    gpu_slot
     evaluate $RUNS/dial-$DIAL_CK/final ${NAME:?} ;;
   *) echo "unknown job $1"; exit 2 ;;
 esac
