@@ -1,5 +1,5 @@
-"""The LoLCATs hybrid's recurrent state, shared by the PyTorch forms (``hybrid_attention``) and the
-Triton kernels (``hybrid_triton``)."""
+"""The LoLCATs hybrid's recurrent states, shared by the PyTorch forms (``hybrid_attention``,
+``sparse_hybrid_attention``) and the Triton kernels (``hybrid_triton``)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,39 @@ class HybridState:
     def map(self, fn) -> "HybridState":
         """Apply ``fn`` to every tensor (e.g. to select or repeat sequences of the batch)."""
         return HybridState(*(fn(x) for x in self.tensors()))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.tensors())
+
+
+@dataclass
+class SparseHybridState:
+    """Decoding state of the hybrid with a sparse cache (per sequence; sizes fixed but the window's,
+    which grows to ``w`` over the first tokens as the hybrid's does)."""
+
+    keys: torch.Tensor  # [B, Hk, <=w, D] the window's raw keys
+    key_features: torch.Tensor  # [B, Hk, <=w, F]
+    values: torch.Tensor  # [B, Hk, <=w, D]
+    valid: torch.Tensor  # [B, <=w] bool: False for padding in the window
+    window_scores: torch.Tensor  # [B, Hk, <=w] priority of each window token from the last boundary
+    linear: torch.Tensor  # [B, Hk, 1, F, D + 1] (fp32 or wider): the folded tokens
+    cache_keys: torch.Tensor  # [B, Hk, S, D]
+    cache_features: torch.Tensor  # [B, Hk, S, F]
+    cache_values: torch.Tensor  # [B, Hk, S, D]
+    cache_valid: torch.Tensor  # [B, Hk, S] bool: an occupied slot
+    cache_scores: torch.Tensor  # [B, Hk, S] priority from the last boundary
+    cache_pos: torch.Tensor  # [B, Hk, S] int64: position from the origin (ties)
+    count: torch.Tensor  # [B] int64: tokens since the origin (0 before the first real token)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.keys, self.key_features, self.values, self.valid, self.window_scores, self.linear,
+                self.cache_keys, self.cache_features, self.cache_values, self.cache_valid, self.cache_scores,
+                self.cache_pos, self.count)
+
+    def map(self, fn) -> "SparseHybridState":
+        """Apply ``fn`` to every tensor (each has the batch first)."""
+        return SparseHybridState(*(fn(x) for x in self.tensors()))
 
     @property
     def nbytes(self) -> int:

@@ -943,7 +943,7 @@ def hybrid_triton_sinks(q, k, v, gamma, *, window: int, cache_size: int, scale: 
     is settled, every sequence's first ``S`` tokens having left its window (the caller checks:
     ``sink_plan(...).settled``); the window, the linear state and the cache as the reference gives them.
     """
-    from .sparse_hybrid_attention import SparseHybridState
+    from .hybrid_state import SparseHybridState
 
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, gamma, *hedgehog)):
         raise ValueError("hybrid_triton_sinks has no backward: call it without gradients")

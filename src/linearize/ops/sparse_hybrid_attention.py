@@ -81,40 +81,8 @@ import torch.nn.functional as F
 
 from .hybrid_attention import (FusedRingState, HybridState, RingHybridState, _real_keys, _scores, hybrid_final_state,
                                pad_front)
+from .hybrid_state import SparseHybridState  # noqa: F401  (defined beside HybridState: the kernels build it too)
 from .linear_attention import _augment, _group, accum_dtype
-
-
-@dataclass
-class SparseHybridState:
-    """Decoding state of the hybrid with a sparse cache (per sequence; sizes fixed but the window's,
-    which grows to ``w`` over the first tokens as the hybrid's does)."""
-
-    keys: torch.Tensor  # [B, Hk, <=w, D] the window's raw keys
-    key_features: torch.Tensor  # [B, Hk, <=w, F]
-    values: torch.Tensor  # [B, Hk, <=w, D]
-    valid: torch.Tensor  # [B, <=w] bool: False for padding in the window
-    window_scores: torch.Tensor  # [B, Hk, <=w] priority of each window token from the last boundary
-    linear: torch.Tensor  # [B, Hk, 1, F, D + 1] (fp32 or wider): the folded tokens
-    cache_keys: torch.Tensor  # [B, Hk, S, D]
-    cache_features: torch.Tensor  # [B, Hk, S, F]
-    cache_values: torch.Tensor  # [B, Hk, S, D]
-    cache_valid: torch.Tensor  # [B, Hk, S] bool: an occupied slot
-    cache_scores: torch.Tensor  # [B, Hk, S] priority from the last boundary
-    cache_pos: torch.Tensor  # [B, Hk, S] int64: position from the origin (ties)
-    count: torch.Tensor  # [B] int64: tokens since the origin (0 before the first real token)
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.keys, self.key_features, self.values, self.valid, self.window_scores, self.linear,
-                self.cache_keys, self.cache_features, self.cache_values, self.cache_valid, self.cache_scores,
-                self.cache_pos, self.count)
-
-    def map(self, fn) -> "SparseHybridState":
-        """Apply ``fn`` to every tensor (each has the batch first)."""
-        return SparseHybridState(*(fn(x) for x in self.tensors()))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in self.tensors())
 
 
 def empty_sparse_hybrid_state(batch, n_kv, head_dim, feature_dim, cache_size, *, device=None,
