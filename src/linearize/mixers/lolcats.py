@@ -95,7 +95,8 @@ class LolcatsAttention(LinearAttention):
         if not ops.use_hybrid_kernel(q, self.spec.backend, window=self.spec.window, head_dim=g.head_dim,
                                      feature_width=width, dtype=dtype):
             return None
-        if self.spec.sparse_cache and not self._sinks_on_kernels(hedgehog, q, k, v, want_state):
+        plan = self._sink_plan(hedgehog, q, k, v, want_state) if self.spec.sparse_cache else None
+        if self.spec.sparse_cache and plan is None:
             return None
         if not hedgehog:  # features in PyTorch, the hybrid in the kernels
             q, k, qf, kf = self._inputs(q, k, position_embeddings)
@@ -117,24 +118,26 @@ class LolcatsAttention(LinearAttention):
 
             return hybrid_triton_sinks(q, k, v, self.window_logit, hedgehog=(fq.weight, fk.weight), rope=rope,
                                        **self._kw(), cache_size=self.spec.sparse_cache, key_mask=self.key_mask,
-                                       logit=True, anchor=self.spec.sparse_anchor, output_final_state=want_state)
+                                       logit=True, anchor=self.spec.sparse_anchor, output_final_state=want_state,
+                                       plan=plan)
         return hybrid_triton(q, k, v, self.window_logit, hedgehog=(fq.weight, fk.weight), rope=rope, **self._kw(),
                              key_mask=self.key_mask, output_final_state=want_state, logit=True)
 
-    def _sinks_on_kernels(self, hedgehog: bool, q, k, v, want_state: bool) -> bool:
-        """Whether this sparse cache's sequence runs the forward kernels: the first tokens
-        (``sparse_priority: "first"``), Hedgehog maps, no gradient wanted (training takes the PyTorch
-        form), and for a prefill's state a cache that is settled (its first tokens out of the window)."""
+    def _sink_plan(self, hedgehog: bool, q, k, v, want_state: bool):
+        """The first tokens' ``SinkPlan`` where this sparse cache's sequence runs the forward kernels, else
+        None: the first tokens (``sparse_priority: "first"``), Hedgehog maps, no gradient wanted (training
+        takes the PyTorch form), and for a prefill's state a cache that is settled (its first tokens out of
+        the window)."""
         spec = self.spec
         if spec.sparse_priority != "first" or not hedgehog:
-            return False
+            return None
         weights = (q, k, v, self.window_logit, self.feature_map_q.weight, self.feature_map_k.weight)
         if torch.is_grad_enabled() and any(x.requires_grad for x in weights):
-            return False
+            return None
         from ..ops.hybrid_triton import sink_plan
 
-        return not want_state or sink_plan(self.key_mask, q.shape[0], q.shape[2], spec.window, spec.sparse_cache,
-                                           q.device).settled
+        plan = sink_plan(self.key_mask, q.shape[0], q.shape[2], spec.window, spec.sparse_cache, q.device)
+        return plan if plan.settled or not want_state else None
 
     def attention_weights(self, q, k, position_embeddings):
         if self.spec.sparse_cache:

@@ -931,7 +931,7 @@ def sink_plan(key_mask, b: int, t: int, window: int, cache_size: int, device) ->
 
 def hybrid_triton_sinks(q, k, v, gamma, *, window: int, cache_size: int, scale: float, softcap=None, key_mask=None,
                         hedgehog, rope=None, logit: bool = False, anchor: str = "joint",
-                        output_final_state: bool = False):
+                        output_final_state: bool = False, plan: SinkPlan | None = None):
     """``sparse_hybrid_attention_chunked`` under ``priority="first"`` (each sequence's first ``S =
     cache_size`` real tokens cached for good, StreamingLLM's attention sinks) through the forward
     kernels, without gradients: ``(y, state or None)``. The kernels leave the first tokens out of the
@@ -942,6 +942,7 @@ def hybrid_triton_sinks(q, k, v, gamma, *, window: int, cache_size: int, scale: 
     ``output_final_state``: the ``SparseHybridState`` after the sequence, for a prefill whose cache
     is settled, every sequence's first ``S`` tokens having left its window (the caller checks:
     ``sink_plan(...).settled``); the window, the linear state and the cache as the reference gives them.
+    ``plan``: the caller's ``sink_plan`` for this key mask and shape (else looked up here).
     """
     from .hybrid_state import SparseHybridState
 
@@ -949,7 +950,7 @@ def hybrid_triton_sinks(q, k, v, gamma, *, window: int, cache_size: int, scale: 
         raise ValueError("hybrid_triton_sinks has no backward: call it without gradients")
     b, _, t, _ = q.shape
     hk, cap = k.shape[1], cache_size
-    plan = sink_plan(key_mask, b, t, window, cap, q.device)
+    plan = plan or sink_plan(key_mask, b, t, window, cap, q.device)
     if output_final_state and not plan.settled:
         raise ValueError("hybrid_triton_sinks: the prefill's first tokens are not all out of the window")
     y, _, out = hybrid_triton_forward(q, k, v, gamma, window=window, scale=scale, softcap=softcap,
