@@ -27,7 +27,16 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
                    "(default hedgehog; supra always uses its square shared t2r kernel)")
     g.add_argument("--feature-dim", type=int, help="feature size per head; hedgehog outputs twice this (default 64)")
     g.add_argument("--window", type=int, help="sliding-window size of the lolcats hybrid (default 64)")
-    g.add_argument("--decay", choices=DECAYS, help="fixed per-head decay (default: retnet for supra, none otherwise)")
+    g.add_argument("--decay", choices=DECAYS, help="supra, linear, retnet: fixed per-head decay, retnet or lightning "
+                   "(default: retnet for supra, none otherwise); lolcats: how the linear state of keys older than the "
+                   "window fades, per key head: span (fixed horizons from the window to --decay-horizon), learned "
+                   "(one learned decay each, same start) or gated (data-dependent gates from the layer input, same "
+                   "start); default none (LoLCATs)")
+    g.add_argument("--decay-horizon", type=int, metavar="N", help="lolcats with --decay: the longest starting "
+                   "horizon in tokens (default: 16 x window)")
+    g.add_argument("--feature-rope", type=_on_off, metavar="{on,off}", help="lolcats: the feature maps read the "
+                   "rotated q/k (on, LoLCATs; the default) or the q/k before RoPE (off: linear terms that do not "
+                   "depend on absolute positions)")
     g.add_argument("--norm", choices=NORMS, help="sum: divide by phi(q).sum phi(k); group: GroupNorm per head "
                    "(default: group for supra, sum otherwise; supra with --norm sum --decay none is T2R)")
     g.add_argument("--keep-softmax", metavar="I,J", help="comma-separated layer indices that keep softmax attention; "
@@ -50,8 +59,14 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
                    "(linearize.recipes.configs); flags win")
 
 
-SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "backend",
-              "sparse_cache", "sparse_priority", "sparse_anchor")
+SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "decay_horizon", "feature_rope", "norm",
+              "keep_softmax", "backend", "sparse_cache", "sparse_priority", "sparse_anchor")
+
+
+def _on_off(value: str) -> bool:
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected on or off, got {value!r}")
+    return value == "on"
 
 
 def _check_sparse_options(args, spec: dict) -> None:

@@ -15,7 +15,9 @@ from .errors import LinearizeError
 
 KINDS = _kinds.names()  # every registered mixer kind (linearize/kinds.py)
 FEATURE_MAPS = ("hedgehog", "t2r", "elu", "relu")
-DECAYS = ("none", "retnet", "lightning")
+DECAYS = ("none", "retnet", "lightning", "span", "learned", "gated")
+FIXED_DECAYS = ("none", "retnet", "lightning")  # per query head: linear, supra, retnet
+GATES = ("none", "span", "learned", "gated")  # the lolcats hybrid's linear state, per key head
 NORMS = ("sum", "group")
 BACKENDS = ("auto", "torch", "fla")
 SPARSE_PRIORITIES = ("recall", "novelty", "first")  # ops.sparse_hybrid_attention.PRIORITIES
@@ -38,7 +40,17 @@ class Spec:
     feature_dim: learned feature size per head (hedgehog outputs twice this).
     window: sliding-window size of the lolcats hybrid.
     decay: fixed per-head decay: ``retnet`` (1 - 2^(-5-h)), ``lightning`` (ALiBi slopes scaled by
-        depth) or ``none``. supra and retnet default to retnet, the others to none.
+        depth) or ``none``. supra and retnet default to retnet, the others to none. The lolcats
+        hybrid's linear state takes instead, per key head, a fade that starts when a key leaves the
+        window (``ops.hybrid_attention``'s gates): ``span`` (fixed, horizons from ``window`` to
+        ``decay_horizon`` tokens across the key heads), ``learned`` (the same start, one learned decay
+        per key head) or ``gated`` (the same start, then data-dependent: ``g_t = exp(-softplus(x_t W +
+        b))`` from the layer's input, GLA / Mamba-2 style, ``W`` zero at start).
+    decay_horizon: lolcats with a decay: the longest starting horizon ``1 / (1 - g)`` in tokens
+        (default: 16 x window).
+    feature_rope: lolcats: the feature maps read the rotated q/k (LoLCATs; the default) or, off, the
+        q/k before RoPE, so the linear terms do not depend on absolute positions (which past the
+        training length the maps have never seen); the window's softmax keeps RoPE either way.
     norm: output normalisation: ``sum`` (divide by phi(q).sum phi(k)) or ``group`` (GroupNorm per
         head). supra and retnet default to group (``sum`` with decay none is the T2R baseline; retnet
         accepts only group), the others to sum.
@@ -70,6 +82,8 @@ class Spec:
     window: int = field(default=64, metadata={"cli": True, "help": "sliding-window size of the lolcats hybrid (default 64)"})
     decay: str | None = field(default=None, metadata={
         "cli": True, "choices": DECAYS, "help": "fixed per-head decay (default: retnet for supra, none otherwise)"})
+    decay_horizon: int | None = None
+    feature_rope: bool = True
     norm: str | None = field(default=None, metadata={
         "cli": True, "choices": NORMS, "help": "sum: divide by phi(q).sum phi(k); group: GroupNorm per head "
         "(default: group for supra, sum otherwise; supra with --norm sum --decay none is T2R)"})
@@ -93,7 +107,13 @@ class Spec:
     def __post_init__(self):
         _check_choice("kind", self.kind, _kinds.names())
         _check_choice("feature_map", self.feature_map, FEATURE_MAPS, optional=True)
-        _check_choice("decay", self.decay, DECAYS, optional=True)
+        _check_choice("decay", self.decay, GATES if self.kind == "lolcats" else FIXED_DECAYS, optional=True)
+        if self.decay_horizon is not None and (not isinstance(self.decay_horizon, int) or self.decay_horizon < 2):
+            raise LinearizeError(f"spec decay_horizon must be an integer of at least 2 tokens, got {self.decay_horizon!r}")
+        if not isinstance(self.feature_rope, bool):
+            raise LinearizeError(f"spec feature_rope must be true or false, got {self.feature_rope!r}")
+        if not self.feature_rope and self.kind != "lolcats":
+            raise LinearizeError(f"spec feature_rope applies to the lolcats hybrid, not to kind {self.kind!r}")
         _check_choice("norm", self.norm, NORMS, optional=True)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("sparse_priority", self.sparse_priority, SPARSE_PRIORITIES)
@@ -107,6 +127,8 @@ class Spec:
             raise LinearizeError(f"spec sparse_cache must be a non-negative integer, got {cache!r}")
         if cache and self.kind != "lolcats":
             raise LinearizeError(f"spec sparse_cache applies to the lolcats hybrid, not to kind {self.kind!r}")
+        if cache and (self.decay not in (None, "none") or not self.feature_rope):
+            raise LinearizeError("spec sparse_cache does not yet combine with a lolcats decay or feature_rope off")
         keep = self.keep_softmax
         if isinstance(keep, str):
             keep = [x for x in keep.replace(" ", "").split(",") if x]

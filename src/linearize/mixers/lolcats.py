@@ -19,22 +19,47 @@ in PyTorch first. A sparse cache runs the PyTorch chunked form, but for the firs
 (``sparse_priority: "first"``) with Hedgehog maps where no gradient is needed (prefill, scoring):
 the forward kernels take them (``hybrid_triton_sinks``), and a prefill whose first tokens have
 all left the window gets its state from there too.
+
+Length: ``spec.decay`` (``span``, ``learned``, ``gated``) fades the linear state per key head from
+the moment a key leaves the window (``ops.hybrid_attention``'s gates), so its mass stays bounded
+however long the sequence; ``spec.feature_rope = False`` computes the features from the q/k before
+RoPE, so the linear terms never see an absolute position the maps were not trained on. Either runs
+the PyTorch forms (the kernels have neither yet); decoding keeps the ring's key features when the
+stored (rotated) keys cannot give them back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from .. import ops
 from ..models.base import rotates_half
 from ..ops.fla_backend import triton_available
 from .feature_maps import Hedgehog
+from .fresh import output_projection_name
 from .linear import LinearAttention
 
 INIT_WINDOW_WEIGHT = 0.1
+HORIZON_PER_WINDOW = 16  # the longest starting horizon of a decay: 16 windows (1,024 tokens for 64)
+
+
+def start_horizons(n_kv: int, window: int, longest: int | None) -> torch.Tensor:
+    """Starting horizons ``1 / -log g`` per key head, geometric from ``window`` to ``longest`` (one head:
+    ``longest``)."""
+    longest = float(longest or HORIZON_PER_WINDOW * window)
+    if n_kv == 1:
+        return torch.tensor([longest], dtype=torch.float64)
+    lo = min(float(window), longest)
+    return torch.exp(torch.linspace(math.log(lo), math.log(longest), n_kv, dtype=torch.float64))
+
+
+def _inverse_softplus(y: torch.Tensor) -> torch.Tensor:
+    return y + torch.log(-torch.expm1(-y))
 
 
 class LolcatsAttention(LinearAttention):
@@ -44,6 +69,55 @@ class LolcatsAttention(LinearAttention):
         super().__init__(attn, adapter, geometry, spec, layer_idx, n_layers)
         logit = math.log(INIT_WINDOW_WEIGHT / (1 - INIT_WINDOW_WEIGHT))
         self.window_logit = nn.Parameter(torch.full((geometry.n_heads,), logit, device=self.teacher_device))
+        self._hidden = None
+        if spec.decay in ("learned", "gated"):
+            rate = 1 / start_horizons(geometry.n_kv_heads, spec.window, spec.decay_horizon)
+            self.gate_bias = nn.Parameter(_inverse_softplus(rate).float().to(self.teacher_device))
+        if spec.decay == "gated":
+            hidden = getattr(attn, output_projection_name(adapter)).out_features
+            self.gate_proj = self.new_parameters_like(nn.Linear(hidden, geometry.n_kv_heads, bias=False))
+            with torch.no_grad():
+                self.gate_proj.weight.zero_()  # starts as the learned decay
+
+    def fixed_buffers(self):
+        g, spec = self.geometry, self.spec
+        span = None
+        if spec.decay == "span":
+            span = -1 / start_horizons(g.n_kv_heads, spec.window, spec.decay_horizon).float()
+        return {"log_decay": None, "span_log_gate": span}
+
+    @property
+    def gated(self) -> bool:
+        """Whether the linear state fades (``spec.decay`` other than none)."""
+        return self.spec.decay not in (None, "none")
+
+    def forward(self, hidden_states, *args, **kwargs):
+        with self.reading(hidden_states):
+            return super().forward(hidden_states, *args, **kwargs)
+
+    @contextlib.contextmanager
+    def reading(self, hidden_states):
+        self._hidden = hidden_states if self.spec.decay == "gated" else None  # the gates read the layer's input
+        try:
+            yield
+        finally:
+            self._hidden = None
+
+    def log_gate(self, batch: int, length: int, device) -> torch.Tensor | None:
+        """``[B, Hk, T]`` log gates of the current tokens (fp32, float64 for a float64 model), or None
+        (LoLCATs: no fade)."""
+        decay = self.spec.decay
+        if decay in (None, "none"):
+            return None
+        if decay == "span":
+            return self.span_log_gate.to(device)[None, :, None].expand(batch, -1, length)
+        if decay == "learned":
+            return (-F.softplus(self.gate_bias.float()))[None, :, None].expand(batch, -1, length)
+        if self._hidden is None:
+            raise RuntimeError("gated decay reads the layer input: call the mixer, or run sequence/step inside reading()")
+        acc = ops.accum_dtype(self._hidden.dtype)
+        a = self.gate_proj(self._hidden).to(acc) + self.gate_bias.to(acc)  # [B, T, Hk]
+        return -F.softplus(a).transpose(1, 2)
 
     @classmethod
     def covers(cls, geometry, spec) -> bool:
@@ -55,6 +129,10 @@ class LolcatsAttention(LinearAttention):
         return torch.sigmoid(self.window_logit.float())
 
     def _inputs(self, q, k, position_embeddings):
+        if not self.spec.feature_rope:  # features of the q/k before RoPE
+            qf, kf = self.feature_map_q(q), self.feature_map_k(k)
+            q, k = self.adapter.rope(self, q, k, position_embeddings)
+            return q, k, qf, kf
         q, k = self.adapter.rope(self, q, k, position_embeddings)
         return q, k, self.feature_map_q(q), self.feature_map_k(k)
 
@@ -79,17 +157,21 @@ class LolcatsAttention(LinearAttention):
                                                            output_final_state=want_state)
             return ops.sparse_hybrid_attention_recurrent(q, k, qf, kf, v, self.window_weight(), **kw,
                                                          initial_state=state)
+        lg = self.log_gate(q.shape[0], q.shape[2], q.device)
         if state is None:
             return ops.hybrid_attention_chunked(q, k, qf, kf, v, self.window_weight(), **self._kw(),
-                                                output_final_state=want_state, key_mask=self.key_mask)
+                                                output_final_state=want_state, key_mask=self.key_mask, log_gate=lg)
         # continuing a sequence with several tokens at once: token by token from the state
         return ops.hybrid_attention_recurrent(q, k, qf, kf, v, self.window_weight(), **self._kw(), initial_state=state,
-                                              key_mask=self.key_mask)
+                                              key_mask=self.key_mask, log_gate=lg)
 
     def _kernel_sequence(self, q, k, v, position_embeddings, want_state):
         """``sequence`` from no state through the Triton kernels, or None where they do not apply."""
         g, fq, fk = self.geometry, self.feature_map_q, self.feature_map_k
-        hedgehog = type(fq) is Hedgehog and type(fk) is Hedgehog
+        if self.gated:  # the kernels have no gates yet
+            return None
+        # (with features of the q/k before RoPE, the features are computed in PyTorch)
+        hedgehog = type(fq) is Hedgehog and type(fk) is Hedgehog and self.spec.feature_rope
         width = fq.weight.shape[-1] if hedgehog else fq.out_dim
         dtype = ops.hybrid_attention_kernel_dtype(q, k, v)
         if not ops.use_hybrid_kernel(q, self.spec.backend, window=self.spec.window, head_dim=g.head_dim,
@@ -143,7 +225,8 @@ class LolcatsAttention(LinearAttention):
         if self.spec.sparse_cache:
             return super().attention_weights(q, k, position_embeddings)
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
-        return ops.hybrid_attention_weights(q, k, qf, kf, self.window_weight(), **self._kw())
+        return ops.hybrid_attention_weights(q, k, qf, kf, self.window_weight(), **self._kw(),
+                                            log_gate=self.log_gate(q.shape[0], q.shape[2], q.device))
 
     def fused_decoding(self) -> bool:
         """Whether the fast decoder runs this layer's steps as one Triton kernel
@@ -151,7 +234,7 @@ class LolcatsAttention(LinearAttention):
         no sparse cache or one of the first tokens (attention sinks; once it is full it stays as it is)."""
         g = self.geometry
         sparse = self.spec.sparse_cache and self.spec.sparse_priority != "first"
-        return (not sparse and self.window_logit.is_cuda and triton_available()
+        return (not sparse and not self.gated and self.spec.feature_rope and self.window_logit.is_cuda and triton_available()
                 and type(self.feature_map_q) is Hedgehog
                 and type(self.feature_map_k) is Hedgehog and rotates_half(g.rotary, g.head_dim))
 
@@ -167,6 +250,8 @@ class LolcatsAttention(LinearAttention):
                 return ops.FusedSinkState.from_sparse(state, self.spec.window, self.feature_map_k, g.n_heads,
                                                       self._value_splits(state.keys.shape[0]))
             return ops.RingSparseState.from_state(state, self.spec.window)
+        # without RoPE in the features, a stored (rotated) key cannot give its features back: keep them
+        keep_key_features = keep_key_features or not self.spec.feature_rope
         ring = ops.RingHybridState.from_state(state, self.spec.window, keep_key_features=keep_key_features, copy=False)
         if keep_key_features or not self.fused_decoding():
             return ring
@@ -199,6 +284,8 @@ class LolcatsAttention(LinearAttention):
                                          self.feature_map_q.weight, self.feature_map_k.weight, self.window_logit,
                                          state, scale=g.scaling, softcap=g.softcap, anchor=self.spec.sparse_anchor)
             return y, state
+        if self.gated or not self.spec.feature_rope:
+            return self._faded_step(q, k, v, position_embeddings, state)
         q, k = self.adapter.rope(self, q, k, position_embeddings)
         qf = self.feature_map_q(q)
         if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
@@ -219,6 +306,18 @@ class LolcatsAttention(LinearAttention):
         return ops.hybrid_attention_step(q, k, qf, self.feature_map_k(k), v, self.window_weight(), state,
                                          **self._kw(), key_mask=self.key_mask)
 
+    def _faded_step(self, q, k, v, position_embeddings, state):
+        """One token with a fading linear state or features before RoPE: the PyTorch steps."""
+        q, k, qf, kf = self._inputs(q, k, position_embeddings)
+        lg = self.log_gate(q.shape[0], 1, q.device)
+        if isinstance(state, ops.RingHybridState):
+            g = self.geometry
+            kf = kf if state.key_features.shape[2] > 0 else None
+            return ops.hybrid_attention_step_ring(q, k, qf, kf, v, self.window_weight(), state, scale=g.scaling,
+                                                  softcap=g.softcap, key_feature_map=self.feature_map_k, log_gate=lg)
+        return ops.hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
+                                         key_mask=self.key_mask, log_gate=lg)
+
     def state_bytes(self, dtype, key_features: bool = True, linear_states: int = 1, sparse: bool = True):
         g = self.geometry
         elem = torch.tensor([], dtype=dtype).element_size()
@@ -234,6 +333,8 @@ class LolcatsAttention(LinearAttention):
 
     def fast_state_bytes(self, dtype):
         fused = self.fused_decoding()
+        if not self.spec.feature_rope:  # the ring keeps its key features
+            return self.state_bytes(dtype)
         if self.spec.sparse_cache and not fused:  # the ring keeps its key features (the cache's priorities need them)
             return self.state_bytes(dtype)
         # the fast path recomputes key features on eviction; its fused kernel keeps two linear states

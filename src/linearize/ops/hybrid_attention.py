@@ -19,6 +19,13 @@ Whole sequences: ``hybrid_attention`` runs the Triton kernels (``hybrid_triton.p
 
 Decoding state (``HybridState``): the last ``w`` keys, key features and values, plus the linear
 state ``sum phi_k(k_s) [v_s, 1]`` over tokens that have left the window: constant in size.
+
+Gates (``log_gate``, optional, ``[B, Hk, T]`` of ``log g_t <= 0``): the linear state fades. A key
+``s`` that has left the window weighs ``prod_{s + w < u <= t} g_u`` in query ``t``'s linear term, so
+the state after token ``t`` is ``S_t = g_t S_{t-1} + phi_k(k_{t-w}) [v_{t-w}, 1]``: a key starts
+to fade when it leaves the window, and a constant ``g`` is a fixed decay with horizon ``1 / (1 - g)``.
+Without gates the linear mass grows with the length against the window's; with them it stays
+bounded. ``None`` is ``g = 1`` (LoLCATs), in every form exactly as before.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ def _real_keys(key_mask, *tensors):
 
 
 def hybrid_attention_weights(q, k, qf, kf, gamma, *, window: int, scale: float, softcap: float | None = None,
-                             key_mask: torch.Tensor | None = None):
+                             key_mask: torch.Tensor | None = None, log_gate: torch.Tensor | None = None):
     """The hybrid's attention weights ``[B, H, T, T]`` (rows sum to one; zero for a padding query).
 
     Quadratic: for the reference form and for LoLCATs' optional cross-entropy on attention weights.
@@ -82,21 +89,34 @@ def hybrid_attention_weights(q, k, qf, kf, gamma, *, window: int, scale: float, 
     neg = torch.finfo(scores.dtype).min
     c = scores.masked_fill(~in_window, neg).amax(dim=-1, keepdim=True)
     a = g * torch.exp(scores.masked_fill(~in_window, neg) - c) * in_window
-    a = a + (qfg @ kff.transpose(-1, -2)) * older
-    a = _normalise(a, a.sum(dim=-1, keepdim=True))
+    linear = (qfg @ kff.transpose(-1, -2)) * older
+    if log_gate is not None:
+        linear = linear * _fade(log_gate.to(acc), window, older)
+    a = _normalise(a + linear, (a + linear).sum(dim=-1, keepdim=True))
     b, hk, grp = a.shape[:3]
     return a.reshape(b, hk * grp, t, t)
 
 
+def _fade(log_gate, window: int, older):
+    """``[B, Hk, 1, T, T]``: ``exp(G_t - G_{s+w})`` where key ``s`` is older than query ``t``'s window
+    (``G`` the cumulative log gates), 0 elsewhere."""
+    t = log_gate.shape[-1]
+    cum = log_gate.cumsum(-1)
+    # G at s + w for each key s (keys that never leave the window within T: any finite value)
+    left = torch.nn.functional.pad(cum[..., window:], (0, min(window, t)))
+    diff = cum[..., :, None] - left[..., None, :]
+    return torch.where(older, diff, torch.full_like(diff, float("-inf"))).exp().unsqueeze(2)
+
+
 def hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
-                           key_mask: torch.Tensor | None = None):
+                           key_mask: torch.Tensor | None = None, log_gate: torch.Tensor | None = None):
     """The quadratic reference. Returns ``[B, H, T, D]``.
 
     ``key_mask`` ``[B, T]`` (True = real token) leaves padding out of every query's sums; a padding
     query's own output is zero.
     """
     weights = hybrid_attention_weights(q, k, qf, kf, gamma, window=window, scale=scale, softcap=softcap,
-                                       key_mask=key_mask)
+                                       key_mask=key_mask, log_gate=log_gate)
     (v,) = _real_keys(key_mask, v)
     n_kv = k.shape[1]
     b, h, t, _ = weights.shape
@@ -106,12 +126,17 @@ def hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, scale: float,
 
 def hybrid_attention_chunked(
     q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
-    output_final_state: bool = False, key_mask: torch.Tensor | None = None,
+    output_final_state: bool = False, key_mask: torch.Tensor | None = None, log_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridState | None]:
     """Linear-time form with chunks of ``window`` tokens.
 
     Queries of chunk c see keys of chunks c-1 and c (their window and the youngest linear keys,
-    masked exactly) and the linear state of chunks <= c-2, a running sum.
+    masked exactly) and the linear state of chunks <= c-2, a running sum. With gates: query ``i`` of
+    chunk c weighs key ``j`` of chunk c-1 (older than its window when ``j <= i``) by
+    ``exp(G_c[i] - G_c[j])`` (``G_c`` the log gates' cumulative sum within chunk c), and the state
+    ``E_c`` of chunks <= c-2, taken at the end of chunk c-1, by ``exp(G_c[i])``; ``E_{c+1} =
+    exp(G_c[-1]) E_c + P_{c-1}``, where ``P_m`` sums chunk m's keys each faded to the end of chunk m+1.
+    Sums within a chunk stay small, so long sequences lose no precision to a long cumulative sum.
     """
     acc = accum_dtype(q.dtype)
     b, n_kv, t, d = k.shape
@@ -141,21 +166,37 @@ def hybrid_attention_chunked(
     neg = torch.finfo(scores.dtype).min
     scores = scores.masked_fill(~in_window, neg)
     c = scores.amax(dim=-1, keepdim=True)
-    a = g * torch.exp(scores - c) * in_window + (qfg @ kf2.transpose(-1, -2)) * older
-    v2a = _augment(v2, True)
-    out = a @ v2a  # numerator and (last column) denominator
-
-    # Linear state of chunks <= c-2: exclusive running sum of per-chunk sums, shifted by one more chunk.
+    linear = (qfg @ kf2.transpose(-1, -2)) * older
     kfc = pad_t(kf.to(acc), 0).unflatten(2, (n, w)).unsqueeze(2)
     vc = _augment(pad_t(v.to(acc), 0), True).unflatten(2, (n, w)).unsqueeze(2)
-    per_chunk = kfc.transpose(-1, -2) @ vc  # [B, Hk, 1, N, F, D+1]
-    before = torch.cumsum(per_chunk, dim=3) - per_chunk  # state before chunk c
-    older_state = torch.cat([torch.zeros_like(before[:, :, :, :1]), before[:, :, :, :-1]], dim=3)
-    out = out + qfg @ older_state
+    if log_gate is None:
+        v2a = _augment(v2, True)
+        out = (g * torch.exp(scores - c) * in_window + linear) @ v2a  # numerator and (last column) denominator
+        # Linear state of chunks <= c-2: exclusive running sum of per-chunk sums, shifted by one more chunk.
+        per_chunk = kfc.transpose(-1, -2) @ vc  # [B, Hk, 1, N, F, D+1]
+        before = torch.cumsum(per_chunk, dim=3) - per_chunk  # state before chunk c
+        older_state = torch.cat([torch.zeros_like(before[:, :, :, :1]), before[:, :, :, :-1]], dim=3)
+        out = out + qfg @ older_state
+    else:
+        cum = torch.nn.functional.pad(log_gate.to(acc), (0, pad)).unflatten(2, (n, w)).cumsum(-1)  # [B, Hk, N, w]
+        lower = torch.ones(w, w, dtype=torch.bool, device=q.device).tril()
+        diff = cum[..., :, None] - cum[..., None, :]
+        fade = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()  # [B, Hk, N, w, w]
+        fade = torch.nn.functional.pad(fade, (0, w)).unsqueeze(2)  # keys of chunk c-1 only
+        out = (g * torch.exp(scores - c) * in_window + linear * fade) @ _augment(v2, True)
+        # P_m: chunk m's keys faded to the end of chunk m + 1 (m = 0 .. N-2)
+        to_end = (cum[..., 1:, -1:] - cum[..., 1:, :]).exp().unsqueeze(2)[..., None]  # [B, Hk, 1, N-1, w, 1]
+        parts = (kfc[:, :, :, :-1] * to_end).transpose(-1, -2) @ vc[:, :, :, :-1]  # [B, Hk, 1, N-1, F, D+1]
+        chunk_fade = cum[..., -1].exp()[:, :, None, :, None, None]  # [B, Hk, 1, N, 1, 1]
+        states = [kfc.new_zeros(b, n_kv, 1, 1, kfc.shape[-1], d + 1)] * min(n, 2)
+        for i in range(1, n - 1):
+            states.append(chunk_fade[:, :, :, i : i + 1] * states[-1] + parts[:, :, :, i - 1 : i])
+        older_state = torch.cat(states, dim=3)
+        out = out + (qfg * cum.exp().unsqueeze(2)[..., None]) @ older_state
 
     y = _normalise(out[..., :-1], out[..., -1:]).flatten(3, 4)[..., :t, :]
     y = y.reshape(b, -1, t, d).to(q.dtype)
-    state = hybrid_final_state(k, kf, v, window, key_mask) if output_final_state else None
+    state = hybrid_final_state(k, kf, v, window, key_mask, log_gate=log_gate) if output_final_state else None
     return y, state
 
 
@@ -200,9 +241,13 @@ def kernel_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def hybrid_attention(
     q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
     output_final_state: bool = False, key_mask: torch.Tensor | None = None, backend: str = "auto",
+    log_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridState | None]:
     """Whole sequences, as ``hybrid_attention_chunked``: through the Triton kernels where
     ``use_hybrid_kernel`` allows (inputs cast to ``kernel_dtype``), else the PyTorch form."""
+    if log_gate is not None:  # the kernels have no gates: the PyTorch form
+        return hybrid_attention_chunked(q, k, qf, kf, v, gamma, window=window, scale=scale, softcap=softcap,
+                                        output_final_state=output_final_state, key_mask=key_mask, log_gate=log_gate)
     dtype = kernel_dtype(q, k, v, qf, kf)
     if use_hybrid_kernel(q, backend, window=window, head_dim=q.shape[-1], feature_width=qf.shape[-1], dtype=dtype):
         from .hybrid_triton import hybrid_triton
@@ -214,13 +259,18 @@ def hybrid_attention(
                                     output_final_state=output_final_state, key_mask=key_mask)
 
 
-def hybrid_final_state(k, kf, v, window: int, key_mask=None) -> HybridState:
-    """The decoding state after a prompt: its last ``window`` tokens raw, the rest summed."""
+def hybrid_final_state(k, kf, v, window: int, key_mask=None, log_gate=None) -> HybridState:
+    """The decoding state after a prompt: its last ``window`` tokens raw, the rest summed (each
+    older key faded by the gates after it left the window: ``exp(G_{T-1} - G_{s+w})``)."""
     acc = accum_dtype(k.dtype)
     b, _, t, _ = k.shape
     kf, v = _real_keys(key_mask, kf, v)
     cut = max(t - window, 0)
     old_f, old_v = kf[:, :, :cut].to(acc), _augment(v[:, :, :cut].to(acc), True)
+    if log_gate is not None and cut:
+        lg = log_gate.to(acc)
+        after = lg.flip(-1).cumsum(-1).flip(-1) - lg  # sum of the gates after each position
+        old_f = old_f * after[..., window:, None].exp()
     linear = (old_f.transpose(-1, -2) @ old_v).unsqueeze(2)
     valid = key_mask[:, cut:] if key_mask is not None else torch.ones(b, t - cut, dtype=torch.bool, device=k.device)
     return HybridState(k[:, :, cut:], kf[:, :, cut:], v[:, :, cut:], linear, valid)
@@ -233,11 +283,19 @@ def empty_hybrid_state(batch, n_kv, head_dim, feature_dim, *, device=None, dtype
                        torch.zeros(batch, 0, dtype=torch.bool, device=device))
 
 
+def _faded(linear: torch.Tensor, log_gate: torch.Tensor | None) -> torch.Tensor:
+    """The linear state ``[B, Hk, 1, F, D + 1]`` times this step's gate (``log_gate`` ``[B, Hk, 1]``)."""
+    if log_gate is None:
+        return linear
+    return linear * log_gate.to(linear.dtype).exp()[..., None, None]
+
+
 def hybrid_attention_step(
     q, k, qf, kf, v, gamma, state: HybridState, *, window: int, scale: float, softcap: float | None = None,
-    key_mask: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None, log_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridState]:
-    """One token (``T = 1`` in every input; ``key_mask`` [B, 1]). Returns ``(y [B, H, 1, D], new_state)``."""
+    """One token (``T = 1`` in every input; ``key_mask`` [B, 1]; ``log_gate`` [B, Hk, 1]). Returns
+    ``(y [B, H, 1, D], new_state)``."""
     acc = state.linear.dtype
     n_kv = k.shape[1]
     b = k.shape[0]
@@ -247,7 +305,7 @@ def hybrid_attention_step(
     feats = torch.cat([state.key_features, kf.to(state.key_features.dtype)], dim=2)
     values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
     valid = torch.cat([state.valid, real], dim=1)
-    linear = state.linear
+    linear = _faded(state.linear, log_gate)
     if keys.shape[2] > window:  # the oldest token leaves the window and joins the linear state
         old_f, old_v = feats[:, :, :1].to(acc), _augment(values[:, :, :1].to(acc), True)
         linear = linear + (old_f.transpose(-1, -2) @ old_v).unsqueeze(2)
@@ -381,7 +439,7 @@ class FusedRingState(HybridState):
 
 def hybrid_attention_step_ring(
     q, k, qf, kf, v, gamma, state: RingHybridState, *, scale: float, softcap: float | None = None,
-    key_feature_map=None,
+    key_feature_map=None, log_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RingHybridState]:
     """``hybrid_attention_step`` on a ring state, in place and with fixed shapes (no padding: every
     decoded token is real). The evicted slot's features and values join the linear state (an empty
@@ -391,6 +449,8 @@ def hybrid_attention_step_ring(
     n_kv = k.shape[1]
     idx = state.slot.view(1)
     stored = state.key_features.shape[2] > 0
+    if log_gate is not None:
+        state.linear.mul_(log_gate.to(acc).exp()[..., None, None])
     state.linear.add_(_leaving(state, key_feature_map))
     state.keys.index_copy_(2, idx, k.to(state.keys.dtype))
     if stored:
@@ -412,7 +472,7 @@ def hybrid_attention_step_ring(
 
 
 def hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, scale, softcap=None, initial_state=None,
-                               key_mask=None):
+                               key_mask=None, log_gate=None):
     """Token by token through ``hybrid_attention_step`` (reference for the decoding form)."""
     b, h, t, d = q.shape
     state = initial_state or empty_hybrid_state(b, k.shape[1], d, kf.shape[-1], device=q.device, dtype=k.dtype)
@@ -422,6 +482,7 @@ def hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, scale, softcap
         o, state = hybrid_attention_step(
             q[:, :, sl], k[:, :, sl], qf[:, :, sl], kf[:, :, sl], v[:, :, sl], gamma, state,
             window=window, scale=scale, softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl],
+            log_gate=None if log_gate is None else log_gate[..., sl],
         )
         outs.append(o)
     return torch.cat(outs, dim=2), state
