@@ -38,7 +38,9 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
                    "rotated q/k (on, LoLCATs; the default) or the q/k before RoPE (off: linear terms that do not "
                    "depend on absolute positions)")
     g.add_argument("--norm", choices=NORMS, help="sum: divide by phi(q).sum phi(k); group: GroupNorm per head "
-                   "(default: group for supra, sum otherwise; supra with --norm sum --decay none is T2R)")
+                   "(default: group for supra, sum otherwise; supra with --norm sum --decay none is T2R); lolcats: "
+                   "sum (one normaliser for the window's and the linear terms, LoLCATs) or separate (each normalised "
+                   "on its own, mixed by a learned weight per head)")
     g.add_argument("--keep-softmax", metavar="I,J", help="comma-separated layer indices that keep softmax attention; "
                    "lolcats also takes auto:K (K layers chosen after stage 1 stay softmax: by attention-output MSE, or "
                    "see --auto-softmax-score)")

@@ -18,7 +18,8 @@ FEATURE_MAPS = ("hedgehog", "t2r", "elu", "relu")
 DECAYS = ("none", "retnet", "lightning", "span", "learned", "gated")
 FIXED_DECAYS = ("none", "retnet", "lightning")  # per query head: linear, supra, retnet
 GATES = ("none", "span", "learned", "gated")  # the lolcats hybrid's linear state, per key head
-NORMS = ("sum", "group")
+NORMS = ("sum", "group", "separate")
+LOLCATS_NORMS = ("sum", "separate")
 BACKENDS = ("auto", "torch", "fla")
 SPARSE_PRIORITIES = ("recall", "novelty", "first")  # ops.sparse_hybrid_attention.PRIORITIES
 SPARSE_ANCHORS = ("joint", "window")  # ops.sparse_hybrid_attention.ANCHORS
@@ -53,7 +54,10 @@ class Spec:
         training length the maps have never seen); the window's softmax keeps RoPE either way.
     norm: output normalisation: ``sum`` (divide by phi(q).sum phi(k)) or ``group`` (GroupNorm per
         head). supra and retnet default to group (``sum`` with decay none is the T2R baseline; retnet
-        accepts only group), the others to sum.
+        accepts only group), the others to sum. The lolcats hybrid takes ``sum`` (one normaliser shared
+        by the window's and the linear terms, LoLCATs eq. 7) or ``separate`` (each normalised on its
+        own, mixed by a learned weight per head starting at 0.5: the linear terms' weight no longer
+        grows with their number).
     keep_softmax: indices of layers that keep their softmax attention (hybrids).
     sparse_cache: lolcats only: tokens per layer and key head kept exactly beside the window, chosen
         by how badly the linear state recalls them (LoLA; ``ops/sparse_hybrid_attention.py``); 0 = off.
@@ -114,7 +118,7 @@ class Spec:
             raise LinearizeError(f"spec feature_rope must be true or false, got {self.feature_rope!r}")
         if not self.feature_rope and self.kind != "lolcats":
             raise LinearizeError(f"spec feature_rope applies to the lolcats hybrid, not to kind {self.kind!r}")
-        _check_choice("norm", self.norm, NORMS, optional=True)
+        _check_choice("norm", self.norm, LOLCATS_NORMS if self.kind == "lolcats" else NORMS[:2], optional=True)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("sparse_priority", self.sparse_priority, SPARSE_PRIORITIES)
         _check_choice("sparse_anchor", self.sparse_anchor, SPARSE_ANCHORS)
@@ -127,8 +131,9 @@ class Spec:
             raise LinearizeError(f"spec sparse_cache must be a non-negative integer, got {cache!r}")
         if cache and self.kind != "lolcats":
             raise LinearizeError(f"spec sparse_cache applies to the lolcats hybrid, not to kind {self.kind!r}")
-        if cache and (self.decay not in (None, "none") or not self.feature_rope):
-            raise LinearizeError("spec sparse_cache does not yet combine with a lolcats decay or feature_rope off")
+        if cache and (self.decay not in (None, "none") or not self.feature_rope or self.norm == "separate"):
+            raise LinearizeError("spec sparse_cache does not yet combine with a lolcats decay, feature_rope off or "
+                                 "norm separate")
         keep = self.keep_softmax
         if isinstance(keep, str):
             keep = [x for x in keep.replace(" ", "").split(",") if x]

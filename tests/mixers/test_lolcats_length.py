@@ -17,6 +17,8 @@ VARIANTS = [
     {"decay": "gated"},
     {"feature_rope": False},
     {"feature_rope": False, "decay": "gated"},
+    {"norm": "separate"},
+    {"norm": "separate", "decay": "gated"},
 ]
 ID = lambda v: "-".join(f"{k}={x}" for k, x in v.items())  # noqa: E731
 
@@ -33,6 +35,8 @@ def _student(tiny_model, variant, family="llama", dtype=torch.float64, window=4,
         for m in mixers(student).values():
             if hasattr(m, "gate_proj"):
                 m.gate_proj.weight.copy_(torch.randn(m.gate_proj.weight.shape, generator=gen) * 0.5)
+            if hasattr(m, "mix_logit"):
+                m.mix_logit.add_(torch.randn(m.mix_logit.shape, generator=gen, dtype=m.mix_logit.dtype))
             if hasattr(m, "gate_bias"):
                 m.gate_bias.add_(torch.randn(m.gate_bias.shape, generator=gen, dtype=m.gate_bias.dtype) * 0.3)
     student.generation_config.eos_token_id = None

@@ -70,6 +70,8 @@ class LolcatsAttention(LinearAttention):
         logit = math.log(INIT_WINDOW_WEIGHT / (1 - INIT_WINDOW_WEIGHT))
         self.window_logit = nn.Parameter(torch.full((geometry.n_heads,), logit, device=self.teacher_device))
         self._hidden = None
+        if spec.norm == "separate":  # the linear terms' weight against the window's, per head (0.5 at start)
+            self.mix_logit = nn.Parameter(torch.zeros(geometry.n_heads, device=self.teacher_device))
         if spec.decay in ("learned", "gated"):
             rate = 1 / start_horizons(geometry.n_kv_heads, spec.window, spec.decay_horizon)
             self.gate_bias = nn.Parameter(_inverse_softplus(rate).float().to(self.teacher_device))
@@ -88,8 +90,13 @@ class LolcatsAttention(LinearAttention):
 
     @property
     def gated(self) -> bool:
-        """Whether the linear state fades (``spec.decay`` other than none)."""
-        return self.spec.decay not in (None, "none")
+        """Whether the PyTorch forms must run: the linear state fades (``spec.decay`` other than none) or
+        the terms are normalised apart (``spec.norm`` separate); the kernels have neither yet."""
+        return self.spec.decay not in (None, "none") or self.spec.norm == "separate"
+
+    def mix(self) -> torch.Tensor | None:
+        """The linear terms' weight per head where they are normalised apart, else None."""
+        return torch.sigmoid(self.mix_logit.float()) if self.spec.norm == "separate" else None
 
     def forward(self, hidden_states, *args, **kwargs):
         with self.reading(hidden_states):
@@ -160,15 +167,16 @@ class LolcatsAttention(LinearAttention):
         lg = self.log_gate(q.shape[0], q.shape[2], q.device)
         if state is None:
             return ops.hybrid_attention_chunked(q, k, qf, kf, v, self.window_weight(), **self._kw(),
-                                                output_final_state=want_state, key_mask=self.key_mask, log_gate=lg)
+                                                output_final_state=want_state, key_mask=self.key_mask, log_gate=lg,
+                                                mix=self.mix())
         # continuing a sequence with several tokens at once: token by token from the state
         return ops.hybrid_attention_recurrent(q, k, qf, kf, v, self.window_weight(), **self._kw(), initial_state=state,
-                                              key_mask=self.key_mask, log_gate=lg)
+                                              key_mask=self.key_mask, log_gate=lg, mix=self.mix())
 
     def _kernel_sequence(self, q, k, v, position_embeddings, want_state):
         """``sequence`` from no state through the Triton kernels, or None where they do not apply."""
         g, fq, fk = self.geometry, self.feature_map_q, self.feature_map_k
-        if self.gated:  # the kernels have no gates yet
+        if self.gated:  # the kernels have no gates (nor apart-normalised terms) yet
             return None
         # (with features of the q/k before RoPE, the features are computed in PyTorch)
         hedgehog = type(fq) is Hedgehog and type(fk) is Hedgehog and self.spec.feature_rope
@@ -226,7 +234,7 @@ class LolcatsAttention(LinearAttention):
             return super().attention_weights(q, k, position_embeddings)
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
         return ops.hybrid_attention_weights(q, k, qf, kf, self.window_weight(), **self._kw(),
-                                            log_gate=self.log_gate(q.shape[0], q.shape[2], q.device))
+                                            log_gate=self.log_gate(q.shape[0], q.shape[2], q.device), mix=self.mix())
 
     def fused_decoding(self) -> bool:
         """Whether the fast decoder runs this layer's steps as one Triton kernel
@@ -307,16 +315,18 @@ class LolcatsAttention(LinearAttention):
                                          **self._kw(), key_mask=self.key_mask)
 
     def _faded_step(self, q, k, v, position_embeddings, state):
-        """One token with a fading linear state or features before RoPE: the PyTorch steps."""
+        """One token with a fading linear state, apart-normalised terms or features before RoPE: the
+        PyTorch steps."""
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
         lg = self.log_gate(q.shape[0], 1, q.device)
         if isinstance(state, ops.RingHybridState):
             g = self.geometry
             kf = kf if state.key_features.shape[2] > 0 else None
             return ops.hybrid_attention_step_ring(q, k, qf, kf, v, self.window_weight(), state, scale=g.scaling,
-                                                  softcap=g.softcap, key_feature_map=self.feature_map_k, log_gate=lg)
+                                                  softcap=g.softcap, key_feature_map=self.feature_map_k, log_gate=lg,
+                                                  mix=self.mix())
         return ops.hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
-                                         key_mask=self.key_mask, log_gate=lg)
+                                         key_mask=self.key_mask, log_gate=lg, mix=self.mix())
 
     def state_bytes(self, dtype, key_features: bool = True, linear_states: int = 1, sparse: bool = True):
         g = self.geometry

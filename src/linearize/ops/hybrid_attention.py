@@ -51,6 +51,24 @@ def _normalise(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
     return num / torch.where(den > 0, den, torch.ones((), dtype=den.dtype, device=den.device))
 
 
+def _mixed(window_out: torch.Tensor, linear_out: torch.Tensor, mix: torch.Tensor | None) -> torch.Tensor:
+    """The output from the window's and the linear terms' ``[..., D + 1]`` sums (numerators, then the
+    denominator): one shared normaliser (``mix`` None, LoLCATs), or each normalised on its own and
+    mixed, ``(1 - m) y_window + m y_linear`` with ``m`` broadcast like the sums' leading dims (``m`` is 0
+    for a query with no linear term yet)."""
+    if mix is None:
+        out = window_out + linear_out
+        return _normalise(out[..., :-1], out[..., -1:])
+    den = linear_out[..., -1:]
+    m = mix * (den > 0)
+    return (1 - m) * _normalise(window_out[..., :-1], window_out[..., -1:]) + m * _normalise(linear_out[..., :-1], den)
+
+
+def _mix_shape(mix: torch.Tensor | None, n_kv: int, dims: int, dtype) -> torch.Tensor | None:
+    """``mix`` ``[H]`` as ``[Hk, G, 1, ...]`` with ``dims`` trailing ones."""
+    return None if mix is None else mix.to(dtype).reshape(n_kv, -1, *([1] * dims))
+
+
 def _scores(q, k, scale, softcap):
     s = (q @ k.transpose(-1, -2)) * scale
     if softcap is not None:
@@ -67,8 +85,10 @@ def _real_keys(key_mask, *tensors):
 
 
 def hybrid_attention_weights(q, k, qf, kf, gamma, *, window: int, scale: float, softcap: float | None = None,
-                             key_mask: torch.Tensor | None = None, log_gate: torch.Tensor | None = None):
+                             key_mask: torch.Tensor | None = None, log_gate: torch.Tensor | None = None,
+                             mix: torch.Tensor | None = None):
     """The hybrid's attention weights ``[B, H, T, T]`` (rows sum to one; zero for a padding query).
+    ``mix`` ``[H]``: the window and linear terms normalised apart and mixed (see ``_mixed``).
 
     Quadratic: for the reference form and for LoLCATs' optional cross-entropy on attention weights.
     """
@@ -92,7 +112,12 @@ def hybrid_attention_weights(q, k, qf, kf, gamma, *, window: int, scale: float, 
     linear = (qfg @ kff.transpose(-1, -2)) * older
     if log_gate is not None:
         linear = linear * _fade(log_gate.to(acc), window, older)
-    a = _normalise(a + linear, (a + linear).sum(dim=-1, keepdim=True))
+    if mix is None:
+        a = _normalise(a + linear, (a + linear).sum(dim=-1, keepdim=True))
+    else:
+        den = linear.sum(dim=-1, keepdim=True)
+        m = _mix_shape(mix, n_kv, 2, acc) * (den > 0)
+        a = (1 - m) * _normalise(a, a.sum(dim=-1, keepdim=True)) + m * _normalise(linear, den)
     b, hk, grp = a.shape[:3]
     return a.reshape(b, hk * grp, t, t)
 
@@ -109,14 +134,15 @@ def _fade(log_gate, window: int, older):
 
 
 def hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
-                           key_mask: torch.Tensor | None = None, log_gate: torch.Tensor | None = None):
+                           key_mask: torch.Tensor | None = None, log_gate: torch.Tensor | None = None,
+                           mix: torch.Tensor | None = None):
     """The quadratic reference. Returns ``[B, H, T, D]``.
 
     ``key_mask`` ``[B, T]`` (True = real token) leaves padding out of every query's sums; a padding
     query's own output is zero.
     """
     weights = hybrid_attention_weights(q, k, qf, kf, gamma, window=window, scale=scale, softcap=softcap,
-                                       key_mask=key_mask, log_gate=log_gate)
+                                       key_mask=key_mask, log_gate=log_gate, mix=mix)
     (v,) = _real_keys(key_mask, v)
     n_kv = k.shape[1]
     b, h, t, _ = weights.shape
@@ -127,6 +153,7 @@ def hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, scale: float,
 def hybrid_attention_chunked(
     q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
     output_final_state: bool = False, key_mask: torch.Tensor | None = None, log_gate: torch.Tensor | None = None,
+    mix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridState | None]:
     """Linear-time form with chunks of ``window`` tokens.
 
@@ -169,9 +196,11 @@ def hybrid_attention_chunked(
     linear = (qfg @ kf2.transpose(-1, -2)) * older
     kfc = pad_t(kf.to(acc), 0).unflatten(2, (n, w)).unsqueeze(2)
     vc = _augment(pad_t(v.to(acc), 0), True).unflatten(2, (n, w)).unsqueeze(2)
+    v2a = _augment(v2, True)
+    window_terms = g * torch.exp(scores - c) * in_window
     if log_gate is None:
-        v2a = _augment(v2, True)
-        out = (g * torch.exp(scores - c) * in_window + linear) @ v2a  # numerator and (last column) denominator
+        # numerators and (last column) denominator
+        out = (window_terms + linear) @ v2a if mix is None else linear @ v2a
         # Linear state of chunks <= c-2: exclusive running sum of per-chunk sums, shifted by one more chunk.
         per_chunk = kfc.transpose(-1, -2) @ vc  # [B, Hk, 1, N, F, D+1]
         before = torch.cumsum(per_chunk, dim=3) - per_chunk  # state before chunk c
@@ -183,7 +212,7 @@ def hybrid_attention_chunked(
         diff = cum[..., :, None] - cum[..., None, :]
         fade = torch.where(lower, diff, torch.full_like(diff, float("-inf"))).exp()  # [B, Hk, N, w, w]
         fade = torch.nn.functional.pad(fade, (0, w)).unsqueeze(2)  # keys of chunk c-1 only
-        out = (g * torch.exp(scores - c) * in_window + linear * fade) @ _augment(v2, True)
+        out = (window_terms + linear * fade) @ v2a if mix is None else (linear * fade) @ v2a
         # P_m: chunk m's keys faded to the end of chunk m + 1 (m = 0 .. N-2)
         to_end = (cum[..., 1:, -1:] - cum[..., 1:, :]).exp().unsqueeze(2)[..., None]  # [B, Hk, 1, N-1, w, 1]
         parts = (kfc[:, :, :, :-1] * to_end).transpose(-1, -2) @ vc[:, :, :, :-1]  # [B, Hk, 1, N-1, F, D+1]
@@ -194,8 +223,11 @@ def hybrid_attention_chunked(
         older_state = torch.cat(states, dim=3)
         out = out + (qfg * cum.exp().unsqueeze(2)[..., None]) @ older_state
 
-    y = _normalise(out[..., :-1], out[..., -1:]).flatten(3, 4)[..., :t, :]
-    y = y.reshape(b, -1, t, d).to(q.dtype)
+    if mix is None:  # ``out`` holds every term
+        y = _normalise(out[..., :-1], out[..., -1:])
+    else:
+        y = _mixed(window_terms @ v2a, out, _mix_shape(mix, n_kv, 3, acc))
+    y = y.flatten(3, 4)[..., :t, :].reshape(b, -1, t, d).to(q.dtype)
     state = hybrid_final_state(k, kf, v, window, key_mask, log_gate=log_gate) if output_final_state else None
     return y, state
 
@@ -241,13 +273,14 @@ def kernel_dtype(*tensors: torch.Tensor) -> torch.dtype:
 def hybrid_attention(
     q, k, qf, kf, v, gamma, *, window: int, scale: float, softcap: float | None = None,
     output_final_state: bool = False, key_mask: torch.Tensor | None = None, backend: str = "auto",
-    log_gate: torch.Tensor | None = None,
+    log_gate: torch.Tensor | None = None, mix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridState | None]:
     """Whole sequences, as ``hybrid_attention_chunked``: through the Triton kernels where
     ``use_hybrid_kernel`` allows (inputs cast to ``kernel_dtype``), else the PyTorch form."""
-    if log_gate is not None:  # the kernels have no gates: the PyTorch form
+    if log_gate is not None or mix is not None:  # the kernels have neither: the PyTorch form
         return hybrid_attention_chunked(q, k, qf, kf, v, gamma, window=window, scale=scale, softcap=softcap,
-                                        output_final_state=output_final_state, key_mask=key_mask, log_gate=log_gate)
+                                        output_final_state=output_final_state, key_mask=key_mask, log_gate=log_gate,
+                                        mix=mix)
     dtype = kernel_dtype(q, k, v, qf, kf)
     if use_hybrid_kernel(q, backend, window=window, head_dim=q.shape[-1], feature_width=qf.shape[-1], dtype=dtype):
         from .hybrid_triton import hybrid_triton
@@ -292,7 +325,7 @@ def _faded(linear: torch.Tensor, log_gate: torch.Tensor | None) -> torch.Tensor:
 
 def hybrid_attention_step(
     q, k, qf, kf, v, gamma, state: HybridState, *, window: int, scale: float, softcap: float | None = None,
-    key_mask: torch.Tensor | None = None, log_gate: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None, log_gate: torch.Tensor | None = None, mix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridState]:
     """One token (``T = 1`` in every input; ``key_mask`` [B, 1]; ``log_gate`` [B, Hk, 1]). Returns
     ``(y [B, H, 1, D], new_state)``."""
@@ -317,10 +350,18 @@ def hybrid_attention_step(
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     c = scores.amax(dim=-1, keepdim=True)
     a = g * torch.exp(scores - c) * mask
-    out = a @ _augment(values.to(acc), True).unsqueeze(2) + qfg @ linear
-    y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
+    y = _step_output(a @ _augment(values.to(acc), True).unsqueeze(2), qfg @ linear, mix, n_kv)
     b, hk, grp, _, d = y.shape
     return y.reshape(b, hk * grp, 1, d).to(q.dtype), HybridState(keys, feats, values, linear, valid)
+
+
+def _step_output(window_out, linear_out, mix, n_kv):
+    """A step's ``[B, Hk, G, 1, D]`` output from its window and linear sums (``_mixed``; the shared
+    denominator is at least the window's own token)."""
+    if mix is None:
+        out = window_out + linear_out
+        return out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(out.dtype).tiny)
+    return _mixed(window_out, linear_out, _mix_shape(mix, n_kv, 2, window_out.dtype))
 
 
 def pad_front(x: torch.Tensor, dim: int, pad: int) -> torch.Tensor:
@@ -439,7 +480,7 @@ class FusedRingState(HybridState):
 
 def hybrid_attention_step_ring(
     q, k, qf, kf, v, gamma, state: RingHybridState, *, scale: float, softcap: float | None = None,
-    key_feature_map=None, log_gate: torch.Tensor | None = None,
+    key_feature_map=None, log_gate: torch.Tensor | None = None, mix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RingHybridState]:
     """``hybrid_attention_step`` on a ring state, in place and with fixed shapes (no padding: every
     decoded token is real). The evicted slot's features and values join the linear state (an empty
@@ -465,14 +506,13 @@ def hybrid_attention_step_ring(
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
     c = scores.amax(dim=-1, keepdim=True)
     a = g * torch.exp(scores - c) * mask
-    out = a @ _augment(state.values.to(acc), True).unsqueeze(2) + qfg @ state.linear
-    y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
+    y = _step_output(a @ _augment(state.values.to(acc), True).unsqueeze(2), qfg @ state.linear, mix, n_kv)
     b, hk, grp, _, d = y.shape
     return y.reshape(b, hk * grp, 1, d).to(q.dtype), state
 
 
 def hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, scale, softcap=None, initial_state=None,
-                               key_mask=None, log_gate=None):
+                               key_mask=None, log_gate=None, mix=None):
     """Token by token through ``hybrid_attention_step`` (reference for the decoding form)."""
     b, h, t, d = q.shape
     state = initial_state or empty_hybrid_state(b, k.shape[1], d, kf.shape[-1], device=q.device, dtype=k.dtype)
@@ -482,7 +522,7 @@ def hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, scale, softcap
         o, state = hybrid_attention_step(
             q[:, :, sl], k[:, :, sl], qf[:, :, sl], kf[:, :, sl], v[:, :, sl], gamma, state,
             window=window, scale=scale, softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl],
-            log_gate=None if log_gate is None else log_gate[..., sl],
+            log_gate=None if log_gate is None else log_gate[..., sl], mix=mix,
         )
         outs.append(o)
     return torch.cat(outs, dim=2), state
