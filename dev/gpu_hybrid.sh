@@ -133,6 +133,18 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
           --teacher-paths static --batch-sizes 1 64 256 --new-tokens 256 --prompt-len 1024 \
           --out "$S/decode_$(basename "$ck").json" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:"
       done ;;
+    length-speed)  # issue #46: decode (the default fast path, 1k prompts, batch 1/64/256) and prefill (1x32k, 32x1k) of
+      # untrained students with the length options (LENGTH_SPECS: name=flags ...), each beside the teacher's fastest path
+      for pair in ${LENGTH_SPECS:-plain= nope=--feature-rope:off span=--decay:span nopespan=--feature-rope:off,--decay:span}; do
+        name=${pair%%=*}; flags=$(echo "${pair#*=}" | tr ',:' '  ')
+        ck=$C-$name; [ -d "$ck" ] || python3 -m linearize convert --teacher "$T" --kind lolcats $flags --out "$ck" \
+          --dtype bfloat16 2>&1 | tail -1
+        timeout 420 python3 -m linearize bench "$ck" --teacher "$T" --dtype bfloat16 --paths fast --teacher-paths static fast \
+          --batch-sizes 1 64 256 --new-tokens 256 --prompt-len 1024 --out "$S/decode_length_$name.json" 2>&1 | quiet \
+          | grep -E "^\| (student|teacher)|Error|error:"
+        timeout 300 python3 -m linearize bench "$ck" --teacher "$T" --dtype bfloat16 --prefill 1x32768 32x1024 \
+          --out "$S/prefill_length_$name.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:"
+      done ;;
     sinks-prefill)  # attention sinks in the prefill's forward kernels: their CUDA tests, then the prefill rows of
       # untrained students with and without the sinks (with the teacher beside the plain one)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_hybrid.py -k sinks 2>&1 | tail -3
