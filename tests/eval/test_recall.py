@@ -135,8 +135,9 @@ def test_mqar_prompts_are_deterministic_and_each_answer_precedes_its_query_once(
             before = bpe.decode(prompt.ids[: q["positions"][0]])
             assert re.findall(r"\d+", before).count(q["value"]) == 1  # the answer once before its query
     assert mqar.make_prompt(bpe, 8, 3, seed=5).text != mqar.make_prompt(bpe, 8, 4, seed=5).text
-    assert [mqar.bucket(d) for d in (1, 255, 256, 1023, 1024, 5000, 9000)] == [0, 0, 1, 1, 2, 3, 3]
-    assert mqar.bucket_names() == ["0-256", "256-1k", "1k-4k", "4k-8k"]
+    assert [mqar.bucket(d) for d in (1, 255, 256, 1023, 1024, 5000, 9000, 20000, 40000)] == [0, 0, 1, 1, 2, 3, 4, 5, 5]
+    assert mqar.bucket_names(4) == ["0-256", "256-1k", "1k-4k", "4k-8k"]
+    assert mqar.bucket_names()[4:] == ["8k-16k", "16k-32k"]
 
 
 def test_task_names_split_into_zero_shot_and_recall():

@@ -20,6 +20,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _token_count(text: str) -> int:
+    """A length in tokens: ``32768`` or ``32k`` (= 32,768), at least 2."""
+    item = text.strip().lower()
+    try:
+        value = int(item.removesuffix("k")) * (1024 if item.endswith("k") else 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens such as 32768 or 32k, got {text!r}") from None
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"expected at least 2 tokens, got {text!r}")
+    return value
+
+
 def _limit(text: str) -> int | float:
     """A document count (``40``) or a fraction of each task (``0.1``)."""
     try:
@@ -43,6 +55,8 @@ def cmd_eval(args) -> int:
     if args.no_perplexity and not (zero_shot or recall or args.by_position):
         raise LinearizeError("nothing to evaluate: --no-perplexity needs --tasks (e.g. --tasks all or --tasks recall) "
                              "or --by-position")
+    if args.position_len is not None and not args.by_position:
+        raise LinearizeError("--position-len sets the block length of --by-position; add --by-position")
     if zero_shot:
         suite.require_lm_eval()
     if recall:
@@ -78,7 +92,7 @@ def cmd_eval(args) -> int:
                       source=source, block_len=args.block_len, max_blocks=args.max_blocks,
                       batch_size=args.batch_size, max_length=args.max_length, seed=args.seed, name=args.name,
                       progress=not args.quiet, split=args.split, by_position=args.by_position, lengths=lengths,
-                      depths=depths, pairs=pairs)
+                      depths=depths, pairs=pairs, position_len=args.position_len)
     print(summary(record))
     if args.out is not None:
         print(f"saved {save_results(record, args.out)}")
@@ -100,6 +114,8 @@ def summary(record: dict) -> str:
         cells = ", ".join(f"{b['range']} {b['perplexity']:.2f}" for b in by_position["buckets"])
         lines.append(f"perplexity by position ({by_position['blocks']} blocks of {by_position['block_len']} tokens): "
                      f"{cells}")
+        if by_position.get("note"):
+            lines.append(f"  ({by_position['note']})")
     for name, task in record.get("tasks", {}).items():
         stderr = f" ± {100 * task['stderr']:.1f}" if task.get("stderr") is not None else ""
         value = "n/a" if task["value"] is None else f"{100 * task['value']:.1f}{stderr}"
@@ -178,16 +194,25 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                         "the Gutenberg corpus)")
     e.add_argument("--by-position", action="store_true",
                    help="also the loss by position in long blocks of the same text (buckets 0-256, 256-1k, 1k-4k, "
-                        "4k-8k tokens; blocks of 8192 tokens or the model's context), to see whether a state forgets")
+                        "4k-8k, 8k-16k, 16k-32k tokens, those inside the block; the text's documents joined into "
+                        "blocks of --position-len tokens), to see whether a state forgets")
+    e.add_argument("--position-len", type=_token_count, default=None, metavar="N",
+                   help="block length of --by-position, e.g. 32768 or 32k for the buckets to 32k (default: 8192, or "
+                        "the model's context if shorter). A converted student runs any length it is given; a softmax "
+                        "model stops at its context (max_position_embeddings), the buckets past it left out and "
+                        "said so in the record")
     e.add_argument("--lengths", default=None, metavar="N1,N2",
-                   help="passkey/niah prompt lengths in tokens, e.g. 256,1k,4k (default: 256,512,1k,2k,4k,8k; "
-                        "lengths beyond the model's context are dropped)")
+                   help="passkey/niah prompt lengths in tokens, e.g. 256,1k,4k or 16k,32k (default: "
+                        "256,512,1k,2k,4k,8k; lengths beyond a softmax model's context are dropped, a converted "
+                        "student runs them all)")
     e.add_argument("--depths", default=None, metavar="P1,P2",
                    help="passkey/niah needle depths in percent of the text, 0 = start, 100 = end "
                         "(default: 0,25,50,75,100)")
     e.add_argument("--pairs", default=None, metavar="N1,N2",
                    help=f"mqar: numbers of key-value pairs (default: {','.join(map(str, mqar.DEFAULT_PAIRS))}; "
-                        "N whose prompt exceeds the model's context is dropped)")
+                        f"at most {mqar.MAX_PAIRS}; about 10 tokens a pair past {mqar.SHORT_PAIRS}, so 3000 is a "
+                        "30k-token prompt; N whose prompt exceeds a softmax model's context is dropped, a converted "
+                        "student runs them all)")
     e.add_argument("--block-len", type=_positive_int, default=1024, help="perplexity block length in tokens "
                    "(default: %(default)s)")
     e.add_argument("--max-blocks", type=_positive_int, default=None, help="score only the first N blocks (default: "
@@ -224,7 +249,8 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
         description="Render 'linearize eval --out' records as one Markdown page: models x perplexity, each "
                     "task's headline metric and their average, each student's recovery against its teacher, "
                     "training tokens and time of recipe runs, with each row's settings; the recall tasks and the "
-                    "perplexity by position when measured; with --out also a recall heat map per model, the runs' "
+                    "perplexity by position when measured (buckets to 32k); with --out also perplexity against position "
+                    "for every model beside the teacher (position.png), a recall heat map per model, the runs' "
                     "validation curves, per-layer attention MSE and (--attention-maps) attention-weight maps as "
                     "PNGs linked from the page.")
     r.add_argument("results", nargs="+", help="results JSON files, or folders of them")

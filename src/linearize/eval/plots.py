@@ -1,5 +1,5 @@
-"""Pictures of a run: per-layer attention MSE (LoLCATs stage 1), loss curves against tokens, and a
-model's recall grids as heat maps.
+"""Pictures of a run: per-layer attention MSE (LoLCATs stage 1), loss curves against tokens, a
+model's recall grids as heat maps, and perplexity against position in long blocks.
 
 They read the files a recipe or ``linearize eval`` writes (``results.json``, ``metrics.jsonl``, the
 results record), so a run made on a GPU can be drawn anywhere. Needs matplotlib (the ``eval`` extra).
@@ -145,6 +145,66 @@ def dial_plot(points: list[dict], out_png: str | Path) -> Path:
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
     return Path(out_png)
+
+
+def position_x(start: int, end: int) -> float:
+    """Where a position bucket ``[start, end)`` sits on a log axis: the geometric middle of its
+    positions (position 0 predicts nothing: the first bucket runs from 1)."""
+    return (max(start, 1) * end) ** 0.5
+
+
+def position_plot(panels: dict[str, list[dict]], out_png: str | Path) -> Path:
+    """Perplexity against position in the block, a panel per text (``report.position_curves``), as
+    :func:`position_figure` draws it, saved to ``out_png``."""
+    plt, fig, _ = position_figure(panels)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return Path(out_png)
+
+
+def position_figure(panels: dict[str, list[dict]]):
+    """``(pyplot, figure, axes)``: a panel per text, a curve per record, softmax models (the
+    teachers) dashed in black and grey, students in colour; log y, the buckets at their geometric
+    middles on a log x axis labelled with their ranges; a dotted line where a teacher's context cut
+    its blocks short."""
+    panels = {text: curves for text, curves in panels.items() if curves}
+    if not panels:
+        raise LinearizeError("no perplexity by position to draw")
+    plt = _pyplot()
+    from matplotlib.ticker import LogFormatter, NullLocator
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.5), squeeze=False)
+    students = list(dict.fromkeys(c["label"] for cs in panels.values() for c in cs if c["kind"] != "softmax"))
+    teachers = list(dict.fromkeys(c["label"] for cs in panels.values() for c in cs if c["kind"] == "softmax"))
+    colours = {label: f"C{i % 10}" for i, label in enumerate(students)}
+    colours.update({label: ("black", "dimgrey", "darkgrey")[i % 3] for i, label in enumerate(teachers)})
+    for ax, (text, curves) in zip(axes[0], panels.items()):
+        ticks = {}
+        for c in sorted(curves, key=lambda c: c["kind"] != "softmax"):  # teachers first: in the legend's top
+            xs = [position_x(a, b) for a, b, _, _ in c["points"]]
+            teacher = c["kind"] == "softmax"
+            ax.plot(xs, [p for *_, p in c["points"]], marker="s" if teacher else "o", markersize=4,
+                    linestyle="--" if teacher else "-", linewidth=2 if teacher else 1.5, color=colours[c["label"]],
+                    label=c["label"] + (" (teacher)" if teacher else ""))
+            for x, (_, _, name, _) in zip(xs, c["points"]):
+                ticks.setdefault(name, x)
+            if c.get("context"):
+                ax.axvline(c["context"], color=colours[c["label"]], linestyle=":", linewidth=1)
+                ax.annotate(f"{c['label']}: context {c['context']}", (c["context"], 0.02), rotation=90, fontsize=7,
+                            xycoords=("data", "axes fraction"), ha="right", va="bottom")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ordered = sorted(ticks.items(), key=lambda item: item[1])
+        ax.set_xticks([x for _, x in ordered], [name for name, _ in ordered], rotation=30, fontsize=8)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(LogFormatter())  # 30, 300: not 3 x 10^1
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 1)))
+        ax.set_xlabel("position in the block (tokens, bucket)")
+        ax.set_ylabel("perplexity")
+        ax.set_title(text)
+        ax.legend(fontsize=8)
+    return plt, fig, list(axes[0])
 
 
 def recall_heatmaps(recall: dict, out_png: str | Path, title: str) -> Path:

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from linearize.errors import LinearizeError
 
+from .perplexity import is_student
 from .tasks import recall_module, split_tasks
 from .tasks.needle import DEFAULT_DEPTHS, DEFAULT_LENGTHS, DEFAULT_TRIALS, is_correct, prompt_budget
 
@@ -42,9 +43,9 @@ def run_recall(model, tokenizer, names, limit=None, lengths=None, depths=None, p
     """``{task: result}`` for the recall tasks in ``names`` (a list or comma-separated; others ignored).
 
     ``limit``: trials per cell (prompts per N for mqar; default ``DEFAULT_TRIALS``); ``lengths`` /
-    ``depths``: the passkey/niah grid (token lengths beyond the model's context are dropped);
-    ``pairs``: mqar's N values; ``batch_size``: prompts per generation or forward batch;
-    ``haystack``: niah's text (default: the validation books).
+    ``depths``: the passkey/niah grid (token lengths beyond a softmax model's context are dropped; a
+    converted student runs them all, e.g. 16k and 32k); ``pairs``: mqar's N values (likewise);
+    ``batch_size``: prompts per generation or forward batch; ``haystack``: niah's text (default: the validation books).
     """
     trials = trials_per_cell(limit)
     wanted = split_tasks(names)[1]
@@ -109,7 +110,8 @@ def run_grid(module, generate, lengths, depths, trials: int, batch_size: int, se
     """A needle task on the grid ``lengths`` x ``depths`` with ``trials`` prompts per cell; the rows'
     prompts are generated ``batch_size`` at a time (one row per batch: similar lengths, little padding)."""
     tokenizer = generate.tokenizer
-    rows = prompt_budget(lengths, context_length(generate.model), module.MAX_NEW_TOKENS)
+    rows = prompt_budget(lengths, context_length(generate.model), module.MAX_NEW_TOKENS,
+                         past_context=is_student(generate.model))
     if not rows:
         raise LinearizeError(f"{module.NAME}: no length in {list(lengths)} fits the model's context of "
                              f"{context_length(generate.model)} tokens")
@@ -176,18 +178,20 @@ def greedy_guesses(model, prompts: list[list[int]], starts: list[int], device) -
 
 @torch.no_grad()
 def run_mqar(model, tokenizer, pairs, prompts_per_n: int, batch_size: int, seed: int, progress: bool = True) -> dict:
-    """mqar for each N in ``pairs`` (N too large for the context dropped): ``prompts_per_n`` prompts,
-    teacher-forced in right-padded batches; accuracy by N x distance bucket."""
+    """mqar for each N in ``pairs`` (N too large for a softmax model's context dropped; a converted
+    student runs every N): ``prompts_per_n`` prompts, teacher-forced in right-padded batches; accuracy
+    by N x distance bucket (to 8k, and the later buckets where queries fall in them)."""
     from .tasks import mqar
 
     device = next(model.parameters()).device
     context = context_length(model)
+    past_context = is_student(model)  # a converted student runs prompts of any length
     names = mqar.bucket_names()
     kept, grid_hits, grid_counts, tokens, dropped = [], [], [], [], []
     bar = tqdm(total=len(pairs) * prompts_per_n, desc="mqar", disable=not progress, leave=False)
     for n in pairs:
         prompts = [mqar.make_prompt(tokenizer, n, i, seed) for i in range(prompts_per_n)]
-        if context is not None and max(len(p.ids) for p in prompts) > context:
+        if context is not None and not past_context and max(len(p.ids) for p in prompts) > context:
             dropped.append(int(n))
             bar.update(prompts_per_n)
             continue
@@ -208,6 +212,10 @@ def run_mqar(model, tokenizer, pairs, prompts_per_n: int, batch_size: int, seed:
     bar.close()
     if not kept:
         raise LinearizeError(f"mqar: no N in {list(pairs)} fits the model's context of {context} tokens")
+    # the distance columns to 8k, and the later ones up to the farthest query (prompts past 8k tokens)
+    used = max([mqar.DEFAULT_BUCKETS] + [b + 1 for cs in grid_counts for b, c in enumerate(cs) if c])
+    names = names[:used]
+    grid_hits, grid_counts = [hs[:used] for hs in grid_hits], [cs[:used] for cs in grid_counts]
     grid = [[h / c if c else None for h, c in zip(hs, cs)] for hs, cs in zip(grid_hits, grid_counts)]
     by_pairs = [sum(hs) / sum(cs) for hs, cs in zip(grid_hits, grid_counts)]
     col_hits = [sum(hs[b] for hs in grid_hits) for b in range(len(names))]

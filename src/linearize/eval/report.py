@@ -1,6 +1,7 @@
 """``linearize report``: one Markdown page comparing evaluation records: models x perplexity and
 zero-shot tasks, recall tasks, perplexity by position, each student's recovery against its teacher
-(student score / teacher score), and figures (training curves, attention MSE and maps, recall heat maps)."""
+(student score / teacher score), and figures (perplexity against position, training curves, attention MSE
+and maps, recall heat maps)."""
 
 from __future__ import annotations
 
@@ -235,29 +236,73 @@ def _recall_margin_table(name: str, rows) -> list[str]:
     return lines
 
 
+def _position_text(pos: dict) -> str:
+    """The text a by-position record scored: source and split."""
+    return f"{pos['source']} ({pos['split']})"
+
+
+def _position_ranges(rows) -> list[str]:
+    """Every bucket range of the records, in position order (a capped record's short last bucket,
+    e.g. 256-300, sorts between the full ones)."""
+    seen = {}
+    for _, r in rows:
+        for b in r["perplexity_by_position"]["buckets"]:
+            seen.setdefault(b["range"], (b["start"], b["end"]))
+    return sorted(seen, key=lambda x: seen[x])
+
+
 def _position_section(records) -> list[str]:
-    """Perplexity per position bucket, one row per record that measured it."""
+    """Perplexity per position bucket, one row per record that measured it: a column per bucket of
+    any record (to 32k), empty ("–") where a record has no such bucket."""
     rows = [(path, r) for path, r in records if r.get("perplexity_by_position")]
     if not rows:
         return []
-    ranges = []
-    for _, r in rows:
-        for b in r["perplexity_by_position"]["buckets"]:
-            if b["range"] not in ranges:
-                ranges.append(b["range"])
+    ranges = _position_ranges(rows)
     header = ["model", "kind", "text", *(f"ppl {x}" for x in ranges)]
     lines = ["", "## Perplexity by position", "", "| " + " | ".join(header) + " |",
              "|" + "|".join("---" for _ in header) + "|"]
+    notes = []
     for path, record in rows:
         pos = record["perplexity_by_position"]
         values = {b["range"]: b["perplexity"] for b in pos["buckets"]}
-        text = f"{pos['source']} ({pos['split']}), {pos['blocks']} x {pos['block_len']} tok"
-        lines.append("| " + " | ".join([record["model"].get("name") or path.stem, record["model"].get("kind", "?"),
+        text = f"{_position_text(pos)}, {pos['blocks']} x {pos['block_len']} tok"
+        name = record["model"].get("name") or path.stem
+        if pos.get("left_out"):
+            text += " *"
+            notes.append(f"{name}: {pos.get('note') or 'buckets ' + ', '.join(pos['left_out']) + ' left out'}")
+        lines.append("| " + " | ".join([name, record["model"].get("kind", "?"),
                                         text, *("–" if values.get(x) is None else f"{values[x]:.2f}"
                                                 for x in ranges)]) + " |")
     lines += ["", "Perplexity of the tokens at positions in each range of a block: a state that forgets shows as a "
-              "rise in the later ranges where the teacher's falls."]
+              "rise in the later ranges where the teacher's falls. Blocks are the text's documents joined (EOS "
+              "between them); \"–\": the record has no such bucket (a shorter block)."]
+    if notes:
+        lines += ["", "\\* Blocks cut at the model's context: " + "; ".join(notes) + "."]
     return lines
+
+
+def position_curves(records) -> dict[str, list[dict]]:
+    """Per text scored (source and split), a curve per record with a loss by position: its name and
+    kind, and per bucket ``(start, end, range, perplexity)``; the block length and, for a record cut
+    at a softmax model's context, that context."""
+    panels: dict[str, list[dict]] = {}
+    for path, record in records:
+        pos = record.get("perplexity_by_position")
+        if not pos:
+            continue
+        points = [(b["start"], b["end"], b["range"], b["perplexity"]) for b in pos["buckets"]
+                  if b.get("perplexity") is not None]
+        if not points:
+            continue
+        panels.setdefault(_position_text(pos), []).append({
+            "name": record["model"].get("name") or path.stem, "kind": record["model"].get("kind", "?"),
+            "block_len": pos["block_len"], "points": points,
+            "context": pos.get("context") if pos.get("left_out") else None})
+    for curves in panels.values():  # one model at two block lengths on a text: say which curve is which
+        names = [c["name"] for c in curves]
+        for c in curves:
+            c["label"] = c["name"] + (f" ({c['block_len']} tok)" if names.count(c["name"]) > 1 else "")
+    return panels
 
 
 def _settings_line(index: int, path: Path, record: dict) -> str:
@@ -377,6 +422,12 @@ def figures(records, runs, out_dir: Path, attention_maps: bool = False) -> list[
     if attention_maps:
         made += _attention_maps(records, out_dir)
     made += _recall_maps(records, out_dir)
+    curves = position_curves(records)
+    if curves:
+        from .plots import position_plot
+
+        made.insert(0, ("perplexity against position in the block (log scales), each model beside the teacher, a "
+                        "panel per text", position_plot(curves, out_dir / "position.png")))
     points = dial_points(records)
     if points:
         from .plots import dial_plot

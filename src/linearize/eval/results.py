@@ -94,7 +94,8 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
              source=None, block_len: int = 1024, max_blocks: int | None = None, batch_size: int = 4,
              max_length: int | None = None, seed: int = 1234, bootstrap_iters: int = 1000,
              name: str | None = None, model_source: str | None = None, progress: bool = True,
-             split: str | None = None, by_position: bool = False, lengths=None, depths=None, pairs=None) -> dict:
+             split: str | None = None, by_position: bool = False, lengths=None, depths=None, pairs=None,
+             position_len: int | None = None) -> dict:
     """Evaluate ``model``: perplexity on ``source`` (unless ``with_perplexity=False``), lm-eval ``tasks``
     and recall tasks.
 
@@ -102,9 +103,11 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
     recall tasks; see ``linearize.eval.tasks``); ``limit``: documents per zero-shot task (per subject
     for MMLU) and trials per recall cell; ``block_len`` / ``max_blocks``: the perplexity blocks;
     ``split``: which part of ``source`` to score (default: the validation books of the default
-    corpus, all of a user's text); ``by_position``: also the loss by position in long blocks;
-    ``lengths`` / ``depths`` / ``pairs``: the recall grids; ``batch_size``: blocks, lm-eval requests
-    or recall prompts per forward pass. Returns the JSON-ready record (``save_results`` writes it).
+    corpus, all of a user's text); ``by_position``: also the loss by position in long blocks, of
+    ``position_len`` tokens (default 8,192; a softmax model's stop at its context, a student's run
+    to any length: ``perplexity.perplexity_by_position``); ``lengths`` / ``depths`` / ``pairs``: the
+    recall grids; ``batch_size``: blocks, lm-eval requests or recall prompts per forward pass.
+    Returns the JSON-ready record (``save_results`` writes it).
     """
     from . import tasks as suite
     from .perplexity import default_split, perplexity_by_position, text_perplexity
@@ -116,6 +119,9 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
         raise LinearizeError("nothing to evaluate: give tasks (e.g. 'all' or 'recall') or keep perplexity on")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise LinearizeError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if position_len is not None and (isinstance(position_len, bool) or not isinstance(position_len, int)
+                                     or position_len < 2):
+        raise LinearizeError(f"position_len must be a whole number of tokens, at least 2, got {position_len!r}")
     if recall_names:
         from .recall import trials_per_cell
 
@@ -132,7 +138,7 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
         "settings": {
             "tasks": names, "limit": limit, "batch_size": batch_size, "max_length": max_length, "seed": seed,
             "bootstrap_iters": bootstrap_iters, "perplexity": text if with_perplexity else None,
-            "by_position": by_position,
+            "by_position": by_position, "position_len": position_len if by_position else None,
         },
         "perplexity": None,
         "tasks": {},
@@ -143,7 +149,8 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
                                                batch_size=batch_size, progress=progress, split=split)
     if by_position:
         record["perplexity_by_position"] = perplexity_by_position(
-            model, tokenizer, source, max_blocks=max_blocks, batch_size=1, progress=progress, split=split)
+            model, tokenizer, source, block_len=position_len, max_blocks=max_blocks, batch_size=1, progress=progress,
+            split=split)
     if names:
         from .harness import LinearizeLM, run_tasks
 

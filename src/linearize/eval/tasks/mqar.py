@@ -14,6 +14,11 @@ model's greedy choice (argmax over the vocabulary) is the true token at every to
 given the prompt up to there, which is exactly what greedy decoding would write. Each query
 counts under its ``N`` and its distance: the tokens from the number's first token in the list to
 the same token in the query.
+
+Up to ``SHORT_PAIRS`` (900) pairs the numbers have three digits and the names two words (a few
+thousand tokens); beyond, for prompts to 32k tokens and more (N = 3,000 is about 30k tokens with
+SmolLM2's tokenizer), the numbers have four digits and names a third word as well (``SIZES``), up
+to ``MAX_PAIRS``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ NAME = "mqar"
 TITLE = "Multi-query associative recall"
 DEFAULT_PAIRS = (8, 32, 128, 512)
 MAX_QUERIES = 64  # keys asked per prompt (all of them when N is smaller)
-DISTANCE_EDGES = (0, 256, 1024, 4096, 8192)
+DISTANCE_EDGES = (0, 256, 1024, 4096, 8192, 16384, 32768)  # the last bucket is open
+DEFAULT_BUCKETS = 4  # distance columns always recorded (to 8k); the later ones where a query falls in them
 
 HEAD = "Each name below has a number. Remember them.\n"
 MIDDLE = "Now the same names again, with their numbers:\n"
@@ -40,7 +46,17 @@ THINGS = ("lantern", "river", "castle", "horse", "garden", "window", "anchor", "
           "ribbon", "shovel", "teapot", "umbrella", "valley", "walnut", "yacht", "bucket", "cloak", "drum",
           "fox", "goat", "helmet", "kite", "lemon", "mask", "oven", "pebble", "rocket", "sail", "tent", "vase",
           "wheel")
-MAX_PAIRS = len(COLOURS) * len(THINGS)
+NAMES = len(COLOURS) * len(THINGS)  # two-word names
+SIZES = ("small", "big", "old", "new")  # a first word more, for N beyond NAMES
+SHORT_PAIRS = 900  # three-digit numbers, 100..999, up to here
+MAX_PAIRS = 9000  # four-digit numbers, 1000..9999, beyond
+
+
+def key_name(index: int) -> str:
+    """Name ``index``: ``colour thing`` below ``NAMES``, then ``size colour thing``."""
+    size, rest = divmod(index, NAMES)
+    name = f"{COLOURS[rest // len(THINGS)]} {THINGS[rest % len(THINGS)]}"
+    return name if size == 0 else f"{SIZES[size - 1]} {name}"
 
 
 @dataclass
@@ -62,8 +78,10 @@ def bucket(distance: int) -> int:
     return len(DISTANCE_EDGES) - 2
 
 
-def bucket_names() -> list[str]:
-    return [f"{_short(a)}-{_short(b)}" for a, b in zip(DISTANCE_EDGES, DISTANCE_EDGES[1:])]
+def bucket_names(n: int | None = None) -> list[str]:
+    """The names of the first ``n`` distance buckets (all of them by default)."""
+    names = [f"{_short(a)}-{_short(b)}" for a, b in zip(DISTANCE_EDGES, DISTANCE_EDGES[1:])]
+    return names if n is None else names[:n]
 
 
 def _short(n: int) -> str:
@@ -72,12 +90,15 @@ def _short(n: int) -> str:
 
 def make_prompt(tokenizer, pairs: int, index: int, seed: int) -> Prompt:
     """Prompt ``index`` with ``pairs`` keys: keys, numbers and the asked subset from its own seed.
-    Numbers are distinct, so each query's answer occurs exactly once before it."""
+    Numbers are distinct, so each query's answer occurs exactly once before it. Up to
+    ``SHORT_PAIRS`` the prompts are as they always were (two-word names, three-digit numbers)."""
     if not 1 <= pairs <= MAX_PAIRS:
         raise ValueError(f"pairs must be between 1 and {MAX_PAIRS}")
     rng = trial_rng(NAME, seed, pairs, 0, index)
-    keys = [f"{COLOURS[i // len(THINGS)]} {THINGS[i % len(THINGS)]}" for i in rng.sample(range(MAX_PAIRS), pairs)]
-    values = [str(v) for v in rng.sample(range(100, 1000), pairs)]
+    pool = NAMES if pairs <= NAMES else NAMES * (len(SIZES) + 1)
+    keys = [key_name(i) for i in rng.sample(range(pool), pairs)]
+    numbers = range(100, 1000) if pairs <= SHORT_PAIRS else range(1000, 10000)
+    values = [str(v) for v in rng.sample(numbers, pairs)]
     asked = rng.sample(range(pairs), min(pairs, MAX_QUERIES))
     text, spans = HEAD, {}
     for i, (key, value) in enumerate(zip(keys, values)):

@@ -64,13 +64,18 @@ def count_tokens(tokenizer, text: str) -> int:
     return len(tokenizer(text).input_ids)
 
 
-def prompt_budget(lengths, max_positions: int | None, reserve: int) -> list[tuple[int, int]]:
+def prompt_budget(lengths, max_positions: int | None, reserve: int,
+                  past_context: bool = False) -> list[tuple[int, int]]:
     """``(nominal, target)`` token lengths of the grid's rows: lengths beyond the model's context
-    are dropped, and a length whose prompt plus ``reserve`` new tokens would not fit is shortened
-    to ``max_positions - reserve`` (so 8192 stays in the grid of an 8192-token model)."""
+    are dropped (kept whole with ``past_context``: a converted student, whose linear state runs any
+    length), and a length within it whose prompt plus ``reserve`` new tokens would not fit is
+    shortened to ``max_positions - reserve`` (so 8192 stays in the grid of an 8192-token model, and
+    a student's 8192 row is its teacher's)."""
     rows = []
     for length in lengths:
         if max_positions is not None and length > max_positions:
+            if past_context:
+                rows.append((int(length), int(length)))
             continue
         target = length if max_positions is None else min(length, max_positions - reserve)
         if target < 16:
