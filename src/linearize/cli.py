@@ -129,7 +129,8 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
         hybrid = recipe.pop("hybrid")
         if hybrid and not recipe.get("keep_softmax"):
             recipe["keep_softmax"] = hybrid
-    budget = args.budget or recipe.pop("budget", None)
+    file_budget = recipe.pop("budget", None)  # the flag wins over the file's
+    budget = args.budget or file_budget
     spec = {**spec_base, **(recipe.pop("spec", None) or {})}
     spec.update({k: recipe.pop(k) for k in SPEC_FLAGS if k in recipe and k != "keep_softmax"})
     spec.update({k: getattr(args, k) for k in SPEC_FLAGS

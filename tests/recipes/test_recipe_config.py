@@ -64,6 +64,17 @@ def test_bad_recipe_files_fail_in_one_line_before_loading(content, message, tmp_
     assert err.startswith("linearize: error: ") and message in err and err.count("\n") == 1, err
 
 
+def test_a_budget_flag_overrides_the_files_budget(workspace, monkeypatch, tmp_path):
+    """A packaged recipe names its budget; --budget on the command line wins instead of failing."""
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({**_tiny(workspace, tmp_path / "a"), "budget": "gpu", "stage2_steps": 1,
+                                      "stages": ["stage2"]}))
+    assert main(["lolcats", "--config", str(recipe), "--budget", "cpu", "--device", "cpu"]) == 0
+    result = json.loads((tmp_path / "a" / "results.json").read_text())
+    assert result["config"]["block_len"] == 32 and result["stage2"]["steps"] == 1
+
+
 def test_a_missing_recipe_names_the_packaged_ones(tmp_path, capsys):
     assert main(["xatl", "--config", "no_such_recipe", "--teacher", str(tmp_path / "absent")]) == 2
     err = capsys.readouterr().err
