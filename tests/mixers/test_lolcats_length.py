@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import linearize
-from helpers import decode_incrementally
+from helpers import decode_incrementally, run_triton_interpreter_script
 from linearize.cache import LinearizeCache
 from linearize.convert import mixers
 from linearize.fast import fast_generate
@@ -110,3 +110,10 @@ def test_a_fading_state_stays_bounded_to_32k_tokens(tiny_model):
     plain = _state_norms(_student(tiny_model, {}, dtype=torch.float32, window=16), ids, lengths)
     assert max(gated) < 1.1 * min(gated), gated
     assert plain[-1] > 4 * plain[0], plain
+
+
+def test_fused_decode_step_takes_the_options():
+    """The one-launch decode step with gates and features before RoPE, on the CPU by Triton's interpreter:
+    the fast decoder's tokens equal those of its PyTorch ring step (every option on Llama; soft-capping,
+    partial RoPE and a layer without RoPE with both), left padding included."""
+    run_triton_interpreter_script("triton_interpret_hybrid_fused.py", "length")

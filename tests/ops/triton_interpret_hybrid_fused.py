@@ -2,7 +2,9 @@
 fused LoLCATs decode step (RoPE, Hedgehog maps, window, linear state, bookkeeping in one kernel).
 
 ``kernel``: against the PyTorch ring step after RoPE and the feature maps, token after token.
-``decoder``: the fast decoder with the fused step against the fast decoder without it."""
+``decoder``: the fast decoder with the fused step against the fast decoder without it.
+``length``: the same for the length options (gated linear state, features before RoPE), whose step
+without the fused kernel is the PyTorch ring step."""
 
 import os
 import sys
@@ -109,7 +111,45 @@ def check_decoder():
         calls.clear()
 
 
-if sys.argv[1:] == ["kernel"]:
+def check_length_options():
+    from transformers import AutoModelForCausalLM
+
+    import linearize
+    from helpers import tiny_config
+    from linearize.convert import mixers
+    from linearize.fast import FastDecoder
+    from linearize.mixers.lolcats import LolcatsAttention
+
+    calls, on_cuda = [], LolcatsAttention.fused_decoding
+    fused_step = hybrid_step_triton.hybrid_step_fused_triton
+    hybrid_step_triton.hybrid_step_fused_triton = lambda *a, **kw: calls.append(1) or fused_step(*a, **kw)
+    ids = torch.randint(2, 97, (2, 11), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :7] = 0  # left padding: empty slots in the ring
+    options = ({"decay": "gated"}, {"feature_rope": False}, {"feature_rope": False, "decay": "gated"},
+               {"decay": "span"})
+    both = options[2]  # every option on llama; both on soft-capping, partial RoPE and a layer without RoPE
+    for family, option in [("llama", o) for o in options] + [(f, both) for f in ("gemma2", "gpt_neox", "smollm3")]:
+        torch.manual_seed(0)
+        teacher = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
+        model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8, "decay_horizon": 6,
+                                            **option})
+        gen = torch.Generator().manual_seed(1)
+        for m in mixers(model).values():  # gates that differ per token and head
+            if hasattr(m, "gate_proj"):
+                m.gate_proj.weight.copy_(torch.randn(m.gate_proj.weight.shape, generator=gen))
+        model.generation_config.eos_token_id = None
+        plain = FastDecoder(model).generate(ids, mask, max_new_tokens=9)
+        LolcatsAttention.fused_decoding = lambda self: True  # as on CUDA
+        fused = FastDecoder(model).generate(ids, mask, max_new_tokens=9)
+        LolcatsAttention.fused_decoding = on_cuda
+        assert calls and torch.equal(fused, plain), (family, option, fused, plain)
+        calls.clear()
+
+
+if sys.argv[1:] == ["length"]:
+    check_length_options()
+elif sys.argv[1:] == ["kernel"]:
     check_kernel(2, 4, 2, 8, 6, window=4, t=6, n=11, softcap=None, rot=8, splits=1, seed=0)  # GQA, wraps twice
     check_kernel(2, 3, 1, 16, 8, window=4, t=3, n=10, softcap=20.0, rot=8, splits=2, seed=1)  # MQA, partial RoPE
     check_kernel(2, 4, 2, 12, 5, window=5, t=9, n=8, softcap=None, rot=12, splits=2, seed=2)  # odd sizes

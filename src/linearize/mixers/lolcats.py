@@ -242,7 +242,7 @@ class LolcatsAttention(LinearAttention):
         no sparse cache or one of the first tokens (attention sinks; once it is full it stays as it is)."""
         g = self.geometry
         sparse = self.spec.sparse_cache and self.spec.sparse_priority != "first"
-        return (not sparse and not self.gated and self.spec.feature_rope and self.window_logit.is_cuda and triton_available()
+        return (not sparse and self.spec.norm != "separate" and self.window_logit.is_cuda and triton_available()
                 and type(self.feature_map_q) is Hedgehog
                 and type(self.feature_map_k) is Hedgehog and rotates_half(g.rotary, g.head_dim))
 
@@ -259,11 +259,13 @@ class LolcatsAttention(LinearAttention):
                                                       self._value_splits(state.keys.shape[0]))
             return ops.RingSparseState.from_state(state, self.spec.window)
         # without RoPE in the features, a stored (rotated) key cannot give its features back: keep them
-        keep_key_features = keep_key_features or not self.spec.feature_rope
-        ring = ops.RingHybridState.from_state(state, self.spec.window, keep_key_features=keep_key_features, copy=False)
-        if keep_key_features or not self.fused_decoding():
+        nope = not self.spec.feature_rope
+        ring = ops.RingHybridState.from_state(state, self.spec.window, keep_key_features=keep_key_features or nope,
+                                              copy=False)
+        if (keep_key_features and not nope) or not self.fused_decoding():
             return ring
-        return ops.FusedRingState.from_ring(ring, self.feature_map_k, g.n_heads, self._value_splits(ring.keys.shape[0]))
+        return ops.FusedRingState.from_ring(ring, self.feature_map_k, g.n_heads, self._value_splits(ring.keys.shape[0]),
+                                            gated=self.spec.decay not in (None, "none"))
 
     def _value_splits(self, batch: int) -> int:
         """Parts of each head's value columns for the fused step's programs at this batch."""
@@ -290,7 +292,9 @@ class LolcatsAttention(LinearAttention):
             g = self.geometry
             y = hybrid_step_fused_triton(q, k, v, position_embeddings if g.rotary is not None else None,
                                          self.feature_map_q.weight, self.feature_map_k.weight, self.window_logit,
-                                         state, scale=g.scaling, softcap=g.softcap, anchor=self.spec.sparse_anchor)
+                                         state, scale=g.scaling, softcap=g.softcap, anchor=self.spec.sparse_anchor,
+                                         log_gate=self.log_gate(q.shape[0], 1, q.device),
+                                         feature_rope=self.spec.feature_rope)
             return y, state
         if self.gated or not self.spec.feature_rope:
             return self._faded_step(q, k, v, position_embeddings, state)
@@ -343,12 +347,15 @@ class LolcatsAttention(LinearAttention):
 
     def fast_state_bytes(self, dtype):
         fused = self.fused_decoding()
-        if not self.spec.feature_rope:  # the ring keeps its key features
-            return self.state_bytes(dtype)
         if self.spec.sparse_cache and not fused:  # the ring keeps its key features (the cache's priorities need them)
             return self.state_bytes(dtype)
-        # the fast path recomputes key features on eviction; its fused kernel keeps two linear states
-        total = self.state_bytes(dtype, key_features=False, linear_states=2 if fused else 1, sparse=False)
+        # the fast path recomputes key features on eviction (but of keys before RoPE, which the ring keeps);
+        # its fused kernel keeps two linear states, and with gates the evicted token's features and values apart
+        g = self.geometry
+        total = self.state_bytes(dtype, key_features=not self.spec.feature_rope, linear_states=2 if fused else 1,
+                                 sparse=False)
+        if fused and self.spec.decay not in (None, "none"):
+            total += g.n_kv_heads * 2 * (self.feature_map_k.out_dim + g.head_dim) * 4
         if self.spec.sparse_cache:  # the first tokens, all cached (FusedSinkState): keys, values, flags
             elem = torch.tensor([], dtype=dtype).element_size()
             total += self.geometry.n_kv_heads * self.spec.sparse_cache * (2 * self.geometry.head_dim * elem + 1)

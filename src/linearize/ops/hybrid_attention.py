@@ -436,7 +436,7 @@ def _leaving(state: RingHybridState, key_feature_map=None) -> torch.Tensor:
 
 @dataclass
 class FusedRingState(HybridState):
-    """A ``RingHybridState`` without key features, laid out for the fused Triton decode step
+    """A ``RingHybridState`` laid out for the fused Triton decode step
     (``ops.hybrid_step_triton.hybrid_step_fused_triton``). That kernel's programs run at once, so
     none may write what another reads:
 
@@ -445,6 +445,13 @@ class FusedRingState(HybridState):
       (slot ``t % w``, which is therefore never read); the step writes buffer ``(t + 1) % 2``, the
       same plus the token the next step evicts. Between steps, buffer ``(t + 1) % 2`` is the ring's
       linear state.
+    * With gates (``evict_features`` ``[B, Hk, 2, F]`` and ``evict_values`` ``[B, Hk, 2, D]`` set) the
+      evicted token cannot be added ahead, since this step's gate fades the state before it: buffer
+      ``t % 2`` holds the state after token ``t - 1`` and the evict buffers at ``t % 2`` the token this
+      step evicts, both read at tick ``t``; the step writes ``g_t S + e`` and the next evicted token
+      at ``(t + 1) % 2``. Between steps, buffer ``t % 2`` is the ring's linear state.
+    * ``key_features`` is empty (the kernel recomputes a key's features from its rotated key) or,
+      for features of the keys before RoPE (``feature_rope: false``), the window's ``[B, Hk, w, F]``.
     * ``ticks`` ``[B, H, S]`` int32: steps taken modulo ``2 w``, one copy per program (sequence,
       query head, part of the value columns), each advanced by its own program.
     * ``keys``, ``values``, ``valid`` and ``slot`` are kept as ``RingHybridState`` keeps them.
@@ -452,29 +459,47 @@ class FusedRingState(HybridState):
 
     slot: torch.Tensor | None = None
     ticks: torch.Tensor | None = None
+    evict_features: torch.Tensor | None = None
+    evict_values: torch.Tensor | None = None
+
+    @property
+    def gated(self) -> bool:
+        return self.evict_features is not None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (*super().tensors(), self.slot, self.ticks)
+        gates = (self.evict_features, self.evict_values) if self.gated else ()
+        return (*super().tensors(), self.slot, self.ticks, *gates)
 
     def map(self, fn) -> "FusedRingState":
-        return FusedRingState(*(fn(x) for x in super().tensors()), slot=self.slot.clone(), ticks=fn(self.ticks))
+        gates = dict(evict_features=fn(self.evict_features), evict_values=fn(self.evict_values)) if self.gated else {}
+        return FusedRingState(*(fn(x) for x in super().tensors()), slot=self.slot.clone(), ticks=fn(self.ticks),
+                              **gates)
 
     @classmethod
-    def from_ring(cls, ring: RingHybridState, key_feature_map, n_heads: int, splits: int = 1) -> "FusedRingState":
-        """``ring`` (which keeps no key features; its buffers are taken over) for a kernel with
-        ``n_heads`` query heads and the value columns in ``splits`` parts."""
-        if ring.key_features.shape[2] > 0:
-            raise ValueError("the fused decode step recomputes key features: the ring must keep none")
+    def from_ring(cls, ring: RingHybridState, key_feature_map, n_heads: int, splits: int = 1,
+                  gated: bool = False) -> "FusedRingState":
+        """``ring`` (its buffers are taken over; its key features kept where it has them) for a kernel
+        with ``n_heads`` query heads and the value columns in ``splits`` parts; ``gated``: laid out for
+        a gated linear state."""
         t = int(ring.slot)
+        ticks = torch.full((ring.keys.shape[0], n_heads, splits), t, dtype=torch.int32, device=ring.keys.device)
+        if gated:
+            leaving = _leaving(ring, key_feature_map)[:, :, 0]  # [B, Hk, F, D + 1]: phi(k) [v, 1] of slot t
+            feats = leaving[..., -1]  # phi(k) (the normaliser's column)
+            idx = ring.slot.view(1)
+            values = ring.values.index_select(2, idx)[:, :, 0].to(feats.dtype)  # zeros in an empty slot
+            both = lambda x: torch.stack((x, torch.zeros_like(x)) if t % 2 == 0 else (torch.zeros_like(x), x), 2)  # noqa: E731
+            linear = torch.cat((ring.linear, ring.linear.clone()), dim=2)
+            return cls(ring.keys, ring.key_features, ring.values, linear, ring.valid, slot=ring.slot, ticks=ticks,
+                       evict_features=both(feats).contiguous(), evict_values=both(values).contiguous())
         ahead = ring.linear + _leaving(ring, key_feature_map)
         linear = torch.cat((ahead, ring.linear) if t % 2 == 0 else (ring.linear, ahead), dim=2)
-        ticks = torch.full((ring.keys.shape[0], n_heads, splits), t, dtype=torch.int32, device=ring.keys.device)
         return cls(ring.keys, ring.key_features, ring.values, linear, ring.valid, slot=ring.slot, ticks=ticks)
 
     def ring(self) -> RingHybridState:
         """The ``RingHybridState`` this holds (sharing the window's buffers; reads a tick on the host)."""
         t = int(self.ticks.view(-1)[0])
-        linear = self.linear.narrow(2, (t + 1) % 2, 1)
+        linear = self.linear.narrow(2, t % 2 if self.gated else (t + 1) % 2, 1)
         return RingHybridState(self.keys, self.key_features, self.values, linear, self.valid, slot=self.slot)
 
 

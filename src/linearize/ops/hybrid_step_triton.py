@@ -121,11 +121,12 @@ def _hedgehog(x, w_ptr, d, f, D, FH):
 @triton.jit
 def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, logit_ptr,
                        keys_ptr, values_ptr, valid_ptr, lin_ptr, slot_ptr, ticks_ptr, y_ptr,
-                       sinkk_ptr, sinkv_ptr, sinkm_ptr,
+                       sinkk_ptr, sinkv_ptr, sinkm_ptr, lg_ptr, ek_ptr, ev_ptr, kf_ptr,
                        sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, swq, swk,
                        scale, softcap, H, HK, W, D, FH, R, NS, S,
                        HAS_SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-                       BF: tl.constexpr, BS: tl.constexpr, WINDOW_ANCHOR: tl.constexpr):
+                       BF: tl.constexpr, BS: tl.constexpr, WINDOW_ANCHOR: tl.constexpr, GATED: tl.constexpr,
+                       NOPE: tl.constexpr):
     bi = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -143,7 +144,11 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     old = (w < W) & (w != s)  # slot s is never read: its owner overwrites it during the launch
 
     q = _rope(q_ptr + bi * sq_b + h * sq_h, sq_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d, D, R)
-    q_pos, q_neg = _hedgehog(q, wq_ptr + h * swq, d, f, D, FH)
+    if NOPE:  # the features of the query before RoPE
+        q_raw = tl.load(q_ptr + bi * sq_b + h * sq_h + d * sq_d, mask=dm, other=0.0).to(tl.float32)
+        q_pos, q_neg = _hedgehog(q_raw, wq_ptr + h * swq, d, f, D, FH)
+    else:
+        q_pos, q_neg = _hedgehog(q, wq_ptr + h * swq, d, f, D, FH)
 
     # the window after this step: slot s holds the new token (rounded as the ring stores it)
     ring = (bi * HK + hk) * W * D
@@ -189,6 +194,17 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     lin_num = tl.sum(q_pos[:, None] * s_pos, axis=0) + tl.sum(q_neg[:, None] * s_neg, axis=0)
     lin_pos = tl.sum(q_pos * n_pos, axis=0)
     lin_neg = tl.sum(q_neg * n_neg, axis=0)
+    if GATED:  # the state after the previous token, faded by this token's gate, plus the token this step evicts
+        gate = tl.exp(tl.load(lg_ptr + bi * HK + hk).to(tl.float32))
+        evict = ((bi * HK + hk) * 2 + p)
+        e_pos = tl.load(ek_ptr + evict * 2 * FH + f, mask=fm, other=0.0)
+        e_neg = tl.load(ek_ptr + evict * 2 * FH + FH + f, mask=fm, other=0.0)
+        e_v = tl.load(ev_ptr + evict * D + dv, mask=dvm, other=0.0)
+        qe_pos = tl.sum(q_pos * e_pos, axis=0)
+        qe_neg = tl.sum(q_neg * e_neg, axis=0)
+        lin_num = gate * lin_num + (qe_pos + qe_neg) * e_v
+        lin_pos = gate * lin_pos + qe_pos
+        lin_neg = gate * lin_neg + qe_neg
     num = tl.sum(a[:, None] * values, axis=0)
     den = tl.sum(a, axis=0)
     if BS > 0:
@@ -218,15 +234,40 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
         v_old = tl.load(values_ptr + ring + s1 * D + dv, mask=tl.where(kept, dvm, False), other=0.0).to(tl.float32)
         v_old = tl.where(kept, v_old, v_new.to(tl.float32))
         real = tl.load(valid_ptr + bi * W + s1, mask=kept, other=1).to(tl.float32)  # empty slots hold no key
-        k_pos, k_neg = _hedgehog(k_old, wk_ptr + hk * swk, d, f, D, FH)
-        k_pos, k_neg = k_pos * real, k_neg * real
-        tl.store(nxt + rows, s_pos + k_pos[:, None] * v_old[None, :], mask=lm)
-        tl.store(nxt + FH * width + rows, s_neg + k_neg[:, None] * v_old[None, :], mask=lm)
         first = c == 0
-        # a vector mask and a scalar condition meet through tl.where: Triton 3.9's interpreter
-        # turns `vector & scalar` into int32 and refuses it as a mask
-        tl.store(nxt + f * width + D, n_pos + k_pos, mask=tl.where(first, fm, False))
-        tl.store(nxt + (FH + f) * width + D, n_neg + k_neg, mask=tl.where(first, fm, False))
+        if NOPE:  # the features of the keys before RoPE: the window keeps them; the new key's are computed
+            k_raw = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0).to(tl.float32)
+            new_pos, new_neg = _hedgehog(k_raw.to(keys_ptr.dtype.element_ty).to(tl.float32), wk_ptr + hk * swk, d,
+                                         f, D, FH)
+            new_pos = new_pos.to(kf_ptr.dtype.element_ty)
+            new_neg = new_neg.to(kf_ptr.dtype.element_ty)
+            feats = kf_ptr + (bi * HK + hk) * W * 2 * FH
+            k_pos = tl.load(feats + s1 * 2 * FH + f, mask=tl.where(kept, fm, False), other=0.0)
+            k_neg = tl.load(feats + s1 * 2 * FH + FH + f, mask=tl.where(kept, fm, False), other=0.0)
+            k_pos = tl.where(kept, k_pos.to(tl.float32), new_pos.to(tl.float32))
+            k_neg = tl.where(kept, k_neg.to(tl.float32), new_neg.to(tl.float32))
+            tl.store(feats + s * 2 * FH + f, new_pos, mask=tl.where(first, fm, False))
+            tl.store(feats + s * 2 * FH + FH + f, new_neg, mask=tl.where(first, fm, False))
+        else:
+            k_pos, k_neg = _hedgehog(k_old, wk_ptr + hk * swk, d, f, D, FH)
+        k_pos, k_neg = k_pos * real, k_neg * real
+        if GATED:
+            # the state after this token, and (apart) the token the next step evicts
+            tl.store(nxt + rows, gate * s_pos + e_pos[:, None] * e_v[None, :], mask=lm)
+            tl.store(nxt + FH * width + rows, gate * s_neg + e_neg[:, None] * e_v[None, :], mask=lm)
+            tl.store(nxt + f * width + D, gate * n_pos + e_pos, mask=tl.where(first, fm, False))
+            tl.store(nxt + (FH + f) * width + D, gate * n_neg + e_neg, mask=tl.where(first, fm, False))
+            ahead = ((bi * HK + hk) * 2 + 1 - p)
+            tl.store(ek_ptr + ahead * 2 * FH + f, k_pos, mask=tl.where(first, fm, False))
+            tl.store(ek_ptr + ahead * 2 * FH + FH + f, k_neg, mask=tl.where(first, fm, False))
+            tl.store(ev_ptr + ahead * D + dv, v_old, mask=dvm)
+        else:
+            tl.store(nxt + rows, s_pos + k_pos[:, None] * v_old[None, :], mask=lm)
+            tl.store(nxt + FH * width + rows, s_neg + k_neg[:, None] * v_old[None, :], mask=lm)
+            # a vector mask and a scalar condition meet through tl.where: Triton 3.9's interpreter
+            # turns `vector & scalar` into int32 and refuses it as a mask
+            tl.store(nxt + f * width + D, n_pos + k_pos, mask=tl.where(first, fm, False))
+            tl.store(nxt + (FH + f) * width + D, n_neg + k_neg, mask=tl.where(first, fm, False))
         tl.store(values_ptr + ring + s * D + dv, v_new, mask=dvm)
         tl.store(keys_ptr + ring + s * D + d, k_new, mask=tl.where(first, dm, False))
         tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=first & (h == 0))
@@ -251,7 +292,7 @@ def value_splits(batch: int, n_heads: int, head_dim: int, programs: int | None =
 
 
 def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit, state, *, scale: float,
-                             softcap=None, anchor: str = "joint"):
+                             softcap=None, anchor: str = "joint", log_gate=None, feature_rope: bool = True):
     """The LoLCATs decode step with Hedgehog maps on a ``FusedRingState``, in one launch, in place.
 
     ``q`` ``[B, H, 1, D]`` and ``k``/``v`` ``[B, Hk, 1, D]`` before RoPE (any strides);
@@ -260,8 +301,10 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
     ``[Hk, D, F/2]`` the Hedgehog weights (a leading 1: shared by all heads); ``window_logit``
     ``[H]`` (gamma = sigmoid of it). A ``FusedSinkState`` adds its fixed cache to the window's
     softmax, one maximum over both; ``anchor`` as ``sparse_hybrid_attention``'s (``"window"``: the
-    linear terms scaled by exp(window max - joint max)). Returns ``y`` ``[B, H, 1, D]``, a view of
-    ``[B, 1, H, D]`` memory (what o_proj reads)."""
+    linear terms scaled by exp(window max - joint max)). ``log_gate`` ``[B, Hk, 1]``: this token's gates
+    of the linear state (the state must be laid out for them, ``FusedRingState.from_ring(gated=True)``);
+    ``feature_rope=False``: the features of q and k before RoPE, the window's kept in ``state.key_features``.
+    Returns ``y`` ``[B, H, 1, D]``, a view of ``[B, 1, H, D]`` memory (what o_proj reads)."""
     b, h, _, d = q.shape
     hk, w, fh, splits = k.shape[1], state.keys.shape[2], wq.shape[-1], state.ticks.shape[-1]
     if state.linear.shape[-2:] != (2 * fh, d + 1) or state.ticks.shape[:2] != (b, h):
@@ -286,13 +329,22 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
         raise ValueError(f"anchor must be 'joint' or 'window', got {anchor!r}")
     n_sinks = state.sink_keys.shape[2] if sinks else 0
     sink_k, sink_v, sink_m = (state.sink_keys, state.sink_values, state.sink_valid) if sinks else (q, q, state.valid)
+    gated = getattr(state, "gated", False)
+    if gated != (log_gate is not None):
+        raise ValueError("a gated decode step needs a state laid out for gates and the token's log gates, "
+                         "and an ungated one neither")
+    if not feature_rope and state.key_features.shape[2] != w:
+        raise ValueError("features before RoPE need the window's key features in the state")
+    lg = log_gate.reshape(b, hk).float().contiguous() if gated else q
+    ek, ev = (state.evict_features, state.evict_values) if gated else (q, q)
     _hybrid_fused_step[(b, h, splits)](
         q, k, v, cos, sin, wq, wk, window_logit, state.keys, state.values, state.valid, state.linear, state.slot,
-        state.ticks, y, sink_k, sink_v, sink_m, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1),
+        state.ticks, y, sink_k, sink_v, sink_m, lg, ek, ev, q if feature_rope else state.key_features, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1),
         k.stride(3), v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, wq.stride(0) if wq.shape[0] > 1 else 0,
         wk.stride(0) if wk.shape[0] > 1 else 0, float(scale), float(softcap or 1.0), h, hk, w, d, fh, rot, splits,
         max(n_sinks, 1), HAS_SOFTCAP=softcap is not None, BW=bw, BD=bd,
         BDV=triton.next_power_of_2(triton.cdiv(d, splits)), BF=triton.next_power_of_2(fh),
         BS=triton.next_power_of_2(n_sinks) if n_sinks else 0, WINDOW_ANCHOR=sinks and anchor == "window",
+        GATED=gated, NOPE=not feature_rope,
         num_warps=STEP_WARPS or min(16, max(2, bw * bd // 2048)))
     return y.transpose(1, 2)
