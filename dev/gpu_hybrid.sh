@@ -133,9 +133,11 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
           --teacher-paths static --batch-sizes 1 64 256 --new-tokens 256 --prompt-len 1024 \
           --out "$S/decode_$(basename "$ck").json" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:"
       done ;;
-    length-speed)  # issue #46: decode (the default fast path, 1k prompts, batch 1/64/256) and prefill (1x32k, 32x1k) of
-      # untrained students with the length options (LENGTH_SPECS: name=flags ...), each beside the teacher's fastest path
-      for pair in ${LENGTH_SPECS:-plain= nope=--feature-rope:off span=--decay:span nopespan=--feature-rope:off,--decay:span}; do
+    length-speed)  # issue #46: the fused step's CUDA test with the length options, then decode (the default fast path,
+      # 1k prompts, batch 1/64/256) and prefill (1x32k, 32x1k) of untrained students with the length options
+      # (LENGTH_SPECS: name=flags,... with ':' for spaces), each beside the teacher's fastest path
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_length.py 2>&1 | tail -3
+      for pair in ${LENGTH_SPECS:-plain= nopegated=--feature-rope:off,--decay:gated}; do
         name=${pair%%=*}; flags=$(echo "${pair#*=}" | tr ',:' '  ')
         ck=$C-$name; [ -d "$ck" ] || python3 -m linearize convert --teacher "$T" --kind lolcats $flags --out "$ck" \
           --dtype bfloat16 2>&1 | tail -1
