@@ -48,7 +48,9 @@ class Spec:
         per key head) or ``gated`` (the same start, then data-dependent: ``g_t = exp(-softplus(x_t W +
         b))`` from the layer's input, GLA / Mamba-2 style, ``W`` zero at start).
     decay_horizon: lolcats with a decay: the longest starting horizon ``1 / (1 - g)`` in tokens
-        (default: 16 x window).
+        (default: 16 x window); supra, linear, retnet: a cap on every head's fixed decay horizon (default:
+        none), e.g. the training length, so that no head carries keys over distances training never
+        showed it.
     feature_rope: lolcats: the feature maps read the rotated q/k (LoLCATs; the default) or, off, the
         q/k before RoPE, so the linear terms do not depend on absolute positions (which past the
         training length the maps have never seen); the window's softmax keeps RoPE either way.

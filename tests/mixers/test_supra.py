@@ -112,3 +112,22 @@ def test_features_equal_the_kernel_and_rope_applied_apart(tiny_model, family):
         for got, want in zip(torch.autograd.grad((ours * w).sum(), params, retain_graph=True),
                              torch.autograd.grad((ref * w).sum(), params, retain_graph=True)):
             assert torch.allclose(got, want, atol=1e-12, rtol=0)
+
+
+def test_a_decay_horizon_caps_every_heads_decay(tiny_model):
+    """``decay_horizon`` N: no head's fixed decay keeps keys longer than N tokens (1 / -log g <= N); the heads
+    already shorter keep theirs; the model changes and decodes as its parallel form."""
+    import linearize
+    from helpers import decode_incrementally
+    from linearize.convert import mixers
+
+    teacher = tiny_model("llama", dtype=torch.float64)
+    plain = linearize.convert(teacher, {"kind": "supra"})
+    capped = linearize.convert(teacher, {"kind": "supra", "decay_horizon": 40})
+    before = next(iter(mixers(plain).values())).log_decay
+    after = next(iter(mixers(capped).values())).log_decay
+    assert torch.all(after <= -1 / 40 + 1e-7) and torch.equal(after[0], before[0])  # 1 - 2^-5: a 32-token horizon
+    assert (after - before).abs().max() > 0
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
+    full = capped(ids, use_cache=False).logits
+    torch.testing.assert_close(decode_incrementally(capped, ids, 13), full, atol=1e-10, rtol=0)

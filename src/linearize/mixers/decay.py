@@ -30,11 +30,20 @@ def lightning_log_decay(n_heads: int, layer_idx: int, n_layers: int) -> torch.Te
     return -torch.tensor(alibi_slopes(n_heads), dtype=torch.float32) * depth
 
 
-def log_decay(kind: str, n_heads: int, layer_idx: int, n_layers: int) -> torch.Tensor | None:
+def log_decay(kind: str, n_heads: int, layer_idx: int, n_layers: int,
+              horizon: int | None = None) -> torch.Tensor | None:
+    """The fixed decay ``kind`` per query head; ``horizon``: no head keeps a longer horizon ``1 / -log g``
+    than that many tokens (a decay of ``none`` becomes ``exp(-1 / horizon)`` on every head), so no head
+    holds its keys over distances training never showed it."""
     if kind == "none":
-        return None
-    if kind == "retnet":
-        return retnet_log_decay(n_heads)
-    if kind == "lightning":
-        return lightning_log_decay(n_heads, layer_idx, n_layers)
-    raise ValueError(f"unknown decay {kind!r}")
+        decay = None
+    elif kind == "retnet":
+        decay = retnet_log_decay(n_heads)
+    elif kind == "lightning":
+        decay = lightning_log_decay(n_heads, layer_idx, n_layers)
+    else:
+        raise ValueError(f"unknown decay {kind!r}")
+    if horizon is None:
+        return decay
+    cap = torch.full((n_heads,), -1.0 / horizon)
+    return cap if decay is None else torch.minimum(decay, cap)

@@ -27,7 +27,8 @@ class LinearAttention(Mixer):
         self.register_fixed_buffers()
 
     def fixed_buffers(self):
-        return {"log_decay": log_decay(self.spec.decay, self.geometry.n_heads, self.layer_idx, self.n_layers)}
+        return {"log_decay": log_decay(self.spec.decay, self.geometry.n_heads, self.layer_idx, self.n_layers,
+                                       horizon=self.spec.decay_horizon)}
 
     def features(self, q, k, position_embeddings):
         q, k = self.adapter.rope(self, q, k, position_embeddings)

@@ -104,7 +104,8 @@ class RetNetRetention(FreshMixer):
     def fixed_buffers(self):
         inv_freq = 1.0 / 10000 ** (torch.arange(0, self.key_dim, 2, dtype=torch.float64) / self.key_dim)
         inv_freq = inv_freq.repeat(2)  # theta_i for each of the d_k features: the two halves repeat
-        return {"log_decay": log_decay(self.spec.decay, self.n_heads, self.layer_idx, self.n_layers),
+        return {"log_decay": log_decay(self.spec.decay, self.n_heads, self.layer_idx, self.n_layers,
+                                    horizon=self.spec.decay_horizon),
                 "inv_freq": inv_freq.float()}
 
     def rotation(self, t: int, offset, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:

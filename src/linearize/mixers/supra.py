@@ -34,7 +34,8 @@ class SupraAttention(Mixer):
             self.group_norm = self.new_parameters_like(nn.GroupNorm(g.n_heads, g.n_heads * g.head_dim, eps=1e-5))
 
     def fixed_buffers(self):
-        return {"log_decay": log_decay(self.spec.decay, self.geometry.n_heads, self.layer_idx, self.n_layers)}
+        return {"log_decay": log_decay(self.spec.decay, self.geometry.n_heads, self.layer_idx, self.n_layers,
+                                       horizon=self.spec.decay_horizon)}
 
     def features(self, q, k, position_embeddings):
         """RoPE(phi(q)) * scaling and RoPE(phi(k)). Queries and keys go through the shared kernel (and
