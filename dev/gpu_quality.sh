@@ -184,20 +184,27 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
       --out $RUNS/dial/teacher.json 2>&1 | quiet | tail -4
     lin report $RUNS/dial --out $RUNS/dial/README.md --title "Memory against recall" && cp -r $RUNS/dial $OUT/ ;;
   length)  # issue #46: LoLCATs students that hold past their training length, STEPS per stage, rows LENGTH_ROWS
-           # (space-separated names below); each row: held-out books and corpus:sotu by position (8k blocks), the
+           # (space-separated names below; supra*: SUPRA, its decays capped by --decay-horizon); each row: held-out
+           # books and corpus:sotu by position (8k blocks), the
            # books to 32k (POSLEN flags), passkey to 8k (no sparse cache), then (TASKS=1) the zero-shot tasks
     declare -A ROW=([base]="" [span]="--decay span" [learned]="--decay learned" [gated]="--decay gated"
       [nope]="--feature-rope off" [nopespan]="--feature-rope off --decay span" [nopegated]="--feature-rope off --decay gated"
       [nopelearned]="--feature-rope off --decay learned" [separate]="--norm separate"
       [nopeseparate]="--feature-rope off --norm separate"
       [gated4k]="--decay gated --block-len 4096 --batch-size 2" [nopegated4k]="--feature-rope off --decay gated --block-len 4096 --batch-size 2"
-      [nopespan4k]="--feature-rope off --decay span --block-len 4096 --batch-size 2" [sinks4]="--sparse-cache 4 --sparse-priority first")
+      [nopespan4k]="--feature-rope off --decay span --block-len 4096 --batch-size 2" [sinks4]="--sparse-cache 4 --sparse-priority first"
+      [supra]="" [supra1k]="--decay-horizon 1024" [supra256]="--decay-horizon 256")
     mkdir -p $RUNS/length
     for name in ${LENGTH_ROWS:?rows}; do
       [ -n "${ROW[$name]+x}" ] || { echo "unknown length row $name"; continue; }
       ck=$RUNS/len-$name/final
-      lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-300} --stage2-steps ${STEPS:-300} ${ROW[$name]} \
-        --out $RUNS/len-$name 2>&1 | quiet | tail -9
+      if [[ $name == supra* ]]; then  # SUPRA rows: SUPRA_STEPS steps (default 1220: 10M tokens)
+        lin supra --teacher $T --budget gpu --steps ${SUPRA_STEPS:-1220} ${ROW[$name]} --out $RUNS/len-$name 2>&1 \
+          | quiet | tail -6
+      else
+        lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-300} --stage2-steps ${STEPS:-300} ${ROW[$name]} \
+          --out $RUNS/len-$name 2>&1 | quiet | tail -9
+      fi
       length_eval $ck $name
     done ;;
   length-teacher)  # the teacher's rows of the length table (its 8k context)
