@@ -176,6 +176,25 @@ def test_eos_ends_a_sequence_and_pads_the_rest(tiny_model):
     assert torch.equal(out[:, : ref.shape[1]], ref)
 
 
+def test_any_of_several_eos_ids_ends_a_sequence(tiny_model):
+    """A list of EOS ids (Llama 3 has three): each sequence ends at the first of any, padded after it with a
+    pad id that is not one of them; the rest as generate() gives them."""
+    model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
+    prompt = _ids(b=3, t=6, seed=5)
+    free = fast_generate(model, prompt, max_new_tokens=12, pad_token_id=0)
+    eos = sorted({int(free[0, 6 + 2]), int(free[1, 6 + 5])})  # sequence 0's third new token, 1's sixth
+    out = fast_generate(model, prompt, max_new_tokens=12, eos_token_id=eos, pad_token_id=1)
+    ref = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=1)
+    assert torch.equal(out[:, : ref.shape[1]], ref)
+    ended = 0
+    for row, free_row in zip(out[:, 6:], free[:, 6:]):
+        hits = [i for i, tok in enumerate(row.tolist()) if tok in eos]
+        if hits:
+            ended += 1
+            assert torch.equal(row[: hits[0] + 1], free_row[: hits[0] + 1]) and (row[hits[0] + 1 :] == 1).all()
+    assert ended >= 2
+
+
 def test_streamer_sees_every_token(tiny_model):
     model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
 

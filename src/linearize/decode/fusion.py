@@ -14,6 +14,18 @@ The adapters fuse only where it is exactly the same function (``models.fusion.fu
 patched ``forward``, one device and dtype, biases all present or all absent. Kept softmax layers
 (the teacher's own attention) and GPT-NeoX (whose q/k/v already come from one product) are left
 alone. The fused weights are built on entry from the current parameters: a snapshot for inference.
+
+With ``kernels`` (``FastDecoder``'s default on CUDA with Triton, unless the step is compiled), two
+elementwise parts of each layer become one Triton launch each (``models.fusion``), where the module
+computes exactly the kernel's PyTorch twin (``ops.norm_act``):
+
+* every RMSNorm module of a transformers family (hidden states, the final norm, Qwen3's and Gemma 3's
+  per-head q/k norms) is replaced by a ``FusedRMSNorm`` (about eight launches become one);
+* the fused gated MLPs compute ``act(gate) * up`` in one launch (two before).
+
+The residual adds stay: they sit in the families' decoder-layer forwards, which this does not patch.
+``KERNELS = False`` turns the kernels off for every decoder that is not told otherwise (a
+before-and-after switch for benchmarks: ``dev/gpu_hybrid.sh decode-default``).
 """
 
 from __future__ import annotations
@@ -25,24 +37,39 @@ from torch import nn
 from ..convert import mixers
 from ..errors import LinearizeError
 from ..models import get_adapter
-from ..models.fusion import FUSED_QKV
+from ..models.fusion import FUSED_QKV, FusedGatedMLP, FusedRMSNorm
+
+KERNELS = True  # the Triton norm and activation kernels by default where they can run (kernels_default)
+
+
+def kernels_default(model: nn.Module) -> bool:
+    """Whether a decoder not told otherwise uses the norm and activation kernels: ``KERNELS``, the
+    model's parameters on CUDA and Triton importable."""
+    from ..ops.availability import triton_available
+
+    param = next(model.parameters(), None)
+    return KERNELS and param is not None and param.device.type == "cuda" and triton_available()
 
 
 @contextlib.contextmanager
-def fused_projections(model: nn.Module, enabled: bool = True):
+def fused_projections(model: nn.Module, enabled: bool = True, kernels: bool = False):
     """Within the block, converted layers compute q/k/v and gated MLPs gate/up with one product
-    each; on exit every module is as it was. Yields the number of modules fused."""
+    each (``enabled``), and with ``kernels`` RMSNorms and gated activations run as one Triton
+    kernel each (CUDA, or Triton's interpreter); on exit every module is as it was, exceptions
+    included. Yields the number of modules fused or replaced."""
     undo = []
     try:
+        if kernels:
+            _fuse_norms(model, undo)
         if enabled:
-            _fuse(model, undo)
+            _fuse(model, undo, kernels)
         yield len(undo)
     finally:
         for restore in reversed(undo):
             restore()
 
 
-def _fuse(model: nn.Module, undo: list) -> None:
+def _fuse(model: nn.Module, undo: list, kernels: bool) -> None:
     try:
         adapter = get_adapter(model.config)
     except LinearizeError:  # a family linearize has no adapter for: nothing it knows how to fuse
@@ -55,7 +82,22 @@ def _fuse(model: nn.Module, undo: list) -> None:
             m.add_module(FUSED_QKV, fused)
             undo.append(lambda m=m: delattr(m, FUSED_QKV))
     for layer in adapter.layers(model):
-        mlp, fused = adapter.mlp(layer), adapter.fuse_mlp(layer)
+        mlp = adapter.mlp(layer)
+        if isinstance(mlp, FusedGatedMLP):  # fused by an enclosing block already
+            continue
+        fused = adapter.fuse_mlp(layer, kernels=kernels)
         if fused is not None:
             adapter.set_mlp(layer, fused)
             undo.append(lambda layer=layer, mlp=mlp: adapter.set_mlp(layer, mlp))
+
+
+def _fuse_norms(model: nn.Module, undo: list) -> None:
+    """Every RMSNorm module ``FusedRMSNorm.of`` knows, wherever it sits, replaced in its parent."""
+    for parent in list(model.modules()):
+        if isinstance(parent, FusedRMSNorm):  # replaced by an enclosing block already
+            continue
+        for name, child in list(parent._modules.items()):
+            fused = FusedRMSNorm.of(child) if child is not None else None
+            if fused is not None:
+                setattr(parent, name, fused)
+                undo.append(lambda parent=parent, name=name, child=child: setattr(parent, name, child))

@@ -14,7 +14,7 @@ def fast_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int 
                   temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None,
                   eos_token_id=None, pad_token_id=None, streamer=None, cuda_graph: bool | None = None,
                   compile: bool = False, prefill_batch: int | None = None,
-                  fuse_projections: bool = True) -> torch.Tensor:
+                  fuse_projections: bool = True, fuse_kernels: bool | None = None) -> torch.Tensor:
     """Generate with the fast path; returns ``[B, T + n]`` ids like ``generate()``.
 
     Defaults for ``eos_token_id`` / ``pad_token_id`` come from the model's generation config.
@@ -26,7 +26,7 @@ def fast_generate(model, input_ids, attention_mask=None, *, max_new_tokens: int 
         pad_token_id = gen.pad_token_id
     sampling = Sampling(do_sample, temperature, top_k, top_p)
     decoder = FastDecoder(model, cuda_graph=cuda_graph, compile=compile, prefill_batch=prefill_batch,
-                          fuse_projections=fuse_projections)
+                          fuse_projections=fuse_projections, fuse_kernels=fuse_kernels)
     return decoder.generate(
         input_ids, attention_mask, max_new_tokens=max_new_tokens, sampling=sampling,
         eos_token_id=eos_token_id, pad_token_id=pad_token_id, streamer=streamer)

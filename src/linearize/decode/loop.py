@@ -6,7 +6,9 @@
 3. **One decode step** (``DecodeStep``) — model forward on one token, sampling, writing the token,
    advancing the positions — touches only those buffers and reads nothing back to the host, so on
    CUDA it is captured once as a CUDA graph and replayed per token. On the CPU it runs eagerly.
-4. During the call, q/k/v and gated MLPs' gate/up are one product each (``decode.fusion``).
+4. During the call, q/k/v and gated MLPs' gate/up are one product each, and on CUDA the RMSNorms and
+   the gated activations one Triton kernel each (``decode.fusion``): the step is bound by kernel
+   launches, and these were most of a layer's launches outside the attention and the products.
 
 Sequences that hit an EOS token continue as padding; the host checks for "all done" every
 ``check_every`` steps (``_Progress``).
@@ -22,7 +24,7 @@ import torch
 from ..cache import LinearizeCache, cache_keyword
 from ..errors import LinearizeError
 from .buffers import StaticCache, StaticKVLayer, join_caches, state_nbytes, static_cache
-from .fusion import fused_projections
+from .fusion import fused_projections, kernels_default
 from .sampling import Sampling, next_tokens
 
 WARMUP_STEPS = 2  # eager decode steps before a CUDA graph is captured
@@ -63,43 +65,58 @@ class DecodeStep:
     sequence has ended), ``finished`` marks sequences past an EOS. Kept softmax layers read a
     ``[B, 1, 1, total]`` additive mask (padding and unwritten slots hidden); without them a
     ``[B, 1, 1, 1]`` stand-in keeps transformers from building masks.
+
+    The bookkeeping is a few launches per step (at batch 1 each costs what a layer's norm does):
+    greedy picks write the argmax straight into ``token`` (no float copy of the logits: the argmax of
+    the logits' own dtype is the same token); the new token goes to ``out``'s column through the
+    shared ``position`` (``out`` is a view of a row of the whole sequence, so no separate counter);
+    the mask opens one slot per step in place; without an EOS nothing tracks ``finished``; with one,
+    a comparison rather than ``isin``.
     """
 
     def __init__(self, forward, cache: StaticCache, sampling: Sampling, first: torch.Tensor,
                  attention_mask: torch.Tensor, position: torch.Tensor, *, total: int, max_new_tokens: int,
-                 eos: torch.Tensor, pad: int, dtype: torch.dtype, cache_keyword: str = "past_key_values"):
+                 eos: list[int], pad: int, dtype: torch.dtype, cache_keyword: str = "past_key_values"):
         b, t = attention_mask.shape
         self.cache_keyword = cache_keyword
         dev = attention_mask.device
-        self.forward, self.cache, self.sampling, self.eos, self.pad = forward, cache, sampling, eos, pad
+        self.forward, self.cache, self.sampling, self.pad = forward, cache, sampling, pad
         self.position, self.dtype = position, dtype
-        self.token = first[:, None]
-        self.finished = torch.isin(first, eos)
-        self.out = torch.full((b, max_new_tokens), pad, dtype=torch.long, device=dev)
+        ids = sorted(as_list(eos))
+        self.eos = ids[0] if len(ids) == 1 else torch.tensor(ids, device=dev) if ids else None
+        self.token = first[:, None].clone()
+        self.finished = torch.isin(first, torch.tensor(ids or [-1], device=dev))
+        # every token of the sequence by its position (the prompt's columns stay unwritten): the step
+        # writes the new token at position + 1 through the view shifted by one, and ``out`` is the new tokens' part
+        self.sequence = torch.full((b, t + max_new_tokens), pad, dtype=torch.long, device=dev)
+        self._next = self.sequence[:, 1:]
+        self.out = self.sequence[:, t:]
         self.out[:, 0] = first
-        self.index = torch.ones((), dtype=torch.long, device=dev)
         self.position_ids = positions(attention_mask)[:, -1:] + 1
         self.has_kv = any(isinstance(layer, StaticKVLayer) for layer in cache.layers)
-        self.kv_valid = torch.zeros(b, total if self.has_kv else 1, dtype=torch.bool, device=dev)
-        if self.has_kv:
-            self.kv_valid[:, :t] = attention_mask.bool()
-        self.kv_mask = torch.zeros(b, 1, 1, self.kv_valid.shape[1], dtype=dtype, device=dev)
+        self.kv_mask = torch.zeros(b, 1, 1, total if self.has_kv else 1, dtype=dtype, device=dev)
+        if self.has_kv:  # padding and the slots not written yet hidden; a step opens its own slot
+            valid = torch.zeros(b, total, dtype=torch.bool, device=dev)
+            valid[:, :t] = attention_mask.bool()
+            self.kv_mask.masked_fill_(~valid[:, None, None, :], torch.finfo(dtype).min)
 
     def __call__(self) -> None:
         if self.has_kv:
-            self.kv_valid.index_fill_(1, self.position.view(1), True)
-            self.kv_mask.zero_().masked_fill_(~self.kv_valid[:, None, None, :], torch.finfo(self.dtype).min)
+            self.kv_mask.index_fill_(3, self.position.view(1), 0.0)
         logits = self.forward(self.token, attention_mask=self.kv_mask, position_ids=self.position_ids,
                               cache_position=self.position.view(1), **{self.cache_keyword: self.cache},
                               use_cache=True).logits
-        nxt = next_tokens(logits[:, -1], self.sampling)
-        nxt = torch.where(self.finished, torch.full_like(nxt, self.pad), nxt)
-        self.finished.logical_or_(torch.isin(nxt, self.eos))
-        self.out.index_copy_(1, self.index.view(1), nxt[:, None])
-        self.token.copy_(nxt[:, None])
+        if self.sampling.do_sample:
+            self.token.copy_(next_tokens(logits[:, -1], self.sampling)[:, None])
+        else:  # greedy: the argmax of the logits' own dtype, written in place
+            torch.argmax(logits[:, -1], dim=-1, keepdim=True, out=self.token)
+        if self.eos is not None:
+            self.token.masked_fill_(self.finished[:, None], self.pad)
+            done = self.token[:, 0] == self.eos if isinstance(self.eos, int) else torch.isin(self.token[:, 0], self.eos)
+            self.finished.logical_or_(done)
+        self._next.index_copy_(1, self.position.view(1), self.token)
         self.position_ids.add_(1)
         self.position.add_(1)
-        self.index.add_(1)
 
 
 class _Progress:
@@ -131,16 +148,24 @@ class FastDecoder:
     ``fuse_projections``: during each call, compute q/k/v with one matrix product per converted
     layer and a gated MLP's gate/up with one (``decode.fusion``: fewer kernel launches per step,
     the same function; weights concatenated afresh on every call, modules restored afterwards).
+    ``fuse_kernels``: during each call, every RMSNorm module of the model and each fused gated MLP's
+    ``act(gate) * up`` run as one Triton kernel each where the module computes exactly the kernel's
+    function (``decode.fusion``); None = on CUDA with Triton and without ``compile`` (whose own fusion
+    covers them), unless ``decode.fusion.KERNELS`` is False; True forces them (Triton's interpreter on
+    the CPU, for tests). Triton compiles each kernel on its first use in a process (a fraction of a
+    second, cached on disk for later processes), before any graph is captured.
     After each call, ``timings`` holds the seconds of prefill, setup (state buffers, the first
     eager steps, graph capture) and decoding, the number of new tokens, the steps the decoding time
     covers and the bytes of the decoding state.
     """
 
     def __init__(self, model, *, cuda_graph: bool | None = None, keep_key_features: bool = False,
-                 compile: bool = False, prefill_batch: int | None = None, fuse_projections: bool = True):
+                 compile: bool = False, prefill_batch: int | None = None, fuse_projections: bool = True,
+                 fuse_kernels: bool | None = None):
         check_supported(model)
         self.model = model
         self.fuse_projections = fuse_projections
+        self.fuse_kernels = (not compile and kernels_default(model)) if fuse_kernels is None else fuse_kernels
         self.prefill_batch = prefill_batch
         self.keep_key_features = keep_key_features
         # torch.compile fuses the step's many small kernels (feature maps, norms, window softmax);
@@ -186,7 +211,7 @@ class FastDecoder:
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise LinearizeError("input_ids must be a non-empty [batch, length] tensor")
         # the fused weights live for this call only: a CUDA graph captured below replays within it
-        with fused_projections(self.model, enabled=self.fuse_projections):
+        with fused_projections(self.model, enabled=self.fuse_projections, kernels=self.fuse_kernels):
             return self._generate(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id,
                                   pad_token_id, streamer, check_every)
 
@@ -196,7 +221,7 @@ class FastDecoder:
         input_ids = input_ids.to(dev)
         t = input_ids.shape[1]
         attention_mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(dev)
-        eos = torch.tensor(sorted(as_list(eos_token_id)) or [-1], device=dev)
+        eos = as_list(eos_token_id)
         pad = pad_token_id if pad_token_id is not None else (as_list(eos_token_id) or [0])[0]
 
         clock = _Clock(dev)

@@ -92,9 +92,11 @@ class Adapter:
     def set_mlp(self, layer: nn.Module, module: nn.Module) -> None:
         setattr(layer, self.mlp_attr, module)
 
-    def fuse_mlp(self, layer: nn.Module) -> nn.Module | None:
+    def fuse_mlp(self, layer: nn.Module, kernels: bool = False) -> nn.Module | None:
         """A stand-in for ``layer``'s MLP computing the same function with fewer products (the gated
-        MLP's gate and up as one), or None where the family's MLP has nothing to fuse."""
+        MLP's gate and up as one), or None where the family's MLP has nothing to fuse. ``kernels``:
+        also fewer elementwise kernels where the stand-in has them (the gated activation as one
+        Triton launch, ``models.fusion.FusedGatedMLP``; CUDA only)."""
         return None
 
 

@@ -1,4 +1,5 @@
-"""Several projections of one input as one matrix product, where that is exactly the same function.
+"""Fewer kernels for the same function while decoding: several projections of one input as one
+matrix product, and (CUDA) a family's RMSNorm and a gated MLP's activation as one Triton kernel each.
 
 At batch 1 a decode step is bound by kernel launches, not arithmetic (each small product costs
 about the same few microseconds whatever its width), so computing q, k and v from one weight
@@ -8,13 +9,25 @@ adapters (``Adapter.fuse_qkv`` / ``Adapter.fuse_mlp``) build these modules for t
 
 The concatenated weights are a snapshot of the parameters when the module is built (for inference:
 a later change to the weights is not seen) and cost memory of the size of the fused weights.
+
+With ``kernels``, ``FusedGatedMLP`` computes ``act(gate) * up`` in one launch
+(``ops.gated_act_triton``) and ``FusedRMSNorm`` stands in for an RMSNorm module
+(``ops.rms_norm_triton``; about eight launches each in PyTorch). Both only where the module computes
+exactly the kernel's PyTorch twin (``ops.norm_act``): its class's own forward, no hooks, checked
+bit for bit against the twin on the CPU (``rms_norm_kind``, ``activation_kind``), so a module that
+rounds differently, or a class a future transformers release changes, keeps its own path.
 """
 
 from __future__ import annotations
 
+import functools
+import weakref
+
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from ..ops.norm_act import ACTIVATIONS, gated_act_kernel_takes, rms_norm, rms_norm_kernel_takes
 
 FUSED_QKV = "fused_qkv"  # the name under which a converted layer holds its q/k/v FusedLinear (Adapter.fuse_qkv)
 
@@ -58,7 +71,11 @@ class FusedLinear(nn.Module):
         return cls(weight, bias, tuple(m.out_features for m in linears))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return self.product(x).split(self.sizes, dim=-1)
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        """The outputs side by side, ``[..., sum(sizes)]`` (one tensor, before the split)."""
+        return F.linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.weight.shape[1]}, out_features={self.sizes}, bias={self.bias is not None}"
@@ -71,21 +88,165 @@ class FusedGatedMLP(nn.Module):
     Build it with ``FusedGatedMLP.of(mlp)``, which says None unless ``mlp`` has plain, fusable
     ``gate_proj`` and ``up_proj`` linears, a ``down_proj`` and an ``act_fn``, and runs its class's own
     ``forward``: the adapter decides whether its family's MLPs compute this function at all.
+    ``of(mlp, kernels=True)``: ``act(gate) * up`` as one Triton launch on the product (``act`` names the
+    activation, ``activation_kind``) where ``act_fn`` is one the kernel computes; never under
+    ``torch.compile`` (which fuses it itself), nor for inputs the kernel does not take.
     """
 
-    def __init__(self, mlp: nn.Module, gate_up: FusedLinear):
+    def __init__(self, mlp: nn.Module, gate_up: FusedLinear, act: str | None = None):
         super().__init__()
-        self.mlp, self.gate_up = mlp, gate_up
+        self.mlp, self.gate_up, self.act = mlp, gate_up, act
 
     @classmethod
-    def of(cls, mlp: nn.Module) -> FusedGatedMLP | None:
+    def of(cls, mlp: nn.Module, kernels: bool = False) -> FusedGatedMLP | None:
         parts = [getattr(mlp, name, None) for name in ("gate_proj", "up_proj")]
         if "forward" in vars(mlp) or not callable(getattr(mlp, "act_fn", None)) \
                 or not isinstance(getattr(mlp, "down_proj", None), nn.Module):
             return None
         gate_up = FusedLinear.of(*parts)
-        return None if gate_up is None else cls(mlp, gate_up)
+        if gate_up is None:
+            return None
+        act = activation_kind(mlp.act_fn) if kernels and len(set(gate_up.sizes)) == 1 else None
+        return cls(mlp, gate_up, act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
+        if self.act is not None and not torch.compiler.is_compiling():
+            h = self.gate_up.product(x)
+            if gated_act_kernel_takes(h):
+                from ..ops import gated_act_triton as kernel  # Triton: imported on first use
+
+                return self.mlp.down_proj(kernel.gated_act_triton(h, self.act))
+            gate, up = h.split(self.gate_up.sizes, dim=-1)
+        else:
+            gate, up = self.gate_up(x)
         return self.mlp.down_proj(self.mlp.act_fn(gate) * up)
+
+    def extra_repr(self) -> str:
+        return f"act={self.act}" if self.act else ""
+
+
+class FusedRMSNorm(nn.Module):
+    """A family's RMSNorm module as one Triton launch (``ops.rms_norm_triton``), the same function.
+
+    Stands in for ``norm`` (kept as a submodule: its ``weight`` is the one read, so no copy). Build it
+    with ``FusedRMSNorm.of(norm)``, which says None unless ``rms_norm_kind(norm)`` knows the module.
+    Never under ``torch.compile`` (which fuses the norm itself), nor for inputs the kernel does not
+    take (float64, rows longer than it holds): there the module's own forward runs.
+    """
+
+    def __init__(self, norm: nn.Module, eps: float, offset: bool):
+        super().__init__()
+        self.norm, self.eps, self.offset = norm, eps, offset
+
+    @classmethod
+    def of(cls, norm: nn.Module) -> FusedRMSNorm | None:
+        kind = rms_norm_kind(norm)
+        return None if kind is None else cls(norm, _eps(norm), kind == "offset")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.norm.weight
+        if torch.compiler.is_compiling() or not rms_norm_kernel_takes(x, weight):
+            return self.norm(x)
+        from ..ops import rms_norm_triton as kernel  # Triton: imported on first use
+
+        return kernel.rms_norm_triton(x, weight, self.eps, self.offset)
+
+    def extra_repr(self) -> str:
+        return f"eps={self.eps}, offset={self.offset}"
+
+
+# -- which modules compute the kernels' functions exactly ------------------------------------------
+
+def _patched(m: nn.Module) -> bool:
+    """Hooks or an instance ``forward``: the module may not compute what its class says."""
+    return bool(m._forward_hooks or m._forward_pre_hooks or "forward" in vars(m))
+
+
+def _eps(norm: nn.Module) -> float | None:
+    """An RMSNorm's epsilon: ``variance_epsilon`` (Llama, Qwen, SmolLM) or ``eps`` (Gemma), one of them."""
+    found = [v for k, v in vars(norm).items() if k in ("variance_epsilon", "eps")]
+    return float(found[0]) if len(found) == 1 and isinstance(found[0], (int, float)) else None
+
+
+def rms_norm_kind(norm: nn.Module) -> str | None:
+    """How ``norm`` normalises, if it is a transformers family's RMSNorm computing ``ops.norm_act.rms_norm``
+    exactly: ``"weight"`` (Llama's rounding, ``offset=False``) or ``"offset"`` (Gemma's ``1 + weight``);
+    None for anything else (other classes, hooks, an instance ``forward``, buffers or submodules, or
+    a forward that differs from both by one bit on the probe: checked once per class and settings,
+    on the CPU, for fp32 and bf16 inputs and weights)."""
+    cls = type(norm)
+    if not (cls.__name__.endswith("RMSNorm") and cls.__module__.startswith("transformers.models.")):
+        return None
+    weight = norm._parameters.get("weight")
+    if (_patched(norm) or weight is None or weight.dim() != 1 or weight.is_meta or _eps(norm) is None
+            or len(norm._parameters) != 1 or norm._buffers or norm._modules):
+        return None
+    base = vars(nn.Module())
+    settings = {k: v for k, v in vars(norm).items() if k not in base}
+    if not all(isinstance(v, (bool, int, float, str, type(None))) for v in settings.values()):
+        return None  # a setting the probe could not copy faithfully: leave the module alone
+    return _probe_norm(cls, tuple(sorted(settings.items())))
+
+
+@functools.cache
+def _probe_norm(cls: type, settings: tuple) -> str | None:
+    with torch.device("cpu"), torch.no_grad():
+        probe = cls.__new__(cls)
+        nn.Module.__init__(probe)
+        for k, v in settings:
+            object.__setattr__(probe, k, v)
+        eps = _eps(probe)
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 40, generator=g) * 3 + 0.5
+        w = torch.randn(40, generator=g)  # not near 1 nor 0: weight and 1 + weight differ
+        for kind, offset in (("weight", False), ("offset", True)):
+            if all(_same(probe, x.to(dx), w.to(dw), lambda xx, ww: rms_norm(xx, ww, eps, offset))
+                   for dx, dw in ((torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                  (torch.bfloat16, torch.float32))):
+                return kind
+    return None
+
+
+def _same(probe: nn.Module, x: torch.Tensor, w: torch.Tensor, twin) -> bool:
+    probe._parameters["weight"] = nn.Parameter(w, requires_grad=False)
+    try:
+        got = probe(x)
+    except Exception:  # a class that needs more than the probe gives it
+        return False
+    want = twin(x, w)
+    return isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+
+
+def activation_kind(act: nn.Module) -> str | None:
+    """The ``ops.norm_act.ACTIVATIONS`` key of the activation module ``act`` (a gated MLP's ``act_fn``)
+    where it computes that function bit for bit on a CPU probe (fp32 and bf16), as transformers'
+    ``silu`` and ``gelu_pytorch_tanh`` do; None for others (``gelu_python_tanh``, which rounds
+    differently, parameters, hooks...)."""
+    if (not isinstance(act, nn.Module) or _patched(act) or act._parameters or act._buffers or act._modules
+            or not type(act).__module__.startswith(("transformers.", "torch.nn."))):
+        return None
+    key = (type(act), tuple(sorted((k, id(v)) for k, v in vars(act).items() if not k.startswith("_"))))
+    known = _ACT_KINDS.get(act)
+    if known is None or known[0] != key:  # probed once per module while its settings stay
+        known = _ACT_KINDS[act] = (key, _probe_activation(act))
+    return known[1]
+
+
+_ACT_KINDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _probe_activation(act: nn.Module) -> str | None:
+    with torch.device("cpu"), torch.no_grad():
+        x = torch.randn(64, generator=torch.Generator().manual_seed(0)) * 4
+        for name, fn in ACTIVATIONS.items():
+            ok = True
+            for xx in (x, x.bfloat16()):
+                try:
+                    got = act(xx)
+                except Exception:
+                    return None
+                want = fn(xx)
+                ok = ok and isinstance(got, torch.Tensor) and got.dtype == want.dtype and torch.equal(got, want)
+            if ok:
+                return name
+    return None

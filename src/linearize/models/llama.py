@@ -48,8 +48,8 @@ class LlamaFamilyAdapter(Adapter):
     def fuse_qkv(self, m):
         return FusedLinear.of(*(getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj")))
 
-    def fuse_mlp(self, layer):
+    def fuse_mlp(self, layer, kernels=False):
         # every MLP of these families is gated, down_proj(act_fn(gate_proj(x)) * up_proj(x)); of()
         # checks that this one still has that structure (plain linears, its class's forward)
         mlp = self.mlp(layer)
-        return None if mlp is None else FusedGatedMLP.of(mlp)
+        return None if mlp is None else FusedGatedMLP.of(mlp, kernels=kernels)

@@ -1,0 +1,170 @@
+"""The fast decoder's norm and activation kernels (``decode.fusion`` with ``kernels``): which modules they stand
+in for (exactly the kernels' function, checked on the CPU), swapped in for a call and restored after it,
+exceptions included; on by default only on CUDA and without ``compile``; and, through Triton's interpreter, the
+fast decoder with them forced on decodes generate()'s tokens."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import run_triton_interpreter_script, tiny_student
+
+from linearize.convert import mixers
+from linearize.decode import FastDecoder, fast_generate, fused_projections
+from linearize.decode import fusion
+from linearize.models.fusion import FusedGatedMLP, FusedRMSNorm, activation_kind, rms_norm_kind
+
+LOLCATS = {"kind": "lolcats", "window": 4, "feature_dim": 8}
+
+
+def _ids(b=2, t=9, seed=0):
+    return torch.randint(2, 97, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def _norms(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+
+
+# --------------------------------------------------------------------------- which modules
+
+
+@pytest.mark.parametrize("family,norm,act", [
+    ("llama", "weight", "silu"), ("mistral", "weight", "silu"), ("qwen2", "weight", "silu"),
+    ("qwen3", "weight", "silu"), ("smollm3", "weight", "silu"), ("gemma", "offset", "gelu_tanh"),
+    ("gemma2", "offset", "gelu_tanh"), ("gemma3_text", "offset", "gelu_tanh"), ("gpt_neox", None, None)])
+def test_the_families_norms_and_activations_are_recognised(tiny_model, family, norm, act):
+    model = tiny_model(family)
+    norms = [m for m in model.modules() if "Norm" in type(m).__name__]
+    assert norms and {rms_norm_kind(m) for m in norms} == {norm}
+    mlp = model.base_model.layers[0].mlp
+    assert activation_kind(getattr(mlp, "act_fn", None) or mlp.act) == act
+
+
+def test_modules_computing_anything_else_keep_their_own_path(tiny_model):
+    from transformers.activations import ACT2FN
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = tiny_model("llama").model.norm
+    assert rms_norm_kind(norm) == "weight"
+    hooked = LlamaRMSNorm(48)
+    hooked.register_forward_hook(lambda *a: None)
+    patched = LlamaRMSNorm(48)
+    patched.forward = lambda x: x
+    assert rms_norm_kind(hooked) is None and rms_norm_kind(patched) is None
+
+    class RoundsLater(LlamaRMSNorm):  # Gemma's rounding with Llama's weight: one bit off in 16 bits
+        __module__ = "transformers.models.made_up"
+
+        def forward(self, x):
+            h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            return (self.weight.float() * h).to(x.dtype)
+
+    assert rms_norm_kind(RoundsLater(48)) is None
+
+    class Local(LlamaRMSNorm):  # not a transformers family's class
+        pass
+
+    assert rms_norm_kind(Local(48)) is None
+    assert rms_norm_kind(nn.LayerNorm(48)) is None
+    assert activation_kind(ACT2FN["gelu_python_tanh"]) is None  # the tanh form in Python rounds differently
+    assert activation_kind(ACT2FN["gelu"]) is None and activation_kind(nn.ReLU()) is None
+    assert activation_kind(nn.SiLU()) == "silu"
+    silu = ACT2FN["silu"]
+    silu.register_forward_pre_hook(lambda *a: None)
+    assert activation_kind(silu) is None
+
+
+# --------------------------------------------------------------------------- swapped in and out
+
+
+def _state(model):
+    return ([(name, type(m), id(m)) for name, m in model.named_modules()],
+            {name: p for name, p in model.named_parameters()})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma"])
+def test_every_norm_and_mlp_is_swapped_for_the_call_and_restored(tiny_model, family):
+    model = tiny_student(tiny_model, family, LOLCATS)
+    before, norms = _state(model), _norms(model)
+    if family == "qwen3":  # the per-head q/k norms inside the converted layers are among them
+        assert sum(m is mx.q_norm or m is mx.k_norm for m in norms for mx in mixers(model).values()) == 6
+    with fused_projections(model, kernels=True) as n:
+        stand_ins = [m for m in model.modules() if isinstance(m, FusedRMSNorm)]
+        assert [m.norm for m in stand_ins] == norms
+        inside = dict(model.named_modules())  # each norm reached only through its stand-in
+        assert all(isinstance(inside[name.rpartition(".")[0]], FusedRMSNorm)
+                   for name, m in inside.items() if any(m is x for x in norms))
+        assert {m.offset for m in stand_ins} == {family == "gemma"}
+        mlps = [layer.mlp for layer in model.model.layers]
+        assert all(isinstance(m, FusedGatedMLP) and m.act == ("gelu_tanh" if family == "gemma" else "silu")
+                   for m in mlps)
+        assert n == len(norms) + len(mixers(model)) + len(mlps)
+    assert _state(model)[0] == before[0] and _state(model)[1] == before[1]
+    with fused_projections(model, kernels=False):  # the projections alone, as before
+        assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())
+        assert all(m.act is None for m in model.modules() if isinstance(m, FusedGatedMLP))
+    with fused_projections(model, enabled=False, kernels=True) as n:  # the norms alone
+        assert n == len(norms) and not any(isinstance(m, FusedGatedMLP) for m in model.modules())
+    with pytest.raises(RuntimeError, match="boom"), fused_projections(model, kernels=True):
+        raise RuntimeError("boom")
+    assert _state(model)[0] == before[0]
+
+
+def test_a_failing_call_restores_every_module(tiny_model):
+    model = tiny_student(tiny_model, "llama", LOLCATS)
+    before = _state(model)
+
+    class Fails:
+        def put(self, x):
+            assert any(isinstance(m, FusedRMSNorm) for m in model.modules())
+            if len(x.shape) == 1:
+                raise RuntimeError("boom")
+
+        def end(self):
+            pass
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fast_generate(model, _ids(), max_new_tokens=5, streamer=Fails(), fuse_kernels=True)
+    assert _state(model)[0] == before[0]
+
+
+@pytest.mark.parametrize("family,spec", [("llama", LOLCATS), ("gemma", LOLCATS), ("qwen3", {"kind": "supra"}),
+                                         ("llama", {**LOLCATS, "keep_softmax": [1]})])
+def test_stand_ins_fall_back_for_float64_and_decode_generates_tokens(tiny_model, family, spec):
+    """float64 (CPU tests) is not a kernel dtype: the stand-ins run the modules, and the tokens are generate()'s."""
+    model = tiny_student(tiny_model, family, spec)
+    prompt = _ids()
+    ref = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast_generate(model, prompt, max_new_tokens=10, pad_token_id=0, fuse_kernels=True), ref)
+
+
+# --------------------------------------------------------------------------- when
+
+
+def test_on_by_default_only_where_the_kernels_run_and_nothing_compiles(tiny_model, monkeypatch):
+    model = tiny_student(tiny_model, "llama", LOLCATS)
+    assert not fusion.kernels_default(model)  # the CPU
+    assert FastDecoder(model).fuse_kernels is False
+    from linearize.decode import loop
+
+    monkeypatch.setattr(loop, "kernels_default", lambda model: True)  # as on CUDA with Triton
+    assert FastDecoder(model).fuse_kernels is True
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # (nothing runs here: no need to load dynamo)
+    assert FastDecoder(model, compile=True).fuse_kernels is False  # torch.compile fuses them itself
+    assert FastDecoder(model, fuse_kernels=False).fuse_kernels is False
+    from linearize.ops import availability
+
+    monkeypatch.setattr(availability, "triton_available", lambda: True)
+    on_cuda = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda"))]))
+    assert fusion.kernels_default(on_cuda)
+    monkeypatch.setattr(fusion, "KERNELS", False)  # the switch for before-and-after benchmarks
+    assert not fusion.kernels_default(on_cuda)
+
+
+def test_the_fast_decoder_with_the_kernels_decodes_generates_tokens():
+    """Through Triton's interpreter: Llama (SiLU), Qwen3 (per-head q/k norms), Gemma ((1 + weight) norms, GELU)
+    and a kept softmax layer, fp32 with left padding: the kernels on every forward, generate()'s tokens, every
+    module restored, and a decode step with 5 fewer launches a norm and 1 fewer an MLP."""
+    run_triton_interpreter_script("triton_interpret_norm_act.py", "decoder")
