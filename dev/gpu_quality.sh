@@ -6,7 +6,7 @@
 # At most SLOTS (default 3) jobs hold the GPU at once; the others wait for a slot. On 2026-11-22,
 # six side by side on one H100 (80 GB) ran out of memory (~14 GB per training, ~28 GB per lm-eval).
 set -uo pipefail
-T=${T:-/tmp/stage/teacher.gguf}; RUNS=/tmp/runs; LIMIT=${LIMIT:-300}
+T=${T:-/tmp/stage/teacher.gguf}; RUNS=${RUNS:-/tmp/runs}; LIMIT=${LIMIT:-300}
 lin() { python3 -m linearize "$@"; }
 quiet() { grep --line-buffered -v -E "it/s\]|s/it\]"; }
 evaluate() {  # evaluate CHECKPOINT NAME
@@ -43,11 +43,51 @@ length_eval() {  # length_eval CHECKPOINT NAME: issue #46's rows of one model
   return 0
 }
 waitfor() { local n=0; until [ -e "$1" ]; do sleep 5; n=$((n + 5)); [ $n -ge ${2:-1500} ] && { echo "gave up waiting for $1"; return 1; }; done; return 0; }
+seed_table() {  # seed_table NAME: one of issue #45's tables (seed-tables), all rows at STEPS x 8 x 1024 tokens under
+               # LOSSES, the closest pair of each loss again at seed SEED2; run again: nothing trains, the page is
+               # rewritten with the rows' zero-shot records (eval.json beside each run)
+  local name=$1 seed=(--second-seed ${SEED2:-1}) losses=${LOSSES:-lm,kl+lm} args
+  case $name in
+    seed-supra) args=(supra-table3) ;;
+    seed-xatl3) args=(xatl-table3 --arch retnet) ;;
+    seed-mamba) args=(xatl-table2 --arch striped_mamba --rows ${XATL2_ROWS:-scratch,E+FFN}) ;;
+    # RetNet's tokens to match at the same budget, beside StripedMamba's: one seed, RETNET_LOSSES (lm)
+    seed-retnet) args=(xatl-table2 --arch retnet --rows ${XATL2_ROWS:-scratch,E+FFN}); seed=(); losses=${RETNET_LOSSES:-lm} ;;
+    *) echo "unknown seed table $name"; return 2 ;;
+  esac
+  lin orderings "${args[@]}" --teacher $T --budget gpu --losses $losses --steps ${STEPS:-250} \
+    --eval-steps ${EVAL_STEPS:-25} --align-steps ${ALIGN:-0} "${seed[@]}" ${SEED_ARGS:-} --out $RUNS/$name
+}
+seed_tend() {  # while the seed tables train: drop each finished row's checkpoints (~3 GB each; only a resume reads
+               # them), and (TASKS=1) score its final checkpoint on the zero-shot tasks into eval.json beside it
+  local dirs=("$@") done=0 ready=0 row waited=0
+  while true; do
+    [ -e $RUNS/seed-tables.done ] && done=1 && waited=$((waited + 10))
+    [ -e /tmp/evalsite/.ready ] && ready=1
+    local left=0
+    for row in $(find "${dirs[@]}" -name results.json -printf '%h\n' 2>/dev/null | sort); do
+      rm -rf "$row"/train/checkpoint-* "$row"/align/checkpoint-* "$row"/new-weights/checkpoint-*
+      [ "${TASKS:-1}" = 1 ] && [ ! -e "$row/eval.json" ] && [ -e "$row/final" ] || continue
+      [ $ready = 1 ] || { left=1; continue; }
+      local limit=(--limit "$LIMIT"); [ "$LIMIT" = all ] && limit=()
+      PYTHONPATH=/tmp/evalsite:$PYTHONPATH lin eval "$row/final" --tasks ${TASK_SET:-zeroshot} "${limit[@]}" \
+        --no-perplexity --batch-size ${EVAL_BATCH:-32} --name "${row#$RUNS/}" --out "$row/eval.json" 2>&1 | quiet | tail -2
+    done
+    if [ $done = 1 ] && { [ $left = 0 ] || [ $waited -gt 600 ]; }; then  # lm-eval: 10 min more to get ready
+      [ $left = 1 ] && echo "seed-tables: lm-eval never became ready (gpu_session.sh eval-setup): no zero-shot scores"
+      return 0
+    fi
+    sleep 10
+  done
+}
 mkdir -p $RUNS/eval
 # OVERLAY=1: the newer pure-Python packages of gpu_session.sh overlay go first (Gemma's GGUF tokenizer needs
 # transformers >= 5.23; the machine has 5.17)
 [ "${OVERLAY:-0}" = 1 ] && { waitfor /tmp/overlay/transformers 1500 || exit 1; export PYTHONPATH=/tmp/overlay:$PYTHONPATH; }
-[ "${1:-}" = dial-tasks ] || gpu_slot  # (dial-tasks takes its slot once its row's training is done)
+case ${1:-} in  # (dial-tasks takes its slot once its row's training is done; seed-tables' parts take one each)
+  dial-tasks|seed-tables) ;;
+  *) gpu_slot ;;
+esac
 case ${1:?job} in
   teacher-eval) evaluate $T teacher ;;
   lolcats)  # >= 20M tokens: 10M per stage (8 x 1024 x 1220 steps each)
@@ -141,6 +181,34 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-300} --stage2-steps ${STEPS:-300} --loss ${LOSS:-kl} \
       --out $RUNS/lolcats-kl 2>&1 | quiet | tail -12
     evaluate $RUNS/lolcats-kl/final lolcats-kl ;;
+  seed-tables)  # issue #45 on one GPU (of CUDA_VISIBLE_DEVICES), ~15-16 min on an H100: SUPRA Table 3, XATL Table 3
+                # (RetNet) and XATL Table 2's scratch vs E+FFN for StripedMamba, then RetNet (lm only: tokens to match
+                # side by side), each row STEPS (250) x 8 x 1024 = 2,048,000 tokens under lm and kl+lm, the closest
+                # pair of each loss again at seed SEED2 (1; not RetNet's). The tables are parts (seed-supra, seed-xatl3, seed-mamba,
+                # seed-retnet), SLOTS (3) of them on the GPU at once, logs in $RUNS/seed-*.log; meanwhile finished
+                # rows lose their checkpoints and get their zero-shot scores (TASKS=0: none; TASK_SET, default
+                # zeroshot: the suite less MMLU's 5-shot, LIMIT docs per task); then every page again, with them.
+                # SEED_PARTS picks parts, SEED_ARGS adds flags (a CPU dry run: RUNS=/tmp/x T=<tiny teacher> STEPS=4
+                # EVAL_STEPS=2 TASKS=0 SEED_ARGS="--budget cpu --device cpu --block-len 32 --eval-blocks 4 --data ...").
+                # Pages: $RUNS/seed-*/orderings.md, $RUNS/seed-tables/tokens-to-match.md
+    parts=(${SEED_PARTS:-seed-supra seed-xatl3 seed-mamba seed-retnet})
+    rm -f $RUNS/seed-tables.done; declare -A pid
+    for p in "${parts[@]}"; do bash "$0" $p > $RUNS/$p.log 2>&1 & pid[$p]=$!; done
+    seed_tend $(printf "$RUNS/%s " "${parts[@]}") > $RUNS/seed-tend.log 2>&1 & tend=$!
+    rc=0; ok=(); for p in "${parts[@]}"; do if wait ${pid[$p]}; then ok+=($p); else rc=1; echo "$p failed"; fi; done
+    touch $RUNS/seed-tables.done; wait $tend; tail -3 $RUNS/seed-tend.log
+    # the pages again, now with the zero-shot scores (only of parts that finished: nothing trains here, outside a slot)
+    for p in "${ok[@]}"; do seed_table $p 2>&1 | quiet | tail -2; done
+    mkdir -p $RUNS/seed-tables
+    match=(); for p in seed-mamba seed-retnet; do [ -e $RUNS/$p/orderings.json ] && match+=($RUNS/$p/orderings.json); done
+    [ ${#match[@]} -gt 0 ] && python3 -m linearize.recipes.orderings match "${match[@]}" --out $RUNS/seed-tables
+    for p in "${parts[@]}"; do echo "== $p: $RUNS/$p/orderings.md"
+      [[ " ${ok[*]} " == *" $p "* ]] || tail -12 $RUNS/$p.log  # a failed part: its log's end
+      grep -E "^\| .*\*\*|^- |^Closest|^The paper's ordering under" $RUNS/$p/orderings.md 2>/dev/null; done
+    cat $RUNS/seed-tables/tokens-to-match.md 2>/dev/null
+    exit $rc ;;
+  seed-supra|seed-xatl3|seed-mamba|seed-retnet)  # one part of seed-tables (it holds a GPU slot)
+    seed_table $1 2>&1 | quiet ;;
   orderings-*)  # a paper's table under lm and kl+lm (issue #20): orderings-supra-table3, orderings-xatl-table2 ...
     lin orderings ${1#orderings-} --teacher $T --budget gpu --losses ${LOSSES:-lm,kl+lm} --steps ${STEPS:-610} \
       --eval-steps ${EVAL_STEPS:-61} --align-steps ${ALIGN:-0} --out $RUNS/${1} 2>&1 | quiet | tail -16

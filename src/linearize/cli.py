@@ -320,10 +320,14 @@ def cmd_orderings(args) -> int:
     from .recipes.launch import is_main_process
 
     method = orderings.method_of(args.table)
+    if method != "xatl" and any(getattr(args, k) is not None for k in ("arch", "lit_threshold", "lit_patience")):
+        raise LinearizeError(f"--arch, --lit-threshold and --lit-patience are XATL's; {args.table} is {method}'s")
     base = _uptrain_config(args, method, {"kind": "supra"} if method == "supra" else {}, f"runs/{args.table}")
     losses = [x.strip() for x in args.losses.split(",") if x.strip()]
-    orderings.row_configs(args.table, base, losses)  # every row checked before the teacher loads
-    record = orderings.run(args.table, base, losses)
+    rows = [x.strip() for x in args.rows.split(",") if x.strip()] if args.rows is not None else None
+    configs = orderings.row_configs(args.table, base, losses, rows)  # every row checked before the teacher loads
+    orderings.check_second_seed(base, configs, args.second_seed)
+    record = orderings.run(args.table, base, losses, rows, args.second_seed)
     if is_main_process():
         print(record["markdown"])
     return 0
@@ -510,6 +514,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(od, UptrainConfig, ("align_steps", "align_lr"), helps={
         "align_steps": "rows learning from the teacher: an alignment stage of this many steps first (default 0; the "
                        "lm rows never align)"})
+    add_flags(od, XatlConfig, ("arch", "lit_threshold", "lit_patience"), helps={  # the XATL tables'
+        "arch": "the XATL tables' new token mixer: retnet (default) or striped_mamba (no E+FFN+WO row)"})
+    od.add_argument("--rows", metavar="R1,R2", help="only these rows of the table (e.g. scratch,E+FFN)")
+    od.add_argument("--second-seed", type=int, metavar="SEED", help="train the two rows of each loss whose held-out "
+                    "losses are closest again under this seed (OUT/<loss>/seed<SEED>/<row>); the page weighs the "
+                    "paper's ordering against the seed-to-seed difference")
     _training_arguments(od, UptrainConfig)
     od.set_defaults(func=cmd_orderings)
 

@@ -7,13 +7,18 @@ is compared with the previous interval's, and once its relative improvement has 
 weights are unfrozen for the rest of the run.
 
 ``LitRule`` is the decision alone (pure, testable on a scripted loss sequence); ``LitCallback`` is
-the ``transformers.TrainerCallback`` that applies it inside a Trainer run and logs when it fires.
+the ``transformers.TrainerCallback`` that applies it inside a Trainer run and logs when it fires: a
+warning, a line in the run's ``metrics.jsonl`` (``log_path``) and ``record()`` (the evaluations it
+saw, the step it unfroze at and the improvements that triggered it), which the recipes put in
+``results.json`` under ``freeze``.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from pathlib import Path
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -81,24 +86,48 @@ class LitCallback(TrainerCallback, ExportableState):
     """
 
     def __init__(self, mode: str = "lit", threshold: float = 0.01, patience: int = 1, metric: str = "eval_loss",
-                 parameters: list[str] | None = None):
+                 parameters: list[str] | None = None, log_path: str | None = None):
         if mode not in FREEZE_MODES:
             raise LinearizeError(f"freeze mode must be one of {', '.join(FREEZE_MODES)}, got {mode!r}")
         self.mode, self.threshold, self.patience, self.metric = mode, threshold, patience, metric
         self.parameters = list(parameters) if parameters is not None else None
+        self.log_path = str(log_path) if log_path is not None else None  # metrics.jsonl: a line when LIT fires
         self.rule = LitRule(threshold, patience)
         self.frozen = False
         self.unfrozen_at_step: int | None = None
+        self.steps: list[int] = []  # the global step of each evaluation in rule.history
         self._params: dict = {}
 
     # --- ExportableState: restored attributes are plain values ---
     def state(self) -> dict:
         return {
             "args": {"mode": self.mode, "threshold": self.threshold, "patience": self.patience,
-                     "metric": self.metric, "parameters": self.parameters},
+                     "metric": self.metric, "parameters": self.parameters, "log_path": self.log_path},
             "attributes": {"history": list(self.rule.history), "strikes": self.rule.strikes,
-                           "fired_at": self.rule.fired_at, "unfrozen_at_step": self.unfrozen_at_step},
+                           "fired_at": self.rule.fired_at, "unfrozen_at_step": self.unfrozen_at_step,
+                           "steps": list(self.steps)},
         }
+
+    def record(self) -> dict:
+        """What the schedule did, for ``results.json``: the mode; under LIT the threshold, patience and
+        metric, every evaluation it saw (step, value, relative improvement on the one before) and, once
+        it fired, ``unfrozen_at_step`` with the ``trigger``: the last ``patience`` evaluations' steps,
+        values and improvements, each below the threshold."""
+        out: dict = {"mode": self.mode}
+        if self.mode != "lit":
+            return out
+        h = self.rule.history
+        steps = self.steps if len(self.steps) == len(h) else [None] * len(h)  # a state saved before steps were kept
+        evaluations = [{"step": s, "value": v,
+                        "improvement": None if i == 0 else _finite(self.rule.improvement(h[i - 1], v))}
+                       for i, (s, v) in enumerate(zip(steps, h))]
+        out.update(threshold=self.threshold, patience=self.patience, metric=self.metric, evaluations=evaluations,
+                   unfrozen_at_step=self.unfrozen_at_step, fired=self.rule.fired)
+        if self.rule.fired and self.rule.fired_at is not None:
+            at = self.rule.fired_at
+            out["trigger"] = {"step": evaluations[at]["step"], "value": h[at], "previous": h[at - 1],
+                              "improvements": [e["improvement"] for e in evaluations[at - self.patience + 1: at + 1]]}
+        return out
 
     # the rule's progress, as attributes Trainer can set when it restores the callback on resume
     @property
@@ -163,6 +192,7 @@ class LitCallback(TrainerCallback, ExportableState):
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         if self.mode != "lit" or self.rule.fired or not metrics or self.metric not in metrics:
             return
+        self.steps.append(state.global_step)
         if self.rule.update(metrics[self.metric]):
             self._set(True)
             self.unfrozen_at_step = state.global_step
@@ -172,7 +202,20 @@ class LitCallback(TrainerCallback, ExportableState):
                        f"{len(self._params)} transferred tensors unfrozen")
             logger.warning(message)
             state.log_history.append({"lit_unfrozen": 1.0, "step": state.global_step})
+            if self.log_path is not None and getattr(state, "is_world_process_zero", True):
+                trigger = self.record()["trigger"]
+                line = {"stage": "uptrain", "step": state.global_step, "lit_unfrozen": 1.0, "lit_metric": self.metric,
+                        "lit_previous": trigger["previous"], "lit_value": trigger["value"],
+                        "lit_improvements": trigger["improvements"], "lit_threshold": self.threshold,
+                        "lit_patience": self.patience}
+                with Path(self.log_path).open("a") as fh:
+                    fh.write(json.dumps(line) + "\n")
 
     def on_train_end(self, args, state, control, **kwargs):
         if self.frozen:  # leave the model trainable as it was given
             self._set(True)
+
+
+def _finite(x: float) -> float | None:
+    """JSON has no infinity: a non-finite improvement (a non-finite loss) is None."""
+    return x if math.isfinite(x) else None

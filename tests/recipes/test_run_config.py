@@ -12,12 +12,12 @@ from linearize.cli import build_parser
 from linearize.recipes.config import RunConfig, add_flags, setting
 from linearize.recipes.lolcats import LolcatsConfig
 from linearize.recipes.supra import SupraConfig
-from linearize.recipes.uptrain import UptrainConfig
 from linearize.recipes.xatl import XatlConfig
 
 # flags that are not settings of the recipe's config: the command's own, the shared --dtype/--device,
 # and the mixer spec's (which go into ``spec``)
 NOT_SETTINGS = {"help", "dtype", "device", "teacher", "budget", "out", "config", "rows", "variant", "table", "losses",
+                "second_seed",
                 "kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "sparse_cache",
                 "sparse_priority", "sparse_anchor", "backend"}
 
@@ -41,7 +41,8 @@ def _flagged(cls):
     ("lolcats", LolcatsConfig, set()),
     ("supra", SupraConfig, {"weight_decay"}),
     ("xatl", XatlConfig, set()),
-    ("orderings", UptrainConfig, {"weight_decay", "loss"}),  # its rows vary the recipe's own settings
+    # its rows vary the recipe's own settings; the XATL tables take the architecture and LIT's
+    ("orderings", XatlConfig, {"weight_decay", "loss", "transfer", "freeze"}),
 ])
 def test_recipe_flags_are_the_config_settings(command, cls, left_out):
     names = {f.name for f in dataclasses.fields(cls)}

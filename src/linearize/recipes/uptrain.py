@@ -228,11 +228,16 @@ def run(cfg: UptrainConfig) -> dict:
     lm = _learns_from_lm(cfg)
     objective = next_token_loss if lm else build_objective(cfg.loss, cfg.loss_options(), teacher=frozen)
     results["loss"] = "lm" if lm else repr(objective)
-    trainer = train(student, train_ds, eval_ds, objective,
-                    cfg.train_config(out / "train", cfg.steps, cfg.warmup_steps, eval_next_token=not lm),
+    stage_cfg = cfg.train_config(out / "train", cfg.steps, cfg.warmup_steps, eval_next_token=not lm)
+    if any(getattr(c, "mode", None) == "lit" for c in callbacks):  # resumed, LIT's state comes from the checkpoint
+        stage_cfg.extra = {**stage_cfg.extra, "restore_callback_states_from_checkpoint": True}  # thawed stays thawed
+    trainer = train(student, train_ds, eval_ds, objective, stage_cfg,
                     stage="uptrain", callbacks=callbacks, resume=True if cfg.resume else None,
                     metrics_path=out / "metrics.jsonl")
     steps_done += trainer.state.global_step
+    for callback in trainer.callback_handler.callbacks:  # the live ones: a resumed run restores fresh copies
+        if hasattr(callback, "record"):  # XATL's freezing schedule: LIT's evaluations and the step it unfroze
+            results["freeze"] = callback.record()
     if frozen is not None:  # under FSDP each process held 1/N of the teacher
         results["teacher_sharded_over"] = trainer.args.world_size if frozen.sharded else 1
     seconds = time.time() - start

@@ -59,7 +59,11 @@ class XatlConfig(UptrainConfig):
         return student, [], report
 
     def callbacks(self) -> list:
+        from pathlib import Path
+
         from ..lit import LitCallback
 
-        # the transferred tensors come from the XATL record in the student's config
-        return [LitCallback(mode=self.freeze, threshold=self.lit_threshold, patience=self.lit_patience)]
+        # the transferred tensors come from the XATL record in the student's config; LIT's unfreezing is a
+        # line in the run's metrics.jsonl, and its record goes into results.json (``freeze``)
+        return [LitCallback(mode=self.freeze, threshold=self.lit_threshold, patience=self.lit_patience,
+                            log_path=str(Path(self.out) / "metrics.jsonl"))]
