@@ -49,7 +49,7 @@ seed_table() {  # seed_table NAME: one of issue #45's tables (seed-tables), all 
   local name=$1 seed=(--second-seed ${SEED2:-1}) losses=${LOSSES:-lm,kl+lm} args
   case $name in
     seed-supra) args=(supra-table3) ;;
-    seed-xatl3) args=(xatl-table3 --arch retnet) ;;
+    seed-xatl3) args=(xatl-table3 --arch retnet ${LIT_ARGS:-}) ;;  # e.g. LIT_ARGS="--lit-threshold 0.02"
     seed-mamba) args=(xatl-table2 --arch striped_mamba --rows ${XATL2_ROWS:-scratch,E+FFN}) ;;
     # RetNet's tokens to match at the same budget, beside StripedMamba's: one seed, RETNET_LOSSES (lm)
     seed-retnet) args=(xatl-table2 --arch retnet --rows ${XATL2_ROWS:-scratch,E+FFN}); seed=(); losses=${RETNET_LOSSES:-lm} ;;
