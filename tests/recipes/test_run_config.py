@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from linearize.cli import build_parser
+from linearize.cli import SPEC_FLAGS, build_parser
 from linearize.recipes.config import RunConfig, add_flags, setting
 from linearize.recipes.lolcats import LolcatsConfig
 from linearize.recipes.supra import SupraConfig
@@ -18,8 +18,7 @@ from linearize.recipes.xatl import XatlConfig
 # and the mixer spec's (which go into ``spec``)
 NOT_SETTINGS = {"help", "dtype", "device", "teacher", "budget", "out", "config", "rows", "variant", "table", "losses",
                 "second_seed",
-                "kind", "feature_map", "feature_dim", "window", "decay", "norm", "keep_softmax", "sparse_cache",
-                "sparse_priority", "sparse_anchor", "backend"}
+                *SPEC_FLAGS}
 
 
 def _command(name):
