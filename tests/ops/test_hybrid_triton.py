@@ -28,6 +28,25 @@ def test_sinks_on_the_forward_kernels_equal_the_float64_reference_through_the_in
                                   "sinks_unsettled")
 
 
+def test_gated_hybrid_kernels_equal_the_float64_reference_through_the_interpreter():
+    """With gates (``log_gate``, a fading linear state) against ``hybrid_attention_chunked`` with gates in
+    float64: values, the prefill's final state and every gradient (the log gates' too, also alone): GQA
+    and MQA, lengths off the chunks and shorter than the window, a window of one token, left padding
+    longer than a chunk and a hole, soft-capping, fp16 products, whole tiles, query blocks of half a chunk,
+    scans of several tiles (the decayed carry), gates of 1 (= the ungated kernels) and closed ones (log
+    -60), RoPE and Hedgehog maps in the kernels (both backward preludes); the sinks' kernels refuse gates;
+    a tiny gated student with features before RoPE (the mixer's dispatch, the gates' parameters' gradients)."""
+    run_triton_interpreter_script("triton_interpret_hybrid_gates.py", "gqa", "padding", "short", "window1", "exact",
+                                  "half", "open", "closed", "scan_tiles", "blocks", "hedgehog",
+                                  "hedgehog_torch_prelude", "sinks_refused", "model_gated")
+
+
+@pytest.mark.slow
+def test_lolcats_learned_decay_on_the_kernels_equals_the_torch_form_through_the_interpreter():
+    """A learned decay (constant gates per key head) with Hedgehog maps and RoPE inside the kernels."""
+    run_triton_interpreter_script("triton_interpret_hybrid_gates.py", "model_learned")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["model_llama", "model_gemma2", "model_t2r", "model_sinks", "model_sinks_window"])
 def test_lolcats_mixers_on_the_kernels_equal_the_torch_form_through_the_interpreter(case):

@@ -23,9 +23,10 @@ all left the window gets its state from there too.
 Length: ``spec.decay`` (``span``, ``learned``, ``gated``) fades the linear state per key head from
 the moment a key leaves the window (``ops.hybrid_attention``'s gates), so its mass stays bounded
 however long the sequence; ``spec.feature_rope = False`` computes the features from the q/k before
-RoPE, so the linear terms never see an absolute position the maps were not trained on. Either runs
-the PyTorch forms (the kernels have neither yet); decoding keeps the ring's key features when the
-stored (rotated) keys cannot give them back.
+RoPE, so the linear terms never see an absolute position the maps were not trained on. Both run in
+the whole-sequence kernels (the gates inside them; features before RoPE computed in PyTorch) and the
+fused decode step; decoding keeps the ring's key features when the stored (rotated) keys cannot
+give them back.
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ class LolcatsAttention(LinearAttention):
 
     @property
     def gated(self) -> bool:
-        """Whether the PyTorch forms must run: the linear state fades (``spec.decay`` other than none) or
-        the terms are normalised apart (``spec.norm`` separate); the kernels have neither yet."""
+        """Whether the linear state fades (``spec.decay`` other than none) or the terms are normalised apart
+        (``spec.norm`` separate): steps outside the fused kernel then run the PyTorch forms (the kernels
+        take gates; apart-normalised terms stay on PyTorch everywhere)."""
         return self.spec.decay not in (None, "none") or self.spec.norm == "separate"
 
     def mix(self) -> torch.Tensor | None:
@@ -176,7 +178,7 @@ class LolcatsAttention(LinearAttention):
     def _kernel_sequence(self, q, k, v, position_embeddings, want_state):
         """``sequence`` from no state through the Triton kernels, or None where they do not apply."""
         g, fq, fk = self.geometry, self.feature_map_q, self.feature_map_k
-        if self.gated:  # the kernels have no gates (nor apart-normalised terms) yet
+        if self.spec.norm == "separate":  # the kernels have no apart-normalised terms
             return None
         # (with features of the q/k before RoPE, the features are computed in PyTorch)
         hedgehog = type(fq) is Hedgehog and type(fk) is Hedgehog and self.spec.feature_rope
@@ -188,10 +190,13 @@ class LolcatsAttention(LinearAttention):
         plan = self._sink_plan(hedgehog, q, k, v, want_state) if self.spec.sparse_cache else None
         if self.spec.sparse_cache and plan is None:
             return None
+        # a fading state: the gates (fp32, with their gradient) go to the kernels as they are
+        log_gate = self.log_gate(q.shape[0], q.shape[2], q.device)
         if not hedgehog:  # features in PyTorch, the hybrid in the kernels
             q, k, qf, kf = self._inputs(q, k, position_embeddings)
             return ops.hybrid_attention(q, k, qf, kf, v, self.window_weight(), **self._kw(),
-                                        output_final_state=want_state, key_mask=self.key_mask, backend=self.spec.backend)
+                                        output_final_state=want_state, key_mask=self.key_mask, backend=self.spec.backend,
+                                        log_gate=log_gate)
         from ..ops.hybrid_triton import hybrid_triton
 
         rope = None
@@ -211,7 +216,7 @@ class LolcatsAttention(LinearAttention):
                                        logit=True, anchor=self.spec.sparse_anchor, output_final_state=want_state,
                                        plan=plan)
         return hybrid_triton(q, k, v, self.window_logit, hedgehog=(fq.weight, fk.weight), rope=rope, **self._kw(),
-                             key_mask=self.key_mask, output_final_state=want_state, logit=True)
+                             key_mask=self.key_mask, output_final_state=want_state, logit=True, log_gate=log_gate)
 
     def _sink_plan(self, hedgehog: bool, q, k, v, want_state: bool):
         """The first tokens' ``SinkPlan`` where this sparse cache's sequence runs the forward kernels, else

@@ -14,8 +14,8 @@ Shapes: ``q`` ``[B, H, T, D]`` and ``k`` ``[B, Hk, T, D]`` (after RoPE), ``qf`` 
 ``kf`` ``[B, Hk, T, F]`` (their features), ``v`` ``[B, Hk, T, D]``; ``gamma`` ``[H]``. Keys are shared
 by ``G = H / Hk`` query heads without being repeated.
 
-Whole sequences: ``hybrid_attention`` runs the Triton kernels (``hybrid_triton.py``) where
-``use_hybrid_kernel`` allows and ``hybrid_attention_chunked`` (PyTorch) elsewhere.
+Whole sequences: ``hybrid_attention`` runs the Triton kernels (``hybrid_triton.py``, gates included)
+where ``use_hybrid_kernel`` allows and ``hybrid_attention_chunked`` (PyTorch) elsewhere.
 
 Decoding state (``HybridState``): the last ``w`` keys, key features and values, plus the linear
 state ``sum phi_k(k_s) [v_s, 1]`` over tokens that have left the window: constant in size.
@@ -276,8 +276,9 @@ def hybrid_attention(
     log_gate: torch.Tensor | None = None, mix: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, HybridState | None]:
     """Whole sequences, as ``hybrid_attention_chunked``: through the Triton kernels where
-    ``use_hybrid_kernel`` allows (inputs cast to ``kernel_dtype``), else the PyTorch form."""
-    if log_gate is not None or mix is not None:  # the kernels have neither: the PyTorch form
+    ``use_hybrid_kernel`` allows (inputs cast to ``kernel_dtype``; the log gates stay as given), else
+    the PyTorch form."""
+    if mix is not None:  # the kernels have no apart-normalised terms: the PyTorch form
         return hybrid_attention_chunked(q, k, qf, kf, v, gamma, window=window, scale=scale, softcap=softcap,
                                         output_final_state=output_final_state, key_mask=key_mask, log_gate=log_gate,
                                         mix=mix)
@@ -287,9 +288,9 @@ def hybrid_attention(
 
         q, k, v, qf, kf = (x.to(dtype) for x in (q, k, v, qf, kf))
         return hybrid_triton(q, k, v, gamma, qf=qf, kf=kf, window=window, scale=scale, softcap=softcap,
-                             key_mask=key_mask, output_final_state=output_final_state)
+                             key_mask=key_mask, output_final_state=output_final_state, log_gate=log_gate)
     return hybrid_attention_chunked(q, k, qf, kf, v, gamma, window=window, scale=scale, softcap=softcap,
-                                    output_final_state=output_final_state, key_mask=key_mask)
+                                    output_final_state=output_final_state, key_mask=key_mask, log_gate=log_gate)
 
 
 def hybrid_final_state(k, kf, v, window: int, key_mask=None, log_gate=None) -> HybridState:

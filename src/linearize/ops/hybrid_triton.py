@@ -49,6 +49,23 @@ the weights' gradient, reduced by one torch sum (deterministic). Without it, PyT
 (``rope_half`` and ``hedgehog_features`` below, in the input dtype) and autograd carries them back:
 ~25 small launches per side and layer on an H100 profile of a training step.
 
+Gates (``log_gate`` ``[B, Hk, T]``, log g <= 0; a constexpr ``GATED``, every launch unchanged
+without): the linear state fades, a key ``s`` older than query ``t``'s window weighing
+``exp(G_t - G_{s+w})`` (``G`` the cumulative log gates). PyTorch sums the log gates within each
+chunk once per call (``chunk_log_gates``: ``Gl [B, Hk, N, w]``, the virtual tokens' gates 0), and
+only differences of ``Gl`` within one chunk are exponentiated (never above 0, no overflow):
+
+* ``_chunk_sums`` fades key j of chunk m to the end of chunk m+1 (where it left the window),
+  ``exp(Gl[m+1, w-1] - Gl[m+1, j])``; the forward ``_scan`` is a decayed one, ``E_{c+1} =
+  exp(Gl[c, w-1]) E_c + P_{c-1}`` (an associative scan per tile of chunks, the carry decayed from tile
+  to tile), whose entry N-2 is the prefill's final state as before;
+* ``_forward`` weighs the state by ``exp(Gl[c, i])`` and a youngest key j by ``exp(Gl[c, i] - Gl[c, j])``;
+* the backward puts the same factors on every linear term's gradient (the query side's asks to the
+  reverse state by ``exp(Gl[c, i])``, the reverse scan decayed by each chunk's gate, a key's answer
+  by ``exp(Gl[j+1, w-1] - Gl[j+1, jj])``); ``_backward_q`` and ``_backward_kf`` also store
+  ``phi_q . dphi_q`` per query and ``phi_k . dphi_k`` per key, from which PyTorch takes the log gates'
+  gradient (``log_gate_grad``). Window terms are untouched. Not with the sinks' form.
+
 Precision: products of bf16/fp16 inputs on tensor cores with fp32 accumulation (softmax weights,
 features and the fp32 states rounded to the input dtype first, as flash attention and fla do),
 every sum and state in fp32; fp32 inputs use full fp32 products throughout.
@@ -90,6 +107,7 @@ PREFILL_WARPS = 4  # its warps
 WIDE = dict(SUM_WARPS=8, FWD_WARPS=8, BWD_WARPS=8, KEY_WARPS=8, QUERY_ROWS=32, BWD_QUERY_ROWS=32, KEY_ROWS=16,
             PREFILL_QUERY_ROWS=32, PREFILL_WARPS=8)
 SCAN_TILE = 8192  # chunks x state entries per program of the scans
+SCAN_CHUNKS = 256  # chunks per tile of the scans (more: a carry from tile to tile)
 TINY = tl.constexpr(1.1754943508222875e-38)  # the clamp of the denominator (fp32's smallest normal)
 # The backward's prelude with Hedgehog maps (RoPE, the maps and their gradients): the Triton kernels of
 # ``hedgehog_rope_triton`` (True) or PyTorch with autograd (False; ``rope_half``, ``hedgehog_features``)
@@ -137,6 +155,35 @@ def _real(mask_ptr, t, ok, MASK: tl.constexpr):
 
 
 @triton.jit
+def _gates(gl_ptr, c, i, N, W):
+    """``Gl[c, i]``, the log gates' cumulative sum within chunk ``c`` up to its row ``i`` (``gl_ptr``: one
+    key head's ``[N, W]``); rows past the chunk (``i >= W``, a tile's padding) take its last, so that a
+    fade ``exp(Gl[c, i] - Gl[c, j])``, ``j <= i``, never overflows there; 0 for a chunk outside 0..N-1."""
+    return tl.load(gl_ptr + c * W + tl.minimum(i, W - 1), mask=_only(i >= 0, (c >= 0) & (c < N)), other=0.0)
+
+
+@triton.jit
+def _decayed(a1, x1, a2, x2):
+    """The gated scan's step as an associative operation: ``x2 + a2 x1``, decays multiplied."""
+    return a1 * a2, a2 * x1 + x2
+
+
+@triton.jit
+def _scale_rows(parts, scale, FP: tl.constexpr):
+    out = ()
+    for i in tl.static_range(FP):
+        out = out + ((parts[i].to(tl.float32) * scale[:, None]).to(parts[i].dtype),)
+    return out
+
+
+@triton.jit
+def _fade(g_rows, g_cols, near):
+    """``exp(g_rows - g_cols)`` where ``near`` (a pair's fade: the log gates summed between the key's
+    leaving the window and the query), 0 elsewhere (never an overflow there)."""
+    return tl.exp(tl.where(near, g_rows[:, None] - g_cols[None, :], float("-inf")))
+
+
+@triton.jit
 def _zero_rows(parts, keep, FP: tl.constexpr):
     out = ()
     for i in tl.static_range(FP):
@@ -163,11 +210,11 @@ def _scores(q, k, scale, softcap, SOFTCAP: tl.constexpr, PREC: tl.constexpr):
 
 @triton.jit
 def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, slot_ptr, sums_ptr, kf_out_ptr,
-                win_k_ptr, win_f_ptr, win_v_ptr, cache_k_ptr, cache_f_ptr, cache_v_ptr,
+                win_k_ptr, win_f_ptr, win_v_ptr, cache_k_ptr, cache_f_ptr, cache_v_ptr, gl_ptr,
                 skb, skh, skt, svb, svh, svt, sfb, sfh, sft, swk, scb, sct, T, W, OFF, N, HK, D, FW, R, L, S,
                 ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
                 STATE: tl.constexpr, SINKS: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
-                PREC: tl.constexpr):
+                PREC: tl.constexpr, GATED: tl.constexpr = False):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // HK
@@ -193,6 +240,11 @@ def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, slot_p
     if SINKS:  # the cached first tokens (a slot of the cache: >= 0) stay out of the linear state
         slot = tl.load(slot_ptr + b * T + t, mask=ok, other=-1)
         kl = _zero_rows(kf, slot < 0, FP)
+    if GATED:  # each key faded to the end of the next chunk (it leaves the window in that chunk)
+        rows = tl.arange(0, BW)
+        gl = gl_ptr + bh * N * W
+        last = _gates(gl, c + 1, rows * 0 + W - 1, N, W)
+        kl = _scale_rows(kl, tl.exp(last - _gates(gl, c + 1, rows, N, W)), FP)
     for i in tl.static_range(FP):
         tl.store(base + (i * FW + f)[:, None] * D + d[None, :],
                  tl.dot(tl.trans(kl[i]), v, input_precision=PREC), mask=m2)
@@ -216,11 +268,15 @@ def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, slot_p
 
 
 @triton.jit
-def _scan(src_ptr, dst_ptr, fin_ptr, N, E, D, F, G, S,
-          REVERSE: tl.constexpr, FINAL: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr):
+def _scan(src_ptr, dst_ptr, fin_ptr, gl_ptr, N, E, D, F, G, S, W,
+          REVERSE: tl.constexpr, FINAL: tl.constexpr, BN: tl.constexpr, BE: tl.constexpr,
+          GATED: tl.constexpr = False):
     """Cumulative sums over chunks of ``[rows, N, E]`` (inclusive; from the end with ``REVERSE``),
     each output row and chunk the sum of ``G`` input rows of ``S`` parts each (``[rows, G, N, S, E]``
-    in). ``FINAL``: also write the sum of chunks <= N-2 in ``HybridState``'s ``[F, D + 1]`` layout."""
+    in). ``FINAL``: also write the sum of chunks <= N-2 in ``HybridState``'s ``[F, D + 1]`` layout.
+    ``GATED``: decayed sums, ``out[n] = x[n] + a[n] out[n -+ 1]`` with ``a[n]`` the gate of a whole chunk
+    (``exp(Gl[., W-1])`` of row ``r``'s ``gl_ptr`` ``[rows, N, W]``), of chunk ``n + 1`` forward (the
+    state of chunks <= n at the end of chunk n + 1), of chunk ``n`` in reverse."""
     r = tl.program_id(0).to(tl.int64)
     e = tl.program_id(1) * BE + tl.arange(0, BE)
     em = e < E
@@ -228,7 +284,9 @@ def _scan(src_ptr, dst_ptr, fin_ptr, N, E, D, F, G, S,
     fin = tl.zeros([BE], dtype=tl.float32)
     tiles = tl.cdiv(N, BN)
     for j in range(tiles):
-        if REVERSE:
+        if GATED and REVERSE:  # the tile's rows from its last chunk: the scan runs down the rows
+            n = (tiles - 1 - j) * BN + (BN - 1 - tl.arange(0, BN))
+        elif REVERSE:
             n = (tiles - 1 - j) * BN + tl.arange(0, BN)
         else:
             n = j * BN + tl.arange(0, BN)
@@ -238,8 +296,17 @@ def _scan(src_ptr, dst_ptr, fin_ptr, N, E, D, F, G, S,
             for part in range(S):
                 x += tl.load(src_ptr + (r * G + g) * N * S * E + (n[:, None] * S + part) * E + e[None, :], mask=m,
                              other=0.0)
-        cum = tl.cumsum(x, axis=0, reverse=REVERSE) + carry[None, :]
-        carry += tl.sum(x, axis=0)
+        if GATED:
+            whole = n + 1  # the chunk whose gate multiplies the scan's previous row
+            if REVERSE:
+                whole = n
+            a = tl.exp(tl.load(gl_ptr + (r * N + whole) * W + W - 1, mask=(whole < N) & (n < N), other=0.0))
+            decay, cum = tl.associative_scan((tl.broadcast_to(a[:, None], [BN, BE]), x), 0, _decayed)
+            cum = cum + decay * carry[None, :]
+            carry = tl.sum(tl.where((tl.arange(0, BN) == BN - 1)[:, None], cum, 0.0), axis=0)
+        else:
+            cum = tl.cumsum(x, axis=0, reverse=REVERSE) + carry[None, :]
+            carry += tl.sum(x, axis=0)
         tl.store(dst_ptr + r * N * E + n[:, None] * E + e[None, :], cum, mask=m)
         if FINAL:
             fin += tl.sum(tl.where((n == N - 2)[:, None], cum, 0.0), axis=0)
@@ -252,13 +319,13 @@ def _scan(src_ptr, dst_ptr, fin_ptr, N, E, D, F, G, S,
 
 @triton.jit
 def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, cos_ptr, sin_ptr, mask_ptr, gamma_ptr, sums_ptr,
-             y_ptr, den_ptr, mx_ptr, slot_ptr, sink_pos_ptr,
+             y_ptr, den_ptr, mx_ptr, slot_ptr, sink_pos_ptr, gl_ptr,
              sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft, swq, scb, sct,
              syb, syh, syt, T, W, OFF, N, H, G, D, FW, R, S, scale, softcap,
              ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
              SOFTCAP: tl.constexpr, SAVE: tl.constexpr, LOGIT: tl.constexpr, SINKS: tl.constexpr,
              WINDOW_ANCHOR: tl.constexpr, BW: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr,
-             BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
+             BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr = False):
     c, i, tq, okq = _query_rows(tl.program_id(0), T, W, OFF, BW, BQ)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // H
@@ -292,12 +359,19 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, cos_ptr, sin_ptr, mask
         sz = tl.load(state + F * D + p * FW + f, mask=_only(f < FW, c >= 2), other=0.0)
         num = tl.dot(qf[p], sv.to(vdt), num, input_precision=PREC)  # the state rounded as fla does
         den += tl.sum(qf[p].to(tl.float32) * sz[None, :], axis=1)
+    if GATED:  # the state (at the end of chunk c-1) fades to the query: exp(Gl[c, i])
+        gl = gl_ptr + (b * HK + hk) * N * W
+        g_q = _gates(gl, c, i, N, W)
+        num = num * tl.exp(g_q)[:, None]
+        den = den * tl.exp(g_q)
     # 2. the youngest linear keys: the previous chunk's up to the query's position
     kf_p = _load_features(kf_ptr + b * skfb + hk * skfh, tp, okp, skft, FW, vdt, BF, FP)  # the keys' from memory
     lin_p = real_p
     if SINKS:  # the first tokens are cached, not linear terms
         lin_p = real_p & (tl.load(slot_ptr + b * T + tp, mask=okp, other=-1) < 0)
     lin = tl.where((j[None, :] <= i[:, None]) & lin_p[None, :], _feature_dot(qf, kf_p, FP, PREC), 0.0)
+    if GATED:  # key j left the window at row j of chunk c: exp(Gl[c, i] - Gl[c, j])
+        lin = lin * _fade(g_q, _gates(gl, c, j, N, W), j[None, :] <= i[:, None])
     v_p = tl.where(real_p[:, None], _tile(vb, tp, okp, svt, d, D), 0.0).to(vdt)
     num = tl.dot(lin.to(vdt), v_p, num, input_precision=PREC)
     den += tl.sum(lin, axis=1)
@@ -373,11 +447,11 @@ def _capped(ds, s, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_ptr, y_ptr, dy_ptr,
-                den_ptr, mx_ptr, am_ptr, dq_ptr, dqf_ptr, rho_ptr, dc_ptr, dgamma_ptr, qsums_ptr,
+                den_ptr, mx_ptr, am_ptr, dq_ptr, dqf_ptr, rho_ptr, dc_ptr, dgamma_ptr, qsums_ptr, gl_ptr, dgq_ptr,
                 sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft,
                 syb, syh, syt, sdb, sdh, sdt, T, W, OFF, N, H, G, D, F, scale, softcap,
                 MASK: tl.constexpr, SOFTCAP: tl.constexpr, BW: tl.constexpr, BQ: tl.constexpr, BD: tl.constexpr,
-                BF: tl.constexpr, PREC: tl.constexpr):
+                BF: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr = False):
     c, i, tq, okq = _query_rows(tl.program_id(0), T, W, OFF, BW, BQ)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // H
@@ -404,9 +478,18 @@ def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_p
     dd = delta.to(vdt)
     # phi(Q_c)^T [delta, rho]: what this chunk's queries ask of keys two or more chunks back
     qs = qsums_ptr + (bh * (N * (BW // BQ)) + tl.program_id(0)) * (F * (D + 1))
-    tl.store(qs + f[:, None] * D + d[None, :], tl.dot(tl.trans(qf), dd, input_precision=PREC),
-             mask=(f < F)[:, None] & (d < D)[None, :])
-    tl.store(qs + F * D + f, tl.sum(qf.to(tl.float32) * rho[:, None], axis=0), mask=f < F)
+    if GATED:  # each query's ask from the end of chunk c-1 (exp(Gl[c, i])); the reverse scan fades it on
+        gl = gl_ptr + (b * HK + hk) * N * W
+        g_q = _gates(gl, c, i, N, W)
+        e_q = tl.exp(g_q)
+        tl.store(qs + f[:, None] * D + d[None, :],
+                 tl.dot(tl.trans(qf), (delta * e_q[:, None]).to(vdt), input_precision=PREC),
+                 mask=(f < F)[:, None] & (d < D)[None, :])
+        tl.store(qs + F * D + f, tl.sum(qf.to(tl.float32) * (rho * e_q)[:, None], axis=0), mask=f < F)
+    else:
+        tl.store(qs + f[:, None] * D + d[None, :], tl.dot(tl.trans(qf), dd, input_precision=PREC),
+                 mask=(f < F)[:, None] & (d < D)[None, :])
+        tl.store(qs + F * D + f, tl.sum(qf.to(tl.float32) * rho[:, None], axis=0), mask=f < F)
     # (each part is folded in and stored as soon as it is complete: few tiles alive at once)
     # 1. the linear state of chunks <= c-2: dphi(q) += S delta + z rho
     state = sums_ptr + ((b * HK + hk) * N + c - 2) * (F * (D + 1))
@@ -414,8 +497,12 @@ def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_p
                  other=0.0)
     sz = tl.load(state + F * D + f, mask=_only(f < F, c >= 2), other=0.0)
     dqf = tl.dot(dd, tl.trans(sv.to(vdt)), input_precision=PREC) + rho[:, None] * sz[None, :]
+    if GATED:
+        dqf = dqf * e_q[:, None]
     p_lin = tl.sum(qf.to(tl.float32) * dqf, axis=1)  # sum over the state's terms of l dl
     den_lin = tl.sum(qf.to(tl.float32) * sz[None, :], axis=1)
+    if GATED:
+        den_lin = den_lin * e_q
     # 2. the youngest linear keys (the previous chunk's up to the query's position)
     near = (j[None, :] <= i[:, None]) & real_p[None, :]
     k_p = _tile(kb, tp, okp, skt, d, D)
@@ -424,10 +511,17 @@ def _backward_q(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, mask_ptr, gamma_ptr, sums_p
     da_p = tl.dot(dd, tl.trans(v_p), input_precision=PREC) + rho[:, None]  # d a_ts = delta_t . v_s + rho_t
     lin = tl.where(near, tl.dot(qf, tl.trans(kf_p), input_precision=PREC), 0.0)
     dl = tl.where(near, da_p, 0.0)
-    dqf = tl.dot(dl.to(vdt), kf_p, dqf, input_precision=PREC)
+    if GATED:
+        fade = _fade(g_q, _gates(gl, c, j, N, W), near)
+        lin = lin * fade
+        dqf = tl.dot((dl * fade).to(vdt), kf_p, dqf, input_precision=PREC)
+    else:
+        dqf = tl.dot(dl.to(vdt), kf_p, dqf, input_precision=PREC)
     tl.store(dqf_ptr + bh * T * F + tq[:, None] * F + f[None, :], dqf, mask=fm)
     p_lin += tl.sum(lin * dl, axis=1)
     den_lin += tl.sum(lin, axis=1)
+    if GATED:  # phi_q . dphi_q = the sum of a da over the query's linear terms: G_t's gradient from its queries
+        tl.store(dgq_ptr + row, p_lin, mask=okq)
     # 3. the window: scores, where their maximum c_t is, softmax terms
     mx = tl.load(mx_ptr + row, mask=okq, other=0.0)
     gamma = tl.load(gamma_ptr + h).to(tl.float32)
@@ -513,13 +607,13 @@ def _backward_kv(q_ptr, k_ptr, v_ptr, mask_ptr, gamma_ptr, dy_ptr, den_ptr, mx_p
 
 
 @triton.jit
-def _backward_kf(v_ptr, qf_ptr, kf_ptr, mask_ptr, rsums_ptr, dy_ptr, den_ptr, rho_ptr, dv_ptr, dkf_ptr,
-                 svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft, sdb, sdh, sdt,
+def _backward_kf(v_ptr, qf_ptr, kf_ptr, mask_ptr, rsums_ptr, dy_ptr, den_ptr, rho_ptr, dv_ptr, dkf_ptr, gl_ptr,
+                 dgk_ptr, svb, svh, svt, sqfb, sqfh, sqft, skfb, skfh, skft, sdb, sdh, sdt,
                  T, W, OFF, N, HK, D, F, G: tl.constexpr, MASK: tl.constexpr, BW: tl.constexpr, BK: tl.constexpr,
-                 BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
+                 BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr = False):
     """Key side, linear terms: dphi(k) and the linear part of dv (added to ``dv``, which holds the
     window's), from chunk j+1's queries (the youngest linear keys) and the reverse state of chunks
-    >= j+2."""
+    >= j+2. ``GATED``: also ``phi_k . dphi_k`` per key (``dgk_ptr``)."""
     j, ik, tk, okk = _query_rows(tl.program_id(0), T, W, OFF, BW, BK)  # this program's keys: BK of chunk j's
     bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // HK
@@ -542,20 +636,34 @@ def _backward_kf(v_ptr, qf_ptr, kf_ptr, mask_ptr, rsums_ptr, dy_ptr, den_ptr, rh
     # the youngest linear keys of chunk j+1's queries: those at or after the key's position
     tq, okq = _rows(j + 1, T, W, OFF, BW)
     near = real[:, None] & okq[None, :] & (iq[None, :] >= ik[:, None])
+    if GATED:  # the key leaves the window at row ik of chunk j+1: the state's asks come from the chunk's end
+        gl = gl_ptr + bh * N * W
+        g_k = _gates(gl, j + 1, ik, N, W)
+        to_end = tl.exp(_gates(gl, j + 1, ik * 0 + W - 1, N, W) - g_k)
+        dv = dv * to_end[:, None]
+        dkf = dkf * to_end[:, None]
+        fade = tl.exp(tl.where(near, _gates(gl, j + 1, iq, N, W)[None, :] - g_k[:, None], float("-inf")))
     for g in tl.static_range(G):
         h = hk * G + g
         row = (b * H + h) * T + tq
         qf = _tile(qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, f, F).to(vdt)
         dd = _delta(dy_ptr + b * sdb + h * sdh, den_ptr, row, tq, okq, sdt, d, D).to(vdt)
         lin = tl.where(near, tl.dot(kf, tl.trans(qf), input_precision=PREC), 0.0)
+        if GATED:
+            lin = lin * fade
         dv = tl.dot(lin.to(vdt), dd, dv, input_precision=PREC)
         da = tl.dot(v, tl.trans(dd), input_precision=PREC) + tl.load(rho_ptr + row, mask=okq, other=0.0)[None, :]
-        dkf = tl.dot(tl.where(near, da, 0.0).to(vdt), qf, dkf, input_precision=PREC)
+        if GATED:
+            dkf = tl.dot((tl.where(near, da, 0.0) * fade).to(vdt), qf, dkf, input_precision=PREC)
+        else:
+            dkf = tl.dot(tl.where(near, da, 0.0).to(vdt), qf, dkf, input_precision=PREC)
     dm = okk[:, None] & (d < D)[None, :]
     out = dv_ptr + bh * T * D + tk[:, None] * D + d[None, :]
     tl.store(out, tl.where(real[:, None], dv + tl.load(out, mask=dm, other=0.0), 0.0), mask=dm)
-    tl.store(dkf_ptr + bh * T * F + tk[:, None] * F + f[None, :], tl.where(real[:, None], dkf, 0.0),
-             mask=okk[:, None] & (f < F)[None, :])
+    dkf = tl.where(real[:, None], dkf, 0.0)
+    tl.store(dkf_ptr + bh * T * F + tk[:, None] * F + f[None, :], dkf, mask=okk[:, None] & (f < F)[None, :])
+    if GATED:  # G_{s+w}'s gradient from its key s: minus phi_k . dphi_k
+        tl.store(dgk_ptr + bh * T + tk, tl.sum(kf.to(tl.float32) * dkf, axis=1), mask=okk)
 
 
 # --- PyTorch side -------------------------------------------------------------------------------
@@ -591,9 +699,31 @@ def _last_contiguous(x):
     return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
+def chunk_log_gates(log_gate: torch.Tensor, window: int) -> torch.Tensor:
+    """``Gl`` ``[B, Hk, N, w]`` fp32: the log gates ``[B, Hk, T]`` summed within each of the kernels' chunks
+    (aligned to the sequence's end: the ``N w - T`` virtual tokens in front have log gate 0)."""
+    b, hk, t = log_gate.shape
+    n = -(-t // window)
+    lg = torch.nn.functional.pad(log_gate.float(), (n * window - t, 0))
+    return lg.view(b, hk, n, window).cumsum(-1).contiguous()
+
+
+def log_gate_grad(dgq: torch.Tensor, dgk: torch.Tensor, window: int) -> torch.Tensor:
+    """The log gates' gradient ``[B, Hk, T]`` (float64) from the backward's ``phi_q . dphi_q`` per query
+    ``[B, H, T]`` and ``phi_k . dphi_k`` per key ``[B, Hk, T]``. A linear term is ``exp(G_t - G_{s+w})
+    phi_q(q_t) . phi_k(k_s)`` (``G`` the cumulative log gates), so ``dL/dG_t`` is the first summed over
+    the key head's query heads minus the second at ``s = t - w``; a log gate ``u`` is in every ``G_t``,
+    ``t >= u``: a sum from the end (in float64: its head and tail cancel)."""
+    b, hk, t = dgk.shape
+    d_cum = dgq.double().view(b, hk, -1, t).sum(2)
+    if t > window:
+        d_cum[..., window:] -= dgk[..., : t - window].double()
+    return d_cum.flip(-1).cumsum(-1).flip(-1)
+
+
 def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=None, key_mask=None, qf=None,
                           kf=None, hedgehog=None, rope=None, save: bool = False, state: bool = False,
-                          logit: bool = False, sinks=None, window_anchor: bool = False):
+                          logit: bool = False, sinks=None, window_anchor: bool = False, log_gate=None):
     """The three forward launches. Returns ``(y, saved, state)``: ``y`` ``[B, H, T, D]`` (a view of
     ``[B, T, H, D]`` memory, what the output projection reads); ``saved`` (with ``save``) the
     per-chunk states and per-query quantities the backward needs; ``state`` (with ``state``) the
@@ -606,7 +736,11 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     t - w``, under one maximum with the window's; ``window_anchor`` scales the linear terms by
     ``exp(c_window - c)``. With ``state``, ``state`` is ``(HybridState, (keys, features, values))``,
     the cache's rows ``[B, Hk, S, *]`` (keys rotated; slots past the sequence's real tokens unset).
-    No backward (``save`` refused)."""
+    No backward (``save`` refused).
+
+    ``log_gate`` ``[B, Hk, T]`` (log gates <= 0, any float dtype): the linear state fades (see
+    ``hybrid_attention.py``); ``saved`` then also holds the chunks' cumulative log gates
+    (``chunk_log_gates``). Not with ``sinks``."""
     from .hybrid_state import HybridState
 
     b, h, t, d = q.shape
@@ -652,6 +786,13 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
         win_k = win_f = win_v = sums  # not written
     common = dict(ROPE=rope is not None, HEDGEHOG=hedgehog is not None, FP=fp, MASK=key_mask is not None,
                   SINKS=sinks is not None, BW=bw, BD=bd, BF=bf, PREC=prec)
+    gated = log_gate is not None
+    if gated:
+        if sinks is not None:
+            raise ValueError("hybrid_triton_forward: the sinks' form has no gates (log_gate)")
+        if tuple(log_gate.shape) != (b, hk, t):
+            raise ValueError(f"hybrid_triton: log_gate must be [B, Hk, T] = {[b, hk, t]}, got {list(log_gate.shape)}")
+        gl = chunk_log_gates(log_gate, w)
     if sinks is not None:
         if save:
             raise ValueError("hybrid_triton_forward: the sinks' form has no backward")
@@ -667,14 +808,16 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
         cache = tuple(torch.empty(b, hk, n_sinks, e, device=dev, dtype=dt) for e in (d, f, d))
     else:
         cache = (sums,) * 3  # not written
-    _chunk_sums[(n, b * hk)](k, v, kf, wk, cos, sin, mask, slot, sums, kf_out, win_k, win_f, win_v, *cache,
+    if not gated:
+        gl = sums  # not read
+    _chunk_sums[(n, b * hk)](k, v, kf, wk, cos, sin, mask, slot, sums, kf_out, win_k, win_f, win_v, *cache, gl,
                              *_strides(k), *_strides(v), *_strides(kf), swk, scb, sct,
                              t, w, off, n, hk, d, fw, rot, l, n_sinks, STATE=state, num_warps=kn["SUM_WARPS"],
-                             **common)
+                             GATED=gated, **common)
     if hedgehog is not None:
         kf = kf_out
     linear = torch.empty(b, hk, 1, f, d + 1, device=dev, dtype=torch.float32) if state else sums
-    scan(sums, sums, n, e, d, f, 1, reverse=False, final=linear if state else None)
+    scan(sums, sums, n, e, d, f, 1, reverse=False, final=linear if state else None, gates=gl if gated else None)
     y = torch.empty(b, t, h, d, device=dev, dtype=dt).transpose(1, 2)
     if save:
         den = torch.empty(b, h, t, device=dev, dtype=torch.float32)
@@ -684,13 +827,13 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     bq = min(kn["QUERY_ROWS" if save else "PREFILL_QUERY_ROWS"], bw)
     warps = kn["FWD_WARPS" if save else "PREFILL_WARPS"]
     _forward[(n * (bw // bq), b * h)](q, k, v, qf, kf, wq, cos, sin, mask, gamma, sums, y, den, mx,
-                         slot, sink_pos,
+                         slot, sink_pos, gl,
                          *_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), swq, scb, sct,
                          *_strides(y), t, w, off, n, h, h // hk, d, fw, rot, n_sinks, float(scale),
                          float(softcap or 1.0), SOFTCAP=softcap is not None, SAVE=save, LOGIT=logit,
                          WINDOW_ANCHOR=window_anchor, BQ=bq, BS=_pow2(n_sinks), num_warps=warps,
-                         **common)
-    saved = (sums, den, mx) if save else None
+                         GATED=gated, **common)
+    saved = ((sums, den, mx, gl) if gated else (sums, den, mx)) if save else None
     out_state = None
     if state:
         valid = key_mask[:, t - l:] if key_mask is not None else torch.ones(b, l, dtype=torch.bool, device=dev)
@@ -700,20 +843,25 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     return y, saved, out_state
 
 
-def scan(src, dst, n, e, d, f, groups, *, reverse: bool, final=None, parts: int = 1):
-    """``_scan`` over ``src`` ``[rows, groups, n, parts, e]`` into ``dst`` ``[rows, n, e]``."""
+def scan(src, dst, n, e, d, f, groups, *, reverse: bool, final=None, parts: int = 1, gates=None):
+    """``_scan`` over ``src`` ``[rows, groups, n, parts, e]`` into ``dst`` ``[rows, n, e]``; ``gates``: the
+    chunks' cumulative log gates ``[rows, n, w]`` (``chunk_log_gates``), a decayed scan."""
     rows = dst.numel() // (n * e)
-    bn = min(triton.next_power_of_2(n), 256)
+    bn = min(triton.next_power_of_2(n), SCAN_CHUNKS)
     be = max(16, min(triton.next_power_of_2(e), SCAN_TILE // bn))
-    _scan[(rows, triton.cdiv(e, be))](src, dst, final if final is not None else dst, n, e, d, f, groups, parts,
-                                       REVERSE=reverse, FINAL=final is not None, BN=bn, BE=be, num_warps=4)
+    extra = {} if gates is None else dict(GATED=True)
+    gl, w = (dst, 1) if gates is None else (gates, gates.shape[-1])
+    _scan[(rows, triton.cdiv(e, be))](src, dst, final if final is not None else dst, gl, n, e, d, f, groups, parts,
+                                       w, REVERSE=reverse, FINAL=final is not None, BN=bn, BE=be, num_warps=4, **extra)
 
 
 def hybrid_triton_backward(dy, q, k, v, qf, kf, gamma, y, saved, *, window: int, scale: float, softcap=None,
                            key_mask=None):
     """Gradients of the kernels' output ``y`` for ``dy``, from rotated ``q``/``k`` and the features
-    ``qf``/``kf`` (all in the input dtype): ``(dq, dk, dv, dqf, dkf, dgamma)`` in fp32."""
-    sums, den, mx = saved
+    ``qf``/``kf`` (all in the input dtype): ``(dq, dk, dv, dqf, dkf, dgamma, dlog_gate)`` in fp32
+    (``dlog_gate`` ``[B, Hk, T]``, None without gates: ``saved`` of a gated forward holds them)."""
+    sums, den, mx, *gates = saved
+    gl = gates[0] if gates else None
     b, h, t, d = q.shape
     hk = k.shape[1]
     f = qf.shape[-1]
@@ -743,11 +891,15 @@ def hybrid_triton_backward(dy, q, k, v, qf, kf, gamma, y, saved, *, window: int,
     common = dict(MASK=key_mask is not None, SOFTCAP=softcap is not None, BW=bw, BD=bd, BF=bf, PREC=prec,
                   num_warps=kn["BWD_WARPS"])
     strides = (*_strides(q), *_strides(k), *_strides(v), *_strides(qf), *_strides(kf), *_strides(y), *_strides(dy))
+    gated = gl is not None
+    dgq = torch.empty(b, h, t, **f32) if gated else rho  # (not written without gates)
+    dgk = torch.empty(b, hk, t, **f32) if gated else rho
+    gl_arg = gl if gated else rho  # not read
     _backward_q[(n * parts, b * h)](q, k, v, qf, kf, mask, gamma, sums, y, dy, den, mx, am, dq, dqf, rho, dc, dgamma,
-                                    qsums, *strides, t, w, off, n, h, h // hk, d, f, float(scale),
-                                    float(softcap or 1.0), BQ=bq, **common)
+                                    qsums, gl_arg, dgq, *strides, t, w, off, n, h, h // hk, d, f, float(scale),
+                                    float(softcap or 1.0), BQ=bq, GATED=gated, **common)
     rsums = torch.empty(b, hk, n, e, **f32)
-    scan(qsums, rsums, n, e, d, f, h // hk, reverse=True, parts=parts)
+    scan(qsums, rsums, n, e, d, f, h // hk, reverse=True, parts=parts, gates=gl)
     dk = torch.empty(b, hk, t, d, **f32)
     dv = torch.empty(b, hk, t, d, **f32)
     dkf = torch.empty(b, hk, t, f, **f32)
@@ -757,26 +909,33 @@ def hybrid_triton_backward(dy, q, k, v, qf, kf, gamma, y, saved, *, window: int,
     _backward_kv[grid](q, k, v, mask, gamma, dy, den, mx, am, rho, dc, dk, dv, *_strides(q), *_strides(k),
                        *_strides(v), *_strides(dy), t, w, off, hk, d, float(scale), float(softcap or 1.0),
                        SOFTCAP=softcap is not None, **key_side)
-    _backward_kf[grid](v, qf, kf, mask, rsums, dy, den, rho, dv, dkf, *_strides(v), *_strides(qf), *_strides(kf),
-                       *_strides(dy), t, w, off, n, hk, d, f, BF=bf, **key_side)
-    return dq, dk, dv, dqf, dkf, dgamma.sum(dim=(0, 2))
+    _backward_kf[grid](v, qf, kf, mask, rsums, dy, den, rho, dv, dkf, gl_arg, dgk, *_strides(v), *_strides(qf),
+                       *_strides(kf), *_strides(dy), t, w, off, n, hk, d, f, BF=bf, GATED=gated, **key_side)
+    dlog_gate = log_gate_grad(dgq, dgk, w).float() if gated else None
+    return dq, dk, dv, dqf, dkf, dgamma.sum(dim=(0, 2)), dlog_gate
 
 
 class _HybridTriton(torch.autograd.Function):
     """The kernels with autograd. Inputs: ``q, k, v, gamma``, then the features ``qf, kf`` or the
-    Hedgehog weights ``wq, wk`` (one pair; the other None), then ``cos, sin`` (or None)."""
+    Hedgehog weights ``wq, wk`` (one pair; the other None), then ``cos, sin`` (or None), ..., and the
+    log gates (or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit):
+    def forward(ctx, q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit, log_gate):
         hedgehog = (wq, wk) if wq is not None else None
         rope = (cos, sin) if cos is not None else None
         y, saved, _ = hybrid_triton_forward(q, k, v, gamma, window=window, scale=scale, softcap=softcap,
                                             key_mask=key_mask, qf=qf, kf=kf, hedgehog=hedgehog, rope=rope, save=True,
-                                            logit=logit)
+                                            logit=logit, log_gate=log_gate)
         ctx.save_for_backward(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, y, *saved)
         ctx.kw = dict(window=window, scale=scale, softcap=softcap)
         ctx.logit = logit
+        ctx.gate_dtype = None if log_gate is None else log_gate.dtype
         return y
+
+    @staticmethod
+    def _gate_grad(ctx, dlog_gate):
+        return dlog_gate.to(ctx.gate_dtype) if dlog_gate is not None and ctx.needs_input_grad[15] else None
 
     @staticmethod
     def backward(ctx, dy):
@@ -800,7 +959,7 @@ class _HybridTriton(torch.autograd.Function):
             else:
                 fq, fk = lqf, lkf
         weight = torch.sigmoid(gamma.float()) if ctx.logit else gamma
-        dq, dk, dv, dfq, dfk, dgamma = hybrid_triton_backward(
+        dq, dk, dv, dfq, dfk, dgamma, dlog_gate = hybrid_triton_backward(
             dy, qr.detach().to(q.dtype), kr.detach().to(q.dtype), v, fq.detach(), fk.detach(), weight, y, saved,
             key_mask=key_mask, **ctx.kw)
         if ctx.logit:
@@ -815,7 +974,7 @@ class _HybridTriton(torch.autograd.Function):
                   for x, orig in zip(leaves, inputs)]
         dq_, dk_, dqf_, dkf_, dwq, dwk = result
         return (dq_, dk_, dv.to(v.dtype) if needs[2] else None, dgamma.to(gamma.dtype) if needs[3] else None,
-                dqf_, dkf_, dwq, dwk, None, None, None, None, None, None, None)
+                dqf_, dkf_, dwq, dwk, None, None, None, None, None, None, None, _HybridTriton._gate_grad(ctx, dlog_gate))
 
     @staticmethod
     def _fused_prelude_backward(ctx, dy):
@@ -827,8 +986,8 @@ class _HybridTriton(torch.autograd.Function):
         qr, fq = hedgehog_rope_forward(q, cos, sin, wq)
         kr, fk = hedgehog_rope_forward(k, cos, sin, wk)
         weight = torch.sigmoid(gamma.float()) if ctx.logit else gamma
-        dq, dk, dv, dfq, dfk, dgamma = hybrid_triton_backward(dy, qr, kr, v, fq, fk, weight, y, saved,
-                                                              key_mask=key_mask, **ctx.kw)
+        dq, dk, dv, dfq, dfk, dgamma, dlog_gate = hybrid_triton_backward(dy, qr, kr, v, fq, fk, weight, y, saved,
+                                                                         key_mask=key_mask, **ctx.kw)
         if ctx.logit:
             dgamma = dgamma * weight * (1.0 - weight)
         out = []
@@ -840,11 +999,12 @@ class _HybridTriton(torch.autograd.Function):
             out.append((dx, None if dw is None else dw.to(w.dtype)))
         (dq_, dwq), (dk_, dwk) = out
         return (dq_, dk_, dv.to(v.dtype) if needs[2] else None, dgamma.to(gamma.dtype) if needs[3] else None,
-                None, None, dwq, dwk, None, None, None, None, None, None, None)
+                None, None, dwq, dwk, None, None, None, None, None, None, None, _HybridTriton._gate_grad(ctx, dlog_gate))
 
 
 def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float | None = None, key_mask=None,
-                  output_final_state: bool = False, qf=None, kf=None, hedgehog=None, rope=None, logit: bool = False):
+                  output_final_state: bool = False, qf=None, kf=None, hedgehog=None, rope=None, logit: bool = False,
+                  log_gate=None):
     """The hybrid over whole sequences on CUDA (or Triton's interpreter): ``(y, state or None)``.
 
     ``q`` ``[B, H, T, D]``, ``k``/``v`` ``[B, Hk, T, D]`` in one dtype (bf16, fp16 or fp32), any
@@ -854,8 +1014,9 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
     kernels. ``rope = (cos, sin)`` ``[B or 1, T, R]`` (Hedgehog only): q and k come unrotated and
     the kernels rotate halves of their first R dims; the state's keys are the rotated ones.
     ``logit``: ``gamma`` holds the window weights' logits (sigmoid taken in the kernels: a launch
-    fewer per layer). Gradients flow to q, k, v, gamma and the features or Hedgehog weights; the final state
-    (``HybridState``, window of ``min(T, window)`` tokens) carries none.
+    fewer per layer). ``log_gate`` ``[B, Hk, T]`` (<= 0): a fading linear state, as
+    ``hybrid_attention_chunked``'s. Gradients flow to q, k, v, gamma, the features or Hedgehog weights and
+    the log gates; the final state (``HybridState``, window of ``min(T, window)`` tokens) carries none.
     """
     if rope is not None and hedgehog is None:
         raise ValueError("hybrid_triton rotates q and k only when it computes Hedgehog features itself")
@@ -867,9 +1028,9 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
     if key_mask is not None and key_mask.dtype != torch.bool:
         key_mask = key_mask.bool()
     key_mask = None if key_mask is None else key_mask.contiguous()
-    tensors = (q, k, v, gamma, qf, kf, *(hedgehog or (None, None)))
+    tensors = (q, k, v, gamma, qf, kf, *(hedgehog or (None, None)), log_gate)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-    kw = dict(window=window, scale=scale, softcap=softcap, logit=logit)
+    kw = dict(window=window, scale=scale, softcap=softcap, logit=logit, log_gate=log_gate)
     state = None
     if output_final_state:  # the decoding state carries no gradient
         with torch.no_grad():
@@ -883,7 +1044,8 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
         return y, None
     wq, wk = hedgehog or (None, None)
     cos, sin = rope or (None, None)
-    y = _HybridTriton.apply(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit)
+    y = _HybridTriton.apply(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit,
+                            log_gate)
     return y, state
 
 
@@ -931,7 +1093,7 @@ def sink_plan(key_mask, b: int, t: int, window: int, cache_size: int, device) ->
 
 def hybrid_triton_sinks(q, k, v, gamma, *, window: int, cache_size: int, scale: float, softcap=None, key_mask=None,
                         hedgehog, rope=None, logit: bool = False, anchor: str = "joint",
-                        output_final_state: bool = False, plan: SinkPlan | None = None):
+                        output_final_state: bool = False, plan: SinkPlan | None = None, log_gate=None):
     """``sparse_hybrid_attention_chunked`` under ``priority="first"`` (each sequence's first ``S =
     cache_size`` real tokens cached for good, StreamingLLM's attention sinks) through the forward
     kernels, without gradients: ``(y, state or None)``. The kernels leave the first tokens out of the
@@ -943,9 +1105,13 @@ def hybrid_triton_sinks(q, k, v, gamma, *, window: int, cache_size: int, scale: 
     is settled, every sequence's first ``S`` tokens having left its window (the caller checks:
     ``sink_plan(...).settled``); the window, the linear state and the cache as the reference gives them.
     ``plan``: the caller's ``sink_plan`` for this key mask and shape (else looked up here).
+    No gates: ``log_gate`` is refused (the sparse forms have no fading state).
     """
     from .hybrid_state import SparseHybridState
 
+    if log_gate is not None:
+        raise ValueError("hybrid_triton_sinks has no gates (log_gate): the sparse cache does not combine with a "
+                         "fading linear state")
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, gamma, *hedgehog)):
         raise ValueError("hybrid_triton_sinks has no backward: call it without gradients")
     b, _, t, _ = q.shape
