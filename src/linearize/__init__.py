@@ -1,14 +1,21 @@
-"""linearize: turn pretrained softmax-attention language models into linear-cost-inference models."""
+"""linearize: turn pretrained softmax-attention language models into linear-cost-inference models.
 
-from .cache import LinearizeCache, RecurrentLayer
-from .checkpoint import load, save
-from .convert import convert, mixers, respec, spec_of
+The API's names load on first use (``linearize.load``, ``from linearize import convert``;
+``linearize.lazy``): the ``linearize`` command imports this package too, and its ``--help`` and
+one-line errors must not wait for torch and transformers.
+"""
+
+from . import autoregister as _autoregister
 from .errors import LinearizeError
+from .lazy import lazy_names as _lazy_names
 from .spec import Spec
 from .version import __version__
-from . import autoregister as _autoregister
 
 _autoregister.install()  # AutoConfig / AutoModelForCausalLM learn the linearize_* types (linearize.hf)
+_lazy_names(__name__, {
+    "LinearizeCache": "cache", "RecurrentLayer": "cache", "load": "checkpoint", "save": "checkpoint",
+    "convert": "convert", "mixers": "convert", "respec": "convert", "spec_of": "convert",
+}, submodules=True)
 
 
 def load_teacher(spec=None, dtype=None, device=None):
@@ -23,6 +30,8 @@ def load_model(spec, dtype=None, device=None):
     """``(model, tokenizer)`` from a linearize checkpoint folder (``load``), or else from any teacher
     spec as ``load_teacher`` takes it ("default" for the embedded one)."""
     from pathlib import Path
+
+    from .checkpoint import load
 
     path = Path(spec).expanduser()
     config = path / "config.json"

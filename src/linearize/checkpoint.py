@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from .errors import LinearizeError
+from .quiet import transient_bars, without_bpe_cleanup
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -35,7 +36,8 @@ def save(model, tokenizer, directory: str | os.PathLike) -> Path:
     if directory.exists() and not directory.is_dir():
         raise LinearizeError(f"cannot save to {directory}: it is a file, not a folder")
     directory.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(directory, safe_serialization=True)
+    with transient_bars():
+        model.save_pretrained(directory, safe_serialization=True)
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
     return directory
@@ -98,11 +100,12 @@ def load(directory: str | os.PathLike, dtype: torch.dtype | str | None = None, d
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
 
     try:
-        if record is not None:  # its from_pretrained checks the weights' sha256 first
-            model = hf.model_class(base_model_type(model_type)).from_pretrained(
-                directory, config=hf.config_from_dict(values), dtype=dtype)
-        else:
-            model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+        with transient_bars():
+            if record is not None:  # its from_pretrained checks the weights' sha256 first
+                model = hf.model_class(base_model_type(model_type)).from_pretrained(
+                    directory, config=hf.config_from_dict(values), dtype=dtype)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
     except LinearizeError:
         raise
     except Exception as exc:  # corrupt safetensors, mismatched shapes ...
@@ -116,7 +119,7 @@ def load(directory: str | os.PathLike, dtype: torch.dtype | str | None = None, d
         raise LinearizeError(f"could not load the tokenizer in {directory}: {_first_line(exc)}") from None
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return model, without_bpe_cleanup(tokenizer)
 
 
 def _first_line(exc: BaseException) -> str:

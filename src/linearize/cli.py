@@ -306,8 +306,7 @@ def _uptrain_config(args, method: str, spec: dict, default_out: str, **fixed):
     from .recipes import uptrain
 
     def make(out):
-        from .recipes.supra import SupraConfig
-        from .recipes.xatl import XatlConfig
+        from .recipes.settings import SupraConfig, XatlConfig
 
         return {"supra": SupraConfig, "xatl": XatlConfig}[method](out=out)
 
@@ -440,11 +439,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "tokens (kept softmax layers' KV caches grow with it)")
     i.set_defaults(func=cmd_info)
 
-    from .recipes import lolcats
     from .recipes.config import add_flags
-    from .recipes.supra import SupraConfig
-    from .recipes.uptrain import UptrainConfig
-    from .recipes.xatl import XatlConfig
+    from .recipes.settings import LolcatsConfig, SupraConfig, UptrainConfig, XatlConfig
 
     lc = sub.add_parser("lolcats", parents=[common], help="LoLCATs: attention transfer, then LoRA (two stages)",
                         description="Linearize a teacher with LoLCATs: stage 1 trains only the feature maps (and the "
@@ -453,12 +449,12 @@ def build_parser() -> argparse.ArgumentParser:
                                     "perplexity of the teacher, the converted model and after each stage; writes "
                                     "OUT/final (a standalone checkpoint), OUT/results.json and OUT/metrics.jsonl.")
     lc.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/lolcats)")
-    _training_arguments(lc, lolcats.LolcatsConfig, budgets=("cpu", "gpu", "paper"))
-    add_flags(lc, lolcats.LolcatsConfig, ("stage1_lr", "stage1_steps", "stage1_epochs", "layers_per_block", "block_inputs",
+    _training_arguments(lc, LolcatsConfig, budgets=("cpu", "gpu", "paper"))
+    add_flags(lc, LolcatsConfig, ("stage1_lr", "stage1_steps", "stage1_epochs", "layers_per_block", "block_inputs",
                                           "mse_factor", "xent_factor", "stage2_lr", "stage2_steps", "stage2_epochs",
                                           "lora_r", "lora_alpha", "auto_softmax_score", "auto_softmax_distance",
                                           "cuda_graph"))
-    _distill_arguments(lc, lolcats.LolcatsConfig, "stage 2's loss", align=False)
+    _distill_arguments(lc, LolcatsConfig, "stage 2's loss", align=False)
     lc.add_argument("--rows", help="comma-separated comparison rows at the same budget (LoLCATs Table 5): "
                     "lolcats, swap-finetune, stage1-only, no-window; each writes OUT/<row>")
     _spec_arguments(lc)

@@ -39,17 +39,7 @@ from torch import nn
 
 from .errors import LinearizeError
 from .mixers.base import unpadded_batches
-
-MODES = ("auto", "on", "off")  # the cuda_graph setting of the recipes that train with GraphedLoss
-
-
-def graph_mode(value) -> str:
-    """``value`` as one of ``MODES``: a YAML recipe's or an earlier run config's true/false is on/off."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if value in MODES:
-        return value
-    raise LinearizeError(f"cuda_graph must be auto, on or off (or true/false), got {value!r}")
+from .recipes.config import MODES, graph_mode  # noqa: F401  (the recipes' cuda_graph setting, read without torch)
 
 
 def use_graphs(mode: str, *, cuda: bool, uncapturable: str | None = None, fsdp: bool = False,

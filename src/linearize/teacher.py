@@ -32,6 +32,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from .errors import LinearizeError
 from .models import SUPPORTED_MODEL_TYPES, get_adapter  # noqa: F401  (the adapters are the one list)
 from .paths import cache_dir
+from .quiet import transient_bars, without_bpe_cleanup
 
 logger = logging.getLogger(__name__)
 
@@ -114,11 +115,9 @@ def load_teacher(
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    folder, source = _resolve(spec)
-    if folder is None:
-        model, tokenizer = _load_hub(source, dtype)
-        return _finish(model, tokenizer, device, source)
-    model, tokenizer = _load_folder(folder, dtype)
+    with transient_bars():
+        folder, source = _resolve(spec)
+        model, tokenizer = _load_hub(source, dtype) if folder is None else _load_folder(folder, dtype)
     return _finish(model, tokenizer, device, source)
 
 
@@ -336,7 +335,9 @@ def _finish(model: torch.nn.Module, tokenizer, device: torch.device, source: str
 
 
 def _with_pad_token(tokenizer, source: str):
-    """``tokenizer``, given its eos (or unk) token as pad token if it has none."""
+    """``tokenizer``, given its eos (or unk) token as pad token if it has none (and without the
+    clean-up transformers ignores for BPE: ``quiet.without_bpe_cleanup``)."""
+    without_bpe_cleanup(tokenizer)
     if tokenizer.pad_token is None:
         fallback = tokenizer.eos_token or tokenizer.unk_token
         if fallback is None:

@@ -159,24 +159,25 @@ def test_auto_graphs_where_the_run_allows_it(monkeypatch):
     """A recipe's cuda_graph (auto by default) decided on this process: graphed on CUDA with a capturable
     loss, eager with the reason on the CPU, under FSDP, with --compile or a loss term that cannot be
     captured; the training stages' TrainConfig carries the decision."""
+    from linearize.recipes import uptrain
     from linearize.recipes.supra import SupraConfig
     from linearize.recipes.uptrain import cuda_graphs
 
     assert SupraConfig().cuda_graph == "auto"
     if not torch.cuda.is_available():
         assert cuda_graphs(SupraConfig()) == (False, "there is no CUDA device")
-        assert SupraConfig().train_config("o", 1, 0).cuda_graph is False
+        assert uptrain.train_config(SupraConfig(), "o", 1, 0).cuda_graph is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for loss in ("lm", "kl+lm"):
         assert cuda_graphs(SupraConfig(loss=loss)) == (True, None)
-    assert SupraConfig().train_config("o", 1, 0).cuda_graph is True
-    assert SupraConfig(cuda_graph="off").train_config("o", 1, 0).cuda_graph is False
+    assert uptrain.train_config(SupraConfig(), "o", 1, 0).cuda_graph is True
+    assert uptrain.train_config(SupraConfig(cuda_graph="off"), "o", 1, 0).cuda_graph is False
     graphed, why = cuda_graphs(SupraConfig(loss="kl+hidden_mse"))
     assert not graphed and why.startswith("hidden_mse in the loss 'kl+hidden_mse' cannot be captured")
     assert cuda_graphs(SupraConfig(compile=True))[1].startswith("--compile is on")
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     assert cuda_graphs(SupraConfig())[1].startswith("FSDP's sharded parameters")
-    assert SupraConfig().train_config("o", 1, 0).cuda_graph is False
+    assert uptrain.train_config(SupraConfig(), "o", 1, 0).cuda_graph is False
 
 
 def test_cuda_graph_takes_the_capturable_distillation_losses(monkeypatch):
@@ -212,4 +213,4 @@ def test_the_alignment_stage_trains_eagerly_under_cuda_graph(tiny_model, monkeyp
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the training stage's decision: graphed
     cfg = SupraConfig(cuda_graph=True, align_steps=3)
     assert uptrain._align(student, None, None, None, cfg, tmp_path)["steps"] == 3
-    assert seen and seen[0].cuda_graph is False and cfg.train_config(tmp_path, 5, 1).cuda_graph is True
+    assert seen and seen[0].cuda_graph is False and uptrain.train_config(cfg, tmp_path, 5, 1).cuda_graph is True

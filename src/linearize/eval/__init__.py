@@ -5,40 +5,19 @@ and a Markdown report.
 ``evaluate(model, tokenizer, tasks="all,recall", limit=40)`` is the one-call API; ``text_perplexity``,
 ``run_tasks`` and ``run_recall`` are its parts; ``LinearizeLM`` is the lm-eval model class (registered
 as ``linearize``).
-The lm-eval parts import lazily, so perplexity works without lm-eval installed.
+Every name imports its module on first use (``linearize.lazy``): perplexity works without lm-eval installed,
+and ``linearize eval --help`` without torch.
 """
 
-from .perplexity import perplexity, text_perplexity
+from ..lazy import lazy_names
 
 __all__ = [
     "LinearizeLM", "available_tasks", "evaluate", "load_model", "load_results", "model_identity", "perplexity",
     "run_recall", "run_tasks", "save_results", "text_perplexity", "write_report",
 ]
 
-
-def __getattr__(name):
-    if name in ("LinearizeLM", "run_tasks"):
-        from . import harness
-
-        return getattr(harness, name)
-    if name == "load_model":
-        from .loading import load_model
-
-        return load_model
-    if name in ("evaluate", "load_results", "model_identity", "save_results"):
-        from . import results
-
-        return getattr(results, name)
-    if name == "run_recall":
-        from .recall import run_recall
-
-        return run_recall
-    if name == "available_tasks":
-        from .tasks import available_tasks
-
-        return available_tasks
-    if name == "write_report":
-        from .report import write_report
-
-        return write_report
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+lazy_names(__name__, {
+    "perplexity": "perplexity", "text_perplexity": "perplexity", "LinearizeLM": "harness", "run_tasks": "harness",
+    "load_model": "loading", "evaluate": "results", "load_results": "results", "model_identity": "results",
+    "save_results": "results", "run_recall": "recall", "available_tasks": "tasks", "write_report": "report",
+})

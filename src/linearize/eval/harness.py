@@ -14,6 +14,7 @@ registered as ``linearize`` and adjusted for the students in three ways:
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 
 import torch
 from lm_eval.api.registry import register_model
@@ -117,11 +118,68 @@ def run_tasks(model, tokenizer, tasks, limit: int | float | None = None, batch_s
     objects = {name: suite.build(name) for name in names}
     lm = model if isinstance(model, HFLM) else LinearizeLM(model, tokenizer, batch_size=batch_size,
                                                             max_length=max_length, progress=progress)
-    raw = lm_eval.simple_evaluate(
-        model=lm, tasks=list(objects.values()), task_manager=TaskManager(include_defaults=False), limit=limit,
-        bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed, numpy_random_seed=seed,
-        torch_random_seed=seed, fewshot_random_seed=seed, verbosity=None)
+    with _quiet_lm_eval(progress=getattr(lm, "progress", True)):
+        raw = lm_eval.simple_evaluate(
+            model=lm, tasks=list(objects.values()), task_manager=TaskManager(include_defaults=False), limit=limit,
+            bootstrap_iters=bootstrap_iters, log_samples=False, random_seed=seed, numpy_random_seed=seed,
+            torch_random_seed=seed, fewshot_random_seed=seed, verbosity=None)
     return {name: _summary(name, built, raw) for name, built in objects.items()}
+
+
+@contextmanager
+def _quiet_lm_eval(progress: bool = True):
+    """``simple_evaluate`` with three of lm-eval's helpers replaced by quiet twins (``linearize.quiet``):
+    the results' ``git_hash`` asked of git with its stderr kept (outside a repository git prints
+    "fatal: not a git repository" to the terminal); the bootstrapped standard errors (LAMBADA's
+    perplexity) without the "bootstrapping for stddev" line and its bar; and each task's bar over its
+    documents while it builds their requests, unnamed, cleared when done (gone with ``progress`` off)."""
+    import functools
+
+    import lm_eval.api.metrics
+    import lm_eval.api.task
+    import lm_eval.evaluator
+
+    building = functools.partial(lm_eval.api.task.tqdm, leave=False, disable=not progress)
+    swaps = [(lm_eval.evaluator, "get_git_commit_hash", _git_commit_hash),
+             (lm_eval.api.metrics, "bootstrap_stderr", _bootstrap_stderr),
+             (lm_eval.api.task, "tqdm", building)]
+    originals = [getattr(module, name) for module, name, _ in swaps]
+    for module, name, twin in swaps:
+        setattr(module, name, twin)
+    try:
+        yield
+    finally:
+        for (module, name, _), original in zip(swaps, originals):
+            setattr(module, name, original)
+
+
+def _git_commit_hash():
+    """lm-eval's ``get_git_commit_hash``: ``git describe --always`` in the working directory, else the
+    commit read from a ``.git`` folder there (None outside a repository); git's stderr stays unseen."""
+    import os
+    import subprocess
+
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):
+        return get_commit_from_path(os.getcwd())
+
+
+def _bootstrap_stderr(f, xs, iters: int) -> float:
+    """lm-eval's ``bootstrap_stderr`` with the same resamples (chunk i of at most 1000 draws from
+    ``random.Random(i)``), in this process and without printing."""
+    import random
+
+    from lm_eval.api.metrics import sample_stddev
+
+    chunk = min(1000, iters)
+    draws = []
+    for i in range(iters // chunk):
+        rnd = random.Random(i)
+        draws.extend(f(rnd.choices(xs, k=len(xs))) for _ in range(chunk))
+    return sample_stddev(draws)
 
 
 def _summary(name: str, built, raw: dict) -> dict:

@@ -8,6 +8,9 @@ help. ``add_flags`` derives a command's flags from these fields (``--block-len``
 bare flag from the field), so a setting is written once and the CLI, a YAML recipe (``--config``)
 and the saved ``run_config.json`` name it the same way. Every flag's default is None: the budget
 preset, the file and the config's own default decide what an unset flag means (``linearize.cli``).
+
+Nothing here, nor in the recipes' configs (``recipes.settings``), imports torch: ``linearize <command>
+--help`` describes every flag without it.
 """
 
 from __future__ import annotations
@@ -17,9 +20,22 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-__all__ = ["RunConfig", "add_flags", "flag_help", "setting"]
+__all__ = ["MODES", "RunConfig", "add_flags", "flag_help", "graph_mode", "setting"]
 
 _NONE = type(None)
+
+MODES = ("auto", "on", "off")  # the cuda_graph setting of the recipes that train with linearize.graphed
+
+
+def graph_mode(value) -> str:
+    """``value`` as one of ``MODES``: a YAML recipe's or an earlier run config's true/false is on/off."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value in MODES:
+        return value
+    from ..errors import LinearizeError
+
+    raise LinearizeError(f"cuda_graph must be auto, on or off (or true/false), got {value!r}")
 
 
 def setting(default=dataclasses.MISSING, help: str | None = None, *, choices=None, metavar: str | None = None,

@@ -21,6 +21,7 @@ from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, Traini
 
 from ..distill import next_token_loss
 from ..errors import LinearizeError
+from ..quiet import transient_bars
 from .launch import is_main_process, under_fsdp, world_size
 
 __all__ = ["JsonlLogger", "LossFn", "RecipeTrainer", "TrainConfig", "average_gradients", "is_main_process",
@@ -295,7 +296,8 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
     )
     if resume is True:
         resume = _complete_checkpoint(out)
-    trainer.train(resume_from_checkpoint=resume)  # a NaN/inf loss raises LinearizeError (compute_loss)
+    with transient_bars():  # the checkpoints' "Writing model shards" bars
+        trainer.train(resume_from_checkpoint=resume)  # a NaN/inf loss raises LinearizeError (compute_loss)
     if is_main_process():
         with (out / "train_config.json").open("w") as fh:
             json.dump({**asdict(cfg), "stage": stage, "world_size": world_size()}, fh, indent=1)

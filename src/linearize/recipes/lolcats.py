@@ -31,7 +31,7 @@ import json
 import time
 import typing
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -42,19 +42,17 @@ from ..distill.hooks import StopForward, injecting, layer_input
 from ..distill.probes import fully_sharded
 from ..errors import LinearizeError
 from ..eval import perplexity
-from ..graphed import MODES, graph_mode, use_graphs
+from ..graphed import use_graphs
 from ..models import get_adapter
 from .common import begin_run, finish
-from .config import RunConfig, setting
+from .settings import AUTO_SCORES, DEFAULT_SPEC, LolcatsConfig
 if typing.TYPE_CHECKING:
     from .engine import TrainConfig
 from .launch import is_main_process, peak_gpu_memory, under_fsdp, world_size
 
 __all__ = ["LolcatsConfig", "ablation_config", "cuda_graphs", "layer_mse", "run", "run_stage1", "run_stage2",
-           "summary"]
+           "stage_config", "summary"]
 
-AUTO_SCORES = ("mse", "recall")  # how keep_softmax auto:K scores the layers (``auto_softmax_choice``)
-DEFAULT_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64}
 # The comparison rows of LoLCATs Table 5, by name -> (stages, spec changes)
 ABLATIONS = {
     "lolcats": (("stage1", "stage2"), {}),
@@ -64,81 +62,20 @@ ABLATIONS = {
 }
 
 
-@dataclass
-class LolcatsConfig(RunConfig):
-    """The LoLCATs recipe's settings: ``RunConfig``'s shared ones (``loss``: stage 2's; the teacher is
-    the student's own projections with softmax attention and LoRA off, no second model) and its stages'."""
+def stage_config(cfg: LolcatsConfig, stage: str, output_dir: Path) -> TrainConfig:
+    """The training engine's settings of ``stage`` (``stage1`` or ``stage2``) of ``cfg``'s run."""
+    from .engine import TrainConfig
 
-    out: str = "runs/lolcats"
-    spec: dict = field(default_factory=lambda: dict(DEFAULT_SPEC))
-    keep_softmax: tuple[int, ...] | str = ()  # layer indices, or "auto:K": K layers chosen after stage 1
-    eval_steps: int = 50
-    patience: int | None = 3
-    stages: tuple[str, ...] = ("stage1", "stage2")
-    # stage 1
-    stage1_lr: float = setting(1e-2, "stage 1 learning rate")
-    stage1_epochs: float = setting(2.0, "stage 1 epochs")
-    stage1_steps: int = setting(-1, "stage 1 optimizer steps (overrides epochs)")
-    mse_factor: float = setting(1000.0, "stage 1 loss scale")
-    xent_factor: float = setting(0.0, "stage 1: add Hedgehog's cross-entropy on attention weights with this weight "
-                                      "(quadratic memory in the block length)")
-    layers_per_block: int | None = setting(None, "stage 1 in blocks of k layers (1: layer by layer; default: all "
-                                                 "layers jointly); bounds memory by k layers")
-    block_inputs: str = setting("cache", "block-wise stage 1: train each block on the teacher's hidden states "
-                                         "entering it, computed once and kept in CPU memory (cache, the default, as "
-                                         "LoLCATs), or run the earlier layers at every step (recompute: no host memory)",
-                                choices=("cache", "recompute"))
-    # keep_softmax auto:K: how the K layers are chosen after stage 1
-    auto_softmax_score: str = setting("mse", "keep_softmax auto:K keeps softmax the K layers with the largest score: "
-                                             "mse (attention-output MSE after stage 1; default) or recall (how much "
-                                             "the layer's softmax attention lowers the loss of copying a random "
-                                             "span from beyond the window; one layer at a time, each beside those "
-                                             "already chosen)",
-                                      choices=AUTO_SCORES)
-    auto_softmax_distance: int | None = setting(None, "auto_softmax_score recall: tokens from a span's first "
-                                                      "occurrence to its copy (default: 4 x the window)",
-                                                metavar="N")
-    # stage 2
-    stage2_lr: float = setting(1e-4, "stage 2 (LoRA) learning rate")
-    stage2_epochs: float = setting(2.0, "stage 2 epochs")
-    stage2_steps: int = setting(-1, "stage 2 optimizer steps (overrides epochs)")
-    lora_r: int = setting(8, "LoRA rank")
-    lora_alpha: int = setting(16, "LoRA alpha")
-    lora_targets: tuple[str, ...] | None = None  # None: the family's q/k/v/o projections
-    merge: bool = True
-    cuda_graph: str = setting("auto", "auto (default): replay each stage's training steps (forward and backward) as "
-                                      "CUDA graphs where the run allows it (CUDA, one GPU or data-parallel under "
-                                      "torchrun; not FSDP, a sparse cache, block-wise stage 1 from cached inputs "
-                                      "(--layers-per-block with --block-inputs cache) or a stage-2 loss term such as "
-                                      "hidden_mse), else train that stage eagerly and say why in one line; on (the "
-                                      "flag alone): refuse a run that cannot; off: eagerly. Graphed, the host stops "
-                                      "issuing the kernels one by one (thousands per eager step); the first step of "
-                                      "each stage (and of each block) captures, a new batch shape captures again; "
-                                      "stage 1's attention transfer is captured whole, and with --loss kl the "
-                                      "teacher's logits (the student's own softmax view) are computed eagerly before "
-                                      "each replay and enter the graphs",
-                              choices=MODES, const="on")
-
-    PAPER: typing.ClassVar[dict] = {"stage1_lr": "paper: 1e-2", "stage1_epochs": "paper: 2", "mse_factor": "LoLCATs: 1000",
-                                    "xent_factor": "LoLCATs: 0", "stage2_lr": "paper: 1e-4", "stage2_epochs": "paper: 2",
-                                    "lora_r": "paper: 8", "lora_alpha": "paper: 16"}
-
-    def __post_init__(self):
-        self.cuda_graph = graph_mode(self.cuda_graph)  # a YAML recipe's or an earlier run config's true/false
-
-    def stage_config(self, stage: str, output_dir: Path) -> TrainConfig:
-        from .engine import TrainConfig
-
-        first = stage == "stage1"
-        return TrainConfig(
-            cuda_graph=cuda_graphs(self, stage)[0],
-            eval_next_token=not first and not stage2_learns_from_lm(self),
-            output_dir=str(output_dir), learning_rate=self.stage1_lr if first else self.stage2_lr,
-            epochs=self.stage1_epochs if first else self.stage2_epochs,
-            max_steps=self.stage1_steps if first else self.stage2_steps,
-            batch_size=self.batch_size, grad_accum=self.grad_accum, eval_steps=self.eval_steps,
-            early_stopping_patience=self.patience, seed=self.seed, logging_steps=max(1, min(10, self.eval_steps)),
-        )
+    first = stage == "stage1"
+    return TrainConfig(
+        cuda_graph=cuda_graphs(cfg, stage)[0],
+        eval_next_token=not first and not stage2_learns_from_lm(cfg),
+        output_dir=str(output_dir), learning_rate=cfg.stage1_lr if first else cfg.stage2_lr,
+        epochs=cfg.stage1_epochs if first else cfg.stage2_epochs,
+        max_steps=cfg.stage1_steps if first else cfg.stage2_steps,
+        batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, eval_steps=cfg.eval_steps,
+        early_stopping_patience=cfg.patience, seed=cfg.seed, logging_steps=max(1, min(10, cfg.eval_steps)),
+    )
 
 
 def cuda_graphs(cfg: LolcatsConfig, stage: str) -> tuple[bool, str | None]:
@@ -358,7 +295,7 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
                 block_train, block_eval, feed, previous = stack.enter_context(
                     _block_from_cache(student, group[0], group[-1], train_ds, eval_ds, cfg.batch_size, previous))
                 loss = _feeding(loss, feed)
-            trainer = train(student, block_train, block_eval, loss, cfg.stage_config("stage1", stage_dir),
+            trainer = train(student, block_train, block_eval, loss, stage_config(cfg, "stage1", stage_dir),
                             stage=f"stage1[{b}]", resume=True if cfg.resume else None,
                             metrics_path=out / "metrics.jsonl")
         steps += trainer.state.global_step
@@ -415,7 +352,7 @@ def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
     targets = list(cfg.lora_targets or get_adapter(student.config).lora_targets)
     peft_model = add_lora(student, cfg.lora_r, cfg.lora_alpha, targets)
     start = _start_clock()
-    trainer = train(peft_model, train_ds, eval_ds, _stage2_objective(cfg), cfg.stage_config("stage2", out / "stage2"),
+    trainer = train(peft_model, train_ds, eval_ds, _stage2_objective(cfg), stage_config(cfg, "stage2", out / "stage2"),
                     stage="stage2", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
     info = _timed({"steps": trainer.state.global_step, "lora_targets": targets,
                    "loss": "lm" if stage2_learns_from_lm(cfg) else cfg.loss}, start, cfg)

@@ -15,10 +15,11 @@ whose dtypes differ outside autocast).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
-from peft import LoraConfig, get_peft_model
+from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear
 from torch import nn
 
@@ -64,13 +65,31 @@ def fuse_lora_products(model: nn.Module) -> int:
     return count
 
 
+class PeftLoraModel(PeftModel):
+    """peft's model whose ``save_pretrained`` (the Trainer's checkpoints) saves the embeddings only where
+    the adapters wrap them. peft's ``save_embedding_layers="auto"`` would otherwise check whether the
+    vocabulary was resized by loading the base model's config through the student's config class
+    (transformers warns that a ``llama`` config makes a ``linearize_llama`` one) and, for a teacher named
+    by a hub id, by asking the hub, at every checkpoint; the recipes never resize it."""
+
+    def save_pretrained(self, *args, **kwargs):
+        if "save_embedding_layers" not in kwargs:
+            layers = (self.get_input_embeddings(), self.get_output_embeddings())
+            kwargs["save_embedding_layers"] = any(hasattr(layer, "base_layer") for layer in layers)
+        return super().save_pretrained(*args, **kwargs)
+
+
 def add_lora(model: nn.Module, r: int, alpha: int, targets: Sequence[str], fused: bool = True):
     """Freeze ``model`` and wrap it with LoRA adapters (rank ``r``, ``alpha``, no dropout or bias) on
     the modules named ``targets``: the peft model, its LoRA linears fused unless ``fused=False``."""
     for p in model.parameters():
         p.requires_grad_(False)
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=list(targets), bias="none")
-    peft_model = get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft asks the model the name transformers 5 deprecated (no other effect)
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        peft_model = get_peft_model(model, config)
+    if type(peft_model) is PeftModel:
+        peft_model.__class__ = PeftLoraModel
     if fused:
         fuse_lora_products(peft_model)
     return peft_model

@@ -6,8 +6,8 @@ training; RADLADS / MOHAWK step 1). Adam(W) with betas (0.9, 0.95), linear warmu
 floor.
 
 The recipes are ``recipes.supra`` (the teacher converted in place) and ``recipes.xatl`` (a new
-architecture built from the teacher's weights): each a config subclass of ``UptrainConfig`` with its
-own settings and its ``build``; ``run`` trains any of them.
+architecture built from the teacher's weights): each a config subclass of ``UptrainConfig``
+(``recipes.settings``) with its own settings and its ``build``; ``run`` trains any of them.
 """
 
 from __future__ import annotations
@@ -15,96 +15,37 @@ from __future__ import annotations
 import sys
 import time
 import typing
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from ..errors import LinearizeError
 from ..eval import perplexity
-from ..graphed import MODES, graph_mode, use_graphs
+from ..graphed import use_graphs
 from .common import begin_run, finish
-from .config import RunConfig, setting
+from .settings import UptrainConfig
 from ..distill import FrozenTeacher, build_objective, check_options, next_token_loss
 if typing.TYPE_CHECKING:
     from .engine import TrainConfig
 from .launch import is_main_process, peak_gpu_memory, under_fsdp
 
 
-@dataclass
-class UptrainConfig(RunConfig):
-    """What SUPRA and XATL share: ``RunConfig``'s settings, the schedule and the alignment stage. Each
-    recipe subclasses it (``recipes.supra.SupraConfig``, ``recipes.xatl.XatlConfig``) with its own
-    settings and ``build``: how the student is made from the teacher."""
+def train_config(cfg: UptrainConfig, output_dir: Path, steps: int, warmup: int, lr: float | None = None,
+                 eval_next_token: bool = False) -> TrainConfig:
+    """The training engine's settings of one stage of ``cfg``'s run: ``steps`` steps, ``warmup`` of them
+    warming up, at peak ``lr`` (default ``cfg.lr``)."""
+    from .engine import TrainConfig
 
-    method: str = "uptrain"
-    out: str = "runs/uptrain"
-    keep_softmax: tuple[int, ...] = ()
-    steps: int = setting(1000, "optimizer steps")
-    lr: float = setting(3e-4, "peak learning rate")
-    min_lr: float = setting(1e-5, "cosine floor")
-    warmup_steps: int = setting(100, "linear warmup steps")
-    weight_decay: float = setting(0.0, "AdamW weight decay")
-    compile: bool = setting(False, "train the model through torch.compile (on CUDA: the mixers' many small "
-                                   "elementwise kernels fused; the first steps pay the compilation; `python -m "
-                                   "linearize.bench.train --compile` measures the gain)")
-    cuda_graph: str = setting("auto", "auto (default): replay each training step's forward and backward as CUDA graphs "
-                                      "where the run allows it (CUDA, one GPU or data-parallel under torchrun; not FSDP, "
-                                      "--compile or a loss term such as hidden_mse), else train eagerly and say why in "
-                                      "one line; on (the flag alone): refuse a run that cannot; off: eagerly. Graphed, "
-                                      "the host stops issuing the kernels one by one, which bounds the linear students' "
-                                      "eager steps (docs/RESULTS.md); the first step captures, a new batch shape captures "
-                                      "again; with --loss kl or kl+lm the teacher's forward runs eagerly before each "
-                                      "replay and its logits enter the graphs; the alignment stage trains eagerly",
-                              choices=MODES, const="on")
-    # learning from the teacher: an alignment stage first
-    align_steps: int = setting(0, "an alignment stage first: this many steps fitting each new mixer's output to the "
-                                  "teacher's attention output at its layer (teacher-forced, only the mixers train; "
-                                  "RADLADS / MOHAWK). Default 0: none")
-    align_lr: float | None = setting(None, "learning rate of the alignment stage (default: --lr)")
-
-    # what a recipe defines
-    converts_in_place: typing.ClassVar[bool] = False  # the student is the teacher converted: distil from a copy
-
-    def __post_init__(self):
-        self.cuda_graph = graph_mode(self.cuda_graph)  # a YAML recipe's or an earlier run config's true/false
-
-    def check(self) -> None:
-        """The recipe's own settings, checked before the teacher loads (``check_distillation`` calls it)."""
-        if isinstance(self.keep_softmax, str):
-            raise LinearizeError(f"keep_softmax {self.keep_softmax} is chosen by LoLCATs' attention transfer "
-                                 "(linearize lolcats); here give layer indices (e.g. 2,15)")
-
-    def build(self, teacher):
-        """``(student, new_parameters, transfer_report or None)`` from the loaded teacher."""
-        raise LinearizeError(f"{type(self).__name__} is no recipe; use linearize.recipes.supra or .xatl")
-
-    def callbacks(self) -> list:
-        """Trainer callbacks of the training stage (XATL: LIT)."""
-        return []
-
-    def graphs_blocked(self) -> str | None:
-        """Why the recipe's own settings keep its training steps from replaying as CUDA graphs (None:
-        nothing; ``cuda_graphs`` checks what every recipe shares)."""
-        return None
-
-    def stage_before(self) -> int:
-        """Steps that train only the new parameters before the training stage (SUPRA's 2-step variant)."""
-        return 0
-
-    def train_config(self, output_dir: Path, steps: int, warmup: int, lr: float | None = None,
-                     eval_next_token: bool = False) -> TrainConfig:
-        from .engine import TrainConfig
-
-        return TrainConfig(
-            output_dir=str(output_dir), learning_rate=lr or self.lr, max_steps=steps, batch_size=self.batch_size,
-            eval_next_token=eval_next_token,
-            grad_accum=self.grad_accum, scheduler="cosine_with_min_lr", warmup_steps=warmup,
-            weight_decay=self.weight_decay, adam_betas=(0.9, 0.95), eval_steps=self.eval_steps,
-            early_stopping_patience=self.patience, seed=self.seed, logging_steps=max(1, min(10, self.eval_steps)),
-            extra={"lr_scheduler_kwargs": {"min_lr": self.min_lr}}, compile=self.compile,
-            cuda_graph=cuda_graphs(self)[0],
-        )
+    return TrainConfig(
+        output_dir=str(output_dir), learning_rate=lr or cfg.lr, max_steps=steps, batch_size=cfg.batch_size,
+        eval_next_token=eval_next_token,
+        grad_accum=cfg.grad_accum, scheduler="cosine_with_min_lr", warmup_steps=warmup,
+        weight_decay=cfg.weight_decay, adam_betas=(0.9, 0.95), eval_steps=cfg.eval_steps,
+        early_stopping_patience=cfg.patience, seed=cfg.seed, logging_steps=max(1, min(10, cfg.eval_steps)),
+        extra={"lr_scheduler_kwargs": {"min_lr": cfg.min_lr}}, compile=cfg.compile,
+        cuda_graph=cuda_graphs(cfg)[0],
+    )
 
 
 BUDGETS = {
@@ -166,8 +107,8 @@ def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) ->
     objective = build_objective("mixer_mse", teacher=frozen)
     # eager even under --cuda-graph: the alignment loss runs the student's mixers on the teacher's hidden
     # states, not on the student's own forward (mixer_mse is not capturable)
-    stage = replace(cfg.train_config(out / "align", cfg.align_steps, min(cfg.warmup_steps, cfg.align_steps),
-                                     cfg.align_lr), cuda_graph=False)
+    stage = replace(train_config(cfg, out / "align", cfg.align_steps, min(cfg.warmup_steps, cfg.align_steps),
+                                 cfg.align_lr), cuda_graph=False)
     trainer = train(student, train_ds, eval_ds, objective, stage, stage="align", resume=True if cfg.resume else None,
                     metrics_path=out / "metrics.jsonl")
     for p in student.parameters():
@@ -219,7 +160,7 @@ def run(cfg: UptrainConfig) -> dict:
         for p in student.parameters():
             p.requires_grad_(id(p) in new_ids)
         first = train(student, train_ds, eval_ds, next_token_loss,
-                      cfg.train_config(out / "new-weights", first_steps, min(cfg.warmup_steps, first_steps)),
+                      train_config(cfg, out / "new-weights", first_steps, min(cfg.warmup_steps, first_steps)),
                       stage="new-weights", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
         steps_done += first.state.global_step
         student = _plain(student)
@@ -228,7 +169,7 @@ def run(cfg: UptrainConfig) -> dict:
     lm = _learns_from_lm(cfg)
     objective = next_token_loss if lm else build_objective(cfg.loss, cfg.loss_options(), teacher=frozen)
     results["loss"] = "lm" if lm else repr(objective)
-    stage_cfg = cfg.train_config(out / "train", cfg.steps, cfg.warmup_steps, eval_next_token=not lm)
+    stage_cfg = train_config(cfg, out / "train", cfg.steps, cfg.warmup_steps, eval_next_token=not lm)
     if any(getattr(c, "mode", None) == "lit" for c in callbacks):  # resumed, LIT's state comes from the checkpoint
         stage_cfg.extra = {**stage_cfg.extra, "restore_callback_states_from_checkpoint": True}  # thawed stays thawed
     trainer = train(student, train_ds, eval_ds, objective, stage_cfg,
