@@ -64,7 +64,8 @@ only differences of ``Gl`` within one chunk are exponentiated (never above 0, no
   reverse state by ``exp(Gl[c, i])``, the reverse scan decayed by each chunk's gate, a key's answer
   by ``exp(Gl[j+1, w-1] - Gl[j+1, jj])``); ``_backward_q`` and ``_backward_kf`` also store
   ``phi_q . dphi_q`` per query and ``phi_k . dphi_k`` per key, from which PyTorch takes the log gates'
-  gradient (``log_gate_grad``). Window terms are untouched. Not with the sinks' form.
+  gradient (``log_gate_grad``: sums within each chunk, the pairs crossing a chunk's end from the
+  states there). Window terms are untouched. Not with the sinks' form.
 
 Precision: products of bf16/fp16 inputs on tensor cores with fp32 accumulation (softmax weights,
 features and the fp32 states rounded to the input dtype first, as flash attention and fla do),
@@ -708,17 +709,32 @@ def chunk_log_gates(log_gate: torch.Tensor, window: int) -> torch.Tensor:
     return lg.view(b, hk, n, window).cumsum(-1).contiguous()
 
 
-def log_gate_grad(dgq: torch.Tensor, dgk: torch.Tensor, window: int) -> torch.Tensor:
-    """The log gates' gradient ``[B, Hk, T]`` (float64) from the backward's ``phi_q . dphi_q`` per query
-    ``[B, H, T]`` and ``phi_k . dphi_k`` per key ``[B, Hk, T]``. A linear term is ``exp(G_t - G_{s+w})
-    phi_q(q_t) . phi_k(k_s)`` (``G`` the cumulative log gates), so ``dL/dG_t`` is the first summed over
-    the key head's query heads minus the second at ``s = t - w``; a log gate ``u`` is in every ``G_t``,
-    ``t >= u``: a sum from the end (in float64: its head and tail cancel)."""
+def log_gate_grad(dgq: torch.Tensor, dgk: torch.Tensor, window: int, states: torch.Tensor,
+                  asks: torch.Tensor) -> torch.Tensor:
+    """The log gates' gradient ``[B, Hk, T]`` (fp32) from the backward's ``phi_q . dphi_q`` per query
+    ``dgq`` ``[B, H, T]``, ``phi_k . dphi_k`` per key ``dgk`` ``[B, Hk, T]`` and the chunks' states.
+
+    A linear term is ``A_ts = exp(G_t - G_l) phi_q(q_t) . phi_k(k_s)``, ``l = s + w`` where the key
+    leaves the window (``G`` the cumulative log gates); a log gate ``u`` is in the terms with
+    ``l < u <= t``, so its gradient is ``sum_{t >= u} dgq_t - sum_{l >= u} dgk_{l - w}`` (``dgq`` summed
+    over the key head's query heads). Summed over the whole sequence, the pairs with ``l >= u``
+    cancel between the two sums, and their rounding grew with the length (bf16 products: percents
+    at 4k tokens); so the sums run within each chunk only, and the pairs crossing the end of chunk c
+    (``l`` up to its end, ``t`` after it) come from the states there: ``X_c = <E_{c+1}, R_{c+1}>``,
+    the forward state at the end of chunk c (``states`` ``[B, Hk, N, E]``, entry c - 1: the forward
+    scan's) against the queries' asks from there (``asks``, entry c + 1: the reverse scan's)."""
     b, hk, t = dgk.shape
-    d_cum = dgq.double().view(b, hk, -1, t).sum(2)
+    n = -(-t // window)
+    off = n * window - t
+    d = dgq.view(b, hk, -1, t).sum(2)
     if t > window:
-        d_cum[..., window:] -= dgk[..., : t - window].double()
-    return d_cum.flip(-1).cumsum(-1).flip(-1)
+        d[..., window:] -= dgk[..., : t - window]
+    d = torch.nn.functional.pad(d, (off, 0)).view(b, hk, n, window)
+    grad = d.flip(-1).cumsum(-1).flip(-1)
+    if n >= 3:  # (the first chunk has no state before its end's keys, the last no queries after it)
+        cross = (states[:, :, : n - 2] * asks[:, :, 2:]).sum(-1)  # X_c, c = 1 .. N-2
+        grad[:, :, 1 : n - 1] += cross[..., None]
+    return grad.view(b, hk, n * window)[..., off:]
 
 
 def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=None, key_mask=None, qf=None,
@@ -911,7 +927,7 @@ def hybrid_triton_backward(dy, q, k, v, qf, kf, gamma, y, saved, *, window: int,
                        SOFTCAP=softcap is not None, **key_side)
     _backward_kf[grid](v, qf, kf, mask, rsums, dy, den, rho, dv, dkf, gl_arg, dgk, *_strides(v), *_strides(qf),
                        *_strides(kf), *_strides(dy), t, w, off, n, hk, d, f, BF=bf, GATED=gated, **key_side)
-    dlog_gate = log_gate_grad(dgq, dgk, w).float() if gated else None
+    dlog_gate = log_gate_grad(dgq, dgk, w, sums, rsums) if gated else None
     return dq, dk, dv, dqf, dkf, dgamma.sum(dim=(0, 2)), dlog_gate
 
 
