@@ -38,6 +38,10 @@
 #             static and fast paths in its run, then the default path with the kernels off (the step as before),
 #             then the kernels of one decode step (bench.profile decode, batch 1) with the kernels on and off
 #             (DEFAULT_RUNS: which of tests default compile off profile, all by default)
+#   gates     issue #46: the kernels with gates (a fading linear state): their CUDA tests against float64, then for a
+#             student converted with --feature-rope off --decay gated ($C-nopegated) the prefill (1x32k, 32x1k; the
+#             kernels, then the PyTorch chunked form as before) beside the teacher, then bench.train at 8x1024 eager and
+#             graphed: teacher, LoLCATs' stages and the gated student's (lolcats-long-stage1/2)
 # An untrained student: speed does not depend on the weights. Rows land in $S (/tmp/runs/hybrid).
 set -uo pipefail
 T=${T:-/tmp/stage/teacher.gguf}; S=${S:-/tmp/runs/hybrid}; C=${C:-/tmp/ckpt/lolcats}; mkdir -p "$S"
@@ -152,6 +156,17 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
         timeout 300 python3 -m linearize bench "$ck" --teacher "$T" --dtype bfloat16 --prefill 1x32768 32x1024 \
           --out "$S/prefill_length_$name.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:"
       done ;;
+    gates)  # issue #46: the whole-sequence kernels with gates (the length-robust student: features before RoPE,
+      # data-dependent gates): CUDA tests, prefill beside the teacher (kernels and, before, the PyTorch form), training
+      timeout ${TESTS_S:-900} python3 -m pytest -v -p no:cacheprovider tests/gpu/test_gpu_hybrid.py -k gated 2>&1 \
+        | grep -E "PASSED|FAILED|ERROR|passed|failed|Error|assert" | head -40
+      ck=$C-nopegated; [ -d "$ck" ] || python3 -m linearize convert --teacher "$T" --kind lolcats --feature-rope off \
+        --decay gated --out "$ck" --dtype bfloat16 2>&1 | tail -1
+      timeout 480 python3 -m linearize bench "$ck" --teacher "$T" --dtype bfloat16 --prefill 1x32768 32x1024 \
+        --prefill-paths kernels torch --out "$S/prefill_gates.json" 2>&1 | quiet | grep -E "^\| |Error|error:"
+      timeout 600 python3 -m linearize.bench.train --teacher "$T" --shapes 8x1024 --steps 20 --cuda-graph both \
+        --models teacher lolcats-stage1 lolcats-stage2 lolcats-long-stage1 lolcats-long-stage2 \
+        --out "$S/train_gates.json" 2>&1 | quiet | tail -12 ;;
     sinks-prefill)  # attention sinks in the prefill's forward kernels: their CUDA tests, then the prefill rows of
       # untrained students with and without the sinks (with the teacher beside the plain one)
       timeout 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_hybrid.py -k sinks 2>&1 | tail -3

@@ -286,3 +286,199 @@ def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
     for a, e in zip(cache.layers, cache_want.layers):
         for x, y in zip(a.state.tensors(), e.state.tensors()):
             assert torch.equal(x, y) if x.dtype == torch.bool else _err(x, y.double()) < 1e-4
+
+
+# --- gates (issue #46): a fading linear state in the kernels -------------------------------------------------
+
+GATED_SHAPES = [  # (b, h, hk, t, pad, softcap, gates): gates "data" (-softplus, mostly mild), "open" (0), "closed" (-60)
+    (2, 9, 3, 1, 0, None, "data"),  # one token
+    (2, 9, 3, 37, 5, None, "data"),  # shorter than the window, left padding
+    (3, 9, 3, 300, 70, None, "data"),  # off the chunks; padding longer than a chunk
+    (1, 9, 3, 1024, 0, 30.0, "data"),  # many chunks, soft-capping
+    (2, 4, 1, 2100, 0, None, "data"),  # multi-query, a long one
+    (1, 9, 3, 20000, 0, None, "data"),  # 313 chunks: the scans over two tiles of chunks (the decayed carry)
+    (2, 9, 3, 300, 70, None, "open"),  # log gates 0: the ungated hybrid
+    (2, 9, 3, 300, 0, None, "closed"),  # log gates -60: the window and one linear key
+]
+
+
+def _log_gates(r, b, hk, t, gates):
+    if gates == "open":
+        return torch.zeros(b, hk, t, device="cuda", dtype=torch.float64)
+    if gates == "closed":
+        return torch.full((b, hk, t), -60.0, device="cuda", dtype=torch.float64)
+    # per key head from strong (horizon ~ 2 tokens) to mild (~ 100): the long-range fades count
+    bias = torch.linspace(-1.0, -4.5, hk, device="cuda", dtype=torch.float64)[None, :, None]
+    return -torch.nn.functional.softplus(r(b, hk, t) + bias)
+
+
+@pytest.mark.parametrize("shape", GATED_SHAPES, ids=lambda s: "x".join(map(str, s[:4])) + f"-{s[6]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_hybrid_kernels_with_given_features_equal_the_float64_reference_on_cuda(dtype, shape):
+    """Gates through ``ops.hybrid_attention``'s dispatch (features given, as the mixer gives them with
+    ``feature_rope: false``; SmolLM2's shape, Hedgehog's width 2 x 64): the output, the prefill's state and
+    every gradient, the log gates' included, against ``hybrid_attention_chunked`` with gates in float64
+    (in bf16 within the bound or 2x the PyTorch form's own bf16 error); open gates also against the
+    ungated kernels."""
+    b, h, hk, t, pad, softcap, gates = shape
+    g = torch.Generator(device="cuda").manual_seed(2)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=g, dtype=torch.float64)  # noqa: E731
+    xs = [r(b, h, t, 64), r(b, hk, t, 64), r(b, h, t, 128).exp() * 0.05, r(b, hk, t, 128).exp() * 0.05,
+          r(b, hk, t, 64), torch.sigmoid(r(h)), _log_gates(r, b, hk, t, gates)]
+    kw = dict(window=64, scale=0.125, softcap=softcap, key_mask=_padding(b, t, pad))
+    w = r(b, h, t, 64) * (kw["key_mask"][:, None, :, None] if pad else 1)
+    names = ("q", "k", "qf", "kf", "v", "gamma", "log_gate")
+
+    def chunked(inputs, state=False):
+        return ops.hybrid_attention_chunked(*inputs[:6], **kw, log_gate=inputs[6], output_final_state=state)
+
+    ref_in = [x.clone().requires_grad_() for x in xs]
+    want, want_state = chunked(ref_in, state=True)
+    grads_want = torch.autograd.grad((want * w).sum(), ref_in)
+    mine = [x.to(dtype).requires_grad_() if i < 5 else x.float().requires_grad_() for i, x in enumerate(xs)]
+    backend = "fla" if dtype == torch.float32 else "auto"
+    assert ops.use_hybrid_kernel(mine[0], backend, window=64, head_dim=64, feature_width=128)
+    got, state = ops.hybrid_attention(*mine[:6], **kw, backend=backend, log_gate=mine[6], output_final_state=True)
+    bound = TOLS[dtype]
+    bounds = {name: (GAMMA_TOLS if name in ("gamma", "log_gate") else TOLS)[dtype] for name in names}
+    if dtype == torch.bfloat16:  # the PyTorch form in bf16 against float64 sets the floor
+        low = [x.detach().clone().requires_grad_() for x in mine]
+        ly, _ = chunked(low)
+        bound = max(bound, TORCH_FACTOR * _err(ly, want))
+        for name, a, e in zip(names, torch.autograd.grad((ly.double() * w).sum(), low), grads_want):
+            bounds[name] = max(bounds[name], TORCH_FACTOR * _err(a, e))
+    assert got.dtype == dtype and _err(got, want) < bound, (_err(got, want), bound)
+    for name in ("keys", "key_features", "values", "linear"):
+        assert _err(getattr(state, name), getattr(want_state, name).double()) < max(bound, TOLS[dtype]), name
+    assert state.linear.dtype == torch.float32 and torch.equal(state.valid, want_state.valid)
+    grads = torch.autograd.grad((got.double() * w).sum(), mine)
+    for name, a, e in zip(names, grads, grads_want):
+        if name in ("gamma", "log_gate") and (t <= 64 or e.abs().max() < 1e-12):
+            assert (a.double() - e).abs().max() < 1e-3, name  # no key has left the window (or none fades)
+        else:
+            assert _err(a, e) < bounds[name], (name, _err(a, e), bounds[name])
+    if gates == "open":  # the ungated kernels' output and gradients
+        plain_in = [x.detach().clone().requires_grad_() for x in mine[:6]]
+        plain, _ = ops.hybrid_attention(*plain_in, **kw, backend=backend)
+        assert _err(got, plain.double()) < 1e-5 if dtype == torch.float32 else _err(got, plain.double()) < 1e-2
+        for name, a, e in zip(names, grads, torch.autograd.grad((plain.double() * w).sum(), plain_in)):
+            assert _err(a, e.double()) < (1e-5 if dtype == torch.float32 else 2e-2), name
+
+
+@pytest.mark.parametrize("shape", [(2, 9, 3, 300, 70, None), (1, 9, 3, 1024, 0, 30.0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference_on_cuda(dtype, shape):
+    """Gates with RoPE and Hedgehog maps inside the kernels (``feature_rope`` on, a span / learned decay
+    or gates): output, state and the gradients of q/k/v, the maps, gamma and the log gates."""
+    from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half
+
+    b, h, hk, t, pad, softcap = shape
+    qkv, (wq, wk), rope, gamma, key_mask, kw, r = _hedgehog_case(b, h, hk, t, 64, 64, 64, pad, softcap, seed=3)
+    kw["key_mask"] = key_mask
+    lg = _log_gates(r, b, hk, t, "data")
+    w = r(b, h, t, 64) * (key_mask[:, None, :, None] if pad else 1)
+
+    def reference(qkv, wq, wk, gamma, lg, rope):
+        q, k, v = _split(qkv, h, hk)
+        qr, kr = rope_half(q, *rope), rope_half(k, *rope)
+        return ops.hybrid_attention_chunked(qr, kr, hedgehog_features(qr, wq), hedgehog_features(kr, wk), v, gamma,
+                                            **kw, log_gate=lg, output_final_state=True)
+
+    ref_in = [x.clone().requires_grad_() for x in (qkv, wq, wk, gamma, lg)]
+    want, want_state = reference(*ref_in, rope)
+    grads_want = torch.autograd.grad((want * w).sum(), ref_in)
+    mine = [qkv.to(dtype).requires_grad_(), *(x.float().requires_grad_() for x in (wq, wk, gamma, lg))]
+    mq, mk, mv = _split(mine[0], h, hk)
+    got, state = hybrid_triton(mq, mk, mv, mine[3], hedgehog=(mine[1], mine[2]), rope=tuple(x.to(dtype) for x in rope),
+                               **kw, log_gate=mine[4], output_final_state=True)
+    names = ("qkv", "wq", "wk", "gamma", "log_gate")
+    bound = TOLS[dtype]
+    bounds = {name: (GAMMA_TOLS if name in ("gamma", "log_gate") else TOLS)[dtype] for name in names}
+    if dtype == torch.bfloat16:
+        low = [qkv.to(dtype).requires_grad_(), wq.to(dtype).requires_grad_(), wk.to(dtype).requires_grad_(),
+               gamma.float().requires_grad_(), lg.float().requires_grad_()]
+        ly, _ = reference(*low, tuple(x.to(dtype) for x in rope))
+        bound = max(bound, TORCH_FACTOR * _err(ly, want))
+        for name, a, e in zip(names, torch.autograd.grad((ly.double() * w).sum(), low), grads_want):
+            bounds[name] = max(bounds[name], TORCH_FACTOR * _err(a, e))
+    assert _err(got, want) < bound, (_err(got, want), bound)
+    for name in ("keys", "key_features", "values", "linear"):
+        assert _err(getattr(state, name), getattr(want_state, name).double()) < max(bound, TOLS[dtype]), name
+    for name, a, e in zip(names, torch.autograd.grad((got.double() * w).sum(), mine), grads_want):
+        assert _err(a, e) < bounds[name], (name, _err(a, e), bounds[name])
+
+
+@pytest.mark.parametrize("option", [{"feature_rope": False, "decay": "gated"}, {"decay": "gated"}, {"decay": "span"},
+                                    {"feature_rope": False, "decay": "learned"}],
+                         ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+def test_gated_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form(option):
+    """A tiny LoLCATs student with the length options on CUDA (fp32 weights, left padding): with ``backend:
+    fla`` its mixers run the kernels with their gates, with logits, every parameter's gradient (the gates'
+    projection and bias among them) and the prefill's cache equal to the PyTorch form's; under bf16
+    autocast "auto" takes them in bf16 and stays within 2x the PyTorch form's own bf16 error."""
+    import dataclasses
+
+    from transformers import AutoModelForCausalLM
+
+    import linearize
+    from helpers import tiny_config
+    from linearize.cache import LinearizeCache
+    from linearize.convert import mixers
+    from linearize.ops import hybrid_triton
+
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama", hidden_size=96, num_attention_heads=6)).cuda()
+    model = linearize.convert(teacher, {"kind": "lolcats", "window": 16, "feature_dim": 16, "decay_horizon": 32,
+                                        **option})
+    with torch.no_grad():
+        for m in mixers(model).values():
+            if hasattr(m, "gate_proj"):  # zero at conversion: give the gates something to carry
+                m.gate_proj.weight.normal_(0, 0.3)
+    ids = torch.randint(2, 97, (2, 150), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :20] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    calls = []
+    launch = hybrid_triton.hybrid_triton_forward
+
+    def counted(*a, **kw):
+        calls.append(kw.get("log_gate") is not None)
+        return launch(*a, **kw)
+
+    def run(backend, autocast=False):
+        for m in mixers(model).values():
+            m.spec = dataclasses.replace(m.spec, backend=backend)
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            out = model(ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        cache = LinearizeCache(model)
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        return out.logits.float(), grads, cache
+
+    hybrid_triton.hybrid_triton_forward = counted
+    try:
+        got, grads, cache = run("fla")
+        assert calls and all(calls), calls
+        calls.clear()
+        want, grads_want, cache_want = run("torch")
+        assert not calls
+        half, grads_half, _ = run("auto", autocast=True)
+        assert calls and all(calls)
+        calls.clear()
+        _, grads_half_torch, _ = run("torch", autocast=True)
+        assert not calls
+    finally:
+        hybrid_triton.hybrid_triton_forward = launch
+    real = mask.bool()
+    assert _err(got[real], want[real].double()) < 1e-4
+    assert _err(half[real], want[real].double()) < 3e-2
+    assert option["decay"] == "span" or any("gate_bias" in n for n in grads_want)  # (a span is fixed)
+    for name, e in grads_want.items():
+        assert _err(grads[name], e.double()) < 1e-3, name
+        assert _err(grads_half[name], e.double()) < max(1e-1, TORCH_FACTOR * _err(grads_half_torch[name], e.double())), name
+    for a, e in zip(cache.layers, cache_want.layers):
+        for x, y in zip(a.state.tensors(), e.state.tensors()):
+            assert torch.equal(x, y) if x.dtype == torch.bool else _err(x, y.double()) < 1e-4

@@ -10,8 +10,10 @@ the LoLCATs stages: ``lolcats-stage1`` trains the feature maps and window weight
 student on the attention-transfer loss (every layer's output MSE to the teacher's softmax
 attention, the teacher's output passed on: one teacher and one student attention per layer),
 ``lolcats-stage2`` LoRA (r=8 on q/k/v/o) on next-token loss, as ``linearize lolcats`` does; their
-ratio is to the teacher's full fine-tune. fp32 master weights with bf16 autocast on CUDA (the
-Trainer's ``bf16=True``), fp32 on CPU. Each shape
+ratio is to the teacher's full fine-tune. ``lolcats-long-stage1`` / ``-stage2`` are the same stages
+of the length-robust student (``LONG_SPEC``: features of the q/k before RoPE, data-dependent gates on
+the linear state, issue #46), whose stage 1 also trains the gates. fp32 master weights with bf16
+autocast on CUDA (the Trainer's ``bf16=True``), fp32 on CPU. Each shape
 gets ``--warmup`` untimed steps (compilation, fla autotuning, allocator) and ``--steps`` timed
 ones; tokens/s = batch x length x steps / seconds, with the peak memory on CUDA. A shape that runs
 out of memory is recorded as such. The ratio column compares each model with the teacher at the
@@ -48,7 +50,9 @@ import torch
 from .. import kinds
 from ..errors import LinearizeError
 
-STAGES = ("lolcats-stage1", "lolcats-stage2")  # train a part of the weights on their own loss
+# train a part of the weights on their own loss: LoLCATs' stages, of the paper's student and the length-robust one
+STAGES = ("lolcats-stage1", "lolcats-stage2", "lolcats-long-stage1", "lolcats-long-stage2")
+LONG_SPEC = {"kind": "lolcats", "feature_rope": False, "decay": "gated"}  # the length-robust student's options
 # the teacher, every mixer kind (linearize/kinds.py), SUPRA's T2R baseline and the LoLCATs stages
 MODELS = ("teacher", *kinds.names(), "t2r", *STAGES)
 
@@ -76,6 +80,8 @@ def build(teacher, name: str, backend: str = "auto"):
         return copy.deepcopy(teacher)
     if name == "t2r":
         return linearize.convert(teacher, {"kind": "supra", "norm": "sum", "decay": "none", "backend": backend})
+    if name.startswith("lolcats-long"):
+        return linearize.convert(teacher, dict(LONG_SPEC))
     if name in ("lolcats", *STAGES):
         return linearize.convert(teacher, {"kind": "lolcats"})
     if name in kinds.names("convert"):
@@ -91,7 +97,7 @@ def stage_setup(model, name: str):
     stage 2's LoRA model with None (its next-token loss); for the other rows ``(model, None)``
     (next-token loss, every weight). Stage 1 goes through the recipe's own pieces (freezing, the
     ``attention_mse`` loss), so it times what ``linearize lolcats`` runs."""
-    if name == "lolcats-stage1":
+    if name in ("lolcats-stage1", "lolcats-long-stage1"):
         from ..convert import mixers
         from ..distill import build_objective
         from ..recipes import lolcats
@@ -100,7 +106,7 @@ def stage_setup(model, name: str):
         lolcats._freeze_all_but(model, set(layers))
         return model, build_objective("attention_mse", context=dict(layers=tuple(layers),
                                                                     mse_factor=lolcats.LolcatsConfig.mse_factor))
-    if name == "lolcats-stage2":
+    if name in ("lolcats-stage2", "lolcats-long-stage2"):
         from ..models import get_adapter
         from ..recipes.lolcats import LolcatsConfig
         from ..recipes.lora import add_lora
