@@ -275,6 +275,15 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
       fi
       length_eval $ck $name
     done ;;
+  length-recipe)  # issue #46: a packaged recipe (RECIPE, default lolcats_long) at its own budget (RECIPE_ARGS adds flags,
+                  # e.g. --stage1-steps 300) on the SmolLM2 teacher, or (TEACHER=gemma) on Gemma 3 270M staged by
+                  # dev/gpu_teacher.sh, whose own rows (to its 32k context) come first; the rows are named NAME
+    tea=$T; name=${NAME:-recipe}; mkdir -p $RUNS/length
+    if [ "${TEACHER:-}" = gemma ]; then
+      tea=/tmp/stage/gemma-3-270m.gguf; waitfor $tea 1500 || exit 1; length_eval $tea gemma-teacher
+    fi
+    lin lolcats --config ${RECIPE:-lolcats_long} --teacher $tea ${RECIPE_ARGS:-} --out $RUNS/len-$name 2>&1 | quiet | tail -9
+    length_eval $RUNS/len-$name/final $name ;;
   length-teacher)  # the teacher's rows of the length table (its 8k context)
     mkdir -p $RUNS/length; length_eval $T teacher ;;
   dial-tasks)  # zero-shot tasks of a dial row's student: DIAL_CK (e.g. long4k), eval flags EVAL_FLAGS (e.g. the sparse
