@@ -353,8 +353,11 @@ def test_gated_hybrid_kernels_with_given_features_equal_the_float64_reference_on
     assert state.linear.dtype == torch.float32 and torch.equal(state.valid, want_state.valid)
     grads = torch.autograd.grad((got.double() * w).sum(), mine)
     for name, a, e in zip(names, grads, grads_want):
-        if name in ("gamma", "log_gate") and (t <= 64 or e.abs().max() < 1e-12):
-            assert (a.double() - e).abs().max() < 1e-3, name  # no key has left the window (or none fades)
+        # a reference gradient that is (numerically) all zero makes _err's relative error meaningless: one
+        # token (q's: a softmax over one key), no key out of the window yet (gamma's, the gates'), closed gates
+        # (the gates': every fade exp(-60)); there the error is absolute, against gradients of O(1) elsewhere
+        if e.abs().max() < 1e-12 or (name in ("gamma", "log_gate") and t <= 64):
+            assert (a.double() - e).abs().max() < 1e-3, (name, (a.double() - e).abs().max().item())
         else:
             assert _err(a, e) < bounds[name], (name, _err(a, e), bounds[name])
     if gates == "open":  # the ungated kernels' output and gradients

@@ -140,6 +140,16 @@ def check_closed():
     check(1, 4, 2, 17, 8, 6, 4, seed=4, strength=(-60.0,))
 
 
+def check_closed_half():
+    """Closed gates with 16-bit products (fp16 stands in for bf16, which the interpreter multiplies wrongly):
+    the gates' gradient is ~0 only if each query's phi_q . dphi_q and each key's phi_k . dphi_k, whose pairs
+    cancel in ``log_gate_grad``, round alike. With the key side's from dkf (its 16-bit operand) it was 8.7e-4
+    here (0.054 in bf16 on an H200, at SmolLM2's shape), from fp32 terms as the query side's 4e-26."""
+    _, _, grads = check(1, 4, 2, 17, 8, 6, 4, seed=4, strength=(-60.0,), dtype=torch.float16)
+    err = grads[6].abs().max().item()
+    assert err < 1e-5, ("dlog_gate, closed gates in fp16", err)
+
+
 def check_chunks_per_tile():
     """The scans' tiles of fewer chunks (``SCAN_CHUNKS`` = 4; 13 chunks: a last tile of one): the decayed
     carry from tile to tile, forward and in reverse, and the final state from a later tile."""
@@ -294,6 +304,7 @@ CASES = {
     "half": lambda: check(1, 4, 2, 40, 16, 16, 8, None, 0, 9, strength=0.3, dtype=torch.float16),  # fp16 products
     "open": check_open,
     "closed": check_closed,
+    "closed_half": check_closed_half,
     "scan_tiles": check_chunks_per_tile,
     "blocks": check_query_blocks,
     "hedgehog": lambda: check_hedgehog(2, 4, 2, 21, 8, 5, 8, 4, None, 5, 10),

@@ -63,8 +63,9 @@ only differences of ``Gl`` within one chunk are exponentiated (never above 0, no
 * the backward puts the same factors on every linear term's gradient (the query side's asks to the
   reverse state by ``exp(Gl[c, i])``, the reverse scan decayed by each chunk's gate, a key's answer
   by ``exp(Gl[j+1, w-1] - Gl[j+1, jj])``); ``_backward_q`` and ``_backward_kf`` also store
-  ``phi_q . dphi_q`` per query and ``phi_k . dphi_k`` per key, from which PyTorch takes the log gates'
-  gradient (``log_gate_grad``: sums within each chunk, the pairs crossing a chunk's end from the
+  ``phi_q . dphi_q`` per query and ``phi_k . dphi_k`` per key (both from the same fp32 terms of the
+  youngest keys, not through a 16-bit operand: their pairs cancel), from which PyTorch takes the log
+  gates' gradient (``log_gate_grad``: sums within each chunk, the pairs crossing a chunk's end from the
   states there). Window terms are untouched. Not with the sinks' form.
 
 Precision: products of bf16/fp16 inputs on tensor cores with fp32 accumulation (softmax weights,
@@ -644,6 +645,9 @@ def _backward_kf(v_ptr, qf_ptr, kf_ptr, mask_ptr, rsums_ptr, dy_ptr, den_ptr, rh
         dv = dv * to_end[:, None]
         dkf = dkf * to_end[:, None]
         fade = tl.exp(tl.where(near, _gates(gl, j + 1, iq, N, W)[None, :] - g_k[:, None], float("-inf")))
+        # phi_k . dphi_k from fp32 terms, as _backward_q's phi_q . dphi_q: log_gate_grad subtracts the two,
+        # and a pair that cancels there must round the same on both sides (not through dkf's 16-bit operand)
+        p_k = tl.sum(kf.to(tl.float32) * dkf, axis=1)
     for g in tl.static_range(G):
         h = hk * G + g
         row = (b * H + h) * T + tq
@@ -655,6 +659,7 @@ def _backward_kf(v_ptr, qf_ptr, kf_ptr, mask_ptr, rsums_ptr, dy_ptr, den_ptr, rh
         dv = tl.dot(lin.to(vdt), dd, dv, input_precision=PREC)
         da = tl.dot(v, tl.trans(dd), input_precision=PREC) + tl.load(rho_ptr + row, mask=okq, other=0.0)[None, :]
         if GATED:
+            p_k += tl.sum(lin * tl.where(near, da, 0.0), axis=1)
             dkf = tl.dot((tl.where(near, da, 0.0) * fade).to(vdt), qf, dkf, input_precision=PREC)
         else:
             dkf = tl.dot(tl.where(near, da, 0.0).to(vdt), qf, dkf, input_precision=PREC)
@@ -664,7 +669,7 @@ def _backward_kf(v_ptr, qf_ptr, kf_ptr, mask_ptr, rsums_ptr, dy_ptr, den_ptr, rh
     dkf = tl.where(real[:, None], dkf, 0.0)
     tl.store(dkf_ptr + bh * T * F + tk[:, None] * F + f[None, :], dkf, mask=okk[:, None] & (f < F)[None, :])
     if GATED:  # G_{s+w}'s gradient from its key s: minus phi_k . dphi_k
-        tl.store(dgk_ptr + bh * T + tk, tl.sum(kf.to(tl.float32) * dkf, axis=1), mask=okk)
+        tl.store(dgk_ptr + bh * T + tk, tl.where(real, p_k, 0.0), mask=okk)
 
 
 # --- PyTorch side -------------------------------------------------------------------------------
