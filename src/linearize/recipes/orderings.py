@@ -557,6 +557,7 @@ def plot_curves(record: dict, curves: dict, out_png: Path) -> Path:
     names = list(dict.fromkeys(r["row"] for r in record["rows"]))
     colours = {n: f"C{i % 10}" for i, n in enumerate(names)}
     for ax, loss in zip(axes[0], losses):
+        stacked = 0  # LIT notes of one panel, stacked upwards so that two unfreezings at one step stay readable
         for r in (r for r in record["rows"] if r["loss"] == loss):
             points = curves.get(_key(r)) or []
             if not points:
@@ -571,9 +572,10 @@ def plot_curves(record: dict, curves: dict, out_png: Path) -> Path:
                 ax.axvline(x, color=colours[r["row"]], linestyle=":", linewidth=1)
                 ax.plot([x], [y], marker="*", markersize=12, color=colours[r["row"]])
                 imps = ", ".join(f"{100 * i:.2f}%" for i in lit["trigger"]["improvements"] if i is not None)
-                ax.annotate(f"LIT unfroze, step {lit['unfrozen_at_step']}\n(improvement {imps} < "
-                            f"{100 * lit['threshold']:.0f}%)", (x, y), xytext=(6, 14), textcoords="offset points",
-                            fontsize=7, color=colours[r["row"]])
+                ax.annotate(f"LIT (seed {r['seed']}) unfroze, step {lit['unfrozen_at_step']}\n(improvement {imps} < "
+                            f"{100 * lit['threshold']:.0f}%)", (x, y), xytext=(6, 14 + 30 * stacked),
+                            textcoords="offset points", fontsize=7, color=colours[r["row"]])
+                stacked += 1
         for m in record.get("tokens_to_match") or []:
             if m["loss"] == loss and m["seed"] == record["seed"] and m["tokens"] is not None:
                 ax.axhline(m["scratch_final"], color="grey", linestyle=":", linewidth=0.8)
