@@ -64,12 +64,15 @@ class Spec:
     sparse_cache: lolcats only: tokens per layer and key head kept exactly beside the window, chosen
         by how badly the linear state recalls them (LoLA; ``ops/sparse_hybrid_attention.py``); 0 = off.
         Adds no parameters: a converted checkpoint takes one without training (``convert.respec``).
+        Combines with ``feature_rope: false`` and any lolcats ``decay`` (a cached token fades only once
+        folded, from when it left the window), not yet with ``norm: separate``.
     sparse_priority: which older tokens the sparse cache keeps: ``recall`` (LoLA's self-recall error,
         the tokens the linear state reads back worst) or ``novelty`` (the tokens whose values are least
         like any other candidate's: repeated text goes to the linear state, one-off tokens stay) or ``first``
         (the sequence's first ``sparse_cache`` tokens, kept for good: StreamingLLM's attention sinks; with
         Hedgehog maps on CUDA a prefill or scoring pass runs the hybrid's forward kernels, and once they
-        have left the window ``linearize.fast`` decodes through the fused CUDA step). Like
+        have left the window ``linearize.fast`` decodes through the fused CUDA step; not with a decay or
+        ``feature_rope: false``, which take the PyTorch forms). Like
         ``sparse_cache`` it adds no parameters; it has no effect while ``sparse_cache`` is 0.
     sparse_anchor: how cached tokens weigh against the linear terms: ``joint`` (the softmax terms on the
         scale of the largest score over window and cache) or ``window`` (on the window's, as the hybrid
@@ -133,9 +136,8 @@ class Spec:
             raise LinearizeError(f"spec sparse_cache must be a non-negative integer, got {cache!r}")
         if cache and self.kind != "lolcats":
             raise LinearizeError(f"spec sparse_cache applies to the lolcats hybrid, not to kind {self.kind!r}")
-        if cache and (self.decay not in (None, "none") or not self.feature_rope or self.norm == "separate"):
-            raise LinearizeError("spec sparse_cache does not yet combine with a lolcats decay, feature_rope off or "
-                                 "norm separate")
+        if cache and self.norm == "separate":
+            raise LinearizeError("spec sparse_cache does not yet combine with norm separate")
         keep = self.keep_softmax
         if isinstance(keep, str):
             keep = [x for x in keep.replace(" ", "").split(",") if x]

@@ -18,7 +18,9 @@ when the family rotates halves, themselves from the projections' q/k; other maps
 in PyTorch first. A sparse cache runs the PyTorch chunked form, but for the first tokens
 (``sparse_priority: "first"``) with Hedgehog maps where no gradient is needed (prefill, scoring):
 the forward kernels take them (``hybrid_triton_sinks``), and a prefill whose first tokens have
-all left the window gets its state from there too.
+all left the window gets its state from there too (without a decay: the sinks' kernels take no gates).
+With a decay the cache's tokens fade once folded into the linear state, from the time they left the
+window; with ``feature_rope: False`` the cache keeps its tokens' features as the window does.
 
 Length: ``spec.decay`` (``span``, ``learned``, ``gated``) fades the linear state per key head from
 the moment a key leaves the window (``ops.hybrid_attention``'s gates), so its mass stays bounded
@@ -159,8 +161,9 @@ class LolcatsAttention(LinearAttention):
             if fused is not None:
                 return fused
         q, k, qf, kf = self._inputs(q, k, position_embeddings)
-        if self.spec.sparse_cache:
-            kw = dict(**self._kw(), cache_size=self.spec.sparse_cache, **self._sparse_rule())
+        if self.spec.sparse_cache:  # (a fading state: the cached tokens fade once folded, as the hybrid's keys)
+            kw = dict(**self._kw(), cache_size=self.spec.sparse_cache, **self._sparse_rule(),
+                      log_gate=self.log_gate(q.shape[0], q.shape[2], q.device))
             if state is None:
                 return ops.sparse_hybrid_attention_chunked(q, k, qf, kf, v, self.window_weight(), **kw,
                                                            output_final_state=want_state)
@@ -224,8 +227,8 @@ class LolcatsAttention(LinearAttention):
         takes the PyTorch form), and for a prefill's state a cache that is settled (its first tokens out of
         the window)."""
         spec = self.spec
-        if spec.sparse_priority != "first" or not hedgehog:
-            return None
+        if spec.sparse_priority != "first" or not hedgehog or spec.decay not in (None, "none"):
+            return None  # (the sinks' kernels take no gates: a fading state runs the PyTorch form)
         weights = (q, k, v, self.window_logit, self.feature_map_q.weight, self.feature_map_k.weight)
         if torch.is_grad_enabled() and any(x.requires_grad for x in weights):
             return None
@@ -244,9 +247,11 @@ class LolcatsAttention(LinearAttention):
     def fused_decoding(self) -> bool:
         """Whether the fast decoder runs this layer's steps as one Triton kernel
         (``hybrid_step_fused_triton``): on CUDA, with Hedgehog maps and RoPE by rotating halves, and
-        no sparse cache or one of the first tokens (attention sinks; once it is full it stays as it is)."""
-        g = self.geometry
-        sparse = self.spec.sparse_cache and self.spec.sparse_priority != "first"
+        no sparse cache or one of the first tokens (attention sinks; once it is full it stays as it is),
+        without a decay and with features after RoPE (the sinks' fused step takes neither)."""
+        g, spec = self.geometry, self.spec
+        sparse = spec.sparse_cache and (spec.sparse_priority != "first" or spec.decay not in (None, "none")
+                                        or not spec.feature_rope)
         return (not sparse and self.spec.norm != "separate" and self.window_logit.is_cuda and triton_available()
                 and type(self.feature_map_q) is Hedgehog
                 and type(self.feature_map_k) is Hedgehog and rotates_half(g.rotary, g.head_dim))
@@ -286,11 +291,13 @@ class LolcatsAttention(LinearAttention):
             q, k, qf, kf = self._inputs(q, k, position_embeddings)
             g = self.geometry
             return ops.sparse_hybrid_attention_step_ring(q, k, qf, kf, v, self.window_weight(), state, scale=g.scaling,
-                                                         softcap=g.softcap, **self._sparse_rule())
+                                                         softcap=g.softcap, **self._sparse_rule(),
+                                                         log_gate=self.log_gate(q.shape[0], 1, q.device))
         if isinstance(state, ops.SparseHybridState):
             q, k, qf, kf = self._inputs(q, k, position_embeddings)
+            lg = self.log_gate(q.shape[0], 1, q.device)
             return ops.sparse_hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
-                                                    **self._sparse_rule())
+                                                    **self._sparse_rule(), log_gate=lg)
         if isinstance(state, ops.FusedRingState):  # everything from RoPE to the output in one launch
             from ..ops.hybrid_step_triton import hybrid_step_fused_triton
 
@@ -344,10 +351,12 @@ class LolcatsAttention(LinearAttention):
         window = self.spec.window * g.n_kv_heads * per_token * elem
         total = window + linear_states * g.n_kv_heads * self.feature_map_k.out_dim * (g.head_dim + 1) * 4
         cache = self.spec.sparse_cache if sparse else 0
-        if cache:  # SparseHybridState: cached tokens (+ priority, position, slot flag), window priorities, count
+        if cache:  # SparseHybridState: cached tokens (+ priority, position, slot flag; with gates their fades),
+            # window priorities, count
             acc = torch.tensor([], dtype=ops.accum_dtype(dtype)).element_size()
             cached = 2 * g.head_dim + self.feature_map_k.out_dim
-            total += g.n_kv_heads * (cache * (cached * elem + acc + 8 + 1) + self.spec.window * acc) + 8
+            fade = acc if self.spec.decay not in (None, "none") else 0
+            total += g.n_kv_heads * (cache * (cached * elem + acc + fade + 8 + 1) + self.spec.window * acc) + 8
         return total
 
     def fast_state_bytes(self, dtype):

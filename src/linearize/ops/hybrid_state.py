@@ -46,11 +46,15 @@ class SparseHybridState:
     cache_scores: torch.Tensor  # [B, Hk, S] priority from the last boundary
     cache_pos: torch.Tensor  # [B, Hk, S] int64: position from the origin (ties)
     count: torch.Tensor  # [B] int64: tokens since the origin (0 before the first real token)
+    # with gates (a fading linear state) only: [B, Hk, S] (as ``linear``) the log fade each cached token
+    # has gathered since it left the window, applied when it is folded; None without gates
+    cache_fade: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
+        fade = () if self.cache_fade is None else (self.cache_fade,)
         return (self.keys, self.key_features, self.values, self.valid, self.window_scores, self.linear,
                 self.cache_keys, self.cache_features, self.cache_values, self.cache_valid, self.cache_scores,
-                self.cache_pos, self.count)
+                self.cache_pos, self.count, *fade)
 
     def map(self, fn) -> "SparseHybridState":
         """Apply ``fn`` to every tensor (each has the batch first)."""

@@ -21,6 +21,24 @@ as (whose ``c`` is the window's), and a cached token weighs what it would in the
 ``"joint"`` a cached token scoring above the window lowers every softmax term against the linear
 terms, the needle's own included.
 
+**Gates** (``log_gate`` ``[B, Hk, T]`` of ``log g_t <= 0``, a fading linear state as in
+``hybrid_attention.py``: data-dependent, or a per-head constant for a fixed or learned decay; None is
+no fade, every form bit for bit as without). With ``L`` the log gates' cumulative sum, a folded token
+``s`` weighs ``exp(L_t - L_{s+w})`` in query t's linear term: its fade starts when it leaves the
+window (at time ``s + w``, whose own gate it does not get), as the hybrid's keys' does, whether it is
+folded then or later. A cached token does not fade while it is cached (it is a softmax term, like the
+window's); pushed out at time ``f``, it is folded with the fade it would have gathered in the linear
+state since it left the window, ``exp(L_f - L_{s+w})``. So the state after time t is ``g_t`` times the
+one before plus the tokens folded at t, each times ``exp(L_t - L_{s+w})``, and with ``S = 0`` (every
+token folded at ``s + w``) this is exactly the gated hybrid. The decoding state holds, per cached
+token, the log fade it has gathered since it left the window (``cache_fade``: 0 on arrival, each step
+adds its log gate; a short sum rather than the difference of two long cumulative sums). The recall
+priority reads the faded state (at a boundary ``b``, the state after time ``b - 1``).
+
+**Features** ``qf``, ``kf`` are the caller's: computed from the rotated q/k or, with ``feature_rope:
+false``, from the q/k before RoPE while the scores use the rotated ones. No form recomputes a
+feature from a stored key: the window and the cache keep each token's key features beside its key.
+
 **Which tokens are cached** is decided per sequence and per *key head* (the ``G`` query heads of a
 group share their key head's cache, as they share its keys, values and linear state):
 
@@ -69,7 +87,7 @@ sequence alone): it rolls each sequence left by ``p mod w`` so that every origin
 boundary.
 
 Shapes as in ``hybrid_attention.py``: ``q`` ``[B, H, T, D]``, ``k`` and ``v`` ``[B, Hk, T, D]``,
-``qf`` ``[B, H, T, F]``, ``kf`` ``[B, Hk, T, F]``, ``gamma`` ``[H]``.
+``qf`` ``[B, H, T, F]``, ``kf`` ``[B, Hk, T, F]``, ``gamma`` ``[H]``, ``log_gate`` ``[B, Hk, T]``.
 """
 
 from __future__ import annotations
@@ -86,14 +104,16 @@ from .linear_attention import _augment, _group, accum_dtype
 
 
 def empty_sparse_hybrid_state(batch, n_kv, head_dim, feature_dim, cache_size, *, device=None,
-                              dtype=torch.float32) -> SparseHybridState:
+                              dtype=torch.float32, gated: bool = False) -> SparseHybridState:
+    """An empty state; ``gated``: with the cached tokens' fades (a fading linear state)."""
     acc = accum_dtype(dtype)
     z = lambda *s, dt=dtype: torch.zeros(batch, n_kv, *s, device=device, dtype=dt)  # noqa: E731
     return SparseHybridState(
         z(0, head_dim), z(0, feature_dim), z(0, head_dim), torch.zeros(batch, 0, dtype=torch.bool, device=device),
         z(0, dt=acc), z(1, feature_dim, head_dim + 1, dt=acc),
         z(cache_size, head_dim), z(cache_size, feature_dim), z(cache_size, head_dim), z(cache_size, dt=torch.bool),
-        z(cache_size, dt=acc), z(cache_size, dt=torch.long), torch.zeros(batch, dtype=torch.long, device=device))
+        z(cache_size, dt=acc), z(cache_size, dt=torch.long), torch.zeros(batch, dtype=torch.long, device=device),
+        z(cache_size, dt=acc) if gated else None)
 
 
 def recall_error(kf: torch.Tensor, v: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
@@ -165,9 +185,11 @@ def _lowest(pri: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.
 
 def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_size: int, scale: float,
                                   softcap: float | None = None, key_mask: torch.Tensor | None = None,
-                                  priority: str = "recall", anchor: str = "joint"):
+                                  priority: str = "recall", anchor: str = "joint",
+                                  log_gate: torch.Tensor | None = None):
     """The definition, literally: per sequence and key head, sets of positions (window, cache,
-    folded) evolve token by token, and every output is an explicit sum. Slow (Python loops over
+    folded) evolve token by token, and every output is an explicit sum (a folded token ``s`` weighs
+    ``exp(L_t - L_{s+w})`` in query t's and the boundary's sums under gates). Slow (Python loops over
     tokens): for tests. Returns ``[B, H, T, D]``."""
     _check(priority, anchor)
     acc = accum_dtype(q.dtype)
@@ -179,11 +201,18 @@ def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_
     out_dtype = q.dtype
     q, k, qf, kf, v = (x.to(acc) for x in (q, k, qf, kf, v))
     gamma = gamma.to(acc)
+    cum = log_gate.to(acc).cumsum(-1) if log_gate is not None else None  # L: [B, Hk, T]
     rows = []
     for bi in range(b):
         heads = []
         for hk in range(n_kv):
             cached, folded, pri, origin = [], [], {}, None
+
+            def fade(now):  # each folded token's weight in the linear state after time ``now``
+                if cum is None:
+                    return torch.ones(len(folded), dtype=acc, device=q.device)
+                starts = torch.tensor(folded, dtype=torch.long, device=q.device) + w
+                return torch.exp(cum[bi, hk, now] - cum[bi, hk, starts])
             outs = []
             for ti in range(t):
                 if origin is None and real_l[bi][ti]:
@@ -191,7 +220,7 @@ def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_
                 rel = ti - origin if origin is not None else -1
                 if rel >= w and rel % w == 0:  # a boundary: priorities against the folded tokens
                     with torch.no_grad():
-                        fk = kf[bi, hk, folded]
+                        fk = kf[bi, hk, folded] * fade(ti - 1)[:, None]  # the state after time ti - 1
                         num, den = fk.T @ v[bi, hk, folded], fk.sum(0)
                         cands = cached + [s for s in range(ti - w, ti) if real_l[bi][s]]
                         unit = {s: v[bi, hk, s] / v[bi, hk, s].norm().clamp_min(torch.finfo(acc).tiny) for s in cands}
@@ -223,7 +252,7 @@ def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_
                     hq = hk * group + gi
                     sc = _scores(q[bi, hq, ti][None], k[bi, hk, soft], scale, softcap)[0]
                     a_soft = gamma[hq] * torch.exp(sc - sc.max())
-                    a_lin = kf[bi, hk, folded] @ qf[bi, hq, ti]
+                    a_lin = (kf[bi, hk, folded] @ qf[bi, hq, ti]) * fade(ti)
                     if anchor == "window":  # the linear terms against the window's largest score
                         a_lin = a_lin * torch.exp(sc[: len(in_window)].max() - sc.max())
                     num = a_soft @ v[bi, hk, soft] + a_lin @ v[bi, hk, folded]
@@ -282,10 +311,10 @@ def _rescored(kind, state, window_valid, lin):
 def sparse_hybrid_attention_step(
     q, k, qf, kf, v, gamma, state: SparseHybridState, *, window: int, scale: float,
     softcap: float | None = None, key_mask: torch.Tensor | None = None, priority: str = "recall",
-    anchor: str = "joint",
+    anchor: str = "joint", log_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SparseHybridState]:
-    """One token (``T = 1``; ``key_mask`` [B, 1]). Returns ``(y [B, H, 1, D], new_state)``; the state is
-    updated out of place. The cache size is the state's."""
+    """One token (``T = 1``; ``key_mask`` [B, 1]; ``log_gate`` [B, Hk, 1]). Returns ``(y [B, H, 1, D],
+    new_state)``; the state is updated out of place. The cache size is the state's."""
     _check(priority, anchor)
     acc = state.linear.dtype
     b, n_kv = k.shape[:2]
@@ -307,7 +336,11 @@ def sparse_hybrid_attention_step(
     values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
     valid = torch.cat([state.valid, real[:, None]], dim=1)
     window_scores = torch.cat([window_scores, window_scores.new_zeros(b, n_kv, 1)], dim=2)
-    linear = state.linear
+    linear, fade = state.linear, state.cache_fade
+    if log_gate is not None:  # this step's gate fades the linear state and every cached token's pending fade
+        lg = log_gate.to(acc)
+        linear = linear * lg.exp()[..., None, None]
+        fade = (fade if fade is not None else torch.zeros_like(state.cache_scores, dtype=acc)) + lg
     ck, cf, cv = state.cache_keys, state.cache_features, state.cache_values
     cvalid, cpos = state.cache_valid, state.cache_pos
     if keys.shape[2] > window:  # the oldest token leaves the window: into the cache, maybe pushing one out
@@ -322,9 +355,10 @@ def sparse_hybrid_attention_step(
         empty = (~cvalid).long().argmax(-1) if cap else victim  # first free slot (if not full, one exists)
         slot = torch.where(full, victim, empty)
         write = l_valid[..., 0] & (slot < cap)
-        # fold the victim into the linear state
+        # fold the victim into the linear state (under gates with the fade it gathered in the cache)
         pick = F.one_hot(victim, cap + 1).to(acc) * full[..., None]  # [B, Hk, S + 1]
-        gone_f = (pick[..., None] * torch.cat([cf, lf], dim=2).to(acc)).sum(2, keepdim=True)  # [B, Hk, 1, F]
+        weight = pick if fade is None else pick * torch.cat([fade, fade.new_zeros(b, n_kv, 1)], dim=2).exp()
+        gone_f = (weight[..., None] * torch.cat([cf, lf], dim=2).to(acc)).sum(2, keepdim=True)  # [B, Hk, 1, F]
         gone_v = (pick[..., None] * torch.cat([cv, lv], dim=2).to(acc)).sum(2, keepdim=True)
         linear = linear + (gone_f.transpose(-1, -2) @ _augment(gone_v, True)).unsqueeze(2)
         # the newcomer takes the victim's (or a free) slot
@@ -333,11 +367,13 @@ def sparse_hybrid_attention_step(
         cache_scores = torch.where(put, window_scores[:, :, :1], cache_scores)
         cpos = torch.where(put, l_pos, cpos)
         cvalid = cvalid | put
+        if fade is not None:  # the newcomer's fade starts now
+            fade = fade.masked_fill(put, 0)
         keys, feats, values, valid = keys[:, :, 1:], feats[:, :, 1:], values[:, :, 1:], valid[:, 1:]
         window_scores = window_scores[:, :, 1:]
     y = _read_one(q, qf, gamma, keys, values, valid, ck, cv, cvalid, linear, real, scale, softcap, anchor)
     new = SparseHybridState(keys, feats, values, valid, window_scores, linear, ck, cf, cv, cvalid, cache_scores,
-                            cpos, state.count + started.long())
+                            cpos, state.count + started.long(), fade)
     return y, new
 
 
@@ -418,6 +454,7 @@ class FusedSinkState(FusedRingState):
 def sparse_hybrid_attention_step_ring(
     q, k, qf, kf, v, gamma, state: RingSparseState, *, scale: float, softcap: float | None = None,
     key_mask: torch.Tensor | None = None, priority: str = "recall", anchor: str = "joint",
+    log_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RingSparseState]:
     """``sparse_hybrid_attention_step`` on a ``RingSparseState``, in place and without a host
     synchronisation (the epoch's rescoring is computed every step and kept where a boundary falls):
@@ -434,6 +471,12 @@ def sparse_hybrid_attention_step_ring(
     new_w, new_c = _rescored(priority, state, state.valid, lin)
     state.window_scores.copy_(torch.where(boundary, new_w, state.window_scores))
     state.cache_scores.copy_(torch.where(boundary, new_c, state.cache_scores))
+    if log_gate is not None:  # this step's gate fades the linear state and the cached tokens' pending fades
+        lg = log_gate.to(acc)
+        state.linear.mul_(lg.exp()[..., None, None])
+        if state.cache_fade is None:
+            state.cache_fade = torch.zeros_like(state.cache_scores, dtype=acc)
+        state.cache_fade.add_(lg)
     # the token in the ring's next slot leaves the window (an empty slot or padding: valid False, no effect)
     idx = state.slot.view(1)
     lk, lf, lv = (x.index_select(2, idx) for x in (state.keys, state.key_features, state.values))
@@ -450,7 +493,10 @@ def sparse_hybrid_attention_step_ring(
     slot = torch.where(full, victim, empty)
     write = l_valid[..., 0] & (slot < cap)
     pick = (torch.arange(cap + 1, device=k.device) == victim[..., None]).to(acc) * full[..., None]
-    gone_f = (pick[..., None] * torch.cat([cf, lf], dim=2).to(acc)).sum(2, keepdim=True)
+    weight = pick  # (under gates with the fade the victim gathered in the cache)
+    if state.cache_fade is not None:
+        weight = pick * torch.cat([state.cache_fade, state.cache_fade.new_zeros(b, n_kv, 1)], dim=2).exp()
+    gone_f = (weight[..., None] * torch.cat([cf, lf], dim=2).to(acc)).sum(2, keepdim=True)
     gone_v = (pick[..., None] * torch.cat([cv, lv], dim=2).to(acc)).sum(2, keepdim=True)
     state.linear.add_((gone_f.transpose(-1, -2) @ _augment(gone_v, True)).unsqueeze(2))
     put = (torch.arange(cap, device=k.device) == slot[..., None]) & write[..., None]
@@ -458,6 +504,8 @@ def sparse_hybrid_attention_step_ring(
         x.copy_(torch.where(put[..., None], new, x))
     state.cache_scores.copy_(torch.where(put, l_pri, state.cache_scores))
     state.cache_pos.copy_(torch.where(put, l_pos, state.cache_pos))
+    if state.cache_fade is not None:
+        state.cache_fade.masked_fill_(put, 0)
     cvalid.logical_or_(put)
     # the new token takes the slot
     state.keys.index_copy_(2, idx, k.to(state.keys.dtype))
@@ -473,18 +521,19 @@ def sparse_hybrid_attention_step_ring(
 
 
 def sparse_hybrid_attention_recurrent(q, k, qf, kf, v, gamma, *, window, cache_size, scale, softcap=None,
-                                      initial_state=None, key_mask=None, priority="recall", anchor="joint"):
+                                      initial_state=None, key_mask=None, priority="recall", anchor="joint",
+                                      log_gate=None):
     """Token by token through ``sparse_hybrid_attention_step`` (the decoding form)."""
     b, h, t, d = q.shape
     state = initial_state or empty_sparse_hybrid_state(b, k.shape[1], d, kf.shape[-1], cache_size,
-                                                       device=q.device, dtype=k.dtype)
+                                                       device=q.device, dtype=k.dtype, gated=log_gate is not None)
     outs = []
     for i in range(t):
         sl = slice(i, i + 1)
         o, state = sparse_hybrid_attention_step(
             q[:, :, sl], k[:, :, sl], qf[:, :, sl], kf[:, :, sl], v[:, :, sl], gamma, state, window=window,
             scale=scale, softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl], priority=priority,
-            anchor=anchor)
+            anchor=anchor, log_gate=None if log_gate is None else log_gate[..., sl])
         outs.append(o)
     return torch.cat(outs, dim=2), state
 
@@ -526,14 +575,20 @@ def _select_first(real: torch.Tensor, n_kv: int, w: int, cap: int):
 
 
 @torch.no_grad()
-def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: int, priority: str = "recall"):
+def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: int, priority: str = "recall",
+            cum: torch.Tensor | None = None, with_order: bool = False):
     """The cache decisions over chunks of ``w`` tokens (one epoch each), whose origins are on chunk
     boundaries. ``kf`` ``[B, Hk, N w, F]``, ``v`` ``[B, Hk, N w, D]``, ``real`` ``[B, N w]``.
 
     Returns ``fold`` ``[B, Hk, N w]`` (the time each token is folded into the linear state; ``N w +
     w`` for never), and per chunk the cache at its start, ``slot_pos`` / ``slot_valid`` ``[B, Hk, N,
     S]``, and the epoch's priorities of its ``S + w`` candidates (slots, then chunk c-1's tokens),
-    ``pri`` ``[B, Hk, N, S + w]``.
+    ``pri`` ``[B, Hk, N, S + w]``; ``with_order``: also ``order`` ``[B, Hk, N, S]``, which of chunk c's
+    candidates each slot of chunk c + 1's cache is.
+
+    With gates, ``cum`` ``[B, Hk, N, w]`` (the log gates' cumulative sums within each chunk): the
+    linear state the priorities read is faded (at each chunk's start, the state after the time
+    before), each slot carrying the fade its token gathered since it left the window.
 
     Inside chunk c, with the epoch's priorities fixed, candidate x (present from the start, or
     arriving as leaver j at step j) is cached at step i while fewer than ``S`` of the candidates
@@ -549,7 +604,8 @@ def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: 
     lin = torch.zeros(b, n_kv, f, v.shape[-1] + 1, dtype=acc, device=dev)
     slot_pos = torch.zeros(b, n_kv, cap, dtype=torch.long, device=dev)
     slot_valid = torch.zeros(b, n_kv, cap, dtype=torch.bool, device=dev)
-    rec_pos, rec_valid, rec_pri = [], [], []
+    rec_pos, rec_valid, rec_pri, rec_order = [], [], [], []
+    slot_fade = torch.zeros(b, n_kv, cap, dtype=acc, device=dev)  # log fade up to the chunk's start
     origin = real.long().argmax(-1)[:, None, None]  # the first real token (on a chunk boundary here)
     for c in range(n):
         rec_pos.append(slot_pos)
@@ -568,17 +624,35 @@ def _select(kf: torch.Tensor, v: torch.Tensor, real: torch.Tensor, w: int, cap: 
         out = gone[..., -1]  # folded during this chunk (once folded, always: rivals only grow)
         when = c * w + gone.long().argmax(-1)
         fold.scatter_(2, torch.where(out, pos, tp), when)
-        with torch.autocast(dev.type, enabled=False):
-            lin = lin + (cand_f * out[..., None]).transpose(-1, -2) @ _augment(cand_v, True)
         order = torch.argsort(kept[..., -1].long(), dim=-1, descending=True, stable=True)[..., :cap]
+        rec_order.append(order)
+        with torch.autocast(dev.type, enabled=False):
+            if cum is None:
+                lin = lin + (cand_f * out[..., None]).transpose(-1, -2) @ _augment(cand_v, True)
+            else:  # each candidate's fade at the chunk's end: the state after its last token
+                end = _fades_at_end(slot_fade, cum[:, :, c])
+                weight = out * end.exp()
+                lin = cum[:, :, c, -1:, None].exp() * lin + (cand_f * weight[..., None]).transpose(-1, -2) @ _augment(
+                    cand_v, True)
+                slot_fade = end.gather(2, order)
         slot_pos, slot_valid = pos.gather(2, order), kept[..., -1].gather(2, order)
-    return fold[..., :tp], torch.stack(rec_pos, 2), torch.stack(rec_valid, 2), torch.stack(rec_pri, 2)
+    result = fold[..., :tp], torch.stack(rec_pos, 2), torch.stack(rec_valid, 2), torch.stack(rec_pri, 2)
+    return (*result, torch.stack(rec_order, 2)) if with_order else result
+
+
+def _fades_at_end(slot_fade: torch.Tensor, cum: torch.Tensor) -> torch.Tensor:
+    """The log fades ``[B, Hk, S + w]`` at a chunk's last token of its candidates: the slots
+    (``slot_fade`` ``[B, Hk, S]``, their fades at the chunk's start) and chunk c-1's tokens, which
+    leave the window at the chunk's steps j and fade from then (``cum`` ``[B, Hk, w]``, the chunk's
+    cumulative log gates: ``exp(cum[-1] - cum[j])``)."""
+    total = cum[..., -1:]
+    return torch.cat([slot_fade + total, total - cum], dim=2)
 
 
 def sparse_hybrid_attention_chunked(
     q, k, qf, kf, v, gamma, *, window: int, cache_size: int, scale: float, softcap: float | None = None,
     output_final_state: bool = False, key_mask: torch.Tensor | None = None, priority: str = "recall",
-    anchor: str = "joint",
+    anchor: str = "joint", log_gate: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SparseHybridState | None]:
     """The sequence form, in chunks of ``window`` tokens, one selection epoch each.
 
@@ -589,6 +663,13 @@ def sparse_hybrid_attention_chunked(
     once they leave it are cached or folded by their fold time), the cache at the chunk's start
     (cached or folded during the chunk), and the linear state of the tokens folded before the
     chunk (a cumulative sum of per-chunk sums).
+
+    With gates (``log_gate`` ``[B, Hk, T]``) every fade is a sum of log gates within one chunk or
+    carried from chunk to chunk, as in ``hybrid_attention_chunked``: query i of chunk c weighs chunk
+    c-1's token j (folded by then) by ``exp(G_c[i] - G_c[j])``, a slot of the chunk's starting cache
+    by ``exp(A + G_c[i])`` (``A`` its fade at the chunk's start, carried along the slots' order), and
+    the state ``E_c`` of the tokens folded before the chunk by ``exp(G_c[i])``; ``E_{c+1} =
+    exp(G_c[-1]) E_c + (chunk c's folds, each faded to the chunk's end)``.
     """
     _check(priority, anchor)
     acc = accum_dtype(q.dtype)
@@ -603,20 +684,25 @@ def sparse_hybrid_attention_chunked(
     first = torch.where(has, real.long().argmax(dim=1), torch.zeros_like(has, dtype=torch.long))
     shift = first % w  # roll each sequence left so that its origin falls on a chunk boundary
     rolled = key_mask is not None and bool(shift.any())  # (no host sync without a mask)
+    gated = log_gate is not None
     if rolled:
         idx = (torch.arange(t, device=dev)[None, :] + shift[:, None]) % t
         q, k, qf, kf, v = (_roll_left(x, idx) for x in (q, k, qf, kf, v))
         real = real.gather(1, idx)
+        if gated:
+            log_gate = _roll_left(log_gate[..., None], idx)[..., 0]
     n = -(-t // w)
     tp = n * w
     pad = tp - t
     flat = lambda x: F.pad(x.to(acc), (0, 0, 0, pad))  # noqa: E731  [B, *, Tp, E]
     kk, ff, vv = flat(k), flat(kf), flat(v)
     rr = F.pad(real, (0, pad))
-    if priority == "first" and not output_final_state:  # the decisions in closed form (the state needs pri)
-        (fold, slot_pos, slot_valid), pri = _select_first(rr, n_kv, w, cap), None
+    cum = F.pad(log_gate.to(acc), (0, pad)).unflatten(2, (n, w)).cumsum(-1) if gated else None  # [B, Hk, N, w]
+    if priority == "first" and not output_final_state and not gated:  # the decisions in closed form
+        (fold, slot_pos, slot_valid), pri = _select_first(rr, n_kv, w, cap), None  # (the state needs pri)
     else:
-        fold, slot_pos, slot_valid, pri = _select(ff, vv, rr, w, cap, priority)
+        fold, slot_pos, slot_valid, pri, order = _select(ff, vv, rr, w, cap, priority,
+                                                         None if cum is None else cum.detach(), with_order=True)
 
     qc = flat(_group(q, n_kv).flatten(1, 2)).view(b, n_kv, grp, n, w, d)
     qfc = flat(_group(qf, n_kv).flatten(1, 2)).view(b, n_kv, grp, n, w, -1)
@@ -649,20 +735,42 @@ def sparse_hybrid_attention_chunked(
         ss = _scores(qc, sk.unsqueeze(2), scale, softcap).masked_fill(~soft_s[:, :, None], neg)
         top = torch.maximum(top, ss.amax(dim=-1, keepdim=True))
     lin = torch.exp(top_w - top) if anchor == "window" else 1.0  # the linear terms' factor
-    a2 = g * torch.exp(s2 - top) * soft2[:, :, None] + (qfc @ f2.transpose(-1, -2)) * folded2[:, :, None] * lin
+    lin2 = (qfc @ f2.transpose(-1, -2)) * folded2[:, :, None] * lin
+    if gated:  # chunk c-1's token j, folded, faded from its step j in chunk c
+        diff = cum[..., :, None] - cum[..., None, :]
+        fade2 = torch.where(left[:, :w], diff, torch.full_like(diff, float("-inf"))).exp()  # [B, Hk, N, w, w]
+        lin2 = lin2 * F.pad(fade2, (0, w)).unsqueeze(2)
+    a2 = g * torch.exp(s2 - top) * soft2[:, :, None] + lin2
     out = a2 @ _augment(v2, True)
     # linear state before each chunk: tokens folded during chunk c are among its candidates
     ends = ((torch.arange(n, device=dev) + 1) * w)[:, None]  # [N, 1]
     gone2 = (fold2[..., :w] < ends).to(acc)[..., None]  # chunk c-1's tokens folded by the chunk's end
+    if gated:  # each faded to the chunk's end
+        gone2 = gone2 * (cum[..., -1:] - cum).exp()[..., None]
     inc = (f2[:, :, 0, :, :w] * gone2).transpose(-1, -2) @ _augment(v2[:, :, 0, :, :w], True)  # [B, Hk, N, F, D+1]
     if cap:
-        a_s = (g * torch.exp(ss - top) * soft_s[:, :, None]
-               + (qfc @ sf.unsqueeze(2).transpose(-1, -2)) * folded_s[:, :, None] * lin)
-        out = out + a_s @ _augment(sv, True).unsqueeze(2)
+        lin_s = (qfc @ sf.unsqueeze(2).transpose(-1, -2)) * folded_s[:, :, None] * lin
         gone_s = (slot_valid & (s_fold < ends)).to(acc)[..., None]
+        if gated:  # a slot's fade at the chunk's start, carried along the slots' order (with its gradient)
+            slot_fade, fades = torch.zeros_like(cum[:, :, 0, :1]).expand(-1, -1, cap), []
+            for c in range(n):
+                fades.append(slot_fade)
+                slot_fade = _fades_at_end(slot_fade, cum[:, :, c]).gather(2, order[:, :, c])
+            a_fade = torch.stack(fades, 2)  # [B, Hk, N, S]
+            lin_s = lin_s * (a_fade[..., None, :] + cum[..., None]).exp().unsqueeze(2)
+            gone_s = gone_s * (a_fade + cum[..., -1:]).exp()[..., None]
+        a_s = g * torch.exp(ss - top) * soft_s[:, :, None] + lin_s
+        out = out + a_s @ _augment(sv, True).unsqueeze(2)
         inc = inc + (sf * gone_s).transpose(-1, -2) @ _augment(sv, True)
-    before = torch.cumsum(inc, dim=2) - inc
-    out = out + (qfc @ before.unsqueeze(2)) * lin
+    if gated:  # E_c, the state at chunk c's start, read by query i with the fade exp(G_c[i])
+        states = [torch.zeros_like(inc[:, :, :1])]
+        for c in range(n - 1):
+            states.append(cum[:, :, c : c + 1, -1:, None].exp() * states[-1] + inc[:, :, c : c + 1])
+        before = torch.cat(states, dim=2)
+        out = out + ((qfc * cum.exp()[:, :, None, ..., None]) @ before.unsqueeze(2)) * lin
+    else:
+        before = torch.cumsum(inc, dim=2) - inc
+        out = out + (qfc @ before.unsqueeze(2)) * lin
     y = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(acc).tiny)
     y = y.flatten(3, 4)[..., :t, :] * real[:, None, None, :, None]  # [B, Hk, G, T, D]
     y = y.reshape(b, -1, t, d)
@@ -673,13 +781,15 @@ def sparse_hybrid_attention_chunked(
     if not output_final_state:
         return y, None
     selection = (kk, ff, vv, rr, fold, slot_pos, slot_valid, pri)
-    return y, _final_state(orig, key_mask, selection, w, cap, first, shift, has, t)
+    gates = None if not gated else F.pad(log_gate.to(acc), (0, pad))
+    return y, _final_state(orig, key_mask, selection, w, cap, first, shift, has, t, gates)
 
 
-def _final_state(orig, key_mask, sel, w, cap, first, shift, has, t) -> SparseHybridState:
+def _final_state(orig, key_mask, sel, w, cap, first, shift, has, t, log_gate=None) -> SparseHybridState:
     """The decoding state after the prompt: its last ``w`` tokens raw (with the priorities that those
     leaving in the current epoch got at its boundary), and the cache and linear state after its last
-    token (each sequence's own, from the chunk that holds it)."""
+    token (each sequence's own, from the chunk that holds it). ``log_gate`` ``[B, Hk, N w]``, rolled:
+    the folded tokens faded to the last token, and the cached ones' fades so far."""
     k, kf, v = orig
     kk, ff, vv, rr, fold, slot_pos, slot_valid, pri = sel
     window = hybrid_final_state(k, kf, v, w, key_mask)
@@ -698,6 +808,13 @@ def _final_state(orig, key_mask, sel, w, cap, first, shift, has, t) -> SparseHyb
     order = torch.argsort(in_cache.long(), dim=-1, descending=True, stable=True)[..., :cap]
     c_pos, c_valid, c_pri = pos.gather(2, order), in_cache.gather(2, order), at(pri).gather(2, order)
     folded = (fold <= last[:, None, None]).to(ff.dtype)[..., None]  # [B, Hk, Tp, 1]
+    c_fade = None
+    if log_gate is not None:  # token s fades from s + w: the gates after s + w up to the last token
+        tp = log_gate.shape[-1]
+        upto = torch.where((torch.arange(tp, device=dev)[None, :] <= last[:, None])[:, None], log_gate, 0.0)
+        after = F.pad(upto.flip(-1).cumsum(-1).flip(-1), (0, w + 1))[..., w + 1:]  # [B, Hk, Tp]
+        folded = folded * after.exp()[..., None]
+        c_fade = torch.where(c_valid, after.gather(2, c_pos), torch.zeros((), dtype=after.dtype, device=dev))
     lin = (ff * folded).transpose(-1, -2) @ _augment(vv, True)
     # window token u sits at rolled position t - n + u - shift; it leaves during this epoch when
     # that position is in chunk c - 1, where it is candidate S + j
@@ -709,4 +826,4 @@ def _final_state(orig, key_mask, sel, w, cap, first, shift, has, t) -> SparseHyb
     count = torch.where(has, t - first, torch.zeros_like(first))
     return SparseHybridState(window.keys, window.key_features, window.values, window.valid, scores,
                              lin.unsqueeze(2), _take(kk, c_pos).to(k.dtype), _take(ff, c_pos).to(kf.dtype),
-                             _take(vv, c_pos).to(v.dtype), c_valid, c_pri, cpos, count)
+                             _take(vv, c_pos).to(v.dtype), c_valid, c_pri, cpos, count, c_fade)
