@@ -39,6 +39,12 @@ length_eval() {  # length_eval CHECKPOINT NAME: issue #46's rows of one model
     --out $o-books32k.json 2>&1 | quiet | tail -2
   lin eval "$1" --tasks passkey --lengths ${PASSKEY_LENGTHS:-1k,2k,4k,8k} --limit ${RECALL_LIMIT:-4} --batch-size 16 \
     --name $2 --out $o-recall.json 2>&1 | quiet | tail -3
+  for c in ${SPARSE_PASSKEY:-}; do  # e.g. "256:novelty:window": passkey with the training-free sparse cache
+    IFS=: read S P A <<< "$c"
+    lin eval "$1" --tasks passkey --lengths ${PASSKEY_LENGTHS:-1k,2k,4k,8k} --limit ${RECALL_LIMIT:-4} --batch-size 16 \
+      --sparse-cache $S --sparse-priority $P --sparse-anchor $A --name $2-s$S-$P-$A --out $o-recall-s$S-$P-$A.json 2>&1 \
+      | quiet | tail -2
+  done
   [ "${TASKS:-0}" = 1 ] && evaluate "$1" length-$2
   return 0
 }
@@ -254,7 +260,8 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
   length)  # issue #46: LoLCATs students that hold past their training length, STEPS per stage, rows LENGTH_ROWS
            # (space-separated names below; supra*: SUPRA, its decays capped by --decay-horizon); each row: held-out
            # books and corpus:sotu by position (8k blocks), the
-           # books to 32k (POSLEN flags), passkey to 8k (no sparse cache), then (TASKS=1) the zero-shot tasks
+           # books to 32k (POSLEN flags), passkey to 8k (no sparse cache; SPARSE_PASSKEY="S:priority:anchor ...": with
+           # those caches too), then (TASKS=1) the zero-shot tasks
     declare -A ROW=([base]="" [span]="--decay span" [learned]="--decay learned" [gated]="--decay gated"
       [nope]="--feature-rope off" [nopespan]="--feature-rope off --decay span" [nopegated]="--feature-rope off --decay gated"
       [nopelearned]="--feature-rope off --decay learned" [separate]="--norm separate"
