@@ -103,6 +103,36 @@ def tiny_student(tiny_model, family, spec, dtype=None):
     return model
 
 
+def gated_student(tiny_model, spec, family="llama", dtype=torch.float64):
+    """A tiny student of ``spec`` whose gates differ per head and token (a zero gate projection, as conversion
+    leaves it, would hide the data path), its learned mix and gate biases moved off their start, no EOS."""
+    import linearize
+    from linearize.convert import mixers
+
+    student = linearize.convert(tiny_model(family, dtype=dtype), spec)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in mixers(student).values():
+            if hasattr(m, "gate_proj"):
+                m.gate_proj.weight.copy_(torch.randn(m.gate_proj.weight.shape, generator=gen) * 0.5)
+            if hasattr(m, "mix_logit"):
+                m.mix_logit.add_(torch.randn(m.mix_logit.shape, generator=gen, dtype=m.mix_logit.dtype))
+            if hasattr(m, "gate_bias"):
+                m.gate_bias.add_(torch.randn(m.gate_bias.shape, generator=gen, dtype=m.gate_bias.dtype) * 0.3)
+    student.generation_config.eos_token_id = None
+    return student
+
+
+def left_padded(prompts):
+    """``(ids, mask)`` of 1-D prompts padded on the left with token 0."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    return ids, mask
+
+
 def fused_hybrid_steps(q, k, v, cos, sin, fq, fk, logit, key_mask, *, window, t, n, softcap, splits):
     """The LoLCATs decode step twice from one prefill of ``t`` tokens: the PyTorch ring step after RoPE
     and the Hedgehog maps ``fq``/``fk``, and the fused Triton step on the raw q/k/v (``cos`` None: no

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import linearize
-from helpers import decode_incrementally, run_triton_interpreter_script
+from helpers import decode_incrementally, gated_student, run_triton_interpreter_script
 from linearize.cache import LinearizeCache
 from linearize.convert import mixers
 from linearize.fast import fast_generate
@@ -29,18 +29,7 @@ def _ids(b=2, t=29, seed=0):
 
 def _student(tiny_model, variant, family="llama", dtype=torch.float64, window=4, horizon=8):
     spec = {"kind": "lolcats", "window": window, "feature_dim": 8, "decay_horizon": horizon, **variant}
-    student = linearize.convert(tiny_model(family, dtype=dtype), spec)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # gates that differ per head and token (a zero projection would hide the data path)
-        for m in mixers(student).values():
-            if hasattr(m, "gate_proj"):
-                m.gate_proj.weight.copy_(torch.randn(m.gate_proj.weight.shape, generator=gen) * 0.5)
-            if hasattr(m, "mix_logit"):
-                m.mix_logit.add_(torch.randn(m.mix_logit.shape, generator=gen, dtype=m.mix_logit.dtype))
-            if hasattr(m, "gate_bias"):
-                m.gate_bias.add_(torch.randn(m.gate_bias.shape, generator=gen, dtype=m.gate_bias.dtype) * 0.3)
-    student.generation_config.eos_token_id = None
-    return student
+    return gated_student(tiny_model, spec, family, dtype)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gpt_neox"])

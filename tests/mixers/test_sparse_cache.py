@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import linearize
-from helpers import decode_incrementally, greedy_by_full_forwards, random_grads, tiny_student
+from helpers import decode_incrementally, greedy_by_full_forwards, left_padded, random_grads, tiny_student
 from linearize import LinearizeError, ops
 from linearize.cache import LinearizeCache, cache_nbytes
 from linearize.info import state_bytes
@@ -407,11 +407,7 @@ def test_fast_decoder_equals_generate_with_a_cache(tiny_model, family, priority,
                                                 "sparse_priority": priority, "sparse_anchor": anchor})
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 97, (n,), generator=g) for n in (9, 4, 6)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    ids, mask = left_padded(prompts)
     ring_steps = []
     real_step = ops.sparse_hybrid_attention_step_ring
     monkeypatch.setattr(ops, "sparse_hybrid_attention_step_ring",
@@ -420,7 +416,7 @@ def test_fast_decoder_equals_generate_with_a_cache(tiny_model, family, priority,
     assert len(ring_steps) == 15 * 3  # every decode step of every layer on the fixed buffers
     for i, p in enumerate(prompts):
         ref = student.generate(p[None], max_new_tokens=16, do_sample=False, pad_token_id=0)
-        assert torch.equal(batch[i, width:], ref[0, len(p):]), i
+        assert torch.equal(batch[i, ids.shape[1]:], ref[0, len(p):]), i
     assert torch.equal(fast_generate(student, prompts[0][None], max_new_tokens=20),
                        greedy_by_full_forwards(student, prompts[0][None], 20))
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import linearize
-from helpers import decode_incrementally, greedy_by_full_forwards, random_grads
+from helpers import decode_incrementally, gated_student, greedy_by_full_forwards, left_padded, random_grads
 from linearize import LinearizeError, ops
 from linearize.convert import mixers
 from linearize.fast import fast_generate
@@ -233,16 +233,7 @@ LONG = {"kind": "lolcats", "window": 4, "feature_dim": 8, "feature_rope": False,
 
 
 def _student(tiny_model, spec, family="llama", dtype=torch.float64):
-    student = linearize.convert(tiny_model(family, dtype=dtype), spec)
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # gates that differ per head and token (a zero projection would hide the data path)
-        for m in mixers(student).values():
-            if hasattr(m, "gate_proj"):
-                m.gate_proj.weight.copy_(torch.randn(m.gate_proj.weight.shape, generator=gen) * 0.5)
-            if hasattr(m, "gate_bias"):
-                m.gate_bias.add_(torch.randn(m.gate_bias.shape, generator=gen, dtype=m.gate_bias.dtype) * 0.3)
-    student.generation_config.eos_token_id = None
-    return student
+    return gated_student(tiny_model, spec, family, dtype)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
@@ -268,11 +259,7 @@ def test_fast_decoder_with_a_fading_cache_equals_generate(tiny_model, decay, mon
     student = _student(tiny_model, {**LONG, "decay": decay, "window": 3, "sparse_cache": 2})
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(2, 97, (n,), generator=g) for n in (9, 4)]
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    ids, mask = left_padded(prompts)
     gated_steps = []
     real_step = ops.sparse_hybrid_attention_step_ring
     monkeypatch.setattr(ops, "sparse_hybrid_attention_step_ring",
@@ -281,7 +268,7 @@ def test_fast_decoder_with_a_fading_cache_equals_generate(tiny_model, decay, mon
     assert len(gated_steps) == 15 * len(mixers(student)) and all(gated_steps)  # every decode step, every layer, faded
     for i, p in enumerate(prompts):
         ref = student.generate(p[None], max_new_tokens=16, do_sample=False, pad_token_id=0)
-        assert torch.equal(batch[i, width:], ref[0, len(p):]), i
+        assert torch.equal(batch[i, ids.shape[1]:], ref[0, len(p):]), i
 
 
 def test_constant_memory_counted_by_state_bytes(tiny_model):
