@@ -103,6 +103,31 @@ def tiny_student(tiny_model, family, spec, dtype=None):
     return model
 
 
+def loss_grads_and_prefill(model, ids, mask, labels):
+    """One training forward and backward of ``model`` (its grads zeroed first), then a prefill into a fresh
+    ``LinearizeCache``: ``(logits, {name: grad}, cache)``, what the kernel-against-PyTorch checks compare."""
+    from linearize.cache import LinearizeCache
+
+    model.zero_grad()
+    out = model(ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    cache = LinearizeCache(model)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    return out.logits.detach(), grads, cache
+
+
+def cache_bytes_after(model, n: int) -> int:
+    """Bytes a ``LinearizeCache`` holds after greedy ``generate()`` of exactly ``n`` tokens from an 8-token prompt."""
+    from linearize.cache import LinearizeCache, cache_nbytes
+
+    cache = LinearizeCache(model)
+    model.generate(torch.ones(1, 8, dtype=torch.long), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                   past_key_values=cache, pad_token_id=0)
+    return cache_nbytes(cache)
+
+
 def gated_student(tiny_model, spec, family="llama", dtype=torch.float64):
     """A tiny student of ``spec`` whose gates differ per head and token (a zero gate projection, as conversion
     leaves it, would hide the data path), its learned mix and gate biases moved off their start, no EOS."""

@@ -221,25 +221,29 @@ def test_hybrid_kernels_with_given_features_equal_the_float64_reference_on_cuda(
         assert _err(a, e) < bounds[name], (name, _err(a, e), bounds[name])
 
 
-def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
-    """A tiny LoLCATs student on CUDA (fp32 weights, left padding): with ``backend: fla`` (fp32 takes
-    the kernels only when asked) its mixers dispatch to the kernels, with logits, every parameter's
-    gradient and the prefill's cache equal to the PyTorch form's (``backend: torch``); under bf16
-    autocast "auto" takes them in bf16 and stays close."""
+def _student_against_torch_form(spec: dict, t: int, gated: bool = False) -> dict:
+    """A tiny LoLCATs student of ``spec`` on CUDA (fp32 weights, ``t`` tokens, left padding) run with ``backend:
+    fla`` (the kernels; with ``gated``, each launch with its gates) against ``backend: torch``: logits, every
+    parameter's gradient and the prefill's cache; under bf16 autocast "auto" takes the kernels and stays within
+    2x the PyTorch form's own bf16 error. Returns the PyTorch form's gradients."""
     import dataclasses
 
     from transformers import AutoModelForCausalLM
 
     import linearize
-    from helpers import tiny_config
-    from linearize.cache import LinearizeCache
+    from helpers import loss_grads_and_prefill, tiny_config
     from linearize.convert import mixers
     from linearize.ops import hybrid_triton
 
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(tiny_config("llama", hidden_size=96, num_attention_heads=6)).cuda()
-    model = linearize.convert(teacher, {"kind": "lolcats", "window": 16, "feature_dim": 16})
-    ids = torch.randint(2, 97, (2, 77), device="cuda")
+    model = linearize.convert(teacher, spec)
+    if gated:
+        with torch.no_grad():
+            for m in mixers(model).values():
+                if hasattr(m, "gate_proj"):  # zero at conversion: give the gates something to carry
+                    m.gate_proj.weight.normal_(0, 0.3)
+    ids = torch.randint(2, 97, (2, t), device="cuda")
     mask = torch.ones_like(ids)
     mask[1, :20] = 0
     labels = ids.masked_fill(mask == 0, -100)
@@ -247,31 +251,25 @@ def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
     launch = hybrid_triton.hybrid_triton_forward
 
     def counted(*a, **kw):
-        calls.append(1)
+        calls.append(kw.get("log_gate") is not None)
         return launch(*a, **kw)
 
     def run(backend, autocast=False):
         for m in mixers(model).values():
             m.spec = dataclasses.replace(m.spec, backend=backend)
-        model.zero_grad()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = model(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        cache = LinearizeCache(model)
-        with torch.no_grad():
-            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        return out.logits.float(), grads, cache
+            logits, grads, cache = loss_grads_and_prefill(model, ids, mask, labels)
+        return logits.float(), grads, cache
 
     hybrid_triton.hybrid_triton_forward = counted
     try:
         got, grads, cache = run("fla")
-        assert calls
+        assert calls and (all(calls) or not gated), calls
         calls.clear()
         want, grads_want, cache_want = run("torch")
         assert not calls
         half, grads_half, _ = run("auto", autocast=True)
-        assert calls
+        assert calls and (all(calls) or not gated)
         calls.clear()
         _, grads_half_torch, _ = run("torch", autocast=True)  # the PyTorch form's own bf16 error sets the floor
         assert not calls
@@ -286,6 +284,15 @@ def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
     for a, e in zip(cache.layers, cache_want.layers):
         for x, y in zip(a.state.tensors(), e.state.tensors()):
             assert torch.equal(x, y) if x.dtype == torch.bool else _err(x, y.double()) < 1e-4
+    return grads_want
+
+
+def test_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_form():
+    """A tiny LoLCATs student on CUDA (fp32 weights, left padding): with ``backend: fla`` (fp32 takes
+    the kernels only when asked) its mixers dispatch to the kernels, with logits, every parameter's
+    gradient and the prefill's cache equal to the PyTorch form's (``backend: torch``); under bf16
+    autocast "auto" takes them in bf16 and stays close."""
+    _student_against_torch_form({"kind": "lolcats", "window": 16, "feature_dim": 16}, 77)
 
 
 # --- gates (issue #46): a fading linear state in the kernels -------------------------------------------------
@@ -419,69 +426,6 @@ def test_gated_lolcats_mixer_takes_the_kernels_on_cuda_and_matches_the_torch_for
     fla`` its mixers run the kernels with their gates, with logits, every parameter's gradient (the gates'
     projection and bias among them) and the prefill's cache equal to the PyTorch form's; under bf16
     autocast "auto" takes them in bf16 and stays within 2x the PyTorch form's own bf16 error."""
-    import dataclasses
-
-    from transformers import AutoModelForCausalLM
-
-    import linearize
-    from helpers import tiny_config
-    from linearize.cache import LinearizeCache
-    from linearize.convert import mixers
-    from linearize.ops import hybrid_triton
-
-    torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(tiny_config("llama", hidden_size=96, num_attention_heads=6)).cuda()
-    model = linearize.convert(teacher, {"kind": "lolcats", "window": 16, "feature_dim": 16, "decay_horizon": 32,
-                                        **option})
-    with torch.no_grad():
-        for m in mixers(model).values():
-            if hasattr(m, "gate_proj"):  # zero at conversion: give the gates something to carry
-                m.gate_proj.weight.normal_(0, 0.3)
-    ids = torch.randint(2, 97, (2, 150), device="cuda")
-    mask = torch.ones_like(ids)
-    mask[1, :20] = 0
-    labels = ids.masked_fill(mask == 0, -100)
-    calls = []
-    launch = hybrid_triton.hybrid_triton_forward
-
-    def counted(*a, **kw):
-        calls.append(kw.get("log_gate") is not None)
-        return launch(*a, **kw)
-
-    def run(backend, autocast=False):
-        for m in mixers(model).values():
-            m.spec = dataclasses.replace(m.spec, backend=backend)
-        model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            out = model(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        cache = LinearizeCache(model)
-        with torch.no_grad():
-            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        return out.logits.float(), grads, cache
-
-    hybrid_triton.hybrid_triton_forward = counted
-    try:
-        got, grads, cache = run("fla")
-        assert calls and all(calls), calls
-        calls.clear()
-        want, grads_want, cache_want = run("torch")
-        assert not calls
-        half, grads_half, _ = run("auto", autocast=True)
-        assert calls and all(calls)
-        calls.clear()
-        _, grads_half_torch, _ = run("torch", autocast=True)
-        assert not calls
-    finally:
-        hybrid_triton.hybrid_triton_forward = launch
-    real = mask.bool()
-    assert _err(got[real], want[real].double()) < 1e-4
-    assert _err(half[real], want[real].double()) < 3e-2
+    grads_want = _student_against_torch_form({"kind": "lolcats", "window": 16, "feature_dim": 16, "decay_horizon": 32,
+                                              **option}, 150, gated=True)
     assert option["decay"] == "span" or any("gate_bias" in n for n in grads_want)  # (a span is fixed)
-    for name, e in grads_want.items():
-        assert _err(grads[name], e.double()) < 1e-3, name
-        assert _err(grads_half[name], e.double()) < max(1e-1, TORCH_FACTOR * _err(grads_half_torch[name], e.double())), name
-    for a, e in zip(cache.layers, cache_want.layers):
-        for x, y in zip(a.state.tensors(), e.state.tensors()):
-            assert torch.equal(x, y) if x.dtype == torch.bool else _err(x, y.double()) < 1e-4

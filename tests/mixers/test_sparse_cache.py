@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import linearize
-from helpers import decode_incrementally, greedy_by_full_forwards, left_padded, random_grads, tiny_student
+from helpers import cache_bytes_after, decode_incrementally, greedy_by_full_forwards, left_padded, random_grads, tiny_student
 from linearize import LinearizeError, ops
-from linearize.cache import LinearizeCache, cache_nbytes
+from linearize.cache import LinearizeCache
 from linearize.info import state_bytes
 from linearize.ops.sparse_hybrid_attention import ANCHORS
 
@@ -303,13 +303,7 @@ def test_left_padded_batch_generates_like_single_sequences(tiny_model):
 def test_constant_memory_counted_by_state_bytes(tiny_model):
     student = linearize.convert(tiny_model("llama"), SPEC)
 
-    def held_after(n):
-        cache = LinearizeCache(student)
-        student.generate(torch.ones(1, 8, dtype=torch.long), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         past_key_values=cache, pad_token_id=0)
-        return cache_nbytes(cache)
-
-    small, large = held_after(16), held_after(96)
+    small, large = cache_bytes_after(student, 16), cache_bytes_after(student, 96)
     assert small == large
     without = state_bytes(linearize.convert(tiny_model("llama"), {**SPEC, "sparse_cache": 0}))["fixed"]
     fixed = state_bytes(student)["fixed"]

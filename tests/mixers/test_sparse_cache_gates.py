@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import linearize
-from helpers import decode_incrementally, gated_student, greedy_by_full_forwards, left_padded, random_grads
+from helpers import (cache_bytes_after, decode_incrementally, gated_student, greedy_by_full_forwards, left_padded,
+                     random_grads)
 from linearize import LinearizeError, ops
 from linearize.convert import mixers
 from linearize.fast import fast_generate
@@ -273,18 +274,11 @@ def test_fast_decoder_with_a_fading_cache_equals_generate(tiny_model, decay, mon
 
 def test_constant_memory_counted_by_state_bytes(tiny_model):
     """The cached tokens' fades are counted; the memory held does not grow with the length."""
-    from linearize.cache import LinearizeCache, cache_nbytes
     from linearize.info import state_bytes
 
     student = linearize.convert(tiny_model("llama"), {**LONG, "sparse_cache": 3})
 
-    def held_after(n):
-        cache = LinearizeCache(student)
-        student.generate(torch.ones(1, 8, dtype=torch.long), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         past_key_values=cache, pad_token_id=0)
-        return cache_nbytes(cache)
-
-    small, large = held_after(16), held_after(96)
+    small, large = cache_bytes_after(student, 16), cache_bytes_after(student, 96)
     assert small == large
     window_flags = 3 * 4  # the window's padding flags (bool), left out of state_bytes as for the hybrid
     assert state_bytes(student)["fixed"] + window_flags == large

@@ -238,8 +238,7 @@ def check_model(spec):
     from transformers import AutoModelForCausalLM
 
     import linearize
-    from helpers import tiny_config
-    from linearize.cache import LinearizeCache
+    from helpers import loss_grads_and_prefill, tiny_config
 
     hybrid_module = sys.modules["linearize.ops.hybrid_attention"]
     torch.manual_seed(0)
@@ -268,14 +267,7 @@ def check_model(spec):
         ops.use_hybrid_kernel = hybrid_module.use_hybrid_kernel = as_on_cuda if on_kernels else real_rule
         kernels.hybrid_triton = counted
         try:
-            model.zero_grad()
-            out = model(ids, attention_mask=mask, labels=labels)
-            out.loss.backward()
-            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            cache = LinearizeCache(model)
-            with torch.no_grad():
-                model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-            return out.logits.detach(), grads, cache
+            return loss_grads_and_prefill(model, ids, mask, labels)
         finally:
             ops.use_hybrid_kernel = hybrid_module.use_hybrid_kernel = real_rule
             kernels.hybrid_triton = real_kernels

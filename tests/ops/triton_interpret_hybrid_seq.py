@@ -265,8 +265,7 @@ def check_model(family, feature_map="hedgehog"):
     from transformers import AutoModelForCausalLM
 
     import linearize
-    from helpers import tiny_config
-    from linearize.cache import LinearizeCache
+    from helpers import loss_grads_and_prefill, tiny_config
 
     hybrid_module = sys.modules["linearize.ops.hybrid_attention"]  # (ops.hybrid_attention is the function)
 
@@ -286,14 +285,7 @@ def check_model(family, feature_map="hedgehog"):
 
     def run(kernels):
         ops.use_hybrid_kernel = hybrid_module.use_hybrid_kernel = as_on_cuda if kernels else real_rule
-        model.zero_grad()
-        out = model(ids, attention_mask=mask, labels=labels)
-        out.loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        cache = LinearizeCache(model)
-        with torch.no_grad():
-            model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        return out.logits.detach(), grads, cache
+        return loss_grads_and_prefill(model, ids, mask, labels)
 
     want, grads_want, cache_want = run(False)
     got, grads_got, cache_got = run(True)

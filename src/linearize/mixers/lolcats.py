@@ -92,11 +92,16 @@ class LolcatsAttention(LinearAttention):
         return {"log_decay": None, "span_log_gate": span}
 
     @property
+    def fades(self) -> bool:
+        """Whether the linear state fades (``spec.decay`` span, learned or gated)."""
+        return self.spec.decay not in (None, "none")
+
+    @property
     def gated(self) -> bool:
         """Whether the linear state fades (``spec.decay`` other than none) or the terms are normalised apart
         (``spec.norm`` separate): steps outside the fused kernel then run the PyTorch forms (the kernels
         take gates; apart-normalised terms stay on PyTorch everywhere)."""
-        return self.spec.decay not in (None, "none") or self.spec.norm == "separate"
+        return self.fades or self.spec.norm == "separate"
 
     def mix(self) -> torch.Tensor | None:
         """The linear terms' weight per head where they are normalised apart, else None."""
@@ -227,7 +232,7 @@ class LolcatsAttention(LinearAttention):
         takes the PyTorch form), and for a prefill's state a cache that is settled (its first tokens out of
         the window)."""
         spec = self.spec
-        if spec.sparse_priority != "first" or not hedgehog or spec.decay not in (None, "none"):
+        if spec.sparse_priority != "first" or not hedgehog or self.fades:
             return None  # (the sinks' kernels take no gates: a fading state runs the PyTorch form)
         weights = (q, k, v, self.window_logit, self.feature_map_q.weight, self.feature_map_k.weight)
         if torch.is_grad_enabled() and any(x.requires_grad for x in weights):
@@ -250,8 +255,7 @@ class LolcatsAttention(LinearAttention):
         no sparse cache or one of the first tokens (attention sinks; once it is full it stays as it is),
         without a decay and with features after RoPE (the sinks' fused step takes neither)."""
         g, spec = self.geometry, self.spec
-        sparse = spec.sparse_cache and (spec.sparse_priority != "first" or spec.decay not in (None, "none")
-                                        or not spec.feature_rope)
+        sparse = spec.sparse_cache and (spec.sparse_priority != "first" or self.fades or not spec.feature_rope)
         return (not sparse and self.spec.norm != "separate" and self.window_logit.is_cuda and triton_available()
                 and type(self.feature_map_q) is Hedgehog
                 and type(self.feature_map_k) is Hedgehog and rotates_half(g.rotary, g.head_dim))
@@ -275,7 +279,7 @@ class LolcatsAttention(LinearAttention):
         if (keep_key_features and not nope) or not self.fused_decoding():
             return ring
         return ops.FusedRingState.from_ring(ring, self.feature_map_k, g.n_heads, self._value_splits(ring.keys.shape[0]),
-                                            gated=self.spec.decay not in (None, "none"))
+                                            gated=self.fades)
 
     def _value_splits(self, batch: int) -> int:
         """Parts of each head's value columns for the fused step's programs at this batch."""
@@ -355,7 +359,7 @@ class LolcatsAttention(LinearAttention):
             # window priorities, count
             acc = torch.tensor([], dtype=ops.accum_dtype(dtype)).element_size()
             cached = 2 * g.head_dim + self.feature_map_k.out_dim
-            fade = acc if self.spec.decay not in (None, "none") else 0
+            fade = acc if self.fades else 0
             total += g.n_kv_heads * (cache * (cached * elem + acc + fade + 8 + 1) + self.spec.window * acc) + 8
         return total
 
@@ -368,7 +372,7 @@ class LolcatsAttention(LinearAttention):
         g = self.geometry
         total = self.state_bytes(dtype, key_features=not self.spec.feature_rope, linear_states=2 if fused else 1,
                                  sparse=False)
-        if fused and self.spec.decay not in (None, "none"):
+        if fused and self.fades:
             total += g.n_kv_heads * 2 * (self.feature_map_k.out_dim + g.head_dim) * 4
         if self.spec.sparse_cache:  # the first tokens, all cached (FusedSinkState): keys, values, flags
             elem = torch.tensor([], dtype=dtype).element_size()
