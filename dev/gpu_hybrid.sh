@@ -38,6 +38,9 @@
 #             static and fast paths in its run, then the default path with the kernels off (the step as before),
 #             then the kernels of one decode step (bench.profile decode, batch 1) with the kernels on and off
 #             (DEFAULT_RUNS: which of tests default compile off profile, all by default)
+#   decode-ceiling  issue #44: the kernels of one decode step at batch 1 from 1k prompts (bench.profile decode,
+#             the default fast path without its graph), teacher and student: the teacher's attention share bounds
+#             what any replacement of it can gain at batch 1 (Amdahl), as `ceiling` does for the prefill
 #   gates     issue #46: the kernels with gates (a fading linear state): their CUDA tests against float64, then for a
 #             student converted with --feature-rope off --decay gated ($C-nopegated) the prefill (1x32k, 32x1k; the
 #             kernels, then the PyTorch chunked form as before) beside the teacher, then bench.train at 8x1024 eager and
@@ -155,6 +158,12 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
           | grep -E "^\| (student|teacher)|Error|error:"
         timeout 300 python3 -m linearize bench "$ck" --teacher "$T" --dtype bfloat16 --prefill 1x32768 32x1024 \
           --out "$S/prefill_length_$name.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:"
+      done ;;
+    decode-ceiling)
+      student
+      for m in "$T" "$C"; do
+        timeout 200 python3 -m linearize.bench.profile decode "$m" --batch 1 --prompt-len 1024 --tokens 32 --top 40 \
+          --out "$S/ceiling_decode_$(basename "$m" | cut -d. -f1).json" 2>&1 | quiet | tail -14
       done ;;
     gates)  # issue #46: the whole-sequence kernels with gates (the length-robust student: features before RoPE,
       # data-dependent gates): CUDA tests, prefill beside the teacher (kernels and, before, the PyTorch form), training

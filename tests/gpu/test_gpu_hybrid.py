@@ -377,9 +377,11 @@ def test_gated_hybrid_kernels_with_given_features_equal_the_float64_reference_on
 
 @pytest.mark.parametrize("shape", [(2, 9, 3, 300, 70, None), (1, 9, 3, 1024, 0, 30.0)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gated_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference_on_cuda(dtype, shape):
-    """Gates with RoPE and Hedgehog maps inside the kernels (``feature_rope`` on, a span / learned decay
-    or gates): output, state and the gradients of q/k/v, the maps, gamma and the log gates."""
+@pytest.mark.parametrize("nope", [False, True], ids=["rope", "nope"])
+def test_gated_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference_on_cuda(dtype, shape, nope):
+    """Gates with RoPE and Hedgehog maps inside the kernels, the maps of the rotated q/k (``feature_rope``
+    on) or of those before RoPE (``nope``): output, state and the gradients of q/k/v, the maps, gamma and
+    the log gates."""
     from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half
 
     b, h, hk, t, pad, softcap = shape
@@ -391,7 +393,8 @@ def test_gated_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference
     def reference(qkv, wq, wk, gamma, lg, rope):
         q, k, v = _split(qkv, h, hk)
         qr, kr = rope_half(q, *rope), rope_half(k, *rope)
-        return ops.hybrid_attention_chunked(qr, kr, hedgehog_features(qr, wq), hedgehog_features(kr, wk), v, gamma,
+        qx, kx = (q, k) if nope else (qr, kr)
+        return ops.hybrid_attention_chunked(qr, kr, hedgehog_features(qx, wq), hedgehog_features(kx, wk), v, gamma,
                                             **kw, log_gate=lg, output_final_state=True)
 
     ref_in = [x.clone().requires_grad_() for x in (qkv, wq, wk, gamma, lg)]
@@ -400,7 +403,7 @@ def test_gated_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference
     mine = [qkv.to(dtype).requires_grad_(), *(x.float().requires_grad_() for x in (wq, wk, gamma, lg))]
     mq, mk, mv = _split(mine[0], h, hk)
     got, state = hybrid_triton(mq, mk, mv, mine[3], hedgehog=(mine[1], mine[2]), rope=tuple(x.to(dtype) for x in rope),
-                               **kw, log_gate=mine[4], output_final_state=True)
+                               **kw, log_gate=mine[4], output_final_state=True, nope=nope)
     names = ("qkv", "wq", "wk", "gamma", "log_gate")
     bound = TOLS[dtype]
     bounds = {name: (GAMMA_TOLS if name in ("gamma", "log_gate") else TOLS)[dtype] for name in names}

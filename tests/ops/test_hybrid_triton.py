@@ -34,12 +34,14 @@ def test_gated_hybrid_kernels_equal_the_float64_reference_through_the_interprete
     and MQA, lengths off the chunks and shorter than the window, a window of one token, left padding
     longer than a chunk and a hole, soft-capping, fp16 products, whole tiles, query blocks of half a chunk,
     scans of several tiles (the decayed carry), gates of 1 (= the ungated kernels) and closed ones (log
-    -60; also with fp16 products, the gates' gradient ~0), RoPE and Hedgehog maps in the kernels (both
+    -60; also with fp16 products, the gates' gradient ~0), RoPE and Hedgehog maps in the kernels, the maps
+    reading the rotated q/k or those before RoPE (``feature_rope`` off: gated or not, partial RoPE; both
     backward preludes); the sinks' kernels refuse gates; a tiny gated student with features before RoPE
-    (the mixer's dispatch, the gates' parameters' gradients)."""
+    (the mixer's dispatch to the kernels' Hedgehog maps, the gates' parameters' gradients)."""
     run_triton_interpreter_script("triton_interpret_hybrid_gates.py", "gqa", "padding", "short", "window1", "exact",
                                   "half", "open", "closed", "closed_half", "scan_tiles", "blocks", "hedgehog",
-                                  "hedgehog_torch_prelude", "sinks_refused", "model_gated")
+                                  "hedgehog_torch_prelude", "nope", "nope_partial", "nope_torch_prelude",
+                                  "sinks_refused", "model_gated")
 
 
 @pytest.mark.slow

@@ -173,10 +173,11 @@ def check_query_blocks():
         (kernels.QUERY_ROWS, kernels.BWD_QUERY_ROWS, kernels.KEY_ROWS, kernels.PREFILL_QUERY_ROWS), kernels.WIDE = rows, wide
 
 
-def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, fused=True):
-    """Gates with RoPE and Hedgehog maps inside the kernels (``feature_rope`` on): gradients of the raw
-    q/k/v, the maps' weights, gamma (as logits) and the log gates; the backward's prelude in Triton
-    (``fused``) or PyTorch."""
+def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, fused=True, nope=False, gated=True):
+    """Gates with RoPE and Hedgehog maps inside the kernels, of the rotated q/k or (``nope``,
+    ``feature_rope`` off) of those before RoPE: values, the prefill's state and the gradients of the raw
+    q/k/v, the maps' weights, gamma (as logits) and the log gates (``gated``; else no gates); the
+    backward's prelude in Triton (``fused``) or PyTorch."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     q, k, v = r(b, h, t, d), r(b, hk, t, d), r(b, hk, t, d)
@@ -188,20 +189,22 @@ def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, fused=Tr
     key_mask = _mask(b, t, pad)
     kw = dict(window=window, scale=d ** -0.5, softcap=softcap, key_mask=key_mask)
 
-    def reference(q, k, v, wq, wk, logit, log_gate):
+    def reference(q, k, v, wq, wk, logit, log_gate=None):
         qr, kr = rope_half(q, *rope), rope_half(k, *rope)
-        return _reference(qr, kr, v, hedgehog_features(qr, wq), hedgehog_features(kr, wk), torch.sigmoid(logit),
+        qx, kx = (q, k) if nope else (qr, kr)
+        return _reference(qr, kr, v, hedgehog_features(qx, wq), hedgehog_features(kx, wk), torch.sigmoid(logit),
                           log_gate, **kw)
 
-    ref_in = [x.clone().requires_grad_() for x in (q, k, v, wq, wk, logit, log_gate)]
+    inputs = (q, k, v, wq, wk, logit, log_gate)[: 7 if gated else 6]
+    ref_in = [x.clone().requires_grad_() for x in inputs]
     want, want_state = reference(*ref_in)
-    mine = [x.float().requires_grad_() for x in (q, k, v, wq, wk, logit, log_gate)]
+    mine = [x.float().requires_grad_() for x in inputs]
     saved = kernels.FUSED_PRELUDE
     kernels.FUSED_PRELUDE = fused
     try:
         got, state = hybrid_triton(*mine[:3], mine[5], hedgehog=(mine[3], mine[4]),
-                                   rope=tuple(x.float() for x in rope), **kw, log_gate=mine[6], logit=True,
-                                   output_final_state=True)
+                                   rope=tuple(x.float() for x in rope), **kw, log_gate=mine[6] if gated else None,
+                                   logit=True, output_final_state=True, nope=nope)
         _close(got, want, "y")
         _compare_state(state, want_state)
         w = _weights(want, key_mask, g)
@@ -259,8 +262,8 @@ def check_model(spec):
     def as_on_cuda(q, backend="auto", **kw):  # the dispatch rule of a GPU with backend "fla" (fp32 too)
         return backend != "torch" and (kw.get("dtype") or q.dtype) in hybrid_module.KERNEL_DTYPES
 
-    def counted(*a, **kw):
-        calls.append(kw.get("log_gate") is not None)
+    def counted(*a, **kw):  # (gates given, Hedgehog maps in the kernels, features before RoPE)
+        calls.append((kw.get("log_gate") is not None, kw.get("hedgehog") is not None, bool(kw.get("nope"))))
         return real_kernels(*a, **kw)
 
     def run(on_kernels):
@@ -275,7 +278,8 @@ def check_model(spec):
     want, grads_want, cache_want = run(False)
     assert not calls
     got, grads_got, cache_got = run(True)
-    assert calls and all(calls), calls  # every layer's sequence on the kernels, with its gates
+    # every layer's sequence on the kernels, with its gates and the Hedgehog maps inside them
+    assert calls and set(calls) == {(True, True, spec.get("feature_rope") is False)}, calls
     real = mask.bool()
     _close(got[real], want[real].double(), "logits")
     assert grads_got.keys() == grads_want.keys() and any("gate_bias" in n for n in grads_got)
@@ -301,9 +305,13 @@ CASES = {
     "blocks": check_query_blocks,
     "hedgehog": lambda: check_hedgehog(2, 4, 2, 21, 8, 5, 8, 4, None, 5, 10),
     "hedgehog_torch_prelude": lambda: check_hedgehog(1, 2, 1, 14, 8, 4, 4, 4, 3.0, 0, 11, fused=False),
+    # features before RoPE (feature_rope off) in the kernels: gated and not, partial RoPE, both preludes
+    "nope": lambda: check_hedgehog(2, 4, 2, 21, 8, 5, 8, 4, None, 5, 12, nope=True),
+    "nope_partial": lambda: check_hedgehog(1, 2, 1, 14, 8, 4, 4, 4, 3.0, 0, 13, nope=True, gated=False),
+    "nope_torch_prelude": lambda: check_hedgehog(2, 3, 1, 11, 8, 4, 8, 4, None, 2, 14, fused=False, nope=True),
     "sinks_refused": check_sinks_refused,
-    # the LoLCATs mixer's dispatch: features of the q/k before RoPE with data-dependent gates (features in
-    # PyTorch), and a learned decay with Hedgehog maps and RoPE in the kernels
+    # the LoLCATs mixer's dispatch: features of the q/k before RoPE with data-dependent gates, and a learned
+    # decay, each with Hedgehog maps and RoPE in the kernels
     "model_gated": lambda: check_model({"feature_rope": False, "decay": "gated"}),
     "model_learned": lambda: check_model({"decay": "learned"}),
 }

@@ -1,7 +1,7 @@
 """Where a step's time goes: the kernels of one training step or of the decode steps, by time.
 
     python -m linearize.bench.profile train --model supra --shape 2x8192 [--teacher T] [--top 20] [--cuda-graph]
-    python -m linearize.bench.profile decode CHECKPOINT [--batch 1] [--compile] [--tokens 16]
+    python -m linearize.bench.profile decode CHECKPOINT [--batch 1] [--prompt-len 32] [--compile] [--tokens 16]
     python -m linearize.bench.profile prefill CHECKPOINT [--batch 1] [--prompt-len 1024] [--backend torch]
 
 ``train``: a full training step as ``linearize.bench.train`` times it (forward, backward, AdamW,
@@ -207,7 +207,7 @@ def profile_decode(model, batch: int = 1, tokens: int = 16, prompt_len: int = 32
         if n > 0:
             rows.append({"name": name, "us_per_step": max(us, 0.0), "launches_per_step": n})
     rows.sort(key=lambda r: -r["us_per_step"])
-    return {"what": "decode", "batch": batch, "compile": compile, "unit": "kernel" if device.type == "cuda" else "operator",
+    return {"what": "decode", "batch": batch, "prompt_len": prompt_len, "compile": compile, "unit": "kernel" if device.type == "cuda" else "operator",
             "steps": tokens, "us_per_step": sum(r["us_per_step"] for r in rows),
             "launches_per_step": sum(r["launches_per_step"] for r in rows), "top": rows[:top]}
 
@@ -307,6 +307,8 @@ def main(argv=None) -> int:
     de.add_argument("model", help="a linearize checkpoint (or a teacher spec)")
     de.add_argument("--batch", type=int, default=1)
     de.add_argument("--tokens", type=int, default=16, help="decode steps profiled (default: %(default)s)")
+    de.add_argument("--prompt-len", type=int, default=32,
+                    help="the prompt before them: a softmax teacher's steps read its whole cache (default: %(default)s)")
     de.add_argument("--compile", action="store_true", help="compile the decode step")
     de.add_argument("--unfused", action="store_true", help="keep q/k/v and gate/up as separate products")
     de.add_argument("--dtype", default="bfloat16")
@@ -338,8 +340,8 @@ def main(argv=None) -> int:
                 result = profile_prefill(model, args.batch, args.prompt_len, steps=args.steps, top=args.top,
                                          backend=args.backend, python_top=args.python)
             else:
-                result = profile_decode(model, args.batch, args.tokens, compile=args.compile, top=args.top,
-                                        fuse_projections=not args.unfused)
+                result = profile_decode(model, args.batch, args.tokens, prompt_len=args.prompt_len, compile=args.compile,
+                                        top=args.top, fuse_projections=not args.unfused)
     except LinearizeError as e:
         p.exit(2, f"linearize: error: {e}\n")
     print(render(result))

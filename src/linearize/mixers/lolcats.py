@@ -188,8 +188,11 @@ class LolcatsAttention(LinearAttention):
         g, fq, fk = self.geometry, self.feature_map_q, self.feature_map_k
         if self.spec.norm == "separate":  # the kernels have no apart-normalised terms
             return None
-        # (with features of the q/k before RoPE, the features are computed in PyTorch)
-        hedgehog = type(fq) is Hedgehog and type(fk) is Hedgehog and self.spec.feature_rope
+        # Hedgehog maps inside the kernels, of the rotated q/k or (``feature_rope: false``) of those before
+        # RoPE; the latter only where the kernels rotate too (by halves), else the features in PyTorch
+        nope = not self.spec.feature_rope
+        hedgehog = type(fq) is Hedgehog and type(fk) is Hedgehog and (
+            not nope or g.rotary is None or position_embeddings is None or rotates_half(g.rotary, g.head_dim))
         width = fq.weight.shape[-1] if hedgehog else fq.out_dim
         dtype = ops.hybrid_attention_kernel_dtype(q, k, v)
         if not ops.use_hybrid_kernel(q, self.spec.backend, window=self.spec.window, head_dim=g.head_dim,
@@ -224,7 +227,8 @@ class LolcatsAttention(LinearAttention):
                                        logit=True, anchor=self.spec.sparse_anchor, output_final_state=want_state,
                                        plan=plan)
         return hybrid_triton(q, k, v, self.window_logit, hedgehog=(fq.weight, fk.weight), rope=rope, **self._kw(),
-                             key_mask=self.key_mask, output_final_state=want_state, logit=True, log_gate=log_gate)
+                             key_mask=self.key_mask, output_final_state=want_state, logit=True, log_gate=log_gate,
+                             nope=nope)
 
     def _sink_plan(self, hedgehog: bool, q, k, v, want_state: bool):
         """The first tokens' ``SinkPlan`` where this sparse cache's sequence runs the forward kernels, else
@@ -232,8 +236,8 @@ class LolcatsAttention(LinearAttention):
         takes the PyTorch form), and for a prefill's state a cache that is settled (its first tokens out of
         the window)."""
         spec = self.spec
-        if spec.sparse_priority != "first" or not hedgehog or self.fades:
-            return None  # (the sinks' kernels take no gates: a fading state runs the PyTorch form)
+        if spec.sparse_priority != "first" or not hedgehog or self.fades or not spec.feature_rope:
+            return None  # (the sinks' kernels take no gates nor features before RoPE: the PyTorch form)
         weights = (q, k, v, self.window_logit, self.feature_map_q.weight, self.feature_map_k.weight)
         if torch.is_grad_enabled() and any(x.requires_grad for x in weights):
             return None

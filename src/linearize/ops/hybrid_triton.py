@@ -216,7 +216,7 @@ def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, slot_p
                 skb, skh, skt, svb, svh, svt, sfb, sfh, sft, swk, scb, sct, T, W, OFF, N, HK, D, FW, R, L, S,
                 ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
                 STATE: tl.constexpr, SINKS: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr,
-                PREC: tl.constexpr, GATED: tl.constexpr = False):
+                PREC: tl.constexpr, GATED: tl.constexpr = False, NOPE: tl.constexpr = False):
     c = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // HK
@@ -228,7 +228,11 @@ def _chunk_sums(k_ptr, v_ptr, kf_ptr, wk_ptr, cos_ptr, sin_ptr, mask_ptr, slot_p
     f = tl.arange(0, BF)
     k = _rotated(k_ptr + b * skb + hk * skh, t, ok, skt, d, D, cos_ptr + b * scb, sin_ptr + b * scb, sct, R, ROPE)
     k = k.to(vdt)
-    kf = _features(k, kf_ptr + b * sfb + hk * sfh, t, ok, sft, wk_ptr + hk * swk, d, D, FW, BF, FP, HEDGEHOG, PREC)
+    if NOPE:  # the features of the keys before RoPE (``feature_rope: false``)
+        kx = _tile(k_ptr + b * skb + hk * skh, t, ok, skt, d, D).to(vdt)
+    else:
+        kx = k
+    kf = _features(kx, kf_ptr + b * sfb + hk * sfh, t, ok, sft, wk_ptr + hk * swk, d, D, FW, BF, FP, HEDGEHOG, PREC)
     kf = _zero_rows(kf, real, FP)
     v = tl.where(real[:, None], _tile(v_ptr + b * svb + hk * svh, t, ok, svt, d, D), 0.0).to(vdt)
     F = FP * FW
@@ -327,7 +331,8 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, cos_ptr, sin_ptr, mask
              ROPE: tl.constexpr, HEDGEHOG: tl.constexpr, FP: tl.constexpr, MASK: tl.constexpr,
              SOFTCAP: tl.constexpr, SAVE: tl.constexpr, LOGIT: tl.constexpr, SINKS: tl.constexpr,
              WINDOW_ANCHOR: tl.constexpr, BW: tl.constexpr, BQ: tl.constexpr, BS: tl.constexpr,
-             BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr = False):
+             BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr, GATED: tl.constexpr = False,
+             NOPE: tl.constexpr = False):
     c, i, tq, okq = _query_rows(tl.program_id(0), T, W, OFF, BW, BQ)
     bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // H
@@ -346,7 +351,11 @@ def _forward(q_ptr, k_ptr, v_ptr, qf_ptr, kf_ptr, wq_ptr, cos_ptr, sin_ptr, mask
     vb = v_ptr + b * svb + hk * svh
 
     q = _rotated(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D, cos_b, sin_b, sct, R, ROPE).to(vdt)
-    qf = _features(q, qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, wq_ptr + h * swq, d, D, FW, BF, FP, HEDGEHOG,
+    if NOPE:  # the features of the queries before RoPE
+        qx = _tile(q_ptr + b * sqb + h * sqh, tq, okq, sqt, d, D).to(vdt)
+    else:
+        qx = q
+    qf = _features(qx, qf_ptr + b * sqfb + h * sqfh, tq, okq, sqft, wq_ptr + h * swq, d, D, FW, BF, FP, HEDGEHOG,
                    PREC)
     # (the order keeps few tiles alive at once: each part is folded into num / den when computed)
     # 1. the linear state of chunks <= c-2
@@ -744,7 +753,8 @@ def log_gate_grad(dgq: torch.Tensor, dgk: torch.Tensor, window: int, states: tor
 
 def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=None, key_mask=None, qf=None,
                           kf=None, hedgehog=None, rope=None, save: bool = False, state: bool = False,
-                          logit: bool = False, sinks=None, window_anchor: bool = False, log_gate=None):
+                          logit: bool = False, sinks=None, window_anchor: bool = False, log_gate=None,
+                          nope: bool = False):
     """The three forward launches. Returns ``(y, saved, state)``: ``y`` ``[B, H, T, D]`` (a view of
     ``[B, T, H, D]`` memory, what the output projection reads); ``saved`` (with ``save``) the
     per-chunk states and per-query quantities the backward needs; ``state`` (with ``state``) the
@@ -761,7 +771,10 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
 
     ``log_gate`` ``[B, Hk, T]`` (log gates <= 0, any float dtype): the linear state fades (see
     ``hybrid_attention.py``); ``saved`` then also holds the chunks' cumulative log gates
-    (``chunk_log_gates``). Not with ``sinks``."""
+    (``chunk_log_gates``). Not with ``sinks``.
+
+    ``nope`` (with ``hedgehog``): the Hedgehog features of q and k before RoPE (``feature_rope: false``);
+    the window's scores and the state's keys stay rotated."""
     from .hybrid_state import HybridState
 
     b, h, t, d = q.shape
@@ -772,6 +785,8 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     n = -(-t // w)
     off = n * w - t
     q, k, v, qf, kf = (_last_contiguous(x) for x in (q, k, v, qf, kf))
+    if nope and (hedgehog is None or sinks is not None):
+        raise ValueError("hybrid_triton_forward: features before RoPE (nope) need the Hedgehog weights and no sinks")
     if hedgehog is not None:
         wq, wk = (x.to(dt).contiguous() for x in hedgehog)
         fw = wq.shape[-1]
@@ -806,7 +821,7 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     else:
         win_k = win_f = win_v = sums  # not written
     common = dict(ROPE=rope is not None, HEDGEHOG=hedgehog is not None, FP=fp, MASK=key_mask is not None,
-                  SINKS=sinks is not None, BW=bw, BD=bd, BF=bf, PREC=prec)
+                  SINKS=sinks is not None, BW=bw, BD=bd, BF=bf, PREC=prec, NOPE=nope and rope is not None)
     gated = log_gate is not None
     if gated:
         if sinks is not None:
@@ -942,12 +957,14 @@ class _HybridTriton(torch.autograd.Function):
     log gates (or None)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit, log_gate):
+    def forward(ctx, q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit, log_gate,
+                nope=False):
         hedgehog = (wq, wk) if wq is not None else None
         rope = (cos, sin) if cos is not None else None
         y, saved, _ = hybrid_triton_forward(q, k, v, gamma, window=window, scale=scale, softcap=softcap,
                                             key_mask=key_mask, qf=qf, kf=kf, hedgehog=hedgehog, rope=rope, save=True,
-                                            logit=logit, log_gate=log_gate)
+                                            logit=logit, log_gate=log_gate, nope=nope)
+        ctx.nope = nope
         ctx.save_for_backward(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, y, *saved)
         ctx.kw = dict(window=window, scale=scale, softcap=softcap)
         ctx.logit = logit
@@ -975,8 +992,9 @@ class _HybridTriton(torch.autograd.Function):
                 qr, kr = rope_half(lq, cos, sin), rope_half(lk, cos, sin)
             else:
                 qr, kr = lq, lk
-            if lwq is not None:
-                fq, fk = hedgehog_features(qr, lwq), hedgehog_features(kr, lwk)
+            if lwq is not None:  # (features before RoPE: of the unrotated q/k)
+                fq, fk = (hedgehog_features(lq, lwq), hedgehog_features(lk, lwk)) if ctx.nope else \
+                    (hedgehog_features(qr, lwq), hedgehog_features(kr, lwk))
             else:
                 fq, fk = lqf, lkf
         weight = torch.sigmoid(gamma.float()) if ctx.logit else gamma
@@ -995,17 +1013,26 @@ class _HybridTriton(torch.autograd.Function):
                   for x, orig in zip(leaves, inputs)]
         dq_, dk_, dqf_, dkf_, dwq, dwk = result
         return (dq_, dk_, dv.to(v.dtype) if needs[2] else None, dgamma.to(gamma.dtype) if needs[3] else None,
-                dqf_, dkf_, dwq, dwk, None, None, None, None, None, None, None, _HybridTriton._gate_grad(ctx, dlog_gate))
+                dqf_, dkf_, dwq, dwk, None, None, None, None, None, None, None, _HybridTriton._gate_grad(ctx, dlog_gate),
+                None)
 
     @staticmethod
     def _fused_prelude_backward(ctx, dy):
         """``backward`` with Hedgehog maps, the prelude as Triton kernels (``hedgehog_rope_triton``):
         rotated q/k and their features in one launch each, then their gradients (of the unrotated
-        q/k and the maps' weights) in one launch and a sum each, no autograd."""
+        q/k and the maps' weights) in one launch and a sum each, no autograd. With features before RoPE
+        (``nope``) the launches take the unrotated q/k, RoPE is applied apart, and the rotated q/k's
+        gradients come back through the inverse rotation (a rotation's transpose: the angle negated)."""
         q, k, v, gamma, _, _, wq, wk, cos, sin, key_mask, y, *saved = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        qr, fq = hedgehog_rope_forward(q, cos, sin, wq)
-        kr, fk = hedgehog_rope_forward(k, cos, sin, wk)
+        nope = ctx.nope and cos is not None
+        if nope:
+            cos_, sin_ = cos.to(q.dtype), sin.to(q.dtype)
+            (_, fq), (_, fk) = hedgehog_rope_forward(q, None, None, wq), hedgehog_rope_forward(k, None, None, wk)
+            qr, kr = rope_half(q, cos_, sin_), rope_half(k, cos_, sin_)
+        else:
+            qr, fq = hedgehog_rope_forward(q, cos, sin, wq)
+            kr, fk = hedgehog_rope_forward(k, cos, sin, wk)
         weight = torch.sigmoid(gamma.float()) if ctx.logit else gamma
         dq, dk, dv, dfq, dfk, dgamma, dlog_gate = hybrid_triton_backward(dy, qr, kr, v, fq, fk, weight, y, saved,
                                                                          key_mask=key_mask, **ctx.kw)
@@ -1016,16 +1043,21 @@ class _HybridTriton(torch.autograd.Function):
                                              (k, wk, dk, dfk, needs[1], needs[7])):
             dx = dw = None
             if need_x or need_w:
-                dx, dw = hedgehog_rope_backward(x, cos, sin, w, dr, df, need_dx=need_x, need_dw=need_w)
+                if nope:  # the rotated x's gradient, unrotated; the features' through the launch
+                    dr = rope_half(dr, cos_, -sin_) if need_x else None
+                    dx, dw = hedgehog_rope_backward(x, None, None, w, dr, df, need_dx=need_x, need_dw=need_w)
+                else:
+                    dx, dw = hedgehog_rope_backward(x, cos, sin, w, dr, df, need_dx=need_x, need_dw=need_w)
             out.append((dx, None if dw is None else dw.to(w.dtype)))
         (dq_, dwq), (dk_, dwk) = out
         return (dq_, dk_, dv.to(v.dtype) if needs[2] else None, dgamma.to(gamma.dtype) if needs[3] else None,
-                None, None, dwq, dwk, None, None, None, None, None, None, None, _HybridTriton._gate_grad(ctx, dlog_gate))
+                None, None, dwq, dwk, None, None, None, None, None, None, None, _HybridTriton._gate_grad(ctx, dlog_gate),
+                None)
 
 
 def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float | None = None, key_mask=None,
                   output_final_state: bool = False, qf=None, kf=None, hedgehog=None, rope=None, logit: bool = False,
-                  log_gate=None):
+                  log_gate=None, nope: bool = False):
     """The hybrid over whole sequences on CUDA (or Triton's interpreter): ``(y, state or None)``.
 
     ``q`` ``[B, H, T, D]``, ``k``/``v`` ``[B, Hk, T, D]`` in one dtype (bf16, fp16 or fp32), any
@@ -1038,6 +1070,8 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
     fewer per layer). ``log_gate`` ``[B, Hk, T]`` (<= 0): a fading linear state, as
     ``hybrid_attention_chunked``'s. Gradients flow to q, k, v, gamma, the features or Hedgehog weights and
     the log gates; the final state (``HybridState``, window of ``min(T, window)`` tokens) carries none.
+    ``nope`` (Hedgehog only): the features are of q and k before RoPE (``feature_rope: false``); the
+    state's window then keeps those features beside its rotated keys.
     """
     if rope is not None and hedgehog is None:
         raise ValueError("hybrid_triton rotates q and k only when it computes Hedgehog features itself")
@@ -1051,22 +1085,24 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
     key_mask = None if key_mask is None else key_mask.contiguous()
     tensors = (q, k, v, gamma, qf, kf, *(hedgehog or (None, None)), log_gate)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+    if nope and hedgehog is None:
+        raise ValueError("hybrid_triton computes features before RoPE (nope) only from the Hedgehog weights")
     kw = dict(window=window, scale=scale, softcap=softcap, logit=logit, log_gate=log_gate)
     state = None
     if output_final_state:  # the decoding state carries no gradient
         with torch.no_grad():
             y, _, state = hybrid_triton_forward(q, k, v, gamma, **kw, key_mask=key_mask, qf=qf, kf=kf,
-                                                hedgehog=hedgehog, rope=rope, state=True)
+                                                hedgehog=hedgehog, rope=rope, state=True, nope=nope)
         if not grad:
             return y, state
     if not grad:
         y, _, _ = hybrid_triton_forward(q, k, v, gamma, **kw, key_mask=key_mask, qf=qf, kf=kf, hedgehog=hedgehog,
-                                        rope=rope)
+                                        rope=rope, nope=nope)
         return y, None
     wq, wk = hedgehog or (None, None)
     cos, sin = rope or (None, None)
     y = _HybridTriton.apply(q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, window, scale, softcap, logit,
-                            log_gate)
+                            log_gate, nope)
     return y, state
 
 
