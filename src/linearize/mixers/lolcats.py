@@ -26,8 +26,8 @@ Length: ``spec.decay`` (``span``, ``learned``, ``gated``) fades the linear state
 the moment a key leaves the window (``ops.hybrid_attention``'s gates), so its mass stays bounded
 however long the sequence; ``spec.feature_rope = False`` computes the features from the q/k before
 RoPE, so the linear terms never see an absolute position the maps were not trained on. Both run in
-the whole-sequence kernels (the gates inside them; features before RoPE computed in PyTorch) and the
-fused decode step; decoding keeps the ring's key features when the stored (rotated) keys cannot
+the whole-sequence kernels (the gates and, with Hedgehog maps and RoPE by halves, the features of the
+unrotated q/k inside them) and the fused decode step; decoding keeps the ring's key features when the stored (rotated) keys cannot
 give them back.
 """
 
