@@ -158,10 +158,12 @@ def test_sinks_on_the_forward_kernels_equal_the_float64_reference_on_cuda(dtype,
 
 @pytest.mark.parametrize("case", [(2, 9, 64, True), (1, 3, 32, False), (2, 3, 0, False)])  # (b, h, R, per-head W)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_hedgehog_rope_prelude_kernels_equal_the_float64_reference_on_cuda(dtype, case):
+@pytest.mark.parametrize("nope", [False, True], ids=["rope", "nope"])
+def test_hedgehog_rope_prelude_kernels_equal_the_float64_reference_on_cuda(dtype, case, nope):
     """The backward's fused prelude (``hedgehog_rope_triton``): rotated x, features, dx and dW against
     ``rope_half`` + ``hedgehog_features`` + autograd in float64; RoPE over every dim, half of them or
-    none, per-head or shared weights, a length off the tiles."""
+    none, per-head or shared weights, a length off the tiles; the features of the rotated x or (``nope``)
+    of x before RoPE."""
     from linearize.ops.hedgehog_rope_triton import hedgehog_rope_backward, hedgehog_rope_forward
     from linearize.ops.hybrid_triton import hedgehog_features, rope_half
 
@@ -178,11 +180,11 @@ def test_hedgehog_rope_prelude_kernels_equal_the_float64_reference_on_cuda(dtype
     d_rot, d_feat = r(b, h, t, d), r(b, h, t, 2 * fh)
     rx, rw = x.double().requires_grad_(), w.clone().requires_grad_()
     xr = rope_half(rx, cos, sin) if rot else rx
-    feat = hedgehog_features(xr, rw)
+    feat = hedgehog_features(rx if nope else xr, rw)
     want_dx, want_dw = torch.autograd.grad([feat, xr], [rx, rw], [d_feat, d_rot])
     fcos, fsin = (None, None) if not rot else (cos.float(), sin.float())
-    got_xr, got_feat = hedgehog_rope_forward(x, fcos, fsin, w.float())
-    dx, dw = hedgehog_rope_backward(x, fcos, fsin, w.float(), d_rot.float(), d_feat.float())
+    got_xr, got_feat = hedgehog_rope_forward(x, fcos, fsin, w.float(), nope=nope)
+    dx, dw = hedgehog_rope_backward(x, fcos, fsin, w.float(), d_rot.float(), d_feat.float(), nope=nope)
     assert got_feat.dtype == dx.dtype == dtype and dw.dtype == torch.float32 and dw.shape == w.shape
     tol = TOLS[dtype]
     for name, a, e in (("xr", got_xr, xr), ("features", got_feat, feat), ("dx", dx, want_dx), ("dw", dw, want_dw)):

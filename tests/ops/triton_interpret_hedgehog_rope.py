@@ -40,7 +40,8 @@ def _rope(b, t, r, g):
 
 
 def check(b, h, t, d, fh, r, shared, seed, dtype=torch.float32, cos_batch=False, strided=True, drot=True,
-          need_dx=True, need_dw=True, programs=None):
+          need_dx=True, need_dw=True, programs=None, nope=False):
+    """``nope``: the features of x before RoPE (``feature_rope: false``), its rotation still returned."""
     g = torch.Generator().manual_seed(seed)
     rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     # x as a strided view of a [B, T, heads, D] projection, as the adapters give q and k
@@ -55,7 +56,7 @@ def check(b, h, t, d, fh, r, shared, seed, dtype=torch.float32, cos_batch=False,
     # the reference: rope_half + hedgehog_features + autograd in float64
     rx, rw = x.clone().requires_grad_(), w.clone().requires_grad_()
     xr = rope_half(rx, cos, sin) if r else rx
-    feat = hedgehog_features(xr, rw)
+    feat = hedgehog_features(rx if nope else xr, rw)
     outs, grads = [feat], [d_feat]
     if drot:
         outs, grads = [feat, xr], [d_feat, d_rot]
@@ -63,7 +64,7 @@ def check(b, h, t, d, fh, r, shared, seed, dtype=torch.float32, cos_batch=False,
 
     mx, mw = x.to(dtype), w.float()
     mcos, msin = (None, None) if not r else (cos.float(), sin.float())
-    got_xr, got_feat = prelude.hedgehog_rope_forward(mx, mcos, msin, mw)
+    got_xr, got_feat = prelude.hedgehog_rope_forward(mx, mcos, msin, mw, nope=nope)
     assert got_xr.dtype == got_feat.dtype == dtype
     _close(got_xr, xr.detach(), "xr", tol)
     if not r:
@@ -76,7 +77,7 @@ def check(b, h, t, d, fh, r, shared, seed, dtype=torch.float32, cos_batch=False,
         prelude.WIDE = {k: v for k, v in prelude.WIDE.items() if k != "PRELUDE_PROGRAMS"}
     try:
         dx, dw = prelude.hedgehog_rope_backward(mx, mcos, msin, mw, None if d_rot is None else d_rot.float(),
-                                                d_feat.float(), need_dx=need_dx, need_dw=need_dw)
+                                                d_feat.float(), need_dx=need_dx, need_dw=need_dw, nope=nope)
     finally:
         prelude.PRELUDE_PROGRAMS, prelude.WIDE = saved
     if need_dx:
@@ -142,6 +143,11 @@ CASES = {
     "half": lambda: check(2, 2, 37, 16, 8, 8, False, 7, dtype=torch.float16),
     "half_shared": lambda: check(1, 3, 50, 16, 8, 12, True, 8, dtype=torch.float16, programs=3),
     "half_tiles": lambda: check(1, 2, 300, 16, 8, 8, False, 9, dtype=torch.float16),  # 16-bit tiles, T over several
+    # features before RoPE: every dim rotated, part of them (cos per sequence), fp16, the weights' gradient alone
+    "nope": lambda: check(2, 3, 37, 8, 5, 8, False, 10, nope=True),
+    "nope_partial": lambda: check(1, 2, 45, 8, 6, 4, True, 11, cos_batch=True, nope=True, programs=3),
+    "nope_half": lambda: check(2, 2, 37, 16, 8, 8, False, 12, dtype=torch.float16, nope=True),
+    "nope_weights": lambda: check(1, 2, 40, 8, 5, 8, True, 13, need_dx=False, nope=True),
     "switch": check_switch,
     "switch_shared_norope": lambda: check_switch(rot=0, shared=True),
     "switch_weights": lambda: check_switch(rot=4, weights_only=True),

@@ -24,6 +24,9 @@ the projection ``xr W`` (softmax backward through both halves, in fp32),
 
 The products take x's dtype (bf16/fp16: ``dY`` and ``xr`` rounded to it, fp32 accumulation; fp32:
 full fp32 products), every sum is fp32: the conventions of ``hybrid_triton``.
+
+``nope=True`` (``feature_rope: false``): ``phi`` are the features of the unrotated ``x``; ``xr`` is still
+``rope(x)``. The backward is then ``dx = rope^T(d_rot) + dY W^T`` and ``dW = sum x^T dY``.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def _knobs(dtype) -> dict:
 
 @triton.jit
 def _prelude_forward(x_ptr, cos_ptr, sin_ptr, w_ptr, xr_ptr, f_ptr, sxb, sxh, sxt, scb, sct, swh, H, T, D, FW, R,
-                     ROPE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
+                     ROPE: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr,
+                     NOPE: tl.constexpr = False):
     bh = tl.program_id(1).to(tl.int64)  # 64-bit bases: large batches x long sequences
     b = bh // H
     h = bh % H
@@ -66,6 +70,8 @@ def _prelude_forward(x_ptr, cos_ptr, sin_ptr, w_ptr, xr_ptr, f_ptr, sxb, sxh, sx
                  ROPE).to(dt)
     if ROPE:
         tl.store(xr_ptr + bh * T * D + t[:, None] * D + d[None, :], x, mask=ok[:, None] & (d < D)[None, :])
+    if NOPE:  # the features of x before RoPE
+        x = _rotated(x_ptr + b * sxb + h * sxh, t, ok, sxt, d, D, cos_ptr, sin_ptr, sct, R, False).to(dt)
     parts = _features(x, f_ptr, t, ok, 0, w_ptr + h * swh, d, D, FW, BF, 2, True, PREC)
     out = f_ptr + bh * T * (2 * FW) + t[:, None] * (2 * FW)
     m = ok[:, None] & (f < FW)[None, :]
@@ -84,7 +90,8 @@ def _softmax(z, fm):
 def _prelude_backward(x_ptr, cos_ptr, sin_ptr, w_ptr, drot_ptr, dfeat_ptr, dx_ptr, dw_ptr,
                       sxb, sxh, sxt, scb, sct, swh, sgb, sgh, sgt, sfb, sfh, sft, H, T, D, FW, R, STEPS, S,
                       ROPE: tl.constexpr, DROT: tl.constexpr, DX: tl.constexpr, DW: tl.constexpr,
-                      BT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr):
+                      BT: tl.constexpr, BD: tl.constexpr, BF: tl.constexpr, PREC: tl.constexpr,
+                      NOPE: tl.constexpr = False):
     pid = tl.program_id(0)
     bh = tl.program_id(1).to(tl.int64)
     b = bh // H
@@ -100,7 +107,7 @@ def _prelude_backward(x_ptr, cos_ptr, sin_ptr, w_ptr, drot_ptr, dfeat_ptr, dx_pt
     partner = tl.where(d < half, d + half, d - half)
     rot = d < R
     wp = w
-    if ROPE & DX:  # W's rows at each dim's partner: (dY W^T)_partner as a product
+    if ROPE & DX & (not NOPE):  # W's rows at each dim's partner: (dY W^T)_partner as a product
         wp = tl.load(wb + partner[:, None] * FW + f[None, :], mask=rot[:, None] & fm, other=0.0).to(dt)
     xb = x_ptr + b * sxb + h * sxh
     cb, sb = cos_ptr + b * scb, sin_ptr + b * scb
@@ -110,7 +117,7 @@ def _prelude_backward(x_ptr, cos_ptr, sin_ptr, w_ptr, drot_ptr, dfeat_ptr, dx_pt
     for i in range(STEPS):
         t = (pid * STEPS + i) * BT + tl.arange(0, BT)
         ok = t < T
-        x = _rotated(xb, t, ok, sxt, d, D, cb, sb, sct, R, ROPE).to(dt)
+        x = _rotated(xb, t, ok, sxt, d, D, cb, sb, sct, R, ROPE and not NOPE).to(dt)  # the projection's input
         proj = tl.dot(x, w, input_precision=PREC)
         pos = _softmax(proj, fm)
         neg = _softmax(-proj, fm)
@@ -124,9 +131,17 @@ def _prelude_backward(x_ptr, cos_ptr, sin_ptr, w_ptr, drot_ptr, dfeat_ptr, dx_pt
         if DX:
             xm = ok[:, None] & dm[None, :]
             g = tl.dot(dy, tl.trans(w), input_precision=PREC)
-            if DROT:
+            if NOPE:  # only the rotated x's gradient goes back through the rotation
+                if DROT:
+                    rm = ok[:, None] & rot[None, :]
+                    dr = tl.load(gb + t[:, None] * sgt + d[None, :], mask=xm, other=0.0).to(tl.float32)
+                    drp = tl.load(gb + t[:, None] * sgt + partner[None, :], mask=rm, other=0.0).to(tl.float32)
+                    cos = tl.load(cb + t[:, None] * sct + d[None, :], mask=rm, other=1.0).to(tl.float32)
+                    sin_p = tl.load(sb + t[:, None] * sct + partner[None, :], mask=rm, other=0.0).to(tl.float32)
+                    g += dr * cos + tl.where((d < half)[None, :], drp, -drp) * sin_p
+            elif DROT:
                 g += tl.load(gb + t[:, None] * sgt + d[None, :], mask=xm, other=0.0).to(tl.float32)
-            if ROPE:
+            if ROPE and not NOPE:
                 rm = ok[:, None] & rot[None, :]
                 gp = tl.dot(dy, tl.trans(wp), input_precision=PREC)
                 if DROT:
@@ -159,10 +174,11 @@ def _x(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def hedgehog_rope_forward(x, cos, sin, w):
+def hedgehog_rope_forward(x, cos, sin, w, *, nope: bool = False):
     """``(rope(x), [softmax(rope(x) W), softmax(-rope(x) W)])`` in x's dtype, one launch: ``x``
     ``[B, H, T, D]`` (any strides, last dim contiguous), ``cos``/``sin`` ``[B or 1, T, R]`` or None
-    (then the first output is ``x`` itself), ``w`` ``[H or 1, D, F/2]``."""
+    (then the first output is ``x`` itself), ``w`` ``[H or 1, D, F/2]``. ``nope``: the features of
+    ``x`` itself (before RoPE)."""
     _check(x, cos, sin, w)
     x = _x(x)
     b, h, t, d = x.shape
@@ -176,15 +192,16 @@ def hedgehog_rope_forward(x, cos, sin, w):
     _prelude_forward[(triton.cdiv(t, bt), b * h)](
         x, cos, sin, w, xr, feat, x.stride(0), x.stride(1), x.stride(2), scb, sct, w.stride(0) if w.shape[0] > 1 else 0,
         h, t, d, fw, r, ROPE=r > 0, BT=bt, BD=_pow2(d), BF=_pow2(fw), PREC=_precision(x.dtype),
-        num_warps=kn["FWD_WARPS"])
+        NOPE=nope and r > 0, num_warps=kn["FWD_WARPS"])
     return xr, feat
 
 
-def hedgehog_rope_backward(x, cos, sin, w, d_rot, d_feat, *, need_dx: bool = True, need_dw: bool = True):
+def hedgehog_rope_backward(x, cos, sin, w, d_rot, d_feat, *, need_dx: bool = True, need_dw: bool = True,
+                           nope: bool = False):
     """Gradients of ``hedgehog_rope_forward``'s outputs, one launch and a sum: ``(dx, dw)`` for
     ``d_rot`` ``[B, H, T, D]`` (of the rotated x; None: zero) and ``d_feat`` ``[B, H, T, F]`` (of the
     features), any strides with a contiguous last dim. ``dx`` in x's dtype (None without
-    ``need_dx``), ``dw`` in fp32 with w's shape (None without ``need_dw``)."""
+    ``need_dx``), ``dw`` in fp32 with w's shape (None without ``need_dw``); ``nope`` as the forward's."""
     _check(x, cos, sin, w)
     x, d_feat = _x(x), _x(d_feat)
     b, h, t, d = x.shape
@@ -207,7 +224,7 @@ def hedgehog_rope_backward(x, cos, sin, w, d_rot, d_feat, *, need_dx: bool = Tru
         w.stride(0) if w.shape[0] > 1 else 0, drot.stride(0), drot.stride(1), drot.stride(2),
         d_feat.stride(0), d_feat.stride(1), d_feat.stride(2), h, t, d, fw, r, steps, s,
         ROPE=r > 0, DROT=d_rot is not None and need_dx, DX=need_dx, DW=need_dw, BT=bt, BD=_pow2(d), BF=_pow2(fw),
-        PREC=_precision(x.dtype), num_warps=kn["BWD_WARPS"])
+        PREC=_precision(x.dtype), NOPE=nope and r > 0, num_warps=kn["BWD_WARPS"])
     dw = None
     if need_dw:
         dw = part.sum(dim=(0, 2))

@@ -1021,18 +1021,13 @@ class _HybridTriton(torch.autograd.Function):
         """``backward`` with Hedgehog maps, the prelude as Triton kernels (``hedgehog_rope_triton``):
         rotated q/k and their features in one launch each, then their gradients (of the unrotated
         q/k and the maps' weights) in one launch and a sum each, no autograd. With features before RoPE
-        (``nope``) the launches take the unrotated q/k, RoPE is applied apart, and the rotated q/k's
-        gradients come back through the inverse rotation (a rotation's transpose: the angle negated)."""
+        (``nope``) the launches compute the features of the unrotated q/k beside their rotation, and only
+        the rotated q/k's gradients go back through the rotation."""
         q, k, v, gamma, _, _, wq, wk, cos, sin, key_mask, y, *saved = ctx.saved_tensors
         needs = ctx.needs_input_grad
-        nope = ctx.nope and cos is not None
-        if nope:
-            cos_, sin_ = cos.to(q.dtype), sin.to(q.dtype)
-            (_, fq), (_, fk) = hedgehog_rope_forward(q, None, None, wq), hedgehog_rope_forward(k, None, None, wk)
-            qr, kr = rope_half(q, cos_, sin_), rope_half(k, cos_, sin_)
-        else:
-            qr, fq = hedgehog_rope_forward(q, cos, sin, wq)
-            kr, fk = hedgehog_rope_forward(k, cos, sin, wk)
+        nope = ctx.nope
+        qr, fq = hedgehog_rope_forward(q, cos, sin, wq, nope=nope)
+        kr, fk = hedgehog_rope_forward(k, cos, sin, wk, nope=nope)
         weight = torch.sigmoid(gamma.float()) if ctx.logit else gamma
         dq, dk, dv, dfq, dfk, dgamma, dlog_gate = hybrid_triton_backward(dy, qr, kr, v, fq, fk, weight, y, saved,
                                                                          key_mask=key_mask, **ctx.kw)
@@ -1043,11 +1038,7 @@ class _HybridTriton(torch.autograd.Function):
                                              (k, wk, dk, dfk, needs[1], needs[7])):
             dx = dw = None
             if need_x or need_w:
-                if nope:  # the rotated x's gradient, unrotated; the features' through the launch
-                    dr = rope_half(dr, cos_, -sin_) if need_x else None
-                    dx, dw = hedgehog_rope_backward(x, None, None, w, dr, df, need_dx=need_x, need_dw=need_w)
-                else:
-                    dx, dw = hedgehog_rope_backward(x, cos, sin, w, dr, df, need_dx=need_x, need_dw=need_w)
+                dx, dw = hedgehog_rope_backward(x, cos, sin, w, dr, df, need_dx=need_x, need_dw=need_w, nope=nope)
             out.append((dx, None if dw is None else dw.to(w.dtype)))
         (dq_, dwq), (dk_, dwk) = out
         return (dq_, dk_, dv.to(v.dtype) if needs[2] else None, dgamma.to(gamma.dtype) if needs[3] else None,
