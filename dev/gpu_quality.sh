@@ -284,10 +284,12 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     done ;;
   length-recipe)  # issue #46: a packaged recipe (RECIPE, default lolcats_long) at its own budget (RECIPE_ARGS adds flags,
                   # e.g. --stage1-steps 300) on the SmolLM2 teacher, or (TEACHER=gemma) on Gemma 3 270M staged by
-                  # dev/gpu_teacher.sh, whose own rows (to its 32k context) come first; the rows are named NAME
+                  # dev/gpu_teacher.sh, whose own rows (to its 32k context) come first unless TEACHER_ROWS=0 (they are
+                  # in gpu-runs/length.jsonl); the rows are named NAME
     tea=$T; name=${NAME:-recipe}; mkdir -p $RUNS/length
     if [ "${TEACHER:-}" = gemma ]; then
-      tea=/tmp/stage/gemma-3-270m.gguf; waitfor $tea 1500 || exit 1; length_eval $tea gemma-teacher
+      tea=/tmp/stage/gemma-3-270m.gguf; waitfor $tea 1500 || exit 1
+      [ "${TEACHER_ROWS:-1}" = 0 ] || length_eval $tea gemma-teacher
     fi
     lin lolcats --config ${RECIPE:-lolcats_long} --teacher $tea ${RECIPE_ARGS:-} --out $RUNS/len-$name 2>&1 | quiet | tail -9
     length_eval $RUNS/len-$name/final $name ;;
