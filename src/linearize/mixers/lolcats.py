@@ -27,8 +27,8 @@ the moment a key leaves the window (``ops.hybrid_attention``'s gates), so its ma
 however long the sequence; ``spec.feature_rope = False`` computes the features from the q/k before
 RoPE, so the linear terms never see an absolute position the maps were not trained on. Both run in
 the whole-sequence kernels (the gates and, with Hedgehog maps and RoPE by halves, the features of the
-unrotated q/k inside them) and the fused decode step; decoding keeps the ring's key features when the stored (rotated) keys cannot
-give them back.
+unrotated q/k inside them) and the fused decode step; decoding keeps the ring's key features when the
+stored (rotated) keys cannot give them back.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_tiles import _features, _pow2, _precision, _rotated, tiles_for
+from .triton_tiles import _features, _pow2, _precision, _rotated, _tile, tiles_for
 
 # Tiles and warps for 16-bit inputs: the fastest of ``dev/hybrid_bench.py --sweep`` on an H100 (D = 64, F/2 = 64,
 # 8 x 1,024, with the hybrid's kernels): the backward 0.073 ms of device time against 0.133 under the values
@@ -71,7 +71,7 @@ def _prelude_forward(x_ptr, cos_ptr, sin_ptr, w_ptr, xr_ptr, f_ptr, sxb, sxh, sx
     if ROPE:
         tl.store(xr_ptr + bh * T * D + t[:, None] * D + d[None, :], x, mask=ok[:, None] & (d < D)[None, :])
     if NOPE:  # the features of x before RoPE
-        x = _rotated(x_ptr + b * sxb + h * sxh, t, ok, sxt, d, D, cos_ptr, sin_ptr, sct, R, False).to(dt)
+        x = _tile(x_ptr + b * sxb + h * sxh, t, ok, sxt, d, D).to(dt)
     parts = _features(x, f_ptr, t, ok, 0, w_ptr + h * swh, d, D, FW, BF, 2, True, PREC)
     out = f_ptr + bh * T * (2 * FW) + t[:, None] * (2 * FW)
     m = ok[:, None] & (f < FW)[None, :]
@@ -84,6 +84,15 @@ def _softmax(z, fm):
     z = tl.where(fm, z, float("-inf"))
     z = tl.exp(z - tl.max(z, axis=1)[:, None])
     return z / tl.sum(z, axis=1)[:, None]
+
+
+@triton.jit
+def _unrotated(g, gp, cb, sb, t, sct, d, partner, half, rm):
+    """``rope^T`` of a gradient ``g`` whose values at each dim's partner are ``gp``: dim j gets ``g_j cos_j
+    +/- gp_j sin_p`` (``+`` in the first half); dims outside ``rm`` (past R, or not ``ok``) keep ``g``."""
+    cos = tl.load(cb + t[:, None] * sct + d[None, :], mask=rm, other=1.0).to(tl.float32)
+    sin_p = tl.load(sb + t[:, None] * sct + partner[None, :], mask=rm, other=0.0).to(tl.float32)
+    return g * cos + tl.where((d < half)[None, :], gp, -gp) * sin_p
 
 
 @triton.jit
@@ -131,24 +140,19 @@ def _prelude_backward(x_ptr, cos_ptr, sin_ptr, w_ptr, drot_ptr, dfeat_ptr, dx_pt
         if DX:
             xm = ok[:, None] & dm[None, :]
             g = tl.dot(dy, tl.trans(w), input_precision=PREC)
+            rm = ok[:, None] & rot[None, :]
             if NOPE:  # only the rotated x's gradient goes back through the rotation
                 if DROT:
-                    rm = ok[:, None] & rot[None, :]
                     dr = tl.load(gb + t[:, None] * sgt + d[None, :], mask=xm, other=0.0).to(tl.float32)
                     drp = tl.load(gb + t[:, None] * sgt + partner[None, :], mask=rm, other=0.0).to(tl.float32)
-                    cos = tl.load(cb + t[:, None] * sct + d[None, :], mask=rm, other=1.0).to(tl.float32)
-                    sin_p = tl.load(sb + t[:, None] * sct + partner[None, :], mask=rm, other=0.0).to(tl.float32)
-                    g += dr * cos + tl.where((d < half)[None, :], drp, -drp) * sin_p
+                    g += _unrotated(dr, drp, cb, sb, t, sct, d, partner, half, rm)
             elif DROT:
                 g += tl.load(gb + t[:, None] * sgt + d[None, :], mask=xm, other=0.0).to(tl.float32)
             if ROPE and not NOPE:
-                rm = ok[:, None] & rot[None, :]
                 gp = tl.dot(dy, tl.trans(wp), input_precision=PREC)
                 if DROT:
                     gp += tl.load(gb + t[:, None] * sgt + partner[None, :], mask=rm, other=0.0).to(tl.float32)
-                cos = tl.load(cb + t[:, None] * sct + d[None, :], mask=rm, other=1.0).to(tl.float32)
-                sin_p = tl.load(sb + t[:, None] * sct + partner[None, :], mask=rm, other=0.0).to(tl.float32)
-                g = g * cos + tl.where((d < half)[None, :], gp, -gp) * sin_p
+                g = _unrotated(g, gp, cb, sb, t, sct, d, partner, half, rm)
             tl.store(dx_ptr + bh * T * D + t[:, None] * D + d[None, :], g.to(dx_ptr.dtype.element_ty), mask=xm)
     if DW:
         tl.store(dw_ptr + (bh * S + pid) * (D * FW) + d[:, None] * FW + f[None, :], acc, mask=dm[:, None] & fm)

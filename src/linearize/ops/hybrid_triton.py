@@ -1076,8 +1076,6 @@ def hybrid_triton(q, k, v, gamma, *, window: int, scale: float, softcap: float |
     key_mask = None if key_mask is None else key_mask.contiguous()
     tensors = (q, k, v, gamma, qf, kf, *(hedgehog or (None, None)), log_gate)
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
-    if nope and hedgehog is None:
-        raise ValueError("hybrid_triton computes features before RoPE (nope) only from the Hedgehog weights")
     kw = dict(window=window, scale=scale, softcap=softcap, logit=logit, log_gate=log_gate)
     state = None
     if output_final_state:  # the decoding state carries no gradient
