@@ -293,6 +293,13 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     fi
     lin lolcats --config ${RECIPE:-lolcats_long} --teacher $tea ${RECIPE_ARGS:-} --out $RUNS/len-$name 2>&1 | quiet | tail -9
     length_eval $RUNS/len-$name/final $name ;;
+  recall-probe)  # issue #46: where the length recipe's student (NAME, trained here with RECIPE_ARGS unless its run is
+                 # there) loses the pass key: dev/recall_probe.py with VARIANTS (";"-separated)
+    name=${NAME:-long1220}; ck=$RUNS/len-$name/final; mkdir -p $RUNS/length
+    [ -e $ck ] || lin lolcats --config ${RECIPE:-lolcats_long} --teacher $T ${RECIPE_ARGS:-} --out $RUNS/len-$name 2>&1 \
+      | quiet | tail -9
+    python3 dev/recall_probe.py $ck --lengths ${PASSKEY_LENGTHS:-2k,4k,8k} --limit ${RECALL_LIMIT:-4} \
+      --variants "${VARIANTS:-none;S=256;exact;S=256,lin=0}" --out $RUNS/length/probe-$name.json 2>&1 | grep -v Loading ;;
   length-teacher)  # the teacher's rows of the length table (its 8k context)
     mkdir -p $RUNS/length; length_eval $T teacher ;;
   dial-tasks)  # zero-shot tasks of a dial row's student: DIAL_CK (e.g. long4k), eval flags EVAL_FLAGS (e.g. the sparse
