@@ -9,6 +9,7 @@ Each variant changes the model's sparse cache or its linear terms at run time, n
 * ``S=N[:priority[:anchor]]`` (variants separated by ";"): the training-free sparse cache (default novelty / window);
 * ``S=N...,lin=X``: the same with the linear terms scaled by X (0: window and cache alone; the
   query features times X, so every phi_q . phi_k term scales by X);
+* ``S=N...,sinks=K``: the sequence's first K tokens outrank every other candidate (pinned);
 * ``exact``: softmax attention over the whole prompt in every layer (the student's weights with no
   linear part): whether the converted weights can retrieve at all.
 
@@ -37,7 +38,7 @@ from linearize.mixers.lolcats import LolcatsAttention
 
 def parse_variant(text: str) -> dict:
     """``none`` | ``exact`` | ``S=256[:priority[:anchor]][,lin=X]`` -> settings."""
-    out = dict(name=text, cache=0, priority="novelty", anchor="window", lin=1.0, exact=False)
+    out = dict(name=text, cache=0, priority="novelty", anchor="window", lin=1.0, exact=False, sinks=0)
     for part in text.split(","):
         if part == "none":
             continue
@@ -48,6 +49,8 @@ def parse_variant(text: str) -> dict:
             out["cache"] = int(bits[0])
             out["priority"] = bits[1] if len(bits) > 1 else out["priority"]
             out["anchor"] = bits[2] if len(bits) > 2 else out["anchor"]
+        elif part.startswith("sinks="):
+            out["sinks"] = int(part[6:])
         elif part.startswith("lin="):
             out["lin"] = float(part[4:])
         else:
@@ -64,7 +67,7 @@ def softmax_op(q, k, qf, kf, v, gamma, *, scale, softcap=None, output_final_stat
 
 
 @contextmanager
-def probed(lin: float, caches: list, exact: bool = False):
+def probed(lin: float, caches: list, exact: bool = False, sinks: int = 0):
     """The linear terms scaled by ``lin`` (the query features times it) and each sparse op's final
     cache positions appended to ``caches`` (``[Hk, S]`` positions, validity); ``exact``: softmax
     attention in place of the sparse op."""
@@ -82,11 +85,18 @@ def probed(lin: float, caches: list, exact: bool = False):
         caches.append((state.cache_pos[0].cpu(), state.cache_valid[0].cpu()))
         return y, (state if want else None)
 
-    LolcatsAttention._inputs, ops.sparse_hybrid_attention_chunked = inputs, op
+    from linearize.ops import sparse_hybrid_attention as sha
+    orig_pri = sha.priorities
+
+    def pri(kind, kf, v, valid, linear, pos):  # the first ``sinks`` tokens outrank every other
+        p = orig_pri(kind, kf, v, valid, linear, pos)
+        return torch.where(pos < sinks, torch.finfo(p.dtype).max, p) if sinks else p
+
+    LolcatsAttention._inputs, ops.sparse_hybrid_attention_chunked, sha.priorities = inputs, op, pri
     try:
         yield
     finally:
-        LolcatsAttention._inputs, ops.sparse_hybrid_attention_chunked = orig_inputs, orig_op
+        LolcatsAttention._inputs, ops.sparse_hybrid_attention_chunked, sha.priorities = orig_inputs, orig_op, orig_pri
 
 
 def needle_positions(tok, trial) -> list[int]:
@@ -147,7 +157,7 @@ def main(argv=None):
             linearize.respec(model, sparse_cache=v["cache"], sparse_priority=v["priority"], sparse_anchor=v["anchor"],
                              backend="auto" if v["lin"] == 1.0 else "torch")
             caches = []
-            with probed(v["lin"], caches, v["exact"]):
+            with probed(v["lin"], caches, v["exact"], v["sinks"]):
                 exact, logp = score(model, tok, trial, device)
             needle = needle_positions(tok, trial)
             kept = None if v["exact"] or min(needle) >= len(trial.ids) - 64 else retention(caches, needle)
