@@ -39,11 +39,13 @@ length_eval() {  # length_eval CHECKPOINT NAME: issue #46's rows of one model
     --out $o-books32k.json 2>&1 | quiet | tail -2
   lin eval "$1" --tasks passkey --lengths ${PASSKEY_LENGTHS:-1k,2k,4k,8k} --limit ${RECALL_LIMIT:-4} --batch-size 16 \
     --name $2 --out $o-recall.json 2>&1 | quiet | tail -3
-  for c in ${SPARSE_PASSKEY:-}; do  # e.g. "256:novelty:window": passkey with the training-free sparse cache
-    IFS=: read S P A <<< "$c"
+  for c in ${SPARSE_PASSKEY:-}; do  # e.g. "256:novelty:window[:W]": passkey with the training-free sparse cache (W: its
+                                  # --sparse-linear; with W, also the books by position under it: its perplexity cost)
+    IFS=: read S P A W <<< "$c"
+    local tag=s$S-$P-$A${W:+-w$W} flags=(--sparse-cache $S --sparse-priority $P --sparse-anchor $A ${W:+--sparse-linear $W})
     lin eval "$1" --tasks passkey --lengths ${PASSKEY_LENGTHS:-1k,2k,4k,8k} --limit ${RECALL_LIMIT:-4} --batch-size 16 \
-      --sparse-cache $S --sparse-priority $P --sparse-anchor $A --name $2-s$S-$P-$A --out $o-recall-s$S-$P-$A.json 2>&1 \
-      | quiet | tail -2
+      "${flags[@]}" --name $2-$tag --out $o-recall-$tag.json 2>&1 | quiet | tail -2
+    [ -n "$W" ] && lin eval "$1" --by-position "${flags[@]}" --name $2-$tag --out $o-books-$tag.json 2>&1 | quiet | tail -3
   done
   [ "${TASKS:-0}" = 1 ] && evaluate "$1" length-$2
   return 0
@@ -299,7 +301,8 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     [ -e $ck ] || lin lolcats --config ${RECIPE:-lolcats_long} --teacher $T ${RECIPE_ARGS:-} --out $RUNS/len-$name 2>&1 \
       | quiet | tail -9
     python3 dev/recall_probe.py $ck --lengths ${PASSKEY_LENGTHS:-2k,4k,8k} --limit ${RECALL_LIMIT:-4} \
-      --variants "${VARIANTS:-none;S=256;exact;S=256,lin=0}" --out $RUNS/length/probe-$name.json 2>&1 | grep -v Loading ;;
+      --variants "${VARIANTS:-none;S=256;exact;S=256,lin=0}" --out $RUNS/length/probe-$name.json \
+      2> $RUNS/length/probe-$name.err ;;  # (progress bars apart: they share lines with the rows)
   length-teacher)  # the teacher's rows of the length table (its 8k context)
     mkdir -p $RUNS/length; length_eval $T teacher ;;
   dial-tasks)  # zero-shot tasks of a dial row's student: DIAL_CK (e.g. long4k), eval flags EVAL_FLAGS (e.g. the sparse

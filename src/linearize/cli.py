@@ -55,6 +55,9 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--sparse-anchor", choices=SPARSE_ANCHORS, help="lolcats with --sparse-cache: which scores set "
                    "the softmax terms' scale against the linear terms: joint (the largest over window and cache; the "
                    "default) or window (the window's, as the hybrid was trained)")
+    g.add_argument("--sparse-linear", type=float, metavar="W", help="lolcats with --sparse-cache: the linear terms' "
+                   "weight beside the cache, in [0, 1] (1: as trained, the default; 0: the window and the cache "
+                   "alone, for retrieval)")
     g.add_argument("--backend", choices=BACKENDS, help="auto: fla CUDA kernels when installed; torch: PyTorch only")
     g.add_argument("--config", type=Path, help="a recipe: a YAML file whose keys are settings (convert: the flags "
                    "above and teacher; lolcats, supra: any of the command's settings, e.g. stage1_steps, loss, "
@@ -63,7 +66,7 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
 
 
 SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "decay_horizon", "feature_rope", "norm",
-              "keep_softmax", "backend", "sparse_cache", "sparse_priority", "sparse_anchor")
+              "keep_softmax", "backend", "sparse_cache", "sparse_priority", "sparse_anchor", "sparse_linear")
 
 
 def _on_off(value: str) -> bool:
@@ -73,9 +76,9 @@ def _on_off(value: str) -> bool:
 
 
 def _check_sparse_options(args, spec: dict) -> None:
-    """``--sparse-priority`` and ``--sparse-anchor`` only set how a sparse cache works: without one they
-    would do nothing."""
-    for flag in ("sparse_priority", "sparse_anchor"):
+    """``--sparse-priority``, ``--sparse-anchor`` and ``--sparse-linear`` only set how a sparse cache works:
+    without one they would do nothing."""
+    for flag in ("sparse_priority", "sparse_anchor", "sparse_linear"):
         if getattr(args, flag, None) is not None and not spec.get("sparse_cache"):
             raise LinearizeError(f"--{flag.replace('_', '-')} sets how the sparse cache works; give the cache a size "
                                  "with --sparse-cache S (or sparse_cache in --config)")
@@ -586,6 +589,7 @@ ARGUMENT_RULES = [
                                                        "kl_temperature", "align_lr")),
     ("xent_factor", lambda v: v >= 0, "zero or more"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("sparse_linear", lambda v: 0 <= v <= 1, "in [0, 1]"),
 ]
 
 

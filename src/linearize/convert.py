@@ -89,7 +89,7 @@ def spec_of(model: nn.Module) -> Spec | None:
 
 
 # spec keys that add or drop no parameters
-RUNTIME_KEYS = ("sparse_cache", "sparse_priority", "sparse_anchor", "backend", "chunk_size")
+RUNTIME_KEYS = ("sparse_cache", "sparse_priority", "sparse_anchor", "sparse_linear", "backend", "chunk_size")
 
 
 def respec(model: nn.Module, **changes) -> nn.Module:

@@ -77,6 +77,12 @@ class Spec:
     sparse_anchor: how cached tokens weigh against the linear terms: ``joint`` (the softmax terms on the
         scale of the largest score over window and cache) or ``window`` (on the window's, as the hybrid
         was trained: a cached token weighs what it would in the window). No parameters either.
+    sparse_linear: the linear terms' weight beside a sparse cache, in [0, 1]: 1 (the default) is the
+        hybrid as trained; below 1 every ``phi(q) . phi(k)`` term (numerator and shared normaliser) is
+        scaled by it, so cached tokens and the window weigh more against the folded rest; 0 leaves the
+        window and the cache alone. For retrieval: on a trained ``lolcats_long`` student the linear terms
+        of long repeated filler outweigh a cached pass key (``dev/recall_probe.py``). No parameters; no
+        effect while ``sparse_cache`` is 0.
     backend: ``auto`` (fla CUDA kernels when installed; lolcats: the hybrid's Triton kernels on
         CUDA, ``ops.use_hybrid_kernel``), ``torch`` or ``fla`` (the CUDA kernels required).
     """
@@ -112,6 +118,9 @@ class Spec:
         "cli": True, "choices": SPARSE_ANCHORS, "help": "lolcats with --sparse-cache: which scores set the softmax "
         "terms' scale against the linear terms: joint (the largest over window and cache; the default) or window "
         "(the window's, as the hybrid was trained: a cached token weighs what it would in the window)"})
+    sparse_linear: float = field(default=1.0, metadata={
+        "cli": True, "help": "lolcats with --sparse-cache: the linear terms' weight beside the cache, in [0, 1] "
+        "(1: as trained, the default; 0: the window and the cache alone)"})
 
     def __post_init__(self):
         _check_choice("kind", self.kind, _kinds.names())
@@ -138,6 +147,10 @@ class Spec:
             raise LinearizeError(f"spec sparse_cache applies to the lolcats hybrid, not to kind {self.kind!r}")
         if cache and self.norm == "separate":
             raise LinearizeError("spec sparse_cache does not yet combine with norm separate")
+        weight = self.sparse_linear
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not 0 <= weight <= 1:
+            raise LinearizeError(f"spec sparse_linear must be a number in [0, 1], got {weight!r}")
+        object.__setattr__(self, "sparse_linear", float(weight))
         keep = self.keep_softmax
         if isinstance(keep, str):
             keep = [x for x in keep.replace(" ", "").split(",") if x]

@@ -527,3 +527,36 @@ def test_report_table_gives_a_model_of_several_records_one_row(tmp_path):
     assert "| third | lolcats | 31.00 |" in table and "| third | lolcats | 32.00 |" in table  # different values: both
     assert len(table) == 4
     assert all(f"`{name}.json`" in page for name in files)  # every record's settings
+
+
+def test_report_reads_the_eval_records_of_a_jsonl_bundle(tmp_path, capsys):
+    """`linearize report B.jsonl` takes the eval records of a bundle (one {"source", "record"} a line, as
+    docs/gpu-runs keeps them), skipping other records; `B.jsonl:PREFIX` those whose source starts with
+    PREFIX; a malformed line or a bundle without eval records is refused in one line."""
+    from linearize.cli import main
+    from linearize.eval.report import collect
+
+    def record(name, ppl):
+        return {"format": "linearize-eval/1", "created": "2026-12-01T00:00:00+00:00", "settings": {},
+                "model": {"name": name, "kind": "lolcats", "source": name, "fingerprint": "0" * 64},
+                "perplexity": {"value": ppl, "source": "gutenberg", "split": "validation", "block_len": 1024,
+                               "blocks": 4, "tokens_scored": 4096}, "tasks": {}, "average": None}
+
+    lines = [{"source": "dial/a.json", "commit": "abc1234", "figure": "x", "record": record("a", 30.0)},
+             {"source": "dial/runs/results.json", "commit": "abc1234", "figure": "x", "record": {"config": {}}},
+             {"source": "recall/b.json", "commit": "abc1234", "figure": "y", "record": record("b", 31.0)}]
+    bundle = tmp_path / "raw.jsonl"
+    bundle.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert [(str(p), r["model"]["name"]) for p, r in collect([bundle])] == [("dial/a.json", "a"), ("recall/b.json", "b")]
+    assert [str(p) for p, _ in collect([f"{bundle}:recall/"])] == ["recall/b.json"]
+    out = tmp_path / "page.md"
+    assert main(["report", f"{bundle}:dial/", "--out", str(out)]) == 0
+    page = out.read_text()
+    assert "| a | lolcats | 30.00 |" in page and "| b |" not in page and "`a.json`" in page
+    for text, message in [('{"source": "a.json"}\n', "line 1 is not a bundle line"), ("not json\n", "line 1 is not JSON"),
+                          (json.dumps(lines[1]) + "\n", "holds no linearize eval records")]:
+        bundle.write_text(text)
+        capsys.readouterr()
+        assert main(["report", str(bundle)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, err

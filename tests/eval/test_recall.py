@@ -421,12 +421,12 @@ def test_real_teacher_passes_passkey_at_512_tokens(teacher):
 def test_records_carry_state_bytes_and_the_report_draws_the_dial(tiny_model, tmp_path):
     """Each eval record states the model's decoding memory at 8k tokens (what `linearize info --length
     8192` reports); with recall results the report adds the memory-against-recall table and dial.png.
-    The recall grids here are the GPU records of docs/gpu-runs/recall, with the state bytes RESULTS.md
-    gives for them (those records predate the field)."""
+    The recall grids here are the GPU records of docs/gpu-runs/recall.jsonl, with the state bytes
+    RESULTS.md gives for them (those records predate the field)."""
     from pathlib import Path
 
     from linearize.eval.report import dial_points, figures, render
-    from linearize.eval.results import model_identity
+    from linearize.eval.results import load_bundle, model_identity
     from linearize.info import state_bytes
 
     teacher = tiny_model("llama")
@@ -435,12 +435,12 @@ def test_records_carry_state_bytes_and_the_report_draws_the_dial(tiny_model, tmp
         assert model_identity(model)["state_bytes_8k"] == state_bytes(model, 8192)["total"] > 0
     assert model_identity(student)["state_bytes_8k"] < model_identity(teacher)["state_bytes_8k"]
 
-    raw = Path(__file__).parents[2] / "docs" / "gpu-runs" / "recall"
+    raw = dict(load_bundle(Path(__file__).parents[2] / "docs" / "gpu-runs" / "recall.jsonl"))
     sizes = {"recall-teacher": 188_700_000, "recall-lolcats-s0": 5_940_000, "recall-lolcats-s64": 8_990_000,
              "recall-supra": 4_423_680}
     records = []
     for name, size in sizes.items():
-        record = json.loads((raw / f"{name}.json").read_text())
+        record = raw[Path(f"recall/{name}.json")]
         record["model"]["state_bytes_8k"] = size
         records.append((tmp_path / f"{name}.json", record))
     points = dial_points(records)

@@ -14,6 +14,9 @@ SPECS = [{"kind": "lolcats", "window": 4, "feature_dim": 8}, {"kind": "supra"},
          {"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [1]},
          {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3},  # the cache's ring, captured too
          {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3, "sparse_priority": "novelty"},
+         # the first tokens with the linear terms weighed down: the PyTorch forms, not the sinks' kernels
+         {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 3, "sparse_priority": "first",
+          "sparse_linear": 0.25},
          {"kind": "delta", "window": 4, "chunk_size": 8}]  # the delta rule's ring and memory
 
 

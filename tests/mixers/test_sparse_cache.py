@@ -570,3 +570,18 @@ def test_first_tokens_take_the_fused_decode_state_once_cached(tiny_model, monkey
                 held = sum(x.numel() * x.element_size() for x in (state.keys, state.values, state.linear,
                                                                    state.sink_keys, state.sink_values, state.sink_valid))
                 assert m.fast_state_bytes(torch.float32) == held // 2  # batch of 2
+
+
+@pytest.mark.parametrize("decay", [None, "learned"])
+def test_novelty_ties_between_copies_are_decided_alike_in_every_form(tiny_model, decay):
+    """Repeated tokens give the first layer copies of one value (cosine 1 up to each form's rounding):
+    the cosines are rounded to a grid, so the prefill's chunked form and the decoding steps keep the
+    same tokens and decoding equals the forward (before the grid: 6e-3 apart on these ids)."""
+    from helpers import gated_student
+
+    student = gated_student(tiny_model, {"kind": "lolcats", "window": 3, "feature_dim": 8, "sparse_cache": 4,
+                                         "sparse_priority": "novelty", "decay": decay})
+    ids = torch.randint(2, 97, (2, 29), generator=torch.Generator().manual_seed(0))
+    assert len(set(ids[0].tolist())) < 29  # tokens repeat
+    full = student(ids, use_cache=False).logits
+    torch.testing.assert_close(decode_incrementally(student, ids, 13), full, atol=1e-10, rtol=0)

@@ -74,9 +74,10 @@ def cmd_eval(args) -> int:
     if args.sparse_cache is not None and args.sparse_cache < 0:
         raise LinearizeError(f"--sparse-cache must be zero or more, got {args.sparse_cache}")
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    if args.sparse_cache is not None or args.sparse_priority is not None or args.sparse_anchor is not None:
-        flag = ("--sparse-cache" if args.sparse_cache is not None else
-                "--sparse-priority" if args.sparse_priority is not None else "--sparse-anchor")
+    sparse_flags = [f"--{name.replace('_', '-')}" for name in ("sparse_cache", "sparse_priority", "sparse_anchor",
+                                                               "sparse_linear") if getattr(args, name) is not None]
+    if sparse_flags:
+        flag = sparse_flags[0]
         if not getattr(model.config, "linearize", None):
             raise LinearizeError(f"{flag} changes the sparse exact cache of a converted checkpoint; "
                                  "this model is not one")
@@ -87,7 +88,7 @@ def cmd_eval(args) -> int:
                                  "(sparse_cache 0); add --sparse-cache S")
         # recorded in the results' spec
         respec(model, sparse_cache=args.sparse_cache, sparse_priority=args.sparse_priority,
-               sparse_anchor=args.sparse_anchor)
+               sparse_anchor=args.sparse_anchor, sparse_linear=args.sparse_linear)
     record = evaluate(model, tokenizer, tasks=args.tasks, limit=args.limit, with_perplexity=not args.no_perplexity,
                       source=source, block_len=args.block_len, max_blocks=args.max_blocks,
                       batch_size=args.batch_size, max_length=args.max_length, seed=args.seed, name=args.name,
@@ -241,6 +242,10 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                         "largest over window and cache) or window (the window's, as the hybrid was trained: a cached "
                         "token weighs what it would in the window); default: the checkpoint's (joint unless saved "
                         "otherwise)")
+    e.add_argument("--sparse-linear", type=float, default=None, metavar="W",
+                   help="the linear terms' weight beside the sparse cache, in [0, 1]: 1 as trained, 0 the window and "
+                        "the cache alone (for retrieval); default: the checkpoint's (1 unless saved otherwise). Needs "
+                        "a cache")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
@@ -253,7 +258,8 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                     "for every model beside the teacher (position.png), a recall heat map per model, the runs' "
                     "validation curves, per-layer attention MSE and (--attention-maps) attention-weight maps as "
                     "PNGs linked from the page.")
-    r.add_argument("results", nargs="+", help="results JSON files, or folders of them")
+    r.add_argument("results", nargs="+", help="results JSON files, folders of them, or JSONL bundles of records "
+                   "(B.jsonl, or B.jsonl:PREFIX for the records whose source starts with PREFIX)")
     r.add_argument("--out", type=Path, default=None, help="write the Markdown here (default: print it)")
     r.add_argument("--title", default="Evaluation", help="page title (default: %(default)s)")
     r.add_argument("--runs", nargs="+", type=Path, default=None, metavar="RUN",

@@ -10,25 +10,31 @@ from pathlib import Path
 
 from linearize.errors import LinearizeError
 
-from .results import load_results
+from .results import load_bundle, load_results
 
 
 def collect(paths) -> list[tuple[Path, dict]]:
-    """Records from files and folders (a folder contributes its ``*.json`` files, sorted)."""
-    files: list[Path] = []
+    """Records from files, folders (a folder contributes its ``*.json`` files, sorted) and JSONL bundles
+    (``B.jsonl``: its eval records; ``B.jsonl:PREFIX``: those whose source starts with PREFIX), in order."""
+    records: list[tuple[Path, dict]] = []
     for item in paths:
+        text = str(item)
+        head, colon, under = text.partition(".jsonl:")
+        if colon or text.endswith(".jsonl"):
+            records += load_bundle(head + ".jsonl", under or None) if colon else load_bundle(text)
+            continue
         path = Path(item)
         if path.is_dir():
             found = sorted(path.glob("*.json"))
             if not found:
                 raise LinearizeError(f"folder {path} holds no .json results files")
-            files += found
+            records += [(f, load_results(f)) for f in found]
         else:
-            files.append(path)
-    if not files:
+            records.append((path, load_results(path)))
+    if not records:
         raise LinearizeError("no results files given; pass JSON files written by 'linearize eval --out' "
                              "or folders of them")
-    return [(f, load_results(f)) for f in files]
+    return records
 
 
 def _distinct_rows(rows: list[list[str]]) -> list[list[str]]:

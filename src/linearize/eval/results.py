@@ -221,3 +221,32 @@ def load_results(path: str | os.PathLike) -> dict:
     if not isinstance(record, dict) or record.get("format") != RESULTS_FORMAT:
         raise LinearizeError(f"{path} is not a linearize eval results file (format {RESULTS_FORMAT})")
     return record
+
+
+def load_bundle(path: str | os.PathLike, under: str | None = None) -> list[tuple[Path, dict]]:
+    """The eval records of a JSONL bundle, one ``{"source": PATH, "record": RECORD, ...}`` a line (how
+    ``docs/gpu-runs`` keeps raw records): ``[(Path(source), record)]`` for each line whose record is an
+    eval record (others, e.g. a recipe's results.json, are skipped), or only those whose source starts
+    with ``under``. LinearizeError when a line is not such an object, or when no eval record is left."""
+    path = Path(path)
+    if not path.is_file():
+        raise LinearizeError(f"no results bundle at {path}")
+    found = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as err:
+            raise LinearizeError(f"{path} line {n} is not JSON: {' '.join(str(err).split())[:120]}") from None
+        if not isinstance(item, dict) or "source" not in item or "record" not in item:
+            raise LinearizeError(f"{path} line {n} is not a bundle line (an object with source and record)")
+        record = item["record"]
+        if isinstance(record, dict) and record.get("format") == RESULTS_FORMAT:
+            if under is None or str(item["source"]).startswith(under):
+                found.append((Path(item["source"]), record))
+    if not found:
+        where = f" under {under}" if under else ""
+        raise LinearizeError(f"{path} holds no linearize eval records{where}")
+    return found
+

@@ -7,8 +7,8 @@ With ``spec.sparse_cache = S > 0`` each key head also keeps, beside the window, 
 its linear state recalls worst, exactly (LoLA; ``ops/sparse_hybrid_attention.py``; with
 ``spec.sparse_priority = "novelty"`` those whose values are least like the other candidates', with ``"first"`` the
 sequence's first ``S`` tokens, StreamingLLM's attention sinks; ``spec.sparse_anchor``
-sets how they weigh against the linear terms): the softmax runs
-over window and cache, the linear state over the rest. It adds no parameters (any converted
+sets how they weigh against the linear terms, ``spec.sparse_linear`` < 1 scales the linear terms
+down beside them): the softmax runs over window and cache, the linear state over the rest. It adds no parameters (any converted
 checkpoint takes it as is) and trains through the softmax over window and cache.
 
 Whole sequences (prefill, training, evaluation) run the Triton kernels on CUDA where
@@ -148,9 +148,17 @@ class LolcatsAttention(LinearAttention):
         if not self.spec.feature_rope:  # features of the q/k before RoPE
             qf, kf = self.feature_map_q(q), self.feature_map_k(k)
             q, k = self.adapter.rope(self, q, k, position_embeddings)
-            return q, k, qf, kf
-        q, k = self.adapter.rope(self, q, k, position_embeddings)
-        return q, k, self.feature_map_q(q), self.feature_map_k(k)
+        else:
+            q, k = self.adapter.rope(self, q, k, position_embeddings)
+            qf, kf = self.feature_map_q(q), self.feature_map_k(k)
+        if self._linear_weighted():  # every phi(q) . phi(k) term times the weight (the cache's choices read kf)
+            qf = qf * self.spec.sparse_linear
+        return q, k, qf, kf
+
+    def _linear_weighted(self) -> bool:
+        """Whether the linear terms weigh less than as trained (``spec.sparse_linear`` < 1 beside a sparse
+        cache): the query features are scaled in PyTorch, so no kernel computing its own features runs."""
+        return bool(self.spec.sparse_cache) and self.spec.sparse_linear != 1
 
     def _kw(self):
         g = self.geometry
@@ -236,7 +244,8 @@ class LolcatsAttention(LinearAttention):
         takes the PyTorch form), and for a prefill's state a cache that is settled (its first tokens out of
         the window)."""
         spec = self.spec
-        if spec.sparse_priority != "first" or not hedgehog or self.fades or not spec.feature_rope:
+        if (spec.sparse_priority != "first" or not hedgehog or self.fades or not spec.feature_rope
+                or self._linear_weighted()):
             return None  # (the sinks' kernels take no gates nor features before RoPE: the PyTorch form)
         weights = (q, k, v, self.window_logit, self.feature_map_q.weight, self.feature_map_k.weight)
         if torch.is_grad_enabled() and any(x.requires_grad for x in weights):
@@ -259,7 +268,8 @@ class LolcatsAttention(LinearAttention):
         no sparse cache or one of the first tokens (attention sinks; once it is full it stays as it is),
         without a decay and with features after RoPE (the sinks' fused step takes neither)."""
         g, spec = self.geometry, self.spec
-        sparse = spec.sparse_cache and (spec.sparse_priority != "first" or self.fades or not spec.feature_rope)
+        sparse = spec.sparse_cache and (spec.sparse_priority != "first" or self.fades or not spec.feature_rope
+                                        or self._linear_weighted())
         return (not sparse and self.spec.norm != "separate" and self.window_logit.is_cuda and triton_available()
                 and type(self.feature_map_q) is Hedgehog
                 and type(self.feature_map_k) is Hedgehog and rotates_half(g.rotary, g.head_dim))

@@ -127,14 +127,19 @@ def recall_error(kf: torch.Tensor, v: torch.Tensor, linear: torch.Tensor) -> tor
         return (v.to(linear.dtype) - read).norm(dim=-1)
 
 
+NOVELTY_GRID = 2.0 ** -16  # value_novelty's cosines are rounded to multiples of this
+
+
 def value_novelty(v: torch.Tensor, valid: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """``-max cos(v_x, v_y)`` over the other valid candidates y of each candidate x: ``v`` ``[B, Hk, M,
     D]``, ``valid`` ``[B, Hk, M]`` -> ``[B, Hk, M]`` in ``acc`` (1 where x has no other candidate; an
-    all-zero value has cosine 0 with everything). Computed outside autocast."""
+    all-zero value has cosine 0 with everything). The cosines are rounded to ``NOVELTY_GRID``: copies
+    (a repeated token's values in the first layer) then tie exactly in every form, and the tie rule
+    decides, not the rounding of the form's own sums. Computed outside autocast."""
     with torch.autocast(v.device.type, enabled=False):
         x = v.to(acc)
         x = x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
-        sim = x @ x.transpose(-1, -2)
+        sim = torch.round(x @ x.transpose(-1, -2) / NOVELTY_GRID) * NOVELTY_GRID
         m = v.shape[-2]
         others = valid[..., None, :] & ~torch.eye(m, dtype=torch.bool, device=v.device)
         best = sim.masked_fill(~others, -torch.inf).amax(dim=-1)
