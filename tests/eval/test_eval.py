@@ -547,13 +547,15 @@ def test_report_reads_the_eval_records_of_a_jsonl_bundle(tmp_path, capsys):
              {"source": "recall/b.json", "commit": "abc1234", "figure": "y", "record": record("b", 31.0)}]
     bundle = tmp_path / "raw.jsonl"
     bundle.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    assert [(str(p), r["model"]["name"]) for p, r in collect([bundle])] == [("dial/a.json", "a"), ("recall/b.json", "b")]
+    got = [(str(p), r["model"]["name"]) for p, r in collect([bundle])]
+    assert got == [("dial/a.json", "a"), ("recall/b.json", "b")]
     assert [str(p) for p, _ in collect([f"{bundle}:recall/"])] == ["recall/b.json"]
     out = tmp_path / "page.md"
     assert main(["report", f"{bundle}:dial/", "--out", str(out)]) == 0
     page = out.read_text()
     assert "| a | lolcats | 30.00 |" in page and "| b |" not in page and "`a.json`" in page
-    for text, message in [('{"source": "a.json"}\n', "line 1 is not a bundle line"), ("not json\n", "line 1 is not JSON"),
+    for text, message in [('{"source": "a.json"}\n', "line 1 is not a bundle line"),
+                          ("not json\n", "line 1 is not JSON"),
                           (json.dumps(lines[1]) + "\n", "holds no linearize eval records")]:
         bundle.write_text(text)
         capsys.readouterr()

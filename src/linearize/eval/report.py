@@ -21,7 +21,7 @@ def collect(paths) -> list[tuple[Path, dict]]:
         text = str(item)
         head, colon, under = text.partition(".jsonl:")
         if colon or text.endswith(".jsonl"):
-            records += load_bundle(head + ".jsonl", under or None) if colon else load_bundle(text)
+            records += load_bundle(head + ".jsonl" if colon else text, under or None)
             continue
         path = Path(item)
         if path.is_dir():

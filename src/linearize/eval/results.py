@@ -249,4 +249,3 @@ def load_bundle(path: str | os.PathLike, under: str | None = None) -> list[tuple
         where = f" under {under}" if under else ""
         raise LinearizeError(f"{path} holds no linearize eval records{where}")
     return found
-

@@ -8,8 +8,9 @@ its linear state recalls worst, exactly (LoLA; ``ops/sparse_hybrid_attention.py`
 ``spec.sparse_priority = "novelty"`` those whose values are least like the other candidates', with ``"first"`` the
 sequence's first ``S`` tokens, StreamingLLM's attention sinks; ``spec.sparse_anchor``
 sets how they weigh against the linear terms, ``spec.sparse_linear`` < 1 scales the linear terms
-down beside them): the softmax runs over window and cache, the linear state over the rest. It adds no parameters (any converted
-checkpoint takes it as is) and trains through the softmax over window and cache.
+down beside them): the softmax runs over window and cache, the linear state over the rest. It adds
+no parameters (any converted checkpoint takes it as is) and trains through the softmax over window
+and cache.
 
 Whole sequences (prefill, training, evaluation) run the Triton kernels on CUDA where
 ``ops.use_hybrid_kernel`` allows it (the spec's ``backend``: "auto" or "fla"; "torch" keeps the
