@@ -38,6 +38,9 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--feature-rope", type=_on_off, metavar="{on,off}", help="lolcats: the feature maps read the "
                    "rotated q/k (on, LoLCATs; the default) or the q/k before RoPE (off: linear terms that do not "
                    "depend on absolute positions)")
+    g.add_argument("--keep-sliding", type=_on_off, metavar="{on,off}", help="keep every teacher layer with its own "
+                   "sliding window (Gemma 2/3's local layers, Mistral's) as it is and convert only the global ones (on), "
+                   "or only where a lolcats window covers it (off, the default)")
     g.add_argument("--norm", choices=NORMS, help="sum: divide by phi(q).sum phi(k); group: GroupNorm per head "
                    "(default: group for supra, sum otherwise; supra with --norm sum --decay none is T2R); lolcats: "
                    "sum (one normaliser for the window's and the linear terms, LoLCATs) or separate (each normalised "
@@ -66,7 +69,8 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
 
 
 SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "decay_horizon", "feature_rope", "norm",
-              "keep_softmax", "backend", "sparse_cache", "sparse_priority", "sparse_anchor", "sparse_linear")
+              "keep_softmax", "keep_sliding", "backend", "sparse_cache", "sparse_priority", "sparse_anchor",
+              "sparse_linear")
 
 
 def _on_off(value: str) -> bool:

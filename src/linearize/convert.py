@@ -48,7 +48,8 @@ def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_soft
     A teacher layer with its own sliding window that the mixer's window covers (``Mixer.covers``:
     a LoLCATs window at least Gemma 3's or Mistral's) keeps its softmax attention: it never looks
     further back, so it already decodes in constant memory, and a hybrid would add a linear term
-    over tokens the teacher never saw. Such layers join ``keep_softmax`` in the recorded spec.
+    over tokens the teacher never saw. With ``keep_sliding`` every sliding-window layer is kept, whatever
+    the window. Such layers join ``keep_softmax`` in the recorded spec.
     """
     if keep_softmax is not None:
         overrides["keep_softmax"] = keep_softmax
@@ -64,11 +65,12 @@ def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_soft
     adapter = get_adapter(teacher.config)
     layers = adapter.layers(teacher)
     mixer_cls = mixer_class(spec.kind)
-    covered = [i for i, layer in enumerate(layers) if i not in spec.keep_softmax
-               and mixer_cls.covers(adapter.geometry(adapter.attention(layer), teacher.config), spec)]
+    geometries = [adapter.geometry(adapter.attention(layer), teacher.config) for layer in layers]
+    covered = [i for i, g in enumerate(geometries) if i not in spec.keep_softmax
+               and (mixer_cls.covers(g, spec) or (spec.keep_sliding and g.sliding_window is not None))]
     if covered:
-        logger.warning("layers %s keep the teacher's sliding-window attention: the %s window (%d) covers it",
-                       covered, spec.kind, spec.window)
+        why = "keep_sliding" if spec.keep_sliding else f"the {spec.kind} window ({spec.window}) covers it"
+        logger.warning("layers %s keep the teacher's sliding-window attention: %s", covered, why)
         spec = dataclasses.replace(spec, keep_softmax=tuple(sorted({*spec.keep_softmax, *covered})))
 
     student = apply_spec(teacher if inplace else copy.deepcopy(teacher), spec)

@@ -61,6 +61,10 @@ class Spec:
         own, mixed by a learned weight per head starting at 0.5: the linear terms' weight no longer
         grows with their number).
     keep_softmax: indices of layers that keep their softmax attention (hybrids).
+    keep_sliding: keep every teacher layer that has its own sliding window (Gemma 2/3's local layers,
+        Mistral's) as it is, whatever the mixer's window: such a layer already decodes in constant memory,
+        so only the global layers are converted. Off (the default), a sliding layer is kept only where a
+        lolcats window covers it. The kept layers join ``keep_softmax`` in the recorded spec.
     sparse_cache: lolcats only: tokens per layer and key head kept exactly beside the window, chosen
         by how badly the linear state recalls them (LoLA; ``ops/sparse_hybrid_attention.py``); 0 = off.
         Adds no parameters: a converted checkpoint takes one without training (``convert.respec``).
@@ -105,6 +109,7 @@ class Spec:
     eps: float = 1e-6
     chunk_size: int = 64
     keep_softmax: tuple[int, ...] = field(default_factory=tuple)
+    keep_sliding: bool = False
     backend: str = field(default="auto", metadata={
         "cli": True, "choices": BACKENDS, "help": "auto: fla CUDA kernels when installed; torch: PyTorch only"})
     sparse_cache: int = field(default=0, metadata={
@@ -128,6 +133,8 @@ class Spec:
         _check_choice("decay", self.decay, GATES if self.kind == "lolcats" else FIXED_DECAYS, optional=True)
         if self.decay_horizon is not None and (not isinstance(self.decay_horizon, int) or self.decay_horizon < 2):
             raise LinearizeError(f"spec decay_horizon must be an integer of at least 2 tokens, got {self.decay_horizon!r}")
+        if not isinstance(self.keep_sliding, bool):
+            raise LinearizeError(f"spec keep_sliding must be true or false, got {self.keep_sliding!r}")
         if not isinstance(self.feature_rope, bool):
             raise LinearizeError(f"spec feature_rope must be true or false, got {self.feature_rope!r}")
         if not self.feature_rope and self.kind != "lolcats":

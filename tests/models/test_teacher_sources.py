@@ -265,3 +265,35 @@ def test_lolcats_window_covering_the_sliding_window_keeps_those_layers(tiny_gemm
     hybrid = linearize.mixers(loaded)[2].state_bytes(torch.float64)
     assert "lolcats [2]" in text and "softmax [0-1]" in text
     assert f"decode state: {sliding + hybrid:,} bytes per sequence fixed (constant in length)" in text
+
+
+def test_keep_sliding_keeps_every_local_layer_whatever_the_window(tiny_gemma3, tmp_path):
+    """``keep_sliding``: Gemma's sliding layers stay the teacher's though the hybrid's window (4) does not
+    cover them, only the global layer is converted; the student is the one kept explicitly, decodes as
+    its forward computes, and keeps the rule through a save; off, every layer is converted; SUPRA too."""
+    ids = torch.randint(2, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    spec = {"kind": "lolcats", "window": 4}
+    student = linearize.convert(tiny_gemma3, {**spec, "keep_sliding": True})
+    assert student.config.linearize["keep_softmax"] == [0, 1] and sorted(linearize.mixers(student)) == [2]
+    explicit = linearize.convert(tiny_gemma3, spec, keep_softmax=[0, 1])
+    with torch.no_grad():
+        torch.testing.assert_close(student(ids).logits, explicit(ids).logits, rtol=0, atol=1e-12)
+    assert sorted(linearize.mixers(linearize.convert(tiny_gemma3, spec))) == [0, 1, 2]
+    supra = linearize.convert(tiny_gemma3, {"kind": "supra", "keep_sliding": True})
+    assert supra.config.linearize["keep_softmax"] == [0, 1]
+    prompt = ids[:1, :5]
+    out = student.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None)
+    assert torch.equal(out, greedy_by_full_forwards(student, prompt, 14))
+    linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
+    loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")
+    assert linearize.spec_of(loaded).keep_sliding and sorted(linearize.mixers(loaded)) == [2]
+
+
+def test_keep_sliding_is_a_switch(tiny_gemma3, tmp_path):
+    from linearize.cli import _spec_from_args, build_parser
+
+    with pytest.raises(LinearizeError, match="keep_sliding") as err:
+        linearize.convert(tiny_gemma3, {"kind": "lolcats", "keep_sliding": "yes"})
+    assert "\n" not in str(err.value)
+    args = build_parser().parse_args(["convert", "--out", str(tmp_path / "out"), "--keep-sliding", "on"])
+    assert _spec_from_args(args)[0]["keep_sliding"] is True
