@@ -85,7 +85,7 @@ class Spec:
         hybrid as trained; below 1 every ``phi(q) . phi(k)`` term (numerator and shared normaliser) is
         scaled by it, so cached tokens and the window weigh more against the folded rest; 0 leaves the
         window and the cache alone. For retrieval: on a trained ``lolcats_long`` student the linear terms
-        of long repeated filler outweigh a cached pass key (``dev/recall_probe.py``). No parameters; no
+        of long repeated filler outweigh a cached pass key (``docs/reports/length.md``). No parameters; no
         effect while ``sparse_cache`` is 0.
     backend: ``auto`` (fla CUDA kernels when installed; lolcats: the hybrid's Triton kernels on
         CUDA, ``ops.use_hybrid_kernel``), ``torch`` or ``fla`` (the CUDA kernels required).

@@ -60,8 +60,8 @@ group share their key head's cache, as they share its keys, values and linear st
   Text that repeats (filler, boilerplate) has near-copies among the candidates and goes to the
   linear state; a one-off token (a pass key's digits) has none and stays. Like the self-recall
   error it needs no training, and it reads only what the cache holds anyway. It is a lead, not a
-  result: a CPU diagnosis (``dev/sparse_needle.py``: a briefly trained SmolLM2 student, a few
-  passkey prompts, S = 256, selection replayed offline) found the self-recall error often dropping
+  result: a CPU diagnosis (a briefly trained SmolLM2 student, a few passkey prompts, S = 256,
+  selection replayed offline; issue #21) found the self-recall error often dropping
   some of the key's digits where value novelty kept them; end to end the student then recalled more
   of the key from 512-token prompts but still not from 1,024-token ones. On trained students (the
   GPU dial, ``docs/reports/dial.md``) it triples S = 64's passkey.
