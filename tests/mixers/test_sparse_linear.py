@@ -30,10 +30,10 @@ def test_weight_zero_leaves_the_window_and_the_cache_alone(priority, anchor):
     kf = torch.randn(b, hk, t, 6, generator=g, dtype=torch.float64).exp()
     gamma = torch.tensor([0.2, 0.4, 0.6, 0.8], dtype=torch.float64)
     kw = dict(window=w, cache_size=cap, scale=0.5, priority=priority, anchor=anchor)
-    for form in (ops.sparse_hybrid_attention_chunked, ops.sparse_hybrid_attention_recurrent):
-        out = form(q, k, qf, kf, v, gamma, **kw, output_final_state=True) if form is not \
-            ops.sparse_hybrid_attention_recurrent else form(q, k, qf, kf, v, gamma, **kw)
-        y, state = out
+    # (the recurrent form always returns its final state, the chunked one when asked)
+    for form, extra in ((ops.sparse_hybrid_attention_chunked, {"output_final_state": True}),
+                        (ops.sparse_hybrid_attention_recurrent, {})):
+        y, state = form(q, k, qf, kf, v, gamma, **kw, **extra)
         for i in range(b):
             for head in range(h):
                 kh = head // (h // hk)
@@ -44,29 +44,19 @@ def test_weight_zero_leaves_the_window_and_the_cache_alone(priority, anchor):
                 torch.testing.assert_close(y[i, head, -1], p @ v[i, kh, idx], atol=1e-12, rtol=0)
 
 
-def _first_layer_query_features(student, ids):
-    """The query features the first layer's sparse op receives."""
-    seen = []
-    real = ops.sparse_hybrid_attention_chunked
-
-    def spy(q, k, qf, kf, *a, **kw):
-        seen.append(qf)
-        return real(q, k, qf, kf, *a, **kw)
-
-    ops.sparse_hybrid_attention_chunked = spy
-    try:
-        student(ids, use_cache=False)
-    finally:
-        ops.sparse_hybrid_attention_chunked = real
-    return seen[0]
-
-
-def test_the_mixer_scales_the_query_features_it_hands_the_op(tiny_model):
+def test_the_mixer_scales_the_query_features_it_hands_the_op(tiny_model, monkeypatch):
     student = gated_student(tiny_model, {**LONG, "sparse_cache": 3})
     ids = torch.randint(2, 97, (1, 19), generator=torch.Generator().manual_seed(0))
-    full = _first_layer_query_features(student, ids)
+    seen = []  # the query features each layer's sparse op receives
+    real = ops.sparse_hybrid_attention_chunked
+    monkeypatch.setattr(ops, "sparse_hybrid_attention_chunked",
+                        lambda q, k, qf, *a, **kw: seen.append(qf) or real(q, k, qf, *a, **kw))
+    student(ids, use_cache=False)
+    full = seen[0]  # the first layer's: its inputs do not depend on the weight
     linearize.respec(student, sparse_linear=0.25)
-    torch.testing.assert_close(_first_layer_query_features(student, ids), 0.25 * full, atol=1e-15, rtol=0)
+    student(ids, use_cache=False)
+    torch.testing.assert_close(seen[len(seen) // 2], 0.25 * full, atol=1e-15, rtol=0)
+    monkeypatch.undo()
     as_trained = student(ids, use_cache=False).logits
     linearize.respec(student, sparse_linear=1.0)
     assert (student(ids, use_cache=False).logits - as_trained).abs().max() > 1e-4

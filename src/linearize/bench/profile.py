@@ -208,7 +208,8 @@ def profile_decode(model, batch: int = 1, tokens: int = 16, prompt_len: int = 32
             rows.append({"name": name, "us_per_step": max(us, 0.0), "launches_per_step": n})
     rows.sort(key=lambda r: -r["us_per_step"])
     return {"what": "decode", "batch": batch, "prompt_len": prompt_len, "compile": compile,
-            "unit": "kernel" if device.type == "cuda" else "operator", "steps": tokens, "us_per_step": sum(r["us_per_step"] for r in rows),
+            "unit": "kernel" if device.type == "cuda" else "operator", "steps": tokens,
+            "us_per_step": sum(r["us_per_step"] for r in rows),
             "launches_per_step": sum(r["launches_per_step"] for r in rows), "top": rows[:top]}
 
 
