@@ -31,13 +31,13 @@ gpu_slot() {  # hold one of SLOTS GPU slots (of the GPUs in CUDA_VISIBLE_DEVICES
   done
 }
 length_eval() {  # length_eval CHECKPOINT NAME: issue #46's rows of one model
-  local o=$RUNS/length/$2
-  lin eval "$1" --by-position --name $2 --out $o-books.json 2>&1 | quiet | tail -3  # + ppl on 1,024-token blocks
-  lin eval "$1" --by-position --no-perplexity --source corpus:sotu --max-blocks ${SOTU_BLOCKS:-24} --name $2 \
+  local o=$RUNS/length/$2 rows=" ${LENGTH_ROWS:-books sotu 32k passkey} "  # LENGTH_ROWS: a subset (the sparse rows always)
+  [[ $rows == *" books "* ]] && lin eval "$1" --by-position --name $2 --out $o-books.json 2>&1 | quiet | tail -3  # + ppl on 1,024-token blocks
+  [[ $rows == *" sotu "* ]] && lin eval "$1" --by-position --no-perplexity --source corpus:sotu --max-blocks ${SOTU_BLOCKS:-24} --name $2 \
     --out $o-sotu.json 2>&1 | quiet | tail -2
-  [ "$2" = teacher ] || lin eval "$1" --by-position --no-perplexity ${POSLEN:---position-len 32768} --name $2 \
+  [ "$2" = teacher ] || [[ $rows != *" 32k "* ]] || lin eval "$1" --by-position --no-perplexity ${POSLEN:---position-len 32768} --name $2 \
     --out $o-books32k.json 2>&1 | quiet | tail -2
-  lin eval "$1" --tasks passkey --lengths ${PASSKEY_LENGTHS:-1k,2k,4k,8k} --limit ${RECALL_LIMIT:-4} --batch-size 16 \
+  [[ $rows == *" passkey "* ]] && lin eval "$1" --tasks passkey --lengths ${PASSKEY_LENGTHS:-1k,2k,4k,8k} --limit ${RECALL_LIMIT:-4} --batch-size 16 \
     --name $2 --out $o-recall.json 2>&1 | quiet | tail -3
   for c in ${SPARSE_PASSKEY:-}; do  # e.g. "256:novelty:window[:W]": passkey with the training-free sparse cache (W: its
                                   # --sparse-linear; with W, also the books by position under it: its perplexity cost)
