@@ -1,5 +1,6 @@
 """The fast decoding path: the ring-window op, greedy tokens equal to generate() for every mixer,
-left padding, sampling on the device, generate(custom_generate=...), EOS, streaming, fixed memory."""
+left padding, sampling on the device, generate(custom_generate=...), EOS, streaming, fixed memory;
+kept sliding-window softmax layers (Gemma's local layers) from a ring of their window."""
 
 import pytest
 import torch
@@ -52,6 +53,17 @@ def _all_models(tiny_model):
     teacher = tiny_model("llama", dtype=torch.float64)
     teacher.generation_config.eos_token_id = None
     yield "teacher", teacher  # every layer softmax: static key/value buffers only
+    gemma = _gemma3(tiny_model)  # sliding layers 0, 1 (8 tokens) and global layer 2
+    yield "gemma3-teacher", gemma  # rings for the local layers, static buffers for the global one
+    yield "gemma3-keep_sliding", linearize.convert(gemma, {"kind": "lolcats", "window": 4, "feature_dim": 8,
+                                                            "keep_sliding": True})
+
+
+def _gemma3(tiny_model):
+    model = tiny_model("gemma3_text", dtype=torch.float64, sliding_window=8)
+    model.config._attn_implementation = "sdpa"
+    model.generation_config.eos_token_id = None
+    return model
 
 
 # --------------------------------------------------------------------------- the ring window
@@ -265,7 +277,7 @@ def test_a_prefill_state_holds_no_view_of_the_prompt(tiny_model):
         with torch.no_grad(), fused_projections(model):
             model(prompt, past_key_values=cache, use_cache=True)
         states = [x for layer in cache.layers for x in state_tensors(getattr(layer, "state", None))]
-        assert states or name == "teacher", name
+        assert states or name.endswith("teacher"), name
         for x in states:
             assert x.untyped_storage().nbytes() == x.numel() * x.element_size(), (name, tuple(x.shape))
 
@@ -316,9 +328,35 @@ def test_bad_input_fails_with_one_line(tiny_model):
     with pytest.raises(LinearizeError, match="CUDA"):
         FastDecoder(model, cuda_graph=True) if not torch.cuda.is_available() else (_ for _ in ()).throw(
             LinearizeError("CUDA present"))
-    gemma = linearize.convert(tiny_model("gemma3_text"), {"kind": "lolcats", "keep_softmax": [0]})
-    with pytest.raises(LinearizeError, match="sliding-window"):
-        FastDecoder(gemma)
+
+
+def test_sliding_layers_decode_from_a_ring_of_their_window(tiny_model):
+    """Gemma's local layers kept (keep_sliding): greedy tokens equal full forwards for prompts shorter
+    than, as long as and longer than the window, tokens leaving the window many times over; the
+    state is the same whatever the number of new tokens."""
+    student = linearize.convert(_gemma3(tiny_model), {"kind": "lolcats", "window": 4, "feature_dim": 8,
+                                                      "keep_sliding": True})
+    assert sorted(linearize.mixers(student)) == [2]
+    sizes = set()
+    for t in (3, 7, 8, 9, 13):
+        prompt = _ids(b=1, t=t, seed=t)
+        assert torch.equal(fast_generate(student, prompt, max_new_tokens=20), greedy_by_full_forwards(student, prompt, 20)), t
+    for n in (10, 40):
+        decoder = FastDecoder(student)
+        decoder.generate(_ids(b=2, t=13), max_new_tokens=n, pad_token_id=0)
+        sizes.add(decoder.timings["state_bytes"])
+    assert len(sizes) == 1
+
+
+def test_a_sliding_layer_whose_cache_keeps_no_window_is_refused(tiny_model, monkeypatch):
+    """Where the prefill's cache would hold a sliding layer whole, the ring has nothing to start from:
+    one line, naming the layers."""
+    from linearize.decode import loop
+
+    model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [0]})
+    monkeypatch.setattr(loop, "sliding_layers", lambda cfg: {0})
+    with pytest.raises(LinearizeError, match=r"sliding-window softmax layers \(\[0\]\)"):
+        FastDecoder(model)
 
 
 @pytest.mark.slow

@@ -27,6 +27,11 @@ def _models(tiny_model):
         yield arch, build_xatl(tiny_model("llama", dtype=torch.float32, num_hidden_layers=4).cuda(), arch,
                                keep_softmax="xatl", seed=0)[0]
     yield "teacher", tiny_model("llama", dtype=torch.float32).cuda()
+    gemma = tiny_model("gemma3_text", dtype=torch.float32, sliding_window=8).cuda()  # local layers 0, 1; global 2
+    gemma.config._attn_implementation = "sdpa"
+    yield "gemma3", gemma  # the local layers' rings beside the global layer's buffers
+    yield "gemma3-keep_sliding", linearize.convert(gemma, {"kind": "lolcats", "window": 4, "feature_dim": 8,
+                                                            "keep_sliding": True})
 
 
 def test_cuda_graph_equals_eager_and_generate(tiny_model):

@@ -297,3 +297,17 @@ def test_keep_sliding_is_a_switch(tiny_gemma3, tmp_path):
     assert "\n" not in str(err.value)
     args = build_parser().parse_args(["convert", "--out", str(tmp_path / "out"), "--keep-sliding", "on"])
     assert _spec_from_args(args)[0]["keep_sliding"] is True
+
+
+def test_the_length_recipe_keeps_sliding_layers_and_a_flag_turns_that_off(tiny_model, tmp_path):
+    """``lolcats_long`` sets keep_sliding (measured on Gemma 3 270M: docs/reports/length.md); ``--keep-sliding
+    off`` wins over it, and on a teacher without sliding layers (Llama) it converts every layer."""
+    from linearize.cli import _spec_from_args, build_parser
+
+    parse = build_parser().parse_args
+    assert _spec_from_args(parse(["convert", "--config", "lolcats_long", "--out", str(tmp_path)]))[0]["keep_sliding"]
+    off = parse(["convert", "--config", "lolcats_long", "--keep-sliding", "off", "--out", str(tmp_path)])
+    assert _spec_from_args(off)[0]["keep_sliding"] is False
+    llama = tiny_model("llama", dtype=torch.float32)
+    student = linearize.convert(llama, {"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_sliding": True})
+    assert sorted(linearize.mixers(student)) == list(range(llama.config.num_hidden_layers))

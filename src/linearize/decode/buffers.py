@@ -3,8 +3,9 @@
 After the prefill (an ordinary ``LinearizeCache``), ``static_cache`` turns each layer's entry into
 a static one: a converted layer's state (the LoLCATs window becomes a ring of exactly ``window``
 slots, ``ops.RingHybridState``, or ``ops.FusedRingState`` where its fused CUDA kernel runs; the delta
-rule's window ``ops.RingDeltaState``) and a
-kept softmax layer's keys and values, preallocated for the prompt plus every new token. Decode
+rule's window ``ops.RingDeltaState``), a
+kept softmax layer's keys and values, preallocated for the prompt plus every new token, and a kept
+sliding-window softmax layer's (Gemma's local layers) in a ring of exactly its window. Decode
 steps overwrite these buffers in place and advance one shared device ``position``, so a step reads
 nothing back to the host and can be replayed as a CUDA graph.
 """
@@ -72,6 +73,55 @@ class StaticKVLayer(CacheLayerMixin):
         return self.keys.shape[2]
 
 
+class StaticRingKVLayer(CacheLayerMixin):
+    """A kept sliding-window softmax layer's keys and values in a ring of ``window`` slots: the token of
+    column c (padding included) sits in slot c % window, so each step overwrites the one leaving the window
+    and the layer's memory does not grow. Which slots hold real tokens is ``DecodeStep``'s ring mask
+    (attention is blind to the slots' order: the keys carry their rotation)."""
+
+    is_compileable = False
+    is_sliding = True
+    static = True
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, window: int, prompt_len: int,
+                 position: torch.Tensor):
+        super().__init__()
+        b, h, n, d = keys.shape  # the prompt's last n columns (transformers keeps window - 1 of them)
+        if n > window:
+            keys, values, n = keys[:, :, -window:], values[:, :, -window:], window
+        self.window = window
+        self.keys = keys.new_zeros(b, h, window, d)
+        self.values = values.new_zeros(b, h, window, values.shape[-1])
+        slots = torch.arange(prompt_len - n, prompt_len, device=keys.device) % window
+        self.keys[:, :, slots], self.values[:, :, slots] = keys, values
+        self.position = position
+        self.is_initialized = True
+
+    @staticmethod
+    def prompt_columns(prompt_len: int, window: int) -> range:
+        """The prompt's columns in the ring when decoding starts (the newest window - 1: the first
+        step's token makes the window)."""
+        return range(max(0, prompt_len - window + 1), prompt_len)
+
+    def lazy_initialization(self, key_states=None, value_states=None) -> None:
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        idx = torch.remainder(self.position, self.window).view(1)
+        self.keys.index_copy_(2, idx, key_states.to(self.keys.dtype))
+        self.values.index_copy_(2, idx, value_states.to(self.values.dtype))
+        return self.keys, self.values
+
+    def get_mask_sizes(self, query_length, *args) -> tuple[int, int]:
+        return self.window, 0
+
+    def get_seq_length(self, *args) -> int:
+        return self.window
+
+    def get_max_length(self) -> int:
+        return self.window
+
+
 class StaticCache(DynamicCache):
     """The fast decoder's cache: every layer static, one shared device position."""
 
@@ -87,6 +137,7 @@ def static_cache(model, cache: LinearizeCache, total: int, position: torch.Tenso
     states own their memory: ``cache.own_storage``; views of the prompt's activations once
     doubled a large batch's peak.) ``total``: the prompt's length plus every new token."""
     converted, layers = mixers(model), []
+    prompt_len = int(position)  # the position is the prompt's length when decoding starts
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, RecurrentLayer):
             state, layer.state = layer.state, None
@@ -95,6 +146,9 @@ def static_cache(model, cache: LinearizeCache, total: int, position: torch.Tenso
             else:
                 state = state.contiguous()
             layers.append(StaticStateLayer(state, position))
+        elif getattr(layer, "is_sliding", False):
+            layers.append(StaticRingKVLayer(layer.keys, layer.values, layer.sliding_window, prompt_len, position))
+            layer.keys = layer.values = None
         else:
             layers.append(StaticKVLayer(layer.keys, layer.values, total, position))
             layer.keys = layer.values = None
@@ -128,7 +182,9 @@ def join_caches(caches: list) -> LinearizeCache:
 
 def layer_tensors(layer) -> list[torch.Tensor]:
     """The buffers a static layer holds."""
-    return [layer.keys, layer.values] if isinstance(layer, StaticKVLayer) else state_tensors(layer.state)
+    if isinstance(layer, (StaticKVLayer, StaticRingKVLayer)):
+        return [layer.keys, layer.values]
+    return state_tensors(layer.state)
 
 
 def state_nbytes(cache: StaticCache) -> int:

@@ -23,7 +23,7 @@ import torch
 
 from ..cache import LinearizeCache, cache_keyword
 from ..errors import LinearizeError
-from .buffers import StaticCache, StaticKVLayer, join_caches, state_nbytes, static_cache
+from .buffers import StaticCache, StaticKVLayer, StaticRingKVLayer, join_caches, state_nbytes, static_cache
 from .fusion import fused_projections, kernels_default
 from .sampling import Sampling, next_tokens
 
@@ -36,17 +36,17 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 def check_supported(model) -> None:
-    """One line for a model the fast decoder cannot run: sliding-window softmax layers, or an
-    attention implementation other than sdpa / eager."""
+    """One line for a model the fast decoder cannot run: sliding-window softmax layers whose prefill
+    cache holds no window, or an attention implementation other than sdpa / eager."""
     cfg = model.config
     kept = set(cfg.linearize["keep_softmax"]) if getattr(cfg, "linearize", None) else set(range(cfg.num_hidden_layers))
-    types = getattr(cfg, "layer_types", None)
-    sliding = {i for i in kept if types and types[i] == "sliding_attention"}
-    if getattr(cfg, "sliding_window", None) and not types and kept:
-        sliding = kept
-    if sliding:
-        raise LinearizeError(f"fast decoding does not handle sliding-window softmax layers ({sorted(sliding)}); "
-                             "use model.generate() for this model")
+    sliding = sliding_layers(cfg) & kept
+    if sliding:  # decoded from a ring of the window's slots: the prefill's cache must keep that window
+        layers = LinearizeCache(model).layers
+        unwindowed = sorted(i for i in sliding if not getattr(layers[i], "sliding_window", None))
+        if unwindowed:
+            raise LinearizeError(f"fast decoding does not handle these sliding-window softmax layers ({unwindowed}); "
+                                 "use model.generate() for this model")
     from ..convert import mixers
 
     unsupported = sorted(i for i, m in mixers(model).items() if not m.fast_decodable())
@@ -57,6 +57,15 @@ def check_supported(model) -> None:
         raise LinearizeError(f"fast decoding needs the sdpa or eager attention, not {cfg._attn_implementation!r}")
 
 
+def sliding_layers(cfg) -> set[int]:
+    """The layers a config gives a sliding window: by ``layer_types``, or every layer where a window is
+    set without them (Mistral)."""
+    types = getattr(cfg, "layer_types", None)
+    if types:
+        return {i for i, t in enumerate(types) if t == "sliding_attention"}
+    return set(range(cfg.num_hidden_layers)) if getattr(cfg, "sliding_window", None) else set()
+
+
 class DecodeStep:
     """One decode step on fixed tensors: the step's inputs and outputs live here and are updated in
     place, so the step can be captured as a CUDA graph and replayed.
@@ -64,7 +73,9 @@ class DecodeStep:
     ``token`` ``[B, 1]`` is the last token; ``out`` ``[B, n]`` collects the new tokens (pad where a
     sequence has ended), ``finished`` marks sequences past an EOS. Kept softmax layers read a
     ``[B, 1, 1, total]`` additive mask (padding and unwritten slots hidden); without them a
-    ``[B, 1, 1, 1]`` stand-in keeps transformers from building masks.
+    ``[B, 1, 1, 1]`` stand-in keeps transformers from building masks. Kept sliding-window layers read
+    a ``[B, 1, 1, window]`` mask of their rings' slots (``typed_masks``: the model takes one mask per
+    layer type, as Gemma does).
 
     The bookkeeping is a few launches per step (at batch 1 each costs what a layer's norm does):
     greedy picks write the argmax straight into ``token`` (no float copy of the logits: the argmax of
@@ -76,7 +87,8 @@ class DecodeStep:
 
     def __init__(self, forward, cache: StaticCache, sampling: Sampling, first: torch.Tensor,
                  attention_mask: torch.Tensor, position: torch.Tensor, *, total: int, max_new_tokens: int,
-                 eos: list[int], pad: int, dtype: torch.dtype, cache_keyword: str = "past_key_values"):
+                 eos: list[int], pad: int, dtype: torch.dtype, cache_keyword: str = "past_key_values",
+                 typed_masks: bool = False):
         b, t = attention_mask.shape
         self.cache_keyword = cache_keyword
         dev = attention_mask.device
@@ -99,11 +111,26 @@ class DecodeStep:
             valid = torch.zeros(b, total, dtype=torch.bool, device=dev)
             valid[:, :t] = attention_mask.bool()
             self.kv_mask.masked_fill_(~valid[:, None, None, :], torch.finfo(dtype).min)
+        self.mask = self.kv_mask
+        rings = {layer.window for layer in cache.layers if isinstance(layer, StaticRingKVLayer)}
+        if rings:  # sliding-window layers: one ring mask (a step opens its slot, whose former token left)
+            if len(rings) > 1:
+                raise LinearizeError(f"fast decoding takes one sliding window for every layer, not {sorted(rings)}")
+            self.window = rings.pop()
+            self.ring_mask = torch.full((b, 1, 1, self.window), torch.finfo(dtype).min, dtype=dtype, device=dev)
+            cols = torch.tensor(StaticRingKVLayer.prompt_columns(t, self.window), dtype=torch.long, device=dev)
+            self.ring_mask[:, 0, 0, cols % self.window] = torch.zeros(b, len(cols), dtype=dtype, device=dev).masked_fill_(
+                ~attention_mask[:, cols].bool(), torch.finfo(dtype).min)
+            # models with layer types take one mask per type; others (Mistral) have sliding layers only
+            self.mask = ({"full_attention": self.kv_mask, "sliding_attention": self.ring_mask} if typed_masks
+                         else self.ring_mask)
 
     def __call__(self) -> None:
         if self.has_kv:
             self.kv_mask.index_fill_(3, self.position.view(1), 0.0)
-        logits = self.forward(self.token, attention_mask=self.kv_mask, position_ids=self.position_ids,
+        if self.mask is not self.kv_mask:
+            self.ring_mask.index_fill_(3, torch.remainder(self.position, self.window).view(1), 0.0)
+        logits = self.forward(self.token, attention_mask=self.mask, position_ids=self.position_ids,
                               cache_position=self.position.view(1), **{self.cache_keyword: self.cache},
                               use_cache=True).logits
         if self.sampling.do_sample:
@@ -235,7 +262,8 @@ class FastDecoder:
 
         step = DecodeStep(self.step_forward, static, sampling, next_tokens(logits, sampling), attention_mask,
                           position, total=total, max_new_tokens=max_new_tokens, eos=eos, pad=pad,
-                          dtype=next(self.model.parameters()).dtype, cache_keyword=cache_keyword(self.model))
+                          dtype=next(self.model.parameters()).dtype, cache_keyword=cache_keyword(self.model),
+                          typed_masks=bool(getattr(self.model.config, "layer_types", None)))
         progress = _Progress(step, streamer, check_every, eos_token_id is not None)
         if streamer is not None:
             streamer.put(input_ids.cpu())
