@@ -49,15 +49,15 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
                    "lolcats also takes auto:K (K layers chosen after stage 1 stay softmax: by attention-output MSE, or "
                    "see --auto-softmax-score)")
     g.add_argument("--sparse-cache", type=int, metavar="S", help="lolcats: tokens per layer and key head kept exactly "
-                   "beside the window, those the linear state recalls worst (LoLA; or see --sparse-priority); "
+                   "beside the window, by default those whose values are least like the others' (see --sparse-priority); "
                    "0 = off (default)")
     g.add_argument("--sparse-priority", choices=SPARSE_PRIORITIES, help="lolcats with --sparse-cache: which tokens "
-                   "the cache keeps: recall (those the linear state recalls worst, LoLA; the default), novelty "
-                   "(those whose values are least like the other candidates') or first (the sequence's first S tokens "
+                   "the cache keeps: novelty (those whose values are least like the other candidates'; the default), "
+                   "recall (those the linear state recalls worst, LoLA) or first (the sequence's first S tokens "
                    "for good: attention sinks)")
     g.add_argument("--sparse-anchor", choices=SPARSE_ANCHORS, help="lolcats with --sparse-cache: which scores set "
-                   "the softmax terms' scale against the linear terms: joint (the largest over window and cache; the "
-                   "default) or window (the window's, as the hybrid was trained)")
+                   "the softmax terms' scale against the linear terms: window (the window's, as the hybrid was "
+                   "trained; the default) or joint (the largest over window and cache, LoLA's)")
     g.add_argument("--sparse-linear", type=float, metavar="W", help="lolcats with --sparse-cache: the linear terms' "
                    "weight beside the cache, in [0, 1] (1: as trained, the default; 0: the window and the cache "
                    "alone, for retrieval)")

@@ -92,13 +92,15 @@ def spec_of(model: nn.Module) -> Spec | None:
 
 # spec keys that add or drop no parameters
 RUNTIME_KEYS = ("sparse_cache", "sparse_priority", "sparse_anchor", "sparse_linear", "backend", "chunk_size")
+SPARSE_RULES = ("sparse_priority", "sparse_anchor", "sparse_linear")  # how a sparse cache works: nothing without one
 
 
 def respec(model: nn.Module, **changes) -> nn.Module:
     """Change spec keys of a converted model that add no parameters (``RUNTIME_KEYS``), in place, and
     return it: ``respec(linearize.load(path)[0], sparse_cache=64)`` gives a converted LoLCATs
     checkpoint a sparse exact cache without training. The change is recorded in
-    ``config.linearize`` (a save afterwards keeps it)."""
+    ``config.linearize`` (a save afterwards keeps it). A cache given to a model without one takes the
+    default rules (``Spec``'s) for what ``changes`` leaves out: the rules its spec recorded did nothing."""
     info = getattr(model.config, "linearize", None)
     if not info:
         raise LinearizeError("respec changes a converted model's spec; this model is not linearized")
@@ -106,7 +108,11 @@ def respec(model: nn.Module, **changes) -> nn.Module:
     if bad:
         raise LinearizeError(f"respec changes only {', '.join(RUNTIME_KEYS)} (keys without parameters), "
                              f"not {', '.join(bad)}")
-    spec = Spec.coerce(info["spec"], **changes)
+    old = dict(info["spec"])
+    if not old.get("sparse_cache") and changes.get("sparse_cache"):
+        for key in SPARSE_RULES:
+            old.pop(key, None)
+    spec = Spec.coerce(old, **changes)
     for m in mixers(model).values():
         m.spec = spec
     model.config.linearize = {**info, "spec": spec.to_dict()}

@@ -68,6 +68,9 @@ def _check_base(base: str) -> str:
 
 # --- the linearize record in a config -------------------------------------------------------------
 
+SAVED_BEFORE_RULES = {"sparse_priority": "recall", "sparse_anchor": "joint"}
+
+
 def checked_record(record, where: str = "the config") -> dict:
     """The ``linearize`` entry of a config, checked: a mapping whose ``spec`` is a valid spec."""
     if not isinstance(record, dict):
@@ -77,6 +80,9 @@ def checked_record(record, where: str = "the config") -> dict:
                              "student was converted with), so the model cannot be rebuilt; restore it from the run that "
                              "wrote the checkpoint or convert the teacher again")
     Spec.coerce(record["spec"])  # a LinearizeError names a bad key or value
+    if isinstance(record["spec"], dict):  # saved before the sparse cache's rules were keys: LoLA's, the only ones then
+        for key, value in SAVED_BEFORE_RULES.items():
+            record["spec"].setdefault(key, value)
     return record
 
 

@@ -66,21 +66,24 @@ class Spec:
         so only the global layers are converted. Off (the default), a sliding layer is kept only where a
         lolcats window covers it. The kept layers join ``keep_softmax`` in the recorded spec.
     sparse_cache: lolcats only: tokens per layer and key head kept exactly beside the window, chosen
-        by how badly the linear state recalls them (LoLA; ``ops/sparse_hybrid_attention.py``); 0 = off.
+        by ``sparse_priority`` (LoLA's rule is one; ``ops/sparse_hybrid_attention.py``); 0 = off.
         Adds no parameters: a converted checkpoint takes one without training (``convert.respec``).
         Combines with ``feature_rope: false`` and any lolcats ``decay`` (a cached token fades only once
         folded, from when it left the window), not yet with ``norm: separate``.
-    sparse_priority: which older tokens the sparse cache keeps: ``recall`` (LoLA's self-recall error,
-        the tokens the linear state reads back worst) or ``novelty`` (the tokens whose values are least
-        like any other candidate's: repeated text goes to the linear state, one-off tokens stay) or ``first``
+    sparse_priority: which older tokens the sparse cache keeps: ``novelty`` (the default: the tokens whose
+        values are least like any other candidate's: repeated text goes to the linear state, one-off tokens
+        stay; it recalled best in every measurement, ``docs/reports/dial.md``, ``length.md``), ``recall``
+        (LoLA's self-recall error, the tokens the linear state reads back worst) or ``first``
         (the sequence's first ``sparse_cache`` tokens, kept for good: StreamingLLM's attention sinks; with
         Hedgehog maps on CUDA a prefill or scoring pass runs the hybrid's forward kernels, and once they
         have left the window ``linearize.fast`` decodes through the fused CUDA step; not with a decay or
         ``feature_rope: false``, which take the PyTorch forms). Like
         ``sparse_cache`` it adds no parameters; it has no effect while ``sparse_cache`` is 0.
-    sparse_anchor: how cached tokens weigh against the linear terms: ``joint`` (the softmax terms on the
-        scale of the largest score over window and cache) or ``window`` (on the window's, as the hybrid
-        was trained: a cached token weighs what it would in the window). No parameters either.
+    sparse_anchor: how cached tokens weigh against the linear terms: ``window`` (the default: on the
+        window's scale, as the hybrid was trained, so a cached token weighs what it would in the window) or
+        ``joint`` (on the scale of the largest score over window and cache, LoLA's). No parameters either.
+        A cache added to a model that had none (``respec``) starts from these defaults, whatever rules its
+        spec recorded while they did nothing.
     sparse_linear: the linear terms' weight beside a sparse cache, in [0, 1]: 1 (the default) is the
         hybrid as trained; below 1 every ``phi(q) . phi(k)`` term (numerator and shared normaliser) is
         scaled by it, so cached tokens and the window weigh more against the folded rest; 0 leaves the
@@ -113,16 +116,16 @@ class Spec:
     backend: str = field(default="auto", metadata={
         "cli": True, "choices": BACKENDS, "help": "auto: fla CUDA kernels when installed; torch: PyTorch only"})
     sparse_cache: int = field(default=0, metadata={
-        "cli": True, "help": "lolcats: tokens per layer and key head kept exactly beside the window, chosen by how badly "
-        "the linear state recalls them (LoLA; or see --sparse-priority); 0 = off"})
-    sparse_priority: str = field(default="recall", metadata={
-        "cli": True, "choices": SPARSE_PRIORITIES, "help": "lolcats with --sparse-cache: keep the tokens the linear "
-        "state recalls worst (recall, LoLA; the default), those whose values are least like the other candidates' "
-        "(novelty) or the sequence's first S tokens for good (first: attention sinks)"})
-    sparse_anchor: str = field(default="joint", metadata={
+        "cli": True, "help": "lolcats: tokens per layer and key head kept exactly beside the window, by default those "
+        "whose values are least like the others' (see --sparse-priority); 0 = off"})
+    sparse_priority: str = field(default="novelty", metadata={
+        "cli": True, "choices": SPARSE_PRIORITIES, "help": "lolcats with --sparse-cache: keep the tokens whose values "
+        "are least like the other candidates' (novelty; the default), those the linear state recalls worst (recall, "
+        "LoLA) or the sequence's first S tokens for good (first: attention sinks)"})
+    sparse_anchor: str = field(default="window", metadata={
         "cli": True, "choices": SPARSE_ANCHORS, "help": "lolcats with --sparse-cache: which scores set the softmax "
-        "terms' scale against the linear terms: joint (the largest over window and cache; the default) or window "
-        "(the window's, as the hybrid was trained: a cached token weighs what it would in the window)"})
+        "terms' scale against the linear terms: window (the window's, as the hybrid was trained: a cached token "
+        "weighs what it would in the window; the default) or joint (the largest over window and cache, LoLA's)"})
     sparse_linear: float = field(default=1.0, metadata={
         "cli": True, "help": "lolcats with --sparse-cache: the linear terms' weight beside the cache, in [0, 1] "
         "(1: as trained, the default; 0: the window and the cache alone)"})

@@ -325,34 +325,52 @@ def test_respec_gives_a_converted_checkpoint_a_cache(tiny_model, tmp_path):
     linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
     loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")
     torch.testing.assert_close(loaded(ids).logits, after, atol=0, rtol=0)
-    linearize.respec(student, sparse_priority="novelty")
-    assert student.config.linearize["spec"]["sparse_priority"] == "novelty"
-    novelty = student(ids).logits
-    assert not torch.allclose(novelty, after)
-    linearize.save(student, tiny_tokenizer(), tmp_path / "novelty")
-    loaded, _ = linearize.load(tmp_path / "novelty", device="cpu")
-    assert linearize.spec_of(loaded).sparse_priority == "novelty"
-    torch.testing.assert_close(loaded(ids).logits, novelty, atol=0, rtol=0)
+    linearize.respec(student, sparse_priority="recall")
+    assert student.config.linearize["spec"]["sparse_priority"] == "recall"
+    recall = student(ids).logits
+    assert not torch.allclose(recall, after)
+    linearize.save(student, tiny_tokenizer(), tmp_path / "recall")
+    loaded, _ = linearize.load(tmp_path / "recall", device="cpu")
+    assert linearize.spec_of(loaded).sparse_priority == "recall"
+    torch.testing.assert_close(loaded(ids).logits, recall, atol=0, rtol=0)
     with pytest.raises(LinearizeError, match="respec changes only"):
         linearize.respec(student, window=8)
 
 
+def test_a_cache_given_to_a_model_without_one_takes_the_default_rules(tiny_model):
+    """The rules a cacheless spec records did nothing: ``respec(sparse_cache=S)`` gives the defaults
+    (novelty, window, the linear terms as trained) unless the call names others; a model that has a
+    cache keeps its own rules when only S changes."""
+    student = linearize.convert(tiny_model("llama"), {"kind": "lolcats", "window": 4, "sparse_priority": "recall",
+                                                      "sparse_anchor": "joint", "sparse_linear": 0.5})
+    spec = linearize.spec_of(linearize.respec(student, sparse_cache=4))
+    assert (spec.sparse_priority, spec.sparse_anchor, spec.sparse_linear) == ("novelty", "window", 1.0)
+    linearize.respec(student, sparse_priority="recall", sparse_linear=0.5)
+    spec = linearize.spec_of(linearize.respec(student, sparse_cache=8))
+    assert (spec.sparse_cache, spec.sparse_priority, spec.sparse_linear) == (8, "recall", 0.5)
+    fresh = linearize.convert(tiny_model("llama"), {"kind": "lolcats", "window": 4})
+    spec = linearize.spec_of(linearize.respec(fresh, sparse_cache=4, sparse_anchor="joint"))
+    assert (spec.sparse_priority, spec.sparse_anchor) == ("novelty", "joint")
+
+
 def test_a_checkpoint_saved_before_sparse_priority_loads_with_recall(tiny_model, tmp_path):
-    """A record whose spec has a sparse cache but no ``sparse_priority`` key (saved before the key
-    existed) loads with LoLA's rule, ``recall``."""
+    """A record whose spec has a sparse cache but no ``sparse_priority`` or ``sparse_anchor`` key (saved
+    before the keys existed) loads with LoLA's rules, ``recall`` and ``joint``, as it ran then."""
     import json
 
     from helpers import tiny_tokenizer
 
-    student = linearize.convert(tiny_model("llama"), {"kind": "lolcats", "window": 4, "sparse_cache": 4})
+    student = linearize.convert(tiny_model("llama"), {"kind": "lolcats", "window": 4, "sparse_cache": 4,
+                                                      "sparse_priority": "recall", "sparse_anchor": "joint"})
     ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(3))
     linearize.save(student, tiny_tokenizer(), tmp_path / "old")
     config = tmp_path / "old" / "config.json"
     record = json.loads(config.read_text())
-    del record["linearize"]["spec"]["sparse_priority"]
+    del record["linearize"]["spec"]["sparse_priority"], record["linearize"]["spec"]["sparse_anchor"]
     config.write_text(json.dumps(record))
     loaded, _ = linearize.load(tmp_path / "old", device="cpu")
-    assert linearize.spec_of(loaded).sparse_priority == "recall"
+    spec = linearize.spec_of(loaded)
+    assert (spec.sparse_priority, spec.sparse_anchor) == ("recall", "joint")
     torch.testing.assert_close(loaded(ids).logits, student(ids).logits, atol=0, rtol=0)
 
 
@@ -439,17 +457,19 @@ def test_eval_takes_a_sparse_cache_without_training(tmp_path, monkeypatch, tiny_
         assert record["model"]["spec"]["sparse_cache"] == s
         ppl[s] = record["perplexity"]["value"]
     assert ppl[0] != ppl[8]
-    out = tmp_path / "novelty.json"
+    spec = json.loads((tmp_path / "s8.json").read_text())["model"]["spec"]  # the defaults: novelty, window
+    assert (spec["sparse_priority"], spec["sparse_anchor"]) == ("novelty", "window")
+    out = tmp_path / "recall.json"
     assert main(["eval", str(tmp_path / "ck"), "--source", str(text), "--block-len", "64", "--device", "cpu",
-                 "--quiet", "--sparse-cache", "8", "--sparse-priority", "novelty", "--out", str(out)]) == 0
+                 "--quiet", "--sparse-cache", "8", "--sparse-priority", "recall", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
-    assert (record["model"]["spec"]["sparse_cache"], record["model"]["spec"]["sparse_priority"]) == (8, "novelty")
+    assert (record["model"]["spec"]["sparse_cache"], record["model"]["spec"]["sparse_priority"]) == (8, "recall")
     assert record["perplexity"]["value"] != ppl[8]
     out = tmp_path / "anchor.json"
     assert main(["eval", str(tmp_path / "ck"), "--source", str(text), "--block-len", "64", "--device", "cpu",
-                 "--quiet", "--sparse-cache", "8", "--sparse-anchor", "window", "--out", str(out)]) == 0
+                 "--quiet", "--sparse-cache", "8", "--sparse-anchor", "joint", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
-    assert (record["model"]["spec"]["sparse_cache"], record["model"]["spec"]["sparse_anchor"]) == (8, "window")
+    assert (record["model"]["spec"]["sparse_cache"], record["model"]["spec"]["sparse_anchor"]) == (8, "joint")
     assert record["perplexity"]["value"] != ppl[8]
     assert main(["eval", str(tmp_path / "teacher"), "--source", str(text), "--device", "cpu", "--quiet",
                  "--sparse-cache", "8"]) == 2

@@ -232,16 +232,15 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                    help="evaluate a converted checkpoint with a sparse exact cache of S tokens per layer and key head "
                         "(LoLA; no training: linearize.respec), e.g. 0, 16, 64 for a memory/recall sweep")
     e.add_argument("--sparse-priority", choices=SPARSE_PRIORITIES, default=None,
-                   help="which tokens the sparse cache keeps: recall (those the linear state recalls worst, LoLA), "
-                        "novelty (those whose values are least like the other candidates') or first (the "
-                        "sequence's first S tokens: attention sinks); default: the "
-                        "checkpoint's (recall unless saved otherwise). Needs a cache: --sparse-cache or the "
-                        "checkpoint's")
+                   help="which tokens the sparse cache keeps: novelty (those whose values are least like the other "
+                        "candidates'), recall (those the linear state recalls worst, LoLA) or first (the "
+                        "sequence's first S tokens: attention sinks); default: the checkpoint's cache's, novelty "
+                        "for a checkpoint without one. Needs a cache: --sparse-cache or the checkpoint's")
     e.add_argument("--sparse-anchor", choices=SPARSE_ANCHORS, default=None,
-                   help="which scores set the sparse cache's softmax terms against the linear terms: joint (the "
-                        "largest over window and cache) or window (the window's, as the hybrid was trained: a cached "
-                        "token weighs what it would in the window); default: the checkpoint's (joint unless saved "
-                        "otherwise)")
+                   help="which scores set the sparse cache's softmax terms against the linear terms: window (the "
+                        "window's, as the hybrid was trained: a cached token weighs what it would in the window) or "
+                        "joint (the largest over window and cache); default: the checkpoint's cache's, window for a "
+                        "checkpoint without one")
     e.add_argument("--sparse-linear", type=float, default=None, metavar="W",
                    help="the linear terms' weight beside the sparse cache, in [0, 1]: 1 as trained, 0 the window and "
                         "the cache alone (for retrieval); default: the checkpoint's (1 unless saved otherwise). Needs "
