@@ -43,6 +43,37 @@ def test_convert_info_generate(teacher_dir, tmp_path, capsys):
     assert texts["fast"] == texts["generate"] and texts["fast"].strip()
 
 
+def test_generate_takes_a_prompt_file_and_a_sparse_cache(teacher_dir, tmp_path, capsys, monkeypatch):
+    """``generate --prompt-file F --sparse-cache S --sparse-linear W``: the checkpoint gets the cache for the
+    call (the fast decoder and generate() agree under it, also on a prompt holding the pad id); a rule
+    without a cache, a cache for a teacher and an unreadable prompt file are refused in one line."""
+    import importlib
+
+    convert = importlib.import_module("linearize.convert")  # the module (linearize.convert is the function)
+    out = tmp_path / "student"
+    assert main(["convert", "--teacher", str(teacher_dir), "--out", str(out), "--kind", "lolcats", "--window", "4",
+                 "--feature-dim", "8", "--device", "cpu"]) == 0
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(f"w{5 + i % 40}" for i in range(60)))  # w10 ... -> w1 w0: the pad id (0) inside
+    seen, respec = [], convert.respec
+    monkeypatch.setattr(convert, "respec", lambda model, **kw: seen.append(kw) or respec(model, **kw))
+    capsys.readouterr()
+    texts = {}
+    for decoder in ("fast", "generate"):
+        assert main(["generate", str(out), "--prompt-file", str(prompt), "--max-new-tokens", "6", "--device", "cpu",
+                     "--sparse-cache", "8", "--sparse-linear", "0", "--decoder", decoder]) == 0
+        texts[decoder] = capsys.readouterr().out
+    assert texts["fast"] == texts["generate"] and texts["fast"].strip()
+    assert seen[-1]["sparse_cache"] == 8 and seen[-1]["sparse_linear"] == 0.0
+    for args, message in [(["--sparse-priority", "recall"], "--sparse-priority sets how the sparse cache works"),
+                          (["--prompt-file", str(tmp_path / "absent.txt")], "cannot read the prompt file")]:
+        assert main(["generate", str(out), "--device", "cpu", *args]) == 2
+        errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert len(errors) == 1 and message in errors[0], errors
+    assert main(["generate", str(teacher_dir), "--device", "cpu", "--sparse-cache", "8"]) == 2
+    assert "not one" in capsys.readouterr().err
+
+
 def test_convert_from_yaml_recipe_with_flag_override(teacher_dir, tmp_path, capsys):
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(f"teacher: {teacher_dir}\nkind: lolcats\nwindow: 8\nfeature_map: t2r\n")

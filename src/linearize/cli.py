@@ -199,28 +199,45 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def _read_prompt(path: str) -> str:
+    """The prompt from a text file, or from standard input for ``-``."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LinearizeError(f"cannot read the prompt file {path}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
+
+
 def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
     from .info import provenance_line, untrained_warning
 
+    from .eval.cli import apply_sparse_flags, check_sparse_flags
+
+    check_sparse_flags(args)
+    prompt = _read_prompt(args.prompt_file) if args.prompt_file is not None else args.prompt
     model, tokenizer = _load_any(args.model, args.dtype, args.device)
     if (line := provenance_line(model)) is not None:
         print(f"[{line}]", file=sys.stderr)
     if (warning := untrained_warning(model, args.model)) is not None:
         print(f"linearize: warning: {warning}", file=sys.stderr)
-    prompt = args.prompt
+    apply_sparse_flags(model, args)
     if args.chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
     if ids.shape[1] == 0:
-        raise LinearizeError("the prompt is empty after tokenization; give --prompt some text")
+        raise LinearizeError("the prompt is empty after tokenization; give --prompt (or --prompt-file) some text")
     ids = ids.to(next(model.parameters()).device)
     sampling = args.temperature > 0
-    kw = dict(do_sample=sampling, max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+    # every prompt token is real: without the mask, generate() would take a prompt token equal to the pad
+    # id (a chat template's end-of-turn, often) for padding
+    kw = dict(attention_mask=torch.ones_like(ids), do_sample=sampling, max_new_tokens=args.max_new_tokens,
+              pad_token_id=tokenizer.pad_token_id)
     if sampling:
         kw.update(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
         torch.manual_seed(args.seed)
@@ -426,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "from any teacher, streaming tokens as they come.")
     g.add_argument("model", nargs="?", default="default", help="a checkpoint folder, or a teacher as in convert")
     g.add_argument("--prompt", default="Once upon a time", help="the prompt text (default: %(default)r)")
+    g.add_argument("--prompt-file", metavar="PATH", help="read the prompt from a text file (- : standard input), e.g. "
+                   "a long document and a question about it; instead of --prompt")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default: %(default)s)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 for greedy decoding (default), >0 to sample")
     g.add_argument("--top-k", type=int, default=50, help="sampling: keep the k most likely tokens (default: %(default)s)")
@@ -436,6 +455,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--decoder", choices=["auto", "fast", "generate"], default="auto",
                    help="fast = linearize.fast (static state buffers, one CUDA graph per step on GPUs); generate = "
                         "plain transformers generate(); auto = fast for linearized checkpoints (default: %(default)s)")
+    from .eval.cli import add_sparse_arguments
+
+    add_sparse_arguments(g, "generate")
     g.set_defaults(func=cmd_generate)
 
     i = sub.add_parser("info", parents=[common], help="what a checkpoint is: base model, mixers, parameters, state size",

@@ -32,6 +32,54 @@ def _token_count(text: str) -> int:
     return value
 
 
+def add_sparse_arguments(parser, verb: str) -> None:
+    """The run-time sparse-cache flags of a converted checkpoint (``eval``, ``generate``): no training,
+    ``linearize.respec``."""
+    g = parser.add_argument_group("sparse exact cache (converted LoLCATs checkpoints; no training)")
+    g.add_argument("--sparse-cache", type=int, default=None, metavar="S",
+                   help=f"{verb} with S tokens per layer and key head kept exactly beside the window (e.g. 256; "
+                        "0: none); default: the checkpoint's")
+    g.add_argument("--sparse-priority", choices=SPARSE_PRIORITIES, default=None,
+                   help="which tokens the cache keeps: novelty (those whose values are least like the other "
+                        "candidates'), recall (those the linear state recalls worst, LoLA) or first (the "
+                        "sequence's first S tokens: attention sinks); default: the checkpoint's cache's, novelty "
+                        "for a checkpoint without one. Needs a cache: --sparse-cache or the checkpoint's")
+    g.add_argument("--sparse-anchor", choices=SPARSE_ANCHORS, default=None,
+                   help="which scores set the cache's softmax terms against the linear terms: window (the "
+                        "window's, as the hybrid was trained: a cached token weighs what it would in the window) or "
+                        "joint (the largest over window and cache); default: the checkpoint's cache's, window for a "
+                        "checkpoint without one")
+    g.add_argument("--sparse-linear", type=float, default=None, metavar="W",
+                   help="the linear terms' weight beside the cache, in [0, 1]: 1 as trained, 0 the window and "
+                        "the cache alone (for retrieval: a lolcats_long student then finds a pass key at 2k-4k "
+                        "tokens); default: the checkpoint's (1 unless saved otherwise). Needs a cache")
+
+
+def check_sparse_flags(args) -> None:
+    """The sparse-cache flags' values, checked before anything loads."""
+    if args.sparse_cache is not None and args.sparse_cache < 0:
+        raise LinearizeError(f"--sparse-cache must be zero or more, got {args.sparse_cache}")
+
+
+def apply_sparse_flags(model, args) -> None:
+    """Give a loaded converted checkpoint the sparse cache its flags ask for (``respec``, recorded in its
+    spec); one line for a model that is not converted or a rule without a cache."""
+    flags = [f"--{name.replace('_', '-')}" for name in ("sparse_cache", "sparse_priority", "sparse_anchor",
+                                                        "sparse_linear") if getattr(args, name) is not None]
+    if not flags:
+        return
+    if not getattr(model.config, "linearize", None):
+        raise LinearizeError(f"{flags[0]} changes the sparse exact cache of a converted checkpoint; "
+                             "this model is not one")
+    from ..convert import respec, spec_of
+
+    if args.sparse_cache is None and not spec_of(model).sparse_cache:
+        raise LinearizeError(f"{flags[0]} sets how the sparse cache works, and this checkpoint has none "
+                             "(sparse_cache 0); add --sparse-cache S")
+    respec(model, sparse_cache=args.sparse_cache, sparse_priority=args.sparse_priority,
+           sparse_anchor=args.sparse_anchor, sparse_linear=args.sparse_linear)
+
+
 def _limit(text: str) -> int | float:
     """A document count (``40``) or a fraction of each task (``0.1``)."""
     try:
@@ -71,24 +119,9 @@ def cmd_eval(args) -> int:
         raise LinearizeError("--split all needs --source: the default corpus's training books are not held out")
     if args.out is not None:
         check_out_path(args.out)
-    if args.sparse_cache is not None and args.sparse_cache < 0:
-        raise LinearizeError(f"--sparse-cache must be zero or more, got {args.sparse_cache}")
+    check_sparse_flags(args)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
-    sparse_flags = [f"--{name.replace('_', '-')}" for name in ("sparse_cache", "sparse_priority", "sparse_anchor",
-                                                               "sparse_linear") if getattr(args, name) is not None]
-    if sparse_flags:
-        flag = sparse_flags[0]
-        if not getattr(model.config, "linearize", None):
-            raise LinearizeError(f"{flag} changes the sparse exact cache of a converted checkpoint; "
-                                 "this model is not one")
-        from ..convert import respec, spec_of
-
-        if args.sparse_cache is None and not spec_of(model).sparse_cache:
-            raise LinearizeError(f"{flag} sets how the sparse cache works, and this checkpoint has none "
-                                 "(sparse_cache 0); add --sparse-cache S")
-        # recorded in the results' spec
-        respec(model, sparse_cache=args.sparse_cache, sparse_priority=args.sparse_priority,
-               sparse_anchor=args.sparse_anchor, sparse_linear=args.sparse_linear)
+    apply_sparse_flags(model, args)  # recorded in the results' spec
     record = evaluate(model, tokenizer, tasks=args.tasks, limit=args.limit, with_perplexity=not args.no_perplexity,
                       source=source, block_len=args.block_len, max_blocks=args.max_blocks,
                       batch_size=args.batch_size, max_length=args.max_length, seed=args.seed, name=args.name,
@@ -228,23 +261,7 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
     e.add_argument("--name", default=None, help="the model's name in results and reports (default: from the path)")
     e.add_argument("--out", type=Path, default=None, help="write the JSON results to this file (checked before "
                    "the evaluation starts)")
-    e.add_argument("--sparse-cache", type=int, default=None, metavar="S",
-                   help="evaluate a converted checkpoint with a sparse exact cache of S tokens per layer and key head "
-                        "(LoLA; no training: linearize.respec), e.g. 0, 16, 64 for a memory/recall sweep")
-    e.add_argument("--sparse-priority", choices=SPARSE_PRIORITIES, default=None,
-                   help="which tokens the sparse cache keeps: novelty (those whose values are least like the other "
-                        "candidates'), recall (those the linear state recalls worst, LoLA) or first (the "
-                        "sequence's first S tokens: attention sinks); default: the checkpoint's cache's, novelty "
-                        "for a checkpoint without one. Needs a cache: --sparse-cache or the checkpoint's")
-    e.add_argument("--sparse-anchor", choices=SPARSE_ANCHORS, default=None,
-                   help="which scores set the sparse cache's softmax terms against the linear terms: window (the "
-                        "window's, as the hybrid was trained: a cached token weighs what it would in the window) or "
-                        "joint (the largest over window and cache); default: the checkpoint's cache's, window for a "
-                        "checkpoint without one")
-    e.add_argument("--sparse-linear", type=float, default=None, metavar="W",
-                   help="the linear terms' weight beside the sparse cache, in [0, 1]: 1 as trained, 0 the window and "
-                        "the cache alone (for retrieval); default: the checkpoint's (1 unless saved otherwise). Needs "
-                        "a cache")
+    add_sparse_arguments(e, "evaluate")
     e.add_argument("--quiet", action="store_true", help="no progress bars")
     e.set_defaults(func=cmd_eval)
 
