@@ -206,16 +206,16 @@ def _read_prompt(path: str) -> str:
     try:
         return Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise LinearizeError(f"cannot read the prompt file {path}: {exc.strerror if isinstance(exc, OSError) else exc}") from None
+        why = exc.strerror if isinstance(exc, OSError) else exc
+        raise LinearizeError(f"cannot read the prompt file {path}: {why}") from None
 
 
 def cmd_generate(args) -> int:
     import torch
     from transformers import TextStreamer
 
-    from .info import provenance_line, untrained_warning
-
     from .eval.cli import apply_sparse_flags, check_sparse_flags
+    from .info import provenance_line, untrained_warning
 
     check_sparse_flags(args)
     prompt = _read_prompt(args.prompt_file) if args.prompt_file is not None else args.prompt

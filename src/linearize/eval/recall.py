@@ -3,9 +3,10 @@ tasks of ``linearize.eval.tasks`` (``passkey``, ``niah``, ``mqar``) and returns 
 
 ``passkey`` and ``niah`` are generated greedily, a batch of prompts of one grid row at a time,
 left-padded with an attention mask, through ``linearize.fast.fast_generate`` for every model: the
-students' recurrent states and the teachers' key/value buffers alike (a model the fast decoder
-does not handle falls back to transformers' ``generate``; the record says which ran). ``mqar`` is scored teacher-forced: one forward pass per
-prompt, right-padded (causal: padding after a token cannot change its logits).
+students' recurrent states, the teachers' key/value buffers and sliding-window layers' rings alike
+(a model the fast decoder does not handle falls back to transformers' ``generate``; the record says
+which ran). ``mqar`` is scored teacher-forced: one forward pass per prompt, right-padded (causal:
+padding after a token cannot change its logits).
 """
 
 from __future__ import annotations
