@@ -202,3 +202,25 @@ def test_roundtrip_decoding_and_info(real, tmp_path, capsys):
     fixed = sliding * ((want["sliding_window"] or 1) - 1) * 2 * kv * d * 4
     per_token = len(want["global_layers"]) * 2 * kv * d * 4
     assert f"decode state: {fixed:,} bytes per sequence fixed + {per_token:,} bytes per token" in text
+
+
+def test_kept_local_layers_decode_fast_past_their_window(real):
+    """``keep_sliding`` on the real Gemma 3: its 15 local layers stay softmax over 512 tokens and the 3
+    global ones convert; from a prompt past the window, the fast decoder (the local layers in rings of
+    512 slots) gives the greedy tokens of generate() and of full forwards."""
+    from linearize.fast import fast_generate
+
+    name, model, tokenizer = real
+    want = EXPECTED[name]
+    if want["sliding_window"] is None:
+        pytest.skip(f"{name} has no sliding-window layers")
+    student = linearize.convert(model, {"kind": "lolcats", "window": 16, "feature_dim": 64, "keep_sliding": True})
+    assert sorted(linearize.mixers(student)) == want["global_layers"]
+    prompt = _ids(tokenizer, want["sliding_window"] + 40)
+    pad = tokenizer.pad_token_id
+    with torch.no_grad():
+        reference = greedy_by_full_forwards(student, prompt, 8)
+        out = student.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                               pad_token_id=pad, eos_token_id=None)
+        fast = fast_generate(student, prompt, max_new_tokens=8, eos_token_id=None, pad_token_id=pad)
+    assert torch.equal(out, reference) and torch.equal(fast, reference)
