@@ -113,6 +113,7 @@ class DecodeStep:
             self.kv_mask.masked_fill_(~valid[:, None, None, :], torch.finfo(dtype).min)
         self.mask = self.kv_mask
         rings = {layer.window for layer in cache.layers if isinstance(layer, StaticRingKVLayer)}
+        self.has_rings = bool(rings)
         if rings:  # sliding-window layers: one ring mask (a step opens its slot, whose former token left)
             if len(rings) > 1:
                 raise LinearizeError(f"fast decoding takes one sliding window for every layer, not {sorted(rings)}")
@@ -128,7 +129,7 @@ class DecodeStep:
     def __call__(self) -> None:
         if self.has_kv:
             self.kv_mask.index_fill_(3, self.position.view(1), 0.0)
-        if self.mask is not self.kv_mask:
+        if self.has_rings:
             self.ring_mask.index_fill_(3, torch.remainder(self.position, self.window).view(1), 0.0)
         logits = self.forward(self.token, attention_mask=self.mask, position_ids=self.position_ids,
                               cache_position=self.position.view(1), **{self.cache_keyword: self.cache},

@@ -3,12 +3,12 @@ over older ones, one shared normaliser and a learnable per-head weight gamma = s
 softmax terms (initialised to 0.1 as in LoLCATs). With a window covering the whole sequence it is
 exactly the teacher's softmax attention.
 
-With ``spec.sparse_cache = S > 0`` each key head also keeps, beside the window, the ``S`` older tokens
-its linear state recalls worst, exactly (LoLA; ``ops/sparse_hybrid_attention.py``; with
-``spec.sparse_priority = "novelty"`` those whose values are least like the other candidates', with ``"first"`` the
-sequence's first ``S`` tokens, StreamingLLM's attention sinks; ``spec.sparse_anchor``
-sets how they weigh against the linear terms, ``spec.sparse_linear`` < 1 scales the linear terms
-down beside them): the softmax runs over window and cache, the linear state over the rest. It adds
+With ``spec.sparse_cache = S > 0`` each key head also keeps ``S`` older tokens exactly beside the window
+(``ops/sparse_hybrid_attention.py``; ``spec.sparse_priority``: by default, ``"novelty"``, those whose
+values are least like the other candidates', with ``"recall"`` those its linear state recalls worst
+(LoLA), with ``"first"`` the sequence's first ``S`` tokens, StreamingLLM's attention sinks;
+``spec.sparse_anchor`` sets how they weigh against the linear terms, ``spec.sparse_linear`` < 1 scales
+the linear terms down beside them): the softmax runs over window and cache, the linear state over the rest. It adds
 no parameters (any converted checkpoint takes it as is) and trains through the softmax over window
 and cache.
 
