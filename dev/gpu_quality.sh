@@ -303,6 +303,17 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     python3 dev/recall_probe.py $ck --lengths ${PASSKEY_LENGTHS:-2k,4k,8k} --limit ${RECALL_LIMIT:-4} \
       --variants "${VARIANTS:-none;S=256;exact;S=256,lin=0}" --out $RUNS/length/probe-$name.json \
       2> $RUNS/length/probe-$name.err ;;  # (progress bars apart: they share lines with the rows)
+  domains)  # issue #53: a LoLCATs recipe (RECIPE, default lolcats_long; RECIPE_ARGS, e.g. --data ...) trained as NAME, then
+            # its student beside the teacher on every held-out domain (whole, by position to 8k, KL, greedy agreement),
+            # the copy task and passkey; then the domains alone on 32k blocks (DOMAIN_32K=0 skips); TASKS=1: zero-shot
+    name=${NAME:-recipe}; ck=$RUNS/dom-$name/final; mkdir -p $RUNS/domains
+    [ -e $ck ] || lin lolcats --config ${RECIPE:-lolcats_long} --teacher $T ${RECIPE_ARGS:-} --out $RUNS/dom-$name 2>&1 \
+      | quiet | tail -9
+    lin eval $ck --domains all --teacher $T --tasks copy,passkey --lengths 2k,4k,8k --limit ${RECALL_LIMIT:-5} \
+      --batch-size 16 --no-perplexity ${EVAL_FLAGS:-} --name $name --out $RUNS/domains/$name.json 2>&1 | quiet | tail -12
+    [ "${DOMAIN_32K:-1}" = 0 ] || lin eval $ck --domains all --position-len 32k --domain-blocks 4 --no-perplexity \
+      ${EVAL_FLAGS:-} --name $name --out $RUNS/domains/$name-32k.json 2>&1 | quiet | tail -5
+    if [ "${TASKS:-0}" = 1 ]; then evaluate $ck domains-$name; fi ;;
   length-teacher)  # the teacher's rows of the length table (its 8k context)
     mkdir -p $RUNS/length; length_eval $T teacher ;;
   dial-tasks)  # zero-shot tasks of a dial row's student: DIAL_CK (e.g. long4k), eval flags EVAL_FLAGS (e.g. the sparse

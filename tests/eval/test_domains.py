@@ -14,6 +14,7 @@ from linearize.errors import LinearizeError
 from linearize.eval import domains, fidelity
 from linearize.eval.perplexity import LOGIT_BUDGET, token_nll
 from linearize.eval.tasks import copy as copy_task
+from linearize.eval.tasks import niah
 
 from test_recall import PROSE, bpe, bpe_llama  # noqa: F401 (bpe is a fixture)
 
@@ -166,3 +167,26 @@ def test_eval_flags_fail_in_one_line(capsys):
     assert len(err) == 1 and "unknown domain 'poetry'" in err[0]
     assert main(["eval", "default", "--tasks", "copy", "--gaps", "0"]) != 0
     assert "--gaps must be at least 1" in capsys.readouterr().err
+
+
+def test_evaluate_and_report_domains_and_copy(bpe, tmp_path, monkeypatch):  # noqa: F811
+    from linearize.eval.report import render
+    from linearize.eval.results import evaluate, load_results, save_results
+
+    text = tmp_path / "prose.txt"
+    text.write_text(PROSE * 30)
+    monkeypatch.setitem(domains.DOMAINS, "books", domains.Domain("books", str(text), "all", "test prose"))
+    monkeypatch.setattr(domains, "PROMPT_LEN", 12)
+    monkeypatch.setattr(domains, "NEW_TOKENS", 4)
+    monkeypatch.setattr(domains, "AGREEMENT_PROMPTS", 2)
+    monkeypatch.setattr(copy_task, "DEFAULT_PASSAGES", (8,))
+    monkeypatch.setattr(niah, "validation_books", lambda: PROSE * 3)  # the copy task's default text
+    model, teacher = bpe_llama(bpe, seed=1, context=128), bpe_llama(bpe, seed=2, context=128)
+    record = evaluate(model, bpe, tasks="copy", limit=2, with_perplexity=False, domains="books", teacher=teacher,
+                      gaps=(16, 32), domain_blocks=2, progress=False, name="student")
+    assert record["settings"]["domains"] == ["books"] and record["settings"]["recall"]["gaps"] == [16, 32]
+    assert record["recall"]["copy"]["teacher_by_gap"] and record["domains"]["books"]["agreement"]["prompts"] == 2
+    path = save_results(record, tmp_path / "student.json")
+    page = render([(path, load_results(path))])
+    assert "## Across domains" in page and "| student | books |" in page
+    assert "**copy** by gap" in page and "its teacher" in page

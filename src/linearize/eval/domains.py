@@ -61,11 +61,12 @@ def resolve_domains(names) -> list[Domain]:
 
 def evaluate_domain(model, tokenizer, domain: Domain, teacher=None, whole_blocks: int = WHOLE_BLOCKS,
                     position_blocks: int = POSITION_BLOCKS, position_len: int | None = None,
-                    agreement_prompts: int = AGREEMENT_PROMPTS, batch_size: int = 4, progress: bool = True) -> dict:
+                    agreement_prompts: int | None = None, batch_size: int = 4, progress: bool = True) -> dict:
     """One domain's record: perplexity on up to ``whole_blocks`` 1,024-token blocks, loss by position on
     up to ``position_blocks`` blocks of ``position_len`` tokens (default 8,192, within the teacher's
     context where there is one); beside ``teacher``: its figures on the same blocks, KL(teacher ||
-    model) by position and greedy agreement on ``agreement_prompts`` prompts."""
+    model) by position and greedy agreement on ``agreement_prompts`` prompts (default
+    ``AGREEMENT_PROMPTS``) of ``PROMPT_LEN`` tokens, ``NEW_TOKENS`` new."""
     from .fidelity import greedy_agreement, position_fidelity
     from .perplexity import perplexity_by_position, position_block_len, position_edges, source_blocks, text_perplexity
 
@@ -92,7 +93,7 @@ def evaluate_domain(model, tokenizer, domain: Domain, teacher=None, whole_blocks
         b["range"] = _range(b["start"], b["end"])
     record["by_position"] = {"block_len": block_len, "blocks": int(blocks.shape[0]), "buckets": buckets}
     prompts = source_blocks(domain.source, tokenizer, PROMPT_LEN + NEW_TOKENS, domain.split,
-                            agreement_prompts)[:, :PROMPT_LEN]
+                            agreement_prompts or AGREEMENT_PROMPTS)[:, :PROMPT_LEN]
     record["agreement"] = greedy_agreement(model, teacher, tokenizer, prompts, NEW_TOKENS, batch_size=batch_size,
                                            progress=progress)
     record["seconds"] = round(time.perf_counter() - start, 1)

@@ -148,6 +148,7 @@ def render(records: list[tuple[Path, dict]], title: str = "Evaluation", runs=(),
     lines += _recall_section(records, references)
     lines += _dial_section(records)
     lines += _position_section(records)
+    lines += _domains_section(records)
     return "\n".join(lines) + "\n"
 
 
@@ -210,7 +211,7 @@ def _recovery_table(records, references, task_names) -> list[str]:
     return lines
 
 
-RECALL_ORDER = ("passkey", "niah", "mqar")
+RECALL_ORDER = ("passkey", "niah", "mqar", "copy")
 
 
 def _recall_section(records, references) -> list[str]:
@@ -244,11 +245,13 @@ def _recall_section(records, references) -> list[str]:
 
 def _recall_margin_table(name: str, rows) -> list[str]:
     """One recall task: a row per model, a column per length (mean over depths) or per N."""
-    axis, margin = ("pairs", "by_pairs") if name == "mqar" else ("lengths", "by_length")
+    axis, margin, label, by = {
+        "mqar": ("pairs", "by_pairs", "N =", "number of pairs"),
+        "copy": ("gaps", "by_gap", "gap", "gap in tokens (mean over passage lengths; teacher-forced accuracy)"),
+    }.get(name, ("lengths", "by_length", "tokens:", "prompt length (mean over depths)"))
     columns = sorted({c for _, r in rows for c in r["recall"][name][axis]})
-    label = "N =" if name == "mqar" else "tokens:"
     header = ["model", *(f"{label} {c}" for c in columns)]
-    lines = ["", f"**{name}** by {'number of pairs' if name == 'mqar' else 'prompt length (mean over depths)'}", "",
+    lines = ["", f"**{name}** by {by}", "",
              "| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     for path, record in rows:
         task = record["recall"][name]
@@ -256,6 +259,39 @@ def _recall_margin_table(name: str, rows) -> list[str]:
         trials = f" ({task['trials']} prompts/N)" if name == "mqar" else f" ({task['trials']} trials/cell)"
         lines.append("| " + " | ".join([(record["model"].get("name") or path.stem) + trials,
                                         *(_pct(values.get(c)) for c in columns)]) + " |")
+        if task.get("teacher_by_gap"):  # the copy task's teacher, on the same prompts
+            teacher = dict(zip(task[axis], task["teacher_by_gap"]))
+            lines.append("| " + " | ".join([f"its teacher ({record['settings'].get('teacher') or 'teacher'})",
+                                            *(_pct(teacher.get(c)) for c in columns)]) + " |")
+    return lines
+
+
+def _domains_section(records) -> list[str]:
+    """The check across held-out domains: per domain and model, perplexity (x the teacher's), by position
+    (x the teacher's, KL to it) and greedy agreement, where measured beside a teacher."""
+    rows = [(path, r) for path, r in records if r.get("domains")]
+    if not rows:
+        return []
+    lines = ["", "## Across domains", "", "| model | domain | ppl | x teacher | by position (x teacher) | "
+             "KL by position (nats) | greedy agreement (exact / tokens) |", "|---|---|---|---|---|---|---|"]
+    for path, record in rows:
+        name = record["model"].get("name") or path.stem
+        for domain, d in record["domains"].items():
+            buckets = d["by_position"]["buckets"]
+            beside = bool(buckets) and "of_teacher" in buckets[0]
+            ranges = " / ".join(b["range"] for b in buckets)
+            position = (" / ".join(f"{b['of_teacher']:.2f}" for b in buckets) if beside
+                        else " / ".join(f"{b['perplexity']:.2f}" for b in buckets) + " (ppl)")
+            kl = " / ".join(f"{b['kl']:.3f}" for b in buckets) if beside else "–"
+            agreement = d.get("agreement")
+            agree = f"{_pct(agreement['exact'])} / {_pct(agreement['tokens'])}" if agreement else "–"
+            ratio = f"{d['of_teacher']:.2f}" if "of_teacher" in d else "–"
+            lines.append(f"| {name} | {domain} | {d['perplexity']['value']:.2f} | {ratio} | {ranges}: {position} | "
+                         f"{kl} | {agree} |")
+    lines += ["", "Perplexity on each held-out domain's text (up to 256 blocks of 1,024 tokens); by position on blocks "
+              "of the teacher's context, as a multiple of the teacher's perplexity on the same tokens, and the mean "
+              "KL(teacher || model) there; greedy agreement: the share of 64-token greedy continuations identical to "
+              "the teacher's, and the share of their tokens that agree (linearize.eval.domains)."]
     return lines
 
 

@@ -102,12 +102,13 @@ def held_out_ids(tokenizer, text: str | None = None) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def run(model, tokenizer, trials: int, gaps=DEFAULT_GAPS, passages=DEFAULT_PASSAGES, batch_size: int = 8,
+def run(model, tokenizer, trials: int, gaps=DEFAULT_GAPS, passages=None, batch_size: int = 8,
         seed: int = 1234, teacher=None, text: str | None = None, progress: bool = True) -> dict:
     """The copy grid (passage length x gap, ``trials`` prompts per cell) of ``model`` and, given, of
-    ``teacher`` on the same prompts."""
+    ``teacher`` on the same prompts (``passages``: the passage lengths, default ``DEFAULT_PASSAGES``)."""
     from ..recall import context_length
 
+    passages = passages or DEFAULT_PASSAGES
     stream = held_out_ids(tokenizer, text)
     prefix = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     contexts = [c for c in (context_length(model), teacher is not None and context_length(teacher)) if c]
