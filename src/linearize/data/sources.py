@@ -8,17 +8,16 @@ import re
 from pathlib import Path
 
 from ..errors import LinearizeError
-from . import named
+from . import corpora, named
 from .gutenberg import GUTENBERG_BOOKS, gutenberg_paths, is_gutenberg
 from .mixture import parse_mixture
+from .suffixes import READABLE_SUFFIXES
 
-TEXT_SUFFIXES = (".txt", ".md")
-READABLE_SUFFIXES = (*TEXT_SUFFIXES, ".jsonl")
 ACCEPTED_SOURCES = "give a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], or 'gutenberg'"
 SOURCE_HELP = ("a .txt/.md/.jsonl file, a folder of them, hf:NAME[:CONFIG][@SPLIT], 'gutenberg' (the default), "
-               "generated:NAME (text made by 'linearize data generate'), corpus:sotu or corpus:wordnet (extra "
-               "corpora, fetched on first use), or a mixture of these: A,B (every block of each once) or A=W,B=W "
-               "(weights: shares of the training blocks, e.g. gutenberg=0.5,notes.txt=0.5)")
+               "generated:NAME (text made by 'linearize data generate'), corpus:NAME (an extra corpus, fetched on "
+               f"first use: {', '.join(corpora.CORPORA)}), or a mixture of these: A,B (every block of each once) or "
+               "A=W,B=W (weights: shares of the training blocks, e.g. gutenberg=0.5,notes.txt=0.5)")
 
 # Control characters that text does not contain (tab, line and page breaks aside): C0, DEL and C1.
 _CONTROL = re.compile("[\x00-\x08\x0e-\x1f\x7f-\x9f]")
@@ -37,7 +36,7 @@ def read_texts(source: str | Path | None = None, text_field: str = "text") -> li
     * ``"hf:NAME[:CONFIG][@SPLIT]"``: a Hugging Face dataset (needs ``datasets`` and the hub).
 
     * ``"generated:NAME"``: text sampled from a teacher by ``linearize data generate``;
-    * ``"corpus:NAME"``: an extra corpus fetched on first use (``data.corpora``: sotu, wordnet).
+    * ``"corpus:NAME"``: an extra corpus fetched on first use (``data.corpora.CORPORA``).
 
     Blank documents are dropped; a source with no text at all raises ``LinearizeError``.
     """
