@@ -131,6 +131,7 @@ def test_help_says_what_shapes_are_for(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "shape:NAME[,layers=N]" in text and "for speed and memory only" in text and "random weights" in text
     assert all(name in text for name in NAMES)
+    assert all(name in text for name in teacher.NAMED_TEACHERS)  # the help names them without importing torch
 
 
 # --- the tokenizer paired with a shape ---------------------------------------------------------------
