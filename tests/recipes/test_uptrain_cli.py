@@ -40,6 +40,24 @@ def test_supra_t2r_variant(workspace, monkeypatch, tmp_path, capsys):
     assert notes == ["linearize: training eagerly, not as CUDA graphs (--cuda-graph auto): there is no CUDA device"]
 
 
+def test_uptraining_reports_set_up_and_steady_state(workspace, monkeypatch, tmp_path, capsys):
+    """results.json's train record and the printed summary split the time of both stages (alignment,
+    then training) into set-up (each stage's first 2 steps and what came before them) and steady state
+    (the later steps); the rest is evaluations, checkpoints and what ran between the stages."""
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    assert main(["supra", *_common(workspace, tmp_path / "s"), "--steps", "5", "--align-steps", "3",
+                 "--eval-steps", "2"]) == 0
+    results = json.loads((tmp_path / "s" / "results.json").read_text())
+    train = results["train"]
+    assert (train["setup"]["steps"], train["steady"]["steps"]) == (4, 1 + 3)
+    assert train["steady"]["tokens"] == 4 * 4 * 32 and train["steady"]["tokens_per_second"] > 0
+    parts = train["setup"]["seconds"] + train["steady"]["seconds"] + train["other_seconds"]
+    assert parts == pytest.approx(train["seconds"])
+    assert "speed" not in results["align"]  # counted in train's split
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("trained"))
+    assert "; set-up " in line and "(4 steps), steady " in line and "tok/s over 4 steps)" in line
+
+
 def test_xatl_from_scratch_through_the_cli(workspace, monkeypatch, tmp_path, capsys):
     """--transfer scratch (as --help offers it) builds the architecture with nothing copied; --cuda-graph
     off trains eagerly without a note, as results.json records."""

@@ -298,7 +298,8 @@ def main(argv=None) -> int:
     tr = sub.add_parser("train", help="one training step of a model linearize.bench.train builds")
     tr.add_argument("--model", default="supra", choices=MODELS)
     tr.add_argument("--shape", default="16x1024", help="BATCHxLENGTH (default: %(default)s)")
-    tr.add_argument("--teacher", default=None, help="default: the embedded SmolLM2")
+    tr.add_argument("--teacher", default=None, help="a teacher as in 'linearize convert', e.g. shape:llama-3-8b "
+                    "(random weights; default: the embedded SmolLM2)")
     tr.add_argument("--steps", type=int, default=2, help="profiled steps (default: %(default)s)")
     tr.add_argument("--python", type=int, default=0, metavar="N",
                     help="also list the N Python functions with the most host time (cProfile)")

@@ -305,7 +305,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m linearize.bench.train", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--teacher", default=None, help="a teacher as in 'linearize convert' (default: embedded SmolLM2)")
+    p.add_argument("--teacher", default=None, help="a teacher as in 'linearize convert', e.g. shape:llama-3-8b (its "
+                   "architecture, random weights: tokens/s and memory need no real ones; default: embedded SmolLM2)")
     p.add_argument("--models", nargs="+", default=["teacher", "supra", "t2r", "retnet", "striped_mamba"],
                    choices=MODELS, help="what to train (default: %(default)s)")
     p.add_argument("--shapes", nargs="+", default=["16x1024", "8x2048", "2x8192"],

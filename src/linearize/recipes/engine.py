@@ -5,6 +5,10 @@ blocks, a ``loss_fn(model, batch) -> scalar`` (a ``linearize.distill`` objective
 line before the step's update, so the last checkpoint stays good. The Trainer brings precision (bf16 on
 CUDA, fp32 on CPU), gradient accumulation, checkpoints and resume, a progress bar, logging,
 seeds, early stopping and multi-GPU through ``accelerate launch`` / ``torchrun``.
+
+A ``StepClock`` splits each stage's time into set-up (what comes before its steps, and its first
+``setup_steps`` steps: graph capture, compilation, kernel autotuning) and steady state (the later steps
+alone); ``split`` adds the records of several stages up.
 """
 
 from __future__ import annotations
@@ -24,8 +28,8 @@ from ..errors import LinearizeError
 from ..quiet import transient_bars
 from .launch import is_main_process, under_fsdp, world_size
 
-__all__ = ["JsonlLogger", "LossFn", "RecipeTrainer", "TrainConfig", "average_gradients", "is_main_process",
-           "next_token_loss", "train", "training_arguments"]
+__all__ = ["JsonlLogger", "LossFn", "RecipeTrainer", "StepClock", "TrainConfig", "average_gradients",
+           "is_main_process", "next_token_loss", "split", "train", "training_arguments"]
 
 LossFn = Callable[[torch.nn.Module, dict], torch.Tensor]
 
@@ -56,6 +60,7 @@ class TrainConfig:
     bf16: bool | None = None  # None: bf16 on CUDA, fp32 elsewhere
     compile: bool = False  # torch.compile the model (TrainingArguments.torch_compile)
     cuda_graph: bool = False  # steps replayed as CUDA graphs (linearize.graphed; a recipe's auto/on/off: use_graphs)
+    setup_steps: int = 2  # the first optimizer steps counted as set-up, not steady state (StepClock)
     save_total_limit: int = 2
     extra: dict = field(default_factory=dict)  # passed straight to TrainingArguments
 
@@ -78,6 +83,93 @@ class JsonlLogger(TrainerCallback):
             with self.path.open("a") as fh:
                 fh.write(json.dumps({"stage": self.stage, "step": state.global_step, **logs,
                                      "elapsed_s": elapsed}) + "\n")
+
+
+class StepClock(TrainerCallback):
+    """Splits a training stage's wall time into set-up, steady state and the rest, read from ``now``
+    (``time.perf_counter``; a test gives a fake clock). Made when the stage begins (``train`` makes one
+    unless given it: a recipe makes its own before the work it counts as the stage's, such as caching
+    the teacher's hidden states for a block of LoLCATs stage 1).
+
+    - set-up: from the clock's making to the end of the stage's first ``setup_steps`` optimizer steps:
+      caching the teacher's states, building the Trainer, capturing CUDA graphs (first step), compiling,
+      fla's autotuning, the optimizer's state and the allocator's growth (first steps);
+    - steady state: each later step, from the end of what came before it (the previous step, or the log
+      line, evaluation or checkpoint written after it) to its end: loading its batches, forward, backward,
+      the optimizer's update (the loss's NaN check reads it every step, so the host's clock waits for the
+      device);
+    - the rest (``split``'s ``other_seconds``): evaluations, checkpoints and log lines after the set-up,
+      and what follows the last step.
+
+    Only the steps of this run count (after a resume, not those done before it). With ``setup_steps`` steps
+    or fewer there is no steady state."""
+
+    def __init__(self, setup_steps: int = 2, now: Callable[[], float] = time.perf_counter):
+        self.setup_steps, self.now = setup_steps, now
+        self.start = now()
+        self.steps = 0  # optimizer steps ended in this run
+        self.setup_end = None  # when the set-up's last step ended
+        self.steady = 0.0  # seconds inside the steady steps
+        self.mark = self.start  # when the latest step, log, evaluation or checkpoint ended
+        self.end = None  # when training ended
+
+    def _mark(self, *args, **kwargs):
+        self.mark = self.now()
+
+    on_log = on_evaluate = on_save = _mark
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.now()
+        self.steps += 1
+        if self.steps > self.setup_steps:
+            self.steady += t - self.mark
+        elif self.steps == self.setup_steps:
+            self.setup_end = t
+        self.mark = t
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.end = self.now()
+
+    def measured(self, tokens_per_step: int) -> dict:
+        """This stage's split, with ``tokens_per_step`` tokens in each optimizer step (over every process):
+        ``seconds`` (from the clock's making to the end of training), ``setup`` and ``steady`` (each
+        ``seconds``, ``steps``, ``tokens``; steady also ``tokens_per_second``, None without steady steps)."""
+        end = self.end if self.end is not None else self.now()
+        setup_steps = min(self.steps, self.setup_steps)
+        setup_end = self.setup_end if self.setup_end is not None else (self.mark if self.steps else self.start)
+        steady_steps = self.steps - setup_steps
+        return {"seconds": end - self.start,
+                "setup": {"seconds": setup_end - self.start, "steps": setup_steps,
+                          "tokens": setup_steps * tokens_per_step},
+                "steady": {"seconds": self.steady, "steps": steady_steps, "tokens": steady_steps * tokens_per_step,
+                           "tokens_per_second": _rate(steady_steps * tokens_per_step, self.steady)}}
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+    return tokens / seconds if tokens and seconds > 0 else None
+
+
+def split(records: list[dict], seconds: float | None = None) -> dict:
+    """Several stages' ``StepClock.measured`` records added up: ``setup`` and ``steady`` (each ``seconds``,
+    ``steps``, ``tokens``, ``tokens_per_second``) and ``other_seconds``, the rest of ``seconds`` (the wall
+    time they were part of; default: the records' own): evaluations, checkpoints, log lines, and
+    whatever ran between the stages. Set-up tokens/s counts the first steps' tokens over the whole
+    set-up, so it says how long the set-up delays a run, not how fast its steps are."""
+    out = {}
+    for part in ("setup", "steady"):
+        total = {key: sum(r[part][key] for r in records) for key in ("seconds", "steps", "tokens")}
+        out[part] = {**total, "tokens_per_second": _rate(total["tokens"], total["seconds"])}
+    wall = sum(r["seconds"] for r in records) if seconds is None else seconds
+    out["other_seconds"] = max(0.0, wall - out["setup"]["seconds"] - out["steady"]["seconds"])
+    return out
+
+
+def split_line(split_record: dict) -> str:
+    """``split``'s record in a summary's words: the set-up's seconds and steps, the steady tokens/s."""
+    setup, steady = split_record["setup"], split_record["steady"]
+    rate = "no steady steps" if steady["tokens_per_second"] is None else \
+        f"steady {steady['tokens_per_second']:,.0f} tok/s over {steady['steps']} steps"
+    return f"set-up {setup['seconds']:.1f}s ({setup['steps']} steps), {rate}"
 
 
 class RecipeTrainer(Trainer):
@@ -267,12 +359,17 @@ def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
 
 def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig, *, stage: str,
           callbacks: list[TrainerCallback] = (), resume: bool | str | None = None,
-          metrics_path: str | Path | None = None) -> RecipeTrainer:
-    """Run one training stage; returns the Trainer (its ``state.log_history`` has the curves).
+          metrics_path: str | Path | None = None, clock: StepClock | None = None) -> RecipeTrainer:
+    """Run one training stage; returns the Trainer (its ``state.log_history`` has the curves, its
+    ``speed`` the stage's ``StepClock.measured`` record).
 
     ``resume``: True continues from the newest checkpoint in ``output_dir``, a path from that one.
-    Metrics are appended to ``metrics_path`` (default ``output_dir/metrics.jsonl``), tagged with ``stage``.
+    Metrics are appended to ``metrics_path`` (default ``output_dir/metrics.jsonl``), tagged with ``stage``;
+    the speed record is its last line (``speed``) and goes into ``output_dir/train_config.json`` too.
+    ``clock``: the stage's ``StepClock``, made by the caller where the stage's set-up begins (default:
+    one made now, with ``cfg.setup_steps``).
     """
+    clock = clock or StepClock(cfg.setup_steps)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise LinearizeError(f"{stage}: nothing to train (no parameter requires grad)")
@@ -280,7 +377,8 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
         raise LinearizeError(f"{stage}: the training data is empty")
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    all_callbacks = [JsonlLogger(Path(metrics_path or out / "metrics.jsonl"), stage), *callbacks]
+    metrics = Path(metrics_path or out / "metrics.jsonl")
+    all_callbacks = [JsonlLogger(metrics, stage), *callbacks, clock]
     if cfg.early_stopping_patience is not None and eval_dataset is not None:
         all_callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
     args = training_arguments(cfg, eval_dataset is not None)
@@ -298,9 +396,13 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
         resume = _complete_checkpoint(out)
     with transient_bars():  # the checkpoints' "Writing model shards" bars
         trainer.train(resume_from_checkpoint=resume)  # a NaN/inf loss raises LinearizeError (compute_loss)
+    per_step = cfg.batch_size * cfg.grad_accum * len(train_dataset[0]["input_ids"]) * trainer.args.world_size
+    trainer.speed = clock.measured(per_step)
     if is_main_process():
         with (out / "train_config.json").open("w") as fh:
-            json.dump({**asdict(cfg), "stage": stage, "world_size": world_size()}, fh, indent=1)
+            json.dump({**asdict(cfg), "stage": stage, "world_size": world_size(), "speed": trainer.speed}, fh, indent=1)
+        with metrics.open("a") as fh:
+            fh.write(json.dumps({"stage": stage, "step": trainer.state.global_step, "speed": trainer.speed}) + "\n")
     return trainer
 
 

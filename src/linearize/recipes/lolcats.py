@@ -273,12 +273,14 @@ def _load_trained(student, stage_dir: Path) -> None:
 
 
 def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dict:
-    from .engine import train
+    """Train stage 1 (jointly, or block by block); returns its record (``_timed``: steps, seconds, tokens,
+    the set-up / steady split, whose set-up counts each block's caching of the teacher's hidden states)."""
+    from .engine import StepClock, train
 
     converted = sorted(mixers(student))
     k = cfg.layers_per_block or len(converted)
     groups = [converted[i : i + k] for i in range(0, len(converted), k)]
-    start, steps = _start_clock(), 0
+    start, steps, speeds = _start_clock(), 0, []
     previous = None  # the previous block's cached inputs, from which the next block's are made
     for b, group in enumerate(groups):
         stage_dir = out / "stage1" / (f"block-{b:02d}" if len(groups) > 1 else "joint")
@@ -286,6 +288,7 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
             _load_trained(student, stage_dir)
             previous = None
             continue
+        clock = StepClock()  # the block's set-up begins: caching the teacher's states entering it, then the Trainer
         _freeze_all_but(student, set(group))
         loss = build_objective("attention_mse", context=dict(layers=tuple(group), mse_factor=cfg.mse_factor,
                                                             xent_factor=cfg.xent_factor))
@@ -297,8 +300,9 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
                 loss = _feeding(loss, feed)
             trainer = train(student, block_train, block_eval, loss, stage_config(cfg, "stage1", stage_dir),
                             stage=f"stage1[{b}]", resume=True if cfg.resume else None,
-                            metrics_path=out / "metrics.jsonl")
+                            metrics_path=out / "metrics.jsonl", clock=clock)
         steps += trainer.state.global_step
+        speeds.append(trainer.speed)
         if trainer.graphed is not None and len(groups) > 1:
             # the block's graphs (a reference cycle): their memory goes before the next block captures its own
             import gc
@@ -311,7 +315,7 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
         if is_main_process():  # the block's weights first, then the mark a resumed run trusts
             _save_trained(trained, stage_dir)
             (stage_dir / "done").write_text("ok\n")
-    return _timed({"blocks": len(groups), "steps": steps}, start, cfg)
+    return _timed({"blocks": len(groups), "steps": steps}, start, cfg, speeds)
 
 
 def _start_clock() -> float:
@@ -321,14 +325,17 @@ def _start_clock() -> float:
     return time.time()
 
 
-def _timed(info: dict, start: float, cfg: LolcatsConfig) -> dict:
-    """Add a stage's wall time, training tokens, tokens/s (tokens over every process) and, on CUDA,
-    this process's peak allocated memory to ``info``."""
+def _timed(info: dict, start: float, cfg: LolcatsConfig, speeds: list[dict]) -> dict:
+    """Add a stage's wall time, training tokens, tokens/s (tokens over every process; the stage's whole
+    wall time), its set-up / steady split (``engine.split`` of its trainings' ``speeds``: ``setup``,
+    ``steady``, ``other_seconds``) and, on CUDA, this process's peak allocated memory to ``info``."""
+    from .engine import split
+
     seconds = time.time() - start
     world = world_size()
     tokens = info["steps"] * cfg.batch_size * cfg.grad_accum * cfg.block_len * world
     return {**info, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / max(seconds, 1e-9),
-            **peak_gpu_memory()}
+            **split(speeds, seconds), **peak_gpu_memory()}
 
 
 # --- stage 2 -------------------------------------------------------------------------------------
@@ -355,7 +362,7 @@ def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
     trainer = train(peft_model, train_ds, eval_ds, _stage2_objective(cfg), stage_config(cfg, "stage2", out / "stage2"),
                     stage="stage2", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
     info = _timed({"steps": trainer.state.global_step, "lora_targets": targets,
-                   "loss": "lm" if stage2_learns_from_lm(cfg) else cfg.loss}, start, cfg)
+                   "loss": "lm" if stage2_learns_from_lm(cfg) else cfg.loss}, start, cfg, [trainer.speed])
     if cfg.merge:
         return peft_model.merge_and_unload(), info
     return peft_model, info
@@ -578,8 +585,16 @@ def run(cfg: LolcatsConfig) -> dict:
     tokens = sum(s["tokens"] for s in stages)
     results["train"] = {"steps": sum(s["steps"] for s in stages), "seconds": seconds, "tokens": tokens,
                         "tokens_per_second": tokens / max(seconds, 1e-9),
-                        "epochs": tokens / max(results["train_tokens_per_epoch"], 1)}  # passes over the corpus, both stages
+                        "epochs": tokens / max(results["train_tokens_per_epoch"], 1),  # passes over the corpus
+                        **_both_stages(stages, seconds)}
     return finish(student, tok, out, results, cfg.sample_prompt)
+
+
+def _both_stages(stages: list[dict], seconds: float) -> dict:
+    """The set-up / steady split of both stages together (each stage's ``setup`` and ``steady`` added up)."""
+    from .engine import split
+
+    return split([{"seconds": s["seconds"], "setup": s["setup"], "steady": s["steady"]} for s in stages], seconds)
 
 
 def _plot_layer_mse(results: dict, out: Path) -> None:
@@ -626,6 +641,8 @@ def apply_budget(cfg: LolcatsConfig, budget: str | None) -> LolcatsConfig:
 
 
 def summary(results: dict, row: str = "lolcats") -> str:
+    from .engine import split_line
+
     ppl = results["perplexity"]
     names = {"teacher": "teacher (softmax)", "converted": "converted, before training",
              "after_stage1": "after stage 1 (attention transfer)", "after_stage2": "after stage 2 (LoRA)"}
@@ -636,7 +653,7 @@ def summary(results: dict, row: str = "lolcats") -> str:
             r = results[stage]
             peak = f", peak {r['peak_gpu_bytes'] / 2**30:.2f} GiB" if "peak_gpu_bytes" in r else ""
             lines.append(f"  {stage}: {r['steps']} steps, {r['tokens']:,} tokens in {r['seconds']:.0f}s "
-                         f"({r['tokens_per_second']:,.0f} tok/s{peak})")
+                         f"({r['tokens_per_second']:,.0f} tok/s{peak}; {split_line(r)})")
     if "auto_softmax" in results:
         a = results["auto_softmax"]
         lines.append(f"  softmax kept at layers {a['chosen']} (auto:{a['k']} by {a['score']})")

@@ -113,12 +113,12 @@ def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) ->
                     metrics_path=out / "metrics.jsonl")
     for p in student.parameters():
         p.requires_grad_(True)
-    return {"steps": trainer.state.global_step, "parameters": count}
+    return {"steps": trainer.state.global_step, "parameters": count, "speed": trainer.speed}
 
 
 def run(cfg: UptrainConfig) -> dict:
     check_distillation(cfg)  # e.g. a bad transfer map fails now, not after the teacher and its perplexity
-    from .engine import train
+    from .engine import split, train
 
     graphed, why = cuda_graphs(cfg)
     fsdp = under_fsdp()  # the teacher loads on the CPU, and the student is built there (begin_run)
@@ -149,10 +149,11 @@ def run(cfg: UptrainConfig) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     start = time.time()
-    steps_done = 0
+    steps_done, speeds = 0, []  # speeds: each training stage's set-up / steady record (engine.StepClock)
     if cfg.align_steps:
         results["align"] = _align(student, frozen, train_ds, eval_ds, cfg, out)
         steps_done += results["align"]["steps"]
+        speeds.append(results["align"].pop("speed"))
         results["perplexity"]["student, after alignment"] = perplexity(student, eval_blocks)
         student = _plain(student)
     if first_steps := cfg.stage_before():
@@ -163,6 +164,7 @@ def run(cfg: UptrainConfig) -> dict:
                       train_config(cfg, out / "new-weights", first_steps, min(cfg.warmup_steps, first_steps)),
                       stage="new-weights", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
         steps_done += first.state.global_step
+        speeds.append(first.speed)
         student = _plain(student)
         for p in student.parameters():
             p.requires_grad_(True)
@@ -176,6 +178,7 @@ def run(cfg: UptrainConfig) -> dict:
                     stage="uptrain", callbacks=callbacks, resume=True if cfg.resume else None,
                     metrics_path=out / "metrics.jsonl")
     steps_done += trainer.state.global_step
+    speeds.append(trainer.speed)
     for callback in trainer.callback_handler.callbacks:  # the live ones: a resumed run restores fresh copies
         if hasattr(callback, "record"):  # XATL's freezing schedule: LIT's evaluations and the step it unfroze
             results["freeze"] = callback.record()
@@ -183,8 +186,11 @@ def run(cfg: UptrainConfig) -> dict:
         results["teacher_sharded_over"] = trainer.args.world_size if frozen.sharded else 1
     seconds = time.time() - start
     tokens = steps_done * cfg.batch_size * cfg.grad_accum * cfg.block_len * trainer.args.world_size
+    # the set-up / steady split of every stage together (the rest: evaluations, checkpoints and what runs
+    # between the stages, such as the perplexity after alignment)
     results["train"] = {"steps": steps_done, "seconds": seconds, "tokens": tokens, "tokens_per_second": tokens / seconds,
-                        "epochs": tokens / max(results["train_tokens_per_epoch"], 1)}  # passes over the corpus
+                        "epochs": tokens / max(results["train_tokens_per_epoch"], 1),  # passes over the corpus
+                        **split(speeds, seconds)}
     results["train"].update(peak_gpu_memory())  # under FSDP: each GPU's share of the student and the teacher
     results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
     return finish(_plain(student), tok, out, results, cfg.sample_prompt)
@@ -201,6 +207,8 @@ def _plain(student):
 
 
 def summary(results: dict, label: str) -> str:
+    from .engine import split_line
+
     lines = [f"[{label}] held-out perplexity ({results['eval_tokens']:,} tokens)"]
     lines += [f"  {k:<28} {v:10.2f}" for k, v in results["perplexity"].items()]
     if results.get("loss", "lm") != "lm":
@@ -212,6 +220,6 @@ def summary(results: dict, label: str) -> str:
                      "parameters fitted to the teacher's attention outputs)")
     t = results["train"]
     lines.append(f"  trained {t['steps']} steps, {t['tokens']:,} tokens ({t['epochs']:.2f} epochs of the corpus) in "
-                 f"{t['seconds']:.0f}s ({t['tokens_per_second']:,.0f} tok/s)")
+                 f"{t['seconds']:.0f}s ({t['tokens_per_second']:,.0f} tok/s; {split_line(t)})")
     lines.append(f"  sample (recurrent decoding): {results['sample']!r}")
     return "\n".join(lines)
