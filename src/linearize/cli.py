@@ -254,8 +254,10 @@ def cmd_generate(args) -> int:
             from .fast import fast_generate
 
             out = fast_generate(model, ids, streamer=streamer, **kw)
-        else:
-            out = model.generate(ids, streamer=streamer, **kw)
+        else:  # transformers' own loop (a linearize model's generate() would take the fast decoder)
+            from .decode.route import plain_loop
+
+            out = model.generate(ids, streamer=streamer, **plain_loop(model), **kw)
     seconds = time.perf_counter() - start
     new = out.shape[1] - ids.shape[1]
     print(f"[{new} tokens in {seconds:.1f}s, {new / seconds:.1f} tok/s]", file=sys.stderr)
