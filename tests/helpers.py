@@ -118,12 +118,22 @@ def loss_grads_and_prefill(model, ids, mask, labels):
     return out.logits.detach(), grads, cache
 
 
+def plain_generate(model, *args, **kwargs):
+    """``model.generate(...)`` through transformers' own decoding loop: a linearize model's ``generate()``
+    takes the fast decoder by default (``linearize.decode.route``), so it is asked for the plain loop
+    (``fast_decoding=False``; other models take no such keyword). The reference the fast decoder is checked
+    against, and the path of the mixers' cache layers."""
+    from linearize.decode.route import plain_loop
+
+    return model.generate(*args, **plain_loop(model), **kwargs)
+
+
 def cache_bytes_after(model, n: int) -> int:
     """Bytes a ``LinearizeCache`` holds after greedy ``generate()`` of exactly ``n`` tokens from an 8-token prompt."""
     from linearize.cache import LinearizeCache, cache_nbytes
 
     cache = LinearizeCache(model)
-    model.generate(torch.ones(1, 8, dtype=torch.long), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+    plain_generate(model, torch.ones(1, 8, dtype=torch.long), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                    past_key_values=cache, pad_token_id=0)
     return cache_nbytes(cache)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from linearize.cli import main
+from linearize.recipes.configs import names, packaged
 
 from helpers import tiny_config, tiny_tokenizer
 
@@ -81,6 +82,62 @@ def test_convert_from_yaml_recipe_with_flag_override(teacher_dir, tmp_path, caps
     assert main(["convert", "--config", str(recipe), "--window", "16", "--out", str(out), "--device", "cpu"]) == 0
     text = capsys.readouterr().out
     assert "'window': 16" in text and "'feature_map': 't2r'" in text
+
+
+@pytest.mark.parametrize("name", names())
+def test_convert_builds_the_student_a_packaged_recipe_describes(name, teacher_dir, tmp_path, capsys):
+    """``convert --config NAME`` on every packaged recipe: the student its command starts from (the file's
+    spec; XATL's architecture, transfer and kept layers), and one line naming the file's settings left to
+    that command."""
+    import json
+
+    import yaml
+
+    from linearize.cli import SPEC_FLAGS
+
+    recipe = yaml.safe_load(packaged(name).read_text())
+    out = tmp_path / "student"
+    assert main(["convert", "--config", name, "--teacher", str(teacher_dir), "--out", str(out), "--device", "cpu"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if "leaves" in line]
+    record = json.loads((out / "config.json").read_text())["linearize"]
+    method = name.split("_")[0]
+    if method == "xatl":  # the 3-layer teacher's layers 2 and N // 2 = 1 keep softmax
+        used = {"arch", "transfer", "keep_softmax"}
+        assert record["spec"]["kind"] == recipe["arch"] and record["keep_softmax"] == [1, 2]
+        assert record["xatl"]["transfer"] == recipe["transfer"].split(",")
+    else:
+        used = set(SPEC_FLAGS)
+        assert {k: record["spec"][k] for k in recipe if k in used} == {k: v for k, v in recipe.items() if k in used}
+    left = [k for k in recipe if k not in used]
+    assert len(lines) == 1 and lines[0].startswith(f"{name} is a recipe of 'linearize {method}'"), lines
+    assert lines[0].endswith(": " + ", ".join(left)), lines
+
+
+def test_convert_reads_a_recipe_file_flags_winning_and_refuses_bad_ones_in_one_line(teacher_dir, tmp_path, capsys):
+    import json
+
+    recipe = tmp_path / "long.yaml"
+    recipe.write_text(packaged("lolcats_long").read_text() + "keep_softmax: auto:1\nstage1_steps: 3\n")
+    out = tmp_path / "student"
+    assert main(["convert", "--config", str(recipe), "--teacher", str(teacher_dir), "--window", "8", "--out", str(out),
+                 "--device", "cpu"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "leaves" in line)
+    assert line.endswith(": budget, block_len, batch_size, keep_softmax, stage1_steps")  # auto:1: chosen in training
+    spec = json.loads((out / "config.json").read_text())["linearize"]["spec"]
+    assert spec["window"] == 8 and spec["decay"] == "gated" and spec["keep_softmax"] == []
+    for content, message in [("stage1_stepz: 3\n", "no setting stage1_stepz in any recipe"),
+                             ("stage1_steps: 3\nsteps: 4\n", "mixes settings of different recipes"),
+                             ("method: supra\nstage1_steps: 3\n", "no setting stage1_steps in the supra recipe"),
+                             ("method: delta\nsteps: 3\n", "method must be one of lolcats, supra, xatl"),
+                             ("steps: 3\nkeep_softmax: auto:2\n", "chosen by LoLCATs' attention transfer"),
+                             ("arch: mamba2\n", "arch must be one of retnet, striped_mamba, mamba"),
+                             ("block_len: 64\nkind: mamba\n", "spec kind must be one of")]:
+        recipe.write_text(content)
+        assert main(["convert", "--config", str(recipe), "--teacher", str(teacher_dir), "--out", str(tmp_path / "o"),
+                     "--device", "cpu"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("linearize: error: ") and message in err and err.count("\n") == 1, (content, err)
+        assert not (tmp_path / "o").exists()
 
 
 def _run(*args, env_extra=None):

@@ -72,9 +72,10 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
                    "alone, for retrieval)")
     g.add_argument("--backend", choices=BACKENDS, help="auto: fla CUDA kernels when installed; torch: PyTorch only")
     g.add_argument("--config", type=Path, help="a recipe: a YAML file whose keys are settings (convert: the flags "
-                   "above and teacher; lolcats, supra: any of the command's settings, e.g. stage1_steps, loss, "
-                   "budget), a run's run_config.json (to run it again), or a packaged recipe's name "
-                   "(linearize.recipes.configs); flags win")
+                   "above and teacher, or any training recipe's file, whose student it builds, naming in one line the "
+                   "settings it leaves to that recipe; lolcats, supra: any of the command's settings, e.g. "
+                   "stage1_steps, loss, budget), a run's run_config.json (to run it again), or a packaged recipe's "
+                   "name (linearize.recipes.configs); flags win")
 
 
 SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "decay_horizon", "feature_rope", "norm",
@@ -133,9 +134,11 @@ def _spec_from_args(args) -> tuple[dict, dict]:
     return recipe, other
 
 
-def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, **fixed):
+def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, *, command: str | None = None,
+                   **fixed):
     """A recipe's config: the budget preset, then the --config file (any field of the recipe's config,
-    spec keys at the top or under ``spec``), then the flags; ``fixed``: what the command itself sets.
+    spec keys at the top or under ``spec``), then the flags; ``fixed``: what the command itself sets;
+    ``command``: the recipe's command (default: the one running; ``convert`` reads a recipe's file too).
     Unknown keys in the file fail with one line, before anything loads."""
     from dataclasses import fields, replace
 
@@ -146,8 +149,9 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
         hybrid = recipe.pop("hybrid")
         if hybrid and not recipe.get("keep_softmax"):
             recipe["keep_softmax"] = hybrid
+    command = command or args.command
     file_budget = recipe.pop("budget", None)  # the flag wins over the file's
-    budget = args.budget or file_budget
+    budget = getattr(args, "budget", None) or file_budget
     spec = {**spec_base, **(recipe.pop("spec", None) or {})}
     spec.update({k: recipe.pop(k) for k in SPEC_FLAGS if k in recipe and k != "keep_softmax"})
     spec.update({k: getattr(args, k) for k in SPEC_FLAGS
@@ -156,7 +160,7 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
     keep = getattr(args, "keep_softmax", None) or recipe.pop("keep_softmax", None) or spec.pop("keep_softmax", None)
     spec.pop("keep_softmax", None)
     method = recipe.pop("method", None)
-    if method is not None and method != fixed.get("method", args.command):
+    if method is not None and method != fixed.get("method", command):
         raise LinearizeError(f"{args.config} is a {method} recipe; run it with 'linearize {method}'")
     out = str(args.out) if args.out is not None else str(recipe.pop("out", None) or default_out)
     recipe.pop("out", None)
@@ -168,12 +172,12 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
     names = {f.name for f in fields(cfg)}
     unknown = sorted(set(recipe) - names)
     if unknown:
-        raise LinearizeError(f"{args.config}: no setting {', '.join(unknown)} in the {args.command} recipe; its "
+        raise LinearizeError(f"{args.config}: no setting {', '.join(unknown)} in the {command} recipe; its "
                              f"settings: budget, {', '.join(sorted(names - {'method'}))}, and the spec keys")
     flags = {n: getattr(args, n) for n in names - {"teacher", "out", "spec", "keep_softmax", "method"}
              if getattr(args, n, None) is not None}
     named = isinstance(keep, str) and (keep.strip().startswith("auto:")  # chosen by the recipe: lolcats' auto:K,
-                                       or (keep.strip() == "xatl" and args.command in ("xatl", "orderings")))  # XATL's 2, N/2
+                                       or (keep.strip() == "xatl" and command in ("xatl", "orderings")))  # 2, N/2
     if named:
         keep = keep.strip()
     else:
@@ -197,15 +201,86 @@ def cmd_convert(args) -> int:
 
     from .spec import Spec
 
-    spec, other = _spec_from_args(args)
-    Spec.coerce(spec)  # a bad spec fails here, before the teacher loads
-    teacher_spec = args.teacher if args.teacher != "default" else other.get("teacher")
-    teacher, tokenizer = load_teacher(teacher_spec, dtype=args.dtype, device=args.device)
-    student = convert(teacher, spec, inplace=True)
+    method = recipe_of(read_recipe(args.config), args.config)
+    if method is None:  # a file of spec keys (or none): the spec, flags winning
+        spec, other = _spec_from_args(args)
+        Spec.coerce(spec)  # a bad spec fails here, before the teacher loads
+        teacher_spec = args.teacher if args.teacher != "default" else other.get("teacher")
+        teacher, tokenizer = load_teacher(teacher_spec, dtype=args.dtype, device=args.device)
+        student = convert(teacher, spec, inplace=True)
+    else:  # a recipe's file: the student its command would build first, before any training
+        cfg, left = _recipe_student(args, method)
+        teacher, tokenizer = load_teacher(cfg.teacher, dtype=args.dtype, device=args.device)
+        student = cfg.convert_teacher(teacher) if method == "lolcats" else cfg.build(teacher)[0]
+        if left:
+            print(f"{args.config} is a recipe of 'linearize {method}': convert built its student and leaves that "
+                  f"command these settings: {', '.join(left)}")
     out = save(student, tokenizer, args.out)
     print(describe(student))
     print(f"saved {out}")
     return 0
+
+
+RECIPE_KEYS = ("budget", "spec", "hybrid", "out", "method", "teacher")  # a recipe file's keys besides its config's
+
+
+def recipe_of(recipe: dict, config) -> str | None:
+    """The recipe (``lolcats``, ``supra``, ``xatl``) whose settings ``convert --config`` finds in ``recipe``,
+    the file's mapping: None for a file of spec keys (and ``teacher``) alone; else the file's ``method``
+    (a run's run_config.json), else ``xatl`` where XATL's own settings appear (arch, transfer, freeze, LIT,
+    ``keep_softmax: xatl``), else the first of lolcats and supra whose settings hold every key. A key no
+    recipe has fails in one line."""
+    from dataclasses import fields
+
+    from .recipes.settings import LolcatsConfig, SupraConfig, UptrainConfig, XatlConfig
+    from .spec import Spec
+
+    rest = set(recipe) - {f.name for f in fields(Spec)} - {"teacher"}
+    if not rest:
+        return None
+    recipes = {"lolcats": LolcatsConfig, "supra": SupraConfig, "xatl": XatlConfig}
+    if "method" in recipe:
+        if recipe["method"] not in recipes:
+            raise LinearizeError(f"{config}: method must be one of {', '.join(recipes)}, got {recipe['method']!r}")
+        return recipe["method"]
+    settings = {name: {f.name for f in fields(cls)} | set(SPEC_FLAGS) | set(RECIPE_KEYS)
+                for name, cls in recipes.items()}
+    xatl_own = settings["xatl"] - {f.name for f in fields(UptrainConfig)} - set(SPEC_FLAGS) - set(RECIPE_KEYS)
+    if rest <= settings["xatl"] and (rest & (xatl_own | {"hybrid"}) or recipe.get("keep_softmax") == "xatl"):
+        return "xatl"
+    fits = [name for name in ("lolcats", "supra") if rest <= settings[name]]
+    if fits:
+        return fits[0]
+    unknown = sorted(rest - set().union(*settings.values()))
+    if unknown:
+        raise LinearizeError(f"{config}: no setting {', '.join(unknown)} in any recipe (lolcats, supra, xatl), "
+                             "nor a spec key")
+    raise LinearizeError(f"{config} mixes settings of different recipes ({', '.join(sorted(rest))}); give one "
+                         "recipe's, or name it with method: lolcats, supra or xatl")
+
+
+def _recipe_student(args, method: str):
+    """``(config, left)`` for ``convert --config`` on a ``method`` recipe's file: the recipe's config as its
+    command reads the file (flags winning; its settings and spec checked before the teacher loads), and
+    the file's keys that building the student does not use, left to the recipe's command."""
+    from .recipes.settings import DEFAULT_SPEC, LolcatsConfig, SupraConfig, XatlConfig
+    from .spec import Spec
+
+    make, base = {"lolcats": (LolcatsConfig, DEFAULT_SPEC), "supra": (SupraConfig, {"kind": "supra"}),
+                  "xatl": (XatlConfig, {})}[method]
+    # the budget presets set training lengths and batches only: the student does not depend on them
+    cfg = _recipe_config(args, make, lambda config, budget: config, str(args.out), base, command=method)
+    named = isinstance(cfg.keep_softmax, str)  # lolcats' auto:K (chosen after stage 1), XATL's layers 2 and N/2
+    if method == "xatl":
+        cfg.check()  # the transfer map
+        used = {"arch", "transfer", "keep_softmax", "hybrid", "seed"}
+    else:
+        if method == "supra":
+            cfg.check()
+        Spec.coerce({**cfg.spec, "keep_softmax": [] if named else list(cfg.keep_softmax)})
+        used = set(SPEC_FLAGS) - ({"keep_softmax"} if named else set()) | {"spec"}
+    left = [k for k in read_recipe(args.config) if k not in used | {"teacher", "method"}]
+    return cfg, left
 
 
 def _read_prompt(path: str) -> str:
@@ -263,8 +338,10 @@ def cmd_generate(args) -> int:
             from .fast import fast_generate
 
             out = fast_generate(model, ids, streamer=streamer, **kw)
-        else:
-            out = model.generate(ids, streamer=streamer, **kw)
+        else:  # transformers' own loop (a linearize model's generate() would take the fast decoder)
+            from .decode.route import plain_loop
+
+            out = model.generate(ids, streamer=streamer, **plain_loop(model), **kw)
     seconds = time.perf_counter() - start
     new = out.shape[1] - ids.shape[1]
     print(f"[{new} tokens in {seconds:.1f}s, {new / seconds:.1f} tok/s]", file=sys.stderr)

@@ -20,14 +20,16 @@ import torch
 import linearize
 from linearize.cache import LinearizeCache, cache_keyword, cache_nbytes
 from linearize.data import load_blocks
+from linearize.decode.route import plain_loop
 from linearize.recipes import lolcats
 
 
 def _held_bytes(model, prompt, n, pad_id):
-    """Bytes of the decoding cache after ``n`` new tokens (generate() fills the cache it is given)."""
+    """Bytes of the decoding cache after ``n`` new tokens (transformers' own generate() loop fills the cache
+    it is given)."""
     cache = LinearizeCache(model)
     model.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=pad_id,
-                   **{cache_keyword(model): cache})
+                   **{cache_keyword(model): cache}, **plain_loop(model))
     return cache_nbytes(cache)
 
 

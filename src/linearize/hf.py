@@ -12,7 +12,8 @@ config class subclasses the base family's config: the base fields stay flat in c
 that read ``hidden_size`` or ``num_hidden_layers`` keep working) and the ``linearize`` record sits
 beside them (spec, teacher, conversion date, training runs, the weights' sha256). Its model class
 subclasses the base family's ``...ForCausalLM`` and, when built, converts its layers as the recorded
-spec says (``convert.apply_spec``): parameters and state-dict keys are exactly the student's, so
+spec says (``convert.apply_spec``); its ``generate()`` takes the fast decoder by default
+(``decode.route``). Parameters and state-dict keys are exactly the student's, so
 ``from_pretrained`` loads every tensor by name, XATL students (whose mixers drop q/k/v) included.
 One ``linearize`` type with the base config nested was the alternative; transformers maps a config
 class to one model class, so it would need a wrapper module whose paths and state-dict keys
@@ -136,6 +137,16 @@ class LinearizedModel:
 
         apply_spec(self, Spec.coerce(record["spec"]))
         config.auto_map = auto_map(config.base_model_type)
+
+    def generate(self, *args, fast_decoding: bool | None = None, **kwargs):
+        """transformers' ``generate()``, decoded by linearize's fast decoder wherever it honours the call
+        (greedy or sampling with temperature / top-k / top-p, EOS ids, stopping criteria, streamers), else
+        by transformers' own loop with one warning line saying why (``linearize.decode.route``).
+        ``fast_decoding=False``, or ``generation_config.fast_decoding = False``, always takes
+        transformers' loop; None (the default) takes the generation config's setting, else the fast one."""
+        from .decode.route import generate
+
+        return generate(self, super().generate, fast_decoding, *args, **kwargs)
 
     @classmethod
     def register_for_auto_class(cls, auto_class="AutoModelForCausalLM"):

@@ -5,7 +5,7 @@ kept sliding-window softmax layers (Gemma's local layers) from a ring of their w
 import pytest
 import torch
 
-from helpers import greedy_by_full_forwards, run_triton_interpreter_script, tiny_student
+from helpers import greedy_by_full_forwards, plain_generate, run_triton_interpreter_script, tiny_student
 
 import linearize
 from linearize import LinearizeError, ops
@@ -119,7 +119,7 @@ def test_dropping_key_features_shrinks_the_state(tiny_model):
 def test_fast_greedy_equals_generate_for_every_mixer(tiny_model):
     prompt = _ids(b=2, t=9)
     for name, model in _all_models(tiny_model):
-        ref = model.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=0)
+        ref = plain_generate(model, prompt, max_new_tokens=14, do_sample=False, pad_token_id=0)
         fast = fast_generate(model, prompt, max_new_tokens=14, pad_token_id=0)
         assert torch.equal(fast, ref), name
 
@@ -154,16 +154,16 @@ def test_xatl_left_padding_through_plain_generate(tiny_model, arch):
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):
         ids[i, 8 - len(p):], mask[i, 8 - len(p):] = p, 1
-    batch = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    batch = plain_generate(model, ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     for i, p in enumerate(prompts):
-        alone = model.generate(p[None], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        alone = plain_generate(model, p[None], max_new_tokens=6, do_sample=False, pad_token_id=0)
         assert torch.equal(batch[i, 8:], alone[0, len(p):]), i
 
 
 def test_reachable_through_generate(tiny_model):
     model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
     prompt = _ids(b=2, t=7)
-    ref = model.generate(prompt, max_new_tokens=9, do_sample=False, pad_token_id=0)
+    ref = plain_generate(model, prompt, max_new_tokens=9, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(prompt, max_new_tokens=9, do_sample=False, pad_token_id=0, custom_generate=decode), ref)
     with pytest.raises(LinearizeError, match="num_beams"):
         model.generate(prompt, max_new_tokens=3, num_beams=2, custom_generate=decode)
@@ -184,7 +184,7 @@ def test_eos_ends_a_sequence_and_pads_the_rest(tiny_model):
     first = int((row == eos).nonzero()[0])
     assert torch.equal(row[: first + 1], free[0, 6 : 6 + first + 1])
     assert (row[first + 1 :] == 0).all()
-    ref = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    ref = plain_generate(model, prompt, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
     assert torch.equal(out[:, : ref.shape[1]], ref)
 
 
@@ -196,7 +196,7 @@ def test_any_of_several_eos_ids_ends_a_sequence(tiny_model):
     free = fast_generate(model, prompt, max_new_tokens=12, pad_token_id=0)
     eos = sorted({int(free[0, 6 + 2]), int(free[1, 6 + 5])})  # sequence 0's third new token, 1's sixth
     out = fast_generate(model, prompt, max_new_tokens=12, eos_token_id=eos, pad_token_id=1)
-    ref = model.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=1)
+    ref = plain_generate(model, prompt, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=1)
     assert torch.equal(out[:, : ref.shape[1]], ref)
     ended = 0
     for row, free_row in zip(out[:, 6:], free[:, 6:]):
@@ -394,7 +394,7 @@ def test_info_reports_the_fast_state(tiny_model):
 def test_one_new_token_comes_from_the_prefill(tiny_model):
     model = tiny_student(tiny_model, "llama", {"kind": "supra"})
     prompt = _ids(b=2, t=5)
-    ref = model.generate(prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    ref = plain_generate(model, prompt, max_new_tokens=1, do_sample=False, pad_token_id=0)
     assert torch.equal(fast_generate(model, prompt, max_new_tokens=1), ref)
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import tiny_student
+from helpers import plain_generate, tiny_student
 
 from linearize.convert import mixers
 from linearize.decode import FastDecoder, fast_generate, fused_projections
@@ -79,7 +79,7 @@ def test_fused_greedy_equals_unfused_and_generate(tiny_model, family, spec):
     mask[1, :4] = 0  # a left-padded sequence
     prompt = prompt.masked_fill(mask == 0, 0)
     snap = _snapshot(model)
-    ref = model.generate(prompt, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ref = plain_generate(model, prompt, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
     plain = fast_generate(model, prompt, mask, max_new_tokens=12, pad_token_id=0, fuse_projections=False)
     watch = _Watch(model)
     fused = fast_generate(model, prompt, mask, max_new_tokens=12, pad_token_id=0, streamer=watch)
@@ -130,7 +130,7 @@ def test_weights_are_read_afresh_on_every_call(tiny_model):
     after = decoder.generate(prompt, max_new_tokens=10)
     assert not torch.equal(after, before)
     assert torch.equal(after, FastDecoder(model, fuse_projections=False).generate(prompt, max_new_tokens=10))
-    assert torch.equal(after, model.generate(prompt, max_new_tokens=10, do_sample=False))
+    assert torch.equal(after, plain_generate(model, prompt, max_new_tokens=10, do_sample=False))
 
 
 # --------------------------------------------------------------------------- restored
@@ -200,7 +200,7 @@ def test_lora_wrapped_projections_stay_unfused(tiny_model):
         assert n == len(_mlps(student))  # the MLPs only: q/k/v of every converted layer stay separate
         assert not any(hasattr(m, "fused_qkv") for m in mixers(student).values())
     prompt = _ids()
-    ref = student.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    ref = plain_generate(student, prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
     unfused = fast_generate(student, prompt, max_new_tokens=10, pad_token_id=0, fuse_projections=False)
     assert torch.equal(fast_generate(student, prompt, max_new_tokens=10, pad_token_id=0), ref)
     assert torch.equal(unfused, ref)

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import run_triton_interpreter_script, tiny_student
+from helpers import plain_generate, run_triton_interpreter_script, tiny_student
 
 from linearize.convert import mixers
 from linearize.decode import FastDecoder, fast_generate, fused_projections
@@ -136,7 +136,7 @@ def test_stand_ins_fall_back_for_float64_and_decode_generates_tokens(tiny_model,
     """float64 (CPU tests) is not a kernel dtype: the stand-ins run the modules, and the tokens are generate()'s."""
     model = tiny_student(tiny_model, family, spec)
     prompt = _ids()
-    ref = model.generate(prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    ref = plain_generate(model, prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(fast_generate(model, prompt, max_new_tokens=10, pad_token_id=0, fuse_kernels=True), ref)
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import linearize
-from helpers import tiny_config, tiny_tokenizer
+from helpers import plain_generate, tiny_config, tiny_tokenizer
 from linearize.cache import LinearizeCache, cache_nbytes
 from linearize.cli import main
 from linearize.info import state_bytes
@@ -21,8 +21,8 @@ def test_state_bytes_at_a_length_is_what_the_cache_holds(tiny_model, spec):
     student = linearize.convert(tiny_model("llama"), spec)
     prompt = torch.ones(2, 6, dtype=torch.long)
     cache = LinearizeCache(student)
-    student.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, past_key_values=cache,
-                     pad_token_id=0)
+    plain_generate(student, prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False, past_key_values=cache,
+                   pad_token_id=0)
     length = 6 + 20 - 1  # the last token is never fed back
     mem = state_bytes(student, length, batch=2)
     assert mem["total"] == cache_nbytes(cache) - 2 * 2 * WINDOW_FLAGS

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import linearize
-from helpers import decode_incrementally, greedy_by_full_forwards, random_grads, tiny_student, tiny_tokenizer
+from helpers import (decode_incrementally, greedy_by_full_forwards, plain_generate, random_grads, tiny_student,
+                     tiny_tokenizer)
 from linearize import ops
 from linearize.cache import LinearizeCache, cache_nbytes
 from linearize.info import state_bytes
@@ -276,7 +277,7 @@ def test_delta_student_decodes_like_its_parallel_forward(tiny_model, family):
     torch.testing.assert_close(decode_incrementally(student, ids, 13), student(ids, use_cache=False).logits,
                                atol=1e-10, rtol=0)
     prompt = ids[:1, :7]
-    out = student.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = plain_generate(student, prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
 
 
@@ -302,7 +303,7 @@ def test_fast_decoder_equals_generate(tiny_model, family):
     ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, :4] = 0
-    ref = student.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    ref = plain_generate(student, ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert torch.equal(fast_generate(student, ids, mask, max_new_tokens=16, pad_token_id=0), ref)
     one_by_one = FastDecoder(student, prefill_batch=1)  # the prefill's states joined
     assert torch.equal(one_by_one.generate(ids, mask, max_new_tokens=16, pad_token_id=0), ref)
@@ -315,9 +316,9 @@ def test_delta_left_padded_batch_generates_like_single_sequences(tiny_model):
     ids, mask = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    batch = student.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    batch = plain_generate(student, ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     for i, p in enumerate(prompts):
-        alone = student.generate(p[None], max_new_tokens=10, do_sample=False, pad_token_id=0)
+        alone = plain_generate(student, p[None], max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert torch.equal(batch[i, width:], alone[0, len(p):])
 
 
@@ -335,8 +336,8 @@ def test_delta_student_saves_loads_and_holds_constant_memory(tiny_model, tmp_pat
 
     def held_after(n):
         cache = LinearizeCache(student)
-        student.generate(ids[:1, :6], max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache,
-                         pad_token_id=0)
+        plain_generate(student, ids[:1, :6], max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache,
+                       pad_token_id=0)
         return cache_nbytes(cache)
 
     window_flags = 3 * 4  # the window's padding flags (bool), left out of state_bytes as for the hybrid

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import linearize
-from helpers import cache_bytes_after, decode_incrementally, greedy_by_full_forwards, left_padded, random_grads, tiny_student
+from helpers import (cache_bytes_after, decode_incrementally, greedy_by_full_forwards, left_padded, plain_generate,
+                     random_grads, tiny_student)
 from linearize import LinearizeError, ops
 from linearize.cache import LinearizeCache
 from linearize.info import state_bytes
@@ -283,7 +284,7 @@ def test_decoding_through_the_cache_equals_parallel_forward(tiny_model, family, 
     torch.testing.assert_close(decode_incrementally(student, ids, 13), student(ids, use_cache=False).logits,
                                atol=1e-10, rtol=0)
     prompt = ids[:1, :7]
-    out = student.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = plain_generate(student, prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
 
 
@@ -294,9 +295,9 @@ def test_left_padded_batch_generates_like_single_sequences(tiny_model):
     ids, mask = torch.zeros(2, width, dtype=torch.long), torch.zeros(2, width, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    batch = student.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    batch = plain_generate(student, ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     for i, p in enumerate(prompts):
-        alone = student.generate(p[None], max_new_tokens=10, do_sample=False, pad_token_id=0)
+        alone = plain_generate(student, p[None], max_new_tokens=10, do_sample=False, pad_token_id=0)
         assert torch.equal(batch[i, width:], alone[0, len(p):])
 
 
@@ -427,7 +428,7 @@ def test_fast_decoder_equals_generate_with_a_cache(tiny_model, family, priority,
     batch = fast_generate(student, ids, mask, max_new_tokens=16, pad_token_id=0)
     assert len(ring_steps) == 15 * 3  # every decode step of every layer on the fixed buffers
     for i, p in enumerate(prompts):
-        ref = student.generate(p[None], max_new_tokens=16, do_sample=False, pad_token_id=0)
+        ref = plain_generate(student, p[None], max_new_tokens=16, do_sample=False, pad_token_id=0)
         assert torch.equal(batch[i, ids.shape[1]:], ref[0, len(p):]), i
     assert torch.equal(fast_generate(student, prompts[0][None], max_new_tokens=20),
                        greedy_by_full_forwards(student, prompts[0][None], 20))

@@ -11,7 +11,7 @@ import torch
 
 import linearize
 from helpers import (cache_bytes_after, decode_incrementally, gated_student, greedy_by_full_forwards, left_padded,
-                     random_grads)
+                     plain_generate, random_grads)
 from linearize import LinearizeError, ops
 from linearize.convert import mixers
 from linearize.fast import fast_generate
@@ -248,7 +248,7 @@ def test_long_student_decodes_through_the_cache_as_its_forward(tiny_model, famil
     plain = _student(tiny_model, LONG, family)
     assert (plain(ids, use_cache=False).logits - full).abs().max() > 1e-4
     prompt = ids[:1, :7]
-    out = student.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = plain_generate(student, prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
 
 
@@ -268,7 +268,7 @@ def test_fast_decoder_with_a_fading_cache_equals_generate(tiny_model, decay, mon
     batch = fast_generate(student, ids, mask, max_new_tokens=16, pad_token_id=0)
     assert len(gated_steps) == 15 * len(mixers(student)) and all(gated_steps)  # every decode step, every layer, faded
     for i, p in enumerate(prompts):
-        ref = student.generate(p[None], max_new_tokens=16, do_sample=False, pad_token_id=0)
+        ref = plain_generate(student, p[None], max_new_tokens=16, do_sample=False, pad_token_id=0)
         assert torch.equal(batch[i, ids.shape[1]:], ref[0, len(p):]), i
 
 

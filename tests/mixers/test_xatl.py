@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import linearize
-from helpers import decode_incrementally, greedy_by_full_forwards, random_grads, tiny_config, tiny_tokenizer
+from helpers import (decode_incrementally, greedy_by_full_forwards, plain_generate, random_grads, tiny_config,
+                     tiny_tokenizer)
 from linearize import LinearizeError, ops
 from linearize.cache import LinearizeCache, RecurrentLayer, cache_nbytes
 from linearize.info import state_bytes
@@ -238,7 +239,7 @@ def test_greedy_generate_equals_argmax_of_parallel_forwards(arch, hybrid):
     assert report.keep_softmax == ((2,) if hybrid else ())
     student.generation_config.eos_token_id = None  # the tiny config's eos (2) would end generation early
     prompt = _ids(b=1, t=7)
-    out = student.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = plain_generate(student, prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
 
 
@@ -249,8 +250,8 @@ def test_cache_memory_does_not_grow_with_generated_length(arch):
 
     def held_after(n):
         cache = LinearizeCache(student)
-        student.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         past_key_values=cache, pad_token_id=0)
+        plain_generate(student, prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       past_key_values=cache, pad_token_id=0)
         return cache_nbytes(cache)
 
     assert held_after(8) == held_after(40) > 0
@@ -546,7 +547,8 @@ def test_real_teacher_xatl_build_and_recurrent_decoding(arch, hybrid):
             steps.append(out.logits)
         diff = (torch.cat(steps, dim=1) - full).abs().max().item()
         assert diff < 1e-3 * max(1.0, full.abs().max().item()), diff
-        gen = student.generate(ids[:, :16], max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        gen = plain_generate(student, ids[:, :16], max_new_tokens=6, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
         seq = ids[:, :16]
         for _ in range(6):
             seq = torch.cat([seq, student(seq, use_cache=False).logits[:, -1:].argmax(-1)], dim=1)

@@ -5,7 +5,7 @@ import torch
 
 import linearize
 from linearize import LinearizeError
-from helpers import decode_incrementally, greedy_by_full_forwards, tiny_tokenizer
+from helpers import decode_incrementally, greedy_by_full_forwards, plain_generate, tiny_tokenizer
 from linearize.cache import LinearizeCache, RecurrentLayer, cache_nbytes
 
 FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "gemma3_text", "smollm3", "gpt_neox"]
@@ -62,7 +62,7 @@ def test_teacher_untouched_and_spec_recorded(tiny_model):
 def test_greedy_generate_equals_argmax_of_parallel_forwards(tiny_model, spec):
     student = linearize.convert(tiny_model("llama"), spec)
     prompt = _ids(b=1, t=7)
-    out = student.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    out = plain_generate(student, prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
 
 
@@ -71,7 +71,7 @@ def test_generate_with_explicit_linearize_cache(tiny_model):
     cache = LinearizeCache(student)
     assert isinstance(cache.layers[0], RecurrentLayer) and not isinstance(cache.layers[1], RecurrentLayer)
     prompt = _ids(b=2, t=5)
-    a = student.generate(prompt, max_new_tokens=6, do_sample=False, past_key_values=cache, pad_token_id=0)
+    a = plain_generate(student, prompt, max_new_tokens=6, do_sample=False, past_key_values=cache, pad_token_id=0)
     b = student.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(a, b)
     assert cache.get_seq_length() == 5 + 6 - 1
@@ -84,8 +84,8 @@ def test_cache_memory_does_not_grow_with_generated_length(tiny_model, spec):
 
     def held_after(n):
         cache = LinearizeCache(student)
-        student.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         past_key_values=cache, pad_token_id=0)
+        plain_generate(student, prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       past_key_values=cache, pad_token_id=0)
         return cache_nbytes(cache)
 
     small, large = held_after(64), held_after(1024)
@@ -95,7 +95,8 @@ def test_cache_memory_does_not_grow_with_generated_length(tiny_model, spec):
 def test_softmax_layers_grow_while_linear_layers_do_not(tiny_model):
     student = linearize.convert(tiny_model("llama"), "linear", keep_softmax=[0])
     cache = LinearizeCache(student)
-    student.generate(_ids(b=1, t=4), max_new_tokens=8, min_new_tokens=8, do_sample=False, past_key_values=cache, pad_token_id=0)
+    plain_generate(student, _ids(b=1, t=4), max_new_tokens=8, min_new_tokens=8, do_sample=False, past_key_values=cache,
+                   pad_token_id=0)
     assert cache.layers[0].keys.shape[2] == 4 + 8 - 1  # the kept softmax layer grows
     assert all(isinstance(layer, RecurrentLayer) for layer in cache.layers[1:])
 
@@ -161,9 +162,9 @@ def test_left_padded_batch_generates_like_single_sequences(tiny_model, spec):
     mask = torch.zeros(2, width, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    batch = student.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    batch = plain_generate(student, ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     for i, p in enumerate(prompts):
-        alone = student.generate(p[None], max_new_tokens=8, do_sample=False, pad_token_id=0)
+        alone = plain_generate(student, p[None], max_new_tokens=8, do_sample=False, pad_token_id=0)
         assert torch.equal(batch[i, width:], alone[0, len(p):]), spec
 
 

@@ -18,7 +18,7 @@ from linearize.errors import LinearizeError
 from linearize.models import get_adapter
 from linearize.teacher import NAMED_TEACHERS
 
-from helpers import greedy_by_full_forwards
+from helpers import greedy_by_full_forwards, plain_generate
 
 pytestmark = pytest.mark.slow
 
@@ -175,7 +175,7 @@ def test_roundtrip_decoding_and_info(real, tmp_path, capsys):
     with torch.no_grad():
         assert torch.equal(loaded(prompt).logits, student(prompt).logits)
         reference = greedy_by_full_forwards(loaded, prompt, 12)
-        out = loaded.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=pad, eos_token_id=None)
+        out = plain_generate(loaded, prompt, max_new_tokens=12, do_sample=False, pad_token_id=pad, eos_token_id=None)
         assert torch.equal(out, reference)
         fast = fast_generate(loaded, prompt, max_new_tokens=12, eos_token_id=None, pad_token_id=pad)
         assert torch.equal(fast, reference)
@@ -220,7 +220,7 @@ def test_kept_local_layers_decode_fast_past_their_window(real):
     pad = tokenizer.pad_token_id
     with torch.no_grad():
         reference = greedy_by_full_forwards(student, prompt, 8)
-        out = student.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
-                               pad_token_id=pad, eos_token_id=None)
+        out = plain_generate(student, prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False,
+                             pad_token_id=pad, eos_token_id=None)
         fast = fast_generate(student, prompt, max_new_tokens=8, eos_token_id=None, pad_token_id=pad)
     assert torch.equal(out, reference) and torch.equal(fast, reference)

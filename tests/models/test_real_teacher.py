@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import linearize
-from helpers import greedy_by_full_forwards
+from helpers import greedy_by_full_forwards, plain_generate
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def test_real_student_roundtrip_and_recurrent_decoding(teacher, ids, tmp_path):
     prompt = ids[:, :40]
     with torch.no_grad():
         assert torch.equal(loaded(prompt).logits, student(prompt).logits)
-        out = loaded.generate(prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        out = plain_generate(loaded, prompt, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.pad_token_id)
         reference = greedy_by_full_forwards(loaded, prompt, 12)
     assert torch.equal(out, reference)
 
@@ -92,8 +92,8 @@ def test_real_fast_decoding_equals_generate(teacher, ids):
     with torch.no_grad():
         for m in (student, delta, model):
             fast = fast_generate(m, batch, mask, max_new_tokens=32, eos_token_id=None, pad_token_id=pad)
-            ref = m.generate(batch, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=pad,
-                             eos_token_id=None)
+            ref = plain_generate(m, batch, attention_mask=mask, max_new_tokens=32, do_sample=False, pad_token_id=pad,
+                                 eos_token_id=None)
             assert torch.equal(fast, ref)
             alone = fast_generate(m, short[None], max_new_tokens=32, eos_token_id=None, pad_token_id=pad)
             assert torch.equal(fast[1, 30:], alone[0, 12:])

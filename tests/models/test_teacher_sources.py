@@ -22,7 +22,7 @@ from linearize.cli import main
 from linearize.errors import LinearizeError
 from linearize.teacher import NAMED_TEACHERS, NamedTeacher, load_teacher, named_teacher
 
-from helpers import greedy_by_full_forwards, tiny_config, tiny_tokenizer
+from helpers import greedy_by_full_forwards, plain_generate, tiny_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -248,7 +248,7 @@ def test_lolcats_window_covering_the_sliding_window_keeps_those_layers(tiny_gemm
 
         # the kept sliding layers decode through transformers' sliding cache, the global one recurrently
         prompt = ids[:1, :5]
-        out = student.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None)
+        out = plain_generate(student, prompt, max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None)
         assert torch.equal(out, greedy_by_full_forwards(student, prompt, 14))
 
     linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
@@ -282,7 +282,7 @@ def test_keep_sliding_keeps_every_local_layer_whatever_the_window(tiny_gemma3, t
     supra = linearize.convert(tiny_gemma3, {"kind": "supra", "keep_sliding": True})
     assert supra.config.linearize["keep_softmax"] == [0, 1]
     prompt = ids[:1, :5]
-    out = student.generate(prompt, max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None)
+    out = plain_generate(student, prompt, max_new_tokens=14, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert torch.equal(out, greedy_by_full_forwards(student, prompt, 14))
     linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
     loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")

@@ -215,6 +215,7 @@ def check_decoder():
     import linearize
     from linearize.convert import mixers
     from linearize.decode import fusion
+    from linearize.decode.route import plain_loop
     from linearize.fast import FastDecoder
 
     calls = {"norm": 0, "act": 0}
@@ -237,7 +238,8 @@ def check_decoder():
         plain = FastDecoder(model, fuse_kernels=False).generate(ids, mask, max_new_tokens=8)
         calls.update(norm=0, act=0)
         fused = FastDecoder(model, fuse_kernels=True).generate(ids, mask, max_new_tokens=8)
-        ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                             **plain_loop(model))  # transformers' own loop
         assert torch.equal(fused, plain) and torch.equal(fused, ref), (family, s)
         # every norm and MLP on every forward: the prefill and 7 steps
         assert calls == {"norm": 8 * n_norms, "act": 8 * len(model.model.layers)}, (family, calls, n_norms)

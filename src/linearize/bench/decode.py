@@ -2,7 +2,8 @@
 
 Each (model, path) pair is timed over batch sizes and generated lengths. Paths:
 
-- ``generate``: plain ``model.generate()`` (dynamic cache; the student's recurrent slots);
+- ``generate``: transformers' own ``model.generate()`` loop (dynamic cache; the student's recurrent slots;
+  ``fast_decoding=False`` for a student, whose ``generate()`` would otherwise take the fast decoder);
 - ``static``: ``generate(cache_implementation="static")``, the fastest softmax path transformers
   offers (on CUDA it compiles the forward for a static cache);
 - ``fast``: ``linearize.fast`` (static state buffers, the decode step as one CUDA graph;
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..cache import LinearizeCache, cache_keyword, cache_nbytes
+from ..decode.route import plain_loop
 from ..errors import LinearizeError
 
 PATHS = ("generate", "static", "fast")
@@ -75,7 +77,7 @@ def _generate_run(model, prompt, new_tokens, path):
     _sync(device)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
-    out = model.generate(prompt, **kw)
+    out = model.generate(prompt, **plain_loop(model), **kw)  # transformers' own loop, which this path times
     _sync(device)
     total = time.perf_counter() - start
     cache = out.cache if cache_keyword(model) == "cache" else out.past_key_values

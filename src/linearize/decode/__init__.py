@@ -11,7 +11,9 @@ removes that overhead. By job:
 * ``fusion``: q/k/v and gate/up as one product each during a call (the adapters' fused modules), and
   on CUDA the RMSNorms and gated activations as one Triton kernel each;
 * ``generate``: ``fast_generate(model, input_ids, ...)`` and ``decode``, for
-  ``model.generate(..., custom_generate=decode)``.
+  ``model.generate(..., custom_generate=decode)``;
+* ``route``: what a linearize model's own ``generate()`` runs: this decoder wherever it honours the
+  call, else transformers' loop with one line saying why (``fast_decoding=False``: that loop).
 """
 
 from .buffers import StaticCache, StaticKVLayer, StaticStateLayer, layer_tensors, static_cache

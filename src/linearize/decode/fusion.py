@@ -34,7 +34,7 @@ import contextlib
 
 from torch import nn
 
-from ..convert import mixers
+from ..layers import mixers
 from ..errors import LinearizeError
 from ..models import get_adapter
 from ..models.fusion import FUSED_QKV, FusedGatedMLP, FusedRMSNorm

@@ -11,7 +11,9 @@
    launches, and these were most of a layer's launches outside the attention and the products.
 
 Sequences that hit an EOS token continue as padding; the host checks for "all done" every
-``check_every`` steps (``_Progress``).
+``check_every`` steps (``_Progress``), or every step where a streamer or stopping criteria (called on
+the host, as ``generate()`` calls them) want each token; the output ends where the last sequence did,
+as ``generate()``'s does.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ def positions(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
 
 
-def check_supported(model) -> None:
-    """One line for a model the fast decoder cannot run: sliding-window softmax layers whose prefill
-    cache holds no window, or an attention implementation other than sdpa / eager."""
+def unsupported_model(model) -> str | None:
+    """What of ``model`` the fast decoder cannot run, as a clause for a message, or None: sliding-window
+    softmax layers whose prefill cache holds no window, layers without fixed buffers for their state,
+    or an attention implementation other than sdpa / eager."""
     cfg = model.config
     kept = set(cfg.linearize["keep_softmax"]) if getattr(cfg, "linearize", None) else set(range(cfg.num_hidden_layers))
     sliding = sliding_layers(cfg) & kept
@@ -45,16 +48,23 @@ def check_supported(model) -> None:
         layers = LinearizeCache(model).layers
         unwindowed = sorted(i for i in sliding if not getattr(layers[i], "sliding_window", None))
         if unwindowed:
-            raise LinearizeError(f"fast decoding does not handle these sliding-window softmax layers ({unwindowed}); "
-                                 "use model.generate() for this model")
-    from ..convert import mixers
+            return f"sliding-window softmax layers ({unwindowed}) whose prefill cache keeps no window"
+    from ..layers import mixers
 
     unsupported = sorted(i for i, m in mixers(model).items() if not m.fast_decodable())
     if unsupported:
-        raise LinearizeError(f"fast decoding has no fixed buffers for the state of layers {unsupported}; "
-                             "use model.generate() (linearize generate --decoder generate)")
+        return f"no fixed buffers for the state of layers {unsupported}"
     if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
-        raise LinearizeError(f"fast decoding needs the sdpa or eager attention, not {cfg._attn_implementation!r}")
+        return f"the {cfg._attn_implementation!r} attention (it takes sdpa or eager)"
+    return None
+
+
+def check_supported(model) -> None:
+    """One line for a model the fast decoder cannot run (``unsupported_model``)."""
+    why = unsupported_model(model)
+    if why is not None:
+        raise LinearizeError(f"fast decoding cannot run this model: {why}; use model.generate(..., "
+                             "fast_decoding=False) (linearize generate --decoder generate)")
 
 
 def sliding_layers(cfg) -> set[int]:
@@ -71,11 +81,12 @@ class DecodeStep:
     place, so the step can be captured as a CUDA graph and replayed.
 
     ``token`` ``[B, 1]`` is the last token; ``out`` ``[B, n]`` collects the new tokens (pad where a
-    sequence has ended), ``finished`` marks sequences past an EOS. Kept softmax layers read a
-    ``[B, 1, 1, total]`` additive mask (padding and unwritten slots hidden); without them a
-    ``[B, 1, 1, 1]`` stand-in keeps transformers from building masks. Kept sliding-window layers read
-    a ``[B, 1, 1, window]`` mask of their rings' slots (``typed_masks``: the model takes one mask per
-    layer type, as Gemma does).
+    sequence has ended), ``finished`` marks sequences past an EOS (or stopped by the host's stopping
+    criteria); ``scores`` are the last step's logits ``[B, V]``, which stopping criteria are shown.
+    Kept softmax layers read a ``[B, 1, 1, total]`` additive mask (padding and unwritten slots
+    hidden); without them a ``[B, 1, 1, 1]`` stand-in keeps transformers from building masks. Kept
+    sliding-window layers read a ``[B, 1, 1, window]`` mask of their rings' slots (``typed_masks``:
+    the model takes one mask per layer type, as Gemma does).
 
     The bookkeeping is a few launches per step (at batch 1 each costs what a layer's norm does):
     greedy picks write the argmax straight into ``token`` (no float copy of the logits: the argmax of
@@ -98,7 +109,8 @@ class DecodeStep:
         self.eos = ids[0] if len(ids) == 1 else torch.tensor(ids, device=dev) if ids else None
         self.token = first[:, None].clone()
         self.finished = torch.isin(first, torch.tensor(ids or [-1], device=dev))
-        # every token of the sequence by its position (the prompt's columns stay unwritten): the step
+        self.scores = None
+        # every token of the sequence by its position (the caller writes the prompt's columns): the step
         # writes the new token at position + 1 through the view shifted by one, and ``out`` is the new tokens' part
         self.sequence = torch.full((b, t + max_new_tokens), pad, dtype=torch.long, device=dev)
         self._next = self.sequence[:, 1:]
@@ -134,6 +146,7 @@ class DecodeStep:
         logits = self.forward(self.token, attention_mask=self.mask, position_ids=self.position_ids,
                               cache_position=self.position.view(1), **{self.cache_keyword: self.cache},
                               use_cache=True).logits
+        self.scores = logits[:, -1]  # under a CUDA graph, the graph's own output (its values replayed)
         if self.sampling.do_sample:
             self.token.copy_(next_tokens(logits[:, -1], self.sampling)[:, None])
         else:  # greedy: the argmax of the logits' own dtype, written in place
@@ -148,12 +161,29 @@ class DecodeStep:
 
 
 class _Progress:
-    """The host's side of the loop: how many tokens exist, the streamer, and the now-and-then check
-    whether every sequence has ended (a host sync, so not every step unless a streamer wants each token)."""
+    """The host's side of the loop: how many tokens exist, the streamer, the stopping criteria, and the
+    check whether every sequence has ended (a host sync: now and then, or every step where a streamer or
+    stopping criteria want each token).
 
-    def __init__(self, step: DecodeStep, streamer, check_every: int, stops_at_eos: bool):
-        self.step, self.streamer, self.check_every, self.stops_at_eos = step, streamer, check_every, stops_at_eos
+    ``stopping_criteria`` is called as ``generate()`` calls its own, ``(ids, scores)`` with every token so
+    far (``[B, prompt + done]``) and the last logits, after each token; the sequences it returns True for
+    end (padded from then on where there is an EOS id, as ``generate()`` pads them)."""
+
+    def __init__(self, step: DecodeStep, streamer, check_every: int, stops_at_eos: bool, stopping_criteria=None,
+                 prompt_len: int = 0):
+        self.step, self.streamer, self.check_every = step, streamer, check_every
+        self.criteria, self.prompt_len = stopping_criteria, prompt_len
+        self.every_step = streamer is not None or stopping_criteria is not None
+        self.stops = stops_at_eos or stopping_criteria is not None
         self.done = 1  # the prefill's token
+
+    def going(self) -> bool:
+        """After a token: the stopping criteria applied, False once every sequence has ended."""
+        finished = self.step.finished
+        if self.criteria is not None:
+            stop = self.criteria(self.step.sequence[:, : self.prompt_len + self.done], self.step.scores)
+            finished.logical_or_(torch.as_tensor(stop, device=finished.device).expand_as(finished))
+        return not (self.stops and bool(finished.all()))
 
     def advance(self, run) -> bool:
         """One decode step through ``run``; False once every sequence has ended (checked now and then)."""
@@ -161,8 +191,7 @@ class _Progress:
         self.done += 1
         if self.streamer is not None:
             self.streamer.put(self.step.out[:, self.done - 1].cpu())
-        ended = (self.streamer is not None or self.done % self.check_every == 0) and self.stops_at_eos
-        return not (ended and bool(self.step.finished.all()))
+        return self.going() if self.every_step or self.done % self.check_every == 0 else True
 
 
 class FastDecoder:
@@ -227,12 +256,16 @@ class FastDecoder:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *,
                  max_new_tokens: int = 32, sampling: Sampling = Sampling(), eos_token_id=None,
-                 pad_token_id: int | None = None, streamer=None, check_every: int = 16) -> torch.Tensor:
+                 pad_token_id: int | None = None, streamer=None, check_every: int = 16,
+                 stopping_criteria=None) -> torch.Tensor:
         """``[B, T + n]`` token ids: the prompts followed by up to ``max_new_tokens`` new tokens.
 
         ``attention_mask`` marks real tokens of left-padded prompts (1) and padding (0). Sequences
         that produce an ``eos_token_id`` continue with ``pad_token_id``; decoding ends early once
-        every sequence has (checked every ``check_every`` steps, or every step with a streamer).
+        every sequence has (checked every ``check_every`` steps, or every step with a streamer or
+        ``stopping_criteria``), and the ids end with the token that ended the last one, as
+        ``generate()``'s do. ``stopping_criteria``: a callable ``(ids, scores)`` -> ``[B]`` bools (or
+        one bool), such as transformers' ``StoppingCriteriaList``, called on the host after every token.
         """
         if max_new_tokens < 1:
             raise LinearizeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -241,10 +274,10 @@ class FastDecoder:
         # the fused weights live for this call only: a CUDA graph captured below replays within it
         with fused_projections(self.model, enabled=self.fuse_projections, kernels=self.fuse_kernels):
             return self._generate(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id,
-                                  pad_token_id, streamer, check_every)
+                                  pad_token_id, streamer, check_every, stopping_criteria)
 
     def _generate(self, input_ids, attention_mask, max_new_tokens, sampling, eos_token_id, pad_token_id,
-                  streamer, check_every) -> torch.Tensor:
+                  streamer, check_every, stopping_criteria) -> torch.Tensor:
         dev = self.device
         input_ids = input_ids.to(dev)
         t = input_ids.shape[1]
@@ -265,7 +298,9 @@ class FastDecoder:
                           position, total=total, max_new_tokens=max_new_tokens, eos=eos, pad=pad,
                           dtype=next(self.model.parameters()).dtype, cache_keyword=cache_keyword(self.model),
                           typed_masks=bool(getattr(self.model.config, "layer_types", None)))
-        progress = _Progress(step, streamer, check_every, eos_token_id is not None)
+        step.sequence[:, :t] = input_ids
+        step.scores = logits
+        progress = _Progress(step, streamer, check_every, bool(eos), stopping_criteria, prompt_len=t)
         if streamer is not None:
             streamer.put(input_ids.cpu())
             streamer.put(step.out[:, 0].cpu())
@@ -273,8 +308,8 @@ class FastDecoder:
         # the first steps run eagerly and are real steps; on CUDA they also warm up what a graph
         # capture must not see happen (allocator, cuBLAS, Triton and torch.compile), so the graph is
         # captured from the state they leave, with no copy of the buffers
-        going = True
-        for _ in range(min(WARMUP_STEPS, max_new_tokens - 1)):
+        going = progress.going()  # the prefill's token may end every sequence already
+        for _ in range(min(WARMUP_STEPS, max_new_tokens - 1) if going else 0):
             going = self._eager(step, progress)
             if not going:
                 break
@@ -289,6 +324,8 @@ class FastDecoder:
                         "state_bytes": state_nbytes(static)}
         if streamer is not None:
             streamer.end()
+        if eos and not progress.every_step:  # checked now and then: end where the last sequence ended
+            done = last_end(step.out[:, :done], eos) or done
         return torch.cat([input_ids, step.out[:, :done]], dim=1)
 
     def _eager(self, step, progress) -> bool:
@@ -333,6 +370,15 @@ class _Clock:
             self.peaks[f"peak_{name[:-2]}_bytes"] = torch.cuda.max_memory_allocated(self.device)
         now = self.now()
         self.laps[name], self.last = now - self.last, now
+
+
+def last_end(out: torch.Tensor, eos: list[int]) -> int | None:
+    """How many of the new tokens ``out`` ``[B, n]`` run up to the first EOS of the sequence that ends
+    last (where ``generate()`` stops), or None if some sequence has none."""
+    hits = torch.isin(out, torch.tensor(eos, device=out.device))
+    if not bool(hits.any(dim=1).all()):
+        return None
+    return int(hits.int().argmax(dim=1).max()) + 1
 
 
 def as_list(x) -> list[int]:

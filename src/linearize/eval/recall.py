@@ -103,8 +103,10 @@ class _Generator:
                 return fast_generate(self.model, ids, mask, max_new_tokens=max_new_tokens, pad_token_id=self.pad)
             except LinearizeError as err:  # an architecture the fast decoder does not handle
                 self.decoder, self.fallback_reason = "generate", str(err)
+        from linearize.decode.route import plain_loop  # transformers' own loop, as the decoder says
+
         return self.model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                                   pad_token_id=self.pad)
+                                   pad_token_id=self.pad, **plain_loop(self.model))
 
 
 # ----------------------------------------------------------------------------- passkey, niah

@@ -96,8 +96,11 @@ def finish(student, tokenizer, out: Path, results: dict, prompt: str) -> dict:
 
         try:
             sample = fast_generate(student, ids, max_new_tokens=80, pad_token_id=tokenizer.pad_token_id)
-        except LinearizeError:
-            sample = student.generate(ids, max_new_tokens=80, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        except LinearizeError:  # a model the fast decoder cannot run: transformers' own loop
+            from ..decode.route import plain_loop
+
+            sample = student.generate(ids, max_new_tokens=80, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+                                      **plain_loop(student))
     results["sample"] = tokenizer.decode(sample[0, ids.shape[1]:], skip_special_tokens=True)
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     return results

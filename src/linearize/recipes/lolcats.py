@@ -555,9 +555,7 @@ def run(cfg: LolcatsConfig) -> dict:
         n_layers = len(get_adapter(teacher.config).layers(teacher))
         if auto_k >= n_layers:
             raise LinearizeError(f"keep_softmax auto:{auto_k} would keep every layer of {n_layers} softmax")
-        student = convert(teacher, cfg.spec)
-    else:
-        student = convert(teacher, cfg.spec, keep_softmax=list(cfg.keep_softmax) or None, inplace=True)
+    student = cfg.convert_teacher(teacher, inplace=not auto_k)
     if not fsdp:
         ppl["converted"] = perplexity(student, eval_blocks)
     if "stage1" in cfg.stages:

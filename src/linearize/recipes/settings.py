@@ -85,6 +85,14 @@ class LolcatsConfig(RunConfig):
     def __post_init__(self):
         self.cuda_graph = graph_mode(self.cuda_graph)  # a YAML recipe's or an earlier run config's true/false
 
+    def convert_teacher(self, teacher, inplace: bool = True):
+        """The student stage 1 trains: ``teacher`` converted as ``spec`` says, but the ``keep_softmax``
+        layers (every layer with ``auto:K``, whose K layers are chosen after stage 1)."""
+        from ..convert import convert
+
+        keep = None if isinstance(self.keep_softmax, str) else list(self.keep_softmax) or None
+        return convert(teacher, self.spec, keep_softmax=keep, inplace=inplace)
+
 
 @dataclass
 class UptrainConfig(RunConfig):
@@ -199,7 +207,9 @@ class XatlConfig(UptrainConfig):
         if isinstance(self.keep_softmax, str) and self.keep_softmax != "xatl":
             raise LinearizeError(f"keep_softmax {self.keep_softmax!r}: give layer indices (e.g. 2,15) or 'xatl' "
                                  "(layers 2 and N/2)")
-        resolve_transfer(self.transfer, ARCHITECTURES.get(self.arch, self.arch), (0,) if self.keep_softmax else ())
+        if self.arch not in ARCHITECTURES:  # a recipe file's (the flag has its choices)
+            raise LinearizeError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}")
+        resolve_transfer(self.transfer, ARCHITECTURES[self.arch], (0,) if self.keep_softmax else ())
 
     def graphs_blocked(self) -> str | None:
         if self.freeze == "lit" and world_size() > 1:
