@@ -1,0 +1,80 @@
+"""ms a decoding step of each way to call generation on a converted checkpoint (issue #54), side by side.
+
+    python dev/generate_routes.py [--teacher shape:smollm2-135m] [--config lolcats_long] [--batches 1 64 256]
+
+The student is converted from TEACHER (a named shape's random weights: speed does not depend on them) with the
+packaged recipe CONFIG's spec, in bf16 on CUDA. Routes: ``fast_generate``; plain ``model.generate(ids,
+max_new_tokens=N)`` (the default route); ``pipeline("text-generation")`` (batch 1); transformers' own loop
+(``fast_decoding=False``, batch 1). A step's time is (T(N) - T(n)) / (N - n) from 1k-token prompts, N = 512 and
+n = 32 new tokens (no end-of-sequence id), each call warmed up at its size first, so the prefill cancels. One JSON line per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def per_step(call, long: int = 512, short: int = 32) -> float:
+    """ms a step of ``call(n)`` (n new tokens), the prefill cancelled."""
+    call(short), call(long)  # warm-up at both sizes: graphs captured, allocator settled
+    return 1000 * (timed(lambda: call(long)) - timed(lambda: call(short))) / (long - short)
+
+
+def main() -> None:
+    import yaml
+
+    import linearize
+    from linearize.fast import fast_generate
+    from linearize.recipes.configs import packaged
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--teacher", default="shape:smollm2-135m")
+    p.add_argument("--config", default="lolcats_long")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
+    p.add_argument("--prompt-len", type=int, default=1024)
+    args = p.parse_args()
+    from linearize.spec import Spec
+
+    recipe = yaml.safe_load(packaged(args.config).read_text())
+    spec = {k: v for k, v in recipe.items() if k in Spec.__dataclass_fields__}
+    teacher, tok = linearize.load_teacher(args.teacher, dtype=torch.bfloat16, device="cuda")
+    model = linearize.convert(teacher, spec).eval()
+    model.generation_config.eos_token_id = None  # random weights: every call runs its n new tokens
+    vocab = model.config.vocab_size
+    for batch in args.batches:
+        ids = torch.randint(3, min(vocab, 255), (batch, args.prompt_len), device="cuda",
+                            generator=torch.Generator("cuda").manual_seed(0))
+        mask = torch.ones_like(ids)
+        rows = {
+            "fast_generate": lambda n: fast_generate(model, ids, mask, max_new_tokens=n),
+            "generate (default)": lambda n: model.generate(ids, attention_mask=mask, max_new_tokens=n),
+        }
+        if batch == 1:
+            from transformers import pipeline
+
+            pipe = pipeline("text-generation", model=model, tokenizer=tok)
+            text = tok.decode(ids[0])
+            rows["pipeline"] = lambda n: pipe(text, max_new_tokens=n, return_full_text=False)
+            rows["generate, fast_decoding=False"] = lambda n: model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, fast_decoding=False)
+        for route, call in rows.items():
+            with torch.no_grad():  # transformers' own loop is the slow one: fewer steps
+                ms = per_step(call, long=160) if "False" in route else per_step(call)
+            print(json.dumps({"route": route, "batch": batch, "prompt_len": args.prompt_len, "ms_per_step": ms,
+                              "teacher": args.teacher, "config": args.config}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
