@@ -111,7 +111,7 @@ def greedy_agreement(model, teacher, tokenizer, prompts: torch.Tensor, new_token
         mask = torch.ones_like(ids)
         outs = []
         for runner in runners:
-            new = runner._generate(ids, mask, new_tokens)[:, ids.shape[1] :]
+            new = runner.generate_ids(ids, mask, new_tokens)[:, ids.shape[1] :]
             padded = torch.full((ids.shape[0], new_tokens), -1, dtype=torch.long, device=device)
             padded[:, : new.shape[1]] = new[:, :new_tokens]
             outs.append(padded)

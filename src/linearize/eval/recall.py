@@ -91,11 +91,12 @@ class _Generator:
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
-        new = self._generate(ids, mask, max_new_tokens)[:, width:]
+        new = self.generate_ids(ids, mask, max_new_tokens)[:, width:]
         return [self.tokenizer.decode(row, skip_special_tokens=True) for row in new.tolist()]
 
     @torch.no_grad()
-    def _generate(self, ids, mask, max_new_tokens):
+    def generate_ids(self, ids, mask, max_new_tokens):
+        """Greedy ``[B, T + n]`` ids of the left-padded ``ids`` (``mask`` its attention mask)."""
         if self.decoder == "fast":
             from linearize.fast import fast_generate
 

@@ -116,30 +116,33 @@ def empty_sparse_hybrid_state(batch, n_kv, head_dim, feature_dim, cache_size, *,
         z(cache_size, dt=acc) if gated else None)
 
 
+PRIORITY_GRID = 2.0 ** -16  # recall errors and value_novelty's cosines are rounded to multiples of this
+
+
 def recall_error(kf: torch.Tensor, v: torch.Tensor, linear: torch.Tensor) -> torch.Tensor:
     """LoLA's self-recall error ``||v - phi(k) N / phi(k) . z||`` of tokens ``kf`` ``[B, Hk, M, F]``,
     ``v`` ``[B, Hk, M, D]`` against a linear state ``[B, Hk, F, D + 1]``: ``[B, Hk, M]``. The readout is
     zero where the state holds nothing for the key (``phi(k) . z = 0``). Computed in the state's
-    precision, under autocast too."""
+    precision, under autocast too, and rounded to ``PRIORITY_GRID``: copies (a repeated token's key and
+    value in the first layer) then tie exactly in every form, whatever the shape of the product that
+    each form reads them from, and the tie rule decides (a prefill and the decoding steps after it
+    evicted different copies of a repeated token before)."""
     with torch.autocast(linear.device.type, enabled=False):
         out = kf.to(linear.dtype) @ linear
         read = out[..., :-1] / out[..., -1:].clamp_min(torch.finfo(linear.dtype).tiny)
-        return (v.to(linear.dtype) - read).norm(dim=-1)
-
-
-NOVELTY_GRID = 2.0 ** -16  # value_novelty's cosines are rounded to multiples of this
+        return torch.round((v.to(linear.dtype) - read).norm(dim=-1) / PRIORITY_GRID) * PRIORITY_GRID
 
 
 def value_novelty(v: torch.Tensor, valid: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     """``-max cos(v_x, v_y)`` over the other valid candidates y of each candidate x: ``v`` ``[B, Hk, M,
     D]``, ``valid`` ``[B, Hk, M]`` -> ``[B, Hk, M]`` in ``acc`` (1 where x has no other candidate; an
-    all-zero value has cosine 0 with everything). The cosines are rounded to ``NOVELTY_GRID``: copies
+    all-zero value has cosine 0 with everything). The cosines are rounded to ``PRIORITY_GRID``: copies
     (a repeated token's values in the first layer) then tie exactly in every form, and the tie rule
     decides, not the rounding of the form's own sums. Computed outside autocast."""
     with torch.autocast(v.device.type, enabled=False):
         x = v.to(acc)
         x = x / x.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(acc).tiny)
-        sim = torch.round(x @ x.transpose(-1, -2) / NOVELTY_GRID) * NOVELTY_GRID
+        sim = torch.round(x @ x.transpose(-1, -2) / PRIORITY_GRID) * PRIORITY_GRID
         m = v.shape[-2]
         others = valid[..., None, :] & ~torch.eye(m, dtype=torch.bool, device=v.device)
         best = sim.masked_fill(~others, -torch.inf).amax(dim=-1)
