@@ -293,3 +293,25 @@ def test_spec_takes_a_cache_with_the_length_options_but_not_norm_separate(tiny_m
         linearize.convert(tiny_model("llama"), {**LONG, "norm": "separate", "sparse_cache": 4})
     assert "\n" not in str(err.value)
 
+
+
+@pytest.mark.parametrize("priority", ["recall", "novelty"])
+def test_copies_tie_in_every_form(priority):
+    """Repeated tokens (the same key, features and value, as in a first layer) have one priority in every
+    form, the reference's too, so the tie rule picks which copy leaves, not the last bit of each form's
+    sums: naive = chunked = recurrent, and decoding on from any prefill equals one pass."""
+    xs, gamma, lg = _inputs(2, 6, 2, 29, d=8, f=8, seed=1)
+    ids = torch.randint(0, 7, (2, 29), generator=torch.Generator().manual_seed(0))  # 7 tokens: many copies
+    with torch.no_grad():
+        for i in (1, 3, 4):  # k, kf and v by token
+            xs[i] = torch.stack([xs[i][b][:, ids[b]] for b in range(2)])
+        kw = dict(window=4, cache_size=8, scale=12 ** -0.5, softcap=20.0, priority=priority, anchor="window")
+        ref = ops.sparse_hybrid_attention_naive(*xs, gamma, **kw, log_gate=lg)
+        _close(ops.sparse_hybrid_attention_chunked(*xs, gamma, **kw, log_gate=lg)[0], ref)
+        _close(ops.sparse_hybrid_attention_recurrent(*xs, gamma, **kw, log_gate=lg)[0], ref)
+        for cut in (5, 9, 13, 20):
+            _, state = ops.sparse_hybrid_attention_chunked(*(x[:, :, :cut] for x in xs), gamma, **kw,
+                                                           output_final_state=True, log_gate=lg[..., :cut])
+            rest, _ = ops.sparse_hybrid_attention_recurrent(*(x[:, :, cut:] for x in xs), gamma, **kw,
+                                                            initial_state=state, log_gate=lg[..., cut:])
+            _close(rest, ref[:, :, cut:])

@@ -191,6 +191,11 @@ def _lowest(pri: torch.Tensor, pos: torch.Tensor, valid: torch.Tensor) -> torch.
 
 # --- the reference -------------------------------------------------------------------------------
 
+def _on_grid(x: torch.Tensor) -> float:
+    """A priority rounded to ``PRIORITY_GRID`` as the batched forms round theirs."""
+    return float(torch.round(x / PRIORITY_GRID) * PRIORITY_GRID)
+
+
 def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_size: int, scale: float,
                                   softcap: float | None = None, key_mask: torch.Tensor | None = None,
                                   priority: str = "recall", anchor: str = "joint",
@@ -237,12 +242,12 @@ def sparse_hybrid_attention_naive(q, k, qf, kf, v, gamma, *, window: int, cache_
                                 pri[s] = -float(s - origin)
                                 continue
                             if priority == "novelty":  # the most similar other candidate's cosine, negated
-                                pri[s] = -max((float(unit[s] @ unit[y]) for y in cands if y != s), default=-1.0)
+                                pri[s] = -max((_on_grid(unit[s] @ unit[y]) for y in cands if y != s), default=-1.0)
                                 continue
                             f_s = kf[bi, hk, s]
                             dn = f_s @ den
                             read = (f_s @ num) / dn if dn > 0 else torch.zeros_like(v[bi, hk, s])
-                            pri[s] = float((v[bi, hk, s] - read).norm())
+                            pri[s] = _on_grid((v[bi, hk, s] - read).norm())
                 s = ti - w
                 if s >= 0 and real_l[bi][s]:  # the oldest window token leaves
                     cached.append(s)
