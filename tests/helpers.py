@@ -229,3 +229,23 @@ def fused_sink_steps(q, k, v, cos, sin, fq, fk, logit, key_mask, *, window, cap,
         yield hybrid_step_fused_triton(q[:, :, sl], k[:, :, sl], v[:, :, sl], pe, fq.weight, fk.weight, logit, mine,
                                        **kw, anchor=anchor), want
     yield mine, ref
+
+
+def one_line(err) -> str:
+    """The message of a raised error (a ``pytest.raises`` result), checked to be one non-empty line."""
+    message = str(err.value)
+    assert message and "\n" not in message
+    return message
+
+
+class CollectStreamer:
+    """A ``generate()`` streamer that keeps what it is given (``parts``) and whether it was ended."""
+
+    def __init__(self):
+        self.parts, self.ended = [], False
+
+    def put(self, x):
+        self.parts.append(x.reshape(-1))
+
+    def end(self):
+        self.ended = True

@@ -5,7 +5,8 @@ kept sliding-window softmax layers (Gemma's local layers) from a ring of their w
 import pytest
 import torch
 
-from helpers import greedy_by_full_forwards, plain_generate, run_triton_interpreter_script, tiny_student
+from helpers import (CollectStreamer, greedy_by_full_forwards, plain_generate, run_triton_interpreter_script,
+                     tiny_student)
 
 import linearize
 from linearize import LinearizeError, ops
@@ -210,17 +211,8 @@ def test_any_of_several_eos_ids_ends_a_sequence(tiny_model):
 def test_streamer_sees_every_token(tiny_model):
     model = tiny_student(tiny_model, "llama", {"kind": "lolcats", "window": 4, "feature_dim": 8})
 
-    class Collect:
-        def __init__(self):
-            self.parts, self.ended = [], False
 
-        def put(self, x):
-            self.parts.append(x.reshape(-1))
-
-        def end(self):
-            self.ended = True
-
-    streamer = Collect()
+    streamer = CollectStreamer()
     out = fast_generate(model, _ids(t=5), max_new_tokens=7, streamer=streamer)
     assert streamer.ended and torch.equal(torch.cat(streamer.parts), out[0])
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import linearize
-from helpers import plain_generate, tiny_tokenizer
+from helpers import CollectStreamer, plain_generate, tiny_tokenizer
 from linearize.decode import loop, route
 from linearize.xatl import build_xatl
 
@@ -238,19 +238,10 @@ def test_stop_strings_and_streamers_run_on_the_fast_decoder(tiny_model, spy):
     plain = plain_generate(model, prompt, max_new_tokens=20, stop_strings=[stop], tokenizer=tokenizer, pad_token_id=0)
     assert torch.equal(routed, plain) and routed.shape[1] <= 6 + 7 and len(spy) == 1
 
-    class Collect:
-        def __init__(self):
-            self.parts, self.ended = [], False
-
-        def put(self, x):
-            self.parts.append(x.reshape(-1))
-
-        def end(self):
-            self.ended = True
 
     seen = []
     for generate in (model.generate, lambda *a, **k: plain_generate(model, *a, **k)):
-        streamer = Collect()
+        streamer = CollectStreamer()
         out = generate(prompt, max_new_tokens=7, streamer=streamer, pad_token_id=0)
         assert streamer.ended and torch.equal(torch.cat(streamer.parts), out[0])
         seen.append([len(p) for p in streamer.parts])

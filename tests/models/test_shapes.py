@@ -13,6 +13,8 @@ from linearize.cli import main
 from linearize.errors import LinearizeError
 from linearize.shapes import named_shapes, random_model, shape_config, shrunk_for_tests
 
+from helpers import one_line
+
 NAMES = list(named_shapes())
 # the issue's four (#55) and the embedded teacher's own
 assert {"llama-3.2-1b", "llama-3-8b", "qwen2.5-7b", "llama-3-70b", "smollm2-135m"} <= set(NAMES)
@@ -22,11 +24,6 @@ assert {"llama-3.2-1b", "llama-3-8b", "qwen2.5-7b", "llama-3-70b", "smollm2-135m
 def _isolated_home(tmp_path, monkeypatch):
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
 
-
-def _one_line(err: pytest.ExceptionInfo) -> str:
-    message = str(err.value)
-    assert message and "\n" not in message
-    return message
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -99,7 +96,7 @@ def test_bad_shapes_fail_in_one_line(spec, words):
     for load in (linearize.load_teacher, teacher.load_tokenizer):
         with pytest.raises(LinearizeError) as err:
             load(spec)
-        message = _one_line(err)
+        message = one_line(err)
         assert all(w in message for w in words), message
 
 

