@@ -68,20 +68,20 @@ def evaluate_domain(model, tokenizer, domain: Domain, teacher=None, whole_blocks
     model) by position and greedy agreement on ``agreement_prompts`` prompts (default
     ``AGREEMENT_PROMPTS``) of ``PROMPT_LEN`` tokens, ``NEW_TOKENS`` new."""
     from .fidelity import greedy_agreement, position_fidelity
-    from .perplexity import perplexity_by_position, position_block_len, position_edges, source_blocks, text_perplexity
+    from .perplexity import (perplexity, perplexity_by_position, position_block_len, position_edges, source_blocks,
+                             text_perplexity)
 
     start = time.perf_counter()
+    packed = source_blocks(domain.source, tokenizer, 1024, domain.split, whole_blocks)  # tokenized once for both
     whole = text_perplexity(model, tokenizer, domain.source, 1024, whole_blocks, batch_size=batch_size,
-                            progress=progress, split=domain.split)
+                            progress=progress, split=domain.split, blocks=packed)
     record = {"source": whole["source"], "split": domain.split, "about": domain.about, "perplexity": whole}
     if teacher is None:
         record["by_position"] = perplexity_by_position(model, tokenizer, domain.source, position_len,
                                                        position_blocks, progress=progress, split=domain.split)
         record["seconds"] = round(time.perf_counter() - start, 1)
         return record
-    record["teacher_perplexity"] = text_perplexity(teacher, tokenizer, domain.source, 1024, whole_blocks,
-                                                   batch_size=batch_size, progress=progress,
-                                                   split=domain.split)["value"]
+    record["teacher_perplexity"] = perplexity(teacher, packed, batch_size=batch_size, progress=progress)
     record["of_teacher"] = whole["value"] / record["teacher_perplexity"]
     block_len = position_block_len(teacher, position_len)[0]  # the teacher's context caps the blocks
     try:

@@ -129,15 +129,18 @@ def source_blocks(source, tokenizer, block_len: int, split: str | None = None,
 
 
 def text_perplexity(model, tokenizer, source=None, block_len: int = 1024, max_blocks: int | None = None,
-                    batch_size: int = 4, progress: bool = True, split: str | None = None) -> dict:
+                    batch_size: int = 4, progress: bool = True, split: str | None = None,
+                    blocks: torch.Tensor | None = None) -> dict:
     """Perplexity on a text ``source`` (None: the held-out Gutenberg books).
 
     The text is packed into ``block_len`` blocks (the first ``max_blocks`` of them when given):
-    the whole of a user's ``source``, or its ``split`` when asked (see :func:`source_blocks`).
+    the whole of a user's ``source``, or its ``split`` when asked (see :func:`source_blocks`);
+    ``blocks``: those blocks already packed (a caller scoring several models on them).
     Returns the value with what it was measured on.
     """
     split = split or default_split(source)
-    blocks = source_blocks(source, tokenizer, block_len, split, max_blocks)
+    if blocks is None:
+        blocks = source_blocks(source, tokenizer, block_len, split, max_blocks)
     start = time.perf_counter()
     value = perplexity(model, blocks, batch_size=batch_size, progress=progress)
     return {
