@@ -7,6 +7,8 @@ import io
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tarfile
 import zipfile
 from pathlib import PurePosixPath
@@ -199,6 +201,22 @@ def test_offline_pip_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, linea
     with pytest.raises(LinearizeError, match=r"^`pip download --no-deps --no-binary :all: django==5\.1\.4` failed"):
         corpus_dir("corpus:django-docs")
     assert list((linearize_home / "corpora").iterdir()) == []
+
+
+def test_pip_check_leaves_setuptools_distutils_working(tmp_path):
+    """Looking for pip before a download must not switch the process to the standard library's
+    distutils (setuptools' import hook does so when asked for ``pip`` on Python < 3.12): a later
+    ``import setuptools``, as torch.compile's C++ builds do, would then fail."""
+    script = ("import sys; from linearize.data import fetch\n"
+              "from linearize.errors import LinearizeError\n"
+              "try:\n    fetch.pip_download('no-such-package-xyz==0', sys.argv[1], 'skip')\n"
+              "except LinearizeError:\n    pass\n"
+              "import setuptools, distutils.core\n"
+              "assert 'setuptools' in distutils.core.__file__, distutils.core.__file__\n")
+    env = {**os.environ, "PIP_INDEX_URL": "http://127.0.0.1:9/", "PIP_RETRIES": "0", "PIP_TIMEOUT": "1"}
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                            env=env, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_unknown_corpus_fails_at_once():

