@@ -267,12 +267,14 @@ def test_a_pipeline_and_lm_evals_generate_until_decode_fast(checkpoints, spy):
     model, tokenizer = linearize.load(checkpoints / "supra", device="cpu")
     requests = [Instance(request_type="generate_until", doc={}, idx=i,
                          arguments=(prompt, {"until": ["w1"], "max_gen_toks": 8, "do_sample": False}))
-                for i, prompt in enumerate(["w5 w6 w7 w8", "w9 w10"])]
-    answers = LinearizeLM(model, tokenizer, batch_size=2, progress=False).generate_until(requests)
-    assert len(spy) == 3  # one call per request
+                for i, prompt in enumerate(["w5 w6 w7 w8", "w9 w10", "w3 w4 w5 w6 w7 w8 w9"])]
+    alone = LinearizeLM(model, tokenizer, batch_size=1, progress=False).generate_until(requests)
+    assert len(spy) == 4  # one call per request
+    answers = LinearizeLM(model, tokenizer, batch_size=3, progress=False).generate_until(requests)
+    assert len(spy) == 5 and answers == alone  # one left-padded batch: each request's tokens as alone
     model.generation_config.fast_decoding = False
-    assert LinearizeLM(model, tokenizer, batch_size=2, progress=False).generate_until(requests) == answers
-    assert len(spy) == 3
+    assert LinearizeLM(model, tokenizer, batch_size=3, progress=False).generate_until(requests) == answers
+    assert len(spy) == 5
 
 
 # --------------------------------------------------------------------------- what runs transformers' loop

@@ -1,14 +1,15 @@
 """lm-evaluation-harness on linearize models: the ``linearize`` model class and ``run_tasks``.
 
 ``LinearizeLM`` is lm-eval's own ``HFLM`` (its tokenisation, batching and log-likelihood scoring),
-registered as ``linearize`` and adjusted for the students in three ways:
+registered as ``linearize`` and adjusted for the students in two ways:
 
 - the forward pass is ``model(input_ids, use_cache=False)``: no recurrent cache is built while scoring;
 - log-likelihood batches are right-padded (HFLM's causal path pads on the right and passes no
   attention mask). The students' linear mixers ignore attention masks, which is harmless only
-  there: in a causal model tokens after the scored ones cannot change their scores;
-- generation (left-padded by HFLM) runs one request at a time for students, so no pad token ever
-  precedes a prompt.
+  there: in a causal model tokens after the scored ones cannot change their scores.
+
+Generation is HFLM's, in batches: HFLM left-pads them and passes their attention mask, which the
+students' ``generate()`` (the fast decoder) honours, so a batch gives each request's tokens alone.
 """
 
 from __future__ import annotations
@@ -23,16 +24,6 @@ from lm_eval.models.huggingface import HFLM
 from linearize.errors import LinearizeError
 
 from . import tasks as suite
-
-def is_student(model) -> bool:
-    """Whether ``model`` has linearize mixers (whose attention ignores masks)."""
-    from linearize.convert import mixers
-
-    try:
-        return bool(mixers(model))
-    except Exception:  # an architecture without an adapter cannot have been converted
-        return False
-
 
 @register_model("linearize")
 class LinearizeLM(HFLM):
@@ -61,7 +52,6 @@ class LinearizeLM(HFLM):
                              max_length=max_length, **kwargs)
         finally:
             hflm_logger.setLevel(level)
-        self.student = is_student(self.model)
         self.progress = progress
 
     def loglikelihood(self, requests, disable_tqdm: bool = False):
@@ -78,15 +68,7 @@ class LinearizeLM(HFLM):
             return self.model(inps, use_cache=False).logits
 
     def generate_until(self, requests, disable_tqdm: bool = False):
-        """HFLM's generation; one request at a time for students (HFLM left-pads generation batches)."""
-        disable_tqdm = disable_tqdm or not self.progress
-        if not self.student:
-            return super().generate_until(requests, disable_tqdm=disable_tqdm)
-        saved, self.batch_size_per_gpu = self.batch_size_per_gpu, 1
-        try:
-            return super().generate_until(requests, disable_tqdm=disable_tqdm)
-        finally:
-            self.batch_size_per_gpu = saved
+        return super().generate_until(requests, disable_tqdm=disable_tqdm or not self.progress)
 
     def get_model_info(self) -> dict:
         """Parameters and dtype (HFLM's version also asks the hub for a revision hash)."""
