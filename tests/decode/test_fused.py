@@ -12,14 +12,26 @@ from linearize.decode import FastDecoder, fast_generate, fused_projections
 from linearize.models.fusion import FusedGatedMLP, fusable
 
 LOLCATS = {"kind": "lolcats", "window": 4, "feature_dim": 8}
+GATED = {**LOLCATS, "decay": "gated", "feature_rope": False}  # lolcats_long's mixer: its gate joins the q/k/v product
 CASES = [
     ("llama", LOLCATS),
+    ("llama", GATED),
     ("llama", {"kind": "supra"}),
     ("qwen2", LOLCATS),  # q/k/v biases
     ("llama", {**LOLCATS, "keep_softmax": [1]}),  # a kept softmax layer stays the teacher's
     ("qwen3", {"kind": "supra"}),  # q_norm / k_norm after the split
     ("gemma", LOLCATS),  # gelu MLP, multi-query keys
 ]
+
+
+def _student(tiny_model, family, spec):
+    """``tiny_student``, with its gates' projections (zero at conversion) set at random so they count."""
+    model = tiny_student(tiny_model, family, spec)
+    with torch.no_grad():
+        for m in mixers(model).values():
+            if getattr(m, "gate_proj", None) is not None:
+                m.gate_proj.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(m.layer_idx))
+    return model
 
 
 def _ids(b=2, t=9, seed=0):
@@ -73,7 +85,7 @@ class _Watch:
 
 @pytest.mark.parametrize("family,spec", CASES)
 def test_fused_greedy_equals_unfused_and_generate(tiny_model, family, spec):
-    model = tiny_student(tiny_model, family, spec)
+    model = _student(tiny_model, family, spec)
     prompt = _ids()
     mask = torch.ones_like(prompt)
     mask[1, :4] = 0  # a left-padded sequence
@@ -103,7 +115,7 @@ def test_fusion_off_leaves_the_modules_alone_while_decoding(tiny_model):
 def test_one_forward_inside_equals_outside(tiny_model, family, spec):
     """float64 logits of a forward (prefill shape and one cached step) with and without fusion;
     ``spec`` None is the softmax teacher itself (only its MLPs fuse)."""
-    model = tiny_student(tiny_model, family, spec) if spec else tiny_model(family, dtype=torch.float64)
+    model = _student(tiny_model, family, spec) if spec else tiny_model(family, dtype=torch.float64)
     ids = _ids(t=10)
     snap = _snapshot(model)
     with torch.no_grad():
@@ -114,6 +126,27 @@ def test_one_forward_inside_equals_outside(tiny_model, family, spec):
         assert n == n_mixers + len(_mlps(model))
     assert torch.allclose(inside, ref, atol=1e-10, rtol=0), (inside - ref).abs().max()
     _assert_untouched(model, snap)
+
+
+def test_a_gated_state_takes_its_gate_from_the_qkv_product(tiny_model):
+    """lolcats_long's gates: the gate projection is a fourth part of the fused q/k/v product while decoding
+    (one matrix product fewer a layer), and the log gates are the same as from the gate's own projection."""
+    model = _student(tiny_model, "llama", GATED)
+    layer = next(iter(mixers(model).values()))
+    x = torch.randn(2, 5, model.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    with layer.reading(x):
+        alone = layer.log_gate(2, 5, x.device)
+        assert layer._gate_input is None
+    with fused_projections(model):
+        sizes = layer.fused_qkv.sizes
+        with layer.reading(x):
+            layer.adapter.qkv(layer, x)
+            assert layer._gate_input is not None
+            fused = layer.log_gate(2, 5, x.device)
+        assert layer._gate_input is None  # nothing kept past the call
+    g = layer.geometry
+    assert sizes == (g.n_heads * g.head_dim, g.n_kv_heads * g.head_dim, g.n_kv_heads * g.head_dim, g.n_kv_heads)
+    assert alone.abs().max() > 0 and torch.allclose(fused, alone, atol=1e-12, rtol=0)
 
 
 def test_weights_are_read_afresh_on_every_call(tiny_model):

@@ -181,6 +181,14 @@ class Mixer(nn.Module):
                 device = weights.device if current.device.type == "meta" and weights is not None else current.device
                 setattr(self, name, value.to(device))
 
+    def input_projections(self) -> tuple[nn.Module, ...]:
+        """The mixer's own ``nn.Linear`` projections of the layer's input (a gated state's gate), which
+        the decoder may compute in one product with q/k/v (``Adapter.fuse_qkv``); none by default."""
+        return ()
+
+    def take_projections(self, outputs) -> None:
+        """Receives the outputs of ``input_projections`` for the current input, computed with q/k/v."""
+
     @contextlib.contextmanager
     def reading(self, hidden_states):
         """Inside, ``sequence`` / ``step`` may read the layer's input ``hidden_states`` (a mixer whose

@@ -74,6 +74,7 @@ class LolcatsAttention(LinearAttention):
         logit = math.log(INIT_WINDOW_WEIGHT / (1 - INIT_WINDOW_WEIGHT))
         self.window_logit = nn.Parameter(torch.full((geometry.n_heads,), logit, device=self.teacher_device))
         self._hidden = None
+        self._gate_input = None  # the gate's projection of the current input, where the decoder fused it with q/k/v
         if spec.norm == "separate":  # the linear terms' weight against the window's, per head (0.5 at start)
             self.mix_logit = nn.Parameter(torch.zeros(geometry.n_heads, device=self.teacher_device))
         if spec.decay in ("learned", "gated"):
@@ -118,7 +119,22 @@ class LolcatsAttention(LinearAttention):
         try:
             yield
         finally:
-            self._hidden = None
+            self._hidden = self._gate_input = None
+
+    def input_projections(self):
+        return (self.gate_proj,) if self.spec.decay == "gated" else ()
+
+    def take_projections(self, outputs) -> None:
+        self._gate_input = outputs[0] if self.spec.decay == "gated" else None
+
+    def gate_input(self) -> torch.Tensor:
+        """``[B, T, Hk]``: the gate's projection of the current input (before its bias), from the product
+        the decoder fused with q/k/v where it did, else computed here."""
+        if self._gate_input is not None:
+            return self._gate_input
+        if self._hidden is None:
+            raise RuntimeError("gated decay reads the layer input: call the mixer, or run sequence/step inside reading()")
+        return self.gate_proj(self._hidden)
 
     def log_gate(self, batch: int, length: int, device) -> torch.Tensor | None:
         """``[B, Hk, T]`` log gates of the current tokens (fp32, float64 for a float64 model), or None
@@ -130,10 +146,9 @@ class LolcatsAttention(LinearAttention):
             return self.span_log_gate.to(device)[None, :, None].expand(batch, -1, length)
         if decay == "learned":
             return (-F.softplus(self.gate_bias.float()))[None, :, None].expand(batch, -1, length)
-        if self._hidden is None:
-            raise RuntimeError("gated decay reads the layer input: call the mixer, or run sequence/step inside reading()")
-        acc = ops.accum_dtype(self._hidden.dtype)
-        a = self.gate_proj(self._hidden).to(acc) + self.gate_bias.to(acc)  # [B, T, Hk]
+        x = self.gate_input()
+        acc = ops.accum_dtype(x.dtype)
+        a = x.to(acc) + self.gate_bias.to(acc)  # [B, T, Hk]
         return -F.softplus(a).transpose(1, 2)
 
     @classmethod

@@ -83,7 +83,9 @@ class Adapter:
     def fuse_qkv(self, m: nn.Module) -> FusedLinear | None:
         """A module computing a converted layer's q, k and v projections with one product, which
         ``qkv`` uses while it is ``m``'s ``fused_qkv`` submodule; None where the family's q/k/v are one
-        product already or one product would not be exactly the same function (LoRA, mixed biases...)."""
+        product already or one product would not be exactly the same function (LoRA, mixed biases...).
+        The mixer's own projections of the same input (``m.input_projections()``: a gated state's gate)
+        join the product where they can, and ``qkv`` hands their outputs to ``m.take_projections``."""
         return None
 
     def mlp(self, layer: nn.Module) -> nn.Module | None:

@@ -30,7 +30,12 @@ class LlamaFamilyAdapter(Adapter):
         b, t, _ = x.shape
         d = m.geometry.head_dim
         fused = m._modules.get(FUSED_QKV)  # one product for the three, while decoding (fuse_qkv)
-        q, k, v = fused(x) if fused is not None else (m.q_proj(x), m.k_proj(x), m.v_proj(x))
+        if fused is not None:
+            q, k, v, *extra = fused(x)
+            if extra:  # the mixer's own projections of this input, from the same product
+                m.take_projections(extra)
+        else:
+            q, k, v = m.q_proj(x), m.k_proj(x), m.v_proj(x)
         q, k, v = q.view(b, t, -1, d), k.view(b, t, -1, d), v.view(b, t, -1, d)
         if getattr(m, "q_norm", None) is not None:
             q, k = m.q_norm(q), m.k_norm(k)
@@ -46,7 +51,9 @@ class LlamaFamilyAdapter(Adapter):
         return m.o_proj(o.transpose(1, 2).reshape(b, t, h * d))
 
     def fuse_qkv(self, m):
-        return FusedLinear.of(*(getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj")))
+        qkv = [getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj")]
+        extra = list(m.input_projections()) if hasattr(m, "input_projections") else []
+        return (extra and FusedLinear.of(*qkv, *extra)) or FusedLinear.of(*qkv)
 
     def fuse_mlp(self, layer, kernels=False):
         # every MLP of these families is gated, down_proj(act_fn(gate_proj(x)) * up_proj(x)); of()
