@@ -24,7 +24,7 @@ from linearize.convert import convert
 from linearize.distill.probes import swapped
 from linearize.eval.tasks import passkey
 from linearize.eval.tasks.needle import DEFAULT_DEPTHS
-from linearize.layers import mixers
+from linearize.convert.layers import mixers
 from linearize.ops.softmax_attention import softmax_attention
 from linearize.teacher import load_teacher
 

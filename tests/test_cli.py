@@ -50,7 +50,7 @@ def test_generate_takes_a_prompt_file_and_a_sparse_cache(teacher_dir, tmp_path, 
     without a cache, a cache for a teacher and an unreadable prompt file are refused in one line."""
     import importlib
 
-    convert = importlib.import_module("linearize.convert")  # the module (linearize.convert is the function)
+    convert = importlib.import_module("linearize.convert")  # the package (linearize.convert is the function)
     out = tmp_path / "student"
     assert main(["convert", "--teacher", str(teacher_dir), "--out", str(out), "--kind", "lolcats", "--window", "4",
                  "--feature-dim", "8", "--device", "cpu"]) == 0

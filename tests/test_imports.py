@@ -103,6 +103,35 @@ def test_the_package_imports_no_circle():
     assert not gone, f"no longer cycles: {gone}; remove them from KNOWN_CYCLES"
 
 
+WING = "linearize.convert"  # the conversion wing: convert (its __init__), layers, xatl_transfer
+BELOW_WING = ("ops", "mixers", "models", "spec", "kinds", "cache", "errors", "version")
+ABOVE_WING = ("decode", "graphed", "data", "distill", "recipes", "eval", "bench", "cli", "demo")
+
+
+def _in(module: str, parts) -> bool:
+    return any(module == f"linearize.{p}" or module.startswith(f"linearize.{p}.") for p in parts)
+
+
+def wing_arrows(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports that point up across the conversion wing: a module below it importing it, or it importing
+    a module above it."""
+    wing = {m for m in graph if _in(m, [WING.partition(".")[2]])}
+    up = [(m, w) for m in graph if _in(m, BELOW_WING) for w in graph[m] & wing]
+    up += [(m, t) for m in wing for t in graph[m] if _in(t, ABOVE_WING)]
+    return sorted(up)
+
+
+def test_the_conversion_wing_keeps_its_arrows_down():
+    """ops, mixers, models, spec and kinds never import the conversion wing (``linearize.convert``); the
+    wing imports no decoder, loss, recipe (LIT is the recipes'), eval, bench or cli module."""
+    graph = import_graph()
+    assert {WING, f"{WING}.layers", f"{WING}.xatl_transfer", "linearize.recipes.lit"} <= graph.keys()
+    assert not wing_arrows(graph), wing_arrows(graph)
+    assert wing_arrows({"linearize.mixers.base": {WING}, WING: {"linearize.recipes.lit"},
+                        "linearize.recipes.lit": set()}) == [("linearize.convert", "linearize.recipes.lit"),
+                                                             ("linearize.mixers.base", "linearize.convert")]
+
+
 def test_the_cycle_finder_finds_cycles():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "d"}, "e": set()}
     assert sorted(sorted(c) for c in cycles(graph)) == [["a", "b", "c"], ["d"]]

@@ -9,8 +9,9 @@ from linearize import kinds
 
 
 def test_every_list_of_kinds_holds_every_kind():
-    from linearize import spec, xatl
+    from linearize import spec
     from linearize.bench import train as bench_train
+    from linearize.convert import xatl_transfer
     from linearize.mixers import MIXERS
 
     every, built = set(kinds.names()), set(kinds.names("build"))
@@ -18,8 +19,8 @@ def test_every_list_of_kinds_holds_every_kind():
     assert set(spec.KINDS) == every
     assert set(MIXERS) == every
     assert every <= set(bench_train.MODELS)
-    assert built <= set(xatl.ARCHITECTURES) and set(xatl.ARCHITECTURES.values()) == built
-    assert set(xatl.DEFAULT_TRANSFER) == built
+    assert built <= set(xatl_transfer.ARCHITECTURES) and set(xatl_transfer.ARCHITECTURES.values()) == built
+    assert set(xatl_transfer.DEFAULT_TRANSFER) == built
 
 
 def test_a_new_kind_is_one_line(tiny_model, monkeypatch):
@@ -33,7 +34,7 @@ def test_a_new_kind_is_one_line(tiny_model, monkeypatch):
 
 def test_keep_softmax_is_the_one_name(tiny_model):
     """Layers kept as softmax are keep_softmax in build_xatl, its report and its record."""
-    from linearize.xatl import build_xatl
+    from linearize.convert.xatl_transfer import build_xatl
 
     teacher = tiny_model("llama")
     student, report = build_xatl(teacher, "retnet", keep_softmax="xatl", seed=0)

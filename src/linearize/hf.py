@@ -12,7 +12,7 @@ config class subclasses the base family's config: the base fields stay flat in c
 that read ``hidden_size`` or ``num_hidden_layers`` keep working) and the ``linearize`` record sits
 beside them (spec, teacher, conversion date, training runs, the weights' sha256). Its model class
 subclasses the base family's ``...ForCausalLM`` and, when built, converts its layers as the recorded
-spec says (``convert.apply_spec``); its ``generate()`` takes the fast decoder by default
+spec says (``convert.layers.apply_spec``); its ``generate()`` takes the fast decoder by default
 (``decode.route``). Parameters and state-dict keys are exactly the student's, so
 ``from_pretrained`` loads every tensor by name, XATL students (whose mixers drop q/k/v) included.
 One ``linearize`` type with the base config nested was the alternative; transformers maps a config
@@ -133,7 +133,7 @@ class LinearizedModel:
     def __init__(self, config, *args, **kwargs):
         record = checked_record(getattr(config, "linearize", None), f"{type(self).__name__} config")
         super().__init__(config, *args, **kwargs)
-        from .layers import apply_spec
+        from .convert.layers import apply_spec
 
         apply_spec(self, Spec.coerce(record["spec"]))
         config.auto_map = auto_map(config.base_model_type)
@@ -163,7 +163,7 @@ class LinearizedModel:
         if folder.is_dir():
             check_weights(folder)
         model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
-        from .layers import mixers
+        from .convert.layers import mixers
 
         for mixer in mixers(model).values():
             mixer.reset_fixed_buffers()

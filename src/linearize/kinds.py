@@ -8,7 +8,7 @@ Each entry names the class (``module:Class`` under ``linearize.mixers``) and its
   weights (XATL): ``linearize xatl --arch`` builds it.
 
 Every list of kinds derives from ``KINDS``: ``spec.KINDS`` (what a spec accepts), the CLI's
-``--kind`` and ``--arch`` choices, ``xatl.ARCHITECTURES``, ``bench.train.MODELS``, the XATL
+``--kind`` and ``--arch`` choices, ``convert.xatl_transfer.ARCHITECTURES``, ``bench.train.MODELS``, the XATL
 recipe's ``arch`` field. Nothing here imports the mixers: ``mixers.MIXERS`` does, from these names.
 """
 

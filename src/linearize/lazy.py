@@ -7,7 +7,7 @@ import such a name's module when the name is first read (``linearize.load``, ``f
 import perplexity``) and keep it.
 
 Where a name is also one of the package's submodules (the function ``linearize.convert`` and the
-module ``linearize/convert.py``; ``linearize.mixers``; ``linearize.eval.perplexity``), the name stays
+package ``linearize/convert/``; ``linearize.mixers``; ``linearize.eval.perplexity``), the name stays
 the function: Python sets a submodule, once imported, as an attribute of its package, and the package
 drops exactly that assignment.
 """

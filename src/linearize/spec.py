@@ -32,8 +32,8 @@ class Spec:
     kind: ``lolcats`` (sliding-window softmax + linear attention, LoLCATs eq. 7), ``linear``
         (normalised linear attention) or ``supra`` (shared ReLU-MLP kernel, RoPE after it, fixed
         decay, GroupNorm; SUPRA eq. 10), or an XATL architecture trained from the teacher's shared
-        weights (``linearize.xatl.build_xatl``): ``retnet`` (multi-scale retention, new q/k/v/gate,
-        the teacher's W_O) or ``striped_mamba`` (a Mamba mixer in each block, the FFN kept); or
+        weights (``linearize.convert.xatl_transfer.build_xatl``): ``retnet`` (multi-scale retention,
+        new q/k/v/gate, the teacher's W_O) or ``striped_mamba`` (a Mamba mixer in each block, the FFN kept); or
         ``delta``: the sliding window plus a gated delta-rule memory of older tokens (Gated
         DeltaNet; ``mixers/delta.py``), from the teacher's q/k/v/o (feature_map is not used).
     feature_map: ``hedgehog`` [softmax(xW) | softmax(-xW)], ``t2r`` ReLU(xW+b), ``elu`` elu+1, ``relu``.

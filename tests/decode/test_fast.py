@@ -11,7 +11,7 @@ from helpers import (CollectStreamer, greedy_by_full_forwards, plain_generate, r
 import linearize
 from linearize import LinearizeError, ops
 from linearize.decode import FastDecoder, Sampling, decode, fast_generate, filter_logits, next_tokens
-from linearize.xatl import build_xatl
+from linearize.convert.xatl_transfer import build_xatl
 
 TOL = 1e-10
 

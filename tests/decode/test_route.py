@@ -21,7 +21,7 @@ import torch
 import linearize
 from helpers import CollectStreamer, plain_generate, tiny_tokenizer
 from linearize.decode import loop, route
-from linearize.xatl import build_xatl
+from linearize.convert.xatl_transfer import build_xatl
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 KINDS = {  # every mixer kind, and a kept softmax layer beside lolcats

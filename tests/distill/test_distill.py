@@ -113,7 +113,7 @@ def test_hidden_alignment_is_zero_for_the_teacher_and_teacher_forced(tiny_model)
 
 
 def test_hidden_alignment_for_a_built_student_needs_a_frozen_teacher(tiny_model):
-    from linearize.xatl import build_xatl
+    from linearize.convert.xatl_transfer import build_xatl
 
     teacher = tiny_model("llama")
     student, _ = build_xatl(teacher, "retnet", seed=0)

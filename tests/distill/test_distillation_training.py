@@ -11,7 +11,7 @@ import linearize
 from linearize.data import BlockDataset
 from linearize.distill import FrozenTeacher, build_objective, next_token_loss
 from linearize.recipes.engine import TrainConfig, train
-from linearize.xatl import build_xatl
+from linearize.convert.xatl_transfer import build_xatl
 
 
 def _teacher(tiny_model):

@@ -111,7 +111,7 @@ def test_mixer_mse_value_and_gradient_by_hand(tiny_model):
 
 
 def test_mixer_mse_is_zero_for_the_teacher_and_trains_a_built_student(tiny_model):
-    from linearize.xatl import build_xatl
+    from linearize.convert.xatl_transfer import build_xatl
 
     teacher = tiny_model("llama", dtype=torch.float64)
     batch = _batch()

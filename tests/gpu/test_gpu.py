@@ -72,7 +72,7 @@ def test_retnet_trains_through_fla_under_autocast(tiny_model, hybrid):
     """The XATL recipe's step: fp32 weights, bf16 autocast, RetNet's key width half its value width.
     A change to the fla wrapper's output cast once made this backward read out of bounds in fla's
     chunk_bwd_dqkwg on an H100 (2026-11-22); the gradients must match the PyTorch path's."""
-    from linearize.xatl import build_xatl
+    from linearize.convert.xatl_transfer import build_xatl
 
     teacher = tiny_model("llama", num_attention_heads=4, num_key_value_heads=2, hidden_size=256,
                          num_hidden_layers=4).cuda()

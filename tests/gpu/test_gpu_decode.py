@@ -6,7 +6,7 @@ import torch
 import linearize
 from helpers import plain_generate
 from linearize.fast import fast_generate
-from linearize.xatl import build_xatl
+from linearize.convert.xatl_transfer import build_xatl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from linearize.distill import FrozenTeacher, build_objective
-from linearize.xatl import build_xatl
+from linearize.convert.xatl_transfer import build_xatl
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

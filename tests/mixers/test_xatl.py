@@ -14,10 +14,10 @@ from helpers import (decode_incrementally, greedy_by_full_forwards, plain_genera
 from linearize import LinearizeError, ops
 from linearize.cache import LinearizeCache, RecurrentLayer, cache_nbytes
 from linearize.info import state_bytes
-from linearize.lit import LitCallback, LitRule
+from linearize.recipes.lit import LitCallback, LitRule
 from linearize.mixers import mamba as mamba_module
 from linearize.ops import selective_scan as ss
-from linearize.xatl import build_xatl, transferred_parameters, xatl_softmax_layers
+from linearize.convert.xatl_transfer import build_xatl, transferred_parameters, xatl_softmax_layers
 
 TOL = 1e-10
 KINDS = ["retnet", "striped_mamba"]
@@ -449,7 +449,7 @@ def test_lit_callback_freezes_and_thaws_when_the_rule_says(mode, caplog):
     assert frozen_names() == (set() if mode == "unfrozen" else copied)
     losses = [6.0, 5.0, 4.6, 4.58, 4.0]  # improvements 16.7%, 8%, 0.43% -> LIT fires at the 4th evaluation
     expected = LitRule()
-    with caplog.at_level(logging.WARNING, logger="linearize.lit"):
+    with caplog.at_level(logging.WARNING, logger="linearize.recipes.lit"):
         for i, loss in enumerate(losses):
             state.global_step = 10 * (i + 1)
             fires = expected.update(loss)

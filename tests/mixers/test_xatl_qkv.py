@@ -10,7 +10,7 @@ import linearize
 from helpers import tiny_config, tiny_tokenizer
 from linearize import LinearizeError
 from linearize.mixers.retnet import retention_from_attention, rotary_pairs
-from linearize.xatl import build_xatl, transferred_parameters
+from linearize.convert.xatl_transfer import build_xatl, transferred_parameters
 
 
 def _teacher(family="llama", seed=0, **overrides):

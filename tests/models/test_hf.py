@@ -17,7 +17,7 @@ import linearize
 from linearize import LinearizeError
 from linearize.cache import cache_nbytes
 from linearize.info import describe
-from linearize.xatl import build_xatl
+from linearize.convert.xatl_transfer import build_xatl
 
 from helpers import tiny_tokenizer
 

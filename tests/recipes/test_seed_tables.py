@@ -12,7 +12,7 @@ import pytest
 
 from linearize.cli import main
 from linearize.errors import LinearizeError
-from linearize.lit import LitCallback
+from linearize.recipes.lit import LitCallback
 from linearize.recipes import orderings
 from linearize.recipes.supra import SupraConfig
 from linearize.recipes.xatl import XatlConfig

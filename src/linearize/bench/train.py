@@ -72,7 +72,7 @@ class TrainRow:
 def build(teacher, name: str, backend: str = "auto"):
     """The model ``name`` trains, built from ``teacher`` (which stays untouched)."""
     import linearize
-    from linearize.xatl import build_xatl
+    from linearize.convert.xatl_transfer import build_xatl
 
     if name == "teacher":
         import copy

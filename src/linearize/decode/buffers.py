@@ -17,7 +17,7 @@ from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
 from .. import ops
 from ..cache import LinearizeCache, RecurrentLayer, state_tensors
-from ..layers import mixers
+from ..convert.layers import mixers
 
 
 class StaticStateLayer(RecurrentLayer):

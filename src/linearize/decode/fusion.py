@@ -34,7 +34,7 @@ import contextlib
 
 from torch import nn
 
-from ..layers import mixers
+from ..convert.layers import mixers
 from ..errors import LinearizeError
 from ..models import get_adapter
 from ..models.fusion import FUSED_QKV, FusedGatedMLP, FusedRMSNorm

@@ -49,7 +49,7 @@ def unsupported_model(model) -> str | None:
         unwindowed = sorted(i for i in sliding if not getattr(layers[i], "sliding_window", None))
         if unwindowed:
             return f"sliding-window softmax layers ({unwindowed}) whose prefill cache keeps no window"
-    from ..layers import mixers
+    from ..convert.layers import mixers
 
     unsupported = sorted(i for i, m in mixers(model).items() if not m.fast_decodable())
     if unsupported:

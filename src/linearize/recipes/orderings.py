@@ -111,7 +111,7 @@ def table_rows(table: str, base: UptrainConfig, rows: list[str] | None = None) -
 
 
 def _for_arch(rows: dict[str, dict], arch: str) -> tuple[dict[str, dict], dict[str, str]]:
-    from ..xatl import ARCHITECTURES, keeps_teacher_output
+    from ..convert.xatl_transfer import ARCHITECTURES, keeps_teacher_output
 
     kind = ARCHITECTURES.get(arch, arch)
     if keeps_teacher_output(kind):

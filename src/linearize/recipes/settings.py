@@ -202,7 +202,7 @@ class XatlConfig(UptrainConfig):
                                     "weight_decay": "XATL: 0.1"}
 
     def check(self) -> None:
-        from ..xatl import ARCHITECTURES, resolve_transfer
+        from ..convert.xatl_transfer import ARCHITECTURES, resolve_transfer
 
         if isinstance(self.keep_softmax, str) and self.keep_softmax != "xatl":
             raise LinearizeError(f"keep_softmax {self.keep_softmax!r}: give layer indices (e.g. 2,15) or 'xatl' "
@@ -218,7 +218,7 @@ class XatlConfig(UptrainConfig):
         return None
 
     def build(self, teacher):
-        from ..xatl import build_xatl
+        from ..convert.xatl_transfer import build_xatl
 
         keep = self.keep_softmax if self.keep_softmax == "xatl" else (list(self.keep_softmax) or None)
         student, report = build_xatl(teacher, self.arch, transfer=self.transfer, keep_softmax=keep, seed=self.seed)
@@ -227,7 +227,7 @@ class XatlConfig(UptrainConfig):
     def callbacks(self) -> list:
         from pathlib import Path
 
-        from ..lit import LitCallback
+        from .lit import LitCallback
 
         # the transferred tensors come from the XATL record in the student's config; LIT's unfreezing is a
         # line in the run's metrics.jsonl, and its record goes into results.json (``freeze``)

@@ -7,6 +7,12 @@ teacher, the date) and, once a recipe has trained it, how (``linearize.checkpoin
 The student becomes its family's ``linearize_<base>`` model class (``linearize.hf``), so that
 ``save_pretrained`` writes a checkpoint that declares what it is and ``AutoModelForCausalLM`` (or
 ``linearize.load``) rebuilds it.
+
+The conversion wing: this package is ``convert`` (``from linearize.convert import convert``, and
+``linearize.convert`` is this function), ``layers`` places a spec's mixers and finds them (what the
+``linearize_*`` classes and the fast decoder use as well), and ``xatl_transfer`` builds an XATL
+student from the teacher's shared weights. Below it: ops, mixers, models, spec and kinds; how a
+student trains (the LIT schedule among it) is the recipes'.
 """
 
 from __future__ import annotations
@@ -18,12 +24,12 @@ import logging
 
 from torch import nn
 
-from .errors import LinearizeError
+from ..errors import LinearizeError
+from ..kinds import mixer_class
+from ..models import get_adapter
+from ..spec import Spec
+from ..version import __version__
 from .layers import apply_spec, mixers
-from .kinds import mixer_class
-from .models import get_adapter
-from .spec import Spec
-from .version import __version__
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +85,7 @@ def convert(teacher: nn.Module, spec: Spec | dict | str | None = None, keep_soft
         "version": __version__, "teacher": teacher_source(teacher),
         "converted": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), "training": [],
     }
-    from .hf import as_linearized
+    from ..hf import as_linearized
 
     return as_linearized(student)
 

@@ -1,15 +1,16 @@
 """Which layers of a model are converted: placing a spec's mixers (``apply_spec``) and finding them
-(``mixers``). Below ``convert`` and ``hf`` so both can use it."""
+(``mixers``). A module of the conversion wing apart from ``convert`` itself: ``hf`` (a
+``linearize_*`` model class converts its layers as its recorded spec says) and ``decode`` use it too."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from .errors import LinearizeError
-from .kinds import mixer_class
-from .mixers import Mixer
-from .models import get_adapter
-from .spec import Spec
+from ..errors import LinearizeError
+from ..kinds import mixer_class
+from ..mixers import Mixer
+from ..models import get_adapter
+from ..spec import Spec
 
 
 def apply_spec(model: nn.Module, spec: Spec) -> nn.Module:

@@ -38,7 +38,7 @@ not Mamba), plus ``attention`` when softmax layers are kept (``qkv`` is opt-in).
 
 The structure is an ordinary spec (``kind`` and ``keep_softmax``), so ``linearize.save``/``load``
 rebuild it; the XATL choices are recorded beside it as ``config.linearize["xatl"]``. Freezing the
-transferred weights (frozen / unfrozen / LIT) is a training choice: see ``linearize.lit``.
+transferred weights (frozen / unfrozen / LIT) is a training choice: see ``linearize.recipes.lit``.
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from . import kinds
-from .convert import convert
-from .errors import LinearizeError
-from .mixers.fresh import FreshMixer
-from .models import get_adapter
+from .. import kinds
+from ..errors import LinearizeError
+from ..mixers.fresh import FreshMixer
+from ..models import get_adapter
+from . import convert  # the function (this package's __init__)
 
 ARCHITECTURES = kinds.architectures()  # name or alias -> mixer kind (the kinds of role "build")
 TRANSFERS = ("embeddings", "ffn", "wo", "qkv", "attention")

@@ -23,9 +23,9 @@ from pathlib import Path
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-from .errors import LinearizeError
+from ..errors import LinearizeError
 
-logger = logging.getLogger("linearize.lit")
+logger = logging.getLogger(__name__)
 
 FREEZE_MODES = ("frozen", "unfrozen", "lit")
 
@@ -77,7 +77,8 @@ class LitCallback(TrainerCallback, ExportableState):
     ``metric`` at an evaluation, then unfrozen).
 
     ``parameters``: names of the parameters to freeze (as in ``model.named_parameters()``), or None
-    for those the XATL record says were transferred (``linearize.xatl.transferred_parameters``).
+    for those the XATL record says were transferred
+    (``linearize.convert.xatl_transfer.transferred_parameters``).
     Freezing sets ``requires_grad=False`` at the start of training, after the Trainer has built
     its optimizer, so the parameters must be trainable (and in the optimizer) when the run starts;
     a frozen parameter gets no gradient, and AdamW then leaves it, its moments and its weight decay
@@ -156,7 +157,7 @@ class LitCallback(TrainerCallback, ExportableState):
 
     def _resolve(self, model) -> dict:
         if self.parameters is None:
-            from .xatl import transferred_parameters
+            from ..convert.xatl_transfer import transferred_parameters
 
             return transferred_parameters(model)
         params = dict(model.named_parameters())
