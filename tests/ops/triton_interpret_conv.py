@@ -83,7 +83,7 @@ def mixer_fused_equals_pytorch():
     from transformers import AutoModelForCausalLM
 
     from linearize.mixers import mamba
-    from linearize.xatl import build_xatl
+    from linearize.convert.xatl_transfer import build_xatl
 
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(tiny_config("llama", initializer_range=0.2)).float().eval()
