@@ -86,7 +86,7 @@ for part in ${@:-tests kernels launches prefill train}; do
       timeout 300 python3 dev/hybrid_bench.py --shapes 8x1024 1x8192 --skip "torch chunked" \
         --out "$S/prelude_bench.json" 2>&1 | quiet
       for fused in True False; do
-        timeout 300 python3 -c "import sys; from linearize.ops import hybrid_triton; hybrid_triton.FUSED_PRELUDE = $fused
+        timeout 300 python3 -c "import sys; from linearize.ops.hybrid import chunk_triton as k; k.FUSED_PRELUDE = $fused
 from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher "$T" --shapes 8x1024 --steps 20 \
           --models teacher lolcats-stage1 lolcats-stage2 --cuda-graph on --out "$S/train_prelude_$fused.json" 2>&1 | quiet | tail -5
       done ;;

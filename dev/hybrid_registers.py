@@ -23,8 +23,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from linearize.ops import hedgehog_rope_triton as hp
-from linearize.ops import hybrid_triton as ht
+from linearize.ops.hybrid import chunk_triton as ht
+from linearize.ops.hybrid import prelude_triton as hp
 
 FP32_POINTERS = {"sums_ptr", "den_ptr", "mx_ptr", "gamma_ptr", "dq_ptr", "dqf_ptr", "rho_ptr", "dc_ptr", "dgamma_ptr",
                  "qsums_ptr", "rsums_ptr", "dk_ptr", "dv_ptr", "dkf_ptr", "src_ptr", "dst_ptr", "fin_ptr",

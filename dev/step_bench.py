@@ -56,9 +56,9 @@ def timed(step, replays):
 
 def load(path):
     if path is None:
-        from linearize.ops import hybrid_step_triton
+        from linearize.ops.hybrid import step_triton
 
-        return "current", hybrid_step_triton
+        return "current", step_triton
     spec = importlib.util.spec_from_file_location(f"step_{abs(hash(path))}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

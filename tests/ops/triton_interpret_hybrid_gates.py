@@ -16,8 +16,8 @@ import torch  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 from linearize import ops  # noqa: E402
-from linearize.ops import hybrid_triton as kernels  # noqa: E402
-from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half  # noqa: E402
+from linearize.ops.hybrid import chunk_triton as kernels  # noqa: E402
+from linearize.ops.hybrid.chunk_triton import hedgehog_features, hybrid_triton, rope_half  # noqa: E402
 
 TOL = 2e-5
 NAMES = ("q", "k", "v", "qf", "kf", "gamma", "log_gate")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from .fla_backend import triton_available
-from .hybrid_state import HybridState
+from .hybrid.state import HybridState
 from .linear_attention import _augment, _group, accum_dtype
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -284,7 +284,7 @@ def hybrid_attention(
                                         mix=mix)
     dtype = kernel_dtype(q, k, v, qf, kf)
     if use_hybrid_kernel(q, backend, window=window, head_dim=q.shape[-1], feature_width=qf.shape[-1], dtype=dtype):
-        from .hybrid_triton import hybrid_triton
+        from .hybrid.chunk_triton import hybrid_triton
 
         q, k, v, qf, kf = (x.to(dtype) for x in (q, k, v, qf, kf))
         return hybrid_triton(q, k, v, gamma, qf=qf, kf=kf, window=window, scale=scale, softcap=softcap,

@@ -99,7 +99,7 @@ import torch.nn.functional as F
 
 from .hybrid_attention import (FusedRingState, HybridState, RingHybridState, _real_keys, _scores, hybrid_final_state,
                                pad_front)
-from .hybrid_state import SparseHybridState  # noqa: F401  (defined beside HybridState: the kernels build it too)
+from .hybrid.state import SparseHybridState  # noqa: F401  (defined beside HybridState: the kernels build it too)
 from .linear_attention import _augment, _group, accum_dtype
 
 

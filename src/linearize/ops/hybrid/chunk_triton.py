@@ -85,7 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .hedgehog_rope_triton import hedgehog_rope_backward, hedgehog_rope_forward
+from .prelude_triton import hedgehog_rope_backward, hedgehog_rope_forward
 from .triton_tiles import _features, _load_features, _pow2, _precision, _rotated, _tile, tiles_for
 
 # Tiles and warps for 16-bit inputs (bf16, fp16): the fastest of ``dev/hybrid_bench.py --sweep`` on an H100
@@ -775,7 +775,7 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
 
     ``nope`` (with ``hedgehog``): the Hedgehog features of q and k before RoPE (``feature_rope: false``);
     the window's scores and the state's keys stay rotated."""
-    from .hybrid_state import HybridState
+    from .state import HybridState
 
     b, h, t, d = q.shape
     hk = k.shape[1]
@@ -1153,7 +1153,7 @@ def hybrid_triton_sinks(q, k, v, gamma, *, window: int, cache_size: int, scale: 
     ``plan``: the caller's ``sink_plan`` for this key mask and shape (else looked up here).
     No gates: ``log_gate`` is refused (the sparse forms have no fading state).
     """
-    from .hybrid_state import SparseHybridState
+    from .state import SparseHybridState
 
     if log_gate is not None:
         raise ValueError("hybrid_triton_sinks has no gates (log_gate): the sparse cache does not combine with a "
