@@ -5,7 +5,7 @@ forward and of forward + backward (median of ``triton.testing.do_bench``, compil
 * ``kernels (fused)``: RoPE and Hedgehog maps inside the forward kernels, from the projections' q/k/v
   (what the LoLCATs mixer runs);
 * ``kernels (fused), PyTorch prelude``: the same forward; the backward recomputes RoPE and the maps
-  in PyTorch (``hybrid_triton.FUSED_PRELUDE = False``) instead of the prelude's Triton kernels;
+  in PyTorch (``chunk_triton.FUSED_PRELUDE = False``) instead of the prelude's Triton kernels;
 * ``kernels (features given)``: RoPE and the maps in PyTorch, the hybrid in the kernels (what pays:
   fusing the maps or not);
 * ``torch chunked``: RoPE, the maps and ``hybrid_attention_chunked`` in PyTorch (before the kernels);
@@ -53,14 +53,14 @@ def _inputs(b, t, g):
 
 def paths(b, t, g):
     from linearize import ops
-    from linearize.ops.hybrid import chunk_triton as hybrid_triton_module
+    from linearize.ops.hybrid import chunk_triton as chunk_triton_module
     from linearize.ops.hybrid.chunk_triton import hedgehog_features, hybrid_triton, rope_half
 
     qkv, rope, wq, wk, logit = _inputs(b, t, g)
     kw = dict(window=W, scale=D ** -0.5)
 
     def fused(prelude=True):
-        hybrid_triton_module.FUSED_PRELUDE = prelude  # read by the backward, which runs before the next path
+        chunk_triton_module.FUSED_PRELUDE = prelude  # read by the backward, which runs before the next path
         q, k, v = _split(qkv)
         return hybrid_triton(q, k, v, logit, hedgehog=(wq, wk), rope=rope, **kw, logit=True)[0]
 
@@ -186,7 +186,7 @@ PREFILL_KNOBS = (("PREFILL_QUERY_ROWS", (16, 32, 64)), ("PREFILL_WARPS", (2, 4, 
 def sweep_prefill(shapes, g, rows) -> dict:
     """The fused path's forward without gradients (what a prefill runs): its kernels' device time,
     summed over ``shapes``, for every pair of ``PREFILL_KNOBS`` values; rows go to ``rows``. Returns the
-    fastest pair (``{"hybrid_triton.NAME": value}``) and its time against the defaults'; the defaults
+    fastest pair (``{"hybrid.chunk_triton.NAME": value}``) and its time against the defaults'; the defaults
     are restored."""
     import itertools
 

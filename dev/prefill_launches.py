@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     rows = [("teacher", *count(teacher, ids, layers))]
     student = linearize.convert(teacher, {"kind": "lolcats"})
     rows.append(("student, PyTorch chunked form", *count(student, ids, layers)))
-    module = sys.modules["linearize.ops.hybrid_attention"]
+    module = sys.modules["linearize.ops.hybrid"]
     rule = module.use_hybrid_kernel
     forced = lambda q, backend="auto", **kw: backend != "torch"  # noqa: E731
     linearize.ops.use_hybrid_kernel = module.use_hybrid_kernel = forced

@@ -1,4 +1,4 @@
-"""The LoLCATs hybrid's whole-sequence Triton kernels (``ops/hybrid_triton.py``) on CUDA, against the
+"""The LoLCATs hybrid's whole-sequence Triton kernels (``ops/hybrid/chunk_triton.py``) on CUDA, against the
 float64 references: values, gradients and the prefill's state, at SmolLM2's shape (9 query heads on 3
 key heads, head dim 64, Hedgehog features 2 x 64, window 64) and off it; and the mixer's dispatch.
 Skipped without CUDA."""
@@ -160,7 +160,7 @@ def test_sinks_on_the_forward_kernels_equal_the_float64_reference_on_cuda(dtype,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("nope", [False, True], ids=["rope", "nope"])
 def test_hedgehog_rope_prelude_kernels_equal_the_float64_reference_on_cuda(dtype, case, nope):
-    """The backward's fused prelude (``hedgehog_rope_triton``): rotated x, features, dx and dW against
+    """The backward's fused prelude (``prelude_triton``): rotated x, features, dx and dW against
     ``rope_half`` + ``hedgehog_features`` + autograd in float64; RoPE over every dim, half of them or
     none, per-head or shared weights, a length off the tiles; the features of the rotated x or (``nope``)
     of x before RoPE."""

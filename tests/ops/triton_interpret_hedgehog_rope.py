@@ -1,5 +1,5 @@
-"""Run by test_hedgehog_rope_triton.py in a subprocess, on the CPU through Triton's interpreter: the
-fused prelude of the hybrid's backward (``ops/hedgehog_rope_triton.py``, RoPE + Hedgehog maps forward
+"""Run by test_hybrid_prelude_triton.py in a subprocess, on the CPU through Triton's interpreter: the
+fused prelude of the hybrid's backward (``ops/hybrid/prelude_triton.py``, RoPE + Hedgehog maps forward
 and backward) against ``rope_half`` + ``hedgehog_features`` + autograd in float64, and the hybrid's
 whole backward with ``FUSED_PRELUDE`` on against off.
 

@@ -1,5 +1,5 @@
-"""Run by test_hybrid_triton.py in a subprocess, on the CPU through Triton's interpreter: the hybrid's
-whole-sequence kernels (``ops/hybrid_triton.py``) with gates (``log_gate``: a fading linear state)
+"""Run by test_hybrid_chunk_triton.py in a subprocess, on the CPU through Triton's interpreter: the hybrid's
+whole-sequence kernels (``ops/hybrid/chunk_triton.py``) with gates (``log_gate``: a fading linear state)
 against ``hybrid_attention_chunked`` with gates in float64: values, the prefill's final state and the
 gradients of q, k, v, the features (or Hedgehog weights), gamma and the log gates.
 
@@ -243,7 +243,7 @@ def check_model(spec):
     import linearize
     from helpers import loss_grads_and_prefill, tiny_config
 
-    hybrid_module = sys.modules["linearize.ops.hybrid_attention"]
+    hybrid_module = sys.modules["linearize.ops.hybrid"]
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
     model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 6, **spec})

@@ -1,5 +1,5 @@
-"""Run by test_hybrid_triton.py in a subprocess, on the CPU through Triton's interpreter: the hybrid's
-whole-sequence kernels (``ops/hybrid_triton.py``) against the float64 references, values, gradients
+"""Run by test_hybrid_chunk_triton.py in a subprocess, on the CPU through Triton's interpreter: the hybrid's
+whole-sequence kernels (``ops/hybrid/chunk_triton.py``) against the float64 references, values, gradients
 and the prefill's final state.
 
 ``features``: features given to the kernels, against ``hybrid_attention_naive`` (output, every
@@ -199,7 +199,7 @@ def check_model_sinks(anchor):
     from linearize.cache import LinearizeCache
     from linearize.ops.hybrid import chunk_triton as kernels
 
-    hybrid_module = sys.modules["linearize.ops.hybrid_attention"]
+    hybrid_module = sys.modules["linearize.ops.hybrid"]
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
     model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 6, "sparse_cache": 3,
@@ -267,7 +267,7 @@ def check_model(family, feature_map="hedgehog"):
     import linearize
     from helpers import loss_grads_and_prefill, tiny_config
 
-    hybrid_module = sys.modules["linearize.ops.hybrid_attention"]  # (ops.hybrid_attention is the function)
+    hybrid_module = sys.modules["linearize.ops.hybrid"]  # (where hybrid_attention reads use_hybrid_kernel)
 
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2))

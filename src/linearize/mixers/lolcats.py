@@ -4,7 +4,7 @@ softmax terms (initialised to 0.1 as in LoLCATs). With a window covering the who
 exactly the teacher's softmax attention.
 
 With ``spec.sparse_cache = S > 0`` each key head also keeps ``S`` older tokens exactly beside the window
-(``ops/sparse_hybrid_attention.py``; ``spec.sparse_priority``: by default, ``"novelty"``, those whose
+(``ops/hybrid/sparse_select.py``; ``spec.sparse_priority``: by default, ``"novelty"``, those whose
 values are least like the other candidates', with ``"recall"`` those its linear state recalls worst
 (LoLA), with ``"first"`` the sequence's first ``S`` tokens, StreamingLLM's attention sinks;
 ``spec.sparse_anchor`` sets how they weigh against the linear terms, ``spec.sparse_linear`` < 1 scales
@@ -24,7 +24,7 @@ With a decay the cache's tokens fade once folded into the linear state, from the
 window; with ``feature_rope: False`` the cache keeps its tokens' features as the window does.
 
 Length: ``spec.decay`` (``span``, ``learned``, ``gated``) fades the linear state per key head from
-the moment a key leaves the window (``ops.hybrid_attention``'s gates), so its mass stays bounded
+the moment a key leaves the window (``ops.hybrid``'s gates), so its mass stays bounded
 however long the sequence; ``spec.feature_rope = False`` computes the features from the q/k before
 RoPE, so the linear terms never see an absolute position the maps were not trained on. Both run in
 the whole-sequence kernels (the gates and, with Hedgehog maps and RoPE by halves, the features of the
