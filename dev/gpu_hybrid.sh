@@ -13,7 +13,7 @@
 #   train     bench.train at 8x1024: teacher full fine-tune, LoLCATs stage 1 and stage 2
 #   graphs    the CUDA tests of the LoLCATs stages as CUDA graphs, then bench.train at 8x1024 eager and graphed
 #             in one run (teacher, stage 1, stage 2; --cuda-graph both): ratios divide by the teacher's faster row
-#   prelude   the backward's RoPE + Hedgehog prelude as Triton kernels (hybrid_triton.FUSED_PRELUDE) against
+#   prelude   the backward's RoPE + Hedgehog prelude as Triton kernels (chunk_triton.FUSED_PRELUDE) against
 #             PyTorch: the CUDA tests, the kernels alone at 8x1024 and 1x8192, and bench.train's graphed rows
 #             (teacher, stage 1, stage 2) with the switch on, then off
 #   ceiling   the teacher's prefill kernels at 1k, 8k and 32k (batch 1): attention's share of the GPU time bounds
@@ -86,7 +86,7 @@ for part in ${@:-tests kernels launches prefill train}; do
       timeout 300 python3 dev/hybrid_bench.py --shapes 8x1024 1x8192 --skip "torch chunked" \
         --out "$S/prelude_bench.json" 2>&1 | quiet
       for fused in True False; do
-        timeout 300 python3 -c "import sys; from linearize.ops import hybrid_triton; hybrid_triton.FUSED_PRELUDE = $fused
+        timeout 300 python3 -c "import sys; from linearize.ops.hybrid import chunk_triton as k; k.FUSED_PRELUDE = $fused
 from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher "$T" --shapes 8x1024 --steps 20 \
           --models teacher lolcats-stage1 lolcats-stage2 --cuda-graph on --out "$S/train_prelude_$fused.json" 2>&1 | quiet | tail -5
       done ;;
@@ -126,7 +126,7 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
           --out "$S/prefill_$tag.json" 2>&1 | quiet | grep -E "knobs|kernels|sdpa" | tail -9
       done ;;
     step)  # the fused decode step alone (dev/step_bench.py: warps x value parts; STEP_MODULES: other versions of
-      # ops/hybrid_step_triton.py beside it), then decode at batch 1, 64 and 256 from 1k prompts beside the teacher
+      # ops/hybrid/step_triton.py beside it), then decode at batch 1, 64 and 256 from 1k prompts beside the teacher
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k fused_hybrid_step 2>&1 | tail -3
       timeout 420 python3 dev/step_bench.py ${STEP_ARGS:-} ${STEP_MODULES:+--module $STEP_MODULES} --out "$S/step_bench.json" \
         2>&1 | quiet

@@ -5,7 +5,7 @@ forward and of forward + backward (median of ``triton.testing.do_bench``, compil
 * ``kernels (fused)``: RoPE and Hedgehog maps inside the forward kernels, from the projections' q/k/v
   (what the LoLCATs mixer runs);
 * ``kernels (fused), PyTorch prelude``: the same forward; the backward recomputes RoPE and the maps
-  in PyTorch (``hybrid_triton.FUSED_PRELUDE = False``) instead of the prelude's Triton kernels;
+  in PyTorch (``chunk_triton.FUSED_PRELUDE = False``) instead of the prelude's Triton kernels;
 * ``kernels (features given)``: RoPE and the maps in PyTorch, the hybrid in the kernels (what pays:
   fusing the maps or not);
 * ``torch chunked``: RoPE, the maps and ``hybrid_attention_chunked`` in PyTorch (before the kernels);
@@ -53,14 +53,14 @@ def _inputs(b, t, g):
 
 def paths(b, t, g):
     from linearize import ops
-    from linearize.ops import hybrid_triton as hybrid_triton_module
-    from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half
+    from linearize.ops.hybrid import chunk_triton as chunk_triton_module
+    from linearize.ops.hybrid.chunk_triton import hedgehog_features, hybrid_triton, rope_half
 
     qkv, rope, wq, wk, logit = _inputs(b, t, g)
     kw = dict(window=W, scale=D ** -0.5)
 
     def fused(prelude=True):
-        hybrid_triton_module.FUSED_PRELUDE = prelude  # read by the backward, which runs before the next path
+        chunk_triton_module.FUSED_PRELUDE = prelude  # read by the backward, which runs before the next path
         q, k, v = _split(qkv)
         return hybrid_triton(q, k, v, logit, hedgehog=(wq, wk), rope=rope, **kw, logit=True)[0]
 
@@ -109,13 +109,13 @@ def time_path(fn, qkv, grads, backward: bool):
 
 
 # the kernels' constants the sweep varies, one at a time around the defaults: (module, name, values)
-KNOBS = [("hybrid_triton", "SUM_WARPS", (2, 4, 8)), ("hybrid_triton", "FWD_WARPS", (2, 4, 8)),
-         ("hybrid_triton", "BWD_WARPS", (2, 4, 8)), ("hybrid_triton", "KEY_WARPS", (2, 4, 8)),
-         ("hybrid_triton", "QUERY_ROWS", (16, 32, 64)), ("hybrid_triton", "BWD_QUERY_ROWS", (16, 32, 64)),
-         ("hybrid_triton", "KEY_ROWS", (16, 32, 64)),
-         ("hedgehog_rope_triton", "FWD_ROWS", (64, 128, 256)), ("hedgehog_rope_triton", "FWD_WARPS", (2, 4, 8)),
-         ("hedgehog_rope_triton", "BWD_ROWS", (32, 64, 128)), ("hedgehog_rope_triton", "BWD_WARPS", (2, 4, 8)),
-         ("hedgehog_rope_triton", "PRELUDE_PROGRAMS", (1024, 2048, 4096))]
+KNOBS = [("hybrid.chunk_triton", "SUM_WARPS", (2, 4, 8)), ("hybrid.chunk_triton", "FWD_WARPS", (2, 4, 8)),
+         ("hybrid.chunk_triton", "BWD_WARPS", (2, 4, 8)), ("hybrid.chunk_triton", "KEY_WARPS", (2, 4, 8)),
+         ("hybrid.chunk_triton", "QUERY_ROWS", (16, 32, 64)), ("hybrid.chunk_triton", "BWD_QUERY_ROWS", (16, 32, 64)),
+         ("hybrid.chunk_triton", "KEY_ROWS", (16, 32, 64)),
+         ("hybrid.prelude_triton", "FWD_ROWS", (64, 128, 256)), ("hybrid.prelude_triton", "FWD_WARPS", (2, 4, 8)),
+         ("hybrid.prelude_triton", "BWD_ROWS", (32, 64, 128)), ("hybrid.prelude_triton", "BWD_WARPS", (2, 4, 8)),
+         ("hybrid.prelude_triton", "PRELUDE_PROGRAMS", (1024, 2048, 4096))]
 
 
 def kernels_ms(fn, qkv, grads, runs: int = 20, total: bool = True):
@@ -186,11 +186,11 @@ PREFILL_KNOBS = (("PREFILL_QUERY_ROWS", (16, 32, 64)), ("PREFILL_WARPS", (2, 4, 
 def sweep_prefill(shapes, g, rows) -> dict:
     """The fused path's forward without gradients (what a prefill runs): its kernels' device time,
     summed over ``shapes``, for every pair of ``PREFILL_KNOBS`` values; rows go to ``rows``. Returns the
-    fastest pair (``{"hybrid_triton.NAME": value}``) and its time against the defaults'; the defaults
+    fastest pair (``{"hybrid.chunk_triton.NAME": value}``) and its time against the defaults'; the defaults
     are restored."""
     import itertools
 
-    from linearize.ops import hybrid_triton as kernels
+    from linearize.ops.hybrid import chunk_triton as kernels
 
     names = [n for n, _ in PREFILL_KNOBS]
     defaults = {n: getattr(kernels, n) for n in names}
@@ -216,7 +216,7 @@ def sweep_prefill(shapes, g, rows) -> dict:
                     total = float("inf")
                     break
                 rows.append({"path": "prefill sweep", "batch": b, "length": t,
-                             "knobs": {f"hybrid_triton.{n}": v for n, v in setting.items()}, "kernel_ms": ms})
+                             "knobs": {f"hybrid.chunk_triton.{n}": v for n, v in setting.items()}, "kernel_ms": ms})
                 print(f"prefill sweep {b}x{t} {setting}: forward kernels {ms:.4f} ms", flush=True)
                 total += ms
             times[values] = total
@@ -227,7 +227,7 @@ def sweep_prefill(shapes, g, rows) -> dict:
     base = times[tuple(defaults[n] for n in names)]
     print(f"prefill: defaults {base:.3f} ms, fastest {dict(zip(names, best))} {times[best]:.3f} ms", flush=True)
     return {"defaults_ms": base, "fastest_ms": times[best],
-            "knobs": {f"hybrid_triton.{n}": v for n, v in zip(names, best) if v != defaults[n]}}
+            "knobs": {f"hybrid.chunk_triton.{n}": v for n, v in zip(names, best) if v != defaults[n]}}
 
 
 def main(argv=None) -> int:

@@ -6,7 +6,7 @@ The tiles are SmolLM2's (window 64, head dim 64, Hedgehog features 2 x 64 or giv
     PYTHONPATH=src python dev/hybrid_registers.py [--dtype bf16] [--warps 8] [--query-rows 32]
                                                      [--key-rows 16] [KERNEL ...]
 
-Spills cost local-memory traffic in every program; the constants of ``ops/hybrid_triton.py`` are
+Spills cost local-memory traffic in every program; the constants of ``ops/hybrid/chunk_triton.py`` are
 the fewest-spill choices of this report (its comment lists them). Timings need the GPU:
 ``dev/hybrid_bench.py``.
 """
@@ -23,12 +23,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from linearize.ops import hedgehog_rope_triton as hp
-from linearize.ops import hybrid_triton as ht
+from linearize.ops.hybrid import chunk_triton as ht
+from linearize.ops.hybrid import prelude_triton as hp
 
 FP32_POINTERS = {"sums_ptr", "den_ptr", "mx_ptr", "gamma_ptr", "dq_ptr", "dqf_ptr", "rho_ptr", "dc_ptr", "dgamma_ptr",
                  "qsums_ptr", "rsums_ptr", "dk_ptr", "dv_ptr", "dkf_ptr", "src_ptr", "dst_ptr", "fin_ptr",
-                 "w_ptr", "drot_ptr", "dfeat_ptr", "dw_ptr"}  # (the last: hedgehog_rope_triton's prelude)
+                 "w_ptr", "drot_ptr", "dfeat_ptr", "dw_ptr"}  # (the last: prelude_triton's)
 
 
 def _ptxas() -> str:
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     builds.append(("backward_kv", ht._backward_kv, {**backward, "SOFTCAP": True, "BK": key_rows, "G": 3},
                    kn["KEY_WARPS"]))
     builds.append(("backward_kf", ht._backward_kf, {**backward, "BF": 128, "BK": key_rows, "G": 3}, kn["KEY_WARPS"]))
-    # the backward's fused prelude (hedgehog_rope_triton): RoPE + Hedgehog maps, forward and backward
+    # the backward's fused prelude (prelude_triton): RoPE + Hedgehog maps, forward and backward
     prelude = dict(ROPE=True, BD=64, BF=64, PREC=prec)
     builds.append(("prelude_forward", hp._prelude_forward, {**prelude, "BT": hn["FWD_ROWS"]}, hn["FWD_WARPS"]))
     builds.append(("prelude_backward", hp._prelude_backward, {**prelude, "DROT": True, "DX": True, "DW": True,

@@ -62,7 +62,7 @@ def count(model, ids, layers: int) -> tuple[float, collections.Counter]:
 
 def main(argv=None) -> int:
     import linearize
-    from linearize.ops import hybrid_triton
+    from linearize.ops.hybrid import chunk_triton
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--teacher", default=None)
@@ -76,20 +76,20 @@ def main(argv=None) -> int:
     rows = [("teacher", *count(teacher, ids, layers))]
     student = linearize.convert(teacher, {"kind": "lolcats"})
     rows.append(("student, PyTorch chunked form", *count(student, ids, layers)))
-    module = sys.modules["linearize.ops.hybrid_attention"]
+    module = sys.modules["linearize.ops.hybrid"]
     rule = module.use_hybrid_kernel
     forced = lambda q, backend="auto", **kw: backend != "torch"  # noqa: E731
     linearize.ops.use_hybrid_kernel = module.use_hybrid_kernel = forced
     mode_ops = collections.Counter()
-    saved = {n: getattr(hybrid_triton, n) for n in ("_chunk_sums", "_scan", "_forward")}
+    saved = {n: getattr(chunk_triton, n) for n in ("_chunk_sums", "_scan", "_forward")}
     for n in saved:
-        setattr(hybrid_triton, n, Launches(n, mode_ops))
+        setattr(chunk_triton, n, Launches(n, mode_ops))
     try:
         per_layer, ops = count(student, ids, layers)
     finally:
         linearize.ops.use_hybrid_kernel = module.use_hybrid_kernel = rule
         for n, k in saved.items():
-            setattr(hybrid_triton, n, k)
+            setattr(chunk_triton, n, k)
     launches = collections.Counter({k: v // 2 for k, v in mode_ops.items()})  # the warm-up launched too
     ops.update(launches)
     rows.append(("student, Triton kernels", per_layer + sum(launches.values()) / layers, ops))

@@ -85,7 +85,7 @@ def probed(lin: float, caches: list, exact: bool = False, sinks: int = 0):
         caches.append((state.cache_pos[0].cpu(), state.cache_valid[0].cpu()))
         return y, (state if want else None)
 
-    from linearize.ops import sparse_hybrid_attention as sha
+    from linearize.ops.hybrid import sparse_select as sha
     orig_pri = sha.priorities
 
     def pri(kind, kf, v, valid, linear, pos):  # the first ``sinks`` tokens outrank every other

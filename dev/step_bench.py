@@ -1,4 +1,4 @@
-"""Time the LoLCATs hybrid's fused decode step (``ops/hybrid_step_triton.py``) alone on CUDA, as the
+"""Time the LoLCATs hybrid's fused decode step (``ops/hybrid/step_triton.py``) alone on CUDA, as the
 fast decoder runs it: one CUDA graph of ``--layers`` steps, each on its own layer's state (so a large
 batch's states do not sit in L2 between steps as they would not in the model), for each batch and
 each setting of the step's constants (warps, value parts).
@@ -8,7 +8,7 @@ each setting of the step's constants (warps, value parts).
 
 Shapes are SmolLM2-135M's (9 query heads, 3 key heads, head dim 64, Hedgehog features 2 x 64,
 window 64). ``--warps 0`` and ``--splits 0`` are the module's defaults. ``--module`` adds another
-version of the module (e.g. one from an earlier commit, ``git show REV:src/linearize/ops/hybrid_step_triton.py``)
+version of the module (e.g. one from an earlier commit, ``git show REV:src/linearize/ops/hybrid/step_triton.py``)
 to time beside the installed one. Each setting's output for one step from the same state is compared with
 the first setting's (largest absolute difference). Prints µs per step and effective GB/s of the state's
 bytes (window read, linear state read and written).
@@ -56,9 +56,9 @@ def timed(step, replays):
 
 def load(path):
     if path is None:
-        from linearize.ops import hybrid_step_triton
+        from linearize.ops.hybrid import step_triton
 
-        return "current", hybrid_step_triton
+        return "current", step_triton
     spec = importlib.util.spec_from_file_location(f"step_{abs(hash(path))}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -5,8 +5,8 @@
 ``RECORD[KEY]["knobs"]`` maps ``"module.NAME"`` (a module under ``linearize.ops``) to a value, as
 ``hybrid_bench.py --sweep`` (key ``best``) and ``--sweep-prefill`` (``best_prefill``) write it; ``RECORD``
 ``none`` runs with the defaults, and a JSON object given inline is the knobs themselves (``KEY`` unread),
-e.g. ``'{"hybrid_step_triton.STEP_WARPS": 2}' -``. ``MODULE`` is e.g. ``linearize.bench.train`` or ``linearize.cli``, run
-with ``ARGS`` as its command line.
+e.g. ``'{"hybrid.step_triton.STEP_WARPS": 2}' -``. ``MODULE`` is e.g. ``linearize.bench.train`` or
+``linearize.cli``, run with ``ARGS`` as its command line.
 """
 
 import importlib

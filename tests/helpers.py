@@ -176,7 +176,7 @@ def fused_hybrid_steps(q, k, v, cos, sin, fq, fk, logit, key_mask, *, window, t,
     from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb  # full or partial
 
     from linearize import ops
-    from linearize.ops.hybrid_step_triton import hybrid_step_fused_triton
+    from linearize.ops.hybrid.step_triton import hybrid_step_fused_triton
 
     rq, rk = apply_rotary_pos_emb(q, k, cos, sin) if cos is not None else (q, k)
     gamma = torch.sigmoid(logit)
@@ -206,7 +206,7 @@ def fused_sink_steps(q, k, v, cos, sin, fq, fk, logit, key_mask, *, window, cap,
     from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb  # full or partial
 
     from linearize import ops
-    from linearize.ops.hybrid_step_triton import hybrid_step_fused_triton
+    from linearize.ops.hybrid.step_triton import hybrid_step_fused_triton
 
     rq, rk = apply_rotary_pos_emb(q, k, cos, sin) if cos is not None else (q, k)
     gamma = torch.sigmoid(logit)

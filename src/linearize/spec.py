@@ -21,8 +21,8 @@ GATES = ("none", "span", "learned", "gated")  # the lolcats hybrid's linear stat
 NORMS = ("sum", "group", "separate")
 LOLCATS_NORMS = ("sum", "separate")
 BACKENDS = ("auto", "torch", "fla")
-SPARSE_PRIORITIES = ("recall", "novelty", "first")  # ops.sparse_hybrid_attention.PRIORITIES
-SPARSE_ANCHORS = ("joint", "window")  # ops.sparse_hybrid_attention.ANCHORS
+SPARSE_PRIORITIES = ("recall", "novelty", "first")  # ops.hybrid.PRIORITIES
+SPARSE_ANCHORS = ("joint", "window")  # ops.hybrid.ANCHORS
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Spec:
     decay: fixed per-head decay: ``retnet`` (1 - 2^(-5-h)), ``lightning`` (ALiBi slopes scaled by
         depth) or ``none``. supra and retnet default to retnet, the others to none. The lolcats
         hybrid's linear state takes instead, per key head, a fade that starts when a key leaves the
-        window (``ops.hybrid_attention``'s gates): ``span`` (fixed, horizons from ``window`` to
+        window (``ops.hybrid``'s gates): ``span`` (fixed, horizons from ``window`` to
         ``decay_horizon`` tokens across the key heads), ``learned`` (the same start, one learned decay
         per key head) or ``gated`` (the same start, then data-dependent: ``g_t = exp(-softplus(x_t W +
         b))`` from the layer's input, GLA / Mamba-2 style, ``W`` zero at start).
@@ -66,7 +66,7 @@ class Spec:
         so only the global layers are converted. Off (the default), a sliding layer is kept only where a
         lolcats window covers it. The kept layers join ``keep_softmax`` in the recorded spec.
     sparse_cache: lolcats only: tokens per layer and key head kept exactly beside the window, chosen
-        by ``sparse_priority`` (LoLA's rule is one; ``ops/sparse_hybrid_attention.py``); 0 = off.
+        by ``sparse_priority`` (LoLA's rule is one; ``ops/hybrid/sparse_select.py``); 0 = off.
         Adds no parameters: a converted checkpoint takes one without training (``convert.respec``).
         Combines with ``feature_rope: false`` and any lolcats ``decay`` (a cached token fades only once
         folded, from when it left the window), not yet with ``norm: separate``.

@@ -1,4 +1,4 @@
-"""The LoLCATs hybrid's whole-sequence Triton kernels (``ops/hybrid_triton.py``) on CUDA, against the
+"""The LoLCATs hybrid's whole-sequence Triton kernels (``ops/hybrid/chunk_triton.py``) on CUDA, against the
 float64 references: values, gradients and the prefill's state, at SmolLM2's shape (9 query heads on 3
 key heads, head dim 64, Hedgehog features 2 x 64, window 64) and off it; and the mixer's dispatch.
 Skipped without CUDA."""
@@ -62,7 +62,7 @@ def test_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference_on_cu
     """RoPE and Hedgehog maps inside the forward kernels (the LoLCATs mixer's path): the output, the
     gradients of the raw q/k/v, both maps' weights and gamma, and the prefill's final state, against
     the rotation, the maps and ``hybrid_attention_naive`` / ``_chunked`` in float64."""
-    from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half
+    from linearize.ops.hybrid.chunk_triton import hedgehog_features, hybrid_triton, rope_half
 
     b, h, hk, t, pad, softcap = shape
     qkv, (wq, wk), rope, gamma, key_mask, kw, r = _hedgehog_case(b, h, hk, t, 64, 64, 64, pad, softcap)
@@ -118,7 +118,7 @@ def test_sinks_on_the_forward_kernels_equal_the_float64_reference_on_cuda(dtype,
     where the cache is settled, the prefill's ``SparseHybridState`` against ``sparse_hybrid_attention_chunked``
     after the rotation and the maps in float64 (in bf16 within the bound or 2x the PyTorch form's own bf16
     error); 40 tokens: the first ones still in the window."""
-    from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton_sinks, rope_half, sinks_settled
+    from linearize.ops.hybrid.chunk_triton import hedgehog_features, hybrid_triton_sinks, rope_half, sinks_settled
 
     b, h, hk, t, pad, softcap = shape
     qkv, (wq, wk), rope, gamma, key_mask, kw, r = _hedgehog_case(b, h, hk, t, 64, 64, 64, pad, softcap)
@@ -160,12 +160,12 @@ def test_sinks_on_the_forward_kernels_equal_the_float64_reference_on_cuda(dtype,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("nope", [False, True], ids=["rope", "nope"])
 def test_hedgehog_rope_prelude_kernels_equal_the_float64_reference_on_cuda(dtype, case, nope):
-    """The backward's fused prelude (``hedgehog_rope_triton``): rotated x, features, dx and dW against
+    """The backward's fused prelude (``prelude_triton``): rotated x, features, dx and dW against
     ``rope_half`` + ``hedgehog_features`` + autograd in float64; RoPE over every dim, half of them or
     none, per-head or shared weights, a length off the tiles; the features of the rotated x or (``nope``)
     of x before RoPE."""
-    from linearize.ops.hedgehog_rope_triton import hedgehog_rope_backward, hedgehog_rope_forward
-    from linearize.ops.hybrid_triton import hedgehog_features, rope_half
+    from linearize.ops.hybrid.prelude_triton import hedgehog_rope_backward, hedgehog_rope_forward
+    from linearize.ops.hybrid.chunk_triton import hedgehog_features, rope_half
 
     b, h, rot, per_head = case
     t, d, fh = 300, 64, 64
@@ -235,7 +235,7 @@ def _student_against_torch_form(spec: dict, t: int, gated: bool = False) -> dict
     import linearize
     from helpers import loss_grads_and_prefill, tiny_config
     from linearize.convert import mixers
-    from linearize.ops import hybrid_triton
+    from linearize.ops.hybrid import chunk_triton
 
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(tiny_config("llama", hidden_size=96, num_attention_heads=6)).cuda()
@@ -250,7 +250,7 @@ def _student_against_torch_form(spec: dict, t: int, gated: bool = False) -> dict
     mask[1, :20] = 0
     labels = ids.masked_fill(mask == 0, -100)
     calls = []
-    launch = hybrid_triton.hybrid_triton_forward
+    launch = chunk_triton.hybrid_triton_forward
 
     def counted(*a, **kw):
         calls.append(kw.get("log_gate") is not None)
@@ -263,7 +263,7 @@ def _student_against_torch_form(spec: dict, t: int, gated: bool = False) -> dict
             logits, grads, cache = loss_grads_and_prefill(model, ids, mask, labels)
         return logits.float(), grads, cache
 
-    hybrid_triton.hybrid_triton_forward = counted
+    chunk_triton.hybrid_triton_forward = counted
     try:
         got, grads, cache = run("fla")
         assert calls and (all(calls) or not gated), calls
@@ -276,7 +276,7 @@ def _student_against_torch_form(spec: dict, t: int, gated: bool = False) -> dict
         _, grads_half_torch, _ = run("torch", autocast=True)  # the PyTorch form's own bf16 error sets the floor
         assert not calls
     finally:
-        hybrid_triton.hybrid_triton_forward = launch
+        chunk_triton.hybrid_triton_forward = launch
     real = mask.bool()
     assert _err(got[real], want[real].double()) < 1e-4
     assert _err(half[real], want[real].double()) < 3e-2
@@ -384,7 +384,7 @@ def test_gated_hybrid_kernels_with_rope_and_hedgehog_equal_the_float64_reference
     """Gates with RoPE and Hedgehog maps inside the kernels, the maps of the rotated q/k (``feature_rope``
     on) or of those before RoPE (``nope``): output, state and the gradients of q/k/v, the maps, gamma and
     the log gates."""
-    from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half
+    from linearize.ops.hybrid.chunk_triton import hedgehog_features, hybrid_triton, rope_half
 
     b, h, hk, t, pad, softcap = shape
     qkv, (wq, wk), rope, gamma, key_mask, kw, r = _hedgehog_case(b, h, hk, t, 64, 64, 64, pad, softcap, seed=3)

@@ -129,7 +129,7 @@ def test_mamba_mixer_with_the_fused_conv_equals_the_torch_path_on_cuda(tiny_mode
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_triton_hybrid_step_equals_the_ring_step_on_cuda(dtype, tol):
     from linearize import ops
-    from linearize.ops.hybrid_step_triton import hybrid_step_ring_triton
+    from linearize.ops.hybrid.step_triton import hybrid_step_ring_triton
 
     g = torch.Generator(device="cuda").manual_seed(0)
     b, h, hk, d, f, window, t, n = 4, 9, 3, 64, 128, 64, 100, 80  # SmolLM2's shape, Hedgehog features

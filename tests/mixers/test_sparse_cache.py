@@ -12,7 +12,7 @@ from helpers import (cache_bytes_after, decode_incrementally, greedy_by_full_for
 from linearize import LinearizeError, ops
 from linearize.cache import LinearizeCache
 from linearize.info import state_bytes
-from linearize.ops.sparse_hybrid_attention import ANCHORS
+from linearize.ops.hybrid import ANCHORS
 
 TOL = 1e-10
 
@@ -376,7 +376,7 @@ def test_a_checkpoint_saved_before_sparse_priority_loads_with_recall(tiny_model,
 
 
 def test_the_priorities_are_the_specs():
-    from linearize.ops.sparse_hybrid_attention import PRIORITIES
+    from linearize.ops.hybrid import PRIORITIES
     from linearize.spec import SPARSE_PRIORITIES
 
     assert PRIORITIES == SPARSE_PRIORITIES
@@ -529,7 +529,7 @@ def test_first_without_a_state_decides_in_closed_form(case, anchor, padded):
     """``priority="first"`` without a final state (training, scoring) takes its decisions in closed form:
     the same folds and cache per chunk as the general selection loop, and the same outputs and gradients
     as the naive form, with left padding and a padded token inside."""
-    from linearize.ops.sparse_hybrid_attention import _select, _select_first
+    from linearize.ops.hybrid.sparse_select import _select, _select_first
 
     b, h, hk, t, w, cap = case
     xs, gamma = _inputs(b, h, hk, t, seed=3)

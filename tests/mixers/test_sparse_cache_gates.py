@@ -15,7 +15,7 @@ from helpers import (cache_bytes_after, decode_incrementally, gated_student, gre
 from linearize import LinearizeError, ops
 from linearize.convert import mixers
 from linearize.fast import fast_generate
-from linearize.ops.sparse_hybrid_attention import _read_one
+from linearize.ops.hybrid.recurrent import _read_one
 
 TOL = 1e-10
 

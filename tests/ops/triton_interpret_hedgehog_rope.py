@@ -1,5 +1,5 @@
-"""Run by test_hedgehog_rope_triton.py in a subprocess, on the CPU through Triton's interpreter: the
-fused prelude of the hybrid's backward (``ops/hedgehog_rope_triton.py``, RoPE + Hedgehog maps forward
+"""Run by test_hybrid_prelude_triton.py in a subprocess, on the CPU through Triton's interpreter: the
+fused prelude of the hybrid's backward (``ops/hybrid/prelude_triton.py``, RoPE + Hedgehog maps forward
 and backward) against ``rope_half`` + ``hedgehog_features`` + autograd in float64, and the hybrid's
 whole backward with ``FUSED_PRELUDE`` on against off.
 
@@ -17,9 +17,9 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 import torch  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
-from linearize.ops import hedgehog_rope_triton as prelude  # noqa: E402
-from linearize.ops import hybrid_triton as kernels  # noqa: E402
-from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half  # noqa: E402
+from linearize.ops.hybrid import chunk_triton as kernels  # noqa: E402
+from linearize.ops.hybrid import prelude_triton as prelude  # noqa: E402
+from linearize.ops.hybrid.chunk_triton import hedgehog_features, hybrid_triton, rope_half  # noqa: E402
 
 TOLS = {torch.float32: 2e-6, torch.float16: 3e-3}  # fp32: ~2e-7 seen; fp16: ~7e-4
 

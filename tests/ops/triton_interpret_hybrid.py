@@ -9,7 +9,7 @@ import torch  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 from linearize import ops  # noqa: E402
-from linearize.ops.hybrid_step_triton import hybrid_step_ring_triton  # noqa: E402
+from linearize.ops.hybrid.step_triton import hybrid_step_ring_triton  # noqa: E402
 
 
 def check(b, h, hk, d, f, window, t, n, softcap, seed):

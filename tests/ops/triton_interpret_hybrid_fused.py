@@ -18,7 +18,7 @@ import torch  # noqa: E402
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 from helpers import fused_hybrid_steps, fused_sink_steps  # noqa: E402
 from linearize.mixers.feature_maps import Hedgehog  # noqa: E402
-from linearize.ops import hybrid_step_triton  # noqa: E402
+from linearize.ops.hybrid import step_triton  # noqa: E402
 
 torch.set_grad_enabled(False)
 
@@ -75,8 +75,8 @@ def check_decoder():
     from linearize.mixers.lolcats import LolcatsAttention
 
     calls, on_cuda = [], LolcatsAttention.fused_decoding
-    fused_step = hybrid_step_triton.hybrid_step_fused_triton
-    hybrid_step_triton.hybrid_step_fused_triton = lambda *a, **kw: calls.append(1) or fused_step(*a, **kw)
+    fused_step = step_triton.hybrid_step_fused_triton
+    step_triton.hybrid_step_fused_triton = lambda *a, **kw: calls.append(1) or fused_step(*a, **kw)
     ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0  # left padding: an empty slot in the ring
@@ -121,8 +121,8 @@ def check_length_options():
     from linearize.mixers.lolcats import LolcatsAttention
 
     calls, on_cuda = [], LolcatsAttention.fused_decoding
-    fused_step = hybrid_step_triton.hybrid_step_fused_triton
-    hybrid_step_triton.hybrid_step_fused_triton = lambda *a, **kw: calls.append(1) or fused_step(*a, **kw)
+    fused_step = step_triton.hybrid_step_fused_triton
+    step_triton.hybrid_step_fused_triton = lambda *a, **kw: calls.append(1) or fused_step(*a, **kw)
     ids = torch.randint(2, 97, (2, 11), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # left padding: empty slots in the ring

@@ -1,5 +1,5 @@
-"""Run by test_hybrid_triton.py in a subprocess, on the CPU through Triton's interpreter: the hybrid's
-whole-sequence kernels (``ops/hybrid_triton.py``) with gates (``log_gate``: a fading linear state)
+"""Run by test_hybrid_chunk_triton.py in a subprocess, on the CPU through Triton's interpreter: the hybrid's
+whole-sequence kernels (``ops/hybrid/chunk_triton.py``) with gates (``log_gate``: a fading linear state)
 against ``hybrid_attention_chunked`` with gates in float64: values, the prefill's final state and the
 gradients of q, k, v, the features (or Hedgehog weights), gamma and the log gates.
 
@@ -16,8 +16,8 @@ import torch  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 from linearize import ops  # noqa: E402
-from linearize.ops import hybrid_triton as kernels  # noqa: E402
-from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half  # noqa: E402
+from linearize.ops.hybrid import chunk_triton as kernels  # noqa: E402
+from linearize.ops.hybrid.chunk_triton import hedgehog_features, hybrid_triton, rope_half  # noqa: E402
 
 TOL = 2e-5
 NAMES = ("q", "k", "v", "qf", "kf", "gamma", "log_gate")
@@ -243,7 +243,7 @@ def check_model(spec):
     import linearize
     from helpers import loss_grads_and_prefill, tiny_config
 
-    hybrid_module = sys.modules["linearize.ops.hybrid_attention"]
+    hybrid_module = sys.modules["linearize.ops.hybrid"]
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
     model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 6, **spec})

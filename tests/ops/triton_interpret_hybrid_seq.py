@@ -1,5 +1,5 @@
-"""Run by test_hybrid_triton.py in a subprocess, on the CPU through Triton's interpreter: the hybrid's
-whole-sequence kernels (``ops/hybrid_triton.py``) against the float64 references, values, gradients
+"""Run by test_hybrid_chunk_triton.py in a subprocess, on the CPU through Triton's interpreter: the hybrid's
+whole-sequence kernels (``ops/hybrid/chunk_triton.py``) against the float64 references, values, gradients
 and the prefill's final state.
 
 ``features``: features given to the kernels, against ``hybrid_attention_naive`` (output, every
@@ -19,7 +19,7 @@ import torch  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 from linearize import ops  # noqa: E402
-from linearize.ops.hybrid_triton import hedgehog_features, hybrid_triton, rope_half  # noqa: E402
+from linearize.ops.hybrid.chunk_triton import hedgehog_features, hybrid_triton, rope_half  # noqa: E402
 
 TOL = 2e-5
 
@@ -142,7 +142,7 @@ def check_sinks(b, h, hk, t, d, fh, rot, window, cap, softcap, pad, seed, anchor
     """``hybrid_triton_sinks`` (the first ``cap`` real tokens cached, forward kernels, no gradient) against
     ``sparse_hybrid_attention_naive`` under ``priority="first"`` after the rotation and the maps in float64,
     and (``state``: the cache settled) its ``SparseHybridState`` against the chunked form's."""
-    from linearize.ops.hybrid_triton import hybrid_triton_sinks, sinks_settled
+    from linearize.ops.hybrid.chunk_triton import hybrid_triton_sinks, sinks_settled
 
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
@@ -197,9 +197,9 @@ def check_model_sinks(anchor):
     import linearize
     from helpers import tiny_config
     from linearize.cache import LinearizeCache
-    from linearize.ops import hybrid_triton as kernels
+    from linearize.ops.hybrid import chunk_triton as kernels
 
-    hybrid_module = sys.modules["linearize.ops.hybrid_attention"]
+    hybrid_module = sys.modules["linearize.ops.hybrid"]
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
     model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 6, "sparse_cache": 3,
@@ -267,7 +267,7 @@ def check_model(family, feature_map="hedgehog"):
     import linearize
     from helpers import loss_grads_and_prefill, tiny_config
 
-    hybrid_module = sys.modules["linearize.ops.hybrid_attention"]  # (ops.hybrid_attention is the function)
+    hybrid_module = sys.modules["linearize.ops.hybrid"]  # (where hybrid_attention reads use_hybrid_kernel)
 
     torch.manual_seed(0)
     teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2))
@@ -303,7 +303,7 @@ def check_model(family, feature_map="hedgehog"):
 def check_query_blocks():
     """Query and key programs of half a chunk (``QUERY_ROWS``, ``BWD_QUERY_ROWS``, ``KEY_ROWS`` < the window's tile), as
     the kernels run at a window of 64."""
-    from linearize.ops import hybrid_triton as kernels
+    from linearize.ops.hybrid import chunk_triton as kernels
 
     rows, wide = (kernels.QUERY_ROWS, kernels.BWD_QUERY_ROWS, kernels.KEY_ROWS), kernels.WIDE
     kernels.QUERY_ROWS = kernels.BWD_QUERY_ROWS = kernels.KEY_ROWS = 16
@@ -319,7 +319,7 @@ def check_prefill_blocks():
     """The output pass without a backward takes its own tiles (``PREFILL_QUERY_ROWS``): half-chunk query
     programs there while the training pass runs whole chunks, and the other way round; the no-gradient
     output (``check_features``' last check) and the prefill's state stay the reference's."""
-    from linearize.ops import hybrid_triton as kernels
+    from linearize.ops.hybrid import chunk_triton as kernels
 
     saved, wide = (kernels.QUERY_ROWS, kernels.PREFILL_QUERY_ROWS), kernels.WIDE
     kernels.WIDE = {}  # fp32 inputs take these rows too

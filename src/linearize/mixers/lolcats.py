@@ -4,7 +4,7 @@ softmax terms (initialised to 0.1 as in LoLCATs). With a window covering the who
 exactly the teacher's softmax attention.
 
 With ``spec.sparse_cache = S > 0`` each key head also keeps ``S`` older tokens exactly beside the window
-(``ops/sparse_hybrid_attention.py``; ``spec.sparse_priority``: by default, ``"novelty"``, those whose
+(``ops/hybrid/sparse_select.py``; ``spec.sparse_priority``: by default, ``"novelty"``, those whose
 values are least like the other candidates', with ``"recall"`` those its linear state recalls worst
 (LoLA), with ``"first"`` the sequence's first ``S`` tokens, StreamingLLM's attention sinks;
 ``spec.sparse_anchor`` sets how they weigh against the linear terms, ``spec.sparse_linear`` < 1 scales
@@ -24,7 +24,7 @@ With a decay the cache's tokens fade once folded into the linear state, from the
 window; with ``feature_rope: False`` the cache keeps its tokens' features as the window does.
 
 Length: ``spec.decay`` (``span``, ``learned``, ``gated``) fades the linear state per key head from
-the moment a key leaves the window (``ops.hybrid_attention``'s gates), so its mass stays bounded
+the moment a key leaves the window (``ops.hybrid``'s gates), so its mass stays bounded
 however long the sequence; ``spec.feature_rope = False`` computes the features from the q/k before
 RoPE, so the linear terms never see an absolute position the maps were not trained on. Both run in
 the whole-sequence kernels (the gates and, with Hedgehog maps and RoPE by halves, the features of the
@@ -232,7 +232,7 @@ class LolcatsAttention(LinearAttention):
             return ops.hybrid_attention(q, k, qf, kf, v, self.window_weight(), **self._kw(),
                                         output_final_state=want_state, key_mask=self.key_mask, backend=self.spec.backend,
                                         log_gate=log_gate)
-        from ..ops.hybrid_triton import hybrid_triton
+        from ..ops.hybrid.chunk_triton import hybrid_triton
 
         rope = None
         if g.rotary is not None and position_embeddings is not None:
@@ -244,7 +244,7 @@ class LolcatsAttention(LinearAttention):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         # gamma = sigmoid(window_logit) inside the kernels
         if self.spec.sparse_cache:
-            from ..ops.hybrid_triton import hybrid_triton_sinks
+            from ..ops.hybrid.chunk_triton import hybrid_triton_sinks
 
             return hybrid_triton_sinks(q, k, v, self.window_logit, hedgehog=(fq.weight, fk.weight), rope=rope,
                                        **self._kw(), cache_size=self.spec.sparse_cache, key_mask=self.key_mask,
@@ -266,7 +266,7 @@ class LolcatsAttention(LinearAttention):
         weights = (q, k, v, self.window_logit, self.feature_map_q.weight, self.feature_map_k.weight)
         if torch.is_grad_enabled() and any(x.requires_grad for x in weights):
             return None
-        from ..ops.hybrid_triton import sink_plan
+        from ..ops.hybrid.chunk_triton import sink_plan
 
         plan = sink_plan(self.key_mask, q.shape[0], q.shape[2], spec.window, spec.sparse_cache, q.device)
         return plan if plan.settled or not want_state else None
@@ -313,7 +313,7 @@ class LolcatsAttention(LinearAttention):
 
     def _value_splits(self, batch: int) -> int:
         """Parts of each head's value columns for the fused step's programs at this batch."""
-        from ..ops.hybrid_step_triton import value_splits  # (Triton: imported on first use)
+        from ..ops.hybrid.step_triton import value_splits  # (Triton: imported on first use)
 
         return value_splits(batch, self.geometry.n_heads, self.geometry.head_dim)
 
@@ -333,7 +333,7 @@ class LolcatsAttention(LinearAttention):
             return ops.sparse_hybrid_attention_step(q, k, qf, kf, v, self.window_weight(), state, **self._kw(),
                                                     **self._sparse_rule(), log_gate=lg)
         if isinstance(state, ops.FusedRingState):  # everything from RoPE to the output in one launch
-            from ..ops.hybrid_step_triton import hybrid_step_fused_triton
+            from ..ops.hybrid.step_triton import hybrid_step_fused_triton
 
             g = self.geometry
             y = hybrid_step_fused_triton(q, k, v, position_embeddings if g.rotary is not None else None,
@@ -349,7 +349,7 @@ class LolcatsAttention(LinearAttention):
         if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
             g = self.geometry
             if q.is_cuda and state.key_features.shape[2] == 0 and triton_available():
-                from ..ops.hybrid_step_triton import hybrid_step_ring_triton
+                from ..ops.hybrid.step_triton import hybrid_step_ring_triton
 
                 # the new key's features are not needed until it leaves the window: only the
                 # evicted key's are computed (a decode step is launch-bound: every kernel counts)

@@ -1,7 +1,8 @@
 """Pure tensor functions: every mixer's math in a quadratic reference, a chunked form and a step.
 
 No ``nn.Module`` and no model knowledge here. ``linear_attention`` picks the fla CUDA kernels when
-they apply and the PyTorch chunked form otherwise; ``hybrid_attention`` our Triton kernels.
+they apply and the PyTorch chunked form otherwise; ``hybrid_attention`` our Triton kernels. The
+LoLCATs hybrid and its sparse cache are a package of their own, ``hybrid/``, one file per form.
 """
 
 import torch
@@ -22,11 +23,15 @@ from .delta_rule import (
     gated_delta_rule_step,
 )
 from .fla_backend import fla_available, kernel_inputs, linear_attention_fla, use_fla
-from .hybrid_attention import (
+from .hybrid import (
     FusedRingState,
+    FusedSinkState,
     HybridState,
     RingHybridState,
+    RingSparseState,
+    SparseHybridState,
     empty_hybrid_state,
+    empty_sparse_hybrid_state,
     hybrid_attention,
     hybrid_attention_chunked,
     hybrid_attention_naive,
@@ -35,20 +40,14 @@ from .hybrid_attention import (
     hybrid_attention_step_ring,
     hybrid_attention_weights,
     hybrid_final_state,
-    use_hybrid_kernel,
-)
-from .sparse_hybrid_attention import (
-    FusedSinkState,
-    RingSparseState,
-    SparseHybridState,
-    empty_sparse_hybrid_state,
     sparse_hybrid_attention_chunked,
     sparse_hybrid_attention_naive,
     sparse_hybrid_attention_recurrent,
     sparse_hybrid_attention_step,
     sparse_hybrid_attention_step_ring,
+    use_hybrid_kernel,
 )
-from .hybrid_attention import kernel_dtype as hybrid_attention_kernel_dtype
+from .hybrid import kernel_dtype as hybrid_attention_kernel_dtype
 from .softmax_attention import softmax_attention, softmax_attention_weights
 from .linear_attention import (
     accum_dtype,

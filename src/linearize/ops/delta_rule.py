@@ -46,10 +46,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .hybrid_attention import (
+from .hybrid import (
     HybridState, empty_hybrid_state, hybrid_attention_chunked, hybrid_attention_naive, hybrid_attention_step,
-    _scores, hybrid_final_state, pad_front,
+    hybrid_final_state,
 )
+from .hybrid.shared import _scores, pad_front
 from .linear_attention import _group, accum_dtype
 
 logger = logging.getLogger(__name__)

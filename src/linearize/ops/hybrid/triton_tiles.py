@@ -1,5 +1,5 @@
-"""Tile helpers shared by the hybrid's kernels (``hybrid_triton``) and the backward's RoPE + Hedgehog
-prelude (``hedgehog_rope_triton``): loading rows, rotating them by halves, Hedgehog features, and the
+"""Tile helpers shared by the hybrid's kernels (``chunk_triton``) and the backward's RoPE + Hedgehog
+prelude (``prelude_triton``): loading rows, rotating them by halves, Hedgehog features, and the
 host-side block and precision choices. Their own module, so that neither kernel module imports the other's
 internals in a circle."""
 

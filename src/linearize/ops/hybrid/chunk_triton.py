@@ -1,7 +1,7 @@
 """The LoLCATs hybrid over whole sequences as Triton kernels (CUDA): the twin of
 ``hybrid_attention_chunked``, values, gradients and the prefill's final state.
 
-For query t (``hybrid_attention.py`` has the math): ``gamma exp(s_ts - c_t)`` over the last ``w``
+For query t (``ops/hybrid/__init__.py`` has the math): ``gamma exp(s_ts - c_t)`` over the last ``w``
 keys, ``phi_q(q_t) . phi_k(k_s)`` over older ones, one normaliser. The sequence is cut into chunks
 of ``w`` tokens, aligned to its end (a virtual ``N w - T`` tokens of nothing in front), so that
 
@@ -41,7 +41,7 @@ arguments of ``hybrid_triton``): the rotation by halves of the first R dims of e
 ``[softmax(x W), softmax(-x W)]`` per tile, so neither rotated q/k nor features are written to
 memory. The backward kernels take features from memory: the backward recomputes rotation and
 features, and carries dphi and the rotated gradients back to q, k and the feature weights. With
-``FUSED_PRELUDE`` (the default) that prelude is Triton too (``hedgehog_rope_triton.py``): per side,
+``FUSED_PRELUDE`` (the default) that prelude is Triton too (``prelude_triton.py``): per side,
 one launch writes the rotated q/k and their features (as the forward kernels compute them: fp32
 rotation from cos/sin as given), one launch gives the gradient of the unrotated q/k (softmax backward
 of both halves, ``dY W^T`` and the rotated gradient, rotated back) and per-program partial sums of
@@ -85,7 +85,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .hedgehog_rope_triton import hedgehog_rope_backward, hedgehog_rope_forward
+from .prelude_triton import hedgehog_rope_backward, hedgehog_rope_forward
 from .triton_tiles import _features, _load_features, _pow2, _precision, _rotated, _tile, tiles_for
 
 # Tiles and warps for 16-bit inputs (bf16, fp16): the fastest of ``dev/hybrid_bench.py --sweep`` on an H100
@@ -112,7 +112,7 @@ SCAN_TILE = 8192  # chunks x state entries per program of the scans
 SCAN_CHUNKS = 256  # chunks per tile of the scans (more: a carry from tile to tile)
 TINY = tl.constexpr(1.1754943508222875e-38)  # the clamp of the denominator (fp32's smallest normal)
 # The backward's prelude with Hedgehog maps (RoPE, the maps and their gradients): the Triton kernels of
-# ``hedgehog_rope_triton`` (True) or PyTorch with autograd (False; ``rope_half``, ``hedgehog_features``)
+# ``prelude_triton`` (True) or PyTorch with autograd (False; ``rope_half``, ``hedgehog_features``)
 FUSED_PRELUDE = True
 
 
@@ -770,12 +770,12 @@ def hybrid_triton_forward(q, k, v, gamma, *, window: int, scale: float, softcap=
     No backward (``save`` refused).
 
     ``log_gate`` ``[B, Hk, T]`` (log gates <= 0, any float dtype): the linear state fades (see
-    ``hybrid_attention.py``); ``saved`` then also holds the chunks' cumulative log gates
+    ``ops/hybrid/__init__.py``); ``saved`` then also holds the chunks' cumulative log gates
     (``chunk_log_gates``). Not with ``sinks``.
 
     ``nope`` (with ``hedgehog``): the Hedgehog features of q and k before RoPE (``feature_rope: false``);
     the window's scores and the state's keys stay rotated."""
-    from .hybrid_state import HybridState
+    from .state import HybridState
 
     b, h, t, d = q.shape
     hk = k.shape[1]
@@ -1018,7 +1018,7 @@ class _HybridTriton(torch.autograd.Function):
 
     @staticmethod
     def _fused_prelude_backward(ctx, dy):
-        """``backward`` with Hedgehog maps, the prelude as Triton kernels (``hedgehog_rope_triton``):
+        """``backward`` with Hedgehog maps, the prelude as Triton kernels (``prelude_triton``):
         rotated q/k and their features in one launch each, then their gradients (of the unrotated
         q/k and the maps' weights) in one launch and a sum each, no autograd. With features before RoPE
         (``nope``) the launches compute the features of the unrotated q/k beside their rotation, and only
@@ -1153,7 +1153,7 @@ def hybrid_triton_sinks(q, k, v, gamma, *, window: int, cache_size: int, scale: 
     ``plan``: the caller's ``sink_plan`` for this key mask and shape (else looked up here).
     No gates: ``log_gate`` is refused (the sparse forms have no fading state).
     """
-    from .hybrid_state import SparseHybridState
+    from .state import SparseHybridState
 
     if log_gate is not None:
         raise ValueError("hybrid_triton_sinks has no gates (log_gate): the sparse cache does not combine with a "

@@ -1,6 +1,6 @@
-"""The fused prelude of the LoLCATs hybrid's backward (``ops/hedgehog_rope_triton.py``: RoPE and
+"""The fused prelude of the LoLCATs hybrid's backward (``ops/hybrid/prelude_triton.py``: RoPE and
 Hedgehog maps, forward and backward, as Triton kernels) on the CPU through Triton's interpreter
-(``triton_interpret_hedgehog_rope.py``). The hybrid's interpreter tests (``test_hybrid_triton.py``)
+(``triton_interpret_hedgehog_rope.py``). The hybrid's interpreter tests (``test_hybrid_chunk_triton.py``)
 and CUDA tests (``test_gpu_hybrid.py``) run it too, as ``FUSED_PRELUDE`` is on by default."""
 
 import pytest

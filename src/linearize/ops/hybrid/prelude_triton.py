@@ -4,11 +4,11 @@
 For ``x`` ``[B, H, T, D]`` (unrotated), ``cos``/``sin`` ``[B or 1, T, R]`` (or none) and ``W``
 ``[H or 1, D, F/2]``:
 
-* ``xr = rope(x)``: the rotation by halves of the first R dims (``rope_half`` of ``hybrid_triton``);
+* ``xr = rope(x)``: the rotation by halves of the first R dims (``rope_half`` of ``chunk_triton``);
 * ``phi = [softmax(xr W), softmax(-xr W)]`` per head (``hedgehog_features``).
 
 ``hedgehog_rope_forward``, one launch: ``xr`` and ``phi`` in x's dtype, as the forward kernels of
-``hybrid_triton`` compute them (the rotation in fp32 from cos/sin as given, rounded to x's dtype; the
+``chunk_triton`` compute them (the rotation in fp32 from cos/sin as given, rounded to x's dtype; the
 projection a product of x's dtype with fp32 accumulation; the softmax in fp32, rounded on store).
 
 ``hedgehog_rope_backward``, one launch and a sum: for the gradients ``d_rot`` (of ``xr``, may be
@@ -23,7 +23,7 @@ the projection ``xr W`` (softmax backward through both halves, in fp32),
   the slots (and the heads, when W is shared) follows: deterministic, no atomics.
 
 The products take x's dtype (bf16/fp16: ``dY`` and ``xr`` rounded to it, fp32 accumulation; fp32:
-full fp32 products), every sum is fp32: the conventions of ``hybrid_triton``.
+full fp32 products), every sum is fp32: the conventions of ``chunk_triton``.
 
 ``nope=True`` (``feature_rope: false``): ``phi`` are the features of the unrotated ``x``; ``xr`` is still
 ``rope(x)``. The backward is then ``dx = rope^T(d_rot) + dY W^T`` and ``dW = sum x^T dY``.

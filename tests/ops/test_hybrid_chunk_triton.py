@@ -116,8 +116,8 @@ def test_kernel_tiles_follow_the_input_width():
     registers' tiles in ``WIDE``, the hybrid's and the prelude's alike; a sweep's setting is read
     at the call."""
     pytest.importorskip("triton")
-    from linearize.ops import hedgehog_rope_triton as prelude
-    from linearize.ops import hybrid_triton as kernels
+    from linearize.ops.hybrid import chunk_triton as kernels
+    from linearize.ops.hybrid import prelude_triton as prelude
 
     for module in (kernels, prelude):
         for dtype in (torch.bfloat16, torch.float16):
@@ -137,7 +137,7 @@ def test_sink_plan_places_the_first_real_tokens_once_per_mask():
     """``sink_plan``: each position's cache slot and each slot's position for the first S real tokens
     (left padding, a hole, fewer real tokens than S), whether they have all left the window; a later
     layer's equal mask takes the same plan, a changed one (even the same tensor changed in place) a new one."""
-    from linearize.ops.hybrid_triton import sink_plan
+    from linearize.ops.hybrid.chunk_triton import sink_plan
 
     mask = torch.tensor([[0, 0, 1, 1, 0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]],
                         dtype=torch.bool)

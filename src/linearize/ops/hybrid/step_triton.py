@@ -300,7 +300,7 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
     first ``R`` dims of each head, or None for no RoPE; ``wq`` ``[H, D, F/2]`` and ``wk``
     ``[Hk, D, F/2]`` the Hedgehog weights (a leading 1: shared by all heads); ``window_logit``
     ``[H]`` (gamma = sigmoid of it). A ``FusedSinkState`` adds its fixed cache to the window's
-    softmax, one maximum over both; ``anchor`` as ``sparse_hybrid_attention``'s (``"window"``: the
+    softmax, one maximum over both; ``anchor`` as the sparse cache's (``"window"``: the
     linear terms scaled by exp(window max - joint max)). ``log_gate`` ``[B, Hk, 1]``: this token's gates
     of the linear state (the state must be laid out for them, ``FusedRingState.from_ring(gated=True)``);
     ``feature_rope=False``: the features of q and k before RoPE, the window's kept in ``state.key_features``.
