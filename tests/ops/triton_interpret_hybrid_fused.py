@@ -4,7 +4,8 @@ fused LoLCATs decode step (RoPE, Hedgehog maps, window, linear state, bookkeepin
 ``kernel``: against the PyTorch ring step after RoPE and the feature maps, token after token.
 ``decoder``: the fast decoder with the fused step against the fast decoder without it.
 ``length``: the same for the length options (gated linear state, features before RoPE), whose step
-without the fused kernel is the PyTorch ring step."""
+without the fused kernel is the PyTorch ring step; and the kernel given a gate's projection and bias
+(read in place from the fused q/k/v product) against the same kernel given the log gates."""
 
 import os
 import sys
@@ -64,6 +65,36 @@ def check_sinks(b, h, hk, d, fh, window, cap, t, n, softcap, rot, splits, anchor
         assert torch.allclose(got, want, atol=2e-5, rtol=1e-4), (i, anchor, (got - want).abs().max())
     assert torch.equal(mine.sink_keys, ref.cache_keys) and torch.equal(mine.sink_valid, ref.cache_valid)
     assert torch.allclose(mine.ring().linear, ref.linear, atol=1e-5)
+
+
+def check_gate_input(b=2, h=4, hk=2, d=8, fh=6, window=4, t=6, n=9, splits=2, seed=7):
+    """``gate_input`` / ``gate_bias`` (a strided slice, as of the fused product) against ``log_gate`` =
+    -softplus(input + bias) computed first: the same outputs, token after token, and the same state."""
+    import torch.nn.functional as F
+    from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb
+
+    from linearize import ops
+
+    fq, fk, q, k, v, cos, sin, r = _inputs(b, h, hk, d, fh, t, n, 8, seed)
+    logit, bias = r(h), r(hk)
+    products = r(b, t + n, 5 + hk) * 3  # the gate's columns at the end of a wider product
+    log_gates = -F.softplus(products[..., 5:] + bias).transpose(1, 2)
+    rq, rk = apply_rotary_pos_emb(q, k, cos, sin)
+    pre, kw = slice(0, t), dict(scale=d ** -0.5, softcap=None)
+    _, state = ops.hybrid_attention_chunked(rq[:, :, pre], rk[:, :, pre], fq(rq[:, :, pre]), fk(rk[:, :, pre]),
+                                            v[:, :, pre], torch.sigmoid(logit), window=window, **kw,
+                                            log_gate=log_gates[..., pre], output_final_state=True)
+    ring = ops.RingHybridState.from_state(state, window, keep_key_features=False)
+    given, taken = (ops.FusedRingState.from_ring(ring.map(lambda x: x.clone()), fk, h, splits, gated=True)
+                    for _ in range(2))
+    for i in range(t, t + n):
+        sl = slice(i, i + 1)
+        args = (q[:, :, sl], k[:, :, sl], v[:, :, sl], (cos[:, sl], sin[:, sl]), fq.weight, fk.weight, logit)
+        want = step_triton.hybrid_step_fused_triton(*args, given, **kw, log_gate=log_gates[..., sl])
+        got = step_triton.hybrid_step_fused_triton(*args, taken, **kw, gate_input=products[:, sl, 5:], gate_bias=bias)
+        assert torch.allclose(got, want, atol=1e-6, rtol=1e-5), (i, (got - want).abs().max())
+    assert torch.allclose(taken.linear, given.linear, atol=1e-6, rtol=1e-5)
+    assert torch.equal(taken.ticks, given.ticks) and torch.equal(taken.keys, given.keys)
 
 
 def check_decoder():
@@ -148,6 +179,7 @@ def check_length_options():
 
 
 if sys.argv[1:] == ["length"]:
+    check_gate_input()
     check_length_options()
 elif sys.argv[1:] == ["kernel"]:
     check_kernel(2, 4, 2, 8, 6, window=4, t=6, n=11, softcap=None, rot=8, splits=1, seed=0)  # GQA, wraps twice

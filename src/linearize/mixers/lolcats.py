@@ -336,11 +336,13 @@ class LolcatsAttention(LinearAttention):
             from ..ops.hybrid.step_triton import hybrid_step_fused_triton
 
             g = self.geometry
+            # a data-dependent gate goes in before its activation (the kernel takes it: no launches for it)
+            gate = dict(gate_input=self.gate_input(), gate_bias=self.gate_bias) if self.spec.decay == "gated" else \
+                dict(log_gate=self.log_gate(q.shape[0], 1, q.device))
             y = hybrid_step_fused_triton(q, k, v, position_embeddings if g.rotary is not None else None,
                                          self.feature_map_q.weight, self.feature_map_k.weight, self.window_logit,
                                          state, scale=g.scaling, softcap=g.softcap, anchor=self.spec.sparse_anchor,
-                                         log_gate=self.log_gate(q.shape[0], 1, q.device),
-                                         feature_rope=self.spec.feature_rope)
+                                         feature_rope=self.spec.feature_rope, **gate)
             return y, state
         if self.gated or not self.spec.feature_rope:
             return self._faded_step(q, k, v, position_embeddings, state)

@@ -121,12 +121,12 @@ def _hedgehog(x, w_ptr, d, f, D, FH):
 @triton.jit
 def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, logit_ptr,
                        keys_ptr, values_ptr, valid_ptr, lin_ptr, slot_ptr, ticks_ptr, y_ptr,
-                       sinkk_ptr, sinkv_ptr, sinkm_ptr, lg_ptr, ek_ptr, ev_ptr, kf_ptr,
-                       sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, swq, swk,
+                       sinkk_ptr, sinkv_ptr, sinkm_ptr, lg_ptr, gb_ptr, ek_ptr, ev_ptr, kf_ptr,
+                       sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, swq, swk, sg_b, sg_h,
                        scale, softcap, H, HK, W, D, FH, R, NS, S,
                        HAS_SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BF: tl.constexpr, BS: tl.constexpr, WINDOW_ANCHOR: tl.constexpr, GATED: tl.constexpr,
-                       NOPE: tl.constexpr):
+                       NOPE: tl.constexpr, GATE_INPUT: tl.constexpr):
     bi = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -195,7 +195,11 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     lin_pos = tl.sum(q_pos * n_pos, axis=0)
     lin_neg = tl.sum(q_neg * n_neg, axis=0)
     if GATED:  # the state after the previous token, faded by this token's gate, plus the token this step evicts
-        gate = tl.exp(tl.load(lg_ptr + bi * HK + hk).to(tl.float32))
+        if GATE_INPUT:  # g = exp(-softplus(x + bias)) = sigmoid(-(x + bias)), x the gate's projection
+            x = tl.load(lg_ptr + bi * sg_b + hk * sg_h).to(tl.float32) + tl.load(gb_ptr + hk).to(tl.float32)
+            gate = tl.sigmoid(-x)
+        else:
+            gate = tl.exp(tl.load(lg_ptr + bi * sg_b + hk * sg_h).to(tl.float32))
         evict = ((bi * HK + hk) * 2 + p)
         e_pos = tl.load(ek_ptr + evict * 2 * FH + f, mask=fm, other=0.0)
         e_neg = tl.load(ek_ptr + evict * 2 * FH + FH + f, mask=fm, other=0.0)
@@ -292,7 +296,8 @@ def value_splits(batch: int, n_heads: int, head_dim: int, programs: int | None =
 
 
 def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit, state, *, scale: float,
-                             softcap=None, anchor: str = "joint", log_gate=None, feature_rope: bool = True):
+                             softcap=None, anchor: str = "joint", log_gate=None, feature_rope: bool = True,
+                             gate_input=None, gate_bias=None):
     """The LoLCATs decode step with Hedgehog maps on a ``FusedRingState``, in one launch, in place.
 
     ``q`` ``[B, H, 1, D]`` and ``k``/``v`` ``[B, Hk, 1, D]`` before RoPE (any strides);
@@ -303,6 +308,9 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
     softmax, one maximum over both; ``anchor`` as the sparse cache's (``"window"``: the
     linear terms scaled by exp(window max - joint max)). ``log_gate`` ``[B, Hk, 1]``: this token's gates
     of the linear state (the state must be laid out for them, ``FusedRingState.from_ring(gated=True)``);
+    or in its place ``gate_input`` ``[B, 1, Hk]`` (any strides: a slice of the fused q/k/v product) and
+    ``gate_bias`` ``[Hk]``, the data-dependent gate before its activation, which the kernel takes as
+    ``log g = -softplus(gate_input + gate_bias)`` (no launches of its own for the gate);
     ``feature_rope=False``: the features of q and k before RoPE, the window's kept in ``state.key_features``.
     Returns ``y`` ``[B, H, 1, D]``, a view of ``[B, 1, H, D]`` memory (what o_proj reads)."""
     b, h, _, d = q.shape
@@ -330,21 +338,29 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
     n_sinks = state.sink_keys.shape[2] if sinks else 0
     sink_k, sink_v, sink_m = (state.sink_keys, state.sink_values, state.sink_valid) if sinks else (q, q, state.valid)
     gated = getattr(state, "gated", False)
-    if gated != (log_gate is not None):
+    if (gate_input is None) != (gate_bias is None) or (gate_input is not None and log_gate is not None):
+        raise ValueError("a gate's input comes with its bias, in place of log gates")
+    if gated != (log_gate is not None or gate_input is not None):
         raise ValueError("a gated decode step needs a state laid out for gates and the token's log gates, "
                          "and an ungated one neither")
     if not feature_rope and state.key_features.shape[2] != w:
         raise ValueError("features before RoPE need the window's key features in the state")
-    lg = log_gate.reshape(b, hk).float().contiguous() if gated else q
+    if gate_input is not None:  # read in place: [B, 1, Hk] with any strides
+        lg, gb, sg_b, sg_h = gate_input, gate_bias, gate_input.stride(0), gate_input.stride(-1)
+    elif gated:
+        lg = log_gate.reshape(b, hk).float().contiguous()
+        gb, sg_b, sg_h = q, hk, 1
+    else:
+        lg, gb, sg_b, sg_h = q, q, 0, 0
     ek, ev = (state.evict_features, state.evict_values) if gated else (q, q)
     _hybrid_fused_step[(b, h, splits)](
         q, k, v, cos, sin, wq, wk, window_logit, state.keys, state.values, state.valid, state.linear, state.slot,
-        state.ticks, y, sink_k, sink_v, sink_m, lg, ek, ev, q if feature_rope else state.key_features, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1),
-        k.stride(3), v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, wq.stride(0) if wq.shape[0] > 1 else 0,
-        wk.stride(0) if wk.shape[0] > 1 else 0, float(scale), float(softcap or 1.0), h, hk, w, d, fh, rot, splits,
+        state.ticks, y, sink_k, sink_v, sink_m, lg, gb, ek, ev, q if feature_rope else state.key_features, q.stride(0),
+        q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1), v.stride(3), sc_b,
+        sc_d, wq.stride(0) if wq.shape[0] > 1 else 0, wk.stride(0) if wk.shape[0] > 1 else 0, sg_b, sg_h, float(scale), float(softcap or 1.0), h, hk, w, d, fh, rot, splits,
         max(n_sinks, 1), HAS_SOFTCAP=softcap is not None, BW=bw, BD=bd,
         BDV=triton.next_power_of_2(triton.cdiv(d, splits)), BF=triton.next_power_of_2(fh),
         BS=triton.next_power_of_2(n_sinks) if n_sinks else 0, WINDOW_ANCHOR=sinks and anchor == "window",
-        GATED=gated, NOPE=not feature_rope,
+        GATED=gated, NOPE=not feature_rope, GATE_INPUT=gate_input is not None,
         num_warps=STEP_WARPS or min(16, max(2, bw * bd // 2048)))
     return y.transpose(1, 2)
