@@ -125,7 +125,7 @@ class LolcatsAttention(LinearAttention):
         return (self.gate_proj,) if self.spec.decay == "gated" else ()
 
     def take_projections(self, outputs) -> None:
-        self._gate_input = outputs[0] if self.spec.decay == "gated" else None
+        self._gate_input, = outputs
 
     def gate_input(self) -> torch.Tensor:
         """``[B, T, Hk]``: the gate's projection of the current input (before its bias), from the product

@@ -52,8 +52,9 @@ class LlamaFamilyAdapter(Adapter):
 
     def fuse_qkv(self, m):
         qkv = [getattr(m, name, None) for name in ("q_proj", "k_proj", "v_proj")]
-        extra = list(m.input_projections()) if hasattr(m, "input_projections") else []
-        return (extra and FusedLinear.of(*qkv, *extra)) or FusedLinear.of(*qkv)
+        extra = m.input_projections()  # (kept apart where they would not fuse exactly)
+        fused = FusedLinear.of(*qkv, *extra) if extra else None
+        return fused if fused is not None else FusedLinear.of(*qkv)
 
     def fuse_mlp(self, layer, kernels=False):
         # every MLP of these families is gated, down_proj(act_fn(gate_proj(x)) * up_proj(x)); of()
