@@ -305,8 +305,10 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
       2> $RUNS/length/probe-$name.err ;;  # (progress bars apart: they share lines with the rows)
   domains)  # issue #53: a LoLCATs recipe (RECIPE, default lolcats_long; RECIPE_ARGS, e.g. --data ...) trained as NAME, then
             # its student beside the teacher on every held-out domain (whole, by position to 8k, KL, greedy agreement),
-            # the copy task and passkey; then the domains alone on 32k blocks (DOMAIN_32K=0 skips); TASKS=1: zero-shot
-    name=${NAME:-recipe}; ck=$RUNS/dom-$name/final; mkdir -p $RUNS/domains
+            # the copy task and passkey; then the domains alone on 32k blocks (DOMAIN_32K=0 skips); TASKS=1: zero-shot.
+            # FROM=OTHER: no training, OTHER's student scored as NAME (with EVAL_FLAGS, e.g. --sparse-cache 256)
+    name=${NAME:-recipe}; ck=$RUNS/dom-${FROM:-$name}/final; mkdir -p $RUNS/domains
+    [ -n "${FROM:-}" ] && { waitfor $ck/config.json 3000 || exit 1; }
     [ -e $ck ] || lin lolcats --config ${RECIPE:-lolcats_long} --teacher $T ${RECIPE_ARGS:-} --out $RUNS/dom-$name 2>&1 \
       | quiet | tail -9
     lin eval $ck --domains all --teacher $T --tasks copy,passkey --lengths 2k,4k,8k --limit ${RECALL_LIMIT:-5} \

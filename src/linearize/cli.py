@@ -44,7 +44,7 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--decay-horizon", type=int, metavar="N", help="lolcats with --decay: the longest starting "
                    "horizon in tokens (default: 16 x window); supra, linear, retnet: no head's fixed decay keeps a "
                    "longer horizon than N tokens (default: no cap)")
-    g.add_argument("--feature-rope", type=_on_off, metavar="{on,off}", help="lolcats: the feature maps read the "
+    g.add_argument("--feature-rope", type=_on_off, metavar="{on,off}", help="lolcats, delta: the feature maps read the "
                    "rotated q/k (on, LoLCATs; the default) or the q/k before RoPE (off: linear terms that do not "
                    "depend on absolute positions)")
     g.add_argument("--keep-sliding", type=_on_off, metavar="{on,off}", help="keep every teacher layer with its own "

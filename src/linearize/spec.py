@@ -51,9 +51,10 @@ class Spec:
         (default: 16 x window); supra, linear, retnet: a cap on every head's fixed decay horizon (default:
         none), e.g. the training length, so that no head carries keys over distances training never
         showed it.
-    feature_rope: lolcats: the feature maps read the rotated q/k (LoLCATs; the default) or, off, the
-        q/k before RoPE, so the linear terms do not depend on absolute positions (which past the
-        training length the maps have never seen); the window's softmax keeps RoPE either way.
+    feature_rope: lolcats and delta: the feature maps read the rotated q/k (LoLCATs; the default) or,
+        off, the q/k before RoPE, so the linear terms (delta: the memory's keys and queries) do not depend
+        on absolute positions (which past the training length the maps have never seen); the window's
+        softmax keeps RoPE either way.
     norm: output normalisation: ``sum`` (divide by phi(q).sum phi(k)) or ``group`` (GroupNorm per
         head). supra and retnet default to group (``sum`` with decay none is the T2R baseline; retnet
         accepts only group), the others to sum. The lolcats hybrid takes ``sum`` (one normaliser shared
@@ -140,8 +141,8 @@ class Spec:
             raise LinearizeError(f"spec keep_sliding must be true or false, got {self.keep_sliding!r}")
         if not isinstance(self.feature_rope, bool):
             raise LinearizeError(f"spec feature_rope must be true or false, got {self.feature_rope!r}")
-        if not self.feature_rope and self.kind != "lolcats":
-            raise LinearizeError(f"spec feature_rope applies to the lolcats hybrid, not to kind {self.kind!r}")
+        if not self.feature_rope and self.kind not in ("lolcats", "delta"):
+            raise LinearizeError(f"spec feature_rope applies to the lolcats and delta hybrids, not to kind {self.kind!r}")
         _check_choice("norm", self.norm, LOLCATS_NORMS if self.kind == "lolcats" else NORMS[:2], optional=True)
         _check_choice("backend", self.backend, BACKENDS)
         _check_choice("sparse_priority", self.sparse_priority, SPARSE_PRIORITIES)

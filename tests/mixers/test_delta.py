@@ -266,9 +266,10 @@ def test_fla_gated_delta_rule_equals_the_chunked_form_on_cuda(shape, dtype, tol)
 SPEC = {"kind": "delta", "window": 4, "chunk_size": 8}
 
 
+@pytest.mark.parametrize("feature_rope", [True, False])
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_neox", "qwen3"])
-def test_delta_student_decodes_like_its_parallel_forward(tiny_model, family):
-    student = tiny_student(tiny_model, family, SPEC)
+def test_delta_student_decodes_like_its_parallel_forward(tiny_model, family, feature_rope):
+    student = tiny_student(tiny_model, family, {**SPEC, "feature_rope": feature_rope})
     with torch.no_grad():  # make the gates matter
         for m in linearize.mixers(student).values():
             m.mix_proj.bias.fill_(0.0)
@@ -289,13 +290,14 @@ def test_full_window_delta_student_is_the_teacher(tiny_model, family):
     torch.testing.assert_close(student(ids).logits, teacher(ids).logits, atol=1e-10, rtol=0)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
-def test_fast_decoder_equals_generate(tiny_model, family):
+@pytest.mark.parametrize("family,feature_rope", [("llama", True), ("gemma2", True), ("qwen3", True),
+                                                 ("llama", False)])
+def test_fast_decoder_equals_generate(tiny_model, family, feature_rope):
     """``linearize.fast`` (the delta state in fixed ring buffers, batched, left-padded prompts, the
     ring wrapping around many times) gives ``generate()``'s greedy tokens."""
     from linearize.decode import FastDecoder, fast_generate
 
-    student = tiny_student(tiny_model, family, {**SPEC, "window": 3})
+    student = tiny_student(tiny_model, family, {**SPEC, "window": 3, "feature_rope": feature_rope})
     with torch.no_grad():  # make the gates matter
         for m in linearize.mixers(student).values():
             m.mix_proj.bias.fill_(0.0)
@@ -307,6 +309,28 @@ def test_fast_decoder_equals_generate(tiny_model, family):
     assert torch.equal(fast_generate(student, ids, mask, max_new_tokens=16, pad_token_id=0), ref)
     one_by_one = FastDecoder(student, prefill_batch=1)  # the prefill's states joined
     assert torch.equal(one_by_one.generate(ids, mask, max_new_tokens=16, pad_token_id=0), ref)
+
+
+@pytest.mark.parametrize("feature_rope", [True, False])
+def test_memory_keys_depend_on_position_only_with_feature_rope(tiny_model, feature_rope):
+    """``feature_rope: false``: the memory's keys and queries are read from the q/k before RoPE, so the
+    same tokens at other positions write and read the same memory; the window's q/k keep RoPE."""
+    student = tiny_student(tiny_model, "llama", {**SPEC, "feature_rope": feature_rope})
+    mixer = next(iter(linearize.mixers(student).values()))
+    g = mixer.geometry
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, g.n_heads, 6, g.head_dim, generator=gen, dtype=torch.float64), \
+        torch.randn(1, g.n_kv_heads, 6, g.head_dim, generator=gen, dtype=torch.float64)
+    x = torch.randn(1, 6, student.config.hidden_size, generator=gen, dtype=torch.float64)
+    rotary = student.model.rotary_emb
+    outs = []
+    for start in (0, 40):
+        pe = rotary(x, torch.arange(start, start + 6)[None])
+        with mixer.reading(x):
+            outs.append(mixer._inputs(q, k, pe))
+    (qr0, kr0, qd0, kd0, *_), (qr1, kr1, qd1, kd1, *_) = outs
+    assert not torch.allclose(kr0, kr1)  # the window's keys are rotated either way
+    assert torch.allclose(kd0, kd1) != feature_rope and torch.allclose(qd0, qd1) != feature_rope
 
 
 def test_delta_left_padded_batch_generates_like_single_sequences(tiny_model):

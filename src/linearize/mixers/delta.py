@@ -13,7 +13,8 @@ exactly the teacher). The docstring of ``ops/delta_rule.py`` says why this form.
 Adopted from the teacher: q/k/v/o (and QK-norms). New, small parameters:
 
 * ``feature_map_q`` / ``feature_map_k``: per-head square maps (identity at start) followed by an L2
-  norm, on the queries and keys after RoPE: q^ and k^ (the delta rule needs unit keys).
+  norm, on the queries and keys after RoPE (``feature_rope: false``: before it, so that the memory
+  does not depend on absolute positions): q^ and k^ (the delta rule needs unit keys).
 * the forget gate ``a_t = exp(g_t)``, ``g_t = -exp(A_log) softplus(x W_a + dt_bias)`` per key head
   (Mamba-2 / Gated DeltaNet's parametrisation; ``A`` spread over [1, 16] and ``dt`` geometrically
   over [0.001, 0.1] across heads, so heads start with memories from a few to hundreds of tokens);
@@ -112,8 +113,10 @@ class GatedDeltaAttention(Mixer):
         return g.transpose(1, 2), beta.transpose(1, 2), lam.transpose(1, 2)
 
     def _inputs(self, q, k, position_embeddings):
-        q, k = self.adapter.rope(self, q, k, position_embeddings)
-        return q, k, self.feature_map_q(q), self.feature_map_k(k), *self.gates(self._hidden)
+        qr, kr = self.adapter.rope(self, q, k, position_embeddings)
+        if self.spec.feature_rope:
+            q, k = qr, kr
+        return qr, kr, self.feature_map_q(q), self.feature_map_k(k), *self.gates(self._hidden)
 
     def _kw(self):
         g = self.geometry
