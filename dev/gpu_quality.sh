@@ -98,8 +98,8 @@ case ${1:-} in  # (dial-tasks takes its slot once its row's training is done; se
 esac
 case ${1:?job} in
   teacher-eval) evaluate $T teacher ;;
-  lolcats)  # >= 20M tokens: 10M per stage (8 x 1024 x 1220 steps each)
-    lin lolcats --teacher $T --budget gpu --stage1-steps 1220 --stage2-steps 1220 --out $RUNS/lolcats 2>&1 | quiet
+  lolcats)  # the default student at its gpu budget (10M tokens per stage: 2 x 4096 x 1220 steps each), then lm-eval
+    lin lolcats --teacher $T --budget gpu --out $RUNS/lolcats 2>&1 | quiet
     evaluate $RUNS/lolcats/final lolcats
     # the checkpoint lives only on this machine: draw its attention maps here (PNGs come back with wait)
     lin report $RUNS/eval/lolcats.json --runs $RUNS/lolcats --attention-maps --out $RUNS/lolcats-report/page.md 2>&1 | tail -2 ;;
@@ -109,11 +109,11 @@ case ${1:?job} in
   memory)  # LoLCATs stage 1 peak memory: all layers jointly vs blocks of 5 and 1 layers
     for k in joint 5 1; do
       extra=(); [ "$k" = joint ] || extra=(--layers-per-block $k)
-      lin lolcats --teacher $T --budget gpu --rows stage1-only --stage1-steps 5 --eval-steps 1000 \
+      lin lolcats --config lolcats_plain --teacher $T --rows stage1-only --stage1-steps 5 --eval-steps 1000 \
         --train-blocks 64 "${extra[@]}" --out $RUNS/memory-$k 2>&1 | quiet | tail -4
     done ;;
   ablate-hedgehog|ablate-t2r)  # LoLCATs Table 5 rows at equal tokens (1.2M per stage)
-    lin lolcats --teacher $T --budget gpu --feature-map ${1#ablate-} --rows lolcats,swap-finetune,stage1-only,no-window \
+    lin lolcats --config lolcats_plain --teacher $T --feature-map ${1#ablate-} --rows lolcats,swap-finetune,stage1-only,no-window \
       --stage1-steps 150 --stage2-steps 150 --eval-steps 50 --out $RUNS/$1 2>&1 | quiet | grep -v "^\s*$" ;;
   xatl-*)  # RetNet from SmolLM2 at equal tokens (5M: 8 x 1024 x 610 steps)
     case $1 in
@@ -129,7 +129,7 @@ case ${1:?job} in
     PYTHONPATH=/tmp/evalsite:$PYTHONPATH lin eval $T --tasks recall --by-position --limit ${RECALL_LIMIT:-4} \
       --batch-size 16 --name teacher --out $RUNS/eval/recall-teacher.json 2>&1 | quiet | tail -30 ;;
   lolcats-recall)  # a LoLCATs student (STEPS per stage), then its recall grid with sparse caches of S tokens
-    lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} \
+    lin lolcats --config lolcats_plain --teacher $T --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} \
       --out $RUNS/lolcats-recall 2>&1 | quiet | tail -12
     evaluate $RUNS/lolcats-recall/final lolcats-recall
     for S in 0 ${SPARSE:-16 64 256}; do
@@ -148,7 +148,7 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
   gemma)  # a LoLCATs student of Gemma 3 270M (STEPS per stage; the SmolLM2 recipe runs 1220), its scores,
           # then (RECALL=0: not) the recall grid of the student and of the teacher
     G=/tmp/stage/gemma-3-270m.gguf; waitfor $G 1500 || exit 1
-    lin lolcats --teacher $G --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} \
+    lin lolcats --config lolcats_plain --teacher $G --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} \
       --out $RUNS/gemma-lolcats 2>&1 | quiet | tail -12
     EVAL_BATCH=${EVAL_BATCH:-8} evaluate $RUNS/gemma-lolcats/final gemma-lolcats
     [ "${RECALL:-1}" = 1 ] && { recall $RUNS/gemma-lolcats/final gemma-lolcats; recall $G gemma-teacher; } ;;
@@ -186,7 +186,7 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
       --align-steps ${ALIGN:-300} --align-lr 1e-3 --loss ${LOSS:-kl+lm} --steps ${XATL_STEPS:-610} --eval-steps 61 \
       --out $RUNS/distill-xatl-scratch 2>&1 | quiet | tail -10 ;;
   lolcats-kl)  # LoLCATs with stage 2 on KL to the teacher (STEPS per stage), against the paper's LM loss at equal tokens
-    lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-300} --stage2-steps ${STEPS:-300} --loss ${LOSS:-kl} \
+    lin lolcats --config lolcats_plain --teacher $T --stage1-steps ${STEPS:-300} --stage2-steps ${STEPS:-300} --loss ${LOSS:-kl} \
       --out $RUNS/lolcats-kl 2>&1 | quiet | tail -12
     evaluate $RUNS/lolcats-kl/final lolcats-kl ;;
   seed-tables)  # issue #45 on one GPU (of CUDA_VISIBLE_DEVICES), ~15-16 min on an H100: SUPRA Table 3, XATL Table 3
@@ -235,7 +235,7 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
              "sinks4w:--sparse-cache 4 --sparse-priority first --sparse-anchor window"; do
       [ -n "${DIAL_ROWS:-}" ] && [[ ",$DIAL_ROWS," != *",${v%%:*},"* ]] && continue
       name=${v%%:*}; flags=${v#*:}
-      lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} $flags ${DIAL_ARGS:-} \
+      lin lolcats --config lolcats_plain --teacher $T --stage1-steps ${STEPS:-600} --stage2-steps ${STEPS:-600} $flags ${DIAL_ARGS:-} \
         --out $RUNS/dial-$name 2>&1 | quiet | tail -6
       lin eval $RUNS/dial-$name/final --tasks recall --limit ${RECALL_LIMIT:-4} --batch-size 16 --name $name ${DIAL_EVAL:-} \
         --out $RUNS/dial/$name.json 2>&1 | quiet | tail -4
@@ -279,7 +279,7 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
         lin supra --teacher $T --budget gpu --steps ${SUPRA_STEPS:-1220} ${ROW[$name]} --out $RUNS/len-$name 2>&1 \
           | quiet | tail -6
       else
-        lin lolcats --teacher $T --budget gpu --stage1-steps ${STEPS:-300} --stage2-steps ${STEPS:-300} ${ROW[$name]} \
+        lin lolcats --config lolcats_plain --teacher $T --stage1-steps ${STEPS:-300} --stage2-steps ${STEPS:-300} ${ROW[$name]} \
           --out $RUNS/len-$name 2>&1 | quiet | tail -9
       fi
       length_eval $ck $name
@@ -303,13 +303,13 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     python3 dev/recall_probe.py $ck --lengths ${PASSKEY_LENGTHS:-2k,4k,8k} --limit ${RECALL_LIMIT:-4} \
       --variants "${VARIANTS:-none;S=256;exact;S=256,lin=0}" --out $RUNS/length/probe-$name.json \
       2> $RUNS/length/probe-$name.err ;;  # (progress bars apart: they share lines with the rows)
-  domains)  # issue #53: a LoLCATs recipe (RECIPE, default lolcats_long; RECIPE_ARGS, e.g. --data ...) trained as NAME, then
+  domains)  # issue #53: a LoLCATs recipe (RECIPE, default lolcats_mix, the default student; RECIPE_ARGS, e.g. --data ...) trained as NAME, then
             # its student beside the teacher on every held-out domain (whole, by position to 8k, KL, greedy agreement),
             # the copy task and passkey; then the domains alone on 32k blocks (DOMAIN_32K=0 skips); TASKS=1: zero-shot.
             # FROM=OTHER: no training, OTHER's student scored as NAME (with EVAL_FLAGS, e.g. --sparse-cache 256)
     name=${NAME:-recipe}; ck=$RUNS/dom-${FROM:-$name}/final; mkdir -p $RUNS/domains
     [ -n "${FROM:-}" ] && { waitfor $ck/config.json 3000 || exit 1; }
-    [ -e $ck ] || lin lolcats --config ${RECIPE:-lolcats_long} --teacher $T ${RECIPE_ARGS:-} --out $RUNS/dom-$name 2>&1 \
+    [ -e $ck ] || lin lolcats --config ${RECIPE:-lolcats_mix} --teacher $T ${RECIPE_ARGS:-} --out $RUNS/dom-$name 2>&1 \
       | quiet | tail -9
     lin eval $ck --domains all --teacher $T --tasks copy,passkey --lengths 2k,4k,8k --limit ${RECALL_LIMIT:-5} \
       --batch-size 16 --no-perplexity ${EVAL_FLAGS:-} --name $name --out $RUNS/domains/$name.json 2>&1 | quiet | tail -12

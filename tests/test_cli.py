@@ -122,7 +122,7 @@ def test_convert_reads_a_recipe_file_flags_winning_and_refuses_bad_ones_in_one_l
     assert main(["convert", "--config", str(recipe), "--teacher", str(teacher_dir), "--window", "8", "--out", str(out),
                  "--device", "cpu"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if "leaves" in line)
-    assert line.endswith(": budget, block_len, batch_size, keep_softmax, stage1_steps")  # auto:1: chosen in training
+    assert line.endswith(": budget, block_len, batch_size, data, keep_softmax, stage1_steps")  # auto:1: chosen in training
     spec = json.loads((out / "config.json").read_text())["linearize"]["spec"]
     assert spec["window"] == 8 and spec["decay"] == "gated" and spec["keep_softmax"] == []
     for content, message in [("stage1_stepz: 3\n", "no setting stage1_stepz in any recipe"),

@@ -385,7 +385,8 @@ def _training_arguments(p: argparse.ArgumentParser, cls, budgets=("cpu", "gpu"))
 
     p.add_argument("--teacher", default="default", help=teacher_help())
     p.add_argument("--budget", choices=budgets, default=None,
-                   help="token budget preset: cpu (minutes on 2 cores), gpu (~20M tokens)"
+                   help="token budget preset: cpu (minutes on 2 cores), gpu (~20M tokens; lolcats: 10M per "
+                        "stage of books, code and WordNet in 4,096-token blocks)"
                         + (", paper (2 epochs per stage)" if "paper" in budgets else "")
                         + "; default: gpu on CUDA, cpu otherwise")
     add_flags(p, cls, TRAINING_FLAGS)
@@ -562,7 +563,11 @@ def build_parser() -> argparse.ArgumentParser:
                                     "window weights) so each layer matches its softmax attention (MSE, teacher-forced); "
                                     "stage 2 trains LoRA adapters on next-token loss and merges them. Prints held-out "
                                     "perplexity of the teacher, the converted model and after each stage; writes "
-                                    "OUT/final (a standalone checkpoint), OUT/results.json and OUT/metrics.jsonl.")
+                                    "OUT/final (a standalone checkpoint), OUT/results.json and OUT/metrics.jsonl. With "
+                                    "no flag it trains the measured default: Hedgehog features of the q/k before RoPE, "
+                                    "a gated linear state, the teacher's sliding-window layers kept, 4,096-token blocks of "
+                                    "books, code and WordNet on a GPU (= --config lolcats_mix); the paper's student on "
+                                    "its books: --config lolcats_plain.")
     lc.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/lolcats)")
     _training_arguments(lc, LolcatsConfig, budgets=("cpu", "gpu", "paper"))
     add_flags(lc, LolcatsConfig, ("stage1_lr", "stage1_steps", "stage1_epochs", "layers_per_block", "block_inputs",

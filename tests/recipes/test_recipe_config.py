@@ -107,3 +107,50 @@ def test_a_sample_that_fails_to_decode_loses_no_results(workspace, monkeypatch, 
     results = json.loads((tmp_path / "a" / "results.json").read_text())
     assert results["stage2"]["steps"] == 4 and "sample" not in results
     assert (tmp_path / "a" / "final" / "config.json").exists()
+
+
+def _resolved(argv: list[str]) -> lolcats.LolcatsConfig:
+    """The config ``linearize lolcats ARGV`` would run (nothing loads)."""
+    from linearize.cli import _recipe_config, build_parser
+
+    args = build_parser().parse_args(["lolcats", *argv])
+    return _recipe_config(args, lolcats.LolcatsConfig, lolcats.apply_budget, "runs/lolcats", lolcats.DEFAULT_SPEC)
+
+
+def _trained(cfg) -> dict:
+    """What a run trains: its settings but where it writes."""
+    from dataclasses import asdict
+
+    return {k: v for k, v in asdict(cfg).items() if k != "out"}
+
+
+def test_the_default_lolcats_run_is_the_mixture_recipe_and_the_old_one_stays_named():
+    """``linearize lolcats`` with no flags on a GPU trains what ``--config lolcats_mix`` names (the measured
+    best: features before RoPE, gates, kept sliding layers, 4,096-token blocks, books + code + WordNet);
+    ``--config lolcats_plain`` is the run that was the default before; the cpu budget keeps the default
+    student on short blocks of the books."""
+    default = _resolved(["--budget", "gpu"])
+    assert default.spec == {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64,
+                            "feature_rope": False, "decay": "gated", "keep_sliding": True}
+    assert (default.block_len, default.batch_size, default.stage1_steps, default.stage2_steps) == (4096, 2, 1220, 1220)
+    assert default.data == "gutenberg,corpus:code,corpus:wordnet"
+    assert _trained(_resolved(["--config", "lolcats_mix"])) == _trained(default)
+    plain = _resolved(["--config", "lolcats_plain"])
+    assert plain.spec == {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64,
+                          "feature_rope": True, "decay": "none", "keep_sliding": False}
+    assert (plain.block_len, plain.batch_size, plain.stage1_steps, plain.data) == (1024, 8, 2440, "gutenberg")
+    assert _resolved(["--config", "lolcats_paper"]).spec == plain.spec  # the paper's student, 2 epochs per stage
+    long = _resolved(["--config", "lolcats_long"])
+    assert long.spec == default.spec and long.data == "gutenberg" and long.block_len == 4096
+    cpu = _resolved(["--budget", "cpu"])
+    assert cpu.spec == default.spec and cpu.block_len == 256 and cpu.data is None  # books, no corpus to fetch
+
+
+def test_the_no_window_row_of_the_default_is_a_valid_linear_student():
+    """LoLCATs Table 5's no-window row drops the hybrid's own options (a linear student takes neither
+    features before RoPE nor per-key-head gates)."""
+    from linearize.spec import Spec
+
+    row = lolcats.ablation_config(_resolved(["--budget", "gpu"]), "no-window")
+    spec = Spec(**row.spec)
+    assert spec.kind == "linear" and spec.feature_rope and spec.decay in (None, "none")

@@ -45,7 +45,7 @@ from ..eval import perplexity
 from ..graphed import use_graphs
 from ..models import get_adapter
 from .common import begin_run, finish
-from .settings import AUTO_SCORES, DEFAULT_SPEC, LolcatsConfig
+from .settings import AUTO_SCORES, DEFAULT_DATA, DEFAULT_SPEC, LolcatsConfig
 if typing.TYPE_CHECKING:
     from .engine import TrainConfig
 from .launch import is_main_process, peak_gpu_memory, under_fsdp, world_size
@@ -60,6 +60,7 @@ ABLATIONS = {
     "stage1-only": (("stage1",), {}),
     "no-window": (("stage1", "stage2"), {"kind": "linear"}),
 }
+LOLCATS_ONLY = {"feature_rope": True, "decay": "none"}  # what a linear student takes back from the hybrid's options
 
 
 def stage_config(cfg: LolcatsConfig, stage: str, output_dir: Path) -> TrainConfig:
@@ -615,7 +616,10 @@ def ablation_config(cfg: LolcatsConfig, row: str) -> LolcatsConfig:
     if row not in ABLATIONS:
         raise LinearizeError(f"unknown ablation row {row!r}; choose from {', '.join(ABLATIONS)}")
     stages, spec_changes = ABLATIONS[row]
-    return replace(cfg, stages=stages, spec={**cfg.spec, **spec_changes}, out=str(Path(cfg.out) / row))
+    spec = {**cfg.spec, **spec_changes}
+    if spec["kind"] != "lolcats":  # no window: the hybrid's own options (features before RoPE, gates) go too
+        spec.update(LOLCATS_ONLY)
+    return replace(cfg, stages=stages, spec=spec, out=str(Path(cfg.out) / row))
 
 
 BUDGETS = {
@@ -623,9 +627,11 @@ BUDGETS = {
     # (from 40 to 80 stage-1 steps the attention MSE falls 15 %, from 20 to 40 stage-2 steps the loss 0.02 nats)
     "cpu": dict(block_len=256, batch_size=2, train_blocks=256, eval_blocks=4, eval_steps=40, patience=None,
                 stage1_steps=40, stage2_steps=12),
-    # one GPU, ~20M tokens per stage at 1024-token packs (batch 8 x 1024 x 2440 steps)
-    "gpu": dict(block_len=1024, batch_size=8, train_blocks=None, eval_blocks=64, eval_steps=200, patience=3,
-                stage1_steps=2440, stage2_steps=2440),
+    # one GPU, ~10M tokens per stage at 4,096-token packs (2 x 4096 x 1220 steps) of the books, code and WordNet:
+    # the default student as measured (docs/RESULTS.md, "Across domains"); the paper's 1,024-token packs, 20M
+    # tokens per stage and books: --config lolcats_plain
+    "gpu": dict(block_len=4096, batch_size=2, train_blocks=None, eval_blocks=64, eval_steps=200, patience=3,
+                stage1_steps=1220, stage2_steps=1220, data=DEFAULT_DATA),
     # LoLCATs: 2 epochs per stage over the whole corpus, early stopping
     "paper": dict(block_len=1024, batch_size=8, train_blocks=None, eval_blocks=64, eval_steps=200, patience=3,
                   stage1_steps=-1, stage2_steps=-1),
