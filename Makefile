@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(BIN)/python -m linearize.demo
 
 test: $(STAMP) $(VENV)/.teachers
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25  # the slowest 25 printed: where the suite's time goes
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
