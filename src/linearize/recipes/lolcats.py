@@ -58,9 +58,9 @@ ABLATIONS = {
     "lolcats": (("stage1", "stage2"), {}),
     "swap-finetune": (("stage2",), {}),
     "stage1-only": (("stage1",), {}),
-    "no-window": (("stage1", "stage2"), {"kind": "linear"}),
+    # no window: a linear student, without the hybrid's own options (features before RoPE, per-key-head gates)
+    "no-window": (("stage1", "stage2"), {"kind": "linear", "feature_rope": True, "decay": "none"}),
 }
-LOLCATS_ONLY = {"feature_rope": True, "decay": "none"}  # what a linear student takes back from the hybrid's options
 
 
 def stage_config(cfg: LolcatsConfig, stage: str, output_dir: Path) -> TrainConfig:
@@ -616,10 +616,7 @@ def ablation_config(cfg: LolcatsConfig, row: str) -> LolcatsConfig:
     if row not in ABLATIONS:
         raise LinearizeError(f"unknown ablation row {row!r}; choose from {', '.join(ABLATIONS)}")
     stages, spec_changes = ABLATIONS[row]
-    spec = {**cfg.spec, **spec_changes}
-    if spec["kind"] != "lolcats":  # no window: the hybrid's own options (features before RoPE, gates) go too
-        spec.update(LOLCATS_ONLY)
-    return replace(cfg, stages=stages, spec=spec, out=str(Path(cfg.out) / row))
+    return replace(cfg, stages=stages, spec={**cfg.spec, **spec_changes}, out=str(Path(cfg.out) / row))
 
 
 BUDGETS = {

@@ -17,16 +17,14 @@ from ..errors import LinearizeError
 from .config import MODES, RunConfig, graph_mode, setting
 from .launch import world_size
 
-__all__ = ["AUTO_SCORES", "DEFAULT_DATA", "DEFAULT_SPEC", "PAPER_SPEC", "LolcatsConfig", "SupraConfig", "UptrainConfig", "XatlConfig"]
+__all__ = ["AUTO_SCORES", "DEFAULT_DATA", "DEFAULT_SPEC", "LolcatsConfig", "SupraConfig", "UptrainConfig", "XatlConfig"]
 
 AUTO_SCORES = ("mse", "recall")  # how keep_softmax auto:K scores the layers (``lolcats.auto_softmax_choice``)
 # The student ``linearize lolcats`` trains with no flags: LoLCATs' Hedgehog features over a 64-token window, the
 # features read from the q/k before RoPE, a data-dependent gate on the linear state, the teacher's own sliding-window
-# layers kept (issue #46's length options; ``lolcats_mix`` with its data). The paper's student: PAPER_SPEC.
+# layers kept (issue #46's length options; ``lolcats_mix`` with its data). The paper's student: ``lolcats_plain``.
 DEFAULT_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64, "feature_rope": False,
                 "decay": "gated", "keep_sliding": True}
-PAPER_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64, "feature_rope": True,
-              "decay": "none", "keep_sliding": False}
 # The default training text on the gpu budget: books, Python source and WordNet, never an epoch repeated at its 10M
 # tokens per stage (the cpu budget trains on the books alone: no corpus to fetch for a smoke run)
 DEFAULT_DATA = "gutenberg,corpus:code,corpus:wordnet"
