@@ -45,7 +45,8 @@
 #             student converted with --feature-rope off --decay gated ($C-nopegated) the prefill (1x32k, 32x1k; the
 #             kernels, then the PyTorch chunked form as before) beside the teacher, then bench.train at 8x1024 eager and
 #             graphed: teacher, LoLCATs' stages and the gated student's (lolcats-long-stage1/2)
-# An untrained student: speed does not depend on the weights. Rows land in $S (/tmp/runs/hybrid).
+# An untrained student, convert's default LoLCATs one (what `linearize lolcats` trains): speed does not depend on the
+# weights. Rows land in $S (/tmp/runs/hybrid).
 set -uo pipefail
 T=${T:-/tmp/stage/teacher.gguf}; S=${S:-/tmp/runs/hybrid}; C=${C:-/tmp/ckpt/lolcats}; mkdir -p "$S"
 quiet() { grep -v -E "Warning|warn\(|it/s\]|s/it\]"; }
@@ -125,15 +126,20 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
           --dtype bfloat16 --prefill 1x1024 32x1024 1x8192 32x8192 --prefill-teacher-paths sdpa \
           --out "$S/prefill_$tag.json" 2>&1 | quiet | grep -E "knobs|kernels|sdpa" | tail -9
       done ;;
-    step)  # the fused decode step alone (dev/step_bench.py: warps x value parts; STEP_MODULES: other versions of
-      # ops/hybrid/step_triton.py beside it), then decode at batch 1, 64 and 256 from 1k prompts beside the teacher
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k fused_hybrid_step 2>&1 | tail -3
-      timeout 420 python3 dev/step_bench.py ${STEP_ARGS:-} ${STEP_MODULES:+--module $STEP_MODULES} --out "$S/step_bench.json" \
-        2>&1 | quiet
+    step)  # the fused decode step's CUDA tests, then the step alone (dev/step_bench.py: the default student's layout,
+      # launch orders x warps x value parts by STEP_ARGS; STEP_MODULES: other versions of ops/hybrid/step_triton.py
+      # beside it), then the default student's decode on the default fast path at batch 1, 64 and 256 from 1k prompts
+      # + STEP_NEW new (512) beside the teacher's fastest paths, then the kernels of a batch-256 step (PROFILE=0: not)
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_length.py \
+        -k "fused_hybrid_step or fused or gate" 2>&1 | tail -3
+      timeout 420 python3 dev/step_bench.py ${STEP_ARGS:---warps 0 --splits 0} ${STEP_MODULES:+--module $STEP_MODULES} \
+        --out "$S/step_bench.json" 2>&1 | quiet
       student
-      timeout 420 python3 -m linearize bench "$C" --teacher "$T" --dtype bfloat16 --paths fast --compile --teacher-paths static \
-        --batch-sizes 1 64 256 --new-tokens 256 --prompt-len 1024 --out "$S/decode_step.json" 2>&1 | quiet \
-        | grep -E "^\| (student|teacher)|Error|error:" ;;
+      timeout 420 python3 -m linearize bench "$C" --teacher "$T" --dtype bfloat16 --paths fast --teacher-paths static fast \
+        --batch-sizes 1 64 256 --new-tokens ${STEP_NEW:-512} --prompt-len 1024 --out "$S/decode_step.json" 2>&1 | quiet \
+        | grep -E "^\| (student|teacher)|Error|error:"
+      [ "${PROFILE:-1}" = 1 ] && timeout 200 python3 -m linearize.bench.profile decode "$C" --batch 256 --prompt-len 1024 \
+        --tokens 32 --top 20 --out "$S/profile_decode_256.json" 2>&1 | quiet | tail -24 ;;
     sinks)  # attention sinks (a cache of the first 4 tokens) in the fused decode step: its CUDA tests, then compiled
       # decode of untrained students without and with the sinks (1k prompts, batch 1, 64 and 256), each beside the teacher
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kernels.py -k sinks 2>&1 | tail -3
@@ -150,7 +156,7 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       # (LENGTH_SPECS: name=flags,... with ':' for spaces), each beside the teacher's fastest path; LENGTH_NEW new tokens
       # (default 256); LENGTH_PREFILL: the names whose prefill runs (default: all)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_length.py 2>&1 | tail -3
-      for pair in ${LENGTH_SPECS:-plain= nopegated=--feature-rope:off,--decay:gated}; do
+      for pair in ${LENGTH_SPECS:-plain=--config:lolcats_plain default=}; do
         name=${pair%%=*}; flags=$(echo "${pair#*=}" | tr ',:' '  ')
         ck=$C-$name; [ -d "$ck" ] || python3 -m linearize convert --teacher "$T" --kind lolcats $flags --out "$ck" \
           --dtype bfloat16 2>&1 | tail -1

@@ -3,11 +3,14 @@ fast decoder runs it: one CUDA graph of ``--layers`` steps, each on its own laye
 batch's states do not sit in L2 between steps as they would not in the model), for each batch and
 each setting of the step's constants (warps, value parts).
 
-    python dev/step_bench.py [--batches 1 64 256] [--warps 0 2 4 8] [--splits 0 1 2 4]
-                             [--module FILE ...] [--out FILE]
+    python dev/step_bench.py [--batches 1 64 256] [--warps 0 2 4 8] [--splits 0 1 2 4] [--orders 1 0]
+                             [--layout default|plain] [--module FILE ...] [--out FILE]
 
 Shapes are SmolLM2-135M's (9 query heads, 3 key heads, head dim 64, Hedgehog features 2 x 64,
-window 64). ``--warps 0`` and ``--splits 0`` are the module's defaults. ``--module`` adds another
+window 64). ``--layout default``: the default student's step (a gated linear state whose gate comes from
+the projection's output, the features of q and k before RoPE); ``plain``: plain LoLCATs'. ``--orders``: the
+programs' launch order (1: a sequence's heads side by side, the default; 0: the sequences side by side).
+``--warps 0`` and ``--splits 0`` are the module's defaults. ``--module`` adds another
 version of the module (e.g. one from an earlier commit, ``git show REV:src/linearize/ops/hybrid/step_triton.py``)
 to time beside the installed one. Each setting's output for one step from the same state is compared with
 the first setting's (largest absolute difference). Prints µs per step and effective GB/s of the state's
@@ -65,17 +68,19 @@ def load(path):
     return path, mod
 
 
-def states(b, splits, layers, gen):
+def states(b, splits, layers, gen, gated=False):
     from linearize.ops import FusedRingState
 
     out = []
     for _ in range(layers):
         r = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
         linear = r(b, HK, 2, 2 * FH, D + 1).abs() * 0.1  # the normaliser column must stay positive
-        out.append(FusedRingState(r(b, HK, W, D).bfloat16(), torch.empty(b, HK, 0, 2 * FH, device=DEV),
+        feats = (r(b, HK, W, 2 * FH).abs() * 0.1).bfloat16() if gated else torch.empty(b, HK, 0, 2 * FH, device=DEV)
+        gates = dict(evict_features=r(b, HK, 2, 2 * FH).abs() * 0.1, evict_values=r(b, HK, 2, D)) if gated else {}
+        out.append(FusedRingState(r(b, HK, W, D).bfloat16(), feats,
                                   r(b, HK, W, D).bfloat16(), linear, torch.ones(b, W, dtype=torch.bool, device=DEV),
                                   slot=torch.zeros((), dtype=torch.long, device=DEV),
-                                  ticks=torch.zeros(b, H, splits, dtype=torch.int32, device=DEV)))
+                                  ticks=torch.zeros(b, H, splits, dtype=torch.int32, device=DEV), **gates))
     return out
 
 
@@ -84,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256])
     p.add_argument("--warps", nargs="+", type=int, default=[0, 2, 4, 8])
     p.add_argument("--splits", nargs="+", type=int, default=[0, 1, 2, 4])
+    p.add_argument("--orders", nargs="+", type=int, default=[1, 0])
+    p.add_argument("--layout", choices=("default", "plain"), default="default")
     p.add_argument("--module", nargs="*", default=[])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--replays", type=int, default=20)
@@ -95,32 +102,38 @@ def main(argv=None) -> int:
     r = lambda *s: torch.randn(*s, device=DEV, generator=gen)  # noqa: E731
     wq, wk, logit = (r(H, D, FH) * 0.2).bfloat16(), (r(HK, D, FH) * 0.2).bfloat16(), r(H).bfloat16()
     modules = [load(None), *(load(path) for path in args.module)]
+    gated = args.layout == "default"
     rows = []
-    print("| module | batch | warps | splits | µs/step | GB/s | max err |\n|---|---|---|---|---|---|---|")
+    print("| module | batch | order | warps | splits | µs/step | GB/s | max err |\n|---|---|---|---|---|---|---|---|")
     for b in args.batches:
-        q, k, v = (x.transpose(1, 2) for x in r(b, 1, H + 2 * HK, D).bfloat16().split([H, HK, HK], dim=2))
+        qkv = r(b, 1, H + 2 * HK + 1, D).bfloat16()  # the last head's first column stands for the gate's input
+        q, k, v = (x.transpose(1, 2) for x in qkv[:, :, : H + 2 * HK].split([H, HK, HK], dim=2))
+        extra = dict(gate_input=qkv[:, :, H + 2 * HK, :HK], gate_bias=r(HK).bfloat16(),
+                     feature_rope=False) if gated else {}
         ang = 2000.0 * 10000.0 ** (-torch.arange(D // 2, device=DEV) / (D // 2))
         emb = torch.cat([ang, ang], -1)[None, None]
         pe = (emb.cos().bfloat16(), emb.sin().bfloat16())
         state_bytes = b * HK * (2 * W * D * 2 + 2 * 2 * FH * (D + 1) * 4)  # window read, linear read + written
         want = None
-        for (name, mod), warps, splits in itertools.product(modules, args.warps, args.splits):
+        for (name, mod), order, warps, splits in itertools.product(modules, args.orders, args.warps, args.splits):
+            if not hasattr(mod, "HEADS_FIRST") and order != args.orders[0]:
+                continue  # a module from before the launch order was a choice has one order only
             parts = splits or mod.value_splits(b, H, D)
-            mod.STEP_WARPS = warps or None
-            ref = states(b, parts, 1, torch.Generator(device=DEV).manual_seed(1))[0]  # the same for every setting
-            y = mod.hybrid_step_fused_triton(q, k, v, pe, wq, wk, logit, ref, scale=D ** -0.5).float()
+            mod.STEP_WARPS, mod.HEADS_FIRST = warps or None, bool(order)
+            ref = states(b, parts, 1, torch.Generator(device=DEV).manual_seed(1), gated)[0]  # the same for each
+            y = mod.hybrid_step_fused_triton(q, k, v, pe, wq, wk, logit, ref, scale=D ** -0.5, **extra).float()
             want = y if want is None else want
             err = (y - want).abs().max().item()
-            layers = states(b, parts, args.layers, gen)
-            step = lambda: [mod.hybrid_step_fused_triton(q, k, v, pe, wq, wk, logit, s, scale=D ** -0.5)  # noqa: E731
-                            for s in layers]
+            layers = states(b, parts, args.layers, gen, gated)
+            step = lambda: [mod.hybrid_step_fused_triton(q, k, v, pe, wq, wk, logit, s, scale=D ** -0.5,  # noqa: E731
+                                                         **extra) for s in layers]
             us = timed(step, args.replays) / args.layers
-            mod.STEP_WARPS = None
-            row = dict(module=name, batch=b, warps=warps or "default", splits=parts, us_per_step=us,
-                       gb_per_s=state_bytes / us / 1e3, max_err=err)
+            mod.STEP_WARPS, mod.HEADS_FIRST = None, True
+            row = dict(module=name, layout=args.layout, batch=b, heads_first=bool(order), warps=warps or "default",
+                       splits=parts, us_per_step=us, gb_per_s=state_bytes / us / 1e3, max_err=err)
             rows.append(row)
-            print(f"| {name} | {b} | {row['warps']} | {parts} | {us:.1f} | {row['gb_per_s']:.0f} | {err:.3g} |",
-                  flush=True)
+            print(f"| {name} | {b} | {'heads' if order else 'sequences'} | {row['warps']} | {parts} | {us:.1f} | "
+                  f"{row['gb_per_s']:.0f} | {err:.3g} |", flush=True)
             del layers
     if args.out:
         json.dump(rows, open(args.out, "w"), indent=1)

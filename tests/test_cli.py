@@ -184,3 +184,25 @@ def test_bad_input_gives_one_line_and_nonzero_exit(tmp_path, teacher_dir):
     code, err = _run("convert", "--config", str(recipe), "--teacher", str(teacher_dir), "--out", str(tmp_path / "o"))
     _assert_one_line_error(code, err, "spec kind must be one of")
     assert not (tmp_path / "o").exists()
+
+
+def test_convert_with_no_spec_builds_the_student_lolcats_trains_by_default(teacher_dir, tmp_path, capsys):
+    """No --kind and no --config: the default spec of ``linearize lolcats`` (flags change it); ``--config
+    lolcats_plain`` the paper's student; another kind takes none of the LoLCATs defaults."""
+    import json
+
+    from linearize.recipes.settings import DEFAULT_SPEC
+
+    def spec_of(*flags):
+        out = tmp_path / f"s{len(list(tmp_path.iterdir()))}"
+        assert main(["convert", "--teacher", str(teacher_dir), "--out", str(out), "--device", "cpu", *flags]) == 0
+        capsys.readouterr()
+        return json.loads((out / "config.json").read_text())["linearize"]["spec"]
+
+    default = spec_of()
+    assert {k: default[k] for k in DEFAULT_SPEC} == DEFAULT_SPEC and default["decay"] == "gated"
+    assert spec_of("--window", "8") == {**default, "window": 8}
+    plain = spec_of("--config", "lolcats_plain")
+    assert plain["decay"] == "none" and plain["feature_rope"] is True and plain["window"] == 64
+    supra = spec_of("--kind", "supra")
+    assert supra["kind"] == "supra" and supra.get("decay") != "gated"

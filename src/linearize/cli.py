@@ -204,6 +204,10 @@ def cmd_convert(args) -> int:
     method = recipe_of(read_recipe(args.config), args.config)
     if method is None:  # a file of spec keys (or none): the spec, flags winning
         spec, other = _spec_from_args(args)
+        if spec.get("kind", "lolcats") == "lolcats":  # the student `linearize lolcats` trains by default
+            from .recipes.settings import DEFAULT_SPEC
+
+            spec = {**DEFAULT_SPEC, **spec}
         Spec.coerce(spec)  # a bad spec fails here, before the teacher loads
         teacher_spec = args.teacher if args.teacher != "default" else other.get("teacher")
         teacher, tokenizer = load_teacher(teacher_spec, dtype=args.dtype, device=args.device)
@@ -519,7 +523,11 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", parents=[common], help="teacher + mixer spec -> standalone checkpoint",
                        description="Replace the teacher's attention layers by linear-cost mixers (reusing its "
                                    "q/k/v/o weights; new feature maps start untrained) and save a standalone "
-                                   "checkpoint that 'linearize generate' and linearize.load() read without the teacher.")
+                                   "checkpoint that 'linearize generate' and linearize.load() read without the teacher. "
+                                   "A LoLCATs student (no --kind, or --kind lolcats) starts from the spec 'linearize "
+                                   "lolcats' trains by default (Hedgehog features of q/k before RoPE, window 64, gated "
+                                   "linear state, sliding-window layers kept); the flags and --config change it "
+                                   "(--config lolcats_plain: the paper's student).")
     c.add_argument("--teacher", default="default", help=teacher_help())
     c.add_argument("--out", required=True, type=Path, help="folder to write the checkpoint to")
     _spec_arguments(c)
@@ -642,7 +650,9 @@ def build_parser() -> argparse.ArgumentParser:
     be = sub.add_parser("bench", parents=[common], help="prefill / decode throughput and memory vs the teacher",
                         description="Time a checkpoint and its teacher over batch sizes and generated lengths, each "
                                     "through the chosen decoding paths: prefill and decode tokens/s, ms per step, "
-                                    "cache bytes and (CUDA) peak memory. A size that runs out of memory ends that "
+                                    "cache bytes and (CUDA) peak memory; on CUDA each student row also gets its bandwidth "
+                                    "floor (weight and state bytes over a copy's bandwidth measured in the same run: "
+                                    "no step can be faster). A size that runs out of memory ends that "
                                     "path's batch sweep. Example (the issue's sweep): --batch-sizes 1 16 256 1024 "
                                     "--new-tokens 1024 4096 32768")
     be.add_argument("model", help="a checkpoint folder, or a teacher spec to time the teacher alone (--teacher none)")

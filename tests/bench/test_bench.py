@@ -220,3 +220,19 @@ def test_bench_prefill_sweep_on_tiny_models(tiny_model, tmp_path, capsys):
                                                             ("teacher", "flash_attention_2"), ("student", "kernels"),
                                                             ("student", "torch")]
     assert main(["bench", str(tmp_path / "student"), "--prefill", "2by8", "--device", "cpu"]) == 2
+
+
+def test_the_bandwidth_floor_counts_the_weights_a_step_reads_and_the_state(tiny_model):
+    from linearize.bench.decode import copy_bandwidth, floor_ms, step_weight_bytes
+
+    untied = tiny_model("llama", tie_word_embeddings=False)
+    everything = sum(p.numel() * p.element_size() for p in untied.parameters())
+    embed = untied.get_input_embeddings().weight
+    assert step_weight_bytes(untied) == everything - embed.numel() * embed.element_size()  # a step gathers rows
+    tied = tiny_model("llama", tie_word_embeddings=True)
+    assert tied.get_output_embeddings().weight.data_ptr() == tied.get_input_embeddings().weight.data_ptr()
+    assert step_weight_bytes(tied) == sum(p.numel() * p.element_size() for p in tied.parameters())  # the head reads it
+    assert step_weight_bytes(tied.to(torch.bfloat16)) * 2 == step_weight_bytes(tied.float())
+    assert floor_ms(3_000_000, 1_000_000, 4e12) == pytest.approx(1.0e-3)  # 4 MB at 4 TB/s: 1 microsecond
+    assert floor_ms(3_000_000, None, 4e12) is None and floor_ms(3_000_000, 0, None) is None
+    assert copy_bandwidth("cpu") is None  # measured on CUDA only: a CPU row has no floor

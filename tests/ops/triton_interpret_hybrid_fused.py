@@ -186,6 +186,9 @@ elif sys.argv[1:] == ["kernel"]:
     check_kernel(2, 3, 1, 16, 8, window=4, t=3, n=10, softcap=20.0, rot=8, splits=2, seed=1)  # MQA, partial RoPE
     check_kernel(2, 4, 2, 12, 5, window=5, t=9, n=8, softcap=None, rot=12, splits=2, seed=2)  # odd sizes
     check_kernel(1, 4, 2, 16, 4, window=1, t=4, n=4, softcap=None, rot=0, splits=4, seed=3)  # w = 1, no RoPE
+    step_triton.HEADS_FIRST = False  # the other launch order (batches past CUDA's grid limit take it)
+    check_kernel(2, 4, 2, 8, 6, window=4, t=6, n=11, softcap=None, rot=8, splits=2, seed=8)
+    step_triton.HEADS_FIRST = True
     for anchor in ("joint", "window"):  # attention sinks: GQA, odd sizes and soft-capping, MQA without RoPE
         check_sinks(2, 4, 2, 8, 6, window=4, cap=2, t=11, n=9, softcap=None, rot=8, splits=1, anchor=anchor, seed=4)
         check_sinks(2, 4, 2, 12, 5, window=5, cap=3, t=13, n=7, softcap=20.0, rot=8, splits=2, anchor=anchor, seed=5)

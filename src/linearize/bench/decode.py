@@ -16,6 +16,13 @@ Memory: the bytes the cache/state holds and, on CUDA, the peak allocated during 
 already allocated when it began (``base_bytes``: the weights and anything an earlier size left; the
 run's own growth is the difference; garbage is collected first). A size
 that runs out of memory is recorded and ends that pair's sweep over larger batches.
+
+Bandwidth floor (CUDA, student rows): a decode step must read at least every weight it uses and its whole
+state, so no step can be faster than ``(weight bytes + state bytes) / bandwidth``. The weight bytes are
+every parameter less the input embedding when the head does not share it (a step gathers only a few of
+its rows); the bandwidth is a device-to-device copy's, measured once per sweep in the same process
+(bytes read plus bytes written over its time). ``floor_ms`` is that bound for the row's batch; the
+row's ``ms_per_step`` over it says how far the step is from what memory allows.
 """
 
 from __future__ import annotations
@@ -49,6 +56,57 @@ class DecodeRow:
     note: str = ""
     base_bytes: int | None = None
     phase_peaks: dict | None = None  # fast path on CUDA: peak bytes at the end of prefill, cache, setup, decode
+    floor_ms: float | None = None  # CUDA, students: (weight bytes + state bytes) / copy bandwidth (module doc)
+    bandwidth_gb_s: float | None = None  # the copy bandwidth that floor used, GB/s
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: every parameter (each storage once), less the input embedding
+    when the output head does not share it (a step gathers only the new tokens' rows of it)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() in seen:
+            continue
+        seen.add(p.data_ptr())
+        total += p.numel() * p.element_size()
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    if embed is not None and (head is None or head.weight.data_ptr() != embed.weight.data_ptr()):
+        total -= embed.weight.numel() * embed.weight.element_size()
+    return total
+
+
+def copy_bandwidth(device, nbytes: int = 1 << 30, repeats: int = 10) -> float | None:
+    """Bytes/s of a device-to-device copy of ``nbytes`` (read plus written, over the median of ``repeats``
+    timed copies after one untimed); None off CUDA or where the buffers do not fit."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    try:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+    dst.copy_(src)
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes / sorted(times)[len(times) // 2]
+
+
+def floor_ms(weight_bytes: int, state_bytes: int | None, bandwidth: float | None) -> float | None:
+    """The bandwidth floor of one decode step in ms (module doc); None without a bandwidth or a state size."""
+    if not bandwidth or state_bytes is None:
+        return None
+    return 1000 * (weight_bytes + state_bytes) / bandwidth
 
 
 def _sync(device):
@@ -140,11 +198,17 @@ def sweep(entries, batches, lengths, prompt_len: int = 128, compile: bool = Fals
     ``compile``: the fast path compiles its decode step (its row's path reads ``fast+compile``).
     ``fuse_projections=False``: the fast path keeps q/k/v and gate/up apart (path ``...+unfused``)."""
     rows = []
+    bandwidth = None
+    if any(getattr(m.config, "linearize", None) for _, m, _ in entries):
+        bandwidth = copy_bandwidth(next(entries[0][1].parameters()).device)
     for label, model, path in entries:
+        weights = step_weight_bytes(model) if getattr(model.config, "linearize", None) else None
         for n in lengths:
             for b in batches:
                 row = measure(model, label, b, prompt_len, n, path, compile=compile and path == "fast",
                               prefill_batch=prefill_batch, fuse_projections=fuse_projections)
+                if weights is not None and bandwidth and not row.note:
+                    row.floor_ms, row.bandwidth_gb_s = floor_ms(weights, row.cache_bytes, bandwidth), bandwidth / 1e9
                 if compile and path == "fast":
                     row.path = "fast+compile"
                 if not fuse_projections and path == "fast":
@@ -157,12 +221,12 @@ def sweep(entries, batches, lengths, prompt_len: int = 128, compile: bool = Fals
 
 
 def table(rows: list[DecodeRow]) -> str:
-    lines = ["| model | path | batch | new tokens | prefill tok/s | decode tok/s | ms/step | cache MB | peak MB "
-             "| base MB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | path | batch | new tokens | prefill tok/s | decode tok/s | ms/step | floor ms | cache MB "
+             "| peak MB | base MB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda x, f: "—" if x is None else format(x, f)  # noqa: E731
     for r in rows:
         lines.append(f"| {r.model} | {r.path} | {r.batch} | {r.new_tokens} | {fmt(r.prefill_tok_s, ',.0f')} | "
-                     f"{fmt(r.decode_tok_s, ',.1f')} | {fmt(r.ms_per_step, '.2f')} | "
+                     f"{fmt(r.decode_tok_s, ',.1f')} | {fmt(r.ms_per_step, '.2f')} | {fmt(r.floor_ms, '.2f')} | "
                      f"{fmt(None if r.cache_bytes is None else r.cache_bytes / 2**20, '.2f')} | "
                      f"{fmt(None if r.peak_bytes is None else r.peak_bytes / 2**20, '.0f')} | "
                      f"{fmt(None if r.base_bytes is None else r.base_bytes / 2**20, '.0f')} |" + (f" {r.note}" if r.note else ""))

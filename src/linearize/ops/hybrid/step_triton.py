@@ -126,10 +126,15 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
                        scale, softcap, H, HK, W, D, FH, R, NS, S,
                        HAS_SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BF: tl.constexpr, BS: tl.constexpr, WINDOW_ANCHOR: tl.constexpr, GATED: tl.constexpr,
-                       NOPE: tl.constexpr, GATE_INPUT: tl.constexpr):
-    bi = tl.program_id(0)
-    h = tl.program_id(1)
-    c = tl.program_id(2)
+                       NOPE: tl.constexpr, GATE_INPUT: tl.constexpr, HEADS_FIRST: tl.constexpr):
+    if HEADS_FIRST:  # programs of one sequence's heads launch side by side: a key head's state is read by its
+        h = tl.program_id(0)  # query heads' programs together, from L2 after the first
+        c = tl.program_id(1)
+        bi = tl.program_id(2)
+    else:
+        bi = tl.program_id(0)
+        h = tl.program_id(1)
+        c = tl.program_id(2)
     hk = h // (H // HK)
     owner = h % (H // HK) == 0  # the one program per key head (and value part) that updates its state
     w = tl.arange(0, BW)
@@ -283,6 +288,12 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
 # module constants so that dev/step_bench.py can sweep them.
 SPLIT_PROGRAMS = 32
 STEP_WARPS: int | None = None
+# The launch order of the step's programs: True puts a sequence's query heads (and value parts) next to
+# each other, so a key head's window and linear state, read by every query head of its group, come from
+# DRAM once and from L2 after; False, the earlier order, puts the sequences next to each other. A module
+# constant so that dev/step_bench.py can time both.
+HEADS_FIRST = True
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's third dimension: larger batches keep the sequences first
 
 
 def value_splits(batch: int, n_heads: int, head_dim: int, programs: int | None = None, min_width: int = 16) -> int:
@@ -353,7 +364,8 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
     else:
         lg, gb, sg_b, sg_h = q, q, 0, 0
     ek, ev = (state.evict_features, state.evict_values) if gated else (q, q)
-    _hybrid_fused_step[(b, h, splits)](
+    heads_first = HEADS_FIRST and b <= MAX_GRID_Z
+    _hybrid_fused_step[(h, splits, b) if heads_first else (b, h, splits)](
         q, k, v, cos, sin, wq, wk, window_logit, state.keys, state.values, state.valid, state.linear, state.slot,
         state.ticks, y, sink_k, sink_v, sink_m, lg, gb, ek, ev, q if feature_rope else state.key_features, q.stride(0),
         q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1), v.stride(3), sc_b,
@@ -361,6 +373,6 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
         max(n_sinks, 1), HAS_SOFTCAP=softcap is not None, BW=bw, BD=bd,
         BDV=triton.next_power_of_2(triton.cdiv(d, splits)), BF=triton.next_power_of_2(fh),
         BS=triton.next_power_of_2(n_sinks) if n_sinks else 0, WINDOW_ANCHOR=sinks and anchor == "window",
-        GATED=gated, NOPE=not feature_rope, GATE_INPUT=gate_input is not None,
+        GATED=gated, NOPE=not feature_rope, GATE_INPUT=gate_input is not None, HEADS_FIRST=heads_first,
         num_warps=STEP_WARPS or min(16, max(2, bw * bd // 2048)))
     return y.transpose(1, 2)

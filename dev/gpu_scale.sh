@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue #55's rows at a named shape (random weights: speed and memory do not depend on them), parts run one
+# after another with nothing else on the GPU: `gpu_session.sh start s8 "SHAPE=llama-3-8b bash dev/gpu_scale.sh"`.
+#   train    linearize lolcats (the default config: the gpu budget's 2 x 4,096 blocks, the default student) for
+#            S1 + S2 steps (80 + 60) on the books: each stage's set-up / steady split and peak memory
+#            (results.json); its final checkpoint is the student the next parts time
+#   decode   the student's default fast path beside the teacher's static and fast paths, 1k prompts + NEW (256)
+#            new tokens, batch 1 / 64 / 256: ms a step and each student row's bandwidth floor (bench's floor_ms)
+#   prefill  1 x 32k and 1 x 128k (PREFILL_SHAPES), student's kernels beside the teacher's SDPA and flash
+#   ceiling  the teacher's prefill kernels at 32k (bench.profile prefill): attention's share bounds the prefill's gain
+# Rows land in $S (/tmp/runs/scale/SHAPE).
+set -uo pipefail
+SHAPE=${SHAPE:-llama-3-8b}; T=shape:$SHAPE; S=${S:-/tmp/runs/scale/$SHAPE}; R=/tmp/ckpt/scale-$SHAPE; mkdir -p "$S"
+quiet() { grep -v -E "Warning|warn\(|it/s\]|s/it\]"; }
+for part in ${@:-train decode prefill ceiling}; do
+  echo "=== $SHAPE $part $(date +%T)"
+  case $part in
+    train)
+      rm -rf "$R"
+      timeout ${TRAIN_S:-900} python3 -m linearize lolcats --teacher "$T" --data gutenberg --stage1-steps ${S1:-80} \
+        --stage2-steps ${S2:-60} --eval-steps 100000 --eval-blocks 2 --out "$R" ${TRAIN_ARGS:-} 2>&1 | quiet | tail -12
+      python3 - "$R/results.json" "$S/train.json" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+keep = {k: r.get(k) for k in ("stage1", "stage2", "train")}
+json.dump(keep, open(sys.argv[2], "w"), indent=1)
+for stage in ("stage1", "stage2"):
+    s = r.get(stage) or {}
+    print(stage, "steady tok/s", (s.get("steady") or {}).get("tokens_per_second"), "set-up s",
+          (s.get("setup") or {}).get("seconds"), "seconds", s.get("seconds"), "peak GB",
+          {k: round(v / 1e9, 1) for k, v in s.items() if "peak" in k and isinstance(v, (int, float))})
+EOF
+      ;;
+    decode)
+      timeout ${DECODE_S:-540} python3 -m linearize bench "$R/final" --teacher "$T" --dtype bfloat16 --paths fast \
+        --teacher-paths ${TEACHER_PATHS:-fast static} --batch-sizes ${BATCHES:-1 64 256} --new-tokens ${NEW:-256} \
+        --prompt-len 1024 --out "$S/decode.json" 2>&1 | quiet | tee "$S/decode.log" | grep -E "^\| (student|teacher)|Error|error:" ;;
+    prefill)
+      timeout ${PREFILL_S:-420} python3 -m linearize bench "$R/final" --teacher "$T" --dtype bfloat16 \
+        --prefill ${PREFILL_SHAPES:-1x32768 1x131072} --prefill-warmup 1 --prefill-repeats 3 --out "$S/prefill.json" \
+        2>&1 | quiet | tee "$S/prefill.log" | grep -E "^\| (student|teacher)|Error|error:" ;;
+    ceiling)
+      timeout 200 python3 -m linearize.bench.profile prefill "$T" --batch 1 --prompt-len 32768 --top 8 \
+        --out "$S/ceiling_teacher_32768.json" 2>&1 | quiet | tail -11 ;;
+    *) echo "unknown part $part" ;;
+  esac
+done
