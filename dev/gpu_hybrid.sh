@@ -127,7 +127,7 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
           --out "$S/prefill_$tag.json" 2>&1 | quiet | grep -E "knobs|kernels|sdpa" | tail -9
       done ;;
     step)  # the fused decode step's CUDA tests, then the step alone (dev/step_bench.py: the default student's layout,
-      # launch orders x warps x value parts by STEP_ARGS; STEP_MODULES: other versions of ops/hybrid/step_triton.py
+      # warps x value parts by STEP_ARGS; STEP_MODULES: other versions of ops/hybrid/step_triton.py
       # beside it), then the default student's decode on the default fast path at batch 1, 64 and 256 from 1k prompts
       # + STEP_NEW new (512) beside the teacher's fastest paths, then the kernels of a batch-256 step (PROFILE=0: not)
       timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_kernels.py tests/gpu/test_gpu_length.py \

@@ -3,14 +3,12 @@ fast decoder runs it: one CUDA graph of ``--layers`` steps, each on its own laye
 batch's states do not sit in L2 between steps as they would not in the model), for each batch and
 each setting of the step's constants (warps, value parts).
 
-    python dev/step_bench.py [--batches 1 64 256] [--warps 0 2 4 8] [--splits 0 1 2 4] [--groups 0 -1]
+    python dev/step_bench.py [--batches 1 64 256] [--warps 0 2 4 8] [--splits 0 1 2 4]
                              [--layout default|plain] [--module FILE ...] [--out FILE]
 
 Shapes are SmolLM2-135M's (9 query heads, 3 key heads, head dim 64, Hedgehog features 2 x 64,
 window 64). ``--layout default``: the default student's step (a gated linear state whose gate comes from
-the projection's output, the features of q and k before RoPE); ``plain``: plain LoLCATs'. ``--groups``: the
-step's ``GROUP_PROGRAMS`` (0: one program per key head serves its query heads; -1: one program per query
-head; N: the first from N programs on, the module's rule).
+the projection's output, the features of q and k before RoPE); ``plain``: plain LoLCATs'.
 ``--warps 0`` and ``--splits 0`` are the module's defaults. ``--module`` adds another
 version of the module (e.g. one from an earlier commit, ``git show REV:src/linearize/ops/hybrid/step_triton.py``)
 to time beside the installed one. Each setting's output for one step from the same state is compared with
@@ -90,7 +88,6 @@ def main(argv=None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256])
     p.add_argument("--warps", nargs="+", type=int, default=[0, 2, 4, 8])
     p.add_argument("--splits", nargs="+", type=int, default=[0, 1, 2, 4])
-    p.add_argument("--groups", nargs="+", type=int, default=[0, -1])
     p.add_argument("--layout", choices=("default", "plain"), default="default")
     p.add_argument("--module", nargs="*", default=[])
     p.add_argument("--layers", type=int, default=30)
@@ -105,7 +102,7 @@ def main(argv=None) -> int:
     modules = [load(None), *(load(path) for path in args.module)]
     gated = args.layout == "default"
     rows = []
-    print("| module | batch | groups | warps | splits | µs/step | GB/s | max err |\n|---|---|---|---|---|---|---|---|")
+    print("| module | batch | warps | splits | µs/step | GB/s | max err |\n|---|---|---|---|---|---|---|")
     for b in args.batches:
         qkv = r(b, 1, H + 2 * HK + 1, D).bfloat16()  # the last head's first column stands for the gate's input
         q, k, v = (x.transpose(1, 2) for x in qkv[:, :, : H + 2 * HK].split([H, HK, HK], dim=2))
@@ -116,12 +113,9 @@ def main(argv=None) -> int:
         pe = (emb.cos().bfloat16(), emb.sin().bfloat16())
         state_bytes = b * HK * (2 * W * D * 2 + 2 * 2 * FH * (D + 1) * 4)  # window read, linear read + written
         want = None
-        for (name, mod), group, warps, splits in itertools.product(modules, args.groups, args.warps, args.splits):
-            if not hasattr(mod, "GROUP_PROGRAMS") and group != args.groups[0]:
-                continue  # a module from before the choice has one program per query head only
+        for (name, mod), warps, splits in itertools.product(modules, args.warps, args.splits):
             parts = splits or mod.value_splits(b, H, D)
-            default_group = getattr(mod, "GROUP_PROGRAMS", None)
-            mod.STEP_WARPS, mod.GROUP_PROGRAMS = warps or None, None if group < 0 else group
+            mod.STEP_WARPS = warps or None
             ref = states(b, parts, 1, torch.Generator(device=DEV).manual_seed(1), gated)[0]  # the same for each
             y = mod.hybrid_step_fused_triton(q, k, v, pe, wq, wk, logit, ref, scale=D ** -0.5, **extra).float()
             want = y if want is None else want
@@ -130,11 +124,11 @@ def main(argv=None) -> int:
             step = lambda: [mod.hybrid_step_fused_triton(q, k, v, pe, wq, wk, logit, s, scale=D ** -0.5,  # noqa: E731
                                                          **extra) for s in layers]
             us = timed(step, args.replays) / args.layers
-            mod.STEP_WARPS, mod.GROUP_PROGRAMS = None, default_group
-            row = dict(module=name, layout=args.layout, batch=b, group_programs=group, warps=warps or "default",
+            mod.STEP_WARPS = None
+            row = dict(module=name, layout=args.layout, batch=b, warps=warps or "default",
                        splits=parts, us_per_step=us, gb_per_s=state_bytes / us / 1e3, max_err=err)
             rows.append(row)
-            print(f"| {name} | {b} | {group} | {row['warps']} | {parts} | {us:.1f} | "
+            print(f"| {name} | {b} | {row['warps']} | {parts} | {us:.1f} | "
                   f"{row['gb_per_s']:.0f} | {err:.3g} |", flush=True)
             del layers
     if args.out:

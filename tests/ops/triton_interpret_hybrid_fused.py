@@ -160,9 +160,7 @@ def check_length_options():
     options = ({"decay": "gated"}, {"feature_rope": False}, {"feature_rope": False, "decay": "gated"},
                {"decay": "span"})
     both = options[2]  # every option on llama; both on soft-capping, partial RoPE and a layer without RoPE
-    cases = [("llama", o) for o in options] + [(f, both) for f in ("gemma2", "gpt_neox", "smollm3")]
-    for i, (family, option) in enumerate(cases):
-        step_triton.GROUP_PROGRAMS = None if i % 2 else 0  # a program per query head, or per key head, in turn
+    for family, option in [("llama", o) for o in options] + [(f, both) for f in ("gemma2", "gpt_neox", "smollm3")]:
         torch.manual_seed(0)
         teacher = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
         model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8, "decay_horizon": 6,
@@ -180,21 +178,15 @@ def check_length_options():
         calls.clear()
 
 
-# step_triton.GROUP_PROGRAMS = 0: one program per key head serves its query heads (what large batches run);
-# None: one program per query head (small batches; these tests' sizes take it by default)
 if sys.argv[1:] == ["length"]:
-    step_triton.GROUP_PROGRAMS = 0
     check_gate_input()
     check_length_options()
 elif sys.argv[1:] == ["kernel"]:
-    step_triton.GROUP_PROGRAMS = None
     check_kernel(2, 4, 2, 8, 6, window=4, t=6, n=11, softcap=None, rot=8, splits=1, seed=0)  # GQA, wraps twice
-    check_kernel(1, 4, 2, 16, 4, window=1, t=4, n=4, softcap=None, rot=0, splits=4, seed=3)  # w = 1, no RoPE
-    step_triton.GROUP_PROGRAMS = 0
     check_kernel(2, 3, 1, 16, 8, window=4, t=3, n=10, softcap=20.0, rot=8, splits=2, seed=1)  # MQA, partial RoPE
     check_kernel(2, 4, 2, 12, 5, window=5, t=9, n=8, softcap=None, rot=12, splits=2, seed=2)  # odd sizes
-    for anchor, grouped in (("joint", None), ("window", 0)):  # attention sinks: GQA, odd sizes and soft-capping,
-        step_triton.GROUP_PROGRAMS = grouped  # MQA without RoPE
+    check_kernel(1, 4, 2, 16, 4, window=1, t=4, n=4, softcap=None, rot=0, splits=4, seed=3)  # w = 1, no RoPE
+    for anchor in ("joint", "window"):  # attention sinks: GQA, odd sizes and soft-capping, MQA without RoPE
         check_sinks(2, 4, 2, 8, 6, window=4, cap=2, t=11, n=9, softcap=None, rot=8, splits=1, anchor=anchor, seed=4)
         check_sinks(2, 4, 2, 12, 5, window=5, cap=3, t=13, n=7, softcap=20.0, rot=8, splits=2, anchor=anchor, seed=5)
         check_sinks(1, 3, 1, 16, 4, window=2, cap=4, t=9, n=6, softcap=None, rot=0, splits=4, anchor=anchor, seed=6)

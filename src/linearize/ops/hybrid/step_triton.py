@@ -4,9 +4,8 @@
 the new query and key, the query's features, the window softmax, the linear terms, the ring and
 linear-state updates and the slot bookkeeping (with RoPE and the feature maps in PyTorch around
 the ring-step kernel below, a layer's step was 27 launches). One program per (sequence, query
-head, part of the value columns), or at larger batches per (sequence, key head, part), serving the
-key head's query heads from one read of its state (``GROUP_PROGRAMS``); the state is laid out so
-that no program writes what another reads (``FusedRingState``). With attention sinks (a sparse cache of the first tokens, once every
+head, part of the value columns); the state is laid out so that no program writes what another
+reads (``FusedRingState``). With attention sinks (a sparse cache of the first tokens, once every
 sequence's are cached: ``FusedSinkState``) the cached tokens join the window's softmax.
 
 ``hybrid_step_ring_triton`` is the twin of ``hybrid_attention_step_ring`` for other feature maps:
@@ -127,25 +126,31 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
                        scale, softcap, H, HK, W, D, FH, R, NS, S,
                        HAS_SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BF: tl.constexpr, BS: tl.constexpr, WINDOW_ANCHOR: tl.constexpr, GATED: tl.constexpr,
-                       NOPE: tl.constexpr, GATE_INPUT: tl.constexpr, G: tl.constexpr):
+                       NOPE: tl.constexpr, GATE_INPUT: tl.constexpr):
     bi = tl.program_id(0)
-    h0 = tl.program_id(1) * G  # this program's first query head; it serves G of them (G = 1, or a whole group)
+    h = tl.program_id(1)
     c = tl.program_id(2)
-    hk = h0 // (H // HK)
-    owner = h0 % (H // HK) == 0  # the one program per key head (and value part) that updates its state
+    hk = h // (H // HK)
+    owner = h % (H // HK) == 0  # the one program per key head (and value part) that updates its state
     w = tl.arange(0, BW)
     d = tl.arange(0, BD)
     f = tl.arange(0, BF)
     dv = c * BDV + tl.arange(0, BDV)  # this program's value columns
     dm, dvm, fm = d < D, dv < D, f < FH
-    tick = tl.load(ticks_ptr + (bi * H + h0) * NS + c)
+    tick = tl.load(ticks_ptr + (bi * H + h) * NS + c)
     s = tick % W  # the slot the new token takes; its old token is already in the linear state
     p = tick % 2  # the linear state read now; the other one is written
     here = w == s
     old = (w < W) & (w != s)  # slot s is never read: its owner overwrites it during the launch
 
-    # what the key head's query heads share, read once: the window after this step (slot s holds the new
-    # token, rounded as the ring stores it), the linear state, the gate and the token it evicts
+    q = _rope(q_ptr + bi * sq_b + h * sq_h, sq_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d, D, R)
+    if NOPE:  # the features of the query before RoPE
+        q_raw = tl.load(q_ptr + bi * sq_b + h * sq_h + d * sq_d, mask=dm, other=0.0).to(tl.float32)
+        q_pos, q_neg = _hedgehog(q_raw, wq_ptr + h * swq, d, f, D, FH)
+    else:
+        q_pos, q_neg = _hedgehog(q, wq_ptr + h * swq, d, f, D, FH)
+
+    # the window after this step: slot s holds the new token (rounded as the ring stores it)
     ring = (bi * HK + hk) * W * D
     k_new = _rope(k_ptr + bi * sk_b + hk * sk_h, sk_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d, D, R)
     k_new = k_new.to(keys_ptr.dtype.element_ty)
@@ -155,6 +160,28 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     values = tl.load(values_ptr + ring + w[:, None] * D + dv[None, :], mask=old[:, None] & dvm[None, :], other=0.0)
     values = tl.where(here[:, None], v_new.to(tl.float32)[None, :], values.to(tl.float32))
     live = tl.load(valid_ptr + bi * W + w, mask=old, other=0).to(tl.int1) | here
+
+    # softmax terms of the window and linear terms, one normaliser
+    scores = tl.sum(keys * q[None, :], axis=1) * scale
+    if HAS_SOFTCAP:
+        scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
+    scores = tl.where(live, scores, float("-inf"))
+    gamma = tl.sigmoid(tl.load(logit_ptr + h).to(tl.float32))
+    top = tl.max(scores, axis=0)  # the window's largest score
+    if BS > 0:  # a fixed exact cache of S tokens beside the window (attention sinks): one softmax with it
+        e = tl.arange(0, BS)
+        cached = (bi * HK + hk) * S * D
+        sink_keys = tl.load(sinkk_ptr + cached + e[:, None] * D + d[None, :], mask=(e < S)[:, None] & dm[None, :],
+                            other=0.0).to(tl.float32)
+        sink_scores = tl.sum(sink_keys * q[None, :], axis=1) * scale
+        if HAS_SOFTCAP:
+            sink_scores = softcap * (2.0 * tl.sigmoid(2.0 * sink_scores / softcap) - 1.0)
+        sink_live = tl.load(sinkm_ptr + (bi * HK + hk) * S + e, mask=e < S, other=0).to(tl.int1)
+        sink_scores = tl.where(sink_live, sink_scores, float("-inf"))
+        peak = tl.maximum(top, tl.max(sink_scores, axis=0))
+    else:
+        peak = top
+    a = gamma * tl.exp(scores - peak)
     width = D + 1  # a linear-state row: the values, then the normaliser
     cur = lin_ptr + ((bi * HK + hk) * 2 + p) * 2 * FH * width
     nxt = lin_ptr + ((bi * HK + hk) * 2 + 1 - p) * 2 * FH * width
@@ -164,6 +191,9 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     s_neg = tl.load(cur + FH * width + rows, mask=lm, other=0.0)
     n_pos = tl.load(cur + f * width + D, mask=fm, other=0.0)
     n_neg = tl.load(cur + (FH + f) * width + D, mask=fm, other=0.0)
+    lin_num = tl.sum(q_pos[:, None] * s_pos, axis=0) + tl.sum(q_neg[:, None] * s_neg, axis=0)
+    lin_pos = tl.sum(q_pos * n_pos, axis=0)
+    lin_neg = tl.sum(q_neg * n_neg, axis=0)
     if GATED:  # the state after the previous token, faded by this token's gate, plus the token this step evicts
         if GATE_INPUT:  # g = exp(-softplus(x + bias)) = sigmoid(-(x + bias)), x the gate's projection
             x = tl.load(lg_ptr + bi * sg_b + hk * sg_h).to(tl.float32) + tl.load(gb_ptr + hk).to(tl.float32)
@@ -174,63 +204,29 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
         e_pos = tl.load(ek_ptr + evict * 2 * FH + f, mask=fm, other=0.0)
         e_neg = tl.load(ek_ptr + evict * 2 * FH + FH + f, mask=fm, other=0.0)
         e_v = tl.load(ev_ptr + evict * D + dv, mask=dvm, other=0.0)
-    if BS > 0:  # a fixed exact cache of S tokens beside the window (attention sinks): one softmax with it
-        e = tl.arange(0, BS)
-        cached = (bi * HK + hk) * S * D
-        sink_keys = tl.load(sinkk_ptr + cached + e[:, None] * D + d[None, :], mask=(e < S)[:, None] & dm[None, :],
-                            other=0.0).to(tl.float32)
-        sink_live = tl.load(sinkm_ptr + (bi * HK + hk) * S + e, mask=e < S, other=0).to(tl.int1)
+        qe_pos = tl.sum(q_pos * e_pos, axis=0)
+        qe_neg = tl.sum(q_neg * e_neg, axis=0)
+        lin_num = gate * lin_num + (qe_pos + qe_neg) * e_v
+        lin_pos = gate * lin_pos + qe_pos
+        lin_neg = gate * lin_neg + qe_neg
+    num = tl.sum(a[:, None] * values, axis=0)
+    den = tl.sum(a, axis=0)
+    if BS > 0:
+        if WINDOW_ANCHOR:  # the linear terms weigh against the window's softmax terms as without the cache
+            lift = tl.exp(top - peak)
+            lin_num *= lift
+            lin_pos *= lift
+            lin_neg *= lift
+        a_sink = gamma * tl.exp(sink_scores - peak)
         sink_values = tl.load(sinkv_ptr + cached + e[:, None] * D + dv[None, :], mask=(e < S)[:, None] & dvm[None, :],
                               other=0.0).to(tl.float32)
-
-    for j in tl.static_range(G):  # each query head: softmax terms of the window and linear terms, one normaliser
-        h = h0 + j
-        q = _rope(q_ptr + bi * sq_b + h * sq_h, sq_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d, D, R)
-        if NOPE:  # the features of the query before RoPE
-            q_raw = tl.load(q_ptr + bi * sq_b + h * sq_h + d * sq_d, mask=dm, other=0.0).to(tl.float32)
-            q_pos, q_neg = _hedgehog(q_raw, wq_ptr + h * swq, d, f, D, FH)
-        else:
-            q_pos, q_neg = _hedgehog(q, wq_ptr + h * swq, d, f, D, FH)
-        scores = tl.sum(keys * q[None, :], axis=1) * scale
-        if HAS_SOFTCAP:
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
-        scores = tl.where(live, scores, float("-inf"))
-        gamma = tl.sigmoid(tl.load(logit_ptr + h).to(tl.float32))
-        top = tl.max(scores, axis=0)  # the window's largest score
-        if BS > 0:
-            sink_scores = tl.sum(sink_keys * q[None, :], axis=1) * scale
-            if HAS_SOFTCAP:
-                sink_scores = softcap * (2.0 * tl.sigmoid(2.0 * sink_scores / softcap) - 1.0)
-            sink_scores = tl.where(sink_live, sink_scores, float("-inf"))
-            peak = tl.maximum(top, tl.max(sink_scores, axis=0))
-        else:
-            peak = top
-        a = gamma * tl.exp(scores - peak)
-        lin_num = tl.sum(q_pos[:, None] * s_pos, axis=0) + tl.sum(q_neg[:, None] * s_neg, axis=0)
-        lin_pos = tl.sum(q_pos * n_pos, axis=0)
-        lin_neg = tl.sum(q_neg * n_neg, axis=0)
-        if GATED:
-            qe_pos = tl.sum(q_pos * e_pos, axis=0)
-            qe_neg = tl.sum(q_neg * e_neg, axis=0)
-            lin_num = gate * lin_num + (qe_pos + qe_neg) * e_v
-            lin_pos = gate * lin_pos + qe_pos
-            lin_neg = gate * lin_neg + qe_neg
-        num = tl.sum(a[:, None] * values, axis=0)
-        den = tl.sum(a, axis=0)
-        if BS > 0:
-            if WINDOW_ANCHOR:  # the linear terms weigh against the window's softmax terms as without the cache
-                lift = tl.exp(top - peak)
-                lin_num *= lift
-                lin_pos *= lift
-                lin_neg *= lift
-            a_sink = gamma * tl.exp(sink_scores - peak)
-            num += tl.sum(a_sink[:, None] * sink_values, axis=0)
-            den += tl.sum(a_sink, axis=0)
-        num += lin_num
-        den = den + lin_pos + lin_neg
-        tl.store(y_ptr + (bi * H + h) * D + dv,
-                 (num / tl.maximum(den, 1.1754943508222875e-38)).to(y_ptr.dtype.element_ty), mask=dvm)
-        tl.store(ticks_ptr + (bi * H + h) * NS + c, (tick + 1) % (2 * W))
+        num += tl.sum(a_sink[:, None] * sink_values, axis=0)
+        den += tl.sum(a_sink, axis=0)
+    num += lin_num
+    den = den + lin_pos + lin_neg
+    tl.store(y_ptr + (bi * H + h) * D + dv, (num / tl.maximum(den, 1.1754943508222875e-38)).to(y_ptr.dtype.element_ty),
+             mask=dvm)
+    tl.store(ticks_ptr + (bi * H + h) * NS + c, (tick + 1) % (2 * W))
 
     if owner:
         # the other linear state: this one plus the token the next step evicts, from slot s + 1
@@ -278,8 +274,8 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
             tl.store(nxt + (FH + f) * width + D, n_neg + k_neg, mask=tl.where(first, fm, False))
         tl.store(values_ptr + ring + s * D + dv, v_new, mask=dvm)
         tl.store(keys_ptr + ring + s * D + d, k_new, mask=tl.where(first, dm, False))
-        tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=first & (h0 == 0))
-        tl.store(slot_ptr, ((s + 1) % W).to(tl.int64), mask=first & (h0 == 0) & (bi == 0))
+        tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=first & (h == 0))
+        tl.store(slot_ptr, ((s + 1) % W).to(tl.int64), mask=first & (h == 0) & (bi == 0))
 
 
 # The fused step's programs: value parts are added until a step has about this many (a batch-1 step
@@ -287,10 +283,6 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
 # module constants so that dev/step_bench.py can sweep them.
 SPLIT_PROGRAMS = 32
 STEP_WARPS: int | None = None
-# A key head's query heads share one program (which reads the head's window and linear state once, rather
-# than once per query head) when the step still has at least this many programs so; below it (small
-# batches: a batch-1 step is latency-bound) each query head has its own. 0: always shared; None: never.
-GROUP_PROGRAMS: int | None = 128
 
 
 def value_splits(batch: int, n_heads: int, head_dim: int, programs: int | None = None, min_width: int = 16) -> int:
@@ -361,8 +353,7 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
     else:
         lg, gb, sg_b, sg_h = q, q, 0, 0
     ek, ev = (state.evict_features, state.evict_values) if gated else (q, q)
-    group = h // hk if GROUP_PROGRAMS is not None and b * hk * splits >= GROUP_PROGRAMS else 1
-    _hybrid_fused_step[(b, h // group, splits)](
+    _hybrid_fused_step[(b, h, splits)](
         q, k, v, cos, sin, wq, wk, window_logit, state.keys, state.values, state.valid, state.linear, state.slot,
         state.ticks, y, sink_k, sink_v, sink_m, lg, gb, ek, ev, q if feature_rope else state.key_features, q.stride(0),
         q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1), v.stride(3), sc_b,
@@ -370,6 +361,6 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
         max(n_sinks, 1), HAS_SOFTCAP=softcap is not None, BW=bw, BD=bd,
         BDV=triton.next_power_of_2(triton.cdiv(d, splits)), BF=triton.next_power_of_2(fh),
         BS=triton.next_power_of_2(n_sinks) if n_sinks else 0, WINDOW_ANCHOR=sinks and anchor == "window",
-        GATED=gated, NOPE=not feature_rope, GATE_INPUT=gate_input is not None, G=group,
+        GATED=gated, NOPE=not feature_rope, GATE_INPUT=gate_input is not None,
         num_warps=STEP_WARPS or min(16, max(2, bw * bd // 2048)))
     return y.transpose(1, 2)
