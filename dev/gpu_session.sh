@@ -9,6 +9,9 @@
 #   take FILE          bring /tmp/results/FILE back in parts of 15 MiB under $OUT (the device returns files of at
 #                      most 16 MiB): e.g. generated-smollm2.tar.xz from gpu_quality.sh generate; here, `bash
 #                      dev/gpu_prepare.sh mixture DIR` keeps them for .gpu/m
+#   tilelang           carry .gpu/tl, then .gpu/tl2 (dev/gpu_wheels.sh tilelang): install the carried wheels into
+#                      /tmp/site; once both are in, say whether fla's TileLang backend takes the gated backward (the
+#                      delta rule then trains through fla on Hopper instead of the PyTorch chunked form)
 #   mixture            carry .gpu/m: unpack text generated in an earlier lease (generated:smollm2) into the cache
 #   overlay            carry .gpu/o: pure-Python wheels newer than the machine's (dev/gpu_wheels.sh overlay:
 #                      transformers for GGUF teachers whose tokenizer 5.17 builds wrongly) into /tmp/overlay;
@@ -56,6 +59,13 @@ print('overlay: transformers', transformers.__version__, 'huggingface_hub', h.__
   take)
     f=/tmp/results/${2:?file}; [ -f "$f" ] || { echo "no $f"; exit 1; }
     split -b 15M -d "$f" "$OUT/$(basename "$f").part" && ls -la "$OUT" ;;
+  tilelang)
+    for d in .gpu/tl .gpu/tl2; do
+      [ -d $d ] && { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        $d/*.whl || exit 1; echo "installed $(ls $d | tr '\n' ' ')"; }
+    done
+    PYTHONPATH=/tmp/site:src python3 -c "import tilelang; from linearize.ops.fla_backend import fla_tilelang_backward; \
+print('tilelang', tilelang.__version__, '- fla takes the gated backward through it:', fla_tilelang_backward())" 2>&1 | tail -2 ;;
   mixture)
     mkdir -p /tmp/linhome && cat .gpu/m/*.part* | tar -C /tmp/linhome -xJf - && ls /tmp/linhome/generated ;;
   eval-setup)
