@@ -8,6 +8,10 @@
 #            new tokens, batch 1 / 64 / 256: ms a step and each student row's bandwidth floor (bench's floor_ms)
 #   prefill  1 x 32k and 1 x 128k (PREFILL_SHAPES), student's kernels beside the teacher's SDPA and flash
 #   ceiling  the teacher's prefill kernels at 32k (bench.profile prefill): attention's share bounds the prefill's gain
+#   profile  where a graphed stage-1 and stage-2 step of the default student goes at 2 x 4,096 (bench.profile train)
+#   maxbatch the largest batch at a 32k context: the teacher's static cache holds 32,768 + 32 tokens a sequence
+#            (TEACHER_BATCHES); the student's state does not grow with length, so 128-token prompts + 64 new
+#            hold what 32k would (STUDENT_BATCHES, prefilled 256 at a time)
 # Rows land in $S (/tmp/runs/scale/SHAPE).
 set -uo pipefail
 SHAPE=${SHAPE:-llama-3-8b}; T=shape:$SHAPE; S=${S:-/tmp/runs/scale/$SHAPE}; R=/tmp/ckpt/scale-$SHAPE; mkdir -p "$S"
@@ -42,6 +46,18 @@ EOF
     ceiling)
       timeout 200 python3 -m linearize.bench.profile prefill "$T" --batch 1 --prompt-len 32768 --top 8 \
         --out "$S/ceiling_teacher_32768.json" 2>&1 | quiet | tail -11 ;;
+    profile)
+      for m in lolcats-long-stage1 lolcats-long-stage2; do
+        timeout 300 python3 -m linearize.bench.profile train --teacher "$T" --model $m --shape 2x4096 --cuda-graph \
+          --top 16 --out "$S/profile_train_$m.json" 2>&1 | quiet | tail -22
+      done ;;
+    maxbatch)
+      timeout 420 python3 -m linearize bench "$T" --teacher none --dtype bfloat16 --paths static \
+        --batch-sizes ${TEACHER_BATCHES:-20 24 28 32} --new-tokens 32 --prompt-len 32768 --out "$S/maxbatch_teacher.json" \
+        2>&1 | quiet | tee "$S/maxbatch_teacher.log" | grep -E "^\| teacher|Error|error:"
+      timeout 420 python3 -m linearize bench "$R/final" --teacher none --dtype bfloat16 --paths fast --prefill-batch 256 \
+        --batch-sizes ${STUDENT_BATCHES:-1536 2048 2560 3072} --new-tokens 64 --prompt-len 128 \
+        --out "$S/maxbatch_student.json" 2>&1 | quiet | tee "$S/maxbatch_student.log" | grep -E "^\| student|Error|error:" ;;
     *) echo "unknown part $part" ;;
   esac
 done
