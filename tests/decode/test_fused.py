@@ -213,6 +213,31 @@ def test_only_exactly_equivalent_projections_fuse():
     assert not fusable(lin(), Subclass(8, 4, dtype=torch.float64))
 
 
+def test_a_fused_product_of_an_odd_width_is_padded_to_aligned_rows_and_returns_exactly_the_outputs():
+    """q/k/v plus a gate (SmolLM2: 576 + 192 + 192 + 3) would give rows 963 wide, which cuBLAS serves with its
+    unvectorised kernels: the weight gets zero rows up to a multiple of 8, and the padding never comes out."""
+    from linearize.models.fusion import ALIGN, FusedLinear
+
+    gen = torch.Generator().manual_seed(0)
+    for widths, bias in (((6, 3, 3, 1), True), ((6, 3, 3, 1), False), ((8, 4, 4), True)):
+        linears = [nn.Linear(5, n, bias=bias, dtype=torch.float64) for n in widths]
+        for m in linears:
+            nn.init.normal_(m.weight, generator=gen)
+        fused = FusedLinear.of(*linears)
+        width = sum(widths)
+        assert fused.weight.shape[0] == -(-width // ALIGN) * ALIGN and fused.sizes == widths
+        x = torch.randn(2, 3, 5, dtype=torch.float64, generator=gen)
+        product = fused.product(x)
+        assert product.shape == (2, 3, width) and product.stride(1) == fused.weight.shape[0]
+        assert torch.allclose(product, torch.cat([m(x) for m in linears], -1), atol=1e-12, rtol=0)
+        for got, m in zip(fused(x), linears, strict=True):
+            assert torch.allclose(got, m(x), atol=1e-12, rtol=0)
+        if width % ALIGN == 0:
+            assert product.is_contiguous() and "padding" not in fused.extra_repr()
+        else:
+            assert "padding=" in fused.extra_repr()
+
+
 # --------------------------------------------------------------------------- LoRA
 
 

@@ -48,18 +48,30 @@ def fusable(*linears) -> bool:
     return len({(t.device, t.dtype) for t in tensors}) == 1
 
 
+ALIGN = 8  # output columns of a fused product are padded to a multiple of this (16 bytes in bf16)
+
+
 class FusedLinear(nn.Module):
     """The outputs of several ``nn.Linear`` of one input (a tuple, in their order) from one product.
 
     Build it with ``FusedLinear.of(*linears)``, which says None where fusing would not be exact.
     The weights are non-persistent buffers: a copy for inference, not parameters to train or save.
+    Where the outputs' total width is not a multiple of ``ALIGN`` (q/k/v plus a gated state's gate:
+    SmolLM2's 576 + 192 + 192 + 3), the weight gets zero rows up to the next multiple, so each output
+    row starts 16-byte aligned: cuBLAS otherwise falls back to its slowest, unvectorised kernels. The
+    padding is computed and never returned (``product`` gives a view of the first ``sum(sizes)``
+    columns).
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...]):
         super().__init__()
+        self.sizes = tuple(sizes)
+        pad = -sum(self.sizes) % ALIGN
+        if pad:
+            weight = F.pad(weight, (0, 0, 0, pad))
+            bias = None if bias is None else F.pad(bias, (0, pad))
         self.register_buffer("weight", weight, persistent=False)
         self.register_buffer("bias", bias, persistent=False)
-        self.sizes = tuple(sizes)
 
     @classmethod
     def of(cls, *linears) -> FusedLinear | None:
@@ -74,11 +86,16 @@ class FusedLinear(nn.Module):
         return self.product(x).split(self.sizes, dim=-1)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
-        """The outputs side by side, ``[..., sum(sizes)]`` (one tensor, before the split)."""
-        return F.linear(x, self.weight, self.bias)
+        """The outputs side by side, ``[..., sum(sizes)]`` (one tensor, before the split; a view of the
+        padded product where the weight has padding rows)."""
+        y = F.linear(x, self.weight, self.bias)
+        width = sum(self.sizes)
+        return y if y.shape[-1] == width else y[..., :width]
 
     def extra_repr(self) -> str:
-        return f"in_features={self.weight.shape[1]}, out_features={self.sizes}, bias={self.bias is not None}"
+        pad = self.weight.shape[0] - sum(self.sizes)
+        return (f"in_features={self.weight.shape[1]}, out_features={self.sizes}, bias={self.bias is not None}"
+                + (f", padding={pad}" if pad else ""))
 
 
 class FusedGatedMLP(nn.Module):
