@@ -90,6 +90,29 @@ def test_window_hybrid_forms_agree(shape, window):
         _close(g_rec, g_ref)
 
 
+@pytest.mark.parametrize("window", [1, 3, 8])
+def test_the_window_softmax_as_one_sdpa_call_equals_the_definition(monkeypatch, window):
+    """``WINDOW_SDPA`` (CUDA's path up to 8k tokens): the band-masked SDPA call gives the hybrid's outputs and
+    gradients, with GQA, left padding and a padding token inside a sequence (its own row is never empty)."""
+    from linearize.ops import delta_rule
+
+    xs = _hybrid_inputs(3, 4, 2, 22, seed=3)
+    mask = torch.ones(3, 22, dtype=torch.bool)
+    mask[1, :5] = False
+    mask[2, 14] = False
+    kw = dict(window=window, scale=0.5)
+    ref = ops.delta_window_naive(*xs, **kw, key_mask=mask)
+    monkeypatch.setattr(delta_rule, "WINDOW_SDPA", True)
+    got, _ = ops.delta_window_chunked(*xs, **kw, key_mask=mask, chunk_size=4)
+    assert not got.isnan().any()
+    _close(got, ref)
+    for g_got, g_ref in zip(random_grads(got, xs), random_grads(ref, xs)):
+        _close(g_got, g_ref)
+    assert not delta_rule._use_window_sdpa(xs[0], softcap=2.0)  # soft-capped scores keep the chunked form
+    monkeypatch.setattr(delta_rule, "WINDOW_SDPA", "auto")
+    assert not delta_rule._use_window_sdpa(xs[0], softcap=None)  # "auto": CUDA only
+
+
 def test_window_hybrid_padding_is_invisible_and_decoding_resumes_anywhere():
     xs = _hybrid_inputs(3, 4, 2, 22, seed=2)
     mask = torch.ones(3, 22, dtype=torch.bool)

@@ -237,6 +237,33 @@ def _masked_gates(g, beta, key_mask):
     return g * keep, beta * keep
 
 
+# The hybrid's window softmax as one SDPA call with a band mask (CUDA, no soft-cap, up to this many tokens:
+# quadratic in the length, as the teacher's own attention, but one fused kernel with its own backward),
+# else the chunked form (linear in the length). "auto": so; True / False: always / never (tests).
+WINDOW_SDPA: str | bool = "auto"
+WINDOW_SDPA_MAX_LEN = 8192
+
+
+def _use_window_sdpa(q, softcap) -> bool:
+    if WINDOW_SDPA == "auto":
+        return q.is_cuda and softcap is None and q.shape[2] <= WINDOW_SDPA_MAX_LEN
+    return bool(WINDOW_SDPA) and softcap is None
+
+
+def window_softmax_sdpa(q, k, v, *, window: int, scale: float, key_mask=None):
+    """Softmax over each query's last ``window`` keys (itself included), padding keys left out: one
+    ``scaled_dot_product_attention`` with a band mask; ``[B, H, T, D]`` in ``q``'s dtype. A padding query
+    attends to itself alone (no row is empty); the hybrid zeroes its output."""
+    t = q.shape[2]
+    pos = torch.arange(t, device=q.device)
+    dist = pos[:, None] - pos[None, :]
+    allowed = (dist >= 0) & (dist < window)  # [T, T]
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :].bool() | (dist == 0)  # [B, 1, T, T]
+    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=scale,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
 def _window_softmax_inputs(q, k):
     """Zero features for the hybrid ops: with nothing linear they are the window's softmax alone."""
     return q.new_zeros(*q.shape[:3], 1), k.new_zeros(*k.shape[:3], 1)
@@ -278,15 +305,19 @@ def delta_window_naive(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: flo
 def delta_window_chunked(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: float, softcap=None,
                          key_mask=None, output_final_state: bool = False, chunk_size: int = 64,
                          backend: str = "torch"):
-    """The sequence form: the window's softmax through ``hybrid_attention_chunked`` (no linear part),
+    """The sequence form: the window's softmax through ``hybrid_attention_chunked`` (no linear part; on
+    CUDA up to ``WINDOW_SDPA_MAX_LEN`` tokens one SDPA call with a band mask, ``window_softmax_sdpa``),
     the memory through ``gated_delta_rule`` (fla or chunked) on the keys, values and gates delayed by
     ``w`` tokens. Returns ``(y [B, H, T, D], DeltaWindowState or None)``."""
     acc = accum_dtype(q.dtype)
     b, n_kv, t, _ = k.shape
     real = key_mask if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=q.device)
     ones = torch.ones(q.shape[1], dtype=acc, device=q.device)
-    o_win, _ = hybrid_attention_chunked(q, k, *_window_softmax_inputs(q, k), v, ones, window=window, scale=scale,
-                                        softcap=softcap, key_mask=key_mask)
+    if _use_window_sdpa(q, softcap):
+        o_win = window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
+    else:
+        o_win, _ = hybrid_attention_chunked(q, k, *_window_softmax_inputs(q, k), v, ones, window=window, scale=scale,
+                                            softcap=softcap, key_mask=key_mask)
     gm, bm = _masked_gates(g, beta, key_mask)
     w = min(window, t)
     late = lambda x: F.pad(x[..., : t - w, :], (0, 0, w, 0))  # noqa: E731  token s at time s + w
