@@ -284,6 +284,33 @@ def test_fla_gated_delta_rule_equals_the_chunked_form_on_cuda(shape, dtype, tol)
         assert ((out.double() - ref).abs().max() / scale).item() < tol
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_window_sdpa_equals_the_chunked_form_on_cuda(monkeypatch, dtype, tol):
+    """The window's band-masked SDPA on CUDA (the path ``WINDOW_SDPA: auto`` takes there) against the chunked
+    form in float64: outputs and gradients, GQA, left padding, SmolLM2's head width, a 2k block."""
+    from linearize.ops import delta_rule
+
+    b, h, hk, t, d = 2, 9, 3, 2048, 64
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)  # noqa: E731
+    xs = [r(b, h, t, d), r(b, hk, t, d), F.normalize(r(b, h, t, d), dim=-1), F.normalize(r(b, hk, t, d), dim=-1),
+          r(b, hk, t, d), -F.softplus(r(b, hk, t)), torch.sigmoid(r(b, hk, t)), torch.sigmoid(r(b, h, t))]
+    mask = torch.ones(b, t, dtype=torch.bool, device="cuda")
+    mask[1, :300] = False
+    w = r(b, h, t, d).double()
+    got = {}
+    for name, sdpa in (("sdpa", True), ("chunked", False)):
+        monkeypatch.setattr(delta_rule, "WINDOW_SDPA", sdpa)
+        ins = [(x.to(dtype) if sdpa else x.double()).requires_grad_(True) for x in xs]
+        o, _ = ops.delta_window_chunked(*ins, window=64, scale=d ** -0.5, key_mask=mask, chunk_size=64)
+        got[name] = [o, *torch.autograd.grad((o.double() * w).sum(), ins)]
+    for out, ref in zip(got["sdpa"], got["chunked"]):
+        scale = ref.abs().max().clamp_min(1e-6)
+        assert ((out.double() - ref).abs().max() / scale).item() < tol
+
+
 # --- the mixer ------------------------------------------------------------------------------------
 
 SPEC = {"kind": "delta", "window": 4, "chunk_size": 8}
