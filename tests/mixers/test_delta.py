@@ -90,10 +90,11 @@ def test_window_hybrid_forms_agree(shape, window):
         _close(g_rec, g_ref)
 
 
-@pytest.mark.parametrize("window", [1, 3, 8])
-def test_the_window_softmax_as_one_sdpa_call_equals_the_definition(monkeypatch, window):
-    """``WINDOW_SDPA`` (CUDA's path up to 8k tokens): the band-masked SDPA call gives the hybrid's outputs and
-    gradients, with GQA, left padding and a padding token inside a sequence (its own row is never empty)."""
+@pytest.mark.parametrize("window", [1, 3, 8, 17, 40])
+def test_the_window_softmax_as_sdpa_on_blocks_equals_the_definition(monkeypatch, window):
+    """``WINDOW_SDPA`` (CUDA's path): SDPA on blocks of 16 or 48 queries (a block reaching back exactly one
+    block at window 17, one block covering the sequence at 40) gives the hybrid's outputs and gradients, with
+    GQA, left padding and a padding token inside a sequence (its own row is never empty)."""
     from linearize.ops import delta_rule
 
     xs = _hybrid_inputs(3, 4, 2, 22, seed=3)
@@ -288,7 +289,7 @@ def test_fla_gated_delta_rule_equals_the_chunked_form_on_cuda(shape, dtype, tol)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
 def test_window_sdpa_equals_the_chunked_form_on_cuda(monkeypatch, dtype, tol):
-    """The window's band-masked SDPA on CUDA (the path ``WINDOW_SDPA: auto`` takes there) against the chunked
+    """The window's SDPA on blocks on CUDA (the path ``WINDOW_SDPA: auto`` takes there) against the chunked
     form in float64: outputs and gradients, GQA, left padding, SmolLM2's head width, a 2k block."""
     from linearize.ops import delta_rule
 

@@ -237,31 +237,53 @@ def _masked_gates(g, beta, key_mask):
     return g * keep, beta * keep
 
 
-# The hybrid's window softmax as one SDPA call with a band mask (CUDA, no soft-cap, up to this many tokens:
-# quadratic in the length, as the teacher's own attention, but one fused kernel with its own backward),
-# else the chunked form (linear in the length). "auto": so; True / False: always / never (tests).
+# The hybrid's window softmax through SDPA on blocks (CUDA, no soft-cap: linear in the length, fused kernels with
+# their own backward), else the chunked form. "auto": so; True / False: always / never (tests).
 WINDOW_SDPA: str | bool = "auto"
-WINDOW_SDPA_MAX_LEN = 8192
 
 
 def _use_window_sdpa(q, softcap) -> bool:
     if WINDOW_SDPA == "auto":
-        return q.is_cuda and softcap is None and q.shape[2] <= WINDOW_SDPA_MAX_LEN
+        return q.is_cuda and softcap is None
     return bool(WINDOW_SDPA) and softcap is None
 
 
+def _window_block(window: int) -> int:
+    """Query block of the blocked window softmax: at least ``window - 1`` (a block's keys are its own
+    and the previous block's), a multiple of 16 for the kernels' tiles."""
+    return max(16, -(-max(window - 1, 1) // 16) * 16)
+
+
 def window_softmax_sdpa(q, k, v, *, window: int, scale: float, key_mask=None):
-    """Softmax over each query's last ``window`` keys (itself included), padding keys left out: one
-    ``scaled_dot_product_attention`` with a band mask; ``[B, H, T, D]`` in ``q``'s dtype. A padding query
-    attends to itself alone (no row is empty); the hybrid zeroes its output."""
-    t = q.shape[2]
-    pos = torch.arange(t, device=q.device)
-    dist = pos[:, None] - pos[None, :]
-    allowed = (dist >= 0) & (dist < window)  # [T, T]
+    """Softmax over each query's last ``window`` keys (itself included), padding keys left out, as
+    ``scaled_dot_product_attention`` on blocks: the queries cut into blocks of ``C >= window - 1``
+    tokens, each block attending to its own and the previous block's keys under a band mask, so the
+    cost is ``T x 2C``, not ``T^2``. ``[B, H, T, D]`` in ``q``'s dtype. A padding query attends to
+    itself alone (no row is empty); the hybrid zeroes its output."""
+    b, h, t, d = q.shape
+    n_kv = k.shape[1]
+    c = _window_block(window)
+    n = -(-t // c)
+    pad = n * c - t
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    blocks = lambda x: F.pad(x, (0, 0, 0, pad)).unflatten(2, (n, c)).transpose(1, 2)  # noqa: E731  [B, N, H, C, D]
+    qb, kb, vb = blocks(q), blocks(k), blocks(v)
+    before = lambda x: F.pad(x, (0, 0, 0, 0, 0, 0, 1, 0))[:, :-1]  # noqa: E731  the previous block (zeros first)
+    kb, vb = torch.cat([before(kb), kb], dim=3), torch.cat([before(vb), vb], dim=3)  # [B, N, Hk, 2C, D]
+    pos = torch.arange(n * c, device=q.device).view(n, c)
+    key_pos = torch.cat([pos - c, pos], dim=1)  # [N, 2C]
+    dist = pos[:, :, None] - key_pos[:, None, :]  # [N, C, 2C]
+    allowed = (dist >= 0) & (dist < window) & (key_pos >= 0)[:, None, :]
     if key_mask is not None:
-        allowed = allowed & key_mask[:, None, None, :].bool() | (dist == 0)  # [B, 1, T, T]
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=allowed, scale=scale,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+        real = F.pad(key_mask.bool(), (c, pad))  # [B, C + N C]: position p at p + C
+        allowed = allowed & real[:, key_pos + c][:, :, None, :] | (dist == 0)  # [B, N, C, 2C]
+    else:
+        allowed = allowed | (dist == 0)
+    allowed = allowed.expand(b, n, c, 2 * c).reshape(b * n, 1, c, 2 * c)
+    o = F.scaled_dot_product_attention(qb.reshape(b * n, h, c, d), kb.reshape(b * n, n_kv, 2 * c, d),
+                                       vb.reshape(b * n, n_kv, 2 * c, v.shape[-1]), attn_mask=allowed, scale=scale,
+                                       enable_gqa=n_kv != h)
+    return o.view(b, n, h, c, -1).transpose(1, 2).flatten(2, 3)[:, :, :t]
 
 
 def _window_softmax_inputs(q, k):
@@ -306,7 +328,7 @@ def delta_window_chunked(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: f
                          key_mask=None, output_final_state: bool = False, chunk_size: int = 64,
                          backend: str = "torch"):
     """The sequence form: the window's softmax through ``hybrid_attention_chunked`` (no linear part; on
-    CUDA up to ``WINDOW_SDPA_MAX_LEN`` tokens one SDPA call with a band mask, ``window_softmax_sdpa``),
+    CUDA SDPA on blocks of the sequence, ``window_softmax_sdpa``),
     the memory through ``gated_delta_rule`` (fla or chunked) on the keys, values and gates delayed by
     ``w`` tokens. Returns ``(y [B, H, T, D], DeltaWindowState or None)``."""
     acc = accum_dtype(q.dtype)
