@@ -95,7 +95,7 @@ def test_the_window_softmax_as_sdpa_on_blocks_equals_the_definition(monkeypatch,
     """``WINDOW_SDPA`` (CUDA's path): SDPA on blocks of 16 or 48 queries (a block reaching back exactly one
     block at window 17, one block covering the sequence at 40) gives the hybrid's outputs and gradients, with
     GQA, left padding and a padding token inside a sequence (its own row is never empty)."""
-    from linearize.ops import delta_rule
+    from linearize.ops.delta import window as delta_rule
 
     xs = _hybrid_inputs(3, 4, 2, 22, seed=3)
     mask = torch.ones(3, 22, dtype=torch.bool)
@@ -233,7 +233,8 @@ def test_fla_gated_backward_refused(capability, triton, tilelang, refused):
 def test_auto_backend_trains_off_fla_where_its_backward_is_refused(monkeypatch, caplog):
     """Where fla would refuse the backward, "auto" takes the chunked form for calls that need
     gradients (saying so once), keeps fla for forward-only calls; "fla" keeps fla."""
-    from linearize.ops import delta_rule, fla_backend
+    from linearize.ops import fla_backend
+    from linearize.ops.delta import rule as delta_rule
 
     calls = []
     fake = types.ModuleType("fla.ops.gated_delta_rule")
@@ -244,7 +245,7 @@ def test_auto_backend_trains_off_fla_where_its_backward_is_refused(monkeypatch, 
     delta_rule._say_fla_backward_refused.cache_clear()
     xs = _gdn_inputs(2, 4, 2, 9)
     ref, _ = ops.gated_delta_rule_chunked(*xs)
-    with caplog.at_level("WARNING", logger="linearize.ops.delta_rule"):
+    with caplog.at_level("WARNING", logger="linearize.ops.delta.rule"):
         for _ in range(2):
             out, _ = ops.gated_delta_rule(*xs, backend="auto")
             _close(out, ref)
@@ -291,7 +292,7 @@ def test_fla_gated_delta_rule_equals_the_chunked_form_on_cuda(shape, dtype, tol)
 def test_window_sdpa_equals_the_chunked_form_on_cuda(monkeypatch, dtype, tol):
     """The window's SDPA on blocks on CUDA (the path ``WINDOW_SDPA: auto`` takes there) against the chunked
     form in float64: outputs and gradients, GQA, left padding, SmolLM2's head width, a 2k block."""
-    from linearize.ops import delta_rule
+    from linearize.ops.delta import window as delta_rule
 
     b, h, hk, t, d = 2, 9, 3, 2048, 64
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -1,14 +1,14 @@
 """A gated delta-rule memory beside the LoLCATs sliding window (``kind: delta``).
 
 Softmax over the last ``window`` tokens with the teacher's own q/k/v (RoPE, scale, soft-cap) and,
-for older tokens, Gated DeltaNet's memory (Yang et al. 2024; ``ops/delta_rule.py``): a token is
+for older tokens, Gated DeltaNet's memory (Yang et al. 2024; ``ops/delta/``): a token is
 written when it leaves the window,
 
     S <- a_t (I - b_t k^_t k^_t^T) S + b_t k^_t v_t^T,      read: S^T q^_t
 
 and the two are mixed convexly, ``y_t = (1 - m_t) softmax_window + m_t S^T q^_t`` with ``m_t =
 lambda_t`` once some token is older than the window (0 before: a window covering the sequence is
-exactly the teacher). The docstring of ``ops/delta_rule.py`` says why this form.
+exactly the teacher). The docstring of ``ops/delta/window.py`` says why this form.
 
 Adopted from the teacher: q/k/v/o (and QK-norms). New, small parameters:
 

@@ -7,7 +7,7 @@ LoLCATs hybrid and its sparse cache are a package of their own, ``hybrid/``, one
 
 import torch
 
-from .delta_rule import (
+from .delta import (
     DeltaWindowState,
     RingDeltaState,
     delta_window_chunked,

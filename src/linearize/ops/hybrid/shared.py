@@ -1,5 +1,5 @@
 """Small helpers the hybrid's PyTorch forms share (``naive.py``, ``chunk.py``, ``recurrent.py``,
-``state.py``; ``ops/delta_rule.py`` borrows ``_scores`` and ``pad_front``): the normaliser and the
+``state.py``; ``ops/delta/window.py`` borrows ``_scores`` and ``pad_front``): the normaliser and the
 apart-normalised mix, the scores (soft-capped), padding keys zeroed, a ring's empty slots."""
 
 from __future__ import annotations

@@ -1,0 +1,40 @@
+"""The gated delta rule and the sliding-window hybrid built on it (``kind: delta``).
+
+Files, one form each (the forms equal in float64, tests):
+
+* ``rule.py``: the gated delta rule itself, token by token (``gated_delta_rule_naive``, ``_step``), in
+  chunks (``gated_delta_rule_chunked``), through fla on CUDA (``gated_delta_rule_fla``), and the
+  dispatcher between them (``gated_delta_rule``);
+* ``window.py``: the hybrid (window softmax + the memory of older tokens): its states, the reference
+  (``delta_window_naive``), the sequence form (``delta_window_chunked``; on CUDA the window's softmax is
+  SDPA on blocks), one token (``delta_window_step``), a ring window in place (``delta_window_step_ring``,
+  the fast decoder's) and token by token (``delta_window_recurrent``);
+* ``step_triton.py``: ``delta_window_step_ring`` as one Triton launch (CUDA; imported on first use).
+"""
+
+from .rule import (
+    empty_delta_state,
+    gated_delta_rule,
+    gated_delta_rule_chunked,
+    gated_delta_rule_fla,
+    gated_delta_rule_naive,
+    gated_delta_rule_step,
+)
+from .window import (
+    DeltaWindowState,
+    RingDeltaState,
+    delta_window_chunked,
+    delta_window_naive,
+    delta_window_recurrent,
+    delta_window_step,
+    delta_window_step_ring,
+    empty_delta_window_state,
+    window_softmax_sdpa,
+)
+
+__all__ = [
+    "DeltaWindowState", "RingDeltaState", "delta_window_chunked", "delta_window_naive", "delta_window_recurrent",
+    "delta_window_step", "delta_window_step_ring", "empty_delta_state", "empty_delta_window_state",
+    "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla", "gated_delta_rule_naive",
+    "gated_delta_rule_step", "window_softmax_sdpa",
+]
