@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..ops.availability import triton_available
 from .base import Mixer
 from .feature_maps import _Projected
 from .fresh import output_projection_name
@@ -134,10 +135,17 @@ class GatedDeltaAttention(Mixer):
     def step(self, q, k, v, position_embeddings, state):
         q, k, qd, kd, g, beta, lam = self._inputs(q, k, position_embeddings)
         if isinstance(state, ops.RingDeltaState):  # the fast decoder's fixed-shape, in-place window
+            step = ops.delta_window_step_ring
+            if self.fused_decoding():
+                from ..ops.delta.step_triton import delta_window_step_ring_triton as step
             g_ = self.geometry
-            return ops.delta_window_step_ring(q, k, qd, kd, v, g, beta, lam, state, scale=g_.scaling,
-                                              softcap=g_.softcap)
+            return step(q, k, qd, kd, v, g, beta, lam, state, scale=g_.scaling, softcap=g_.softcap)
         return ops.delta_window_step(q, k, qd, kd, v, g, beta, lam, state, **self._kw(), key_mask=self.key_mask)
+
+    def fused_decoding(self) -> bool:
+        """Whether the fast decoder's ring steps run as one Triton kernel (``ops/delta/step_triton.py``):
+        on CUDA with Triton, head widths up to its ``MAX_WIDTH`` (128)."""
+        return self.A_log.is_cuda and triton_available() and self.geometry.head_dim <= 128
 
     def ring_state(self, state: ops.DeltaWindowState, keep_key_features: bool = False) -> ops.RingDeltaState:
         """The fast decoder's fixed-shape state from a prefill's ``state`` (its memory taken over): the
