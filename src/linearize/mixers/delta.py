@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import ops
+from ..models.base import rotates_half
 from ..ops.availability import triton_available
 from .base import Mixer
 from .feature_maps import _Projected
@@ -81,7 +82,7 @@ class GatedDeltaAttention(Mixer):
         inv_softplus = dt + torch.log(-torch.expm1(-dt))
         self.A_log = nn.Parameter(torch.log(a).to(self.teacher_device))
         self.dt_bias = nn.Parameter(inv_softplus.to(self.teacher_device))
-        self._hidden = None
+        self._hidden = self._taken = None
 
     def _linear(self, n_in, n_out, std, bias):
         lin = nn.Linear(n_in, n_out, bias=bias)
@@ -101,23 +102,44 @@ class GatedDeltaAttention(Mixer):
         try:
             yield
         finally:
-            self._hidden = None
+            self._hidden = self._taken = None
 
-    def gates(self, x):
-        """``(g, beta [B, Hk, T], lambda [B, H, T])`` from the layer input ``x`` ``[B, T, hidden]``,
-        in the states' precision (fp32, float64 for float64 inputs)."""
-        acc = ops.accum_dtype(x.dtype)
-        a = self.decay_proj(x).to(acc) + self.dt_bias.to(acc)
-        g = -torch.exp(self.A_log.to(acc)) * F.softplus(a)
-        beta = torch.sigmoid(self.beta_proj(x).to(acc))
-        lam = torch.sigmoid(self.mix_proj(x).to(acc))
+    def input_projections(self):
+        """The gates' projections, joining the decoder's q/k/v product: the mix's without its bias (a
+        product of q/k/v without biases takes none), added back in ``gate_inputs``."""
+        unbiased = nn.Linear(self.mix_proj.in_features, self.mix_proj.out_features, bias=False, device="meta")
+        unbiased.weight = self.mix_proj.weight
+        return self.decay_proj, self.beta_proj, unbiased
+
+    def take_projections(self, outputs) -> None:
+        self._taken = tuple(outputs)
+
+    def gate_inputs(self):
+        """``(x_a, x_b [B, T, Hk], x_l [B, T, H])``: the gates' projections of the current input before
+        their biases, from the decoder's fused product where it computed them, else here."""
+        if getattr(self, "_taken", None) is not None:
+            return self._taken
+        x = self._hidden
+        if x is None:
+            raise RuntimeError("the delta gates read the layer input: call the mixer, or run sequence/step inside "
+                               "reading()")
+        return self.decay_proj(x), self.beta_proj(x), F.linear(x, self.mix_proj.weight)
+
+    def gates(self):
+        """``(g, beta [B, Hk, T], lambda [B, H, T])`` of the current input, in the states' precision
+        (fp32, float64 for float64 inputs)."""
+        xa, xb, xl = self.gate_inputs()
+        acc = ops.accum_dtype(xa.dtype)
+        g = -torch.exp(self.A_log.to(acc)) * F.softplus(xa.to(acc) + self.dt_bias.to(acc))
+        beta = torch.sigmoid(xb.to(acc))
+        lam = torch.sigmoid(xl.to(acc) + self.mix_proj.bias.to(acc))
         return g.transpose(1, 2), beta.transpose(1, 2), lam.transpose(1, 2)
 
     def _inputs(self, q, k, position_embeddings):
         qr, kr = self.adapter.rope(self, q, k, position_embeddings)
         if self.spec.feature_rope:
             q, k = qr, kr
-        return qr, kr, self.feature_map_q(q), self.feature_map_k(k), *self.gates(self._hidden)
+        return qr, kr, self.feature_map_q(q), self.feature_map_k(k), *self.gates()
 
     def _kw(self):
         g = self.geometry
@@ -133,19 +155,27 @@ class GatedDeltaAttention(Mixer):
                                           key_mask=self.key_mask)
 
     def step(self, q, k, v, position_embeddings, state):
+        geo = self.geometry
+        if isinstance(state, ops.RingDeltaState) and self.fused_decoding():  # RoPE to output in one launch
+            from ..ops.delta.step_triton import delta_step_fused_triton
+
+            xa, xb, xl = self.gate_inputs()
+            return delta_step_fused_triton(q, k, v, position_embeddings if geo.rotary is not None else None,
+                                           self.feature_map_q.weight, self.feature_map_k.weight, xa, xb, xl,
+                                           self.dt_bias, self.A_log, self.mix_proj.bias, state, scale=geo.scaling,
+                                           softcap=geo.softcap, feature_rope=self.spec.feature_rope)
         q, k, qd, kd, g, beta, lam = self._inputs(q, k, position_embeddings)
         if isinstance(state, ops.RingDeltaState):  # the fast decoder's fixed-shape, in-place window
-            step = ops.delta_window_step_ring
-            if self.fused_decoding():
-                from ..ops.delta.step_triton import delta_window_step_ring_triton as step
-            g_ = self.geometry
-            return step(q, k, qd, kd, v, g, beta, lam, state, scale=g_.scaling, softcap=g_.softcap)
+            return ops.delta_window_step_ring(q, k, qd, kd, v, g, beta, lam, state, scale=geo.scaling,
+                                              softcap=geo.softcap)
         return ops.delta_window_step(q, k, qd, kd, v, g, beta, lam, state, **self._kw(), key_mask=self.key_mask)
 
     def fused_decoding(self) -> bool:
-        """Whether the fast decoder's ring steps run as one Triton kernel (``ops/delta/step_triton.py``):
-        on CUDA with Triton, head widths up to its ``MAX_WIDTH`` (128)."""
-        return self.A_log.is_cuda and triton_available() and self.geometry.head_dim <= 128
+        """Whether the fast decoder's ring steps run as one Triton kernel (``ops/delta/step_triton.py``): on
+        CUDA with Triton, RoPE by rotating halves (or none), head widths up to the kernel's 128."""
+        g = self.geometry
+        return (self.A_log.is_cuda and triton_available() and g.head_dim <= 128
+                and rotates_half(g.rotary, g.head_dim))
 
     def ring_state(self, state: ops.DeltaWindowState, keep_key_features: bool = False) -> ops.RingDeltaState:
         """The fast decoder's fixed-shape state from a prefill's ``state`` (its memory taken over): the

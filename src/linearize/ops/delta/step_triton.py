@@ -1,15 +1,18 @@
-"""The delta hybrid's decode step on a ring window (``window.delta_window_step_ring``) as one Triton launch.
+"""The delta hybrid's decode step on a ring window as one Triton launch (CUDA).
 
-One program per (sequence, key head) does what the PyTorch ring step does in about twenty launches:
+``delta_step_fused_triton`` computes, from q/k/v as the projections give them (before RoPE) and the gates'
+projections before their activations, what the mixer's PyTorch path computes in about forty launches
+(RoPE, the unit feature maps, the gates, then ``window.delta_window_step_ring``). One program per
+(sequence, key head):
 
-1. the token in slot ``s`` (the oldest) leaves the window and is written to the memory,
+1. the new key: RoPE, its delta features ``k^ = normalize(k W_k)`` (of the key before RoPE with
+   ``feature_rope: false``), its gates ``g = -exp(A_log) softplus(x_a + dt_bias)`` and ``b = sigmoid(x_b)``;
+2. the token in slot ``s`` (the oldest) leaves the window and is written to the memory,
    ``S <- a S;  S <- S + b k^ (v - S^T k^)^T`` with its own gates (an empty slot holds ``g = b = 0``:
-   nothing changes);
-2. the new token takes slot ``s`` (raw key and value for the softmax, delta key and gates for its own
-   write later);
-3. for each query head of the group: softmax over the window's live slots, the memory's readout
-   ``S^T q^``, and the convex mix ``(1 - m) softmax + m readout`` with ``m = lambda`` once some real
-   token has reached the memory.
+   nothing changes); the new token takes slot ``s``;
+3. for each query head of the group: RoPE, ``q^ = normalize(q W_q)``, softmax over the window's live
+   slots, the memory's readout ``S^T q^``, and the convex mix ``(1 - m) softmax + m readout`` with
+   ``m = sigmoid(x_l + c)`` once some real token has reached the memory.
 
 The memory of a key head (``[K, V]`` fp32) stays in registers for the whole step: head widths up to
 ``MAX_WIDTH``. The shared bookkeeping (``valid``, ``written``, ``slot``: one per sequence, read by every
@@ -22,60 +25,94 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_WIDTH = 128  # head dim and delta-key width the kernel holds: a [128, 128] fp32 memory in registers
+from ..hybrid.step_triton import _rope
+
+MAX_WIDTH = 128  # head dim the kernel holds: a [128, 128] fp32 memory in registers
+STEP_WARPS: int | None = None  # None: by the tile (a module constant, for sweeps)
 
 
 @triton.jit
-def _delta_ring_step(q_ptr, k_ptr, v_ptr, qd_ptr, kd_ptr, g_ptr, b_ptr, lam_ptr,
-                     keys_ptr, values_ptr, dkeys_ptr, gates_ptr, betas_ptr, valid_ptr, mem_ptr, written_ptr, slot_ptr,
-                     y_ptr, scale, softcap, HK, G, W, D, K,
-                     HAS_SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
+def _unit_features(x, w_ptr, d, D):
+    """``normalize(x W)`` of one head ``x`` ``[BD]`` with a square ``W`` ``[D, D]`` (fp32)."""
+    dm = d < D
+    wt = tl.load(w_ptr + d[:, None] * D + d[None, :], mask=dm[:, None] & dm[None, :], other=0.0)
+    y = tl.sum(x[:, None] * wt.to(tl.float32), axis=0)
+    return y / tl.maximum(tl.sqrt(tl.sum(y * y, axis=0)), 1e-12)
+
+
+@triton.jit
+def _softplus(x):
+    return tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0))))  # torch's threshold
+
+
+@triton.jit
+def _delta_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr,
+                      xa_ptr, xb_ptr, xl_ptr, dt_ptr, alog_ptr, mixb_ptr,
+                      keys_ptr, values_ptr, dkeys_ptr, gates_ptr, betas_ptr, valid_ptr, mem_ptr, written_ptr, slot_ptr,
+                      y_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, swq, swk,
+                      sa_b, sa_h, sb_b, sb_h, sl_b, sl_h, scale, softcap, HK, G, W, D, R,
+                      HAS_SOFTCAP: tl.constexpr, FEATURE_ROPE: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
     head = bi * HK + hk
     w = tl.arange(0, BW)
     d = tl.arange(0, BD)
-    kk = tl.arange(0, BK)
-    wm, dm, km = w < W, d < D, kk < K
+    wm, dm = w < W, d < D
     s = tl.load(slot_ptr)
     here = w == s
     valid = tl.load(valid_ptr + bi * W + w, mask=wm, other=0).to(tl.int1)
     old_real = tl.sum(tl.where(here & valid, 1, 0), axis=0) > 0
 
-    # 1. the oldest token leaves the window: written to the memory with its own gates
+    # 1. the new token: rotated key, delta features, gates (rounded as the ring stores them)
+    cos, sin = cos_ptr + bi * sc_b, sin_ptr + bi * sc_b
+    k_rot = _rope(k_ptr + bi * sk_b + hk * sk_h, sk_d, cos, sin, sc_d, d, D, R)
+    if FEATURE_ROPE:
+        kd_new = _unit_features(k_rot, wk_ptr + hk * swk, d, D)
+    else:
+        k_raw = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0).to(tl.float32)
+        kd_new = _unit_features(k_raw, wk_ptr + hk * swk, d, D)
+    k_new = k_rot.to(keys_ptr.dtype.element_ty)
+    kd_new = kd_new.to(dkeys_ptr.dtype.element_ty)
+    v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + d * sv_d, mask=dm, other=0.0).to(values_ptr.dtype.element_ty)
+    xa = tl.load(xa_ptr + bi * sa_b + hk * sa_h).to(tl.float32) + tl.load(dt_ptr + hk).to(tl.float32)
+    g_new = -tl.exp(tl.load(alog_ptr + hk).to(tl.float32)) * _softplus(xa)
+    b_new = tl.sigmoid(tl.load(xb_ptr + bi * sb_b + hk * sb_h).to(tl.float32))
+
+    # 2. the oldest token leaves the window: written to the memory with its own gates
     ring = head * W
     rm = wm[:, None] & dm[None, :]
     keys = tl.load(keys_ptr + (ring + w[:, None]) * D + d[None, :], mask=rm, other=0.0).to(tl.float32)
     values = tl.load(values_ptr + (ring + w[:, None]) * D + d[None, :], mask=rm, other=0.0).to(tl.float32)
     v_old = tl.sum(tl.where(here[:, None], values, 0.0), axis=0)  # [BD]
-    kd_old = tl.load(dkeys_ptr + (ring + s) * K + kk, mask=km, other=0.0).to(tl.float32)  # [BK]
+    kd_old = tl.load(dkeys_ptr + (ring + s) * D + d, mask=dm, other=0.0).to(tl.float32)
     a_old = tl.exp(tl.load(gates_ptr + ring + s))
     b_old = tl.load(betas_ptr + ring + s)
-    mem = mem_ptr + head * K * D + kk[:, None] * D + d[None, :]
-    mk = km[:, None] & dm[None, :]
+    mem = mem_ptr + head * D * D + d[:, None] * D + d[None, :]
+    mk = dm[:, None] & dm[None, :]
     state = tl.load(mem, mask=mk, other=0.0) * a_old
     read = tl.sum(state * kd_old[:, None], axis=0)  # S^T k^ after the decay
     state += kd_old[:, None] * (b_old * (v_old - read))[None, :]
     tl.store(mem, state, mask=mk)
     written = (tl.load(written_ptr + bi).to(tl.int1)) | old_real
-
-    # 2. the new token takes the slot (rounded as the ring stores it)
-    k_new = tl.load(k_ptr + head * D + d, mask=dm, other=0.0).to(keys_ptr.dtype.element_ty)
-    v_new = tl.load(v_ptr + head * D + d, mask=dm, other=0.0).to(values_ptr.dtype.element_ty)
-    kd_new = tl.load(kd_ptr + head * K + kk, mask=km, other=0.0).to(dkeys_ptr.dtype.element_ty)
     tl.store(keys_ptr + (ring + s) * D + d, k_new, mask=dm)
     tl.store(values_ptr + (ring + s) * D + d, v_new, mask=dm)
-    tl.store(dkeys_ptr + (ring + s) * K + kk, kd_new, mask=km)
-    tl.store(gates_ptr + ring + s, tl.load(g_ptr + head).to(tl.float32))
-    tl.store(betas_ptr + ring + s, tl.load(b_ptr + head).to(tl.float32))
+    tl.store(dkeys_ptr + (ring + s) * D + d, kd_new, mask=dm)
+    tl.store(gates_ptr + ring + s, g_new)
+    tl.store(betas_ptr + ring + s, b_new)
     keys = tl.where(here[:, None], k_new.to(tl.float32)[None, :], keys)
     values = tl.where(here[:, None], v_new.to(tl.float32)[None, :], values)
     live = (valid | here) & wm
 
     # 3. each query head of the group: the window's softmax and the memory's readout, mixed
     for g in range(G):
-        qh = head * G + g
-        q = tl.load(q_ptr + qh * D + d, mask=dm, other=0.0).to(tl.float32)
+        h = hk * G + g
+        qh = bi * HK * G + h
+        q = _rope(q_ptr + bi * sq_b + h * sq_h, sq_d, cos, sin, sc_d, d, D, R)
+        if FEATURE_ROPE:
+            qd = _unit_features(q, wq_ptr + h * swq, d, D)
+        else:
+            q_raw = tl.load(q_ptr + bi * sq_b + h * sq_h + d * sq_d, mask=dm, other=0.0).to(tl.float32)
+            qd = _unit_features(q_raw, wq_ptr + h * swq, d, D)
         scores = tl.sum(keys * q[None, :], axis=1) * scale
         if HAS_SOFTCAP:
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
@@ -83,32 +120,50 @@ def _delta_ring_step(q_ptr, k_ptr, v_ptr, qd_ptr, kd_ptr, g_ptr, b_ptr, lam_ptr,
         p = tl.exp(scores - tl.max(scores, axis=0))
         p = tl.where(live, p, 0.0)
         o_win = tl.sum(p[:, None] * values, axis=0) / tl.sum(p, axis=0)
-        qd = tl.load(qd_ptr + qh * K + kk, mask=km, other=0.0).to(tl.float32)
         o_mem = tl.sum(state * qd[:, None], axis=0)
-        m = tl.where(written, tl.load(lam_ptr + qh).to(tl.float32), 0.0)
-        tl.store(y_ptr + qh * D + d, o_win * (1.0 - m) + o_mem * m, mask=dm)
+        xl = tl.load(xl_ptr + bi * sl_b + h * sl_h).to(tl.float32) + tl.load(mixb_ptr + h).to(tl.float32)
+        m = tl.where(written, tl.sigmoid(xl), 0.0)
+        tl.store(y_ptr + qh * D + d, (o_win * (1.0 - m) + o_mem * m).to(y_ptr.dtype.element_ty), mask=dm)
 
 
-def delta_window_step_ring_triton(q, k, qd, kd, v, g, beta, lam, state, *, scale: float, softcap=None):
-    """``delta_window_step_ring`` in one launch, in place: ``q`` ``[B, H, 1, D]`` (after RoPE), ``k``/``v``
-    ``[B, Hk, 1, D]``, ``qd`` ``[B, H, 1, K]`` and ``kd`` ``[B, Hk, 1, K]`` (the delta features), ``g``/``beta``
-    ``[B, Hk, 1]``, ``lam`` ``[B, H, 1]``; ``state`` a ``RingDeltaState`` with contiguous buffers (as
-    ``RingDeltaState.from_state`` builds them). Returns ``(y [B, H, 1, D], state)``."""
+def delta_step_fused_triton(q, k, v, position_embeddings, wq, wk, decay_input, beta_input, mix_input, dt_bias, a_log,
+                            mix_bias, state, *, scale: float, softcap=None, feature_rope: bool = False):
+    """The delta hybrid's ring step in one launch, in place on ``state`` (a ``RingDeltaState`` with
+    contiguous buffers, as ``RingDeltaState.from_state`` builds them).
+
+    ``q`` ``[B, H, 1, D]`` and ``k``/``v`` ``[B, Hk, 1, D]`` before RoPE (any strides); ``position_embeddings``
+    ``(cos, sin)`` ``[B or 1, 1, R]`` for RoPE by rotating halves over the first ``R`` dims, or None for no
+    RoPE; ``wq`` ``[H, D, D]`` and ``wk`` ``[Hk, D, D]`` the unit feature maps' weights (a leading 1: shared);
+    ``decay_input``/``beta_input`` ``[B, 1, Hk]`` and ``mix_input`` ``[B, 1, H]`` the gates' projections
+    of the layer input before their biases and activations (any strides: slices of the fused q/k/v
+    product); ``dt_bias``, ``a_log`` ``[Hk]`` and ``mix_bias`` ``[H]``. ``feature_rope``: the features of the
+    rotated q/k (else of those before RoPE). Returns ``(y [B, H, 1, D], state)``."""
     b, h, _, d = q.shape
-    hk, w, kdim = k.shape[1], state.keys.shape[2], kd.shape[-1]
-    if max(d, kdim) > MAX_WIDTH:
-        raise ValueError(f"the fused delta step holds head widths up to {MAX_WIDTH}, got {d} and {kdim}")
-    y = torch.empty(b, h, 1, d, device=q.device, dtype=torch.float32)
-    flat = lambda x: x.contiguous()  # noqa: E731
-    bd, bk = triton.next_power_of_2(d), triton.next_power_of_2(kdim)
-    _delta_ring_step[(b, hk)](
-        flat(q), flat(k), flat(v), flat(qd), flat(kd), flat(g), flat(beta), flat(lam),
+    hk, w = k.shape[1], state.keys.shape[2]
+    if d > MAX_WIDTH:
+        raise ValueError(f"the fused delta step holds head widths up to {MAX_WIDTH}, got {d}")
+    if state.delta_keys.shape[-1] != d or state.memory.shape[-2:] != (d, d):
+        raise ValueError("the fused delta step takes square feature maps: delta keys as wide as the heads")
+    y = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
+    if position_embeddings is None:
+        cos = sin = q  # never read (R = 0)
+        rot, sc_b, sc_d = 0, 0, 0
+    else:
+        cos, sin = position_embeddings
+        rot, sc_b, sc_d = cos.shape[-1], cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1)
+    wq, wk = wq.contiguous(), wk.contiguous()
+    bd = triton.next_power_of_2(d)
+    _delta_fused_step[(b, hk)](
+        q, k, v, cos, sin, wq, wk, decay_input, beta_input, mix_input, dt_bias, a_log, mix_bias,
         state.keys, state.values, state.delta_keys, state.gates, state.betas, state.valid, state.memory,
-        state.written, state.slot, y, float(scale), float(softcap or 1.0), hk, h // hk, w, d, kdim,
-        HAS_SOFTCAP=softcap is not None, BW=triton.next_power_of_2(w), BD=bd, BK=bk,
-        num_warps=min(8, max(2, bk * bd // 2048)))
+        state.written, state.slot, y, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
+        v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, wq.stride(0) if wq.shape[0] > 1 else 0,
+        wk.stride(0) if wk.shape[0] > 1 else 0, decay_input.stride(0), decay_input.stride(-1), beta_input.stride(0),
+        beta_input.stride(-1), mix_input.stride(0), mix_input.stride(-1), float(scale), float(softcap or 1.0), hk,
+        h // hk, w, d, rot, HAS_SOFTCAP=softcap is not None, FEATURE_ROPE=feature_rope,
+        BW=triton.next_power_of_2(w), BD=bd, num_warps=STEP_WARPS or min(8, max(2, bd * bd // 1024)))
     idx = state.slot.view(1)
     state.written.logical_or_(state.valid.index_select(1, idx)[:, 0])
     state.valid.index_fill_(1, idx, True)
     state.slot.add_(1).remainder_(w)
-    return y.to(q.dtype), state
+    return y, state
