@@ -473,8 +473,8 @@ def test_fused_ring_step_on_cuda(dtype):
     with torch.no_grad():
         _, state = ops.delta_window_chunked(*(x[:, :, :t] for x in pre), window=w, scale=d ** -0.5, key_mask=mask,
                                             output_final_state=True)
-        ring = ops.RingDeltaState.from_state(state, w)
-        twin = ring.map(torch.clone)
+        twin = ops.RingDeltaState.from_state(state, w)
+        ring = ops.FusedRingDeltaState.from_ring(twin.map(torch.clone))
         for i in range(t, t + n):
             sl = slice(i, i + 1)
             want, twin = ops.delta_window_step_ring(*(x[:, :, sl] for x in pre), twin, scale=d ** -0.5)
@@ -483,4 +483,6 @@ def test_fused_ring_step_on_cuda(dtype):
                                                 scale=d ** -0.5)
             assert (got.float() - want.float()).abs().max().item() < (1e-4 if dtype == torch.float32 else 3e-2)
         assert (ring.memory - twin.memory).abs().max().item() < (1e-3 if dtype == torch.float32 else 5e-2)
-        assert torch.equal(ring.valid, twin.valid) and torch.equal(ring.written, twin.written)
+        assert torch.equal(ring.valid, twin.valid[:, None].expand(-1, hk, -1))
+        assert torch.equal(ring.written, twin.written[:, None].expand(-1, hk))
+        assert torch.equal(ring.ticks, twin.slot.expand(b, hk))

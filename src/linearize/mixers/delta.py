@@ -156,7 +156,7 @@ class GatedDeltaAttention(Mixer):
 
     def step(self, q, k, v, position_embeddings, state):
         geo = self.geometry
-        if isinstance(state, ops.RingDeltaState) and self.fused_decoding():  # RoPE to output in one launch
+        if isinstance(state, ops.FusedRingDeltaState):  # RoPE to the output in one launch (CUDA)
             from ..ops.delta.step_triton import delta_step_fused_triton
 
             xa, xb, xl = self.gate_inputs()
@@ -177,11 +177,12 @@ class GatedDeltaAttention(Mixer):
         return (self.A_log.is_cuda and triton_available() and g.head_dim <= 128
                 and rotates_half(g.rotary, g.head_dim))
 
-    def ring_state(self, state: ops.DeltaWindowState, keep_key_features: bool = False) -> ops.RingDeltaState:
+    def ring_state(self, state: ops.DeltaWindowState, keep_key_features: bool = False) -> ops.DeltaWindowState:
         """The fast decoder's fixed-shape state from a prefill's ``state`` (its memory taken over): the
-        window as a ring of ``window`` slots. (``keep_key_features`` is LoLCATs'; the delta keys are
-        always kept: a token's gates and key are written when it leaves.)"""
-        return ops.RingDeltaState.from_state(state, self.spec.window)
+        window as a ring of ``window`` slots, laid out for the fused step where that runs. (``keep_key_features``
+        is LoLCATs'; the delta keys are always kept: a token's gates and key are written when it leaves.)"""
+        ring = ops.RingDeltaState.from_state(state, self.spec.window)
+        return ops.FusedRingDeltaState.from_ring(ring) if self.fused_decoding() else ring
 
     def state_bytes(self, dtype):
         g = self.geometry

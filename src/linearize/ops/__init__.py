@@ -9,6 +9,7 @@ import torch
 
 from .delta import (
     DeltaWindowState,
+    FusedRingDeltaState,
     RingDeltaState,
     delta_window_chunked,
     delta_window_naive,
@@ -80,7 +81,8 @@ __all__ = [
     "use_fla", "use_hybrid_kernel", "SparseHybridState", "empty_sparse_hybrid_state", "sparse_hybrid_attention_chunked",
     "sparse_hybrid_attention_naive", "sparse_hybrid_attention_recurrent", "sparse_hybrid_attention_step",
     "sparse_hybrid_attention_step_ring", "RingSparseState", "FusedSinkState",
-    "DeltaWindowState", "RingDeltaState", "delta_window_chunked", "delta_window_naive", "delta_window_recurrent",
+    "DeltaWindowState", "FusedRingDeltaState", "RingDeltaState", "delta_window_chunked", "delta_window_naive",
+    "delta_window_recurrent",
     "delta_window_step", "delta_window_step_ring",
     "empty_delta_window_state", "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla",
     "gated_delta_rule_naive", "gated_delta_rule_step",

@@ -15,8 +15,9 @@ projections before their activations, what the mixer's PyTorch path computes in 
    ``m = sigmoid(x_l + c)`` once some real token has reached the memory.
 
 The memory of a key head (``[K, V]`` fp32) stays in registers for the whole step: head widths up to
-``MAX_WIDTH``. The shared bookkeeping (``valid``, ``written``, ``slot``: one per sequence, read by every
-key head's program) advances after the launch, so no program reads what another writes.
+``MAX_WIDTH``. Each program keeps its own bookkeeping (``FusedRingDeltaState``: which slots are real, whether a
+token has reached the memory, the next slot), so no program reads what another writes and nothing runs
+after the launch.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import triton
 import triton.language as tl
 
 from ..hybrid.step_triton import _rope
+from .state import FusedRingDeltaState
 
 MAX_WIDTH = 128  # head dim the kernel holds: a [128, 128] fp32 memory in registers
 STEP_WARPS: int | None = None  # None: by the tile (a module constant, for sweeps)
@@ -48,7 +50,7 @@ def _softplus(x):
 @triton.jit
 def _delta_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr,
                       xa_ptr, xb_ptr, xl_ptr, dt_ptr, alog_ptr, mixb_ptr,
-                      keys_ptr, values_ptr, dkeys_ptr, gates_ptr, betas_ptr, valid_ptr, mem_ptr, written_ptr, slot_ptr,
+                      keys_ptr, values_ptr, dkeys_ptr, gates_ptr, betas_ptr, valid_ptr, mem_ptr, written_ptr, ticks_ptr,
                       y_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, swq, swk,
                       sa_b, sa_h, sb_b, sb_h, sl_b, sl_h, scale, softcap, HK, G, W, D, R,
                       HAS_SOFTCAP: tl.constexpr, FEATURE_ROPE: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
@@ -58,9 +60,9 @@ def _delta_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr,
     w = tl.arange(0, BW)
     d = tl.arange(0, BD)
     wm, dm = w < W, d < D
-    s = tl.load(slot_ptr)
+    s = tl.load(ticks_ptr + head)  # this key head's next slot: its oldest token's
     here = w == s
-    valid = tl.load(valid_ptr + bi * W + w, mask=wm, other=0).to(tl.int1)
+    valid = tl.load(valid_ptr + head * W + w, mask=wm, other=0).to(tl.int1)
     old_real = tl.sum(tl.where(here & valid, 1, 0), axis=0) > 0
 
     # 1. the new token: rotated key, delta features, gates (rounded as the ring stores them)
@@ -93,7 +95,7 @@ def _delta_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr,
     read = tl.sum(state * kd_old[:, None], axis=0)  # S^T k^ after the decay
     state += kd_old[:, None] * (b_old * (v_old - read))[None, :]
     tl.store(mem, state, mask=mk)
-    written = (tl.load(written_ptr + bi).to(tl.int1)) | old_real
+    written = (tl.load(written_ptr + head).to(tl.int1)) | old_real
     tl.store(keys_ptr + (ring + s) * D + d, k_new, mask=dm)
     tl.store(values_ptr + (ring + s) * D + d, v_new, mask=dm)
     tl.store(dkeys_ptr + (ring + s) * D + d, kd_new, mask=dm)
@@ -124,12 +126,16 @@ def _delta_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr,
         xl = tl.load(xl_ptr + bi * sl_b + h * sl_h).to(tl.float32) + tl.load(mixb_ptr + h).to(tl.float32)
         m = tl.where(written, tl.sigmoid(xl), 0.0)
         tl.store(y_ptr + qh * D + d, (o_win * (1.0 - m) + o_mem * m).to(y_ptr.dtype.element_ty), mask=dm)
+    # the bookkeeping, this key head's own
+    tl.store(valid_ptr + head * W + s, tl.full([], 1, tl.int1))
+    tl.store(written_ptr + head, written)
+    tl.store(ticks_ptr + head, (s + 1) % W)
 
 
 def delta_step_fused_triton(q, k, v, position_embeddings, wq, wk, decay_input, beta_input, mix_input, dt_bias, a_log,
                             mix_bias, state, *, scale: float, softcap=None, feature_rope: bool = False):
-    """The delta hybrid's ring step in one launch, in place on ``state`` (a ``RingDeltaState`` with
-    contiguous buffers, as ``RingDeltaState.from_state`` builds them).
+    """The delta hybrid's ring step in one launch, in place on ``state`` (a
+    ``FusedRingDeltaState``, as ``FusedRingDeltaState.from_ring`` lays it out).
 
     ``q`` ``[B, H, 1, D]`` and ``k``/``v`` ``[B, Hk, 1, D]`` before RoPE (any strides); ``position_embeddings``
     ``(cos, sin)`` ``[B or 1, 1, R]`` for RoPE by rotating halves over the first ``R`` dims, or None for no
@@ -140,6 +146,8 @@ def delta_step_fused_triton(q, k, v, position_embeddings, wq, wk, decay_input, b
     rotated q/k (else of those before RoPE). Returns ``(y [B, H, 1, D], state)``."""
     b, h, _, d = q.shape
     hk, w = k.shape[1], state.keys.shape[2]
+    if not isinstance(state, FusedRingDeltaState):
+        raise TypeError(f"the fused delta step takes a FusedRingDeltaState, not a {type(state).__name__}")
     if d > MAX_WIDTH:
         raise ValueError(f"the fused delta step holds head widths up to {MAX_WIDTH}, got {d}")
     if state.delta_keys.shape[-1] != d or state.memory.shape[-2:] != (d, d):
@@ -156,14 +164,10 @@ def delta_step_fused_triton(q, k, v, position_embeddings, wq, wk, decay_input, b
     _delta_fused_step[(b, hk)](
         q, k, v, cos, sin, wq, wk, decay_input, beta_input, mix_input, dt_bias, a_log, mix_bias,
         state.keys, state.values, state.delta_keys, state.gates, state.betas, state.valid, state.memory,
-        state.written, state.slot, y, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
+        state.written, state.ticks, y, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, wq.stride(0) if wq.shape[0] > 1 else 0,
         wk.stride(0) if wk.shape[0] > 1 else 0, decay_input.stride(0), decay_input.stride(-1), beta_input.stride(0),
         beta_input.stride(-1), mix_input.stride(0), mix_input.stride(-1), float(scale), float(softcap or 1.0), hk,
         h // hk, w, d, rot, HAS_SOFTCAP=softcap is not None, FEATURE_ROPE=feature_rope,
         BW=triton.next_power_of_2(w), BD=bd, num_warps=STEP_WARPS or min(8, max(2, bd * bd // 1024)))
-    idx = state.slot.view(1)
-    state.written.logical_or_(state.valid.index_select(1, idx)[:, 0])
-    state.valid.index_fill_(1, idx, True)
-    state.slot.add_(1).remainder_(w)
     return y, state

@@ -17,8 +17,6 @@ window covering the sequence is exactly the teacher's softmax.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -26,46 +24,13 @@ from ..hybrid import (
     HybridState, empty_hybrid_state, hybrid_attention_chunked, hybrid_attention_naive, hybrid_attention_step,
     hybrid_final_state,
 )
-from ..hybrid.shared import _scores, pad_front
+from ..hybrid.shared import _scores
 from ..linear_attention import _group, accum_dtype
 from .rule import _readout, _write, empty_delta_state, gated_delta_rule
+from .state import DeltaWindowState, RingDeltaState, empty_delta_window_state
 
 
 # --- the hybrid: window softmax + the delta memory of older tokens ------------------------------------
-
-@dataclass
-class DeltaWindowState:
-    """Decoding state of the window + delta-rule hybrid: the window's tokens (raw keys and values for
-    the softmax, delta keys and gates for their write when they leave) and the memory."""
-
-    keys: torch.Tensor  # [B, Hk, <=w, D]
-    values: torch.Tensor  # [B, Hk, <=w, D]
-    delta_keys: torch.Tensor  # [B, Hk, <=w, K]
-    gates: torch.Tensor  # [B, Hk, <=w] log decay g
-    betas: torch.Tensor  # [B, Hk, <=w]
-    valid: torch.Tensor  # [B, <=w] bool
-    memory: torch.Tensor  # [B, Hk, K, V] fp32 or wider
-    written: torch.Tensor  # [B] bool: a real token has reached the memory
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.keys, self.values, self.delta_keys, self.gates, self.betas, self.valid, self.memory, self.written)
-
-    def map(self, fn) -> "DeltaWindowState":
-        return DeltaWindowState(*(fn(x) for x in self.tensors()))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(x.numel() * x.element_size() for x in self.tensors())
-
-
-def empty_delta_window_state(batch, n_kv, head_dim, key_dim, *, device=None, dtype=torch.float32) -> DeltaWindowState:
-    acc = accum_dtype(dtype)
-    z = lambda *s, dt=dtype: torch.zeros(batch, n_kv, *s, device=device, dtype=dt)  # noqa: E731
-    return DeltaWindowState(z(0, head_dim), z(0, head_dim), z(0, key_dim), z(0, dt=acc), z(0, dt=acc),
-                            torch.zeros(batch, 0, dtype=torch.bool, device=device),
-                            empty_delta_state(batch, n_kv, key_dim, head_dim, device=device, dtype=dtype),
-                            torch.zeros(batch, dtype=torch.bool, device=device))
-
 
 def _masked_gates(g, beta, key_mask):
     """Padding tokens neither decay nor write."""
@@ -235,39 +200,6 @@ def delta_window_recurrent(q, k, qd, kd, v, g, beta, lam, *, window, scale, soft
                                      softcap=softcap, key_mask=None if key_mask is None else key_mask[:, sl])
         outs.append(o)
     return torch.cat(outs, dim=2), state
-
-
-@dataclass
-class RingDeltaState(DeltaWindowState):
-    """A ``DeltaWindowState`` whose window is a fixed ring of exactly ``w`` slots, updated in place
-    (the fast decoder's buffers; as ``RingHybridState`` for LoLCATs). The window's softmax does not
-    depend on the order of its keys, so a new token overwrites the oldest slot after that token has
-    been written to the memory. Empty slots hold zeros, ``valid = False`` and ``g = b = 0`` (writing
-    one leaves the memory as it is); ``slot`` (0-d long) is the next slot to overwrite."""
-
-    slot: torch.Tensor | None = None
-
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (*super().tensors(), self.slot)
-
-    def map(self, fn) -> "RingDeltaState":
-        return RingDeltaState(*(fn(x) for x in super().tensors()), slot=self.slot.clone())
-
-    @classmethod
-    def from_state(cls, state: DeltaWindowState, window: int) -> "RingDeltaState":
-        """A ring of ``window`` slots holding ``state``'s window, oldest first with the empty slots in
-        front (overwriting slots 0, 1, ... evicts tokens in the order they came). Takes over
-        ``state``'s memory: ``state`` must not be used afterwards."""
-        have = state.keys.shape[2]
-        if have > window:
-            raise ValueError(f"the state holds {have} window tokens, more than the window ({window})")
-        pad = window - have
-        valid = pad_front(state.valid, 1, pad)
-        keep = valid[:, None, :]
-        front = lambda x: (pad_front(x, 2, pad) * (keep[..., None] if x.dim() == 4 else keep)).contiguous()  # noqa: E731
-        slot = torch.zeros((), dtype=torch.long, device=state.keys.device)
-        return cls(front(state.keys), front(state.values), front(state.delta_keys), front(state.gates),
-                   front(state.betas), valid.contiguous(), state.memory.contiguous(), state.written.clone(), slot=slot)
 
 
 def delta_window_step_ring(q, k, qd, kd, v, g, beta, lam, state: RingDeltaState, *, scale: float, softcap=None):
