@@ -2,8 +2,14 @@ import json
 import os
 import random
 
-import pytest
-import torch
+# Idle OpenMP threads sleep instead of spinning (before torch loads its OpenMP runtime; the interpreter and
+# two-process scripts inherit it). The tiny tests run thousands of small parallel ops: with spinning workers, any
+# other load on a small machine (a second job, a shared CI runner) makes each op wait for a descheduled thread,
+# and tests/decode/test_route.py took 265-467 s instead of 44-54 s on 2 cores beside another test run.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from helpers import tiny_config, tiny_tokenizer
 

@@ -100,9 +100,10 @@ def test_ring_step_equals_the_shifting_step(t, window, keep_features):
 
 def test_fused_decode_step_gives_the_same_tokens():
     """The fast decoder with the one-launch LoLCATs step (what runs on CUDA), run on the CPU by
-    Triton's interpreter: the tokens of the fast decoder without it (GQA, soft-capping, partial
-    RoPE, a layer without RoPE, left padding); with attention sinks (a cache of the first tokens), once
-    every sequence's are cached, the tokens of the sparse cache's own step."""
+    Triton's interpreter: the tokens of the fast decoder without it (GQA, soft-capping, left padding;
+    partial RoPE and a layer without RoPE through the same step in ``test_lolcats_length.py``); with
+    attention sinks (a cache of the first tokens), once every sequence's are cached, the tokens of the
+    sparse cache's own step."""
     run_triton_interpreter_script("triton_interpret_hybrid_fused.py", "decoder")
 
 

@@ -103,6 +103,6 @@ def test_a_fading_state_stays_bounded_to_32k_tokens(tiny_model):
 
 def test_fused_decode_step_takes_the_options():
     """The one-launch decode step with gates and features before RoPE, on the CPU by Triton's interpreter:
-    the fast decoder's tokens equal those of its PyTorch ring step (every option on Llama; soft-capping,
+    the fast decoder's tokens equal those of its PyTorch ring step (each option on Llama; soft-capping,
     partial RoPE and a layer without RoPE with both), left padding included."""
     run_triton_interpreter_script("triton_interpret_hybrid_fused.py", "length")

@@ -96,7 +96,7 @@ def check_switch(dtype=torch.float32, rot=8, shared=False, weights_only=False):
     """The hybrid's backward with the fused prelude equals the PyTorch prelude's: gradients of q, k,
     v, gamma (logits), wq and wk (or the weights' alone); GQA, RoPE over every dim, part of them or
     none, left padding."""
-    b, h, hk, t, d, fh, window = 2, 4, 2, 21, 8, 5, 8
+    b, h, hk, t, d, fh, window = 2, 4, 2, 13, 8, 5, 8  # 2 chunks, the last one partial
     g = torch.Generator().manual_seed(20)
     rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     qkv = rn(b, t, h + 2 * hk, d)

@@ -67,7 +67,7 @@ def check_sinks(b, h, hk, d, fh, window, cap, t, n, softcap, rot, splits, anchor
     assert torch.allclose(mine.ring().linear, ref.linear, atol=1e-5)
 
 
-def check_gate_input(b=2, h=4, hk=2, d=8, fh=6, window=4, t=6, n=9, splits=2, seed=7):
+def check_gate_input(b=2, h=4, hk=2, d=8, fh=6, window=4, t=6, n=5, splits=2, seed=7):
     """``gate_input`` / ``gate_bias`` (a strided slice, as of the fused product) against ``log_gate`` =
     -softplus(input + bias) computed first: the same outputs, token after token, and the same state."""
     import torch.nn.functional as F
@@ -97,11 +97,20 @@ def check_gate_input(b=2, h=4, hk=2, d=8, fh=6, window=4, t=6, n=9, splits=2, se
     assert torch.equal(taken.ticks, given.ticks) and torch.equal(taken.keys, given.keys)
 
 
-def check_decoder():
+def _teacher(family):
+    """A tiny random teacher of two layers (SmolLM3's second without RoPE): the decoder-level checks run
+    every layer's step alike, so two layers (one feeding the other) show what three did."""
     from transformers import AutoModelForCausalLM
 
-    import linearize
     from helpers import tiny_config
+
+    torch.manual_seed(0)
+    extra = {"no_rope_layers": [1, 0]} if family == "smollm3" else {}
+    return AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2, **extra)).eval()
+
+
+def check_decoder():
+    import linearize
     from linearize.fast import FastDecoder
     from linearize.mixers.lolcats import LolcatsAttention
 
@@ -111,15 +120,14 @@ def check_decoder():
     ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :6] = 0  # left padding: an empty slot in the ring
-    # GQA; soft-capping; partial RoPE; a layer without RoPE
-    for family in ("llama", "gemma2", "gpt_neox", "smollm3"):
-        torch.manual_seed(0)
-        teacher = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
-        model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8})
+    # GQA; soft-capping (partial RoPE and a layer without RoPE take the same step: with the length options in
+    # ``check_length_options``, and in the kernel's own checks). 6 new tokens: 5 fused steps, past the ring of 4
+    for family in ("llama", "gemma2"):
+        model = linearize.convert(_teacher(family), {"kind": "lolcats", "window": 4, "feature_dim": 8})
         model.generation_config.eos_token_id = None
-        plain = FastDecoder(model).generate(ids, mask, max_new_tokens=7)
+        plain = FastDecoder(model).generate(ids, mask, max_new_tokens=6)
         LolcatsAttention.fused_decoding = lambda self: True  # as on CUDA
-        fused = FastDecoder(model).generate(ids, mask, max_new_tokens=7)
+        fused = FastDecoder(model).generate(ids, mask, max_new_tokens=6)
         LolcatsAttention.fused_decoding = on_cuda
         assert calls and torch.equal(fused, plain), family
         calls.clear()
@@ -127,26 +135,22 @@ def check_decoder():
     # tokens, window 4), the sparse cache's own step before (4 real tokens: none has left the window)
     ids = torch.randint(2, 97, (2, 12), generator=torch.Generator().manual_seed(1))
     for anchor, real, fused_step_runs in (("joint", 9, True), ("window", 9, True), ("joint", 4, False)):
-        torch.manual_seed(0)
-        teacher = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
-        model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8, "sparse_cache": 2,
-                                            "sparse_priority": "first", "sparse_anchor": anchor})
+        model = linearize.convert(_teacher("llama"), {"kind": "lolcats", "window": 4, "feature_dim": 8,
+                                                      "sparse_cache": 2, "sparse_priority": "first",
+                                                      "sparse_anchor": anchor})
         model.generation_config.eos_token_id = None
         mask = torch.ones_like(ids)
         mask[1, : 12 - real] = 0
-        plain = FastDecoder(model).generate(ids, mask, max_new_tokens=7)
+        plain = FastDecoder(model).generate(ids, mask, max_new_tokens=6)
         LolcatsAttention.fused_decoding = lambda self: True  # as on CUDA
-        fused = FastDecoder(model).generate(ids, mask, max_new_tokens=7)
+        fused = FastDecoder(model).generate(ids, mask, max_new_tokens=6)
         LolcatsAttention.fused_decoding = on_cuda
         assert bool(calls) == fused_step_runs and torch.equal(fused, plain), (anchor, real)
         calls.clear()
 
 
 def check_length_options():
-    from transformers import AutoModelForCausalLM
-
     import linearize
-    from helpers import tiny_config
     from linearize.convert import mixers
     from linearize.fast import FastDecoder
     from linearize.mixers.lolcats import LolcatsAttention
@@ -157,22 +161,22 @@ def check_length_options():
     ids = torch.randint(2, 97, (2, 11), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :7] = 0  # left padding: empty slots in the ring
-    options = ({"decay": "gated"}, {"feature_rope": False}, {"feature_rope": False, "decay": "gated"},
-               {"decay": "span"})
-    both = options[2]  # every option on llama; both on soft-capping, partial RoPE and a layer without RoPE
-    for family, option in [("llama", o) for o in options] + [(f, both) for f in ("gemma2", "gpt_neox", "smollm3")]:
-        torch.manual_seed(0)
-        teacher = AutoModelForCausalLM.from_config(tiny_config(family)).eval()
-        model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8, "decay_horizon": 6,
-                                            **option})
+    # each option alone on Llama: the data-dependent gate (read by the kernel before its activation), features
+    # before RoPE, the learned span (log gates given); both options on soft-capping, partial RoPE and SmolLM3
+    # (a layer with RoPE over every dim as Llama's, one without: Llama with both needs no run of its own)
+    both = {"feature_rope": False, "decay": "gated"}
+    options = [("llama", {"decay": "gated"}), ("llama", {"feature_rope": False}), ("llama", {"decay": "span"})]
+    for family, option in options + [(f, both) for f in ("gemma2", "gpt_neox", "smollm3")]:
+        model = linearize.convert(_teacher(family), {"kind": "lolcats", "window": 4, "feature_dim": 8,
+                                                     "decay_horizon": 6, **option})
         gen = torch.Generator().manual_seed(1)
         for m in mixers(model).values():  # gates that differ per token and head
             if hasattr(m, "gate_proj"):
                 m.gate_proj.weight.copy_(torch.randn(m.gate_proj.weight.shape, generator=gen))
         model.generation_config.eos_token_id = None
-        plain = FastDecoder(model).generate(ids, mask, max_new_tokens=9)
+        plain = FastDecoder(model).generate(ids, mask, max_new_tokens=6)  # 5 fused steps: past the ring of 4
         LolcatsAttention.fused_decoding = lambda self: True  # as on CUDA
-        fused = FastDecoder(model).generate(ids, mask, max_new_tokens=9)
+        fused = FastDecoder(model).generate(ids, mask, max_new_tokens=6)
         LolcatsAttention.fused_decoding = on_cuda
         assert calls and torch.equal(fused, plain), (family, option, fused, plain)
         calls.clear()
@@ -182,14 +186,18 @@ if sys.argv[1:] == ["length"]:
     check_gate_input()
     check_length_options()
 elif sys.argv[1:] == ["kernel"]:
+    # the ring wraps in every case (n > window); in the first one the ticks too (n > 2 x window)
     check_kernel(2, 4, 2, 8, 6, window=4, t=6, n=11, softcap=None, rot=8, splits=1, seed=0)  # GQA, wraps twice
-    check_kernel(2, 3, 1, 16, 8, window=4, t=3, n=10, softcap=20.0, rot=8, splits=2, seed=1)  # MQA, partial RoPE
-    check_kernel(2, 4, 2, 12, 5, window=5, t=9, n=8, softcap=None, rot=12, splits=2, seed=2)  # odd sizes
+    check_kernel(2, 3, 1, 16, 8, window=4, t=3, n=6, softcap=20.0, rot=8, splits=2, seed=1)  # MQA, partial RoPE
+    check_kernel(2, 4, 2, 12, 5, window=5, t=9, n=6, softcap=None, rot=12, splits=2, seed=2)  # odd sizes
     check_kernel(1, 4, 2, 16, 4, window=1, t=4, n=4, softcap=None, rot=0, splits=4, seed=3)  # w = 1, no RoPE
-    for anchor in ("joint", "window"):  # attention sinks: GQA, odd sizes and soft-capping, MQA without RoPE
-        check_sinks(2, 4, 2, 8, 6, window=4, cap=2, t=11, n=9, softcap=None, rot=8, splits=1, anchor=anchor, seed=4)
-        check_sinks(2, 4, 2, 12, 5, window=5, cap=3, t=13, n=7, softcap=20.0, rot=8, splits=2, anchor=anchor, seed=5)
-        check_sinks(1, 3, 1, 16, 4, window=2, cap=4, t=9, n=6, softcap=None, rot=0, splits=4, anchor=anchor, seed=6)
+    # attention sinks, each anchor twice (its branch is apart from the rest of the kernel): GQA with RoPE over
+    # every dim and two sequences (joint), odd sizes with soft-capping and partial RoPE (both), MQA without RoPE
+    # (window)
+    check_sinks(2, 4, 2, 8, 6, window=4, cap=2, t=11, n=6, softcap=None, rot=8, splits=1, anchor="joint", seed=4)
+    for anchor in ("joint", "window"):
+        check_sinks(1, 4, 2, 12, 5, window=5, cap=3, t=13, n=7, softcap=20.0, rot=8, splits=2, anchor=anchor, seed=5)
+    check_sinks(1, 3, 1, 16, 4, window=2, cap=4, t=9, n=6, softcap=None, rot=0, splits=4, anchor="window", seed=6)
 else:
     check_decoder()
 print("ok")

@@ -55,7 +55,9 @@ def _compare_state(got, want):
     assert torch.equal(got.valid, want.valid)
 
 
-def check_features(b, h, hk, t, d, f, window, softcap, pad, seed, dtype=torch.float32):
+def check_features(b, h, hk, t, d, f, window, softcap, pad, seed, dtype=torch.float32, grads=True):
+    """``grads``: also every gradient (else the training pass's output and state, and the output without
+    gradients, alone)."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     q, k, v = r(b, h, t, d), r(b, hk, t, d), r(b, hk, t, d)
@@ -81,8 +83,8 @@ def check_features(b, h, hk, t, d, f, window, softcap, pad, seed, dtype=torch.fl
     if dtype == torch.float32:
         _compare_state(state, want_state)
     w = _weights(want, key_mask, g)
-    grads_want = torch.autograd.grad((want * w).sum(), ref_in)
-    grads_got = torch.autograd.grad((got.double() * w).sum(), mine)
+    grads_want = torch.autograd.grad((want * w).sum(), ref_in) if grads else ()
+    grads_got = torch.autograd.grad((got.double() * w).sum(), mine) if grads else ()
     for name, a, e in zip(("q", "k", "v", "qf", "kf", "gamma"), grads_got, grads_want):
         assert a.dtype == (torch.float32 if name == "gamma" else dtype), name
         # gamma's gradient is 0 where every key is in the window (softmax alone): an absolute floor;
@@ -94,7 +96,8 @@ def check_features(b, h, hk, t, d, f, window, softcap, pad, seed, dtype=torch.fl
     _close(again, want, "y (no grad)", tol=tol)
 
 
-def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, shared=False):
+def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, shared=False, alone=True):
+    """``alone``: also the maps' weights' gradients alone (the rest frozen, LoLCATs stage 1)."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
     # q/k/v as strided views of one projection's [B, T, heads, D] output, as the adapters give them
@@ -129,6 +132,8 @@ def check_hedgehog(b, h, hk, t, d, fh, rot, window, softcap, pad, seed, shared=F
     grads_got = torch.autograd.grad((got.double() * w).sum(), mine)
     for name, a, e in zip(("q", "k", "v", "wq", "wk", "gamma"), grads_got, grads_want):
         _close(a, e, "d" + name, floor=1.0 if name == "gamma" else 1e-6)
+    if not alone:
+        return
     # only the feature maps' weights train (LoLCATs stage 1): their gradients alone
     mwq2, mwk2 = (x.detach().requires_grad_() for x in (mwq, mwk))
     got2, _ = hybrid_triton(mq.detach(), mk.detach(), mv.detach(), mg.detach(), hedgehog=(mwq2, mwk2),
@@ -188,6 +193,11 @@ def check_sinks(b, h, hk, t, d, fh, rot, window, cap, softcap, pad, seed, anchor
         raise AssertionError("hybrid_triton_sinks took a tensor that wants a gradient")
 
 
+# The tiny models of the mixers' checks: one layer (each layer's mixer dispatches alike, and its kernels'
+# gradients reach every parameter below it) of 4 query heads over 2 key heads (GQA) of 8 dims
+SMALL = dict(num_hidden_layers=1, hidden_size=32, num_attention_heads=4)
+
+
 def check_model_sinks(anchor):
     """A tiny converted model with 3 attention sinks (``sparse_priority: "first"``), its mixers on the
     forward kernels (as on CUDA, no gradient) against the PyTorch form: logits of a left-padded batch,
@@ -201,7 +211,7 @@ def check_model_sinks(anchor):
 
     hybrid_module = sys.modules["linearize.ops.hybrid"]
     torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2))
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama", **SMALL))
     model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 6, "sparse_cache": 3,
                                         "sparse_priority": "first", "sparse_anchor": anchor})
     ids = torch.randint(2, 97, (2, 14), generator=torch.Generator().manual_seed(0))
@@ -236,7 +246,7 @@ def check_model_sinks(anchor):
     want, cache_want, step_want = run(False)
     assert not calls
     got, cache_got, step_got = run(True)
-    assert calls == [False] * 2 + [True] * 2, calls  # scoring, then the prefill with its state, per layer
+    assert calls == [False, True], calls  # scoring, then the prefill with its state
     real = mask.bool()
     _close(got[real], want[real].double(), "logits")
     _close(step_got, step_want.double(), "the next token's logits")
@@ -270,7 +280,7 @@ def check_model(family, feature_map="hedgehog"):
     hybrid_module = sys.modules["linearize.ops.hybrid"]  # (where hybrid_attention reads use_hybrid_kernel)
 
     torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2))
+    teacher = AutoModelForCausalLM.from_config(tiny_config(family, **SMALL))
     model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 6, "feature_map": feature_map})
     ids = torch.randint(2, 97, (2, 10), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -309,8 +319,8 @@ def check_query_blocks():
     kernels.QUERY_ROWS = kernels.BWD_QUERY_ROWS = kernels.KEY_ROWS = 16
     kernels.WIDE = {}  # fp32 inputs take these rows too
     try:
-        check_features(2, 2, 1, 75, 16, 16, 32, None, 40, 10)  # 3 chunks of 32 in two blocks each
-        check_hedgehog(1, 2, 1, 50, 16, 8, 16, 20, None, 0, 11)
+        check_features(2, 2, 1, 50, 16, 16, 32, None, 36, 10)  # 2 chunks of 32 in two blocks each
+        check_hedgehog(1, 2, 1, 50, 16, 8, 16, 20, None, 0, 11, alone=False)
     finally:
         (kernels.QUERY_ROWS, kernels.BWD_QUERY_ROWS, kernels.KEY_ROWS), kernels.WIDE = rows, wide
 
@@ -318,7 +328,8 @@ def check_query_blocks():
 def check_prefill_blocks():
     """The output pass without a backward takes its own tiles (``PREFILL_QUERY_ROWS``): half-chunk query
     programs there while the training pass runs whole chunks, and the other way round; the no-gradient
-    output (``check_features``' last check) and the prefill's state stay the reference's."""
+    output (``check_features``' last check) and the prefill's state stay the reference's. (The backward
+    of either training tile is ``check_query_blocks``' and the other cases': no gradients here.)"""
     from linearize.ops.hybrid import chunk_triton as kernels
 
     saved, wide = (kernels.QUERY_ROWS, kernels.PREFILL_QUERY_ROWS), kernels.WIDE
@@ -326,23 +337,24 @@ def check_prefill_blocks():
     try:
         for train_rows, prefill_rows in ((32, 16), (16, 64)):
             kernels.QUERY_ROWS, kernels.PREFILL_QUERY_ROWS = train_rows, prefill_rows
-            check_features(2, 2, 1, 75, 16, 16, 32, None, 40, 12)  # 3 chunks of 32
+            check_features(2, 2, 1, 50, 16, 16, 32, None, 36, 12, grads=False)  # 2 chunks of 32
     finally:
         (kernels.QUERY_ROWS, kernels.PREFILL_QUERY_ROWS), kernels.WIDE = saved, wide
 
 
 CASES = {
     # (b, h, hk, t, d, f, window, softcap, pad, seed)
-    "gqa": lambda: check_features(2, 4, 2, 13, 8, 6, 4, None, 0, 0),  # GQA, T off the chunks, 4 chunks
-    "padding": lambda: check_features(2, 4, 2, 19, 8, 6, 4, 2.0, 7, 1),  # left padding beyond a chunk, softcap
+    "gqa": lambda: check_features(1, 4, 2, 9, 8, 6, 4, None, 0, 0),  # GQA, T off the chunks, 3 chunks
+    "padding": lambda: check_features(2, 2, 1, 11, 8, 6, 4, 2.0, 7, 1),  # left padding beyond a chunk, softcap
     "short": lambda: check_features(2, 3, 1, 3, 5, 7, 8, None, 1, 2),  # T < window, MQA, odd sizes
     "one": lambda: check_features(1, 2, 2, 1, 8, 4, 4, None, 0, 3),  # T = 1
-    "window1": lambda: check_features(1, 2, 1, 9, 8, 4, 1, None, 0, 4),  # a window of one token
+    "window1": lambda: check_features(1, 2, 1, 5, 8, 4, 1, None, 0, 4),  # a window of one token
     "blocks": check_query_blocks,
     "prefill_blocks": check_prefill_blocks,
-    "half": lambda: check_features(1, 4, 2, 40, 16, 16, 8, None, 0, 9, dtype=torch.float16),  # fp16 products
+    "half": lambda: check_features(1, 4, 2, 20, 16, 16, 8, None, 0, 9, dtype=torch.float16),  # fp16 products
     "exact": lambda: check_features(1, 2, 1, 48, 16, 16, 16, None, 0, 5),  # whole tiles, T a multiple of w
-    "hedgehog": lambda: check_hedgehog(2, 4, 2, 21, 8, 5, 8, 4, None, 5, 6),  # RoPE over all dims, padding
+    # the maps' weights' gradients alone in the last two (the same kernels' flags as the first's)
+    "hedgehog": lambda: check_hedgehog(2, 4, 2, 9, 8, 5, 8, 4, None, 5, 6, alone=False),  # RoPE over all dims, padding
     "hedgehog_partial": lambda: check_hedgehog(1, 3, 1, 11, 8, 4, 4, 5, 3.0, 0, 7, shared=True),  # half RoPE
     "hedgehog_norope": lambda: check_hedgehog(1, 2, 2, 6, 8, 4, 0, 8, None, 2, 8),  # no RoPE, T < window
     # the mixers' dispatch in tiny models: RoPE over all dims, GQA (llama); soft-capping (gemma2); partial
@@ -353,8 +365,8 @@ CASES = {
     "model_smollm3": lambda: check_model("smollm3"),
     "model_t2r": lambda: check_model("llama", "t2r"),
     # the first tokens cached (b, h, hk, t, d, fh, rot, window, S, softcap, pad, seed)
-    "sinks": lambda: check_sinks(2, 4, 2, 23, 8, 5, 8, 4, 3, None, 6, 12),  # GQA, left padding, RoPE, T off chunks
-    "sinks_window": lambda: check_sinks(2, 4, 2, 23, 8, 5, 8, 4, 3, 2.0, 6, 13, anchor="window"),  # softcap
+    "sinks": lambda: check_sinks(2, 4, 2, 15, 8, 5, 8, 4, 3, None, 6, 12),  # GQA, left padding, RoPE, T off chunks
+    "sinks_window": lambda: check_sinks(2, 4, 2, 15, 8, 5, 8, 4, 3, 2.0, 6, 13, anchor="window"),  # softcap
     "sinks_partial": lambda: check_sinks(1, 3, 1, 30, 8, 4, 4, 8, 17, None, 0, 14),  # half RoPE, MQA, S > 16
     "sinks_unsettled": lambda: check_sinks(2, 2, 1, 9, 8, 4, 0, 4, 3, None, 5, 15, state=False),  # no RoPE; 4 real
     "model_sinks": lambda: check_model_sinks("joint"),
