@@ -1,0 +1,48 @@
+"""Issue #55 on CUDA: the default LoLCATs recipe at a real 1B shape (random weights, ``--teacher
+shape:llama-3.2-1b``) through both stages for a few steps, and SUPRA at that shape through accelerate's FSDP
+config on two GPUs where there are two (skipped without CUDA)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SRC = str(Path(__file__).resolve().parents[2] / "src")
+
+
+def _run(args, tmp_path, timeout=900):
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "HF_HUB_OFFLINE": "1", "LINEARIZE_HOME": os.environ.get("LINEARIZE_HOME", str(tmp_path / "home"))}
+    done = subprocess.run(args, capture_output=True, text=True, timeout=timeout, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_default_lolcats_recipe_at_the_1b_shape_runs_both_stages(tmp_path):
+    out = tmp_path / "run"
+    _run([sys.executable, "-m", "linearize", "lolcats", "--teacher", "shape:llama-3.2-1b", "--data", "gutenberg",
+          "--stage1-steps", "4", "--stage2-steps", "3", "--eval-blocks", "2", "--out", str(out)], tmp_path)
+    results = json.loads((out / "results.json").read_text())
+    for stage in ("stage1", "stage2"):
+        rec = results[stage]
+        assert rec["steps"] >= 3 and rec["peak_gpu_bytes"] > 0
+        assert rec["steady"]["tokens_per_second"] > 0 and rec["setup"]["seconds"] > 0
+    assert (out / "final" / "config.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_supra_at_the_1b_shape_under_fsdp_on_two_gpus(tmp_path):
+    config = subprocess.run([sys.executable, "-m", "linearize.recipes.launch", "fsdp"], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": SRC}).stdout.strip()
+    out = tmp_path / "supra"
+    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "2",
+          "-m", "linearize", "supra", "--teacher", "shape:llama-3.2-1b", "--data", "gutenberg", "--steps", "4",
+          "--block-len", "1024", "--batch-size", "2", "--eval-blocks", "2", "--out", str(out)], tmp_path)
+    results = json.loads((out / "results.json").read_text())
+    assert results["train"]["steps"] == 4
