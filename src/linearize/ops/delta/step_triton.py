@@ -143,7 +143,8 @@ def delta_step_fused_triton(q, k, v, position_embeddings, wq, wk, decay_input, b
     ``decay_input``/``beta_input`` ``[B, 1, Hk]`` and ``mix_input`` ``[B, 1, H]`` the gates' projections
     of the layer input before their biases and activations (any strides: slices of the fused q/k/v
     product); ``dt_bias``, ``a_log`` ``[Hk]`` and ``mix_bias`` ``[H]``. ``feature_rope``: the features of the
-    rotated q/k (else of those before RoPE). Returns ``(y [B, H, 1, D], state)``."""
+    rotated q/k (else of those before RoPE). Returns ``(y [B, H, 1, D], state)``, ``y`` a view of ``[B, 1, H, D]``
+    memory (what o_proj reads)."""
     b, h, _, d = q.shape
     hk, w = k.shape[1], state.keys.shape[2]
     if not isinstance(state, FusedRingDeltaState):
@@ -152,7 +153,7 @@ def delta_step_fused_triton(q, k, v, position_embeddings, wq, wk, decay_input, b
         raise ValueError(f"the fused delta step holds head widths up to {MAX_WIDTH}, got {d}")
     if state.delta_keys.shape[-1] != d or state.memory.shape[-2:] != (d, d):
         raise ValueError("the fused delta step takes square feature maps: delta keys as wide as the heads")
-    y = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
+    y = torch.empty(b, 1, h, d, device=q.device, dtype=q.dtype)  # the layout o_proj reads: no copy after
     if position_embeddings is None:
         cos = sin = q  # never read (R = 0)
         rot, sc_b, sc_d = 0, 0, 0
@@ -170,4 +171,4 @@ def delta_step_fused_triton(q, k, v, position_embeddings, wq, wk, decay_input, b
         beta_input.stride(-1), mix_input.stride(0), mix_input.stride(-1), float(scale), float(softcap or 1.0), hk,
         h // hk, w, d, rot, HAS_SOFTCAP=softcap is not None, FEATURE_ROPE=feature_rope,
         BW=triton.next_power_of_2(w), BD=bd, num_warps=STEP_WARPS or min(8, max(2, bd * bd // 1024)))
-    return y, state
+    return y.transpose(1, 2), state
