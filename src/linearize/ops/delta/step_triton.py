@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..hybrid.step_triton import _rope
+from ..hybrid.step_triton import _rope, rope_arguments
 from .state import FusedRingDeltaState
 
 MAX_WIDTH = 128  # head dim the kernel holds: a [128, 128] fp32 memory in registers
@@ -40,6 +40,16 @@ def _unit_features(x, w_ptr, d, D):
     wt = tl.load(w_ptr + d[:, None] * D + d[None, :], mask=dm[:, None] & dm[None, :], other=0.0)
     y = tl.sum(x[:, None] * wt.to(tl.float32), axis=0)
     return y / tl.maximum(tl.sqrt(tl.sum(y * y, axis=0)), 1e-12)
+
+
+@triton.jit
+def _feature_input(rotated, x_ptr, sx, d, D, FEATURE_ROPE: tl.constexpr):
+    """What a head's features are computed from: ``rotated``, or the head before RoPE read from ``x_ptr``."""
+    if FEATURE_ROPE:
+        x = rotated
+    else:
+        x = tl.load(x_ptr + d * sx, mask=d < D, other=0.0).to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -68,11 +78,8 @@ def _delta_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr,
     # 1. the new token: rotated key, delta features, gates (rounded as the ring stores them)
     cos, sin = cos_ptr + bi * sc_b, sin_ptr + bi * sc_b
     k_rot = _rope(k_ptr + bi * sk_b + hk * sk_h, sk_d, cos, sin, sc_d, d, D, R)
-    if FEATURE_ROPE:
-        kd_new = _unit_features(k_rot, wk_ptr + hk * swk, d, D)
-    else:
-        k_raw = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0).to(tl.float32)
-        kd_new = _unit_features(k_raw, wk_ptr + hk * swk, d, D)
+    kd_new = _unit_features(_feature_input(k_rot, k_ptr + bi * sk_b + hk * sk_h, sk_d, d, D, FEATURE_ROPE),
+                            wk_ptr + hk * swk, d, D)
     k_new = k_rot.to(keys_ptr.dtype.element_ty)
     kd_new = kd_new.to(dkeys_ptr.dtype.element_ty)
     v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + d * sv_d, mask=dm, other=0.0).to(values_ptr.dtype.element_ty)
@@ -110,11 +117,8 @@ def _delta_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr,
         h = hk * G + g
         qh = bi * HK * G + h
         q = _rope(q_ptr + bi * sq_b + h * sq_h, sq_d, cos, sin, sc_d, d, D, R)
-        if FEATURE_ROPE:
-            qd = _unit_features(q, wq_ptr + h * swq, d, D)
-        else:
-            q_raw = tl.load(q_ptr + bi * sq_b + h * sq_h + d * sq_d, mask=dm, other=0.0).to(tl.float32)
-            qd = _unit_features(q_raw, wq_ptr + h * swq, d, D)
+        qd = _unit_features(_feature_input(q, q_ptr + bi * sq_b + h * sq_h, sq_d, d, D, FEATURE_ROPE), wq_ptr + h * swq,
+                            d, D)
         scores = tl.sum(keys * q[None, :], axis=1) * scale
         if HAS_SOFTCAP:
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
@@ -154,12 +158,7 @@ def delta_step_fused_triton(q, k, v, position_embeddings, wq, wk, decay_input, b
     if state.delta_keys.shape[-1] != d or state.memory.shape[-2:] != (d, d):
         raise ValueError("the fused delta step takes square feature maps: delta keys as wide as the heads")
     y = torch.empty(b, 1, h, d, device=q.device, dtype=q.dtype)  # the layout o_proj reads: no copy after
-    if position_embeddings is None:
-        cos = sin = q  # never read (R = 0)
-        rot, sc_b, sc_d = 0, 0, 0
-    else:
-        cos, sin = position_embeddings
-        rot, sc_b, sc_d = cos.shape[-1], cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1)
+    cos, sin, rot, sc_b, sc_d = rope_arguments(position_embeddings, q)
     wq, wk = wq.contiguous(), wk.contiguous()
     bd = triton.next_power_of_2(d)
     _delta_fused_step[(b, hk)](

@@ -295,6 +295,15 @@ def value_splits(batch: int, n_heads: int, head_dim: int, programs: int | None =
     return splits
 
 
+def rope_arguments(position_embeddings, placeholder: torch.Tensor):
+    """What the fused steps' ``_rope`` takes for ``(cos, sin)`` ``[B or 1, 1, R]``: ``(cos, sin, R, batch
+    stride, dim stride)``; for None (no RoPE) ``R = 0`` and ``placeholder`` stands in, never read."""
+    if position_embeddings is None:
+        return placeholder, placeholder, 0, 0, 0
+    cos, sin = position_embeddings
+    return cos, sin, cos.shape[-1], cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1)
+
+
 def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit, state, *, scale: float,
                              softcap=None, anchor: str = "joint", log_gate=None, feature_rope: bool = True,
                              gate_input=None, gate_bias=None):
@@ -319,12 +328,7 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
         raise ValueError(f"a state for {tuple(state.ticks.shape[:2])} sequences x query heads and features "
                          f"{tuple(state.linear.shape[-2:])} does not fit {(b, h)} and Hedgehog features of {fh}")
     y = torch.empty(b, 1, h, d, device=q.device, dtype=q.dtype)
-    if position_embeddings is None:
-        cos = sin = q  # never read (R = 0)
-        rot, sc_b, sc_d = 0, 0, 0
-    else:
-        cos, sin = position_embeddings
-        rot, sc_b, sc_d = cos.shape[-1], cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(-1)
+    cos, sin, rot, sc_b, sc_d = rope_arguments(position_embeddings, q)
     wq, wk = wq.contiguous(), wk.contiguous()
     bw, bd = triton.next_power_of_2(w), triton.next_power_of_2(d)
     # warps: a window of 64 x head dim 64 takes 2. At 8, ptxas (sm_90) gives 255 registers a thread and
