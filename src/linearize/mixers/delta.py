@@ -117,7 +117,7 @@ class GatedDeltaAttention(Mixer):
     def gate_inputs(self):
         """``(x_a, x_b [B, T, Hk], x_l [B, T, H])``: the gates' projections of the current input before
         their biases, from the decoder's fused product where it computed them, else here."""
-        if getattr(self, "_taken", None) is not None:
+        if self._taken is not None:
             return self._taken
         x = self._hidden
         if x is None:
