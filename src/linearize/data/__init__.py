@@ -19,7 +19,8 @@ from ..lazy import lazy_names
 # imported on first use: ``linearize data --help`` and the training commands' flags read ``SOURCE_HELP``
 # without torch (``blocks``, ``dataset`` and ``packing`` need it)
 lazy_names(__name__, {
-    "load_blocks": "blocks", "BlockDataset": "dataset", "with_repeats": "repeats", "pack_blocks": "packing", "SPLITS": "splits",
+    "load_blocks": "blocks", "BlockDataset": "dataset", "with_repeats": "repeats", "pack_blocks": "packing",
+    "SPLITS": "splits",
     **dict.fromkeys(("GUTENBERG_BOOKS", "GUTENBERG_PACKAGE", "GUTENBERG_TRAIN", "GUTENBERG_VALIDATION", "gutenberg_dir"),
                     "gutenberg"),
     **dict.fromkeys(("ACCEPTED_SOURCES", "SOURCE_HELP", "read_texts"), "sources"),

@@ -23,7 +23,7 @@ def datasets(cfg, tokenizer):
     blocks given a verbatim repeat (``data.repeats``): (train_ds, eval_ds, eval_blocks)."""
     train_blocks = load_blocks(cfg.data, tokenizer, block_len=cfg.block_len, split="train",
                                max_blocks=cfg.train_blocks, seed=cfg.seed)
-    train_blocks = with_repeats(train_blocks, getattr(cfg, "repeats", 0.0), seed=cfg.seed)
+    train_blocks = with_repeats(train_blocks, cfg.repeats, seed=cfg.seed)
     eval_blocks = load_blocks(cfg.data, tokenizer, block_len=cfg.block_len, split="validation", max_blocks=cfg.eval_blocks)
     return BlockDataset(train_blocks), BlockDataset(eval_blocks), eval_blocks
 
