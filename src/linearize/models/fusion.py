@@ -87,10 +87,15 @@ class FusedLinear(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         """The outputs side by side, ``[..., sum(sizes)]`` (one tensor, before the split; a view of the
-        padded product where the weight has padding rows)."""
-        y = F.linear(x, self.weight, self.bias)
+        padded product where the weight has padding rows). Fewer than ``ALIGN`` input rows (batch-1
+        decoding: a matrix-vector product, which the padding does not help) read the weight without
+        its padding rows (a contiguous view), as before the padding."""
         width = sum(self.sizes)
-        return y if y.shape[-1] == width else y[..., :width]
+        if self.weight.shape[0] == width:
+            return F.linear(x, self.weight, self.bias)
+        if x.numel() < ALIGN * x.shape[-1]:
+            return F.linear(x, self.weight[:width], None if self.bias is None else self.bias[:width])
+        return F.linear(x, self.weight, self.bias)[..., :width]
 
     def extra_repr(self) -> str:
         pad = self.weight.shape[0] - sum(self.sizes)
