@@ -33,6 +33,7 @@
 #             teacher) and with them
 #   profile   where a training step's time goes (bench.profile train at 8x1024: kernels, host phases) for the
 #             teacher and both LoLCATs stages, and a 1k prefill's kernels, student and teacher
+#   delta-prefill  issue #53: the delta student's prefill, part by part (dev/delta_prefill.py), beside the teacher
 #   decode-default  issue #44: the norm/activation kernels' CUDA tests, then decode from 1k prompts + 512 new at
 #             batch 1/64/256 on the default fast path (no flags) and with --compile, each beside the teacher's
 #             static and fast paths in its run, then the default path with the kernels off (the step as before),
@@ -166,6 +167,12 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
         [[ " ${LENGTH_PREFILL:-$name} " == *" $name "* ]] && timeout 300 python3 -m linearize bench "$ck" --teacher "$T" --dtype bfloat16 --prefill 1x32768 32x1024 \
           --out "$S/prefill_length_$name.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:"
       done ;;
+    delta-prefill)  # issue #53: where the delta student's prefill goes (dev/delta_prefill.py: parts swapped out, the
+      # parts alone, the kernels) at DELTA_SHAPES (default 1x32768 32x1024), beside the teacher, on an untrained student
+      ck=$C-delta; [ -d "$ck" ] || python3 -m linearize convert --teacher "$T" --kind delta --feature-rope off --out "$ck" \
+        --dtype bfloat16 2>&1 | tail -1
+      timeout 540 python3 dev/delta_prefill.py "$ck" --teacher "$T" --shapes ${DELTA_SHAPES:-1x32768 32x1024} \
+        --out "$S/delta_prefill.json" 2>&1 | quiet | grep -v -E "^\s*$|Warning|warn" ;;
     decode-ceiling)
       student
       for m in "$T" "$C"; do
