@@ -7,6 +7,8 @@ the delta hybrid swapped out in this process, so the difference to ``as-is`` is 
   no-memory       the delta memory's sequence form returns zeros (fla's kernels not run)
   no-window       the window's blocked SDPA returns zeros
   window-chunked  the window's softmax through the PyTorch chunked form instead of SDPA on blocks
+  window-expanded the blocked SDPA with keys and values repeated to the query heads (no enable_gqa: SDPA's
+                  memory-efficient kernel takes a mask, not groups)
   intracard       fla's intra-card context parallel for the memory (inference mode, one varlen sequence)
 
 then the two parts alone on the layer's shapes (fla's chunk_gated_delta_rule; the blocked SDPA, and which SDPA
@@ -61,6 +63,8 @@ def variant(name):
             W.gated_delta_rule = zeros_rule
         elif name == "no-window":
             W.window_softmax_sdpa = lambda q, k, v, **_: torch.zeros_like(q)
+        elif name == "window-expanded":
+            W.window_softmax_sdpa = _expanded(saved["window_softmax_sdpa"])
         elif name == "window-chunked":
             W.WINDOW_SDPA = False
         elif name == "intracard":
@@ -74,6 +78,13 @@ def variant(name):
             os.environ.pop("FLA_INTRACARD_CP", None)
         else:
             os.environ["FLA_INTRACARD_CP"] = env
+
+
+def _expanded(sdpa):
+    def call(q, k, v, **kw):
+        grp = q.shape[1] // k.shape[1]
+        return sdpa(q, k.repeat_interleave(grp, dim=1), v.repeat_interleave(grp, dim=1), **kw)
+    return call
 
 
 def _varlen_rule(rule):
@@ -122,6 +133,8 @@ def parts_alone(model, b, t):
         out["fla_rule_ms"] = f"failed: {str(e).splitlines()[0][:120]}"
     out["window_sdpa_ms"] = layers * timed(lambda: window_softmax_sdpa(q, k, v, window=mixer.spec.window,
                                                                        scale=g.scaling))
+    expanded = _expanded(window_softmax_sdpa)
+    out["window_sdpa_expanded_ms"] = layers * timed(lambda: expanded(q, k, v, window=mixer.spec.window, scale=g.scaling))
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     accepts = {}
@@ -130,6 +143,12 @@ def parts_alone(model, b, t):
             with sdpa_kernel([getattr(SDPBackend, name)]):
                 window_softmax_sdpa(q, k, v, window=mixer.spec.window, scale=g.scaling)
             accepts[name] = True
+        except Exception as e:  # this backend refuses the call
+            accepts[name] = str(e).splitlines()[0][:120]
+        try:
+            with sdpa_kernel([getattr(SDPBackend, name)]):
+                expanded(q, k, v, window=mixer.spec.window, scale=g.scaling)
+            accepts[name + " (expanded)"] = True
         except Exception as e:  # this backend refuses the call
             accepts[name] = str(e).splitlines()[0][:120]
     out["sdpa_backends"] = accepts
@@ -164,7 +183,8 @@ def main(argv=None) -> int:
     p.add_argument("--teacher", default=None)
     p.add_argument("--shapes", nargs="+", default=["1x32768", "32x1024"])
     p.add_argument("--variants", nargs="+",
-                   default=["as-is", "no-cache", "no-memory", "no-window", "window-chunked", "intracard"])
+                   default=["as-is", "no-cache", "no-memory", "no-window", "window-chunked", "window-expanded",
+                            "intracard"])
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None)
