@@ -7,6 +7,7 @@ the delta hybrid swapped out in this process, so the difference to ``as-is`` is 
   no-memory       the delta memory's sequence form returns zeros (fla's kernels not run)
   no-window       the window's blocked SDPA returns zeros
   window-chunked  the window's softmax through the PyTorch chunked form instead of SDPA on blocks
+  window-kernel   the window's softmax through the LoLCATs hybrid's Triton kernels, zero features (WINDOW_KERNEL)
   window-expanded the blocked SDPA with keys and values repeated to the query heads (no enable_gqa: SDPA's
                   memory-efficient kernel takes a mask, not groups)
   intracard       fla's intra-card context parallel for the memory (inference mode, one varlen sequence)
@@ -53,7 +54,7 @@ def timed(fn, warmup=2, repeats=5, budget_s=3.0):
 def variant(name):
     from linearize.ops.delta import window as W
 
-    saved = {k: getattr(W, k) for k in ("gated_delta_rule", "window_softmax_sdpa", "WINDOW_SDPA")}
+    saved = {k: getattr(W, k) for k in ("gated_delta_rule", "window_softmax_sdpa", "WINDOW_SDPA", "WINDOW_KERNEL")}
     env = os.environ.get("FLA_INTRACARD_CP")
     try:
         if name == "no-memory":
@@ -65,6 +66,8 @@ def variant(name):
             W.window_softmax_sdpa = lambda q, k, v, **_: torch.zeros_like(q)
         elif name == "window-expanded":
             W.window_softmax_sdpa = _expanded(saved["window_softmax_sdpa"])
+        elif name == "window-kernel":
+            W.WINDOW_KERNEL = True
         elif name == "window-chunked":
             W.WINDOW_SDPA = False
         elif name == "intracard":
@@ -114,7 +117,7 @@ def _varlen_rule(rule):
 def parts_alone(model, b, t):
     """fla's rule and the blocked SDPA alone at the model's delta shapes, once per layer's worth of calls."""
     from linearize.ops.delta.rule import gated_delta_rule_fla
-    from linearize.ops.delta.window import window_softmax_sdpa
+    from linearize.ops.delta.window import window_softmax_kernel, window_softmax_sdpa
 
     mixer = next(m for m in model.modules() if getattr(m, "kind", None) == "delta")
     g = mixer.geometry
@@ -133,6 +136,11 @@ def parts_alone(model, b, t):
         out["fla_rule_ms"] = f"failed: {str(e).splitlines()[0][:120]}"
     out["window_sdpa_ms"] = layers * timed(lambda: window_softmax_sdpa(q, k, v, window=mixer.spec.window,
                                                                        scale=g.scaling))
+    try:
+        out["window_kernel_ms"] = layers * timed(lambda: window_softmax_kernel(q, k, v, window=mixer.spec.window,
+                                                                               scale=g.scaling))
+    except Exception as e:  # no Triton / CUDA here
+        out["window_kernel_ms"] = f"failed: {str(e).splitlines()[0][:120]}"
     expanded = _expanded(window_softmax_sdpa)
     out["window_sdpa_expanded_ms"] = layers * timed(lambda: expanded(q, k, v, window=mixer.spec.window, scale=g.scaling))
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -183,8 +191,8 @@ def main(argv=None) -> int:
     p.add_argument("--teacher", default=None)
     p.add_argument("--shapes", nargs="+", default=["1x32768", "32x1024"])
     p.add_argument("--variants", nargs="+",
-                   default=["as-is", "no-cache", "no-memory", "no-window", "window-chunked", "window-expanded",
-                            "intracard"])
+                   default=["as-is", "no-cache", "no-memory", "no-window", "window-chunked", "window-kernel",
+                            "window-expanded", "intracard"])
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default=None)

@@ -290,8 +290,9 @@ def test_fla_gated_delta_rule_equals_the_chunked_form_on_cuda(shape, dtype, tol)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
 def test_window_sdpa_equals_the_chunked_form_on_cuda(monkeypatch, dtype, tol):
-    """The window's SDPA on blocks on CUDA (the path ``WINDOW_SDPA: auto`` takes there) against the chunked
-    form in float64: outputs and gradients, GQA, left padding, SmolLM2's head width, a 2k block."""
+    """The window's SDPA on blocks on CUDA (the path ``WINDOW_SDPA: auto`` takes there) and, in bf16, the
+    window through the hybrid's kernels (``WINDOW_KERNEL``) against the chunked form in float64: outputs and
+    gradients, GQA, left padding, SmolLM2's head width, a 2k block."""
     from linearize.ops.delta import window as delta_rule
 
     b, h, hk, t, d = 2, 9, 3, 2048, 64
@@ -303,14 +304,20 @@ def test_window_sdpa_equals_the_chunked_form_on_cuda(monkeypatch, dtype, tol):
     mask[1, :300] = False
     w = r(b, h, t, d).double()
     got = {}
-    for name, sdpa in (("sdpa", True), ("chunked", False)):
+    forms = [("sdpa", True, False), ("chunked", False, False)] + ([("kernel", False, True)] if dtype != torch.float32
+                                                                   else [])
+    for name, sdpa, kernel in forms:
         monkeypatch.setattr(delta_rule, "WINDOW_SDPA", sdpa)
-        ins = [(x.to(dtype) if sdpa else x.double()).requires_grad_(True) for x in xs]
+        monkeypatch.setattr(delta_rule, "WINDOW_KERNEL", kernel)
+        ins = [(x.to(dtype) if name != "chunked" else x.double()).requires_grad_(True) for x in xs]
+        if kernel:
+            assert delta_rule._use_window_kernel(ins[0], 64)
         o, _ = ops.delta_window_chunked(*ins, window=64, scale=d ** -0.5, key_mask=mask, chunk_size=64)
         got[name] = [o, *torch.autograd.grad((o.double() * w).sum(), ins)]
-    for out, ref in zip(got["sdpa"], got["chunked"]):
-        scale = ref.abs().max().clamp_min(1e-6)
-        assert ((out.double() - ref).abs().max() / scale).item() < tol
+    for name in got.keys() - {"chunked"}:
+        for out, ref in zip(got[name], got["chunked"]):
+            scale = ref.abs().max().clamp_min(1e-6)
+            assert ((out.double() - ref).abs().max() / scale).item() < tol, name
 
 
 # --- the mixer ------------------------------------------------------------------------------------
@@ -436,6 +443,14 @@ def test_attention_transfer_trains_the_new_parameters(tiny_model):
                  "mix_proj.weight", "A_log", "dt_bias"):
         grad = dict(m.named_parameters())[name].grad
         assert grad is not None and grad.abs().sum() > 0, name
+
+
+def test_window_through_the_hybrid_kernels_equals_the_window_softmax():
+    """``WINDOW_KERNEL``: the window's softmax through the LoLCATs hybrid's Triton kernels with zero features, on
+    the CPU by Triton's interpreter, against the float64 window softmax (values, gradients of q/k/v; GQA,
+    padding, soft-capping, a prompt shorter than the window), and the delta hybrid around it against its
+    token-by-token reference."""
+    run_triton_interpreter_script("triton_interpret_delta_window.py")
 
 
 def test_fused_ring_step_equals_the_pytorch_ring_step():

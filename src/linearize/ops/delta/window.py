@@ -51,6 +51,35 @@ def _use_window_sdpa(q, softcap) -> bool:
     return bool(WINDOW_SDPA) and softcap is None
 
 
+# The window's softmax through the LoLCATs hybrid's Triton kernels (``ops/hybrid/chunk_triton.py``) with zero
+# features, so that nothing is linear: one fused forward and backward, soft-capping and padding included, the
+# cost of the default student's window. False: not (SDPA on blocks or the chunked form, as above); True: wherever
+# ``use_hybrid_kernel`` allows (CUDA, or Triton's interpreter in tests).
+WINDOW_KERNEL: bool = False
+ZERO_FEATURES = 16  # the kernels' narrowest feature tile
+
+
+def _use_window_kernel(q, window: int) -> bool:
+    from ..hybrid import use_hybrid_kernel
+
+    return WINDOW_KERNEL and use_hybrid_kernel(q, "auto", window=window, head_dim=q.shape[-1],
+                                                feature_width=ZERO_FEATURES, dtype=q.dtype)
+
+
+def window_softmax_kernel(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None):
+    """Softmax over each query's last ``window`` keys through the hybrid's Triton kernels, whose linear
+    terms vanish with zero features (the shared normaliser is then the window's alone). ``[B, H, T, D]``."""
+    from ..hybrid import kernel_dtype
+    from ..hybrid.chunk_triton import hybrid_triton
+
+    dtype = kernel_dtype(q, k, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    zq, zk = q.new_zeros(*q.shape[:3], ZERO_FEATURES), k.new_zeros(*k.shape[:3], ZERO_FEATURES)
+    gamma = torch.ones(q.shape[1], device=q.device, dtype=torch.float32)
+    o, _ = hybrid_triton(q, k, v, gamma, qf=zq, kf=zk, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
+    return o
+
+
 def _window_block(window: int) -> int:
     """Query block of the blocked window softmax: at least ``window - 1`` (a block's keys are its own
     and the previous block's), a multiple of 16 for the kernels' tiles."""
@@ -138,7 +167,9 @@ def delta_window_chunked(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: f
     b, n_kv, t, _ = k.shape
     real = key_mask if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=q.device)
     ones = torch.ones(q.shape[1], dtype=acc, device=q.device)
-    if _use_window_sdpa(q, softcap):
+    if _use_window_kernel(q, window):
+        o_win = window_softmax_kernel(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
+    elif _use_window_sdpa(q, softcap):
         o_win = window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
     else:
         o_win, _ = hybrid_attention_chunked(q, k, *_window_softmax_inputs(q, k), v, ones, window=window, scale=scale,
