@@ -22,9 +22,8 @@ import torch.nn.functional as F
 
 from ..hybrid import (
     HybridState, empty_hybrid_state, hybrid_attention_chunked, hybrid_attention_naive, hybrid_attention_step,
-    hybrid_final_state,
 )
-from ..hybrid.shared import _scores
+from ..hybrid.shared import _real_keys, _scores
 from ..linear_attention import _group, accum_dtype
 from .rule import _readout, _write, empty_delta_state, gated_delta_rule
 from .state import DeltaWindowState, RingDeltaState, empty_delta_window_state
@@ -184,11 +183,11 @@ def delta_window_chunked(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: f
     y = (_combine(o_win, o_mem.to(acc), lam.to(acc), older) * real[:, None, :, None]).to(q.dtype)
     if not output_final_state:
         return y, None
-    window_state = hybrid_final_state(k, kd, v, window, key_mask)
-    cut = t - window_state.keys.shape[2]
-    state = DeltaWindowState(window_state.keys, window_state.values, window_state.key_features,
-                             gm[..., cut:].to(acc), bm[..., cut:].to(acc), window_state.valid, memory.to(acc),
-                             older[:, -1])
+    cut = max(t - window, 0)  # the window's last tokens, raw (padding zeroed); older ones are in the memory
+    valid = key_mask[:, cut:] if key_mask is not None else torch.ones(b, t - cut, dtype=torch.bool, device=q.device)
+    kd_tail, v_tail = _real_keys(valid if key_mask is not None else None, kd[:, :, cut:], v[:, :, cut:])
+    state = DeltaWindowState(k[:, :, cut:], v_tail, kd_tail, gm[..., cut:].to(acc), bm[..., cut:].to(acc), valid,
+                             memory.to(acc), older[:, -1])
     return y, state
 
 
