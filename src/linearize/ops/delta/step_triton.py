@@ -62,7 +62,7 @@ def _delta_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr,
                       xa_ptr, xb_ptr, xl_ptr, dt_ptr, alog_ptr, mixb_ptr,
                       keys_ptr, values_ptr, dkeys_ptr, gates_ptr, betas_ptr, valid_ptr, mem_ptr, written_ptr, ticks_ptr,
                       y_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, swq, swk,
-                      sa_b, sa_h, sb_b, sb_h, sl_b, sl_h, scale, softcap, HK, G, W, D, R,
+                      sa_b, sa_h, sb_b, sb_h, sl_b, sl_h, scale, softcap, HK, W, D, R, G: tl.constexpr,
                       HAS_SOFTCAP: tl.constexpr, FEATURE_ROPE: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
@@ -113,7 +113,7 @@ def _delta_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr,
     live = (valid | here) & wm
 
     # 3. each query head of the group: the window's softmax and the memory's readout, mixed
-    for g in range(G):
+    for g in tl.static_range(G):  # unrolled: each head's loads can start before the memory's write ends
         h = hk * G + g
         qh = bi * HK * G + h
         q = _rope(q_ptr + bi * sq_b + h * sq_h, sq_d, cos, sin, sc_d, d, D, R)
@@ -168,6 +168,6 @@ def delta_step_fused_triton(q, k, v, position_embeddings, wq, wk, decay_input, b
         v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, wq.stride(0) if wq.shape[0] > 1 else 0,
         wk.stride(0) if wk.shape[0] > 1 else 0, decay_input.stride(0), decay_input.stride(-1), beta_input.stride(0),
         beta_input.stride(-1), mix_input.stride(0), mix_input.stride(-1), float(scale), float(softcap or 1.0), hk,
-        h // hk, w, d, rot, HAS_SOFTCAP=softcap is not None, FEATURE_ROPE=feature_rope,
+        w, d, rot, G=h // hk, HAS_SOFTCAP=softcap is not None, FEATURE_ROPE=feature_rope,
         BW=triton.next_power_of_2(w), BD=bd, num_warps=STEP_WARPS or min(8, max(2, bd * bd // 1024)))
     return y.transpose(1, 2), state
