@@ -53,7 +53,7 @@ def _use_window_sdpa(q, softcap) -> bool:
 # The window's softmax through the LoLCATs hybrid's Triton kernels (``ops/hybrid/chunk_triton.py``) with zero
 # features, so that nothing is linear: one fused forward and backward, soft-capping and padding included, the
 # cost of the default student's window. False: not (SDPA on blocks or the chunked form, as above); True: wherever
-# ``use_hybrid_kernel`` allows (CUDA, or Triton's interpreter in tests).
+# ``use_hybrid_kernel`` allows (CUDA, half precision, windows up to its KERNEL_MAX_WINDOW).
 WINDOW_KERNEL: bool = False
 ZERO_FEATURES = 16  # the kernels' narrowest feature tile
 
