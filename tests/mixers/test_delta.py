@@ -311,7 +311,7 @@ def test_window_sdpa_equals_the_chunked_form_on_cuda(monkeypatch, dtype, tol):
         monkeypatch.setattr(delta_rule, "WINDOW_KERNEL", kernel)
         ins = [(x.to(dtype) if name != "chunked" else x.double()).requires_grad_(True) for x in xs]
         if kernel:
-            assert delta_rule._use_window_kernel(ins[0], 64)
+            assert delta_rule._use_window_kernel(*ins[:2], ins[4], 64)
         o, _ = ops.delta_window_chunked(*ins, window=64, scale=d ** -0.5, key_mask=mask, chunk_size=64)
         got[name] = [o, *torch.autograd.grad((o.double() * w).sum(), ins)]
     for name in got.keys() - {"chunked"}:

@@ -58,11 +58,12 @@ WINDOW_KERNEL: bool = False
 ZERO_FEATURES = 16  # the kernels' narrowest feature tile
 
 
-def _use_window_kernel(q, window: int) -> bool:
-    from ..hybrid import use_hybrid_kernel
+def _use_window_kernel(q, k, v, window: int) -> bool:
+    """Under autocast, as the hybrid decides: fp32 inputs (RoPE's) go in as the autocast dtype."""
+    from ..hybrid import kernel_dtype, use_hybrid_kernel
 
     return WINDOW_KERNEL and use_hybrid_kernel(q, "auto", window=window, head_dim=q.shape[-1],
-                                                feature_width=ZERO_FEATURES, dtype=q.dtype)
+                                                feature_width=ZERO_FEATURES, dtype=kernel_dtype(q, k, v))
 
 
 def window_softmax_kernel(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None):
@@ -166,7 +167,7 @@ def delta_window_chunked(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: f
     b, n_kv, t, _ = k.shape
     real = key_mask if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=q.device)
     ones = torch.ones(q.shape[1], dtype=acc, device=q.device)
-    if _use_window_kernel(q, window):
+    if _use_window_kernel(q, k, v, window):
         o_win = window_softmax_kernel(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
     elif _use_window_sdpa(q, softcap):
         o_win = window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
