@@ -25,8 +25,11 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/python -m linearize.demo
 
+# pytest-xdist: TEST_WORKERS processes share the cores (tests/conftest.py gives each worker its share of torch
+# threads); worksteal moves queued tests to a worker that has run out, so one long file does not hold up the end.
+TEST_WORKERS ?= 2
 test: $(STAMP) $(VENV)/.teachers
-	$(BIN)/python -m pytest -q --durations=25  # the slowest 25 printed: where the suite's time goes
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=25  # the slowest 25 printed: where the suite's time goes
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"

@@ -8,6 +8,14 @@ import random
 # and tests/decode/test_route.py took 265-467 s instead of 44-54 s on 2 cores beside another test run.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+# Under pytest-xdist (`make test` runs `-n 2`) the workers share the machine's cores: each gets its share
+# (1 thread on 2 cores), set before torch loads OpenMP so its pool never grows past it, and inherited by
+# the subprocesses a test starts. Two workers of 2 threads each on 2 cores would slow every small op down.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) if os.environ.get("PYTEST_XDIST_WORKER") else 1
+TORCH_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(TORCH_THREADS))
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -15,7 +23,7 @@ from helpers import tiny_config, tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+torch.set_num_threads(TORCH_THREADS)
 
 
 @pytest.fixture
