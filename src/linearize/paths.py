@@ -1,6 +1,7 @@
-"""Where linearize keeps what it fetches or derives (dequantised teachers, corpora), and how it reads
-back the JSON-lines files it writes (metrics, generated text)."""
+"""Where linearize keeps what it fetches or derives (dequantised teachers, corpora), how processes
+take turns publishing there, and how it reads back the JSON-lines files it writes (metrics, generated text)."""
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -12,6 +13,25 @@ def cache_dir(*parts: str) -> Path:
     path = root.joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def publish_lock(target: Path):
+    """An exclusive lock on ``.<name>.lock`` beside ``target`` while a finished copy is moved into place
+    (``fcntl``, POSIX; elsewhere none): a process that checks ``target`` and then replaces it cannot
+    interleave with another doing the same (two test workers fetching one corpus or dequantising one
+    teacher on a cold cache)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX
+        yield
+        return
+    with open(Path(target).with_name(f".{Path(target).name}.lock"), "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def read_json_lines(path) -> list:

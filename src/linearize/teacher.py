@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 from . import shapes
 from .errors import LinearizeError
 from .models import SUPPORTED_MODEL_TYPES, get_adapter  # noqa: F401  (the adapters are the one list)
-from .paths import cache_dir
+from .paths import cache_dir, publish_lock
 from .quiet import transient_bars, without_bpe_cleanup
 
 logger = logging.getLogger(__name__)
@@ -593,21 +593,24 @@ def _publish(tmp: Path, target: Path, digest: str) -> None:
 
     A concurrent process may publish first; its result is as good as ours, and it stays: replacing a
     complete cache would pull its files from under a process reading them (a tokenizer read without
-    its tokenizer.json maps every word to the unknown token)."""
-    if _cache_matches(target, digest):
-        return  # the caller removes tmp
-    if target.exists():
-        stale = target.with_name(f".stale-{target.name}-{uuid.uuid4().hex[:8]}")
+    its tokenizer.json maps every word to the unknown token). Publishers take turns (a lock file beside
+    the target), so none can move aside a cache another has just published (two test workers loading
+    one teacher on a cold cache)."""
+    with publish_lock(target):
+        if _cache_matches(target, digest):
+            return  # the caller removes tmp
+        if target.exists():
+            stale = target.with_name(f".stale-{target.name}-{uuid.uuid4().hex[:8]}")
+            try:
+                os.replace(target, stale)
+            except OSError:
+                pass  # someone else moved it already
+            shutil.rmtree(stale, ignore_errors=True)
         try:
-            os.replace(target, stale)
+            os.replace(tmp, target)
         except OSError:
-            pass  # someone else moved it already
-        shutil.rmtree(stale, ignore_errors=True)
-    try:
-        os.replace(tmp, target)
-    except OSError:
-        if not _cache_matches(target, digest):
-            raise
+            if not _cache_matches(target, digest):
+                raise
 
 
 def _sha256(path: Path) -> str:

@@ -223,7 +223,8 @@ def test_gguf_cache_built_once_and_rebuilt_on_change(tmp_path, monkeypatch):
     rebuilt = teacher._ensure_gguf_cache(gguf, "fixed-name", teacher._sha256(gguf))
     assert len(calls) == 3 and calls[-1] == teacher._sha256(gguf)
     assert json.loads((rebuilt / teacher.SOURCE_FILE).read_text())["gguf_sha256"] == calls[-1]
-    assert not [p for p in rebuilt.parent.iterdir() if p.name.startswith(".")]  # no temp/stale leftovers
+    leftovers = [p for p in rebuilt.parent.iterdir() if p.name.startswith(".") and p.suffix != ".lock"]
+    assert not leftovers  # no temp/stale copies (the publishers' lock files stay)
 
 
 def test_half_written_cache_never_counts(tmp_path, monkeypatch):
@@ -256,7 +257,43 @@ def test_a_complete_cache_published_by_another_process_stays(tmp_path):
     assert (target / "marker").read_text() == "theirs"
     teacher._publish(folder("newer", "abd", "newer"), target, "abd")
     assert (target / "marker").read_text() == "newer"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ours", "target"]  # the caller removes its own copy
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))  # publishers' lock file stays
+    assert left == ["ours", "target"]  # the caller removes its own copy; no stale copy is left
+
+
+def test_publishers_take_turns_so_a_published_cache_is_never_replaced(tmp_path, monkeypatch):
+    """Two publishers of one GGUF's cache on a cold cache (two test workers loading one teacher): the
+    second, arriving just after the first found no cache, must not publish in between and then see its
+    cache moved aside (and deleted under its readers) by the first; it waits its turn and keeps the
+    first one's."""
+    import threading
+
+    def folder(name: str) -> Path:
+        out = tmp_path / name
+        out.mkdir()
+        _fake_writer([])(Path("unused.gguf"), out, "abc")
+        (out / "marker").write_text(name)
+        return out
+
+    target, seen, other = tmp_path / "target", [], []
+    real = teacher._cache_matches
+
+    def second():
+        teacher._publish(folder("b"), target, "abc")
+        seen.append((target / "marker").read_text())  # what the second publisher goes on to read
+
+    def check_then_let_the_second_in(folder_, digest):
+        found = real(folder_, digest)
+        if not other:  # the first publisher's check: the second one arrives now
+            other.append(threading.Thread(target=second))
+            other[0].start()
+            other[0].join(timeout=1.0)  # it publishes now, or waits for the first one's turn to end
+        return found
+
+    monkeypatch.setattr(teacher, "_cache_matches", check_then_let_the_second_in)
+    teacher._publish(folder("a"), target, "abc")
+    other[0].join(timeout=10)
+    assert seen == [(target / "marker").read_text()] == ["a"]
 
 
 def test_cache_without_metadata_is_not_trusted(tmp_path):

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
 from ..errors import LinearizeError
+from ..paths import publish_lock
 
 DOWNLOAD_TIMEOUT_S = 600
 # one part of a member's path: no separator or control character ("." and ".." are refused apart)
@@ -118,12 +119,14 @@ def fetch_once(target: Path, is_complete: Callable[[Path], bool], fill: Callable
 
 
 def _move_into_place(staging: Path, target: Path, is_complete: Callable[[Path], bool]) -> None:
-    """Rename ``staging`` to ``target``, replacing an incomplete ``target`` but never a complete one."""
-    if target.exists() and not is_complete(target):
-        shutil.rmtree(target)
-    try:
-        staging.rename(target)
-    except OSError:
-        # Another process finished the same fetch first; its copy is as good as ours.
-        if not is_complete(target):
-            raise
+    """Rename ``staging`` to ``target``, replacing an incomplete ``target`` but never a complete one (one
+    process at a time: ``publish_lock``)."""
+    with publish_lock(target):
+        if target.exists() and not is_complete(target):
+            shutil.rmtree(target)
+        try:
+            staging.rename(target)
+        except OSError:
+            # Another process finished the same fetch first; its copy is as good as ours.
+            if not is_complete(target):
+                raise
