@@ -16,22 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 from linearize import ops  # noqa: E402
 from linearize.ops.delta import window as W  # noqa: E402
-
-TOL = 2e-5
-
-
-def _close(got, want, what, floor=1e-6):
-    err = ((got.double() - want).abs().max() / want.abs().max().clamp_min(floor)).item()
-    assert err < TOL, (what, err)
-
-
-def _mask(b, t, pad):
-    if not pad:
-        return None
-    key_mask = torch.ones(b, t, dtype=torch.bool)
-    key_mask[-1, :pad] = False
-    return key_mask
-
+from interpret_checks import _close, _masks as _mask  # noqa: E402
 
 def check_window(b, h, hk, t, d, window, softcap, pad, seed):
     g = torch.Generator().manual_seed(seed)

@@ -21,21 +21,7 @@ import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's
 from linearize import ops  # noqa: E402
 from linearize.ops.hybrid.chunk_triton import hedgehog_features, hybrid_triton, rope_half  # noqa: E402
 
-TOL = 2e-5
-
-
-def _close(got, want, what, floor=1e-6, tol=TOL):
-    """Largest error relative to the largest reference entry (at least ``floor``)."""
-    err = ((got.double() - want).abs().max() / want.abs().max().clamp_min(floor)).item()
-    assert err < tol, (what, err)
-
-
-def _masks(b, t, pad):
-    if not pad:
-        return None
-    key_mask = torch.ones(b, t, dtype=torch.bool)
-    key_mask[-1, :pad] = False  # the last sequence left-padded
-    return key_mask
+from interpret_checks import TOL, _close, _masks  # noqa: E402,F401  (TOL: the cases' bound)
 
 
 def _weights(y, key_mask, g):
