@@ -12,6 +12,11 @@
 #   maxbatch the largest batch at a 32k context: the teacher's static cache holds 32,768 + 32 tokens a sequence
 #            (TEACHER_BATCHES); the student's state does not grow with length, so 128-token prompts + 64 new
 #            hold what 32k would (STUDENT_BATCHES, prefilled 256 at a time)
+#   fsdp2    (two GPUs) SUPRA and XATL (RetNet) training every weight under accelerate's FSDP config, FSDP_STEPS (20)
+#            of FSDP_BATCH (1) x 4,096 per GPU: steady tok/s, peak memory per GPU, model FLOPs utilisation
+#            (6 x parameters x tok/s over 2 x 790 TFLOP/s)
+#   ddp2     (two GPUs) LoLCATs (the default config) under torchrun, S1 + S2 steps: each stage's steady tok/s, for the
+#            ratio to the `train` part's one GPU
 # Rows land in $S (/tmp/runs/scale/SHAPE).
 set -uo pipefail
 SHAPE=${SHAPE:-llama-3-8b}; T=shape:$SHAPE; S=${S:-/tmp/runs/scale/$SHAPE}; R=/tmp/ckpt/scale-$SHAPE; mkdir -p "$S"
@@ -58,6 +63,37 @@ EOF
       timeout 420 python3 -m linearize bench "$R/final" --teacher none --dtype bfloat16 --paths fast --prefill-batch 256 \
         --batch-sizes ${STUDENT_BATCHES:-1536 2048 2560 3072} --new-tokens 64 --prompt-len 128 \
         --out "$S/maxbatch_student.json" 2>&1 | quiet | tee "$S/maxbatch_student.log" | grep -E "^\| student|Error|error:" ;;
+    fsdp2)
+      cfg=$(python3 -m linearize.recipes.launch fsdp)
+      for recipe in ${FSDP_RECIPES:-supra xatl}; do
+        rm -rf "$R-$recipe"
+        timeout ${FSDP_S:-480} accelerate launch --config_file "$cfg" --num_processes 2 -m linearize $recipe --teacher "$T" \
+          --data gutenberg --steps ${FSDP_STEPS:-20} --block-len 4096 --batch-size ${FSDP_BATCH:-1} --warmup-steps 5 \
+          --eval-steps 100000 --eval-blocks 2 --out "$R-$recipe" > "$S/fsdp2-$recipe.log" 2>&1
+        quiet < "$S/fsdp2-$recipe.log" | grep -E "Error|rror:" | sort -u | head -3
+        python3 - "$R-$recipe/results.json" "$S/fsdp2-$recipe.json" $recipe <<'EOF'
+import glob, json, math, os, struct, sys
+r = json.load(open(sys.argv[1])); t = r["train"]
+params = 0  # every weight trains: the saved student's tensors, from the safetensors headers
+for f in glob.glob(os.path.join(os.path.dirname(sys.argv[1]), "final", "*.safetensors")):
+    with open(f, "rb") as fh:
+        head = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+    params += sum(math.prod(v["shape"]) for k, v in head.items() if k != "__metadata__")
+rate = (t.get("steady") or {}).get("tokens_per_second")
+rec = {"train": t, "parameters": params,
+       "mfu": 6 * params * rate / (2 * 790e12) if params and rate else None}
+json.dump(rec, open(sys.argv[2], "w"), indent=1)
+print(sys.argv[3], "FSDP x2:", t["steps"], "steps, steady tok/s", rate, "set-up s", (t.get("setup") or {}).get("seconds"),
+      "peak GiB per GPU", [round(b / 2**30, 1) for b in t.get("peak_gpu_bytes_per_rank") or []], "MFU", rec["mfu"])
+EOF
+      done ;;
+    ddp2)
+      rm -rf "$R-ddp2"
+      timeout ${TRAIN_S:-900} torchrun --standalone --nproc_per_node 2 -m linearize lolcats --teacher "$T" --data gutenberg \
+        --stage1-steps ${S1:-80} --stage2-steps ${S2:-60} --eval-steps 100000 --eval-blocks 2 --out "$R-ddp2" 2>&1 | quiet | tail -6
+      python3 -c "import json; r=json.load(open('$R-ddp2/results.json')); json.dump({k: r.get(k) for k in ('stage1', 'stage2')}, \
+open('$S/ddp2.json', 'w'), indent=1); [print(s, 'x2 steady tok/s', (r[s].get('steady') or {}).get('tokens_per_second'), \
+'peak', r[s].get('peak_gpu_bytes_per_rank')) for s in ('stage1', 'stage2')]" ;;
     *) echo "unknown part $part" ;;
   esac
 done
