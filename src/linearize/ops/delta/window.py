@@ -129,6 +129,18 @@ def _combine(o_win, o_mem, lam, older):
     return o_win.to(o_mem.dtype) * (1 - m) + o_mem * m
 
 
+def _combine_sequence(o_win, o_mem, lam, older, key_mask, dtype):
+    """``_combine`` for a whole sequence in one pass at the outputs' precision (bf16 on the GPU, not four passes
+    in fp32): ``lerp`` computes in fp32 and rounds once, as the fp32 form rounds its result once; only the
+    weight ``m`` is rounded to that precision first. Padding queries are zeroed only where there is padding."""
+    common = torch.promote_types(o_win.dtype, o_mem.dtype)
+    m = (lam * older[:, None, :]).to(common)[..., None]
+    y = torch.lerp(o_win.to(common), o_mem.to(common), m)
+    if key_mask is not None:
+        y = y * key_mask[:, None, :, None]
+    return y.to(dtype)
+
+
 def delta_window_naive(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: float, softcap: float | None = None,
                        key_mask: torch.Tensor | None = None):
     """The reference: the window's softmax (quadratic) and the delta memory written token by token
@@ -181,7 +193,7 @@ def delta_window_chunked(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: f
     o_mem, memory = gated_delta_rule(qd, late(kd), late(v), late_gate(gm), late_gate(bm), chunk_size=chunk_size,
                                      output_final_state=output_final_state, backend=backend)
     older = F.pad(real[:, : t - w], (w, 0)).cumsum(1) > 0
-    y = (_combine(o_win, o_mem.to(acc), lam.to(acc), older) * real[:, None, :, None]).to(q.dtype)
+    y = _combine_sequence(o_win, o_mem, lam, older, key_mask, q.dtype)
     if not output_final_state:
         return y, None
     cut = max(t - window, 0)  # the window's last tokens, raw (padding zeroed); older ones are in the memory
