@@ -169,3 +169,36 @@ def test_which_tokenizer_a_shape_gets(vocab, installed, embedded_size, expect, m
     assert (got is embedded) == (expect == "embedded")
     if expect == "bytes":
         assert len(got) == 257
+
+
+@pytest.mark.parametrize("name", ["llama-3.2-1b", "qwen2.5-7b"])
+def test_a_large_cpu_build_is_filled_from_the_seeded_pool(monkeypatch, name):
+    """Past POOL_FILL_PARAMETERS a CPU build skips transformers' one-value-at-a-time initialisation: the
+    weights are N(0, initializer_range) windows of a seeded pool, biases zero, norms as built, seeded, and
+    the caller's random state untouched."""
+    monkeypatch.setattr(shapes, "POOL_FILL_PARAMETERS", 0)
+    monkeypatch.setattr(shapes, "POOL_SIZE", 4099)
+    with shrunk_for_tests():
+        config = shape_config(name, layers=2)
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    a = random_model(config, torch.float32, "cpu")
+    assert torch.equal(torch.get_rng_state(), before)
+    std = config.initializer_range
+    linears = [m for m in a.modules() if isinstance(m, torch.nn.Linear)]
+    for m in linears:
+        assert abs(m.weight.std().item() - std) < 0.25 * std and abs(m.weight.mean().item()) < 0.1 * std
+        if m.bias is not None:
+            assert torch.count_nonzero(m.bias) == 0
+    if name == "qwen2.5-7b":
+        assert any(m.bias is not None for m in linears)  # q/k/v biases: zeroed, not left uninitialised
+    norms = [p for n, p in a.named_parameters() if "norm" in n]
+    assert norms and all(torch.equal(p, torch.ones_like(p)) for p in norms)
+    assert all(torch.isfinite(p).all() for p in a.parameters())
+    b = random_model(config, torch.float32, "cpu")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    c = random_model(config, torch.float32, "cpu", seed=1)
+    assert not torch.equal(a.model.layers[0].self_attn.q_proj.weight, c.model.layers[0].self_attn.q_proj.weight)
+    with torch.no_grad():
+        logits = a(torch.tensor([[1, 2, 3, 4]])).logits
+    assert torch.isfinite(logits).all() and logits.std() > 0

@@ -121,17 +121,32 @@ def shape_config(shape: Shape | str, layers: int | None = None):
     return AutoConfig.for_model(values.pop("model_type"), **values)
 
 
+# A CPU build past this many parameters is filled from a seeded pool (``_fill_from_pool``) instead of by
+# transformers' initialisation, which draws every value one at a time on one core: the 8B shape took minutes
+# per process before any GPU work (FSDP builds its teacher on the CPU in every process).
+POOL_FILL_PARAMETERS = 300_000_000
+POOL_SIZE = (1 << 22) + 1  # odd: a row of any power-of-two width starts at a new place in the pool
+
+
 def random_model(config, dtype, device, seed: int = 0):
     """A causal LM of ``config`` with random weights (transformers' own initialisation, seeded by
     ``seed``; the caller's random state is left as it was), in eval mode. Built under ``device`` and
     ``dtype`` (a ``torch.device`` / ``torch.dtype``): every tensor is made where it stays, in the dtype
     it keeps, so a GPU build never holds an fp32 copy on the CPU first; ``device="meta"`` allocates
-    nothing (shapes and parameter counts only)."""
+    nothing (shapes and parameter counts only). On the CPU, a model of more than ``POOL_FILL_PARAMETERS``
+    is built uninitialised and filled by ``_fill_from_pool`` (seconds, not minutes, at 8B)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
     cuda = device.type == "cuda"
+    if device.type == "cpu" and _count(config) > POOL_FILL_PARAMETERS:
+        from transformers.initialization import no_init_weights
+
+        with device, no_init_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        _fill_from_pool(model, float(getattr(config, "initializer_range", None) or 0.02), seed)
+        return model.eval()
     index = (device.index if device.index is not None else torch.cuda.current_device()) if cuda else None
     with torch.random.fork_rng(devices=[index] if cuda else []), device:
         torch.random.default_generator.manual_seed(seed)
@@ -140,6 +155,50 @@ def random_model(config, dtype, device, seed: int = 0):
                 torch.cuda.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def _count(config) -> int:
+    """Parameters ``config`` builds (on the meta device: nothing allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _fill_from_pool(model, std: float, seed: int) -> None:
+    """Every linear and embedding weight of ``model`` (built without initialisation) as
+    ``N(0, std)`` values: windows of one seeded pool of ``POOL_SIZE`` normal draws, each weight from its
+    own seeded offset, the pool repeated along it (memory copies, not one draw per value). Linear biases
+    zero and an embedding's padding row zero, as transformers initialises them; other parameters (norm
+    weights, made in their constructors) and buffers as built. Deterministic in ``seed``; speed and memory,
+    all a shape is for, do not depend on the values."""
+    import torch
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(POOL_SIZE, generator=gen).mul_(std)
+    cast, filled = {}, set()
+    with torch.no_grad():
+        for module in model.modules():
+            if not isinstance(module, (nn.Linear, nn.Embedding)):
+                continue
+            w = module.weight
+            if w.data_ptr() in filled:  # tied to one already filled
+                continue
+            src = cast.setdefault(w.dtype, pool.to(w.dtype))
+            n, start = w.numel(), int(torch.randint(POOL_SIZE, (1,), generator=gen))
+            flat, done = w.view(-1), 0
+            while done < n:
+                take = min(n - done, POOL_SIZE - start)
+                flat[done:done + take].copy_(src[start:start + take])
+                done, start = done + take, 0
+            filled.add(w.data_ptr())
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                module.bias.zero_()
+            if isinstance(module, nn.Embedding) and module.padding_idx is not None:
+                w[module.padding_idx].zero_()
 
 
 # --- a tokenizer whose ids fit any vocabulary -------------------------------------------------------
