@@ -1,4 +1,4 @@
-"""Where the delta student's prefill time goes (issue #53: 0.88x the teacher at 1 x 32k, 0.40x at 32 x 1k,
+"""Where the delta student's prefill time goes (issue #53: 0.88x the teacher at 1 x 32k, 0.40x at 32 x 1k at 9440fff,
 where the default student is 2.47x / 1.09x). One prefill as ``linearize bench --prefill`` times it, with parts of
 the delta hybrid swapped out in this process, so the difference to ``as-is`` is that part's cost:
 
