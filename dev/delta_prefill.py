@@ -52,9 +52,11 @@ def timed(fn, warmup=2, repeats=5, budget_s=3.0):
 
 @contextlib.contextmanager
 def variant(name):
+    from linearize.ops import window as WS
     from linearize.ops.delta import window as W
 
-    saved = {k: getattr(W, k) for k in ("gated_delta_rule", "window_softmax_sdpa", "WINDOW_SDPA", "WINDOW_KERNEL")}
+    saved = {"gated_delta_rule": W.gated_delta_rule}
+    saved_ws = {k: getattr(WS, k) for k in ("window_softmax_sdpa", "WINDOW_SDPA", "WINDOW_KERNEL")}
     env = os.environ.get("FLA_INTRACARD_CP")
     try:
         if name == "no-memory":
@@ -63,13 +65,13 @@ def variant(name):
                 return q.new_zeros(*q.shape[:3], v.shape[-1]), (state if output_final_state else None)
             W.gated_delta_rule = zeros_rule
         elif name == "no-window":
-            W.window_softmax_sdpa = lambda q, k, v, **_: torch.zeros_like(q)
+            WS.window_softmax_sdpa = lambda q, k, v, **_: torch.zeros_like(q)
         elif name == "window-expanded":
-            W.window_softmax_sdpa = _expanded(saved["window_softmax_sdpa"])
+            WS.window_softmax_sdpa = _expanded(saved_ws["window_softmax_sdpa"])
         elif name == "window-kernel":
-            W.WINDOW_KERNEL = True
+            WS.WINDOW_KERNEL = True
         elif name == "window-chunked":
-            W.WINDOW_SDPA = False
+            WS.WINDOW_SDPA = False
         elif name == "intracard":
             os.environ["FLA_INTRACARD_CP"] = "1"
             W.gated_delta_rule = _varlen_rule(saved["gated_delta_rule"])
@@ -77,6 +79,8 @@ def variant(name):
     finally:
         for k, v in saved.items():
             setattr(W, k, v)
+        for k, v in saved_ws.items():
+            setattr(WS, k, v)
         if env is None:
             os.environ.pop("FLA_INTRACARD_CP", None)
         else:
@@ -117,7 +121,7 @@ def _varlen_rule(rule):
 def parts_alone(model, b, t):
     """fla's rule and the blocked SDPA alone at the model's delta shapes, once per layer's worth of calls."""
     from linearize.ops.delta.rule import gated_delta_rule_fla
-    from linearize.ops.delta.window import window_softmax_kernel, window_softmax_sdpa
+    from linearize.ops.window import window_softmax_kernel, window_softmax_sdpa
 
     mixer = next(m for m in model.modules() if getattr(m, "kind", None) == "delta")
     g = mixer.geometry

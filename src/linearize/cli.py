@@ -57,6 +57,9 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-softmax", metavar="I,J", help="comma-separated layer indices that keep softmax attention; "
                    "lolcats also takes auto:K (K layers chosen after stage 1 stay softmax: by attention-output MSE, or "
                    "see --auto-softmax-score)")
+    g.add_argument("--softmax-window", type=int, metavar="W", help="the layers kept softmax (--keep-softmax, auto:K "
+                   "too) attend over their last W tokens only, so the student still decodes in constant memory: "
+                   "W keys and values per key head in each (0: the whole sequence, the default)")
     g.add_argument("--sparse-cache", type=int, metavar="S", help="lolcats: tokens per layer and key head kept exactly "
                    "beside the window, by default those whose values are least like the others' (see --sparse-priority); "
                    "0 = off (default)")
@@ -79,7 +82,7 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
 
 
 SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "decay_horizon", "feature_rope", "norm",
-              "keep_softmax", "keep_sliding", "backend", "sparse_cache", "sparse_priority", "sparse_anchor",
+              "keep_softmax", "softmax_window", "keep_sliding", "backend", "sparse_cache", "sparse_priority", "sparse_anchor",
               "sparse_linear")
 
 

@@ -62,6 +62,9 @@ class Spec:
         own, mixed by a learned weight per head starting at 0.5: the linear terms' weight no longer
         grows with their number).
     keep_softmax: indices of layers that keep their softmax attention (hybrids).
+    softmax_window: with ``W`` > 0, each layer of ``keep_softmax`` that has no sliding window of its own keeps its
+        softmax over its last ``W`` tokens only (``mixers/window.py``), so a student with kept layers still
+        decodes in constant memory; 0 (the default) keeps them whole. No parameters.
     keep_sliding: keep every teacher layer that has its own sliding window (Gemma 2/3's local layers,
         Mistral's) as it is, whatever the mixer's window: such a layer already decodes in constant memory,
         so only the global layers are converted. Off (the default), a sliding layer is kept only where a
@@ -113,6 +116,9 @@ class Spec:
     eps: float = 1e-6
     chunk_size: int = 64
     keep_softmax: tuple[int, ...] = field(default_factory=tuple)
+    softmax_window: int = field(default=0, metadata={
+        "cli": True, "help": "the layers kept softmax (--keep-softmax) attend over their last W tokens only, "
+        "so the student decodes in constant memory (0: the whole sequence; the default)"})
     keep_sliding: bool = False
     backend: str = field(default="auto", metadata={
         "cli": True, "choices": BACKENDS, "help": "auto: fla CUDA kernels when installed; torch: PyTorch only"})
@@ -151,6 +157,9 @@ class Spec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LinearizeError(f"spec {name} must be a positive integer, got {value!r}")
+        sw = self.softmax_window
+        if not isinstance(sw, int) or isinstance(sw, bool) or sw < 0:
+            raise LinearizeError(f"spec softmax_window must be a non-negative whole number of tokens, got {sw!r}")
         cache = self.sparse_cache
         if not isinstance(cache, int) or isinstance(cache, bool) or cache < 0:
             raise LinearizeError(f"spec sparse_cache must be a non-negative integer, got {cache!r}")

@@ -95,7 +95,7 @@ def test_the_window_softmax_as_sdpa_on_blocks_equals_the_definition(monkeypatch,
     """``WINDOW_SDPA`` (CUDA's path): SDPA on blocks of 16 or 48 queries (a block reaching back exactly one
     block at window 17, one block covering the sequence at 40) gives the hybrid's outputs and gradients, with
     GQA, left padding and a padding token inside a sequence (its own row is never empty)."""
-    from linearize.ops.delta import window as delta_rule
+    from linearize.ops import window as delta_rule
 
     xs = _hybrid_inputs(3, 4, 2, 22, seed=3)
     mask = torch.ones(3, 22, dtype=torch.bool)
@@ -293,7 +293,7 @@ def test_window_sdpa_equals_the_chunked_form_on_cuda(monkeypatch, dtype, tol):
     """The window's SDPA on blocks on CUDA (the path ``WINDOW_SDPA: auto`` takes there) and, in bf16, the
     window through the hybrid's kernels (``WINDOW_KERNEL``) against the chunked form in float64: outputs and
     gradients, GQA, left padding, SmolLM2's head width, a 2k block."""
-    from linearize.ops.delta import window as delta_rule
+    from linearize.ops import window as delta_rule
 
     b, h, hk, t, d = 2, 9, 3, 2048, 64
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -15,6 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 from linearize import ops  # noqa: E402
+from linearize.ops import window as WS  # noqa: E402
 from linearize.ops.delta import window as W  # noqa: E402
 from interpret_checks import _close, _masks as _mask  # noqa: E402
 
@@ -26,9 +27,9 @@ def check_window(b, h, hk, t, d, window, softcap, pad, seed):
     kw = dict(window=window, scale=d ** -0.5, softcap=softcap, key_mask=key_mask)
     ref = [x.clone().requires_grad_() for x in (q, k, v)]
     ones = torch.ones(h, dtype=torch.float64)
-    want = ops.hybrid_attention_naive(ref[0], ref[1], *W._window_softmax_inputs(ref[0], ref[1]), ref[2], ones, **kw)
+    want = ops.hybrid_attention_naive(ref[0], ref[1], *WS.zero_features(ref[0], ref[1]), ref[2], ones, **kw)
     mine = [x.float().requires_grad_() for x in (q, k, v)]
-    got = W.window_softmax_kernel(*mine, **kw)
+    got = WS.window_softmax_kernel(*mine, **kw)
     assert got.shape == want.shape and got.dtype == torch.float32
     real = key_mask[:, None, :, None] if key_mask is not None else 1.0  # padding queries: the hybrid zeroes them
     _close(got * real, want * real, "y")
@@ -49,12 +50,12 @@ def check_hybrid(b, h, hk, t, d, window, pad, seed):
     key_mask = _mask(b, t, pad)
     kw = dict(window=window, scale=d ** -0.5, key_mask=key_mask)
     want = W.delta_window_naive(q, k, qd, kd, v, gg, beta, lam, **kw)
-    saved = W._use_window_kernel
-    W._use_window_kernel = lambda q, k, v, window: True
+    saved = WS._use_window_kernel
+    WS._use_window_kernel = lambda q, k, v, window: True
     try:
         got, _ = W.delta_window_chunked(*(x.float() for x in (q, k, qd, kd, v, gg, beta, lam)), **kw, chunk_size=8)
     finally:
-        W._use_window_kernel = saved
+        WS._use_window_kernel = saved
     _close(got, want, "delta hybrid")
 
 

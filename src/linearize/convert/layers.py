@@ -9,14 +9,16 @@ from torch import nn
 from ..errors import LinearizeError
 from ..kinds import mixer_class
 from ..mixers import Mixer
+from ..mixers.window import WindowSoftmax
 from ..models import get_adapter
 from ..spec import Spec
 
 
 def apply_spec(model: nn.Module, spec: Spec) -> nn.Module:
     """Replace ``model``'s attention layers (all but ``spec.keep_softmax``) by ``spec``'s mixers, in
-    place. Writes nothing to the config: ``convert`` records the spec, and the ``linearize_*``
-    model classes call this on a model their recorded spec describes."""
+    place; with ``spec.softmax_window``, a kept layer without a sliding window of its own by its softmax over
+    that many tokens (``mixers/window.py``). Writes nothing to the config: ``convert`` records the spec, and
+    the ``linearize_*`` model classes call this on a model their recorded spec describes."""
     adapter = get_adapter(model.config)
     layers = adapter.layers(model)
     n_layers = len(layers)
@@ -25,9 +27,13 @@ def apply_spec(model: nn.Module, spec: Spec) -> nn.Module:
         raise LinearizeError(f"keep_softmax {bad} out of range: the model has layers 0..{n_layers - 1}")
     mixer_cls = mixer_class(spec.kind)
     for i, layer in enumerate(layers):
-        if i in spec.keep_softmax:
-            continue
         attn = adapter.attention(layer)
+        if i in spec.keep_softmax:
+            if spec.softmax_window and not isinstance(attn, Mixer):
+                geometry = adapter.geometry(attn, model.config)
+                if geometry.sliding_window is None:
+                    adapter.set_attention(layer, WindowSoftmax(attn, adapter, geometry, spec, i, n_layers))
+            continue
         geometry = adapter.geometry(attn, model.config)
         adapter.set_attention(layer, mixer_cls(attn, adapter, geometry, spec, i, n_layers))
     return model

@@ -6,8 +6,8 @@ Files, one form each (the forms equal in float64, tests):
   chunks (``gated_delta_rule_chunked``), through fla on CUDA (``gated_delta_rule_fla``), and the
   dispatcher between them (``gated_delta_rule``);
 * ``window.py``: the hybrid (window softmax + the memory of older tokens): the reference
-  (``delta_window_naive``), the sequence form (``delta_window_chunked``; on CUDA the window's softmax is
-  SDPA on blocks), one token (``delta_window_step``), a ring window in place (``delta_window_step_ring``,
+  (``delta_window_naive``), the sequence form (``delta_window_chunked``; the window's softmax is
+  ``ops.window``'s), one token (``delta_window_step``), a ring window in place (``delta_window_step_ring``,
   the fast decoder's) and token by token (``delta_window_recurrent``);
 * ``state.py``: the hybrid's decoding states (``DeltaWindowState``, its ring ``RingDeltaState``, the fused
   step's ``FusedRingDeltaState``);
@@ -30,12 +30,11 @@ from .window import (
     delta_window_recurrent,
     delta_window_step,
     delta_window_step_ring,
-    window_softmax_sdpa,
 )
 
 __all__ = [
     "DeltaWindowState", "FusedRingDeltaState", "RingDeltaState", "delta_window_chunked", "delta_window_naive", "delta_window_recurrent",
     "delta_window_step", "delta_window_step_ring", "empty_delta_state", "empty_delta_window_state",
     "gated_delta_rule", "gated_delta_rule_chunked", "gated_delta_rule_fla", "gated_delta_rule_naive",
-    "gated_delta_rule_step", "window_softmax_sdpa",
+    "gated_delta_rule_step",
 ]

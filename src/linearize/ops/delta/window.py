@@ -21,10 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from ..hybrid import (
-    HybridState, empty_hybrid_state, hybrid_attention_chunked, hybrid_attention_naive, hybrid_attention_step,
+    HybridState, empty_hybrid_state, hybrid_attention_naive, hybrid_attention_step,
 )
 from ..hybrid.shared import _real_keys, _scores
 from ..linear_attention import _group, accum_dtype
+from ..window import window_softmax, zero_features
 from .rule import _readout, _write, empty_delta_state, gated_delta_rule
 from .state import DeltaWindowState, RingDeltaState, empty_delta_window_state
 
@@ -37,90 +38,6 @@ def _masked_gates(g, beta, key_mask):
         return g, beta
     keep = key_mask[:, None, :]
     return g * keep, beta * keep
-
-
-# The hybrid's window softmax through SDPA on blocks (CUDA, no soft-cap: linear in the length, fused kernels with
-# their own backward), else the chunked form. "auto": so; True / False: always / never (tests).
-WINDOW_SDPA: str | bool = "auto"
-
-
-def _use_window_sdpa(q, softcap) -> bool:
-    if WINDOW_SDPA == "auto":
-        return q.is_cuda and softcap is None
-    return bool(WINDOW_SDPA) and softcap is None
-
-
-# The window's softmax through the LoLCATs hybrid's Triton kernels (``ops/hybrid/chunk_triton.py``) with zero
-# features, so that nothing is linear: one fused forward and backward, soft-capping and padding included, the
-# cost of the default student's window. False: not (SDPA on blocks or the chunked form, as above); True: wherever
-# ``use_hybrid_kernel`` allows (CUDA, half precision, windows up to its KERNEL_MAX_WINDOW).
-WINDOW_KERNEL: bool = False
-ZERO_FEATURES = 16  # the kernels' narrowest feature tile
-
-
-def _use_window_kernel(q, k, v, window: int) -> bool:
-    """Under autocast, as the hybrid decides: fp32 inputs (RoPE's) go in as the autocast dtype."""
-    from ..hybrid import kernel_dtype, use_hybrid_kernel
-
-    return WINDOW_KERNEL and use_hybrid_kernel(q, "auto", window=window, head_dim=q.shape[-1],
-                                                feature_width=ZERO_FEATURES, dtype=kernel_dtype(q, k, v))
-
-
-def window_softmax_kernel(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None):
-    """Softmax over each query's last ``window`` keys through the hybrid's Triton kernels, whose linear
-    terms vanish with zero features (the shared normaliser is then the window's alone). ``[B, H, T, D]``."""
-    from ..hybrid import kernel_dtype
-    from ..hybrid.chunk_triton import hybrid_triton
-
-    dtype = kernel_dtype(q, k, v)
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    zq, zk = q.new_zeros(*q.shape[:3], ZERO_FEATURES), k.new_zeros(*k.shape[:3], ZERO_FEATURES)
-    gamma = torch.ones(q.shape[1], device=q.device, dtype=torch.float32)
-    o, _ = hybrid_triton(q, k, v, gamma, qf=zq, kf=zk, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
-    return o
-
-
-def _window_block(window: int) -> int:
-    """Query block of the blocked window softmax: at least ``window - 1`` (a block's keys are its own
-    and the previous block's), a multiple of 16 for the kernels' tiles."""
-    return max(16, -(-max(window - 1, 1) // 16) * 16)
-
-
-def window_softmax_sdpa(q, k, v, *, window: int, scale: float, key_mask=None):
-    """Softmax over each query's last ``window`` keys (itself included), padding keys left out, as
-    ``scaled_dot_product_attention`` on blocks: the queries cut into blocks of ``C >= window - 1``
-    tokens, each block attending to its own and the previous block's keys under a band mask, so the
-    cost is ``T x 2C``, not ``T^2``. ``[B, H, T, D]`` in ``q``'s dtype. A padding query attends to
-    itself alone (no row is empty); the hybrid zeroes its output."""
-    b, h, t, d = q.shape
-    n_kv = k.shape[1]
-    c = _window_block(window)
-    n = -(-t // c)
-    pad = n * c - t
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    blocks = lambda x: F.pad(x, (0, 0, 0, pad)).unflatten(2, (n, c)).transpose(1, 2)  # noqa: E731  [B, N, H, C, D]
-    qb, kb, vb = blocks(q), blocks(k), blocks(v)
-    before = lambda x: F.pad(x, (0, 0, 0, 0, 0, 0, 1, 0))[:, :-1]  # noqa: E731  the previous block (zeros first)
-    kb, vb = torch.cat([before(kb), kb], dim=3), torch.cat([before(vb), vb], dim=3)  # [B, N, Hk, 2C, D]
-    pos = torch.arange(n * c, device=q.device).view(n, c)
-    key_pos = torch.cat([pos - c, pos], dim=1)  # [N, 2C]
-    dist = pos[:, :, None] - key_pos[:, None, :]  # [N, C, 2C]
-    allowed = (dist >= 0) & (dist < window) & (key_pos >= 0)[:, None, :]
-    if key_mask is not None:
-        real = F.pad(key_mask.bool(), (c, pad))  # [B, C + N C]: position p at p + C
-        allowed = allowed & real[:, key_pos + c][:, :, None, :] | (dist == 0)  # [B, N, C, 2C]
-    else:
-        allowed = allowed | (dist == 0)
-    allowed = allowed.expand(b, n, c, 2 * c).reshape(b * n, 1, c, 2 * c)
-    o = F.scaled_dot_product_attention(qb.reshape(b * n, h, c, d), kb.reshape(b * n, n_kv, 2 * c, d),
-                                       vb.reshape(b * n, n_kv, 2 * c, v.shape[-1]), attn_mask=allowed, scale=scale,
-                                       enable_gqa=n_kv != h)
-    return o.view(b, n, h, c, -1).transpose(1, 2).flatten(2, 3)[:, :, :t]
-
-
-def _window_softmax_inputs(q, k):
-    """Zero features for the hybrid ops: with nothing linear they are the window's softmax alone."""
-    return q.new_zeros(*q.shape[:3], 1), k.new_zeros(*k.shape[:3], 1)
 
 
 def _combine(o_win, o_mem, lam, older):
@@ -151,7 +68,7 @@ def delta_window_naive(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: flo
     b, n_kv, t, _ = k.shape
     real = key_mask if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=q.device)
     ones = torch.ones(q.shape[1], dtype=acc, device=q.device)
-    o_win = hybrid_attention_naive(q, k, *_window_softmax_inputs(q, k), v, ones, window=window, scale=scale,
+    o_win = hybrid_attention_naive(q, k, *zero_features(q, k), v, ones, window=window, scale=scale,
                                    softcap=softcap, key_mask=key_mask).to(acc)
     g, beta = _masked_gates(g.to(acc), beta.to(acc), key_mask)
     state = empty_delta_state(b, n_kv, kd.shape[-1], v.shape[-1], device=q.device, dtype=acc)
@@ -171,21 +88,13 @@ def delta_window_naive(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: flo
 def delta_window_chunked(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: float, softcap=None,
                          key_mask=None, output_final_state: bool = False, chunk_size: int = 64,
                          backend: str = "torch"):
-    """The sequence form: the window's softmax through ``hybrid_attention_chunked`` (no linear part; on
-    CUDA SDPA on blocks of the sequence, ``window_softmax_sdpa``),
+    """The sequence form: the window's softmax through ``ops.window.window_softmax`` (on CUDA SDPA on blocks),
     the memory through ``gated_delta_rule`` (fla or chunked) on the keys, values and gates delayed by
     ``w`` tokens. Returns ``(y [B, H, T, D], DeltaWindowState or None)``."""
     acc = accum_dtype(q.dtype)
     b, n_kv, t, _ = k.shape
     real = key_mask if key_mask is not None else torch.ones(b, t, dtype=torch.bool, device=q.device)
-    ones = torch.ones(q.shape[1], dtype=acc, device=q.device)
-    if _use_window_kernel(q, k, v, window):
-        o_win = window_softmax_kernel(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
-    elif _use_window_sdpa(q, softcap):
-        o_win = window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
-    else:
-        o_win, _ = hybrid_attention_chunked(q, k, *_window_softmax_inputs(q, k), v, ones, window=window, scale=scale,
-                                            softcap=softcap, key_mask=key_mask)
+    o_win = window_softmax(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
     gm, bm = _masked_gates(g, beta, key_mask)
     w = min(window, t)
     late = lambda x: F.pad(x[..., : t - w, :], (0, 0, w, 0))  # noqa: E731  token s at time s + w
@@ -212,7 +121,7 @@ def delta_window_step(q, k, qd, kd, v, g, beta, lam, state: DeltaWindowState, *,
     real = key_mask if key_mask is not None else torch.ones(b, 1, dtype=torch.bool, device=k.device)
     g, beta = _masked_gates(g.to(acc), beta.to(acc), real)
     ones = torch.ones(q.shape[1], dtype=acc, device=q.device)
-    zeros_q, _ = _window_softmax_inputs(q, k)
+    zeros_q, _ = zero_features(q, k)
     window_part = HybridState(state.keys, state.keys.new_zeros(*state.keys.shape[:3], 1), state.values,
                               empty_hybrid_state(b, k.shape[1], k.shape[-1], 1, device=k.device,
                                                  dtype=k.dtype).linear, state.valid)

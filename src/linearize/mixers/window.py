@@ -1,0 +1,68 @@
+"""A kept softmax layer with a sliding window (``spec.softmax_window = W``): the teacher's own attention, q/k/v/o,
+RoPE, scale and soft-cap, over each query's last ``W`` tokens only, so that it decodes in constant memory.
+
+``convert`` puts one in place of each layer of ``spec.keep_softmax`` that has no sliding window of its own
+(Gemma's local layers stay as they are) when ``spec.softmax_window`` is set; ``keep_softmax: auto:K`` then keeps
+the K layers it chooses after stage 1 this way. Issue #53 asks for copying from context with constant memory:
+a few such layers, chosen by how much their softmax matters (attention-output MSE, or the copy loss they lower),
+see ``W`` tokens back exactly, at ``W`` keys and values per key head and layer.
+
+It adds no parameters: attention transfer has nothing to train in it, LoRA trains its projections as any
+other layer's. Inside ``W`` tokens it is exactly the teacher's attention (a window covering the sequence is the
+teacher). The op is ``ops.window``: the sequence form (SDPA on blocks on CUDA), the state of the last ``W``
+keys and values, the step, and the fast decoder's ring of ``W`` slots (updated in place, fixed shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import ops
+from ..ops.window import window_softmax, window_softmax_step, window_softmax_step_ring, window_state
+from .base import Mixer
+
+
+class WindowSoftmax(Mixer):
+    kind = "window"
+
+    @property
+    def window(self) -> int:
+        return self.spec.softmax_window
+
+    def _kw(self):
+        g = self.geometry
+        return dict(scale=g.scaling, softcap=g.softcap)
+
+    def sequence(self, q, k, v, position_embeddings, state, want_state):
+        q, k = self.adapter.rope(self, q, k, position_embeddings)
+        if state is None:
+            o = window_softmax(q, k, v, window=self.window, **self._kw(), key_mask=self.key_mask)
+            return o, (window_state(k, v, self.window, self.key_mask) if want_state else None)
+        outs = []  # continuing a sequence with several tokens at once: token by token from the state
+        for i in range(q.shape[2]):
+            sl = slice(i, i + 1)
+            o, state = window_softmax_step(q[:, :, sl], k[:, :, sl], v[:, :, sl], state, window=self.window,
+                                           **self._kw(), key_mask=None if self.key_mask is None else self.key_mask[:, sl])
+            outs.append(o)
+        return torch.cat(outs, dim=2), state
+
+    def step(self, q, k, v, position_embeddings, state):
+        q, k = self.adapter.rope(self, q, k, position_embeddings)
+        if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
+            return window_softmax_step_ring(q, k, v, state, **self._kw())
+        return window_softmax_step(q, k, v, state, window=self.window, **self._kw(), key_mask=self.key_mask)
+
+    def ring_state(self, state: ops.HybridState, keep_key_features: bool = False) -> ops.RingHybridState:
+        """The fast decoder's ring of ``W`` slots from a prefill's state (its zero features not kept)."""
+        return ops.RingHybridState.from_state(state, self.window, keep_key_features=False, copy=False)
+
+    def fused_decoding(self) -> bool:
+        return False
+
+    def state_bytes(self, dtype):
+        g = self.geometry
+        elem = torch.tensor([], dtype=dtype).element_size()
+        return self.window * (g.n_kv_heads * 2 * g.head_dim * elem + 1)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, window={self.window}"

@@ -1,0 +1,162 @@
+"""Softmax over each query's last ``window`` keys and nothing else: the window of the delta hybrid
+(``ops/delta/window.py``) and the sliding-window softmax layers a student may keep (``spec.softmax_window``,
+``mixers/window.py``). With zero features the LoLCATs hybrid's forms compute exactly this (its linear terms
+vanish and the shared normaliser is the window's alone), so the reference, the chunked form and the steps are
+the hybrid's; here are the faster whole-sequence forms and their dispatcher, and the decoding state:
+
+* ``window_softmax``: the sequence form, through the hybrid's Triton kernels with zero features
+  (``WINDOW_KERNEL``, windows up to their ``KERNEL_MAX_WINDOW``), SDPA on blocks (``WINDOW_SDPA``: CUDA, no
+  soft-cap) or the hybrid's chunked form with zero features;
+* ``window_state``: after a prompt, its last ``window`` keys and values (a ``HybridState`` of zero features
+  and an empty linear state, so every hybrid form and the fast decoder's ring take it);
+* ``window_softmax_step`` (one token from a ``HybridState``) and ``window_softmax_step_ring`` (in place on a
+  ``RingHybridState``: the fast decoder's, fixed shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..hybrid import HybridState, RingHybridState, hybrid_attention_chunked, hybrid_attention_step
+from ..hybrid.shared import _real_keys, _scores
+from ..linear_attention import _group, accum_dtype
+
+
+# The hybrid's window softmax through SDPA on blocks (CUDA, no soft-cap: linear in the length, fused kernels with
+# their own backward), else the chunked form. "auto": so; True / False: always / never (tests).
+WINDOW_SDPA: str | bool = "auto"
+
+
+def _use_window_sdpa(q, softcap) -> bool:
+    if WINDOW_SDPA == "auto":
+        return q.is_cuda and softcap is None
+    return bool(WINDOW_SDPA) and softcap is None
+
+
+# The window's softmax through the LoLCATs hybrid's Triton kernels (``ops/hybrid/chunk_triton.py``) with zero
+# features, so that nothing is linear: one fused forward and backward, soft-capping and padding included, the
+# cost of the default student's window. False: not (SDPA on blocks or the chunked form, as above); True: wherever
+# ``use_hybrid_kernel`` allows (CUDA, half precision, windows up to its KERNEL_MAX_WINDOW).
+WINDOW_KERNEL: bool = False
+ZERO_FEATURES = 16  # the kernels' narrowest feature tile
+
+
+def _use_window_kernel(q, k, v, window: int) -> bool:
+    """Under autocast, as the hybrid decides: fp32 inputs (RoPE's) go in as the autocast dtype."""
+    from ..hybrid import kernel_dtype, use_hybrid_kernel
+
+    return WINDOW_KERNEL and use_hybrid_kernel(q, "auto", window=window, head_dim=q.shape[-1],
+                                                feature_width=ZERO_FEATURES, dtype=kernel_dtype(q, k, v))
+
+
+def window_softmax_kernel(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None):
+    """Softmax over each query's last ``window`` keys through the hybrid's Triton kernels, whose linear
+    terms vanish with zero features (the shared normaliser is then the window's alone). ``[B, H, T, D]``."""
+    from ..hybrid import kernel_dtype
+    from ..hybrid.chunk_triton import hybrid_triton
+
+    dtype = kernel_dtype(q, k, v)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    zq, zk = q.new_zeros(*q.shape[:3], ZERO_FEATURES), k.new_zeros(*k.shape[:3], ZERO_FEATURES)
+    gamma = torch.ones(q.shape[1], device=q.device, dtype=torch.float32)
+    o, _ = hybrid_triton(q, k, v, gamma, qf=zq, kf=zk, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
+    return o
+
+
+def _window_block(window: int) -> int:
+    """Query block of the blocked window softmax: at least ``window - 1`` (a block's keys are its own
+    and the previous block's), a multiple of 16 for the kernels' tiles."""
+    return max(16, -(-max(window - 1, 1) // 16) * 16)
+
+
+def window_softmax_sdpa(q, k, v, *, window: int, scale: float, key_mask=None):
+    """Softmax over each query's last ``window`` keys (itself included), padding keys left out, as
+    ``scaled_dot_product_attention`` on blocks: the queries cut into blocks of ``C >= window - 1``
+    tokens, each block attending to its own and the previous block's keys under a band mask, so the
+    cost is ``T x 2C``, not ``T^2``. ``[B, H, T, D]`` in ``q``'s dtype. A padding query attends to
+    itself alone (no row is empty); the hybrid zeroes its output."""
+    b, h, t, d = q.shape
+    n_kv = k.shape[1]
+    c = _window_block(window)
+    n = -(-t // c)
+    pad = n * c - t
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    blocks = lambda x: F.pad(x, (0, 0, 0, pad)).unflatten(2, (n, c)).transpose(1, 2)  # noqa: E731  [B, N, H, C, D]
+    qb, kb, vb = blocks(q), blocks(k), blocks(v)
+    before = lambda x: F.pad(x, (0, 0, 0, 0, 0, 0, 1, 0))[:, :-1]  # noqa: E731  the previous block (zeros first)
+    kb, vb = torch.cat([before(kb), kb], dim=3), torch.cat([before(vb), vb], dim=3)  # [B, N, Hk, 2C, D]
+    pos = torch.arange(n * c, device=q.device).view(n, c)
+    key_pos = torch.cat([pos - c, pos], dim=1)  # [N, 2C]
+    dist = pos[:, :, None] - key_pos[:, None, :]  # [N, C, 2C]
+    allowed = (dist >= 0) & (dist < window) & (key_pos >= 0)[:, None, :]
+    if key_mask is not None:
+        real = F.pad(key_mask.bool(), (c, pad))  # [B, C + N C]: position p at p + C
+        allowed = allowed & real[:, key_pos + c][:, :, None, :] | (dist == 0)  # [B, N, C, 2C]
+    else:
+        allowed = allowed | (dist == 0)
+    allowed = allowed.expand(b, n, c, 2 * c).reshape(b * n, 1, c, 2 * c)
+    o = F.scaled_dot_product_attention(qb.reshape(b * n, h, c, d), kb.reshape(b * n, n_kv, 2 * c, d),
+                                       vb.reshape(b * n, n_kv, 2 * c, v.shape[-1]), attn_mask=allowed, scale=scale,
+                                       enable_gqa=n_kv != h)
+    return o.view(b, n, h, c, -1).transpose(1, 2).flatten(2, 3)[:, :, :t]
+
+
+def _window_softmax_inputs(q, k):
+    """Zero features for the hybrid ops: with nothing linear they are the window's softmax alone."""
+    return q.new_zeros(*q.shape[:3], 1), k.new_zeros(*k.shape[:3], 1)
+
+
+def zero_features(q, k, width: int = 1):
+    """Zero features for the hybrid's forms: with nothing linear they are the window's softmax alone."""
+    return q.new_zeros(*q.shape[:3], width), k.new_zeros(*k.shape[:3], width)
+
+
+def window_softmax(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None):
+    """Softmax over each query's last ``window`` keys (itself included; padding keys left out), ``[B, H, T, D]``:
+    through the hybrid's kernels where ``WINDOW_KERNEL`` takes it, SDPA on blocks on CUDA (no soft-cap), else the
+    hybrid's chunked form with zero features (fp32 accumulation; the output in the computing dtype)."""
+    if _use_window_kernel(q, k, v, window):
+        return window_softmax_kernel(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
+    if _use_window_sdpa(q, softcap):
+        return window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
+    ones = torch.ones(q.shape[1], dtype=accum_dtype(q.dtype), device=q.device)
+    o, _ = hybrid_attention_chunked(q, k, *zero_features(q, k), v, ones, window=window, scale=scale, softcap=softcap,
+                                    key_mask=key_mask)
+    return o
+
+
+def window_state(k, v, window: int, key_mask=None) -> HybridState:
+    """The decoding state after a prompt of keys ``k`` (rotated) and values ``v`` ``[B, Hk, T, D]``: its last
+    ``window`` tokens (padding zeroed and marked), zero features, an empty linear state."""
+    b, n_kv, t, d = k.shape
+    cut = max(t - window, 0)
+    valid = key_mask[:, cut:] if key_mask is not None else torch.ones(b, t - cut, dtype=torch.bool, device=k.device)
+    keys, values = _real_keys(key_mask[:, cut:] if key_mask is not None else None, k[:, :, cut:], v[:, :, cut:])
+    linear = torch.zeros(b, n_kv, 1, 1, v.shape[-1] + 1, dtype=accum_dtype(k.dtype), device=k.device)
+    return HybridState(keys.contiguous(), k.new_zeros(b, n_kv, t - cut, 1), values.contiguous(), linear,
+                       valid.contiguous())
+
+
+def window_softmax_step(q, k, v, state: HybridState, *, window: int, scale: float, softcap=None, key_mask=None):
+    """One token (``T = 1``) from ``state`` (``window_state``'s): ``(o [B, H, 1, D], new_state)``."""
+    ones = torch.ones(q.shape[1], dtype=state.linear.dtype, device=q.device)
+    return hybrid_attention_step(q, k, *zero_features(q, k), v, ones, state, window=window, scale=scale,
+                                 softcap=softcap, key_mask=key_mask)
+
+
+def window_softmax_step_ring(q, k, v, state: RingHybridState, *, scale: float, softcap=None):
+    """One token on the fast decoder's ring (every decoded token real), in place with fixed shapes: the new
+    token overwrites slot ``state.slot`` (the oldest), then the softmax over the ring's valid slots.
+    Returns ``(o [B, H, 1, D], state)``."""
+    acc = accum_dtype(q.dtype)
+    idx = state.slot.view(1)
+    state.keys.index_copy_(2, idx, k.to(state.keys.dtype))
+    state.values.index_copy_(2, idx, v.to(state.values.dtype))
+    state.valid.index_fill_(1, idx, True)
+    state.slot.add_(1).remainder_(state.keys.shape[2])
+    qg = _group(q, k.shape[1]).to(acc)  # [B, Hk, G, 1, D]
+    scores = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap)
+    scores = scores.masked_fill(~state.valid[:, None, None, None, :], torch.finfo(scores.dtype).min)
+    o = torch.softmax(scores.to(acc), dim=-1) @ state.values.to(acc).unsqueeze(2)
+    return o.flatten(1, 2).to(q.dtype), state

@@ -1,0 +1,180 @@
+"""Kept softmax layers with a sliding window (``spec.softmax_window``, ``mixers/window.py``, ``ops/window``): the
+op's forms equal the definition in float64 (values, gradients, padding), the state and both steps continue a
+prefill exactly, and a student whose kept layers have windows converts, decodes (plain loop and fast decoder),
+saves, loads and holds constant memory; a window covering the sequence is the teacher."""
+
+import pytest
+import torch
+
+import linearize
+from helpers import decode_incrementally, greedy_by_full_forwards, plain_generate, random_grads, tiny_student
+from linearize import ops
+from linearize.cache import LinearizeCache, cache_nbytes
+from linearize.errors import LinearizeError
+from linearize.info import state_bytes
+from linearize.mixers.window import WindowSoftmax
+from linearize.ops import window as W
+
+TOL = 1e-10
+
+
+def _inputs(b, h, hk, t, d=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randn(b, n, t, d, generator=g, dtype=torch.float64) for n in (h, hk, hk)]
+    return [x.requires_grad_(True) for x in xs]
+
+
+def _definition(q, k, v, window, scale, key_mask=None):
+    """Each query's softmax over its last ``window`` real keys, itself included (padding queries: 0)."""
+    t, grp = q.shape[2], q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1)
+    pos = torch.arange(t)
+    allowed = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < window)
+    allowed = allowed[None, None].expand(q.shape[0], 1, t, t)
+    if key_mask is not None:
+        allowed = allowed & key_mask[:, None, None, :]
+        allowed = allowed | torch.eye(t, dtype=torch.bool)[None, None]  # a padding query sees itself alone
+    scores = (q @ k.transpose(-1, -2)) * scale
+    o = torch.softmax(scores.masked_fill(~allowed, float("-inf")), -1) @ v
+    return o if key_mask is None else o * key_mask[:, None, :, None]
+
+
+@pytest.mark.parametrize("sdpa", [False, True])
+@pytest.mark.parametrize("shape,window", [((2, 4, 2, 37), 5), ((1, 6, 3, 16), 16), ((2, 2, 2, 9), 1),
+                                          ((1, 3, 1, 30), 40)])
+def test_window_softmax_is_the_definition(monkeypatch, sdpa, shape, window):
+    """The chunked form (CPU's) and SDPA on blocks (CUDA's, forced here): values and gradients, padding."""
+    monkeypatch.setattr(W, "WINDOW_SDPA", sdpa)
+    xs = _inputs(*shape)
+    mask = torch.ones(shape[0], shape[3], dtype=torch.bool)
+    mask[0, :3] = False
+    for key_mask in (None, mask):
+        want = _definition(*xs, window, 0.4, key_mask)
+        got = W.window_softmax(*xs, window=window, scale=0.4, key_mask=key_mask)
+        if key_mask is not None:
+            got = got * key_mask[:, None, :, None]
+        torch.testing.assert_close(got, want, atol=TOL, rtol=0)
+        for a, b in zip(random_grads(got, xs), random_grads(want, xs)):
+            torch.testing.assert_close(a, b, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("t,window", [(3, 5), (12, 5), (30, 7)])
+def test_state_and_steps_continue_the_prefill(t, window):
+    """After a prompt of ``t`` tokens, one token at a time from ``window_state`` (the step and the fast
+    decoder's ring, in place) gives the whole sequence's outputs."""
+    q, k, v = (x.detach() for x in _inputs(2, 4, 2, t + 9))
+    want = _definition(q, k, v, window, 0.4)
+    state = W.window_state(k[:, :, :t], v[:, :, :t], window)
+    ring = ops.RingHybridState.from_state(W.window_state(k[:, :, :t], v[:, :, :t], window), window,
+                                          keep_key_features=False)
+    for i in range(t, t + 9):
+        one = [x[:, :, i : i + 1] for x in (q, k, v)]
+        o, state = W.window_softmax_step(*one, state, window=window, scale=0.4)
+        o_ring, ring = W.window_softmax_step_ring(*one, ring, scale=0.4)
+        torch.testing.assert_close(o, want[:, :, i : i + 1], atol=TOL, rtol=0)
+        torch.testing.assert_close(o_ring, want[:, :, i : i + 1], atol=TOL, rtol=0)
+    assert state.keys.shape[2] == min(window, t + 9) and ring.keys.shape[2] == window
+
+
+SPEC = {"kind": "lolcats", "window": 4, "keep_softmax": [1], "softmax_window": 6}
+
+
+def test_kept_layers_take_the_window_and_a_covering_window_is_the_teacher(tiny_model):
+    teacher = tiny_model("llama", dtype=torch.float64)
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
+    student = linearize.convert(teacher, {**SPEC, "keep_softmax": [0, 1, 2], "softmax_window": 21})
+    assert all(isinstance(m, WindowSoftmax) for m in linearize.mixers(student).values())
+    torch.testing.assert_close(student(ids).logits, teacher(ids).logits, atol=TOL, rtol=0)
+    narrow = linearize.convert(teacher, {**SPEC, "keep_softmax": [0, 1, 2], "softmax_window": 5})
+    assert not torch.allclose(narrow(ids).logits, teacher(ids).logits)
+    mixed = linearize.convert(teacher, SPEC)
+    kinds = {i: m.kind for i, m in linearize.mixers(mixed).items()}
+    assert kinds == {0: "lolcats", 1: "window", 2: "lolcats"}
+    assert not any(n for n, _ in linearize.mixers(mixed)[1].new_parameters())  # nothing to train in it
+    whole = linearize.convert(teacher, {**SPEC, "softmax_window": 0})  # 0: the layer kept whole, as before
+    assert 1 not in linearize.mixers(whole)
+
+
+def test_a_layer_with_its_own_sliding_window_stays_as_it_is(tiny_model):
+    """Gemma 3's local layers (kept by keep_sliding) keep their own window; the global one takes W."""
+    teacher = tiny_model("gemma3_text", dtype=torch.float64)
+    student = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "keep_sliding": True,
+                                          "keep_softmax": [2], "softmax_window": 8})
+    assert {i: m.kind for i, m in linearize.mixers(student).items()} == {2: "window"}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+def test_student_decodes_like_its_parallel_forward(tiny_model, family):
+    student = tiny_student(tiny_model, family, SPEC)
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(decode_incrementally(student, ids, 13), student(ids, use_cache=False).logits,
+                               atol=1e-10, rtol=0)
+    torch.testing.assert_close(decode_incrementally(student, ids, 3), student(ids, use_cache=False).logits,
+                               atol=1e-10, rtol=0)
+    prompt = ids[:1, :7]
+    out = plain_generate(student, prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_fast_decoder_equals_generate(tiny_model, family):
+    """``linearize.fast`` (the kept layer's window as a ring wrapping many times, batched, left padding)."""
+    from linearize.decode import FastDecoder, fast_generate
+
+    student = tiny_student(tiny_model, family, SPEC)
+    ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ref = plain_generate(student, ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast_generate(student, ids, mask, max_new_tokens=16, pad_token_id=0), ref)
+    one_by_one = FastDecoder(student, prefill_batch=1)  # the prefill's states joined
+    assert torch.equal(one_by_one.generate(ids, mask, max_new_tokens=16, pad_token_id=0), ref)
+
+
+def test_saves_loads_and_holds_constant_memory(tiny_model, tmp_path):
+    from helpers import tiny_tokenizer
+
+    student = linearize.convert(tiny_model("llama"), SPEC)
+    linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
+    loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")
+    assert isinstance(linearize.mixers(loaded)[1], WindowSoftmax)
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(loaded(ids).logits, student(ids).logits, atol=0, rtol=0)
+
+    def held_after(n):
+        cache = LinearizeCache(student)
+        plain_generate(student, ids[:1, :6], max_new_tokens=n, min_new_tokens=n, do_sample=False, past_key_values=cache,
+                       pad_token_id=0)
+        return cache_nbytes(cache)
+
+    assert held_after(12) == held_after(40)
+    g = linearize.mixers(student)[1].geometry
+    assert linearize.mixers(student)[1].state_bytes(torch.float32) == 6 * (g.n_kv_heads * 2 * g.head_dim * 4 + 1)
+    assert state_bytes(student)["fixed"] > 0
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "8"])
+def test_a_bad_softmax_window_is_one_clear_line(bad):
+    with pytest.raises(LinearizeError, match="softmax_window must be a non-negative whole number"):
+        linearize.Spec(softmax_window=bad)
+
+
+def test_attention_transfer_compares_the_window_layer_and_trains_the_others(tiny_model):
+    """Under attention transfer's probes the window layer's output is compared with the teacher's whole
+    softmax (a window shorter than the sequence differs) and has nothing of its own to train; the hybrid
+    layers' maps get gradients."""
+    from linearize.distill import transfer_probes
+
+    student = linearize.convert(tiny_model("llama"), SPEC)
+    for p in student.parameters():
+        p.requires_grad_(False)
+    new = [p for m in linearize.mixers(student).values() for _, p in m.new_parameters()]
+    for p in new:
+        p.requires_grad_(True)
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(2))
+    with transfer_probes(student, sorted(linearize.mixers(student))) as probes:
+        student(ids)
+    assert probes[1].mse.item() > 0
+    sum(p.mse for p in probes.values()).backward()
+    assert all(p.grad is not None for p in new) and new
+    assert not any(p.requires_grad for p in linearize.mixers(student)[1].parameters())
