@@ -21,11 +21,11 @@ import torch
 import torch.nn.functional as F
 
 from ..hybrid import (
-    HybridState, empty_hybrid_state, hybrid_attention_naive, hybrid_attention_step,
+    HybridState, empty_hybrid_state, hybrid_attention_naive,
 )
 from ..hybrid.shared import _real_keys, _scores
 from ..linear_attention import _group, accum_dtype
-from ..window import window_softmax, zero_features
+from ..window import window_softmax, window_softmax_step, zero_features
 from .rule import _readout, _write, empty_delta_state, gated_delta_rule
 from .state import DeltaWindowState, RingDeltaState, empty_delta_window_state
 
@@ -120,13 +120,11 @@ def delta_window_step(q, k, qd, kd, v, g, beta, lam, state: DeltaWindowState, *,
     b = k.shape[0]
     real = key_mask if key_mask is not None else torch.ones(b, 1, dtype=torch.bool, device=k.device)
     g, beta = _masked_gates(g.to(acc), beta.to(acc), real)
-    ones = torch.ones(q.shape[1], dtype=acc, device=q.device)
-    zeros_q, _ = zero_features(q, k)
     window_part = HybridState(state.keys, state.keys.new_zeros(*state.keys.shape[:3], 1), state.values,
                               empty_hybrid_state(b, k.shape[1], k.shape[-1], 1, device=k.device,
                                                  dtype=k.dtype).linear, state.valid)
-    o_win, after = hybrid_attention_step(q, k, zeros_q, k.new_zeros(*k.shape[:3], 1), v, ones, window_part,
-                                         window=window, scale=scale, softcap=softcap, key_mask=real)
+    o_win, after = window_softmax_step(q, k, v, window_part, window=window, scale=scale, softcap=softcap,
+                                       key_mask=real)
     delta_keys = torch.cat([state.delta_keys, kd.to(state.delta_keys.dtype)], dim=2)
     gates, betas = torch.cat([state.gates, g], dim=2), torch.cat([state.betas, beta], dim=2)
     memory, written = state.memory, state.written
