@@ -22,7 +22,9 @@
 #                      each job's state and last lines and pack /tmp/results and /tmp/runs' figures
 # In CMD: $T is the teacher, lin runs 'python3 -m linearize', waitfor PATH waits for a file.
 # The machine goes back 30 s after a call ends unless another starts, whatever runs in the
-# background: call `wait` again at once (a lease of 2026-11-22 lost its last four parts so).
+# background: call `wait` again at once (a lease of 2026-11-22 lost its last four parts so; one of 2026-11-29
+# its two trainings, to local tests run between calls). Local work goes beside a `sleep N; wait 1` call, in the
+# same batch of tool calls, never between them.
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; R=/tmp/results; mkdir -p "$OUT" $R /tmp/runs
 env_lines() {
