@@ -91,6 +91,35 @@ def test_attention_mse_trains_only_its_layers_and_matches_layer_mse(tiny_model):
     assert loss.item() == pytest.approx((per_layer[0] + per_layer[2]) / 2, rel=1e-10)
 
 
+def test_attention_transfer_backward_stops_at_each_layer(tiny_model):
+    """Each layer's MSE trains that layer alone: its backward computes nothing for the teacher's weights
+    before it (an MLP weight made trainable gets no gradient at all, not a zero one), and each layer's
+    gradients are those of its MSE alone, with the layer probed by itself (the weight-0 ties that distributed
+    training adds change nothing)."""
+    from linearize.distill import transfer_probes
+
+    student = linearize.convert(tiny_model("llama", dtype=torch.float64), {"kind": "lolcats", "window": 2})
+    for p in student.parameters():
+        p.requires_grad_(False)
+    maps = {i: m.feature_map_q.weight for i, m in linearize.mixers(student).items()}
+    for w in maps.values():
+        w.requires_grad_(True)
+    mlp = student.model.layers[0].mlp.down_proj.weight
+    mlp.requires_grad_(True)
+    batch = _batch()
+    build_objective("attention_mse", context={"mse_factor": 1.0})(student, batch).backward()
+    assert mlp.grad is None
+    joint = {i: w.grad.clone() for i, w in maps.items()}
+    for tie in (False, True):
+        for i, w in maps.items():
+            w.grad = None
+            with transfer_probes(student, [i], tie=tie) as probes:
+                student(input_ids=batch["input_ids"], use_cache=False)
+            (probes[i].mse / len(maps)).backward()
+            torch.testing.assert_close(w.grad, joint[i], atol=1e-12, rtol=0)
+        assert mlp.grad is None
+
+
 def test_hidden_alignment_is_zero_for_the_teacher_and_teacher_forced(tiny_model):
     teacher = tiny_model("llama", dtype=torch.float64)
     batch = _batch()

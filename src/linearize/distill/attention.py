@@ -52,7 +52,8 @@ class AttentionMSE(Loss):
         if not layers:
             raise LinearizeError("attention_mse: the model has no converted layer to train")
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        with transfer_probes(inner, layers, with_xent=self.xent_factor > 0) as probes:
+        with transfer_probes(inner, layers, with_xent=self.xent_factor > 0,
+                             tie=distributed or fully_sharded(step.model)) as probes:
             missing = [i for i in layers if i not in probes]
             if missing:
                 raise LinearizeError(f"attention_mse: layers {missing} are not converted layers of this model")

@@ -90,15 +90,19 @@ class AttentionTransferProbe(_Wrapper):
     """Attention transfer for one layer; after a forward, ``mse`` (and ``xent`` when ``with_xent``)
     hold this layer's loss terms for that forward. Trains on unpadded blocks (no mask is read)."""
 
-    def __init__(self, mixer: Mixer, with_xent: bool = False):
+    def __init__(self, mixer: Mixer, with_xent: bool = False, tie: bool = True):
         super().__init__(mixer)
-        self.with_xent = with_xent
+        self.with_xent, self.tie = with_xent, tie
         self.mse: torch.Tensor | None = None
         self.xent: torch.Tensor | None = None
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         m = self.mixer
         m.key_mask = None
+        # this layer's MSE trains this layer alone: its input is the teacher's (earlier layers pass on their
+        # targets), and the only path back into earlier layers is the ties below, of weight 0. Cut here, the
+        # backward stops at this layer instead of computing zeros through every earlier MLP and projection
+        hidden_states = hidden_states.detach()
         q, k, v = m.adapter.qkv(m, hidden_states)
         target = m.adapter.out(m, softmax_attention_of(m, q, k, v, position_embeddings)).detach()
         with m.reading(hidden_states):
@@ -107,8 +111,9 @@ class AttentionTransferProbe(_Wrapper):
         self.mse = F.mse_loss(pred.float(), target.float())
         self.xent = attention_weights_xent(m, q, k, position_embeddings) if self.with_xent else None
         # tie the prediction to the layer's output with weight 0, so distributed training sees the
-        # mixer's parameters as used (their gradients come from the MSE alone)
-        return target + 0.0 * pred, None
+        # mixer's parameters as used (their gradients come from the MSE alone); one process needs no tie,
+        # and without it the layers after keep no activations for a backward that never comes
+        return (target + 0.0 * pred if self.tie else target), None
 
 
 @contextmanager
@@ -134,12 +139,13 @@ def swapped(model: nn.Module, make):
 
 
 @contextmanager
-def transfer_probes(model: nn.Module, layers, with_xent: bool = False):
-    """Attention transfer on ``layers`` (layer indices): each gets an ``AttentionTransferProbe``,
+def transfer_probes(model: nn.Module, layers, with_xent: bool = False, tie: bool = True):
+    """Attention transfer on ``layers`` (layer indices): each gets an ``AttentionTransferProbe``
+    (``tie``: its prediction tied to the layer's output with weight 0, what distributed training needs),
     every other converted layer gives the teacher's output (``SoftmaxAttention``). Yields the probes
     by layer index."""
     layers = set(layers)
-    with swapped(model, lambda m: AttentionTransferProbe(m, with_xent) if m.layer_idx in layers
+    with swapped(model, lambda m: AttentionTransferProbe(m, with_xent, tie) if m.layer_idx in layers
                  else SoftmaxAttention(m)) as wrappers:
         yield {i: w for i, w in wrappers.items() if i in layers}
 
