@@ -75,9 +75,15 @@ def window_softmax_sdpa(q, k, v, *, window: int, scale: float, key_mask=None):
     ``scaled_dot_product_attention`` on blocks: the queries cut into blocks of ``C >= window - 1``
     tokens, each block attending to its own and the previous block's keys under a band mask, so the
     cost is ``T x 2C``, not ``T^2``. ``[B, H, T, D]`` in ``q``'s dtype. A padding query attends to
-    itself alone (no row is empty); the hybrid zeroes its output."""
+    itself alone (no row is empty); the hybrid zeroes its output. A sequence no longer than the window
+    without padding is plain causal attention: one SDPA call without a mask, which its flash kernel takes
+    (keys and values repeated to the query heads: its fused kernels refuse grouped heads)."""
     b, h, t, d = q.shape
     n_kv = k.shape[1]
+    if key_mask is None and t <= window:
+        grp = h // n_kv
+        k, v = (x.to(q.dtype).repeat_interleave(grp, dim=1) if grp > 1 else x.to(q.dtype) for x in (k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     c = _window_block(window)
     n = -(-t // c)
     pad = n * c - t
