@@ -63,6 +63,30 @@ def greedy_by_full_forwards(model, prompt, n: int):
     return seq
 
 
+def assert_decodes_like_parallel(model, prefill: int = 13, new: int = 12):
+    """A prefill then one token at a time gives the parallel forward's logits (float64: to 1e-10), and plain
+    greedy ``generate()`` the tokens of one full forward per token."""
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(decode_incrementally(model, ids, prefill), model(ids, use_cache=False).logits,
+                               atol=1e-10, rtol=0)
+    prompt = ids[:1, :7]
+    out = plain_generate(model, prompt, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, greedy_by_full_forwards(model, prompt, new))
+
+
+def assert_fast_equals_generate(model, new: int = 16):
+    """``linearize.fast`` gives plain ``generate()``'s greedy tokens on a batch with a left-padded prompt,
+    prefilled together and one sequence at a time (the prefill's states then joined)."""
+    from linearize.decode import FastDecoder, fast_generate
+
+    ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    ref = plain_generate(model, ids, attention_mask=mask, max_new_tokens=new, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast_generate(model, ids, mask, max_new_tokens=new, pad_token_id=0), ref)
+    assert torch.equal(FastDecoder(model, prefill_batch=1).generate(ids, mask, max_new_tokens=new, pad_token_id=0), ref)
+
+
 def run_triton_interpreter_script(name: str, *args: str) -> None:
     """Run ``tests/ops/<name> [args]`` (a check of our Triton kernels through Triton's CPU interpreter) in
     a fresh process, which must print ``ok``; skipped where Triton is not installed."""

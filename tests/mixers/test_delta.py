@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import linearize
-from helpers import (decode_incrementally, greedy_by_full_forwards, plain_generate, random_grads,
+from helpers import (assert_decodes_like_parallel, assert_fast_equals_generate, plain_generate, random_grads,
                      run_triton_interpreter_script, tiny_student, tiny_tokenizer)
 from linearize import ops
 from linearize.cache import LinearizeCache, cache_nbytes
@@ -333,12 +333,7 @@ def test_delta_student_decodes_like_its_parallel_forward(tiny_model, family, fea
         for m in linearize.mixers(student).values():
             m.mix_proj.bias.fill_(0.0)
             m.decay_proj.weight.normal_(0, 0.3)
-    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(decode_incrementally(student, ids, 13), student(ids, use_cache=False).logits,
-                               atol=1e-10, rtol=0)
-    prompt = ids[:1, :7]
-    out = plain_generate(student, prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
+    assert_decodes_like_parallel(student)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox"])
@@ -354,20 +349,12 @@ def test_full_window_delta_student_is_the_teacher(tiny_model, family):
 def test_fast_decoder_equals_generate(tiny_model, family, feature_rope):
     """``linearize.fast`` (the delta state in fixed ring buffers, batched, left-padded prompts, the
     ring wrapping around many times) gives ``generate()``'s greedy tokens."""
-    from linearize.decode import FastDecoder, fast_generate
-
     student = tiny_student(tiny_model, family, {**SPEC, "window": 3, "feature_rope": feature_rope})
     with torch.no_grad():  # make the gates matter
         for m in linearize.mixers(student).values():
             m.mix_proj.bias.fill_(0.0)
             m.decay_proj.weight.normal_(0, 0.3)
-    ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    ref = plain_generate(student, ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
-    assert torch.equal(fast_generate(student, ids, mask, max_new_tokens=16, pad_token_id=0), ref)
-    one_by_one = FastDecoder(student, prefill_batch=1)  # the prefill's states joined
-    assert torch.equal(one_by_one.generate(ids, mask, max_new_tokens=16, pad_token_id=0), ref)
+    assert_fast_equals_generate(student)
 
 
 @pytest.mark.parametrize("feature_rope", [True, False])

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import linearize
-from helpers import decode_incrementally, greedy_by_full_forwards, plain_generate, random_grads, tiny_student
+from helpers import (assert_decodes_like_parallel, assert_fast_equals_generate, plain_generate, random_grads,
+                     tiny_student)
 from linearize import ops
 from linearize.cache import LinearizeCache, cache_nbytes
 from linearize.errors import LinearizeError
@@ -106,29 +107,14 @@ def test_a_layer_with_its_own_sliding_window_stays_as_it_is(tiny_model):
 @pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
 def test_student_decodes_like_its_parallel_forward(tiny_model, family):
     student = tiny_student(tiny_model, family, SPEC)
-    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(decode_incrementally(student, ids, 13), student(ids, use_cache=False).logits,
-                               atol=1e-10, rtol=0)
-    torch.testing.assert_close(decode_incrementally(student, ids, 3), student(ids, use_cache=False).logits,
-                               atol=1e-10, rtol=0)
-    prompt = ids[:1, :7]
-    out = plain_generate(student, prompt, max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(out, greedy_by_full_forwards(student, prompt, 12))
+    assert_decodes_like_parallel(student)
+    assert_decodes_like_parallel(student, prefill=3)
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_fast_decoder_equals_generate(tiny_model, family):
     """``linearize.fast`` (the kept layer's window as a ring wrapping many times, batched, left padding)."""
-    from linearize.decode import FastDecoder, fast_generate
-
-    student = tiny_student(tiny_model, family, SPEC)
-    ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0
-    ref = plain_generate(student, ids, attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
-    assert torch.equal(fast_generate(student, ids, mask, max_new_tokens=16, pad_token_id=0), ref)
-    one_by_one = FastDecoder(student, prefill_batch=1)  # the prefill's states joined
-    assert torch.equal(one_by_one.generate(ids, mask, max_new_tokens=16, pad_token_id=0), ref)
+    assert_fast_equals_generate(tiny_student(tiny_model, family, SPEC))
 
 
 def test_saves_loads_and_holds_constant_memory(tiny_model, tmp_path):
