@@ -99,9 +99,10 @@ class AttentionTransferProbe(_Wrapper):
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         m = self.mixer
         m.key_mask = None
-        # this layer's MSE trains this layer alone: its input is the teacher's (earlier layers pass on their
-        # targets), and the only path back into earlier layers is the ties below, of weight 0. Cut here, the
-        # backward stops at this layer instead of computing zeros through every earlier MLP and projection
+        # this layer's MSE trains this layer alone (teacher-forced: its input is what the teacher's layers
+        # before it give). Back through that input there is nothing attention transfer trains: the earlier
+        # mixers reach it only through the ties below, of weight 0, and the teacher's weights are frozen. Cut
+        # here, the backward stops at this layer instead of running through every earlier MLP and projection
         hidden_states = hidden_states.detach()
         q, k, v = m.adapter.qkv(m, hidden_states)
         target = m.adapter.out(m, softmax_attention_of(m, q, k, v, position_embeddings)).detach()
