@@ -54,7 +54,7 @@ EOF
     profile)
       for m in lolcats-long-stage1 lolcats-long-stage2; do
         timeout 300 python3 -m linearize.bench.profile train --teacher "$T" --model $m --shape 2x4096 --cuda-graph \
-          --top 16 --out "$S/profile_train_$m.json" 2>&1 | quiet | tail -22
+          --top ${TOP:-40} --out "$S/profile_train_$m.json" 2>&1 | quiet | tail -22
       done ;;
     maxbatch)
       timeout 420 python3 -m linearize bench "$T" --teacher none --dtype bfloat16 --paths static \
