@@ -75,6 +75,15 @@ def test_state_and_steps_continue_the_prefill(t, window):
         torch.testing.assert_close(o, want[:, :, i : i + 1], atol=TOL, rtol=0)
         torch.testing.assert_close(o_ring, want[:, :, i : i + 1], atol=TOL, rtol=0)
     assert state.keys.shape[2] == min(window, t + 9) and ring.keys.shape[2] == window
+    # soft-capped scores (Gemma 2) take the ring's other path: the same as the step
+    state = W.window_state(k[:, :, :t], v[:, :, :t], window)
+    ring = ops.RingHybridState.from_state(W.window_state(k[:, :, :t], v[:, :, :t], window), window,
+                                          keep_key_features=False)
+    for i in range(t, t + 9):
+        one = [x[:, :, i : i + 1] for x in (q, k, v)]
+        o, state = W.window_softmax_step(*one, state, window=window, scale=0.4, softcap=1.5)
+        o_ring, ring = W.window_softmax_step_ring(*one, ring, scale=0.4, softcap=1.5)
+        torch.testing.assert_close(o_ring, o, atol=TOL, rtol=0)
 
 
 SPEC = {"kind": "lolcats", "window": 4, "keep_softmax": [1], "softmax_window": 6}

@@ -161,6 +161,14 @@ def window_softmax_step_ring(q, k, v, state: RingHybridState, *, scale: float, s
     state.values.index_copy_(2, idx, v.to(state.values.dtype))
     state.valid.index_fill_(1, idx, True)
     state.slot.add_(1).remainder_(state.keys.shape[2])
+    if softcap is None:
+        # one SDPA call, a group's query heads as its query rows: the ring is read in its own dtype (a wide
+        # window is not copied to fp32 each step), scores and softmax in fp32 inside the kernel
+        b, h = q.shape[:2]
+        qg = q.reshape(b, k.shape[1], h // k.shape[1], q.shape[-1]).to(state.keys.dtype)  # [B, Hk, G, D]
+        o = F.scaled_dot_product_attention(qg, state.keys, state.values, attn_mask=state.valid[:, None, None, :],
+                                           scale=scale)
+        return o.reshape(b, h, 1, -1).to(q.dtype), state
     qg = _group(q, k.shape[1]).to(acc)  # [B, Hk, G, 1, D]
     scores = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap)
     scores = scores.masked_fill(~state.valid[:, None, None, None, :], torch.finfo(scores.dtype).min)
