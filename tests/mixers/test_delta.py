@@ -111,7 +111,9 @@ def test_the_window_softmax_as_sdpa_on_blocks_equals_the_definition(monkeypatch,
         _close(g_got, g_ref)
     assert not delta_rule._use_window_sdpa(xs[0], softcap=2.0)  # soft-capped scores keep the chunked form
     monkeypatch.setattr(delta_rule, "WINDOW_SDPA", "auto")
-    assert not delta_rule._use_window_sdpa(xs[0], softcap=None)  # "auto": CUDA only
+    assert delta_rule._use_window_sdpa(xs[0], softcap=None)  # "auto": on any device
+    monkeypatch.setattr(delta_rule, "WINDOW_SDPA", False)
+    assert not delta_rule._use_window_sdpa(xs[0], softcap=None)
 
 
 def test_window_hybrid_padding_is_invisible_and_decoding_resumes_anywhere():

@@ -88,7 +88,7 @@ def delta_window_naive(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: flo
 def delta_window_chunked(q, k, qd, kd, v, g, beta, lam, *, window: int, scale: float, softcap=None,
                          key_mask=None, output_final_state: bool = False, chunk_size: int = 64,
                          backend: str = "torch"):
-    """The sequence form: the window's softmax through ``ops.window.window_softmax`` (on CUDA SDPA on blocks),
+    """The sequence form: the window's softmax through ``ops.window.window_softmax`` (SDPA on blocks),
     the memory through ``gated_delta_rule`` (fla or chunked) on the keys, values and gates delayed by
     ``w`` tokens. Returns ``(y [B, H, T, D], DeltaWindowState or None)``."""
     acc = accum_dtype(q.dtype)
