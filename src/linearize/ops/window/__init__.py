@@ -121,11 +121,13 @@ def zero_features(q, k, width: int = 1):
 def window_softmax(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None):
     """Softmax over each query's last ``window`` keys (itself included; padding keys left out), ``[B, H, T, D]``:
     through the hybrid's kernels where ``WINDOW_KERNEL`` takes it, SDPA on blocks (no soft-cap), else the
-    hybrid's chunked form with zero features (fp32 accumulation; the output in the computing dtype)."""
+    hybrid's chunked form with zero features (fp32 accumulation; the output in the computing dtype). Padding
+    queries output zero."""
     if _use_window_kernel(q, k, v, window):
         return window_softmax_kernel(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
     if _use_window_sdpa(q, softcap):
-        return window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
+        o = window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
+        return o if key_mask is None else o * key_mask[:, None, :, None]  # padding queries: 0, as the forms below
     ones = torch.ones(q.shape[1], dtype=accum_dtype(q.dtype), device=q.device)
     o, _ = hybrid_attention_chunked(q, k, *zero_features(q, k), v, ones, window=window, scale=scale, softcap=softcap,
                                     key_mask=key_mask)
