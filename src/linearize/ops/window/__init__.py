@@ -139,8 +139,9 @@ def window_state(k, v, window: int, key_mask=None) -> HybridState:
     ``window`` tokens (padding zeroed and marked), zero features, an empty linear state."""
     b, n_kv, t, d = k.shape
     cut = max(t - window, 0)
-    valid = key_mask[:, cut:] if key_mask is not None else torch.ones(b, t - cut, dtype=torch.bool, device=k.device)
-    keys, values = _real_keys(key_mask[:, cut:] if key_mask is not None else None, k[:, :, cut:], v[:, :, cut:])
+    tail = key_mask[:, cut:] if key_mask is not None else None
+    valid = tail if tail is not None else torch.ones(b, t - cut, dtype=torch.bool, device=k.device)
+    keys, values = _real_keys(tail, k[:, :, cut:], v[:, :, cut:])
     linear = torch.zeros(b, n_kv, 1, 1, v.shape[-1] + 1, dtype=accum_dtype(k.dtype), device=k.device)
     return HybridState(keys.contiguous(), k.new_zeros(b, n_kv, t - cut, 1), values.contiguous(), linear,
                        valid.contiguous())
