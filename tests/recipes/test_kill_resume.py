@@ -111,16 +111,18 @@ def test_killed_then_resumed_equals_uninterrupted(point, workspace, uninterrupte
 
 
 def test_a_half_written_checkpoint_is_skipped(tmp_path):
-    """A checkpoint the Trainer had not finished (no trainer_state.json, which it writes last) is not
-    resumed from: the latest complete one is, and the torn one is removed."""
+    """A checkpoint the Trainer had not finished (no trainer_state.json, which it writes last, or one
+    the kill left empty or cut short) is not resumed from: the latest complete one is, and the torn ones
+    are removed."""
     from linearize.recipes.engine import _complete_checkpoint
 
-    for step, complete in ((4, True), (8, True), (12, False)):
+    for step, state in ((4, "{}"), (8, '{"global_step": 8}\n'), (12, None), (16, ""), (20, '{"global_st')):
         folder = tmp_path / f"checkpoint-{step}"
         folder.mkdir()
         (folder / "model.safetensors").write_bytes(b"x")
-        if complete:
-            (folder / "trainer_state.json").write_text("{}")
+        if state is not None:
+            (folder / "trainer_state.json").write_text(state)
     assert _complete_checkpoint(tmp_path) == str(tmp_path / "checkpoint-8")
-    assert not (tmp_path / "checkpoint-12").exists() and (tmp_path / "checkpoint-4").exists()
+    assert all(not (tmp_path / f"checkpoint-{s}").exists() for s in (12, 16, 20))
+    assert (tmp_path / "checkpoint-4").exists()
     assert _complete_checkpoint(tmp_path / "checkpoint-4") is None  # no checkpoint inside

@@ -409,17 +409,24 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
 
 def _complete_checkpoint(out: Path) -> str | None:
     """The latest checkpoint in ``out`` that the Trainer finished writing (its trainer_state.json is
-    written last), or None. A later one left half-written by a killed run is removed (on the main
-    process), so the resumed run writes it afresh instead of loading a torn checkpoint."""
+    written last, and a kill while writing it leaves it empty or cut short, so it must also parse), or
+    None. A later one left half-written by a killed run is removed (on the main process), so the
+    resumed run writes it afresh instead of loading a torn checkpoint."""
     import shutil
     import sys
+
+    def finished(p: Path) -> bool:
+        try:
+            return isinstance(json.loads((p / "trainer_state.json").read_text()), dict)
+        except (OSError, ValueError):
+            return False
 
     def step(p: Path) -> int:
         tail = p.name.rsplit("-", 1)[-1]
         return int(tail) if tail.isdigit() else -1
 
     found = sorted((p for p in out.glob("checkpoint-*") if p.is_dir() and step(p) >= 0), key=step)
-    complete = [p for p in found if (p / "trainer_state.json").exists()]
+    complete = [p for p in found if finished(p)]
     last = complete[-1] if complete else None
     for p in found:
         if p not in complete and (last is None or step(p) > step(last)) and is_main_process():
