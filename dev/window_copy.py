@@ -1,0 +1,148 @@
+"""How many of the teacher's layers must see far back for it to copy? A ceiling for window-softmax layers (#53).
+
+The teacher runs with softmax over the last ``--window`` tokens (the LoLCATs student's window) in
+every layer but K, which see ``--kept-window`` tokens (default: all). Scored on ``linearize eval
+--tasks copy``'s prompts (held-out books: passage, gap, passage; the same seeded trials):
+teacher-forced accuracy on the repeat, by gap. The K layers are the ones whose heads copy most
+in the whole teacher: each layer's **induction score**, the largest over its heads of the mean
+attention a repeat token pays to the token after its first occurrence. No student with K such layers
+(plus whatever its linear state adds) copies further than its K layers' windows reach, so this
+bounds ``--keep-softmax auto:K --softmax-window W`` against the state cap. ``--sinks N``: the windowed
+layers also see the first N tokens (attention sinks, as StreamingLLM keeps); ``--kept-sinks N``
+the K layers with ``--kept-window``.
+
+    PYTHONPATH=src python dev/window_copy.py --gaps 256 1024 4096 --ks 0 2 4 6 30 --trials 4 --out R.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn as nn
+
+from linearize.convert import convert
+from linearize.convert.layers import mixers
+from linearize.distill.probes import swapped
+from linearize.eval.recall import greedy_guesses
+from linearize.eval.tasks import copy as copy_task
+from linearize.ops.softmax_attention import softmax_attention
+from linearize.ops.window import window_softmax
+from linearize.teacher import load_teacher
+
+
+class Windowed(nn.Module):
+    """The teacher's softmax attention from ``m``'s projections over the last ``window`` keys (None:
+    all); with ``induction`` set to ``(start, first, length)``, records the layer's induction score."""
+
+    induction: tuple[int, int, int] | None = None
+    scores: dict[int, list[float]] = {}
+
+    def __init__(self, m, window, sinks=0):
+        super().__init__()
+        self.mixer, self.config, self.window, self.sinks = m, m.config, window, sinks
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        m = self.mixer
+        q, k, v = m.adapter.qkv(m, hidden_states)
+        qr, kr = m.adapter.rope(m, q, k, position_embeddings)
+        g = m.geometry
+        if Windowed.induction is not None:
+            self._score(qr, kr, g)
+        if self.window is None:
+            o = softmax_attention(qr, kr, v, scale=g.scaling, softcap=g.softcap)
+        elif self.sinks:  # the window and the first ``sinks`` tokens (StreamingLLM's attention sinks)
+            pos = torch.arange(q.shape[2], device=q.device)
+            dist = pos[:, None] - pos[None, :]
+            allowed = (dist >= 0) & ((dist < self.window) | (pos < self.sinks)[None, :])
+            o = torch.nn.functional.scaled_dot_product_attention(qr, kr, v, attn_mask=allowed, scale=g.scaling,
+                                                                 enable_gqa=True)
+        else:
+            o = window_softmax(qr, kr, v, window=self.window, scale=g.scaling, softcap=g.softcap)
+        return m.adapter.out(m, o), None
+
+    def _score(self, q, k, g):
+        start, first, length = Windowed.induction
+        rows = torch.arange(start + 1, start + length - 1)  # repeat tokens with a successor in the passage
+        target = first + (rows - start) + 1  # the token after the first occurrence of each
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        logits = (q[0, :, rows] @ k[0].transpose(-1, -2)).float() * g.scaling
+        if g.softcap:
+            logits = g.softcap * torch.tanh(logits / g.softcap)
+        causal = torch.arange(k.shape[2])[None, :] <= rows[:, None]
+        probs = logits.masked_fill(~causal, float("-inf")).softmax(-1)
+        mass = probs[:, torch.arange(len(rows)), target].mean(-1)  # per head
+        Windowed.scores.setdefault(self.mixer.layer_idx, []).append(mass.max().item())
+
+
+@torch.no_grad()
+def accuracy(model, prompts, keep, window, kept_window, device, sinks=0, kept_sinks=0):
+    with swapped(model, lambda m: Windowed(m, kept_window, kept_sinks if kept_window else 0) if m.layer_idx in keep
+                 else Windowed(m, window, sinks)):
+        hits = count = 0
+        for p in prompts:
+            g = greedy_guesses(model, [p.ids], [p.start + 1], device)[0]
+            hits += sum(g[t] == p.ids[t] for t in range(p.start + 1, p.start + p.passage_len))
+            count += p.passage_len - 1
+    return hits / count
+
+
+@torch.no_grad()
+def induction_order(model, prompts, device) -> list[tuple[int, float]]:
+    Windowed.scores = {}
+    with swapped(model, lambda m: Windowed(m, None)):
+        for p in prompts:
+            Windowed.induction = (p.start, p.first, p.passage_len)
+            model(torch.tensor([p.ids], device=device), use_cache=False, logits_to_keep=1)
+    Windowed.induction = None
+    mean = {i: sum(v) / len(v) for i, v in Windowed.scores.items()}
+    return sorted(mean.items(), key=lambda kv: -kv[1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--teacher", default=None)
+    p.add_argument("--gaps", type=int, nargs="+", default=[256, 1024, 4096])
+    p.add_argument("--passage", type=int, default=64)
+    p.add_argument("--trials", type=int, default=4)
+    p.add_argument("--ks", type=int, nargs="+", default=[0, 2, 4, 6])
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--kept-window", type=int, default=None)
+    p.add_argument("--sinks", type=int, default=0, help="first tokens every windowed layer also sees")
+    p.add_argument("--kept-sinks", type=int, default=0, help="first tokens the K layers also see (--kept-window)")
+    p.add_argument("--layers", default=None, help="explicit sets of far-seeing layers instead of --ks: '11,8;0,5,6'")
+    p.add_argument("--rank-gap", type=int, default=1024, help="gap of the prompts the induction scores come from")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    teacher, tok = load_teacher(a.teacher, device=device)
+    model = convert(teacher, "lolcats", inplace=True)
+    layers = sorted(mixers(model))
+    stream = copy_task.held_out_ids(tok)
+    prefix = [tok.bos_token_id] if tok.bos_token_id is not None else []
+    cells = {g: [copy_task.make_prompt(stream, a.passage, g, i, 1234, prefix) for i in range(a.trials)] for g in a.gaps}
+    rank_prompts = [copy_task.make_prompt(stream, a.passage, a.rank_gap, i, 4321, prefix) for i in range(a.trials)]
+    t0 = time.time()
+    order = induction_order(model, rank_prompts, device)
+    print("induction scores", [(i, round(s, 3)) for i, s in order], f"{time.time() - t0:.0f}s", flush=True)
+    record = {"teacher": a.teacher or "default", "passage": a.passage, "trials": a.trials, "window": a.window,
+              "kept_window": a.kept_window, "sinks": a.sinks, "kept_sinks": a.kept_sinks, "induction": order, "rows": []}
+    sets = ([{int(i) for i in part.split(",")} for part in a.layers.split(";")] if a.layers else
+            [set(layers) if k >= len(layers) else {i for i, _ in order[:k]} for k in a.ks])
+    for keep in sets:
+        k = len(keep)
+        row = {"k": k, "layers": sorted(keep), "accuracy": {}}
+        for g, prompts in cells.items():
+            row["accuracy"][g] = accuracy(model, prompts, keep, a.window, a.kept_window, device, a.sinks, a.kept_sinks)
+        record["rows"].append(row)
+        print(f"K={k:2d} {sorted(keep) if k < len(layers) else 'all'}: "
+              + " ".join(f"{g}: {v:.3f}" for g, v in row["accuracy"].items()), f"{time.time() - t0:.0f}s", flush=True)
+        if a.out:
+            with open(a.out, "w") as f:
+                json.dump(record, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
