@@ -5,11 +5,13 @@ every layer but K, which see ``--kept-window`` tokens (default: all). Scored on 
 --tasks copy``'s prompts (held-out books: passage, gap, passage; the same seeded trials):
 teacher-forced accuracy on the repeat, by gap. The K layers are the ones whose heads copy most
 in the whole teacher: each layer's **induction score**, the largest over its heads of the mean
-attention a repeat token pays to the token after its first occurrence. No student with K such layers
+attention a repeat token pays to the token after its first occurrence (``--rank far``: the largest over its
+heads of the attention mass beyond the window and the sinks, on the same prompts). No student with K such layers
 (plus whatever its linear state adds) copies further than its K layers' windows reach, so this
 bounds ``--keep-softmax auto:K --softmax-window W`` against the state cap. ``--sinks N``: the windowed
 layers also see the first N tokens (attention sinks, as StreamingLLM keeps); ``--kept-sinks N``
-the K layers with ``--kept-window``.
+the K layers with ``--kept-window``. ``--diffuse L``: layers L
+(of the windowed) keep their weight beyond the window but spread it evenly over those keys, a stand-in for a linear state.
 
     PYTHONPATH=src python dev/window_copy.py --gaps 256 1024 4096 --ks 0 2 4 6 30 --trials 4 --out R.json
 """
@@ -38,11 +40,12 @@ class Windowed(nn.Module):
     all); with ``induction`` set to ``(start, first, length)``, records the layer's induction score."""
 
     induction: tuple[int, int, int] | None = None
+    far: tuple[int, int] | None = None  # (window, sinks): record the attention mass beyond both
     scores: dict[int, list[float]] = {}
 
-    def __init__(self, m, window, sinks=0):
+    def __init__(self, m, window, sinks=0, diffuse=False):
         super().__init__()
-        self.mixer, self.config, self.window, self.sinks = m, m.config, window, sinks
+        self.mixer, self.config, self.window, self.sinks, self.diffuse = m, m.config, window, sinks, diffuse
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         m = self.mixer
@@ -51,7 +54,11 @@ class Windowed(nn.Module):
         g = m.geometry
         if Windowed.induction is not None:
             self._score(qr, kr, g)
-        if self.window is None:
+        if Windowed.far is not None:
+            self._far(qr, kr, g)
+        if self.diffuse:
+            o = self._diffuse(qr, kr, v, g)
+        elif self.window is None:
             o = softmax_attention(qr, kr, v, scale=g.scaling, softcap=g.softcap)
         elif self.sinks:  # the window and the first ``sinks`` tokens (StreamingLLM's attention sinks)
             pos = torch.arange(q.shape[2], device=q.device)
@@ -77,10 +84,54 @@ class Windowed(nn.Module):
         Windowed.scores.setdefault(self.mixer.layer_idx, []).append(mass.max().item())
 
 
+    def _diffuse(self, q, k, v, g):
+        """The softmax over all keys, but the weight beyond the window and the sinks spread evenly over those
+        keys (the mass kept, its shape lost): a stand-in for a linear state that averages the far past."""
+        n = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(n, dim=1), v.repeat_interleave(n, dim=1)
+        logits = (q @ k.transpose(-1, -2)).float() * g.scaling
+        if g.softcap:
+            logits = g.softcap * torch.tanh(logits / g.softcap)
+        pos = torch.arange(q.shape[2])
+        dist = pos[:, None] - pos[None, :]
+        probs = logits.masked_fill(dist < 0, float("-inf")).softmax(-1)
+        beyond = (dist >= self.window) & (pos >= self.sinks)[None, :]
+        mass = (probs * beyond).sum(-1, keepdim=True)
+        even = beyond / beyond.sum(-1, keepdim=True).clamp(min=1)
+        probs = probs * ~beyond + mass * even
+        return (probs.to(v.dtype) @ v)
+
+    def _far(self, q, k, g):
+        window, sinks = Windowed.far
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        rows = torch.arange(window, q.shape[2])
+        logits = (q[0, :, rows] @ k[0].transpose(-1, -2)).float() * g.scaling
+        if g.softcap:
+            logits = g.softcap * torch.tanh(logits / g.softcap)
+        pos = torch.arange(k.shape[2])
+        dist = rows[:, None] - pos[None, :]
+        probs = logits.masked_fill(dist < 0, float("-inf")).softmax(-1)
+        beyond = (dist >= window) & (pos >= sinks)[None, :]
+        mass = (probs * beyond).sum(-1).mean(-1)  # per head
+        Windowed.scores.setdefault(self.mixer.layer_idx, []).append(mass.max().item())
+
+
 @torch.no_grad()
-def accuracy(model, prompts, keep, window, kept_window, device, sinks=0, kept_sinks=0):
+def far_order(model, prompts, window, sinks, device) -> list[tuple[int, float]]:
+    """Layers by the largest over their heads of the mean attention mass beyond the window and the sinks."""
+    Windowed.scores, Windowed.far = {}, (window, sinks)
+    with swapped(model, lambda m: Windowed(m, None)):
+        for p in prompts:
+            model(torch.tensor([p.ids], device=device), use_cache=False, logits_to_keep=1)
+    Windowed.far = None
+    mean = {i: sum(v) / len(v) for i, v in Windowed.scores.items()}
+    return sorted(mean.items(), key=lambda kv: -kv[1])
+
+
+@torch.no_grad()
+def accuracy(model, prompts, keep, window, kept_window, device, sinks=0, kept_sinks=0, diffuse=()):
     with swapped(model, lambda m: Windowed(m, kept_window, kept_sinks if kept_window else 0) if m.layer_idx in keep
-                 else Windowed(m, window, sinks)):
+                 else Windowed(m, window, sinks, diffuse=m.layer_idx in diffuse)):
         hits = count = 0
         for p in prompts:
             g = greedy_guesses(model, [p.ids], [p.start + 1], device)[0]
@@ -113,6 +164,9 @@ def main():
     p.add_argument("--sinks", type=int, default=0, help="first tokens every windowed layer also sees")
     p.add_argument("--kept-sinks", type=int, default=0, help="first tokens the K layers also see (--kept-window)")
     p.add_argument("--layers", default=None, help="explicit sets of far-seeing layers instead of --ks: '11,8;0,5,6'")
+    p.add_argument("--diffuse", default="", help="layers (not kept) whose weight beyond the window is spread evenly: '0,1'")
+    p.add_argument("--rank", choices=("induction", "far"), default="induction",
+                   help="how --ks picks its layers: induction score, or attention mass beyond the window and sinks")
     p.add_argument("--rank-gap", type=int, default=1024, help="gap of the prompts the induction scores come from")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -125,17 +179,19 @@ def main():
     cells = {g: [copy_task.make_prompt(stream, a.passage, g, i, 1234, prefix) for i in range(a.trials)] for g in a.gaps}
     rank_prompts = [copy_task.make_prompt(stream, a.passage, a.rank_gap, i, 4321, prefix) for i in range(a.trials)]
     t0 = time.time()
-    order = induction_order(model, rank_prompts, device)
-    print("induction scores", [(i, round(s, 3)) for i, s in order], f"{time.time() - t0:.0f}s", flush=True)
+    order = (induction_order(model, rank_prompts, device) if a.rank == "induction" else
+             far_order(model, rank_prompts, a.window, a.sinks, device))
+    print(f"{a.rank} scores", [(i, round(s, 3)) for i, s in order], f"{time.time() - t0:.0f}s", flush=True)
     record = {"teacher": a.teacher or "default", "passage": a.passage, "trials": a.trials, "window": a.window,
-              "kept_window": a.kept_window, "sinks": a.sinks, "kept_sinks": a.kept_sinks, "induction": order, "rows": []}
+              "kept_window": a.kept_window, "rank": a.rank, "sinks": a.sinks, "kept_sinks": a.kept_sinks, "diffuse": a.diffuse, "order": order, "rows": []}
     sets = ([{int(i) for i in part.split(",")} for part in a.layers.split(";")] if a.layers else
             [set(layers) if k >= len(layers) else {i for i, _ in order[:k]} for k in a.ks])
     for keep in sets:
         k = len(keep)
         row = {"k": k, "layers": sorted(keep), "accuracy": {}}
         for g, prompts in cells.items():
-            row["accuracy"][g] = accuracy(model, prompts, keep, a.window, a.kept_window, device, a.sinks, a.kept_sinks)
+            row["accuracy"][g] = accuracy(model, prompts, keep, a.window, a.kept_window, device, a.sinks, a.kept_sinks,
+                                         {int(i) for i in a.diffuse.split(",") if i})
         record["rows"].append(row)
         print(f"K={k:2d} {sorted(keep) if k < len(layers) else 'all'}: "
               + " ".join(f"{g}: {v:.3f}" for g, v in row["accuracy"].items()), f"{time.time() - t0:.0f}s", flush=True)
