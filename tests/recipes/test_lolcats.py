@@ -369,6 +369,25 @@ def test_auto_softmax_needs_stage_one(workspace, tmp_path):
         lolcats.run(_config(workspace, tmp_path / "x", keep_softmax="auto:1", stages=("stage2",)))
 
 
+@pytest.mark.parametrize("family, k, converted", [("llama", 3, 3), ("gemma3_text", 1, 1)])
+def test_auto_softmax_asking_for_every_converted_layer_fails_before_training(workspace, tiny_model, family, k,
+                                                                             converted, monkeypatch, tmp_path):
+    """auto:K with K at least the layers the spec converts (Gemma 3's local layers stay under keep_sliding, so
+    fewer than the model has) is one clear error before stage 1, not a failure or a wasted run after it."""
+    from helpers import tiny_tokenizer
+
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    teacher = workspace / "teacher"
+    if family != "llama":
+        teacher = tmp_path / family
+        tiny_model(family).save_pretrained(teacher)
+        tiny_tokenizer().save_pretrained(teacher)
+    spec = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 8, "window": 4, "keep_sliding": True}
+    with pytest.raises(linearize.LinearizeError, match=f"auto:{k} would keep softmax in every one of the {converted} "):
+        lolcats.run(_config(workspace, tmp_path / "x", teacher=str(teacher), keep_softmax=f"auto:{k}", spec=spec))
+    assert not (tmp_path / "x" / "stage1").exists()
+
+
 def test_auto_softmax_through_the_cli(workspace, monkeypatch, tmp_path, capsys):
     from linearize.cli import main
 

@@ -552,11 +552,13 @@ def run(cfg: LolcatsConfig) -> dict:
         cfg, skip_under_fsdp=("perplexity: converted", "layer_mse_before"))
     ppl = results["perplexity"]
     results["cuda_graph"] = _graph_record(cfg, decisions)
-    if auto_k:  # every layer converted for stage 1; the teacher stays whole to keep the chosen layers from
-        n_layers = len(get_adapter(teacher.config).layers(teacher))
-        if auto_k >= n_layers:
-            raise LinearizeError(f"keep_softmax auto:{auto_k} would keep every layer of {n_layers} softmax")
+    # auto:K: every layer the spec converts is converted for stage 1; the teacher stays whole to keep the chosen
+    # layers from
     student = cfg.convert_teacher(teacher, inplace=not auto_k)
+    if auto_k and auto_k >= (n_converted := len(mixers(student))):
+        raise LinearizeError(f"keep_softmax auto:{auto_k} would keep softmax in every one of the {n_converted} layers "
+                             "this spec converts (layers with their own sliding window stay as they are under "
+                             "keep_sliding); ask for fewer")
     if not fsdp:
         ppl["converted"] = perplexity(student, eval_blocks)
     if "stage1" in cfg.stages:
