@@ -1,19 +1,17 @@
 """How many of the teacher's layers must see far back for it to copy? A ceiling for window-softmax layers (#53).
 
-The teacher runs with softmax over the last ``--window`` tokens (the LoLCATs student's window) in
-every layer but K, which see ``--kept-window`` tokens (default: all). Scored on ``linearize eval
---tasks copy``'s prompts (held-out books: passage, gap, passage; the same seeded trials):
-teacher-forced accuracy on the repeat, by gap. The K layers are the ones whose heads copy most
-in the whole teacher: each layer's **induction score**, the largest over its heads of the mean
-attention a repeat token pays to the token after its first occurrence (``--rank far``: the largest over its
-heads of the attention mass beyond the window and the sinks, on the same prompts). No student with K such layers
-(plus whatever its linear state adds) copies further than its K layers' windows reach, so this
-bounds ``--keep-softmax auto:K --softmax-window W`` against the state cap. ``--sinks N``: the windowed
-layers also see the first N tokens (attention sinks, as StreamingLLM keeps); ``--kept-sinks N``
-the K layers with ``--kept-window``. ``--diffuse L``: layers L
-(of the windowed) keep their weight beyond the window but spread it evenly over those keys, a stand-in for a linear state.
+The teacher runs with softmax over the last ``--window`` tokens (the LoLCATs student's window; ``--sinks N``:
+and the first N, as StreamingLLM keeps) in every layer but K, which see ``--kept-window`` tokens (default: all;
+``--kept-sinks N``: and the first N). Scored on ``linearize eval --tasks copy``'s prompts (held-out books:
+passage, gap, passage; the same seeded trials): teacher-forced accuracy on the repeat, by gap. ``--ks``: the K
+layers whose heads copy most in the whole teacher, by **induction score** (the largest over a layer's heads
+of the mean attention a repeat token pays to the token after its first occurrence) or ``--rank far`` (the
+attention mass beyond the window and the sinks); ``--layers``: sets given by hand. ``--diffuse L``: windowed
+layers L keep their weight beyond the window but spread it evenly over those keys (a crude linear state).
+No student with K such layers copies further than their windows reach (its linear terms copy nothing), so
+this bounds ``--keep-softmax auto:K --softmax-window W`` against the state cap.
 
-    PYTHONPATH=src python dev/window_copy.py --gaps 256 1024 4096 --ks 0 2 4 6 30 --trials 4 --out R.json
+    PYTHONPATH=src python dev/window_copy.py --sinks 4 --gaps 256 1024 4096 --ks 0 3 6 12 --trials 6 --out R.json
 """
 
 from __future__ import annotations
