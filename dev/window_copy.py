@@ -6,8 +6,9 @@ and the first N, as StreamingLLM keeps) in every layer but K, which see ``--kept
 passage, gap, passage; the same seeded trials): teacher-forced accuracy on the repeat, by gap. ``--ks``: the K
 layers whose heads copy most in the whole teacher, by **induction score** (the largest over a layer's heads
 of the mean attention a repeat token pays to the token after its first occurrence) or ``--rank far`` (the
-attention mass beyond the window and the sinks); ``--layers``: sets given by hand. ``--diffuse L``: windowed
+attention mass beyond the window and the sinks); ``--layers``: sets given by hand (``17@4160``: that layer over 4,160 tokens). ``--diffuse L``: windowed
 layers L keep their weight beyond the window but spread it evenly over those keys (a crude linear state).
+``--kept-fp8``: the K layers' keys and values as a float8 (e4m3) ring would hold them (a scale per token and head).
 No student with K such layers copies further than their windows reach (its linear terms copy nothing), so
 this bounds ``--keep-softmax auto:K --softmax-window W`` against the state cap.
 
@@ -33,6 +34,12 @@ from linearize.ops.window import window_softmax
 from linearize.teacher import load_teacher
 
 
+def _fp8(x: torch.Tensor) -> torch.Tensor:
+    """``x`` [B, H, T, D] as a float8 (e4m3) store would give it back: a scale per token and head (absmax / 448)."""
+    scale = x.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 448.0
+    return ((x / scale).to(torch.float8_e4m3fn).to(x.dtype)) * scale
+
+
 class Windowed(nn.Module):
     """The teacher's softmax attention from ``m``'s projections over the last ``window`` keys (None:
     all); with ``induction`` set to ``(start, first, length)``, records the layer's induction score."""
@@ -41,15 +48,17 @@ class Windowed(nn.Module):
     far: tuple[int, int] | None = None  # (window, sinks): record the attention mass beyond both
     scores: dict[int, list[float]] = {}
 
-    def __init__(self, m, window, sinks=0, diffuse=False):
+    def __init__(self, m, window, sinks=0, diffuse=False, fp8=False):
         super().__init__()
-        self.mixer, self.config, self.window, self.sinks, self.diffuse = m, m.config, window, sinks, diffuse
+        self.mixer, self.config, self.window, self.sinks, self.diffuse, self.fp8 = m, m.config, window, sinks, diffuse, fp8
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         m = self.mixer
         q, k, v = m.adapter.qkv(m, hidden_states)
         qr, kr = m.adapter.rope(m, q, k, position_embeddings)
         g = m.geometry
+        if self.fp8:
+            kr, v = _fp8(kr), _fp8(v)
         if Windowed.induction is not None:
             self._score(qr, kr, g)
         if Windowed.far is not None:
@@ -127,8 +136,14 @@ def far_order(model, prompts, window, sinks, device) -> list[tuple[int, float]]:
 
 
 @torch.no_grad()
-def accuracy(model, prompts, keep, window, kept_window, device, sinks=0, kept_sinks=0, diffuse=()):
-    with swapped(model, lambda m: Windowed(m, kept_window, kept_sinks if kept_window else 0) if m.layer_idx in keep
+def accuracy(model, prompts, keep, window, kept_window, device, sinks=0, kept_sinks=0, diffuse=(), own=None, fp8=False):
+    own = own or {}  # a window of a kept layer's own (``--layers 17@4160``)
+
+    def kept(m):
+        w = own.get(m.layer_idx, kept_window)
+        return Windowed(m, w, kept_sinks if w else 0, fp8=fp8)
+
+    with swapped(model, lambda m: kept(m) if m.layer_idx in keep
                  else Windowed(m, window, sinks, diffuse=m.layer_idx in diffuse)):
         hits = count = 0
         for p in prompts:
@@ -163,6 +178,7 @@ def main():
     p.add_argument("--kept-sinks", type=int, default=0, help="first tokens the K layers also see (--kept-window)")
     p.add_argument("--layers", default=None, help="explicit sets of far-seeing layers instead of --ks: '11,8;0,5,6'")
     p.add_argument("--diffuse", default="", help="layers (not kept) whose weight beyond the window is spread evenly: '0,1'")
+    p.add_argument("--kept-fp8", action="store_true", help="the K layers read their keys and values through float8")
     p.add_argument("--rank", choices=("induction", "far"), default="induction",
                    help="how --ks picks its layers: induction score, or attention mass beyond the window and sinks")
     p.add_argument("--rank-gap", type=int, default=1024, help="gap of the prompts the induction scores come from")
@@ -181,15 +197,17 @@ def main():
              far_order(model, rank_prompts, a.window, a.sinks, device))
     print(f"{a.rank} scores", [(i, round(s, 3)) for i, s in order], f"{time.time() - t0:.0f}s", flush=True)
     record = {"teacher": a.teacher or "default", "passage": a.passage, "trials": a.trials, "window": a.window,
-              "kept_window": a.kept_window, "rank": a.rank, "sinks": a.sinks, "kept_sinks": a.kept_sinks, "diffuse": a.diffuse, "order": order, "rows": []}
-    sets = ([{int(i) for i in part.split(",")} for part in a.layers.split(";")] if a.layers else
+              "kept_window": a.kept_window, "rank": a.rank, "sinks": a.sinks, "kept_sinks": a.kept_sinks, "diffuse": a.diffuse, "kept_fp8": a.kept_fp8, "order": order, "rows": []}
+    own = {int(i.split("@")[0]): int(i.split("@")[1]) for i in (a.layers or "").replace(";", ",").split(",") if "@" in i}
+    sets = ([{int(i.split("@")[0]) for i in part.split(",")} for part in a.layers.split(";")] if a.layers else
             [set(layers) if k >= len(layers) else {i for i, _ in order[:k]} for k in a.ks])
     for keep in sets:
         k = len(keep)
-        row = {"k": k, "layers": sorted(keep), "accuracy": {}}
+        row = {"k": k, "layers": sorted(keep), "own_windows": {str(i): w for i, w in own.items() if i in keep},
+               "accuracy": {}}
         for g, prompts in cells.items():
             row["accuracy"][g] = accuracy(model, prompts, keep, a.window, a.kept_window, device, a.sinks, a.kept_sinks,
-                                         {int(i) for i in a.diffuse.split(",") if i})
+                                         {int(i) for i in a.diffuse.split(",") if i}, own, a.kept_fp8)
         record["rows"].append(row)
         print(f"K={k:2d} {sorted(keep) if k < len(layers) else 'all'}: "
               + " ".join(f"{g}: {v:.3f}" for g, v in row["accuracy"].items()), f"{time.time() - t0:.0f}s", flush=True)
