@@ -124,18 +124,6 @@ class Windowed(nn.Module):
 
 
 @torch.no_grad()
-def far_order(model, prompts, window, sinks, device) -> list[tuple[int, float]]:
-    """Layers by the largest over their heads of the mean attention mass beyond the window and the sinks."""
-    Windowed.scores, Windowed.far = {}, (window, sinks)
-    with swapped(model, lambda m: Windowed(m, None)):
-        for p in prompts:
-            model(torch.tensor([p.ids], device=device), use_cache=False, logits_to_keep=1)
-    Windowed.far = None
-    mean = {i: sum(v) / len(v) for i, v in Windowed.scores.items()}
-    return sorted(mean.items(), key=lambda kv: -kv[1])
-
-
-@torch.no_grad()
 def accuracy(model, prompts, keep, window, kept_window, device, sinks=0, kept_sinks=0, diffuse=(), own=None, fp8=False):
     own = own or {}  # a window of a kept layer's own (``--layers 17@4160``)
 
@@ -154,13 +142,17 @@ def accuracy(model, prompts, keep, window, kept_window, device, sinks=0, kept_si
 
 
 @torch.no_grad()
-def induction_order(model, prompts, device) -> list[tuple[int, float]]:
+def layer_order(model, prompts, rank: str, window: int, sinks: int, device) -> list[tuple[int, float]]:
+    """Layers by score, largest first, averaged over ``prompts`` (the whole teacher attending): ``induction``
+    (attention from the repeat to the token after each first occurrence) or ``far`` (attention mass beyond the
+    window and the sinks); each a layer's largest over its heads."""
     Windowed.scores = {}
+    Windowed.far = (window, sinks) if rank == "far" else None
     with swapped(model, lambda m: Windowed(m, None)):
         for p in prompts:
-            Windowed.induction = (p.start, p.first, p.passage_len)
+            Windowed.induction = (p.start, p.first, p.passage_len) if rank == "induction" else None
             model(torch.tensor([p.ids], device=device), use_cache=False, logits_to_keep=1)
-    Windowed.induction = None
+    Windowed.induction = Windowed.far = None
     mean = {i: sum(v) / len(v) for i, v in Windowed.scores.items()}
     return sorted(mean.items(), key=lambda kv: -kv[1])
 
@@ -193,8 +185,7 @@ def main():
     cells = {g: [copy_task.make_prompt(stream, a.passage, g, i, 1234, prefix) for i in range(a.trials)] for g in a.gaps}
     rank_prompts = [copy_task.make_prompt(stream, a.passage, a.rank_gap, i, 4321, prefix) for i in range(a.trials)]
     t0 = time.time()
-    order = (induction_order(model, rank_prompts, device) if a.rank == "induction" else
-             far_order(model, rank_prompts, a.window, a.sinks, device))
+    order = layer_order(model, rank_prompts, a.rank, a.window, a.sinks, device)
     print(f"{a.rank} scores", [(i, round(s, 3)) for i, s in order], f"{time.time() - t0:.0f}s", flush=True)
     record = {"teacher": a.teacher or "default", "passage": a.passage, "trials": a.trials, "window": a.window,
               "kept_window": a.kept_window, "rank": a.rank, "sinks": a.sinks, "kept_sinks": a.kept_sinks, "diffuse": a.diffuse, "kept_fp8": a.kept_fp8, "order": order, "rows": []}
