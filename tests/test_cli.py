@@ -206,3 +206,21 @@ def test_convert_with_no_spec_builds_the_student_lolcats_trains_by_default(teach
     assert plain["decay"] == "none" and plain["feature_rope"] is True and plain["window"] == 64
     supra = spec_of("--kind", "supra")
     assert supra["kind"] == "supra" and supra.get("decay") != "gated"
+
+
+def test_keep_softmax_flag_wins_over_a_recipe_files_auto_choice():
+    """--keep-softmax over a file's ``auto:K``: the flag's layers, and the file's way of choosing (auto_softmax_score,
+    auto_softmax_distance) dropped rather than refused as asking for a choice nobody makes."""
+    from linearize.cli import _recipe_config, build_parser
+    from linearize.recipes import lolcats
+
+    def config(*flags):
+        args = build_parser().parse_args(["lolcats", "--config", "lolcats_wide", *flags])
+        return _recipe_config(args, lolcats.LolcatsConfig, lolcats.apply_budget, "runs/lolcats", lolcats.DEFAULT_SPEC)
+
+    chosen = config()
+    assert chosen.keep_softmax == "auto:14" and chosen.auto_softmax_score == "recall"
+    fixed = config("--keep-softmax", "0,1,17")
+    assert fixed.keep_softmax == (0, 1, 17) and fixed.spec["softmax_window"] == 1280
+    assert fixed.auto_softmax_score == lolcats.LolcatsConfig().auto_softmax_score
+    assert fixed.auto_softmax_distance == lolcats.LolcatsConfig().auto_softmax_distance

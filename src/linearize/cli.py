@@ -160,8 +160,13 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
     spec.update({k: getattr(args, k) for k in SPEC_FLAGS
                  if k != "keep_softmax" and getattr(args, k, None) is not None})
     _check_sparse_options(args, spec)
-    keep = getattr(args, "keep_softmax", None) or recipe.pop("keep_softmax", None) or spec.pop("keep_softmax", None)
+    # the flag wins over the file's (top level, then under spec); both file keys leave the recipe either way
+    from_file = recipe.pop("keep_softmax", None) or spec.pop("keep_softmax", None)
     spec.pop("keep_softmax", None)
+    keep = getattr(args, "keep_softmax", None) or from_file
+    if keep is not from_file and isinstance(from_file, str) and from_file.strip().startswith("auto:"):
+        for key in ("auto_softmax_score", "auto_softmax_distance"):  # how the file's auto:K would choose: moot
+            recipe.pop(key, None)
     method = recipe.pop("method", None)
     if method is not None and method != fixed.get("method", command):
         raise LinearizeError(f"{args.config} is a {method} recipe; run it with 'linearize {method}'")
