@@ -56,6 +56,45 @@ def test_window_softmax_is_the_definition(monkeypatch, sdpa, shape, window):
             torch.testing.assert_close(a, b, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("shape,window", [((2, 6, 2, 37), 5), ((1, 4, 4, 64), 9), ((2, 3, 1, 17), 17),
+                                          ((1, 2, 2, 16), 17), ((2, 4, 2, 100), 2), ((1, 2, 1, 24), 12)])
+def test_flash_blocks_are_the_definition(shape, window):
+    """The causal flash calls on blocks of ``window - 1`` (own block, the previous one read backwards) merged by
+    their log-sum-exp: every block count, a last block cut short, a sequence inside the window, grouped heads."""
+    from linearize.ops.window import flash
+
+    xs = [x.detach() for x in _inputs(*shape)]
+    torch.testing.assert_close(flash.window_softmax_flash(*xs, window=window, scale=0.4), _definition(*xs, window, 0.4),
+                               atol=TOL, rtol=0)
+
+
+def test_window_softmax_takes_the_flash_blocks_only_without_a_gradient(monkeypatch):
+    """Prefill and evaluation (no gradient, no padding, no soft-cap, a window of MIN_WINDOW or more) take the
+    flash blocks; training, padding, soft-capping and short windows do not."""
+    from linearize.ops.window import flash
+
+    calls = []
+    real = flash.window_softmax_flash
+    monkeypatch.setattr(flash, "window_softmax_flash", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    monkeypatch.setattr(flash, "MIN_WINDOW", 4)
+    xs = _inputs(1, 4, 2, 30)
+    with torch.no_grad():
+        got = W.window_softmax(*xs, window=6, scale=0.4)
+    torch.testing.assert_close(got, _definition(*xs, 6, 0.4), atol=TOL, rtol=0)
+    assert len(calls) == 1
+    W.window_softmax(*xs, window=6, scale=0.4)  # a gradient wanted
+    with torch.no_grad():
+        W.window_softmax(*xs, window=6, scale=0.4, key_mask=torch.ones(1, 30, dtype=torch.bool))
+        W.window_softmax(*xs, window=6, scale=0.4, softcap=30.0)
+        W.window_softmax(*xs, window=3, scale=0.4)  # shorter than MIN_WINDOW
+        W.window_softmax(*xs, window=30, scale=0.4)  # covers the sequence: plain causal attention
+    assert len(calls) == 1
+    monkeypatch.setattr(W, "WINDOW_FLASH", False)
+    with torch.no_grad():
+        W.window_softmax(*xs, window=6, scale=0.4)
+    assert len(calls) == 1
+
+
 @pytest.mark.parametrize("t,window", [(3, 5), (12, 5), (30, 7)])
 def test_state_and_steps_continue_the_prefill(t, window):
     """After a prompt of ``t`` tokens, one token at a time from ``window_state`` (the step and the fast

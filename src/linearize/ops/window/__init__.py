@@ -5,8 +5,9 @@ vanish and the shared normaliser is the window's alone), so the reference, the c
 the hybrid's; here are the faster whole-sequence forms and their dispatcher, and the decoding state:
 
 * ``window_softmax``: the sequence form, through the hybrid's Triton kernels with zero features
-  (``WINDOW_KERNEL``, windows up to their ``KERNEL_MAX_WINDOW``), SDPA on blocks (``WINDOW_SDPA``: no
-  soft-cap) or the hybrid's chunked form with zero features;
+  (``WINDOW_KERNEL``, windows up to their ``KERNEL_MAX_WINDOW``), without a gradient causal flash calls on
+  blocks (``WINDOW_FLASH``, ``flash.py``), SDPA on blocks (``WINDOW_SDPA``: no soft-cap) or the hybrid's
+  chunked form with zero features;
 * ``window_state``: after a prompt, its last ``window`` keys and values (a ``HybridState`` of zero features
   and an empty linear state, so every hybrid form and the fast decoder's ring take it);
 * ``window_softmax_step`` (one token from a ``HybridState``) and ``window_softmax_step_ring`` (in place on a
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from ..hybrid import HybridState, RingHybridState, hybrid_attention_chunked, hybrid_attention_step
 from ..hybrid.shared import _real_keys, _scores
 from ..linear_attention import _group, accum_dtype
+from . import flash
 
 
 # The window softmax through SDPA on blocks (no soft-cap: linear in the length, fused kernels with their own
@@ -62,6 +64,12 @@ def window_softmax_kernel(q, k, v, *, window: int, scale: float, softcap: float 
     gamma = torch.ones(q.shape[1], device=q.device, dtype=torch.float32)
     o, _ = hybrid_triton(q, k, v, gamma, qf=zq, kf=zk, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
     return o
+
+
+# Without a gradient (prefill, evaluation), windows of at least ``flash.MIN_WINDOW`` tokens go through
+# ``flash.py``: mask-free causal flash calls on blocks of ``window - 1`` tokens, merged by their log-sum-exp,
+# where the masked band of ``window_softmax_sdpa`` sends SDPA to slower kernels over twice the keys. False: never.
+WINDOW_FLASH: bool = True
 
 
 def _window_block(window: int) -> int:
@@ -125,6 +133,8 @@ def window_softmax(q, k, v, *, window: int, scale: float, softcap: float | None 
     queries output zero."""
     if _use_window_kernel(q, k, v, window):
         return window_softmax_kernel(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
+    if WINDOW_FLASH and flash.supported(q, k, v, window, softcap, key_mask):
+        return flash.window_softmax_flash(q, k, v, window=window, scale=scale)
     if _use_window_sdpa(q, softcap):
         o = window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
         return o if key_mask is None else o * key_mask[:, None, :, None]  # padding queries: 0, as the forms below
@@ -154,10 +164,36 @@ def window_softmax_step(q, k, v, state: HybridState, *, window: int, scale: floa
                                  softcap=softcap, key_mask=key_mask)
 
 
+# The ring step as one Triton launch (``step_triton.py``) where ``_use_window_step_kernel`` allows: on CUDA
+# with Triton, q and the ring in bf16, fp16 or fp32, the ring's buffers contiguous. False: always the
+# PyTorch step below (the reference, and the CPU's path).
+WINDOW_STEP_KERNEL: bool = True
+STEP_KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _use_window_step_kernel(q, state: RingHybridState) -> bool:
+    """Whether ``window_softmax_step_ring`` runs as the Triton kernel (decided from metadata alone: no
+    host sync, so the same inside CUDA-graph capture)."""
+    if not (WINDOW_STEP_KERNEL and q.is_cuda and q.dtype in STEP_KERNEL_DTYPES):
+        return False
+    if state.keys.dtype not in STEP_KERNEL_DTYPES or state.values.dtype not in STEP_KERNEL_DTYPES:
+        return False  # e.g. float8 rings
+    if not (state.keys.is_contiguous() and state.values.is_contiguous() and state.valid.is_contiguous()):
+        return False
+    from ..availability import triton_available
+
+    return triton_available()
+
+
 def window_softmax_step_ring(q, k, v, state: RingHybridState, *, scale: float, softcap=None):
     """One token on the fast decoder's ring (every decoded token real), in place with fixed shapes: the new
     token overwrites slot ``state.slot`` (the oldest), then the softmax over the ring's valid slots.
-    Returns ``(o [B, H, 1, D], state)``."""
+    Returns ``(o [B, H, 1, D], state)``. On CUDA one Triton launch (``WINDOW_STEP_KERNEL``,
+    ``step_triton.window_step_ring_triton``); the PyTorch code below is its reference."""
+    if _use_window_step_kernel(q, state):
+        from .step_triton import window_step_ring_triton
+
+        return window_step_ring_triton(q, k, v, state, scale=scale, softcap=softcap)
     acc = accum_dtype(q.dtype)
     idx = state.slot.view(1)
     state.keys.index_copy_(2, idx, k.to(state.keys.dtype))
