@@ -57,9 +57,10 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--keep-softmax", metavar="I,J", help="comma-separated layer indices that keep softmax attention; "
                    "lolcats also takes auto:K (K layers chosen after stage 1 stay softmax: by attention-output MSE, or "
                    "see --auto-softmax-score)")
-    g.add_argument("--softmax-window", type=int, metavar="W", help="the layers kept softmax (--keep-softmax, auto:K "
+    g.add_argument("--softmax-window", metavar="W[,I:W2,...]", help="the layers kept softmax (--keep-softmax, auto:K "
                    "too) attend over their last W tokens only, so the student still decodes in constant memory: "
-                   "W keys and values per key head in each (0: the whole sequence, the default)")
+                   "W keys and values per key head in each (0: the whole sequence, the default); I:W2 gives layer I "
+                   "a window of its own, e.g. 1280,17:4160,18:4160")
     g.add_argument("--sparse-cache", type=int, metavar="S", help="lolcats: tokens per layer and key head kept exactly "
                    "beside the window, by default those whose values are least like the others' (see --sparse-priority); "
                    "0 = off (default)")

@@ -64,7 +64,11 @@ class Spec:
     keep_softmax: indices of layers that keep their softmax attention (hybrids).
     softmax_window: with ``W`` > 0, each layer of ``keep_softmax`` that has no sliding window of its own keeps its
         softmax over its last ``W`` tokens only (``mixers/window.py``), so a student with kept layers still
-        decodes in constant memory; 0 (the default) keeps them whole. No parameters.
+        decodes in constant memory; 0 (the default) keeps them whole. No parameters. ``"W,I:W2,J:W3"``: layers I
+        and J over W2 and W3 tokens instead (``softmax_windows``), e.g. short windows for the early layers and long
+        ones for the layers that copy (induction heads).
+    softmax_windows: the kept layers' own windows, ``(layer, W)`` pairs (from ``softmax_window``'s string form, or
+        a ``{layer: W}`` mapping).
     keep_sliding: keep every teacher layer that has its own sliding window (Gemma 2/3's local layers,
         Mistral's) as it is, whatever the mixer's window: such a layer already decodes in constant memory,
         so only the global layers are converted. Off (the default), a sliding layer is kept only where a
@@ -118,7 +122,8 @@ class Spec:
     keep_softmax: tuple[int, ...] = field(default_factory=tuple)
     softmax_window: int = field(default=0, metadata={
         "cli": True, "help": "the layers kept softmax (--keep-softmax) attend over their last W tokens only, "
-        "so the student decodes in constant memory (0: the whole sequence; the default)"})
+        "so the student decodes in constant memory (0: the whole sequence; the default); W,I:W2,...: layer I over W2"})
+    softmax_windows: tuple[tuple[int, int], ...] = field(default_factory=tuple)
     keep_sliding: bool = False
     backend: str = field(default="auto", metadata={
         "cli": True, "choices": BACKENDS, "help": "auto: fla CUDA kernels when installed; torch: PyTorch only"})
@@ -157,9 +162,7 @@ class Spec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LinearizeError(f"spec {name} must be a positive integer, got {value!r}")
-        sw = self.softmax_window
-        if not isinstance(sw, int) or isinstance(sw, bool) or sw < 0:
-            raise LinearizeError(f"spec softmax_window must be a non-negative whole number of tokens, got {sw!r}")
+        self._parse_softmax_windows()
         cache = self.sparse_cache
         if not isinstance(cache, int) or isinstance(cache, bool) or cache < 0:
             raise LinearizeError(f"spec sparse_cache must be a non-negative integer, got {cache!r}")
@@ -180,6 +183,44 @@ class Spec:
             raise LinearizeError(f"spec keep_softmax must be layer indices like 0,15, got {self.keep_softmax!r}") from None
         object.__setattr__(self, "keep_softmax", keep)
 
+    def _parse_softmax_windows(self) -> None:
+        """``softmax_window`` as ``W`` or ``"W,I:W2,J:W3"`` (layer I over W2 tokens, ...): the default into
+        ``softmax_window``, the layers' own into ``softmax_windows`` (JSON's string keys read back as layers)."""
+        sw, own = self.softmax_window, self.softmax_windows or {}
+        try:  # {layer: W} (JSON: string keys) or (layer, W) pairs
+            own = dict(own.items() if isinstance(own, dict) else own)
+        except (TypeError, ValueError):
+            raise LinearizeError(f"spec softmax_windows must map layers to windows, got {own!r}") from None
+        bad = LinearizeError(f"spec softmax_window must be W or W,I:W2,... (whole numbers of tokens; 0: kept layers see "
+                             f"the whole sequence), got {sw!r}")
+        if isinstance(sw, str):
+            parts = [x for x in sw.replace(" ", "").split(",") if x]
+            if not parts:
+                raise bad
+            default = parts[0] if ":" not in parts[0] else "0"
+            try:
+                for part in parts[1:] if ":" not in parts[0] else parts:
+                    layer, _, width = part.partition(":")
+                    own[int(layer)] = int(width)
+                sw = int(default)
+            except ValueError:
+                raise bad from None
+        if not isinstance(sw, int) or isinstance(sw, bool) or sw < 0:
+            raise bad
+        try:
+            own = {int(k): v for k, v in own.items()}
+        except (TypeError, ValueError):
+            raise bad from None
+        if any(i < 0 or isinstance(w, bool) or not isinstance(w, int) or w < 1 for i, w in own.items()):
+            raise LinearizeError(f"spec softmax_windows: each layer's window must be a positive whole number of tokens "
+                                 f"and each layer index non-negative, got {own!r}")
+        object.__setattr__(self, "softmax_window", sw)
+        object.__setattr__(self, "softmax_windows", tuple(sorted(own.items())))  # pairs: the spec stays hashable
+
+    def window_for(self, layer: int) -> int:
+        """The tokens a kept softmax layer ``layer`` sees (``softmax_windows``, else ``softmax_window``; 0: all)."""
+        return dict(self.softmax_windows).get(layer, self.softmax_window)
+
     def resolved(self) -> "Spec":
         """The same spec with every kind-dependent default filled in."""
         supra = self.kind == "supra"
@@ -194,6 +235,7 @@ class Spec:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self.resolved())
         d["keep_softmax"] = list(d["keep_softmax"])
+        d["softmax_windows"] = {str(i): w for i, w in d["softmax_windows"]}
         return d
 
     @classmethod

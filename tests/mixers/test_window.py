@@ -178,10 +178,44 @@ def test_saves_loads_and_holds_constant_memory(tiny_model, tmp_path):
     assert state_bytes(student)["fixed"] > 0
 
 
-@pytest.mark.parametrize("bad", [-1, 2.5, True, "8"])
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "8x", "", "8,1:x", "8,1:0", "8,1:-4", {"w": 3}])
 def test_a_bad_softmax_window_is_one_clear_line(bad):
-    with pytest.raises(LinearizeError, match="softmax_window must be a non-negative whole number"):
+    with pytest.raises(LinearizeError, match="softmax_window"):
         linearize.Spec(softmax_window=bad)
+
+
+TIERS = {"kind": "lolcats", "window": 4, "keep_softmax": [0, 1], "softmax_window": "6,1:9"}
+
+
+def test_layers_take_windows_of_their_own(tiny_model, tmp_path):
+    """``W,I:W2``: layer I over W2 tokens, the other kept layers over W; either spelling, the saved spec and
+    the state's size agree; a window of its own on a layer that keeps no softmax is one clear line."""
+    from helpers import tiny_tokenizer
+
+    teacher = tiny_model("llama", dtype=torch.float64)
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
+    student = linearize.convert(teacher, TIERS)
+    assert {i: m.window for i, m in linearize.mixers(student).items() if m.kind == "window"} == {0: 6, 1: 9}
+    other = linearize.convert(teacher, {**TIERS, "softmax_window": "9,0:6"})
+    torch.testing.assert_close(other(ids).logits, student(ids).logits, atol=0, rtol=0)
+    same = linearize.convert(teacher, {**TIERS, "softmax_window": 6})
+    assert not torch.allclose(same(ids).logits, student(ids).logits)  # layer 1's own window is used
+    covering = linearize.convert(teacher, {**TIERS, "keep_softmax": [0, 1, 2], "softmax_window": "5,0:21,1:21,2:21"})
+    torch.testing.assert_close(covering(ids).logits, teacher(ids).logits, atol=TOL, rtol=0)
+    linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
+    loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu")
+    assert {i: m.window for i, m in linearize.mixers(loaded).items() if m.kind == "window"} == {0: 6, 1: 9}
+    g = linearize.mixers(student)[1].geometry
+    assert linearize.mixers(student)[1].state_bytes(torch.float32) == 9 * (g.n_kv_heads * 2 * g.head_dim * 4 + 1)
+    with pytest.raises(LinearizeError, match=r"layers \[2\] windows of their own, but they keep no softmax"):
+        linearize.convert(teacher, {**TIERS, "softmax_window": "6,2:9"})
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])  # (Gemma 2's layer 0 is local: kept as the teacher's own)
+def test_windows_of_their_own_decode_like_the_parallel_forward_and_generate(tiny_model, family):
+    student = tiny_student(tiny_model, family, TIERS)
+    assert_decodes_like_parallel(student)
+    assert_fast_equals_generate(student)
 
 
 def test_attention_transfer_compares_the_window_layer_and_trains_the_others(tiny_model):

@@ -568,6 +568,7 @@ def test_recall_score_keeps_the_recalling_layer_and_records_it(recall_teacher, m
     ({"auto_softmax_score": "entropy"}, "auto_softmax_score must be one of mse, recall, got 'entropy'"),
     ({"auto_softmax_score": "recall", "keep_softmax": (1,)}, "which this run does not ask for"),
     ({"auto_softmax_score": "recall", "auto_softmax_distance": 1}, "auto_softmax_distance must be a whole number"),
+    ({"spec": {"kind": "lolcats", "softmax_window": "64,1:256"}}, "auto:K has not chosen its layers yet"),
 ])
 def test_bad_auto_softmax_settings_fail_in_one_line_before_loading(tmp_path, settings, message):
     cfg = lolcats.LolcatsConfig(**{"teacher": str(tmp_path / "absent"), "out": str(tmp_path / "run"),

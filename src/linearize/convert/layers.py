@@ -16,20 +16,26 @@ from ..spec import Spec
 
 def apply_spec(model: nn.Module, spec: Spec) -> nn.Module:
     """Replace ``model``'s attention layers (all but ``spec.keep_softmax``) by ``spec``'s mixers, in
-    place; with ``spec.softmax_window``, a kept layer without a sliding window of its own by its softmax over
-    that many tokens (``mixers/window.py``). Writes nothing to the config: ``convert`` records the spec, and
-    the ``linearize_*`` model classes call this on a model their recorded spec describes."""
+    place; with ``spec.softmax_window`` (or a layer's own in ``spec.softmax_windows``), a kept layer without a
+    sliding window of its own by its softmax over that many tokens (``mixers/window.py``). Writes nothing to the
+    config: ``convert`` records the spec, and the ``linearize_*`` model classes call this on a model their
+    recorded spec describes."""
     adapter = get_adapter(model.config)
     layers = adapter.layers(model)
     n_layers = len(layers)
     bad = [i for i in spec.keep_softmax if not 0 <= i < n_layers]
     if bad:
         raise LinearizeError(f"keep_softmax {bad} out of range: the model has layers 0..{n_layers - 1}")
+    # a layer's own window names a kept layer (a student converting every layer, as before auto:K chooses, has none)
+    stray = [i for i, _ in spec.softmax_windows if not 0 <= i < n_layers or (spec.keep_softmax and i not in spec.keep_softmax)]
+    if stray:
+        raise LinearizeError(f"softmax_window gives layers {stray} windows of their own, but they keep no softmax "
+                             f"(keep_softmax: {list(spec.keep_softmax)}; the model has layers 0..{n_layers - 1})")
     mixer_cls = mixer_class(spec.kind)
     for i, layer in enumerate(layers):
         attn = adapter.attention(layer)
         if i in spec.keep_softmax:
-            if spec.softmax_window and not isinstance(attn, Mixer):
+            if spec.window_for(i) and not isinstance(attn, Mixer):
                 geometry = adapter.geometry(attn, model.config)
                 if geometry.sliding_window is None:
                     adapter.set_attention(layer, WindowSoftmax(attn, adapter, geometry, spec, i, n_layers))

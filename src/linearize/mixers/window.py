@@ -1,4 +1,5 @@
-"""A kept softmax layer with a sliding window (``spec.softmax_window = W``): the teacher's own attention, q/k/v/o,
+"""A kept softmax layer with a sliding window (``spec.softmax_window = W``, or its own ``W`` in
+``spec.softmax_windows``): the teacher's own attention, q/k/v/o,
 RoPE, scale and soft-cap, over each query's last ``W`` tokens only, so that it decodes in constant memory.
 
 ``convert`` puts one in place of each layer of ``spec.keep_softmax`` that has no sliding window of its own
@@ -27,7 +28,7 @@ class WindowSoftmax(Mixer):
 
     @property
     def window(self) -> int:
-        return self.spec.softmax_window
+        return self.spec.window_for(self.layer_idx)
 
     def _kw(self):
         g = self.geometry

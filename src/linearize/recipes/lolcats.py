@@ -539,6 +539,11 @@ def run(cfg: LolcatsConfig) -> dict:
     distance = cfg.auto_softmax_distance
     if distance is not None and (isinstance(distance, bool) or not isinstance(distance, int) or distance < 2):
         raise LinearizeError(f"auto_softmax_distance must be a whole number of tokens, 2 or more, got {distance!r}")
+    from ..spec import Spec
+
+    if auto_k and Spec.coerce(cfg.spec).softmax_windows:
+        raise LinearizeError("softmax_window gives layers windows of their own, but keep_softmax auto:K has not chosen its "
+                             "layers yet: name the kept layers (--keep-softmax I,J,...) or give one window for all")
     if auto_k and "stage1" not in cfg.stages:
         raise LinearizeError("keep_softmax auto:K picks the layers by their attention-transfer error: it needs stage 1")
     decisions = _graph_decisions(cfg)  # --cuda-graph on where a stage cannot replay: refused here
