@@ -24,7 +24,7 @@ DTYPES = ["float32", "bfloat16", "float16"]
 
 
 def _spec_arguments(p: argparse.ArgumentParser) -> None:
-    from .spec import BACKENDS, DECAYS, FEATURE_MAPS, KINDS, NORMS, SPARSE_ANCHORS, SPARSE_PRIORITIES
+    from .spec import BACKENDS, DECAYS, FEATURE_MAPS, KINDS, NORMS, SPARSE_ANCHORS, SPARSE_PRIORITIES, WINDOW_DTYPES
 
     g = p.add_argument_group("mixer spec (each flag overrides the same key of --config)")
     g.add_argument("--kind", choices=KINDS, help="lolcats: softmax over a sliding window + linear attention for "
@@ -61,6 +61,9 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
                    "too) attend over their last W tokens only, so the student still decodes in constant memory: "
                    "W keys and values per key head in each (0: the whole sequence, the default); I:W2 gives layer I "
                    "a window of its own, e.g. 1280,17:4160,18:4160")
+    g.add_argument("--softmax-window-dtype", choices=WINDOW_DTYPES, help="how the window-softmax layers "
+                   "(--softmax-window) keep their keys and values: auto (the model's dtype; the default) or float8 "
+                   "(e4m3 with a scale per token and key head: about half the bytes of bf16)")
     g.add_argument("--sparse-cache", type=int, metavar="S", help="lolcats: tokens per layer and key head kept exactly "
                    "beside the window, by default those whose values are least like the others' (see --sparse-priority); "
                    "0 = off (default)")
@@ -83,7 +86,7 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
 
 
 SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "decay_horizon", "feature_rope", "norm",
-              "keep_softmax", "softmax_window", "keep_sliding", "backend", "sparse_cache", "sparse_priority", "sparse_anchor",
+              "keep_softmax", "softmax_window", "softmax_window_dtype", "keep_sliding", "backend", "sparse_cache", "sparse_priority", "sparse_anchor",
               "sparse_linear")
 
 

@@ -23,6 +23,7 @@ LOLCATS_NORMS = ("sum", "separate")
 BACKENDS = ("auto", "torch", "fla")
 SPARSE_PRIORITIES = ("recall", "novelty", "first")  # ops.hybrid.PRIORITIES
 SPARSE_ANCHORS = ("joint", "window")  # ops.hybrid.ANCHORS
+WINDOW_DTYPES = ("auto", "float8")  # mixers/window.py: how the window-softmax layers keep keys and values
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class Spec:
         decodes in constant memory; 0 (the default) keeps them whole. No parameters. ``"W,I:W2,J:W3"``: layers I
         and J over W2 and W3 tokens instead (``softmax_windows``), e.g. short windows for the early layers and long
         ones for the layers that copy (induction heads).
+    softmax_window_dtype: ``auto`` (the model's) or ``float8``: how the window-softmax layers keep their keys and
+        values (``ops/window/float8.py``: e4m3 codes and a float32 scale per token and key head; the layers'
+        sequence form attends over the same read-back values, so training, prefill and decoding agree).
     softmax_windows: the kept layers' own windows, ``(layer, W)`` pairs (from ``softmax_window``'s string form, or
         a ``{layer: W}`` mapping).
     keep_sliding: keep every teacher layer that has its own sliding window (Gemma 2/3's local layers,
@@ -124,6 +128,10 @@ class Spec:
         "cli": True, "help": "the layers kept softmax (--keep-softmax) attend over their last W tokens only, "
         "so the student decodes in constant memory (0: the whole sequence; the default); W,I:W2,...: layer I over W2"})
     softmax_windows: tuple[tuple[int, int], ...] = field(default_factory=tuple)
+    softmax_window_dtype: str = field(default="auto", metadata={
+        "cli": True, "choices": WINDOW_DTYPES, "help": "how the window-softmax layers keep their keys and values: auto "
+        "(the model's dtype; the default) or float8 (e4m3 with a scale per token and key head: about half the bytes "
+        "of bf16; the layers attend over the same read-back values in training and decoding)"})
     keep_sliding: bool = False
     backend: str = field(default="auto", metadata={
         "cli": True, "choices": BACKENDS, "help": "auto: fla CUDA kernels when installed; torch: PyTorch only"})
@@ -156,6 +164,7 @@ class Spec:
             raise LinearizeError(f"spec feature_rope applies to the lolcats and delta hybrids, not to kind {self.kind!r}")
         _check_choice("norm", self.norm, LOLCATS_NORMS if self.kind == "lolcats" else NORMS[:2], optional=True)
         _check_choice("backend", self.backend, BACKENDS)
+        _check_choice("softmax_window_dtype", self.softmax_window_dtype, WINDOW_DTYPES)
         _check_choice("sparse_priority", self.sparse_priority, SPARSE_PRIORITIES)
         _check_choice("sparse_anchor", self.sparse_anchor, SPARSE_ANCHORS)
         for name in ("feature_dim", "window", "chunk_size"):
@@ -163,6 +172,9 @@ class Spec:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LinearizeError(f"spec {name} must be a positive integer, got {value!r}")
         self._parse_softmax_windows()
+        if self.softmax_window_dtype != "auto" and not (self.softmax_window or self.softmax_windows):
+            raise LinearizeError(f"spec softmax_window_dtype {self.softmax_window_dtype} sets how the window-softmax "
+                                 "layers keep their keys and values; give them a window (softmax_window W)")
         cache = self.sparse_cache
         if not isinstance(cache, int) or isinstance(cache, bool) or cache < 0:
             raise LinearizeError(f"spec sparse_cache must be a non-negative integer, got {cache!r}")

@@ -237,3 +237,67 @@ def test_attention_transfer_compares_the_window_layer_and_trains_the_others(tiny
     sum(p.mse for p in probes.values()).backward()
     assert all(p.grad is not None for p in new) and new
     assert not any(p.requires_grad for p in linearize.mixers(student)[1].parameters())
+
+
+F8 = {**TIERS, "softmax_window_dtype": "float8"}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_float8_keeps_each_vector_to_e4m3s_precision(dtype):
+    from linearize.ops.window.float8 import FLOAT8, dequantize, fake_quantize, quantize
+
+    x = torch.randn(2, 3, 7, 16, generator=torch.Generator().manual_seed(0)).to(dtype) * 5
+    x[0, 0, 0] = 0  # a zero vector stays zero
+    codes, scale = quantize(x)
+    assert codes.dtype == FLOAT8 and scale.shape == (2, 3, 7, 1) and scale.dtype == torch.float32
+    back = dequantize(codes, scale, dtype)
+    assert back.dtype == dtype and torch.equal(back[0, 0, 0], x[0, 0, 0])
+    top = x.abs().amax(-1, keepdim=True).double()
+    err = (back.double() - x.double()).abs()
+    # e4m3: 3 mantissa bits (half a step: 2^-4 relative), subnormal steps of 2^-9 scales; the largest kept to rounding
+    assert (err <= 2 ** -4 * x.double().abs() + 2 ** -10 * scale.double() + 1e-2 * top * 2 ** -7).all()
+    torch.testing.assert_close(back.abs().amax(-1, keepdim=True).double(), top, atol=0, rtol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+    leaf = x.clone().requires_grad_(True)
+    read, _, _ = fake_quantize(leaf)
+    torch.testing.assert_close(read, back, atol=0, rtol=0)
+    read.sum().backward()
+    assert torch.equal(leaf.grad, torch.ones_like(x))  # straight through
+
+
+def test_float8_windows_decode_as_their_parallel_forward_with_half_the_state(tiny_model, tmp_path):
+    """A float8 window layer attends over the values its ring gives back, in the parallel forward too: prefill,
+    steps, the fast decoder and generate() agree with it exactly; near the exact layer, not equal; about half
+    the bytes; saved and loaded; trainable through the rounding (straight through)."""
+    from helpers import tiny_tokenizer
+    from linearize.ops.window.float8 import Float8RingState, Float8WindowState
+
+    student = tiny_student(tiny_model, "llama", F8)
+    exact = tiny_student(tiny_model, "llama", TIERS)
+    exact.load_state_dict(student.state_dict())
+    assert_decodes_like_parallel(student)
+    assert_fast_equals_generate(student)
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(0))
+    a, b = student(ids).logits, exact(ids).logits
+    assert not torch.equal(a, b) and (a - b).abs().max() < 0.05 * b.abs().max()
+    out = student(ids[:, :15], use_cache=True)
+    assert isinstance(out.past_key_values.layers[1].state, Float8WindowState)
+    layer = linearize.mixers(student)[1]
+    ring = layer.ring_state(out.past_key_values.layers[1].state)
+    assert isinstance(ring, Float8RingState) and ring.keys.shape[2] == 9
+    g = layer.geometry
+    assert layer.state_bytes(torch.bfloat16) == 9 * (g.n_kv_heads * 2 * (g.head_dim + 4) + 1)
+    assert layer.state_bytes(torch.bfloat16) < linearize.mixers(exact)[1].state_bytes(torch.bfloat16)  # head dim 8
+    linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
+    loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu", dtype=torch.float64)
+    assert linearize.mixers(loaded)[1].float8
+    torch.testing.assert_close(loaded(ids).logits, a, atol=TOL, rtol=0)
+    student.zero_grad()
+    student(ids).logits.sum().backward()
+    assert student.model.layers[1].self_attn.k_proj.weight.grad.abs().sum() > 0
+
+
+def test_a_bad_softmax_window_dtype_is_one_clear_line():
+    with pytest.raises(LinearizeError, match="softmax_window_dtype must be one of auto, float8"):
+        linearize.Spec(softmax_window_dtype="int4", softmax_window=8)
+    with pytest.raises(LinearizeError, match="give them a window"):
+        linearize.Spec(softmax_window_dtype="float8")

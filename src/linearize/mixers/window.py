@@ -20,6 +20,8 @@ import torch
 
 from .. import ops
 from ..ops.window import window_softmax, window_softmax_step, window_softmax_step_ring, window_state
+from ..ops.window.float8 import (Float8RingState, Float8WindowState, fake_quantize, float8_window_state,
+                                 float8_window_step, float8_window_step_ring)
 from .base import Mixer
 
 
@@ -34,27 +36,49 @@ class WindowSoftmax(Mixer):
         g = self.geometry
         return dict(scale=g.scaling, softcap=g.softcap)
 
+    @property
+    def float8(self) -> bool:
+        """Whether the window's keys and values are kept as float8 (``spec.softmax_window_dtype``)."""
+        return self.spec.softmax_window_dtype == "float8"
+
     def sequence(self, q, k, v, position_embeddings, state, want_state):
         q, k = self.adapter.rope(self, q, k, position_embeddings)
         if state is None:
+            if self.float8:  # attend over what the ring will give back
+                k, k8, ks = fake_quantize(k)
+                v, v8, vs = fake_quantize(v)
             o = window_softmax(q, k, v, window=self.window, **self._kw(), key_mask=self.key_mask)
-            return o, (window_state(k, v, self.window, self.key_mask) if want_state else None)
+            if not want_state:
+                return o, None
+            new = window_state(k, v, self.window, self.key_mask)
+            return o, (float8_window_state(new, k8, ks, v8, vs) if self.float8 else new)
         outs = []  # continuing a sequence with several tokens at once: token by token from the state
         for i in range(q.shape[2]):
             sl = slice(i, i + 1)
-            o, state = window_softmax_step(q[:, :, sl], k[:, :, sl], v[:, :, sl], state, window=self.window,
-                                           **self._kw(), key_mask=None if self.key_mask is None else self.key_mask[:, sl])
+            mask = None if self.key_mask is None else self.key_mask[:, sl]
+            o, state = self._step(q[:, :, sl], k[:, :, sl], v[:, :, sl], state, mask)
             outs.append(o)
         return torch.cat(outs, dim=2), state
 
+    def _step(self, q, k, v, state, key_mask):
+        """One token from a ``window_state`` (rotated q and k)."""
+        if isinstance(state, Float8WindowState):
+            return float8_window_step(q, k, v, state, window_softmax_step, window=self.window, **self._kw(),
+                                      key_mask=key_mask)
+        return window_softmax_step(q, k, v, state, window=self.window, **self._kw(), key_mask=key_mask)
+
     def step(self, q, k, v, position_embeddings, state):
         q, k = self.adapter.rope(self, q, k, position_embeddings)
+        if isinstance(state, Float8RingState):
+            return float8_window_step_ring(q, k, v, state, window_softmax_step_ring, **self._kw())
         if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
             return window_softmax_step_ring(q, k, v, state, **self._kw())
-        return window_softmax_step(q, k, v, state, window=self.window, **self._kw(), key_mask=self.key_mask)
+        return self._step(q, k, v, state, self.key_mask)
 
     def ring_state(self, state: ops.HybridState, keep_key_features: bool = False) -> ops.RingHybridState:
         """The fast decoder's ring of ``W`` slots from a prefill's state (its zero features not kept)."""
+        if isinstance(state, Float8WindowState):
+            return Float8RingState.from_state(state, self.window, copy=False)
         return ops.RingHybridState.from_state(state, self.window, keep_key_features=False, copy=False)
 
     def fused_decoding(self) -> bool:
@@ -62,8 +86,10 @@ class WindowSoftmax(Mixer):
 
     def state_bytes(self, dtype):
         g = self.geometry
+        if self.float8:  # a byte per element and a float32 scale per token and key head, for keys and values
+            return self.window * (g.n_kv_heads * 2 * (g.head_dim + 4) + 1)
         elem = torch.tensor([], dtype=dtype).element_size()
         return self.window * (g.n_kv_heads * 2 * g.head_dim * elem + 1)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, window={self.window}"
+        return f"{super().extra_repr()}, window={self.window}" + (", float8" if self.float8 else "")
