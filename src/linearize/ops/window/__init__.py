@@ -11,7 +11,9 @@ the hybrid's; here are the faster whole-sequence forms and their dispatcher, and
 * ``window_state``: after a prompt, its last ``window`` keys and values (a ``HybridState`` of zero features
   and an empty linear state, so every hybrid form and the fast decoder's ring take it);
 * ``window_softmax_step`` (one token from a ``HybridState``) and ``window_softmax_step_ring`` (in place on a
-  ``RingHybridState``: the fast decoder's, fixed shapes).
+  ``RingHybridState``: the fast decoder's, fixed shapes; on CUDA one Triton launch, ``step_triton.py``,
+  ``WINDOW_STEP_KERNEL``);
+* float8 rings (``float8.py``): the keys and values as e4m3 codes with a scale per token and key head.
 """
 
 from __future__ import annotations

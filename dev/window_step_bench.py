@@ -1,0 +1,130 @@
+"""Time the window softmax's ring step (``ops/window/step_triton.py``) alone on CUDA, as the fast decoder runs
+it: one CUDA graph of ``--layers`` steps, each on its own layer's ring (so that a large batch's rings do not
+sit in L2 between steps), for each batch and each setting of the kernel's module constants, beside the
+PyTorch step (``window_softmax_step_ring`` with ``WINDOW_STEP_KERNEL`` off).
+
+    python dev/window_step_bench.py [--batches 1 8 64 256] [--blocks 32 64 128] [--warps 2 4 8]
+                                    [--programs 0 1 528] [--stages 0 2 3 4] [--fma] [--layers 14] [--out FILE]
+
+Shapes are a kept layer's of the SmolLM2-135M student (9 query heads, 3 key heads, head dim 64, a ring of
+``--window`` 1,280 slots, bf16). ``0`` means the module's default (``--programs 1``: never split the ring);
+``--fma`` adds the products as broadcast sums (``STEP_MMA = False``). Each setting's output for one step
+from the same ring is compared with the PyTorch step's (largest absolute difference). Prints µs per layer
+step and the effective GB/s of the ring's bytes (keys and values read once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+
+H, HK, D = 9, 3, 64
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def timed(step, replays):
+    """µs per replay of ``step`` captured in one CUDA graph (on the CPU: per plain call)."""
+    if DEV == "cpu":
+        import time
+
+        t = time.perf_counter()
+        for _ in range(replays):
+            step()
+        return (time.perf_counter() - t) * 1e6 / replays
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(replays):
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / replays
+
+
+def rings(b, w, layers, gen):
+    from linearize.ops import RingHybridState
+
+    out = []
+    for _ in range(layers):
+        keys, values = (torch.randn(b, HK, w, D, device=DEV, generator=gen).bfloat16() for _ in range(2))
+        out.append(RingHybridState(keys, keys[..., :0], values, torch.zeros(b, HK, 1, 1, D + 1, device=DEV),
+                                   torch.ones(b, w, dtype=torch.bool, device=DEV),
+                                   slot=torch.zeros((), dtype=torch.long, device=DEV)))
+    return out
+
+
+def main(argv=None) -> int:
+    from linearize.ops import window
+    from linearize.ops.window import step_triton
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
+    p.add_argument("--window", type=int, default=1280)
+    p.add_argument("--blocks", nargs="+", type=int, default=[0])
+    p.add_argument("--warps", nargs="+", type=int, default=[0])
+    p.add_argument("--programs", nargs="+", type=int, default=[0])
+    p.add_argument("--stages", nargs="+", type=int, default=[0])
+    p.add_argument("--fma", action="store_true")
+    p.add_argument("--layers", type=int, default=14)
+    p.add_argument("--replays", type=int, default=20)
+    p.add_argument("--out")
+    args = p.parse_args(argv)
+    if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("window_step_bench.py needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
+    defaults = {k: getattr(step_triton, k) for k in ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES",
+                                                      "STEP_MMA")}
+    gen = torch.Generator(device=DEV).manual_seed(0)
+    kw = dict(scale=D ** -0.5, softcap=None)
+    rows = []
+    print("| step | batch | block | warps | programs | stages | µs/layer | GB/s | max err |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for b in args.batches:
+        q = torch.randn(b, H, 1, D, device=DEV, generator=gen).bfloat16()
+        k, v = (torch.randn(b, HK, 1, D, device=DEV, generator=gen).bfloat16() for _ in range(2))
+        ring_bytes = b * HK * args.window * D * 2 * 2
+        want = None
+        settings = [("torch", {})]
+        for mma, block, warps, programs, stages in itertools.product([True, False] if args.fma else [True], args.blocks,
+                                                                     args.warps, args.programs, args.stages):
+            settings.append(("kernel" if mma else "fma", dict(
+                STEP_MMA=mma, STEP_BLOCK=block or defaults["STEP_BLOCK"], STEP_WARPS=warps or defaults["STEP_WARPS"],
+                STEP_PROGRAMS=programs or defaults["STEP_PROGRAMS"], STEP_STAGES=stages or defaults["STEP_STAGES"])))
+        for name, consts in settings:
+            for key, value in {**defaults, **consts}.items():
+                setattr(step_triton, key, value)
+            window.WINDOW_STEP_KERNEL = name != "torch"
+            one = rings(b, args.window, 1, torch.Generator(device=DEV).manual_seed(1))[0]  # the same for each
+            y = window.window_softmax_step_ring(q, k, v, one, **kw)[0].float()
+            want = y if want is None else want
+            err = (y - want).abs().max().item()
+            layers = rings(b, args.window, args.layers, gen)
+            step = lambda: [window.window_softmax_step_ring(q, k, v, s, **kw) for s in layers]  # noqa: E731
+            us = timed(step, args.replays) / args.layers
+            shown = {k.removeprefix("STEP_").lower(): consts.get(k, "-") for k in
+                     ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES")}
+            row = dict(step=name, batch=b, **shown, us_per_layer=us, gb_per_s=ring_bytes / us / 1e3, max_err=err)
+            rows.append(row)
+            print(f"| {name} | {b} | {shown['block']} | {shown['warps']} | {shown['programs']} | {shown['stages']} | "
+                  f"{us:.1f} | {row['gb_per_s']:.0f} | {err:.3g} |", flush=True)
+            del layers
+        for key, value in defaults.items():
+            setattr(step_triton, key, value)
+        window.WINDOW_STEP_KERNEL = True
+    if args.out:
+        json.dump(rows, open(args.out, "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

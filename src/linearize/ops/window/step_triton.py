@@ -1,0 +1,211 @@
+"""The sliding-window softmax's decode step on the fast decoder's ring as one Triton launch (CUDA; two launches
+for a small batch, whose ring is read in parts).
+
+``window_step_ring_triton`` is the twin of ``window_softmax_step_ring`` (``ops/window/__init__.py``), which
+stays the reference and the CPU path. One program per (sequence, key head, part of the ring):
+
+1. the new key and value, cast to the ring's dtype, take slot ``s = state.slot`` (written, with
+   ``valid[b, s]``, by the program whose part holds the slot);
+2. the ``G`` query heads of the key head, one ``[BG, D]`` tile, start an online softmax (fp32 scores and
+   sums) from the new token, held in registers, then take the part's other valid slots in blocks of ``BW``.
+   No program reads slot ``s`` from memory, so none races with its write;
+3. with one part per (sequence, key head) the program writes the output and the slot counter is advanced
+   after the launch (two small PyTorch ops: every program reads the counter); with several parts (a small
+   batch would leave most of the GPU idle) each writes its running maximum, sum and weighted values, and a
+   second small launch (``_combine``) merges them and advances the counter.
+
+The products ``q k^T`` and ``p v`` are ``tl.dot`` tiles (the query heads padded to 16 rows, which costs
+nothing in a step bound by reading the ring): for a half-precision ring their inputs are in the ring's
+dtype (the query rounded to it as the reference's SDPA call does, the softmax weights as a flash kernel
+rounds them) with fp32 accumulation; for an fp32 ring full fp32 products. Triton's interpreter cannot
+multiply bf16 tiles: there the same rounded inputs are multiplied in fp32. ``STEP_MMA = False`` computes
+both products as broadcast sums on the CUDA cores instead (fp32 throughout), for comparison.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Ring slots per block of the loop (halved for heads over 128 wide), warps per program, the programs a step
+# aims for (parts of the ring are added until it has about this many; None: four per multiprocessor), the
+# products on the tensor cores (tl.dot) or as broadcast sums, and the loop's pipeline stages (None: Triton's
+# default). Module constants so that ``dev/window_step_bench.py`` can sweep them.
+STEP_BLOCK = 64
+STEP_WARPS = 4
+STEP_PROGRAMS: int | None = None
+STEP_MMA = True
+STEP_STAGES: int | None = None
+
+
+@triton.jit
+def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
+                      sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, scale, softcap, HK, G, W, D, L,
+                      HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr,
+                      PREC: tl.constexpr, BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
+    bi = tl.program_id(0)
+    hk = tl.program_id(1)
+    part = tl.program_id(2)
+    g = tl.arange(0, BG)
+    d = tl.arange(0, BD)
+    gm, dm = g < G, d < D
+    out = gm[:, None] & dm[None, :]
+    s = tl.load(slot_ptr)
+    head = (bi * HK + hk).to(tl.int64)
+    lo = part * L
+    hi = tl.minimum(lo + L, W)
+    mine = (s >= lo) & (s < hi)  # this part holds slot s
+
+    # 1. the new token, rounded as the ring stores it, takes slot s
+    k_new = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0).to(keys_ptr.dtype.element_ty)
+    v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + d * sv_d, mask=dm, other=0.0).to(values_ptr.dtype.element_ty)
+    keys_ptr += head * W * D  # this head's ring [W, D]
+    values_ptr += head * W * D
+    tl.store(keys_ptr + s * D + d, k_new, mask=tl.where(mine, dm, False))
+    tl.store(values_ptr + s * D + d, v_new, mask=tl.where(mine, dm, False))
+    tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=mine)
+
+    # 2. the group's query heads [BG, BD], rounded to the ring's dtype as the reference's SDPA call reads them
+    q = tl.load(q_ptr + bi * sq_b + (hk * G + g)[:, None] * sq_h + d[None, :] * sq_d, mask=out, other=0.0)
+    q = q.to(keys_ptr.dtype.element_ty)
+    if F32_DOT:
+        q = q.to(tl.float32)
+    # the online softmax starts from the new token (in the part holding slot s), read from registers
+    new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
+    if HAS_SOFTCAP:
+        new = softcap * (2.0 * tl.sigmoid(2.0 * new / softcap) - 1.0)  # softcap * tanh(new / softcap)
+    m = tl.where(mine, new, float("-inf"))
+    l = tl.where(mine, 1.0, 0.0) + tl.zeros([BG], dtype=tl.float32)
+    acc = tl.where(mine, v_new.to(tl.float32), 0.0)[None, :] + tl.zeros([BG, BD], dtype=tl.float32)
+
+    # 3. the part's other slots in blocks of BW (slot s is never read: its write may not have landed)
+    for start in range(lo, hi, BW):
+        w = start + tl.arange(0, BW)
+        old = (w < hi) & (w != s)
+        live = tl.load(valid_ptr + bi * W + w, mask=old, other=0).to(tl.int1)
+        tile = w[:, None] * D + d[None, :]
+        keys = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
+        values = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
+        if F32_DOT:
+            keys = keys.to(tl.float32)
+            values = values.to(tl.float32)
+        if MMA:
+            scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale  # [BG, BW]
+        else:
+            scores = tl.sum(q.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
+        if HAS_SOFTCAP:
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no live slot yet: nothing to weigh
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if MMA:  # the weights in the ring's dtype, as a flash kernel rounds them
+            acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
+
+    # 4. the output, or this part's terms for _combine ([B, Hk, P, G] and [B, Hk, P, G, D])
+    if SPLIT:
+        at = (head * tl.num_programs(2) + part) * G + g
+        tl.store(m_ptr + at, m, mask=gm)
+        tl.store(l_ptr + at, l, mask=gm)
+        tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=out)
+    else:
+        o = acc / tl.where(gm, l, 1.0)[:, None]  # l >= 1 on a real row: its largest term is exp(0)
+        tl.store(o_ptr + (head * G + g)[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=out)
+
+
+@triton.jit
+def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, HK, G, W, D, P, BG: tl.constexpr, BD: tl.constexpr):
+    bi = tl.program_id(0)
+    hk = tl.program_id(1)
+    g = tl.arange(0, BG)
+    d = tl.arange(0, BD)
+    gm = g < G
+    out = gm[:, None] & (d < D)[None, :]
+    head = (bi * HK + hk).to(tl.int64)
+    m = tl.full([BG], float("-inf"), tl.float32)
+    l = tl.zeros([BG], dtype=tl.float32)
+    acc = tl.zeros([BG, BD], dtype=tl.float32)
+    for part in range(P):
+        at = (head * P + part) * G + g
+        m_p = tl.load(m_ptr + at, mask=gm, other=float("-inf"))
+        m_new = tl.maximum(m, m_p)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # parts without a live slot weigh nothing
+        alpha = tl.exp(m - m_safe)
+        beta = tl.exp(m_p - m_safe)
+        l = l * alpha + tl.load(l_ptr + at, mask=gm, other=0.0) * beta
+        terms = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=out, other=0.0)
+        acc = acc * alpha[:, None] + terms * beta[:, None]
+        m = m_new
+    o = acc / tl.where(gm, l, 1.0)[:, None]
+    tl.store(o_ptr + (head * G + g)[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=out)
+    # every program of the step has read the slot before this launch: the first advances it
+    s = tl.load(slot_ptr)
+    tl.store(slot_ptr, (s + 1) % W, mask=(bi == 0) & (hk == 0))
+
+
+_PROGRAMS: dict[int, int] = {}
+
+
+def _target_programs(device: torch.device) -> int:
+    """``STEP_PROGRAMS``, else four per multiprocessor of ``device`` (asked once per device)."""
+    if STEP_PROGRAMS is not None:
+        return STEP_PROGRAMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PROGRAMS:
+        _PROGRAMS[index] = 4 * torch.cuda.get_device_properties(index).multi_processor_count
+    return _PROGRAMS[index]
+
+
+def ring_parts(batch: int, n_kv: int, window: int, block: int, programs: int) -> int:
+    """Parts of the ring per (sequence, key head): about ``programs`` programs in all, each part at
+    least one block of ``block`` slots."""
+    return max(1, min(triton.cdiv(window, block), programs // max(batch * n_kv, 1)))
+
+
+def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None):
+    """The window softmax's decode step on a ``RingHybridState``, in place, as ``window_softmax_step_ring``.
+
+    ``q`` ``[B, H, 1, D]`` (rotated) and ``k``/``v`` ``[B, Hk, 1, D]`` with any strides; ``state.keys`` and
+    ``state.values`` ``[B, Hk, W, D]`` and ``state.valid`` ``[B, W]`` contiguous. ``parts``: the ring's parts
+    per (sequence, key head) (default: by ``STEP_PROGRAMS``). Returns ``(o [B, H, 1, D] in q's dtype,
+    state)``; the slot counter is advanced (no host sync: the launch's shapes are the tensors')."""
+    b, h, _, d = q.shape
+    hk, w = k.shape[1], state.keys.shape[2]
+    if h % hk:
+        raise ValueError(f"{h} query heads are not a multiple of {hk} key heads")
+    g = h // hk
+    bg, bd = max(16 if STEP_MMA else 1, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
+    bw = STEP_BLOCK if bd <= 128 else max(16, STEP_BLOCK // 2)
+    if parts is None:
+        parts = ring_parts(b, hk, w, bw, _target_programs(q.device)) if q.is_cuda else 1
+    span = triton.cdiv(triton.cdiv(w, parts), bw) * bw  # slots per part, whole blocks
+    parts = triton.cdiv(w, span)
+    o = torch.empty(b, h, 1, d, device=q.device, dtype=q.dtype)
+    if parts > 1:
+        m = torch.empty(b, hk, parts, g, device=q.device, dtype=torch.float32)
+        lsum = torch.empty_like(m)
+        acc = torch.empty(b, hk, parts, g, d, device=q.device, dtype=torch.float32)
+    else:
+        m = lsum = acc = o  # never read
+    f32_dot = (os.environ.get("TRITON_INTERPRET") == "1" or state.keys.dtype == torch.float32
+               or state.values.dtype == torch.float32)
+    _window_ring_step[(b, hk, parts)](
+        q, k, v, state.keys, state.values, state.valid, state.slot, o, m, lsum, acc,
+        q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1),
+        v.stride(3), float(scale), float(softcap or 1.0), hk, g, w, d, span,
+        HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, MMA=STEP_MMA,
+        F32_DOT=f32_dot, PREC="ieee" if f32_dot else "tf32", BG=bg, BW=bw, BD=bd, num_warps=STEP_WARPS,
+        **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
+    if parts > 1:
+        _combine[(b, hk)](m, lsum, acc, o, state.slot, hk, g, w, d, parts, BG=bg, BD=bd)
+    else:
+        state.slot.add_(1).remainder_(w)
+    return o, state

@@ -1,0 +1,176 @@
+"""Run by test_window_step_triton.py in a subprocess, on the CPU through Triton's interpreter: the window
+softmax's ring step as one Triton launch (``ops/window/step_triton.py``) against the PyTorch ring step
+(``window_softmax_step_ring`` with the kernel switched off), token after token: the outputs, and the ring's
+keys, values, valid slots and slot counter after each step.
+
+Each case runs from two rings: one after a short left-padded prompt (``RingHybridState.from_state``: the
+empty slots first and padding holes after them; the 46 steps of the fp32 cases fill it and go around), and a
+full one in any order with the slot counter 7 slots before its end (the steps wrap around). Blocks of 16
+slots: a ring of 40 slots is three blocks, the last one partial.
+
+``gqa``: 6 query heads on 2 key heads, fp32 ring; ``softcap``: the same, soft-capped; ``mha``: as many query
+as key heads, soft-capped; ``half``: a bf16 ring under fp32 and bf16 queries (soft-cap off and on) and an fp16
+ring under bf16 ones; ``parts``: the ring in 2 and 3 parts per (sequence, key head), merged by the second
+launch (which also advances the slot counter), fp32 and bf16; ``strided``: q/k/v as slices of one projection's
+output; ``fma``: the products as broadcast sums (``STEP_MMA = False``) instead of ``tl.dot`` tiles;
+``decoder``: the fast decoder of tiny students with kept window layers, the kernel against the PyTorch step."""
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers.py
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+
+import torch  # noqa: E402
+
+import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
+from interpret_checks import _close  # noqa: E402
+from linearize import ops  # noqa: E402
+from linearize.ops import window as window_ops  # noqa: E402
+from linearize.ops.window import step_triton, window_softmax_step_ring, window_state  # noqa: E402
+from linearize.ops.window.step_triton import window_step_ring_triton  # noqa: E402
+
+torch.set_grad_enabled(False)
+step_triton.STEP_BLOCK = 16
+B, D, W = 2, 16, 40
+
+
+def _reference(q, k, v, ring, **kw):
+    """The PyTorch ring step (the dispatch forced off the kernel)."""
+    window_ops.WINDOW_STEP_KERNEL = False
+    try:
+        return window_softmax_step_ring(q, k, v, ring, **kw)
+    finally:
+        window_ops.WINDOW_STEP_KERNEL = True
+
+
+def _starts(h, hk, dtype, gen):
+    """Two rings of ``W`` slots in ``dtype``: partly empty after a left-padded prompt, and full in any order."""
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    prompt = 9
+    mask = torch.ones(B, prompt, dtype=torch.bool)
+    mask[1, :4] = False  # left padding: holes among the ring's first slots
+    partly = ops.RingHybridState.from_state(window_state(r(B, hk, prompt, D).to(dtype), r(B, hk, prompt, D).to(dtype),
+                                                         W, mask), W, keep_key_features=False)
+    full = ops.RingHybridState.from_state(window_state(r(B, hk, W, D).to(dtype), r(B, hk, W, D).to(dtype), W), W,
+                                          keep_key_features=False)
+    order = torch.randperm(W, generator=gen)  # any order: the softmax does not depend on it
+    full.keys, full.values = full.keys[:, :, order].contiguous(), full.values[:, :, order].contiguous()
+    full.slot.fill_(W - 7)  # wraps around after 7 steps
+    return (("partly", partly), ("full", full))
+
+
+def _steps(h, hk, dtype, q_dtype, softcap, *, parts=None, steps=46, strided=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kw = dict(scale=D ** -0.5, softcap=softcap)
+    tol = 2e-5 if dtype == torch.float32 and q_dtype == torch.float32 else 2e-2
+    for name, start in _starts(h, hk, dtype, gen):
+        ring, twin = start, start.map(torch.clone)
+        for i in range(steps):
+            if strided:  # slices of one projection's output [B, 1, (H + 2 Hk) D], as a fused q/k/v product gives
+                out = torch.randn(B, 1, (h + 2 * hk) * D, generator=gen).to(q_dtype) * 2
+                q, k, v = (x.unflatten(-1, (-1, D)).transpose(1, 2) for x in out.split([h * D, hk * D, hk * D], -1))
+            else:
+                q = (torch.randn(B, h, 1, D, generator=gen) * 2).to(q_dtype)
+                k, v = (torch.randn(B, hk, 1, D, generator=gen).to(q_dtype) for _ in range(2))
+            if dtype != q_dtype:  # the interpreter rounds fp32 to bf16 toward zero (CUDA and torch to nearest):
+                q, k, v = (x.to(dtype).to(q_dtype) for x in (q, k, v))  # inputs that the ring's dtype holds
+            want, twin = _reference(q, k, v, twin, **kw)
+            got, ring = window_step_ring_triton(q, k, v, ring, **kw, parts=parts)
+            where = (name, i, h, hk, str(dtype), str(q_dtype), softcap, parts)
+            assert got.dtype == q_dtype and got.shape == (B, h, 1, D), where
+            _close(got, want.double(), where, tol=tol)
+            assert torch.equal(ring.keys, twin.keys) and torch.equal(ring.values, twin.values), where
+            assert torch.equal(ring.valid, twin.valid) and torch.equal(ring.slot, twin.slot), where
+        if steps >= W:
+            assert bool(ring.valid.all()), name  # the steps filled the ring
+
+
+def check_gqa():
+    _steps(6, 2, torch.float32, torch.float32, None)
+
+
+def check_softcap():
+    _steps(6, 2, torch.float32, torch.float32, 3.0, seed=1)
+
+
+def check_mha():
+    _steps(2, 2, torch.float32, torch.float32, 3.0, seed=2)
+
+
+def check_half():
+    _steps(6, 2, torch.bfloat16, torch.float32, None, steps=20, seed=3)
+    _steps(6, 2, torch.bfloat16, torch.bfloat16, 3.0, steps=20, seed=4)
+    _steps(6, 2, torch.float16, torch.bfloat16, None, steps=12, seed=10)
+
+
+def check_parts():
+    _steps(6, 2, torch.float32, torch.float32, 3.0, parts=3, steps=20, seed=5)
+    _steps(6, 2, torch.bfloat16, torch.bfloat16, None, parts=2, steps=10, seed=6)
+
+
+def check_strided():
+    _steps(6, 2, torch.float32, torch.float32, None, strided=True, steps=10, seed=7)
+
+
+def check_decoder():
+    """The fast decoder of tiny float32 students with kept window layers (Llama's two of 6 and 9 tokens, GQA;
+    Gemma 2's one of 9, soft-capped), the ring step on the kernel (the dispatch told it runs on CUDA) against
+    the PyTorch step, from a batch with a left-padded prompt, the rings wrapping around: every window step's
+    output, and the greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    import linearize
+    from helpers import tiny_config
+    from linearize.decode import FastDecoder
+    from linearize.mixers.window import WindowSoftmax
+
+    rule, step = window_ops._use_window_step_kernel, WindowSoftmax.step
+    outputs = []
+
+    def recorded(self, *args):
+        o, state = step(self, *args)
+        outputs.append((isinstance(state, ops.RingHybridState), o.clone()))
+        return o, state
+
+    WindowSoftmax.step = recorded
+    ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    try:
+        for family in ("llama", "gemma2"):
+            torch.manual_seed(0)
+            teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2)).eval()
+            model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8,
+                                                "keep_softmax": [0, 1], "softmax_window": "6,1:9"})
+            model.generation_config.eos_token_id = None
+            plain = FastDecoder(model).generate(ids, mask, max_new_tokens=16, pad_token_id=0)
+            want, outputs[:] = list(outputs), []
+            window_ops._use_window_step_kernel = lambda q, state: True  # as on CUDA
+            try:
+                fused = FastDecoder(model).generate(ids, mask, max_new_tokens=16, pad_token_id=0)
+            finally:
+                window_ops._use_window_step_kernel = rule
+            assert torch.equal(fused, plain), family
+            assert len(outputs) == len(want) >= 15 and all(ring for ring, _ in outputs), family  # 15 steps a layer
+            for i, ((_, got), (_, ref)) in enumerate(zip(outputs, want)):
+                _close(got, ref.double(), (family, i))
+            outputs.clear()
+    finally:
+        WindowSoftmax.step = step
+
+
+def check_fma():
+    step_triton.STEP_MMA = False
+    try:
+        _steps(6, 2, torch.float32, torch.float32, 3.0, steps=12, seed=8)
+        _steps(2, 2, torch.bfloat16, torch.bfloat16, None, parts=3, steps=12, seed=9)
+    finally:
+        step_triton.STEP_MMA = True
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "fma", "decoder"]:
+        globals()[f"check_{name}"]()
+    print("ok")
