@@ -158,11 +158,11 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       done ;;
     length-speed)  # issue #46: the fused step's CUDA test with the length options, then decode (the default fast path,
       # 1k prompts, batch 1/64/256) and prefill (1x32k, 32x1k) of untrained students with the length options
-      # (LENGTH_SPECS: name=flags ... with ':' for spaces, e.g. wide=--keep-softmax:3,8:--softmax-window:2048), each beside the teacher's fastest path; LENGTH_NEW new tokens
+      # (LENGTH_SPECS: name=flags ... with ':' for spaces and '%' for a colon, e.g. wide=--keep-softmax:3,8:--softmax-window:2048), each beside the teacher's fastest path; LENGTH_NEW new tokens
       # (default 256); LENGTH_PREFILL: the names whose prefill runs (default: all); LENGTH_TESTS=0: no CUDA test
       [ "${LENGTH_TESTS:-1}" = 1 ] && timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_length.py 2>&1 | tail -3
       for pair in ${LENGTH_SPECS:-plain=--config:lolcats_plain default=}; do
-        name=${pair%%=*}; flags=$(echo "${pair#*=}" | tr ':' ' ')
+        name=${pair%%=*}; flags=$(echo "${pair#*=}" | tr ':' ' ' | tr '%' ':')  # % for a colon inside a value
         ck=$C-$name; [ -d "$ck" ] || python3 -m linearize convert --teacher "$T" --kind lolcats $flags --out "$ck" \
           --dtype bfloat16 2>&1 | tail -1
         timeout 420 python3 -m linearize bench "$ck" --teacher "$T" --dtype bfloat16 --paths fast --teacher-paths static fast \
@@ -177,7 +177,7 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
         --out "$S/window_step_bench.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -40
       kept=0,1,2,3,4,5,6,7,8,9,17,18,20,23
       LENGTH_TESTS=0 LENGTH_NEW=${LENGTH_NEW:-512} LENGTH_SPECS="${WINDOW_SPECS:-wide=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280 \
-tiers=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280,17:4160,18:4160,20:4160,23:4160:--softmax-window-dtype:float8}" \
+tiers=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280,17%4160,18%4160,20%4160,23%4160:--softmax-window-dtype:float8}" \
         bash "$0" length-speed ;;
     delta-prefill)  # issue #53: where the delta student's prefill goes (dev/delta_prefill.py: parts swapped out, the
       # parts alone, the kernels) at DELTA_SHAPES (default 1x32768 32x1024), beside the teacher, on an untrained student
