@@ -1,7 +1,8 @@
 """The window softmax's ring step as one Triton launch (``ops/window/step_triton.py``) on CUDA against the PyTorch
 ring step, at a kept layer's shapes (9 query heads on 3 key heads, head dim 64, a ring of 1,280 slots) and off
 them: token after token, the outputs and the ring's every buffer; and replayed from a CUDA graph around the
-ring. Skipped without CUDA."""
+ring. The same for float8 rings (``float8_window_step_ring`` on the kernel reading the codes against its PyTorch
+path on the read-back ring), and the kernel's e4m3 decoding. Skipped without CUDA."""
 
 import pytest
 import torch
@@ -94,3 +95,116 @@ def test_window_step_replays_from_a_cuda_graph(programs, monkeypatch):
             torch.testing.assert_close(o.float(), want.float(), atol=2e-2, rtol=2e-2)
             assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid), i
         assert torch.equal(ring.keys, twin.keys) and torch.equal(ring.values, twin.values)
+
+
+def _float8_ring(b, hk, w, fill, g):
+    """A float8 ring with about ``fill`` of its slots valid (the others' codes and scales zero), the counter
+    near its end."""
+    from linearize.ops.window.float8 import Float8RingState, quantize
+
+    valid = torch.rand(b, w, device="cuda", generator=g) < fill
+    (k8, ks), (v8, vs) = (quantize(torch.randn(b, hk, w, D, device="cuda", generator=g) * 3) for _ in range(2))
+    keep = valid[:, None, :, None]
+    codes = [(x.view(torch.uint8) * keep).view(k8.dtype) for x in (k8, v8)]
+    return Float8RingState(codes[0], torch.zeros(b, hk, w, 0, device="cuda"), codes[1],
+                           torch.zeros(b, hk, 1, 1, D + 1, device="cuda"), valid,
+                           slot=torch.tensor(w - 3, device="cuda"), key_scale=ks * keep, value_scale=vs * keep)
+
+
+def _float8_step(q, k, v, ring, kernel, **kw):
+    """``float8_window_step_ring`` on the kernel or (``FLOAT8_STEP_KERNEL`` off) on the read-back ring."""
+    from linearize.ops.window import float8 as f8
+
+    f8.FLOAT8_STEP_KERNEL = kernel
+    try:
+        assert f8._use_float8_step_kernel(q, ring) == kernel
+        return f8.float8_window_step_ring(q, k, v, ring, W.window_softmax_step_ring, **kw)
+    finally:
+        f8.FLOAT8_STEP_KERNEL = True
+
+
+@pytest.mark.parametrize("shape", [(1, 9, 3, 1280), (64, 9, 3, 1280), (3, 6, 2, 333), (2, 4, 4, 100)])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("softcap", [None, 30.0])
+@pytest.mark.parametrize("programs", [None, 1])
+def test_float8_ring_step_kernel_equals_the_torch_path_on_cuda(shape, q_dtype, softcap, programs, monkeypatch):
+    """``float8_window_step_ring`` on the kernel reading the codes against its PyTorch path on the read-back
+    ring, token after token (the ring in parts and in one): the outputs, and the ring's codes, scales, valid
+    slots and counter."""
+    from linearize.ops.window import step_triton
+
+    monkeypatch.setattr(step_triton, "STEP_PROGRAMS", programs)
+    b, h, hk, w = shape
+    g = torch.Generator(device="cuda").manual_seed(2)
+    ring = _float8_ring(b, hk, w, 0.4, g)
+    twin = ring.map(torch.clone)
+    tol = 1e-4 if q_dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        for i in range(6):  # wraps around after 3
+            q, k, v = _qkv(b, h, hk, q_dtype, g)
+            want, twin = _float8_step(q, k, v, twin, False, scale=D ** -0.5, softcap=softcap)
+            got, ring = _float8_step(q, k, v, ring, True, scale=D ** -0.5, softcap=softcap)
+            assert got.dtype == q_dtype and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
+                assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), i
+            for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale),
+                         (ring.valid, twin.valid), (ring.slot, twin.slot)):
+                assert torch.equal(a, c), i
+
+
+def test_float8_e4m3_decoding_on_cuda():
+    """The kernel's e4m3 decoding of every byte but the NaNs, as torch reads the codes."""
+    import triton
+    import triton.language as tl
+
+    from linearize.ops.window.step_triton import _e4m3
+
+    @triton.jit
+    def decode(b_ptr, o_ptr, N: tl.constexpr):
+        i = tl.arange(0, N)
+        tl.store(o_ptr + i, _e4m3(tl.load(b_ptr + i)))
+
+    codes = torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8)
+    got = torch.empty(256, device="cuda")
+    decode[(1,)](codes, got, N=256)
+    want = codes.view(torch.float8_e4m3fn).float()
+    real = (codes & 0x7F) != 0x7F
+    assert torch.equal(got[real], want[real]) and torch.equal(got[real].signbit(), want[real].signbit())
+
+
+@pytest.mark.parametrize("programs", [None, 1])
+def test_float8_ring_step_replays_from_a_cuda_graph(programs, monkeypatch):
+    """A float8 ring's step captured (quantising, writing the codes and the kernel) and replayed past the
+    ring's end, against the PyTorch path run eagerly on a copy."""
+    from linearize.ops.window import float8 as f8
+    from linearize.ops.window import step_triton
+
+    monkeypatch.setattr(step_triton, "STEP_PROGRAMS", programs)
+    batch, h, hk, w = 2, 9, 3, 256
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ring = _float8_ring(batch, hk, w, 0.5, g)
+    twin = ring.map(torch.clone)
+    q, k, v = (torch.zeros(batch, n, 1, D, device="cuda", dtype=torch.bfloat16) for n in (h, hk, hk))
+    step = lambda r: f8.float8_window_step_ring(q, k, v, r, W.window_softmax_step_ring, scale=0.125)  # noqa: E731
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compile the kernels first, on a scratch ring
+            scratch = ring.map(torch.clone)
+            for _ in range(2):
+                step(scratch)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            o, _ = step(ring)
+        for i in range(w + 20):
+            for x in (q, k, v):
+                x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+            graph.replay()
+            want, twin = _float8_step(q, k, v, twin, False, scale=0.125)
+            torch.testing.assert_close(o.float(), want.float(), atol=2e-2, rtol=2e-2)
+            assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid), i
+        for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
+            assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
+        assert torch.equal(ring.key_scale, twin.key_scale) and torch.equal(ring.value_scale, twin.value_scale)

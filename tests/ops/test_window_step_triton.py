@@ -1,6 +1,7 @@
 """The window softmax's ring step as one Triton launch (``ops/window/step_triton.py``) on the CPU: through
-Triton's interpreter against the PyTorch ring step (``triton_interpret_window_step.py``), and the dispatch rule
-of ``window_softmax_step_ring``. Its CUDA twin is in ``tests/gpu/test_gpu_window_step.py``."""
+Triton's interpreter against the PyTorch ring step (``triton_interpret_window_step.py``), on bf16/fp16/fp32 rings
+and on float8 ones (``ops/window/float8.py``), and the dispatch rules of ``window_softmax_step_ring`` and
+``float8_window_step_ring``. Its CUDA twin is in ``tests/gpu/test_gpu_window_step.py``."""
 
 import torch
 
@@ -22,6 +23,20 @@ def test_window_step_kernel_in_half_precision_parts_strides_and_the_decoder_thro
     products as broadcast sums instead of ``tl.dot`` tiles; the fast decoder of tiny students with kept window
     layers on the kernel (each window step's output and the greedy tokens)."""
     run_triton_interpreter_script("triton_interpret_window_step.py", "half", "parts", "strided", "fma", "decoder")
+
+
+def test_float8_ring_step_kernel_equals_the_torch_path_through_the_interpreter():
+    """``float8_window_step_ring`` on the kernel reading the float8 codes against its PyTorch path on the
+    read-back ring, token after token from a partly empty ring and a full one that wraps around: the outputs
+    (fp32 and bf16 queries, soft-capping on and off, GQA and as many query as key heads), the ring's codes,
+    scales, valid slots and slot counter; the kernel's e4m3 decoding of every byte but the NaNs."""
+    run_triton_interpreter_script("triton_interpret_window_step.py", "float8", "float8_softcap", "float8_decode")
+
+
+def test_float8_ring_step_kernel_in_parts_and_the_decoder_through_the_interpreter():
+    """The float8 ring in 2 and 3 parts merged by the second launch; the fast decoder of tiny students with
+    float8 window layers on the kernel (each window step's output and the greedy tokens)."""
+    run_triton_interpreter_script("triton_interpret_window_step.py", "float8_parts", "float8_decoder")
 
 
 def _ring(b=2, hk=2, w=8, d=4, dtype=torch.float32):
@@ -62,3 +77,46 @@ def test_window_step_dispatch_rule(monkeypatch):
     assert not W._use_window_step_kernel(cuda_like(torch.float32), strided)
     monkeypatch.setattr(W, "WINDOW_STEP_KERNEL", False)
     assert not W._use_window_step_kernel(cuda_like(torch.float32), _ring())
+
+
+def _float8_ring(b=2, hk=2, w=8, d=4):
+    from linearize.ops.window.float8 import FLOAT8, Float8RingState
+
+    z = torch.zeros(b, hk, w, d, dtype=FLOAT8)
+    scale = torch.zeros(b, hk, w, 1)
+    return Float8RingState(z, torch.zeros(b, hk, w, 0), z.clone(), torch.zeros(b, hk, 1, 1, d + 1),
+                           torch.zeros(b, w, dtype=torch.bool), slot=torch.zeros((), dtype=torch.long),
+                           key_scale=scale, value_scale=scale.clone())
+
+
+def test_float8_step_dispatch_rule(monkeypatch):
+    """A float8 ring's step: the CPU takes the PyTorch path on the read-back ring (the kernel is never called);
+    on CUDA (a CPU tensor claiming CUDA for the rule) the kernel takes q in bf16, fp16 and fp32 with the ring's
+    buffers contiguous, where Triton is installed and ``FLOAT8_STEP_KERNEL`` is on."""
+    from linearize.ops.availability import triton_available
+    from linearize.ops.window import float8 as f8
+
+    q = torch.randn(2, 4, 1, 4)
+    ring = _float8_ring()
+    assert not f8._use_float8_step_kernel(q, ring)
+    if triton_available():
+        from linearize.ops.window import step_triton
+
+        def refuse(*args, **kwargs):
+            raise AssertionError("the CPU step took the kernel")
+
+        monkeypatch.setattr(step_triton, "window_step_ring_float8_triton", refuse)
+    o, ring = f8.float8_window_step_ring(q, torch.randn(2, 2, 1, 4), torch.randn(2, 2, 1, 4), ring,
+                                         W.window_softmax_step_ring, scale=0.5)
+    assert o.shape == (2, 4, 1, 4) and int(ring.slot) == 1 and bool(ring.valid[:, 0].all())
+    assert bool((ring.key_scale[:, :, 0] > 0).all()) and ring.keys.dtype == f8.FLOAT8
+
+    cuda_like = lambda dtype: type("CudaLike", (), {"is_cuda": True, "dtype": dtype})()  # noqa: E731
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert f8._use_float8_step_kernel(cuda_like(dtype), _float8_ring()) == triton_available()
+    assert not f8._use_float8_step_kernel(cuda_like(torch.float64), _float8_ring())
+    strided = _float8_ring()
+    strided.key_scale = torch.zeros(2, 2, 8, 2)[..., :1]  # a slot's scale 2 floats apart
+    assert not f8._use_float8_step_kernel(cuda_like(torch.bfloat16), strided)
+    monkeypatch.setattr(f8, "FLOAT8_STEP_KERNEL", False)
+    assert not f8._use_float8_step_kernel(cuda_like(torch.bfloat16), _float8_ring())

@@ -13,8 +13,16 @@ as key heads, soft-capped; ``half``: a bf16 ring under fp32 and bf16 queries (so
 ring under bf16 ones; ``parts``: the ring in 2 and 3 parts per (sequence, key head), merged by the second
 launch (which also advances the slot counter), fp32 and bf16; ``strided``: q/k/v as slices of one projection's
 output; ``fma``: the products as broadcast sums (``STEP_MMA = False``) instead of ``tl.dot`` tiles;
-``decoder``: the fast decoder of tiny students with kept window layers, the kernel against the PyTorch step."""
+``decoder``: the fast decoder of tiny students with kept window layers, the kernel against the PyTorch step.
 
+Float8 rings (``ops/window/float8.py``), ``float8_window_step_ring`` with the kernel (``FLOAT8_STEP_KERNEL``,
+the dispatch told it runs on CUDA) against its PyTorch path on the read-back ring, from the same two rings:
+``float8``: fp32 queries (6 on 2 key heads), then bf16 ones; ``float8_softcap``: soft-capped, and as many
+query as key heads; ``float8_parts``: the ring in 2 and 3 parts; ``float8_decode``: the kernel's e4m3 decoding
+of every byte but the NaNs against torch's; ``float8_decoder``: the fast decoder of tiny students with float8
+window layers."""
+
+import functools
 import os
 import sys
 from pathlib import Path
@@ -23,11 +31,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for help
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
 from interpret_checks import _close  # noqa: E402
 from linearize import ops  # noqa: E402
 from linearize.ops import window as window_ops  # noqa: E402
+from linearize.ops.window import float8 as f8  # noqa: E402
 from linearize.ops.window import step_triton, window_softmax_step_ring, window_state  # noqa: E402
 from linearize.ops.window.step_triton import window_step_ring_triton  # noqa: E402
 
@@ -114,11 +125,11 @@ def check_strided():
     _steps(6, 2, torch.float32, torch.float32, None, strided=True, steps=10, seed=7)
 
 
-def check_decoder():
+def check_decoder(float8=False):
     """The fast decoder of tiny float32 students with kept window layers (Llama's two of 6 and 9 tokens, GQA;
     Gemma 2's one of 9, soft-capped), the ring step on the kernel (the dispatch told it runs on CUDA) against
     the PyTorch step, from a batch with a left-padded prompt, the rings wrapping around: every window step's
-    output, and the greedy tokens."""
+    output, and the greedy tokens. ``float8``: the window layers' rings in float8."""
     from transformers import AutoModelForCausalLM
 
     import linearize
@@ -126,12 +137,13 @@ def check_decoder():
     from linearize.decode import FastDecoder
     from linearize.mixers.window import WindowSoftmax
 
-    rule, step = window_ops._use_window_step_kernel, WindowSoftmax.step
+    rules = window_ops._use_window_step_kernel, f8._use_float8_step_kernel
+    step = WindowSoftmax.step
     outputs = []
 
     def recorded(self, *args):
         o, state = step(self, *args)
-        outputs.append((isinstance(state, ops.RingHybridState), o.clone()))
+        outputs.append((isinstance(state, f8.Float8RingState if float8 else ops.RingHybridState), o.clone()))
         return o, state
 
     WindowSoftmax.step = recorded
@@ -143,15 +155,16 @@ def check_decoder():
             torch.manual_seed(0)
             teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2)).eval()
             model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8,
-                                                "keep_softmax": [0, 1], "softmax_window": "6,1:9"})
+                                                "keep_softmax": [0, 1], "softmax_window": "6,1:9",
+                                                **({"softmax_window_dtype": "float8"} if float8 else {})})
             model.generation_config.eos_token_id = None
             plain = FastDecoder(model).generate(ids, mask, max_new_tokens=16, pad_token_id=0)
             want, outputs[:] = list(outputs), []
-            window_ops._use_window_step_kernel = lambda q, state: True  # as on CUDA
+            window_ops._use_window_step_kernel = f8._use_float8_step_kernel = lambda q, state: True  # as on CUDA
             try:
                 fused = FastDecoder(model).generate(ids, mask, max_new_tokens=16, pad_token_id=0)
             finally:
-                window_ops._use_window_step_kernel = rule
+                window_ops._use_window_step_kernel, f8._use_float8_step_kernel = rules
             assert torch.equal(fused, plain), family
             assert len(outputs) == len(want) >= 15 and all(ring for ring, _ in outputs), family  # 15 steps a layer
             for i, ((_, got), (_, ref)) in enumerate(zip(outputs, want)):
@@ -170,7 +183,111 @@ def check_fma():
         step_triton.STEP_MMA = True
 
 
+def _exact(x):
+    """``x`` scaled to a largest entry of 1.75 in each vector: a scale of ``2^-8``, so that the read-back codes
+    are bf16 numbers (the interpreter rounds fp32 to bf16 toward zero, CUDA and torch to nearest)."""
+    return x / x.abs().amax(-1, keepdim=True) * 1.75
+
+
+def _float8_starts(hk, gen, exact=False):
+    """Two float8 rings of ``W`` slots, as ``_starts``: partly empty after a left-padded prompt, and full in any
+    order (codes and scales moved together). ``exact``: scales that bf16 read-backs hold (``_exact``)."""
+    r = lambda *s: (_exact if exact else torch.as_tensor)(torch.randn(*s, generator=gen))  # noqa: E731
+
+    def ring(t, key_mask):
+        k, k8, ks = f8.fake_quantize(r(B, hk, t, D))
+        v, v8, vs = f8.fake_quantize(r(B, hk, t, D))
+        return f8.Float8RingState.from_state(f8.float8_window_state(window_state(k, v, W, key_mask), k8, ks, v8, vs),
+                                             W)
+
+    prompt = 9
+    mask = torch.ones(B, prompt, dtype=torch.bool)
+    mask[1, :4] = False
+    partly, full = ring(prompt, mask), ring(W, None)
+    order = torch.randperm(W, generator=gen)
+    shuffle = lambda x: x[:, :, order].contiguous()  # noqa: E731
+    full.keys, full.values = (shuffle(x.view(torch.uint8)).view(f8.FLOAT8) for x in (full.keys, full.values))
+    full.key_scale, full.value_scale = shuffle(full.key_scale), shuffle(full.value_scale)
+    full.slot.fill_(W - 7)
+    return (("partly", partly), ("full", full))
+
+
+def _float8_step(q, k, v, ring, kernel, parts=None, **kw):
+    """``float8_window_step_ring`` on the kernel (the dispatch told it runs on CUDA; ``parts`` parts of the ring)
+    or, ``FLOAT8_STEP_KERNEL`` off, its PyTorch path."""
+    rule, launch = f8._use_float8_step_kernel, step_triton.window_step_ring_float8_triton
+    f8.FLOAT8_STEP_KERNEL = kernel
+    f8._use_float8_step_kernel = lambda q, state: f8.FLOAT8_STEP_KERNEL
+    step_triton.window_step_ring_float8_triton = functools.partial(launch, parts=parts)
+    try:
+        return f8.float8_window_step_ring(q, k, v, ring, window_softmax_step_ring, **kw)
+    finally:
+        f8.FLOAT8_STEP_KERNEL, f8._use_float8_step_kernel = True, rule
+        step_triton.window_step_ring_float8_triton = launch
+
+
+def _float8_steps(h, hk, q_dtype, softcap, *, parts=None, steps=46, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    kw = dict(scale=D ** -0.5, softcap=softcap)
+    exact = q_dtype != torch.float32
+    tol = 2e-2 if exact else 2e-5
+    for name, start in _float8_starts(hk, gen, exact):
+        ring, twin = start, start.map(torch.clone)
+        for i in range(steps):
+            q = (torch.randn(B, h, 1, D, generator=gen) * 2).to(q_dtype)
+            k, v = (torch.randn(B, hk, 1, D, generator=gen) for _ in range(2))
+            k, v = ((_exact(x) if exact else x).to(q_dtype) for x in (k, v))
+            want, twin = _float8_step(q, k, v, twin, False, **kw)
+            got, ring = _float8_step(q, k, v, ring, True, parts=parts, **kw)
+            where = (name, i, h, hk, str(q_dtype), softcap, parts)
+            assert got.dtype == q_dtype and got.shape == (B, h, 1, D), where
+            _close(got, want.double(), where, tol=tol)
+            for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
+                assert a.dtype == f8.FLOAT8 and torch.equal(a.view(torch.uint8), c.view(torch.uint8)), where
+            for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale),
+                         (ring.valid, twin.valid), (ring.slot, twin.slot)):
+                assert torch.equal(a, c), where
+        if steps >= W:
+            assert bool(ring.valid.all()), name
+
+
+def check_float8():
+    _float8_steps(6, 2, torch.float32, None, seed=11)
+    _float8_steps(6, 2, torch.bfloat16, None, steps=12, seed=12)
+
+
+def check_float8_softcap():
+    _float8_steps(6, 2, torch.float32, 3.0, steps=20, seed=13)
+    _float8_steps(2, 2, torch.bfloat16, 3.0, steps=12, seed=14)
+
+
+def check_float8_parts():
+    _float8_steps(6, 2, torch.float32, 3.0, parts=3, steps=20, seed=15)
+    _float8_steps(6, 2, torch.bfloat16, None, parts=2, steps=10, seed=16)
+
+
+@triton.jit
+def _decode(b_ptr, o_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(o_ptr + i, step_triton._e4m3(tl.load(b_ptr + i)))
+
+
+def check_float8_decode():
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    got = torch.empty(256)
+    _decode[(1,)](codes, got, N=256)
+    want = codes.view(f8.FLOAT8).to(torch.float32)
+    real = (codes & 0x7F) != 0x7F  # all but the NaNs
+    assert torch.equal(got[real], want[real]), (got[real] - want[real]).abs().max()
+    assert torch.equal(got[real].signbit(), want[real].signbit())  # 0x80 is -0
+
+
+def check_float8_decoder():
+    check_decoder(float8=True)
+
+
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "fma", "decoder"]:
+    for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "fma", "decoder", "float8",
+                                 "float8_softcap", "float8_parts", "float8_decode", "float8_decoder"]:
         globals()[f"check_{name}"]()
     print("ok")

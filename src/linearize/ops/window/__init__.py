@@ -13,7 +13,8 @@ the hybrid's; here are the faster whole-sequence forms and their dispatcher, and
 * ``window_softmax_step`` (one token from a ``HybridState``) and ``window_softmax_step_ring`` (in place on a
   ``RingHybridState``: the fast decoder's, fixed shapes; on CUDA one Triton launch, ``step_triton.py``,
   ``WINDOW_STEP_KERNEL``);
-* float8 rings (``float8.py``): the keys and values as e4m3 codes with a scale per token and key head.
+* float8 rings (``float8.py``): the keys and values as e4m3 codes with a scale per token and key head (their
+  ring step on CUDA: the same Triton kernel reading the codes, ``FLOAT8_STEP_KERNEL``).
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ def _use_window_step_kernel(q, state: RingHybridState) -> bool:
     if not (WINDOW_STEP_KERNEL and q.is_cuda and q.dtype in STEP_KERNEL_DTYPES):
         return False
     if state.keys.dtype not in STEP_KERNEL_DTYPES or state.values.dtype not in STEP_KERNEL_DTYPES:
-        return False  # e.g. float8 rings
+        return False  # e.g. float8 rings (float8_window_step_ring takes them to the kernel)
     if not (state.keys.is_contiguous() and state.values.is_contiguous() and state.valid.is_contiguous()):
         return False
     from ..availability import triton_available

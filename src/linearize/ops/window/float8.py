@@ -11,8 +11,11 @@ with ``fake_quantize(k)``, ``fake_quantize(v)``.
 * ``Float8WindowState`` (the prompt's last ``window`` tokens, ``float8_window_state``) and ``Float8RingState``
   (the fast decoder's ring of ``window`` slots, ``Float8RingState.from_state``): the hybrid's states with codes
   in ``keys`` / ``values`` and the scales beside them, so the cache and the fast decoder carry them as any other;
-* ``float8_window_step`` and ``float8_window_step_ring``: one token, through the exact steps on the read-back
-  window (the ring's whole window is read back each step: smaller state, not a faster step).
+* ``float8_window_step``: one token from a ``Float8WindowState``, through the exact step on the read-back window;
+* ``float8_window_step_ring``: one token on the ring, in place: the new token's codes and scales into its slot,
+  then on CUDA one Triton launch that reads the codes as bytes and decodes them
+  (``step_triton.window_step_ring_float8_triton``, ``FLOAT8_STEP_KERNEL``): about half the bytes a bf16
+  ring's step reads. Elsewhere, and the reference, the exact ring step on the whole ring read back.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ from ..hybrid.shared import pad_front
 
 FLOAT8 = torch.float8_e4m3fn
 FLOAT8_MAX = 448.0  # e4m3's largest finite value
+
+# The ring's step as one Triton launch reading the codes (``step_triton.window_step_ring_float8_triton``) where
+# ``_use_float8_step_kernel`` allows: on CUDA with Triton, q in bf16, fp16 or fp32, the ring's buffers
+# contiguous. False: always the PyTorch step on the read-back ring (the reference, and the CPU's path).
+FLOAT8_STEP_KERNEL: bool = True
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,10 +141,27 @@ def float8_window_step(q, k, v, state: Float8WindowState, step, **kw) -> tuple[t
                                 value_scale=scales[1])
 
 
+def _use_float8_step_kernel(q, state: "Float8RingState") -> bool:
+    """Whether ``float8_window_step_ring`` runs as the Triton kernel (decided from metadata alone: no host
+    sync, so the same inside CUDA-graph capture)."""
+    from . import STEP_KERNEL_DTYPES
+
+    if not (FLOAT8_STEP_KERNEL and q.is_cuda and q.dtype in STEP_KERNEL_DTYPES):
+        return False
+    if not all(x.is_contiguous() for x in (state.keys, state.values, state.key_scale, state.value_scale,
+                                           state.valid)):
+        return False
+    from ..availability import triton_available
+
+    return triton_available()
+
+
 def float8_window_step_ring(q, k, v, state: Float8RingState, ring_step, **kw) -> tuple[torch.Tensor, Float8RingState]:
-    """One token on the ring, in place: the new token's codes and scales into slot ``state.slot``, then
-    ``ring_step`` (the exact ``window_softmax_step_ring``) on the read-back ring, which marks the slot valid
-    and advances the slot counter."""
+    """One token on the ring, in place: the new token's codes and scales into slot ``state.slot``, then the
+    softmax over the ring read back in q's dtype, the new token's read-back key and value included, which
+    marks the slot valid and advances the slot counter. On CUDA one Triton launch decoding the codes
+    (``FLOAT8_STEP_KERNEL``); else ``ring_step`` (the exact ``window_softmax_step_ring``) on the read-back ring.
+    ``kw``: ``scale`` and ``softcap``."""
     k8, ks = quantize(k)
     v8, vs = quantize(v)
     idx = state.slot.view(1)
@@ -145,8 +170,14 @@ def float8_window_step_ring(q, k, v, state: Float8RingState, ring_step, **kw) ->
     state.key_scale.index_copy_(2, idx, ks)
     state.value_scale.index_copy_(2, idx, vs)
     dtype = q.dtype
+    k, v = dequantize(k8, ks, dtype), dequantize(v8, vs, dtype)
+    if _use_float8_step_kernel(q, state):
+        from .step_triton import window_step_ring_float8_triton
+
+        o, _ = window_step_ring_float8_triton(q, k, v, state, **kw)
+        return o, state
     read = RingHybridState(dequantize(state.keys, state.key_scale, dtype), state.key_features,
                            dequantize(state.values, state.value_scale, dtype), state.linear, state.valid,
                            slot=state.slot)
-    o, _ = ring_step(q, dequantize(k8, ks, dtype), dequantize(v8, vs, dtype), read, **kw)
+    o, _ = ring_step(q, k, v, read, **kw)
     return o, state

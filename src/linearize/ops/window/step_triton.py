@@ -20,6 +20,13 @@ dtype (the query rounded to it as the reference's SDPA call does, the softmax we
 rounds them) with fp32 accumulation; for an fp32 ring full fp32 products. Triton's interpreter cannot
 multiply bf16 tiles: there the same rounded inputs are multiplied in fp32. ``STEP_MMA = False`` computes
 both products as broadcast sums on the CUDA cores instead (fp32 throughout), for comparison.
+
+``window_step_ring_float8_triton`` is the same kernel on a float8 ring (``float8.py``, ``FP8``): the keys and
+values as e4m3 codes, read as bytes (a byte per element and a float32 scale per slot: about half the bytes of
+a bf16 ring) and decoded by integer arithmetic (``_e4m3``; the interpreter's NumPy has no float8), times their
+slot's scale in fp32, then rounded to q's dtype as the reference reads the ring back. The caller has written
+the new token's codes and scales into slot ``s``; the kernel writes no codes (only ``valid[b, s]``) and takes
+the new token from ``k``/``v``, its read-back key and value, in registers as above.
 """
 
 from __future__ import annotations
@@ -42,10 +49,23 @@ STEP_STAGES: int | None = None
 
 
 @triton.jit
-def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr, l_ptr, acc_ptr,
-                      sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, scale, softcap, HK, G, W, D, L,
-                      HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr,
-                      PREC: tl.constexpr, BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
+def _e4m3(b):
+    """float8 e4m3fn codes (uint8) as fp32, by integer arithmetic (the interpreter's NumPy has no float8):
+    ``(1 + m/8) 2^(e-7)``, or ``m 2^-9`` for ``e = 0``, signed. NaN codes (0x7F, 0xFF) are not decoded."""
+    b = b.to(tl.int32)
+    e = (b >> 3) & 15
+    m = b & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # fp32 bits: exponent e - 7 + 127
+    mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+    return tl.where(b >= 128, -mag, mag)
+
+
+@triton.jit
+def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr,
+                      l_ptr, acc_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, scale, softcap, HK, G, W,
+                      D, L, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, MMA: tl.constexpr,
+                      F32_DOT: tl.constexpr, PREC: tl.constexpr, BG: tl.constexpr, BW: tl.constexpr,
+                      BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
     part = tl.program_id(2)
@@ -59,18 +79,29 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, valid_ptr, slot
     hi = tl.minimum(lo + L, W)
     mine = (s >= lo) & (s < hi)  # this part holds slot s
 
-    # 1. the new token, rounded as the ring stores it, takes slot s
-    k_new = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0).to(keys_ptr.dtype.element_ty)
-    v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + d * sv_d, mask=dm, other=0.0).to(values_ptr.dtype.element_ty)
+    if FP8:  # the codes read back in the dtype of the new token's read-back key and value (q's)
+        k_ty = k_ptr.dtype.element_ty
+        v_ty = v_ptr.dtype.element_ty
+    else:
+        k_ty = keys_ptr.dtype.element_ty
+        v_ty = values_ptr.dtype.element_ty
+
+    # 1. the new token, rounded as the ring stores it, takes slot s (a float8 ring's codes are in place)
+    k_new = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0).to(k_ty)
+    v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + d * sv_d, mask=dm, other=0.0).to(v_ty)
     keys_ptr += head * W * D  # this head's ring [W, D]
     values_ptr += head * W * D
-    tl.store(keys_ptr + s * D + d, k_new, mask=tl.where(mine, dm, False))
-    tl.store(values_ptr + s * D + d, v_new, mask=tl.where(mine, dm, False))
+    if FP8:
+        ks_ptr += head * W  # this head's scales [W]
+        vs_ptr += head * W
+    else:
+        tl.store(keys_ptr + s * D + d, k_new, mask=tl.where(mine, dm, False))
+        tl.store(values_ptr + s * D + d, v_new, mask=tl.where(mine, dm, False))
     tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=mine)
 
-    # 2. the group's query heads [BG, BD], rounded to the ring's dtype as the reference's SDPA call reads them
+    # 2. the group's query heads [BG, BD] in the ring's (read-back) dtype, as the reference's SDPA call reads them
     q = tl.load(q_ptr + bi * sq_b + (hk * G + g)[:, None] * sq_h + d[None, :] * sq_d, mask=out, other=0.0)
-    q = q.to(keys_ptr.dtype.element_ty)
+    q = q.to(k_ty)
     if F32_DOT:
         q = q.to(tl.float32)
     # the online softmax starts from the new token (in the part holding slot s), read from registers
@@ -87,8 +118,14 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, valid_ptr, slot
         old = (w < hi) & (w != s)
         live = tl.load(valid_ptr + bi * W + w, mask=old, other=0).to(tl.int1)
         tile = w[:, None] * D + d[None, :]
-        keys = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
-        values = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
+        if FP8:  # codes times the slot's scale in fp32, then rounded as ``dequantize`` rounds them
+            keys = _e4m3(tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0))
+            keys = (keys * tl.load(ks_ptr + w, mask=old, other=0.0)[:, None]).to(k_ty)
+            values = _e4m3(tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0))
+            values = (values * tl.load(vs_ptr + w, mask=old, other=0.0)[:, None]).to(v_ty)
+        else:
+            keys = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
+            values = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
         if F32_DOT:
             keys = keys.to(tl.float32)
             values = values.to(tl.float32)
@@ -177,8 +214,27 @@ def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts
     ``state.values`` ``[B, Hk, W, D]`` and ``state.valid`` ``[B, W]`` contiguous. ``parts``: the ring's parts
     per (sequence, key head) (default: by ``STEP_PROGRAMS``). Returns ``(o [B, H, 1, D] in q's dtype,
     state)``; the slot counter is advanced (no host sync: the launch's shapes are the tensors')."""
+    return _step(q, k, v, state, state.keys, state.values, None, None, scale=scale, softcap=softcap, parts=parts)
+
+
+def window_step_ring_float8_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None):
+    """The decode step on a float8 ring (``float8.Float8RingState``) whose slot ``state.slot`` already holds
+    the new token's codes and scales (``float8_window_step_ring`` writes them): as the reference, which
+    attends over the whole ring read back in q's dtype, with ``k``/``v`` the new token's read-back key and
+    value (in q's dtype). The codes are read as bytes and decoded in the kernel, times their slot's scale;
+    the ring's codes and scales are not written, ``valid`` at the slot is set and the counter advanced.
+    Shapes and the rest as ``window_step_ring_triton``; ``state.key_scale``/``value_scale`` ``[B, Hk, W, 1]``
+    contiguous."""
+    return _step(q, k, v, state, state.keys.view(torch.uint8), state.values.view(torch.uint8), state.key_scale,
+                 state.value_scale, scale=scale, softcap=softcap, parts=parts)
+
+
+def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softcap, parts):
+    """One launch (two with the ring in parts) on the ring's ``keys``/``values``: float8 codes as bytes with
+    their scales, or (scales None) the ring's own buffers."""
+    fp8 = key_scale is not None
     b, h, _, d = q.shape
-    hk, w = k.shape[1], state.keys.shape[2]
+    hk, w = k.shape[1], keys.shape[2]
     if h % hk:
         raise ValueError(f"{h} query heads are not a multiple of {hk} key heads")
     g = h // hk
@@ -195,13 +251,15 @@ def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts
         acc = torch.empty(b, hk, parts, g, d, device=q.device, dtype=torch.float32)
     else:
         m = lsum = acc = o  # never read
-    f32_dot = (os.environ.get("TRITON_INTERPRET") == "1" or state.keys.dtype == torch.float32
-               or state.values.dtype == torch.float32)
+    read = (k.dtype, v.dtype) if fp8 else (keys.dtype, values.dtype)  # the dtypes the products take the ring in
+    f32_dot = os.environ.get("TRITON_INTERPRET") == "1" or torch.float32 in read
+    if not fp8:
+        key_scale = value_scale = state.valid  # never read
     _window_ring_step[(b, hk, parts)](
-        q, k, v, state.keys, state.values, state.valid, state.slot, o, m, lsum, acc,
+        q, k, v, keys, values, key_scale, value_scale, state.valid, state.slot, o, m, lsum, acc,
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1),
         v.stride(3), float(scale), float(softcap or 1.0), hk, g, w, d, span,
-        HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, MMA=STEP_MMA,
+        HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8, MMA=STEP_MMA,
         F32_DOT=f32_dot, PREC="ieee" if f32_dot else "tf32", BG=bg, BW=bw, BD=bd, num_warps=STEP_WARPS,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
     if parts > 1:
