@@ -1,6 +1,7 @@
-"""What ``scan_bench.py`` and ``conv_bench.py`` share: timing an op's forward and forward + backward
-on CUDA for each setting of its kernels' module-level constants, checking every setting's outputs
-and gradients against the first one's, and listing each kernel's device time."""
+"""What the kernel benchmarks share: timing an op's forward and forward + backward on CUDA for each setting of
+its kernels' module-level constants, checking every setting's outputs and gradients against the first one's,
+and listing each kernel's device time (``scan_bench.py``, ``conv_bench.py``); a decode step's time replayed
+from one CUDA graph (``graph_us``: ``step_bench.py``, ``window_step_bench.py``)."""
 
 from __future__ import annotations
 
@@ -113,3 +114,29 @@ def bench(module, names, sweep_values, case, label, *, sweep, kernels, runs) -> 
         for name, ms in kernel_ms(both, runs).items():
             print(f"    {ms:7.3f} ms  {name[:90]}")
     return bad
+
+
+def graph_us(step, replays):
+    """µs per replay of ``step`` captured in one CUDA graph (on the CPU: per plain call)."""
+    if not torch.cuda.is_available():
+        import time
+
+        t = time.perf_counter()
+        for _ in range(replays):
+            step()
+        return (time.perf_counter() - t) * 1e6 / replays
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(replays):
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / replays

@@ -23,37 +23,16 @@ import importlib.util
 import itertools
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_bench import graph_us  # noqa: E402
+
 H, HK, D, FH, W = 9, 3, 64, 64, 64
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def timed(step, replays):
-    """µs per replay of ``step`` captured in one CUDA graph (on the CPU: per plain call)."""
-    if DEV == "cpu":
-        import time
-
-        t = time.perf_counter()
-        for _ in range(replays):
-            step()
-        return (time.perf_counter() - t) * 1e6 / replays
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(replays):
-        graph.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1e3 / replays
 
 
 def load(path):
@@ -123,7 +102,7 @@ def main(argv=None) -> int:
             layers = states(b, parts, args.layers, gen, gated)
             step = lambda: [mod.hybrid_step_fused_triton(q, k, v, pe, wq, wk, logit, s, scale=D ** -0.5,  # noqa: E731
                                                          **extra) for s in layers]
-            us = timed(step, args.replays) / args.layers
+            us = graph_us(step, args.replays) / args.layers
             mod.STEP_WARPS = None
             row = dict(module=name, layout=args.layout, batch=b, warps=warps or "default",
                        splits=parts, us_per_step=us, gb_per_s=state_bytes / us / 1e3, max_err=err)

@@ -19,37 +19,16 @@ import argparse
 import itertools
 import json
 import os
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_bench import graph_us  # noqa: E402
+
 H, HK, D = 9, 3, 64
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def timed(step, replays):
-    """µs per replay of ``step`` captured in one CUDA graph (on the CPU: per plain call)."""
-    if DEV == "cpu":
-        import time
-
-        t = time.perf_counter()
-        for _ in range(replays):
-            step()
-        return (time.perf_counter() - t) * 1e6 / replays
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(replays):
-        graph.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1e3 / replays
 
 
 def rings(b, w, layers, gen):
@@ -110,7 +89,7 @@ def main(argv=None) -> int:
             err = (y - want).abs().max().item()
             layers = rings(b, args.window, args.layers, gen)
             step = lambda: [window.window_softmax_step_ring(q, k, v, s, **kw) for s in layers]  # noqa: E731
-            us = timed(step, args.replays) / args.layers
+            us = graph_us(step, args.replays) / args.layers
             shown = {k.removeprefix("STEP_").lower(): consts.get(k, "-") for k in
                      ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES")}
             row = dict(step=name, batch=b, **shown, us_per_layer=us, gb_per_s=ring_bytes / us / 1e3, max_err=err)
