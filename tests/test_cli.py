@@ -219,7 +219,7 @@ def test_keep_softmax_flag_wins_over_a_recipe_files_auto_choice():
         return _recipe_config(args, lolcats.LolcatsConfig, lolcats.apply_budget, "runs/lolcats", lolcats.DEFAULT_SPEC)
 
     chosen = config()
-    assert chosen.keep_softmax == "auto:14" and chosen.auto_softmax_score == "recall"
+    assert chosen.keep_softmax == "auto:0.47" and chosen.auto_softmax_score == "recall"
     fixed = config("--keep-softmax", "0,1,17")
     assert fixed.keep_softmax == (0, 1, 17) and fixed.spec["softmax_window"] == 1280
     assert fixed.auto_softmax_score == lolcats.LolcatsConfig().auto_softmax_score

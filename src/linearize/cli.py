@@ -55,7 +55,8 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
                    "sum (one normaliser for the window's and the linear terms, LoLCATs) or separate (each normalised "
                    "on its own, mixed by a learned weight per head)")
     g.add_argument("--keep-softmax", metavar="I,J", help="comma-separated layer indices that keep softmax attention; "
-                   "lolcats also takes auto:K (K layers chosen after stage 1 stay softmax: by attention-output MSE, or "
+                   "lolcats also takes auto:K (K layers chosen after stage 1 stay softmax, or auto:F, a share 0 < F < 1 of the "
+                   "converted layers: by attention-output MSE, or "
                    "see --auto-softmax-score)")
     g.add_argument("--softmax-window", metavar="W[,I:W2,...]", help="the layers kept softmax (--keep-softmax, auto:K "
                    "too) attend over their last W tokens only, so the student still decodes in constant memory: "

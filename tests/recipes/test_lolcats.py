@@ -564,6 +564,17 @@ def test_recall_score_keeps_the_recalling_layer_and_records_it(recall_teacher, m
     assert f"softmax kept at layers [{c}] (auto:1 by recall: " in lolcats.summary(res)
 
 
+def test_auto_softmax_takes_a_count_or_a_share_of_the_converted_layers():
+    """auto:K keeps K layers; auto:F (0 < F < 1) that share of the converted ones, rounded, at least one, so a
+    recipe travels between depths (SmolLM2's 30 layers, Gemma 3's few global ones); anything else is one line."""
+    assert lolcats.auto_softmax_count("auto:14") == 14 and lolcats.auto_softmax_count((1, 2)) is None
+    assert lolcats.auto_softmax_count(" auto:0.45 ") == 0.45
+    assert [lolcats.auto_softmax_layers(r, n) for r, n in [(14, 30), (0.45, 30), (0.45, 3), (0.1, 3)]] == [14, 14, 1, 1]
+    for bad in ("auto:0", "auto:-2", "auto:1.5", "auto:x", "auto:"):
+        with pytest.raises(linearize.LinearizeError, match="positive whole K, or a share"):
+            lolcats.auto_softmax_count(bad)
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"auto_softmax_score": "entropy"}, "auto_softmax_score must be one of mse, recall, got 'entropy'"),
     ({"auto_softmax_score": "recall", "keep_softmax": (1,)}, "which this run does not ask for"),

@@ -371,20 +371,33 @@ def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
 
 # --- automatic softmax layers --------------------------------------------------------------------
 
-def auto_softmax_count(keep) -> int | None:
-    """K of ``keep_softmax: "auto:K"``, None for explicit layer indices."""
+def auto_softmax_count(keep) -> int | float | None:
+    """K of ``keep_softmax: "auto:K"``, or the share ``F`` of ``"auto:F"`` (``0 < F < 1``: that share of the layers
+    the spec converts, ``auto_softmax_layers``), None for explicit layer indices."""
     if not isinstance(keep, str):
         return None
     text = keep.strip()
     if not text.startswith("auto:"):
         return None
     try:
-        k = int(text[5:])
+        return max(int(text[5:]), 0) or _bad_auto(keep)
     except ValueError:
-        k = 0
-    if k < 1:
-        raise LinearizeError(f"keep_softmax auto:K needs a positive whole K, got {keep!r}")
-    return k
+        try:
+            share = float(text[5:])
+        except ValueError:
+            share = 0.0
+    return share if 0 < share < 1 else _bad_auto(keep)
+
+
+def _bad_auto(keep):
+    raise LinearizeError(f"keep_softmax auto:K needs a positive whole K, or a share of the converted layers between "
+                         f"0 and 1 (auto:0.45), got {keep!r}")
+
+
+def auto_softmax_layers(request: int | float, n_converted: int) -> int:
+    """How many layers ``auto:K`` keeps of ``n_converted``: K, or a share of them rounded (at least one), so a
+    recipe's ``auto:0.45`` travels between models of different depths."""
+    return request if isinstance(request, int) else max(1, round(request * n_converted))
 
 
 def choose_worst(scores: dict[int, float], k: int) -> list[int]:
@@ -560,9 +573,11 @@ def run(cfg: LolcatsConfig) -> dict:
     # auto:K: every layer the spec converts is converted for stage 1; the teacher stays whole to keep the chosen
     # layers from
     student = cfg.convert_teacher(teacher, inplace=not auto_k)
-    if auto_k and auto_k >= (n_converted := len(mixers(student))):
-        raise LinearizeError(f"keep_softmax auto:{auto_k} would keep softmax in every one of the {n_converted} layers "
-                             "this spec converts (layers with their own sliding window stay as they are under "
+    if auto_k:
+        auto_k = auto_softmax_layers(auto_k, n_converted := len(mixers(student)))
+    if auto_k and auto_k >= n_converted:
+        raise LinearizeError(f"keep_softmax {cfg.keep_softmax} would keep softmax in every one of the {n_converted} "
+                             "layers this spec converts (layers with their own sliding window stay as they are under "
                              "keep_sliding); ask for fewer")
     if not fsdp:
         ppl["converted"] = perplexity(student, eval_blocks)

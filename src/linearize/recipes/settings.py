@@ -37,7 +37,8 @@ class LolcatsConfig(RunConfig):
 
     out: str = "runs/lolcats"
     spec: dict = field(default_factory=lambda: dict(DEFAULT_SPEC))
-    keep_softmax: tuple[int, ...] | str = ()  # layer indices, or "auto:K": K layers chosen after stage 1
+    keep_softmax: tuple[int, ...] | str = ()  # layer indices, or "auto:K" / "auto:F": K layers (a share F of the
+    # converted ones) chosen after stage 1
     eval_steps: int = 50
     patience: int | None = 3
     stages: tuple[str, ...] = ("stage1", "stage2")
