@@ -21,6 +21,13 @@ def _runs(labels: list[str]) -> str:
     return ", ".join(parts)
 
 
+def _label(mixer) -> str:
+    """A converted layer's kind; a window-softmax layer's with its window (and float8 rings): 'window 1280 float8'."""
+    if mixer.kind != "window":
+        return mixer.kind
+    return f"window {mixer.window}" + (" float8" if mixer.float8 else "")
+
+
 def state_bytes(model, length: int | None = None, batch: int = 1, dtype: torch.dtype | None = None) -> dict[str, int]:
     """Decoding memory: fixed bytes per sequence of the converted layers (``fixed``; ``fast_fixed``
     under ``linearize.fast``) and bytes per token of the kept softmax layers (``per_token``), their
@@ -63,7 +70,7 @@ def describe(model, length: int | None = None) -> str:
     adapter = get_adapter(cfg)
     converted = mixers(model)
     n = len(adapter.layers(model))
-    labels = [converted[i].kind if i in converted else "softmax" for i in range(n)]
+    labels = [_label(converted[i]) if i in converted else "softmax" for i in range(n)]
     total = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     new = sum(p.numel() for m in converted.values() for name, p in m.named_parameters()

@@ -290,6 +290,9 @@ def test_float8_windows_decode_as_their_parallel_forward_with_half_the_state(tin
     linearize.save(student, tiny_tokenizer(), tmp_path / "ckpt")
     loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu", dtype=torch.float64)
     assert linearize.mixers(loaded)[1].float8
+    from linearize.info import describe
+
+    assert "mixers:       window 6 float8 [0], window 9 float8 [1], lolcats [2]" in describe(loaded)
     torch.testing.assert_close(loaded(ids).logits, a, atol=TOL, rtol=0)
     student.zero_grad()
     student(ids).logits.sum().backward()
