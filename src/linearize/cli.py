@@ -170,7 +170,7 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
     spec.pop("keep_softmax", None)
     keep = getattr(args, "keep_softmax", None) or from_file
     if keep is not from_file and isinstance(from_file, str) and from_file.strip().startswith("auto:"):
-        for key in ("auto_softmax_score", "auto_softmax_distance"):  # how the file's auto:K would choose: moot
+        for key in ("auto_softmax_score", "auto_softmax_distance", "auto_softmax_long"):  # the file's auto:K's: moot
             recipe.pop(key, None)
     method = recipe.pop("method", None)
     if method is not None and method != fixed.get("method", command):
@@ -594,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flags(lc, LolcatsConfig, ("stage1_lr", "stage1_steps", "stage1_epochs", "layers_per_block", "block_inputs",
                                           "mse_factor", "xent_factor", "stage2_lr", "stage2_steps", "stage2_epochs",
                                           "lora_r", "lora_alpha", "auto_softmax_score", "auto_softmax_distance",
-                                          "cuda_graph"))
+                                          "auto_softmax_long", "cuda_graph"))
     _distill_arguments(lc, LolcatsConfig, "stage 2's loss", align=False)
     lc.add_argument("--rows", help="comma-separated comparison rows at the same budget (LoLCATs Table 5): "
                     "lolcats, swap-finetune, stage1-only, no-window; each writes OUT/<row>")

@@ -575,11 +575,40 @@ def test_auto_softmax_takes_a_count_or_a_share_of_the_converted_layers():
             lolcats.auto_softmax_count(bad)
 
 
+def test_auto_softmax_long_gives_some_chosen_layers_a_longer_window(workspace, monkeypatch, tmp_path):
+    """auto:2 with softmax_window 8 and auto_softmax_long 1@80: of the two chosen layers, the one whose softmax
+    most lowers the copy loss 16 tokens back keeps 80 tokens, the other 8; recorded, saved, loaded, and the
+    fast decoder gives generate()'s tokens."""
+    from helpers import plain_generate
+    from linearize.decode import fast_generate
+
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    spec = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 8, "window": 4, "softmax_window": 8}
+    res = lolcats.run(_config(workspace, tmp_path / "w", keep_softmax="auto:2", spec=spec, stage1_steps=3,
+                              stage2_steps=2, eval_steps=2, auto_softmax_long="1@80"))
+    chosen, long = res["auto_softmax"]["chosen"], res["auto_softmax"]["long"]
+    assert len(chosen) == 2 and len(long["chosen"]) == 1 and set(long["chosen"]) <= set(chosen)
+    assert long["window"] == 80 and long["distance"] == 16 and set(long["scores"]) == {str(i) for i in chosen}
+    model, _ = linearize.load(tmp_path / "w" / "final", device="cpu")
+    windows = {i: m.window for i, m in linearize.mixers(model).items() if m.kind == "window"}
+    assert windows == {i: 80 if i in long["chosen"] else 8 for i in chosen}
+    assert f"of those, {long['chosen']} over 80 tokens" in lolcats.summary(res)
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(2, 97, (1, 11), generator=torch.Generator().manual_seed(3))
+    ref = plain_generate(model, ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast_generate(model, ids, torch.ones_like(ids), max_new_tokens=12, pad_token_id=0), ref)
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"auto_softmax_score": "entropy"}, "auto_softmax_score must be one of mse, recall, got 'entropy'"),
     ({"auto_softmax_score": "recall", "keep_softmax": (1,)}, "which this run does not ask for"),
     ({"auto_softmax_score": "recall", "auto_softmax_distance": 1}, "auto_softmax_distance must be a whole number"),
     ({"spec": {"kind": "lolcats", "softmax_window": "64,1:256"}}, "auto:K has not chosen its layers yet"),
+    ({"auto_softmax_long": "x@"}, "auto_softmax_long must be N@W2"),
+    ({"auto_softmax_long": "1@512"}, "the longer window must pass the kept layers' softmax_window"),
+    ({"auto_softmax_long": "1@100", "spec": {"kind": "lolcats", "softmax_window": 64}}, "must pass the kept layers'"),
+    ({"auto_softmax_long": "2@512", "spec": {"kind": "lolcats", "softmax_window": 64}}, "more layers than auto:1"),
+    ({"auto_softmax_long": "1@512", "keep_softmax": (1,)}, "this run does not ask for auto:K"),
 ])
 def test_bad_auto_softmax_settings_fail_in_one_line_before_loading(tmp_path, settings, message):
     cfg = lolcats.LolcatsConfig(**{"teacher": str(tmp_path / "absent"), "out": str(tmp_path / "run"),

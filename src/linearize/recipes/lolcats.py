@@ -465,15 +465,29 @@ def copy_loss(model, ids: torch.Tensor, labels: torch.Tensor, softmax_layers=(),
     return total / count
 
 
-def recall_choice(student, ids: torch.Tensor, labels: torch.Tensor, k: int, batch_size: int = 8):
+def auto_long_request(text) -> tuple[int | float, int] | None:
+    """``auto_softmax_long``'s ``N@W2`` as ``(N or a share of the chosen layers, W2)``; None when unset."""
+    if text in (None, ""):
+        return None
+    n, _, width = str(text).replace(" ", "").partition("@")
+    try:
+        return auto_softmax_count(f"auto:{n}"), int(width)
+    except (LinearizeError, ValueError):
+        raise LinearizeError(f"auto_softmax_long must be N@W2 (N of the chosen layers, or a share 0 < N < 1 of them, "
+                             f"over W2 tokens), got {text!r}") from None
+
+
+def recall_choice(student, ids: torch.Tensor, labels: torch.Tensor, k: int, batch_size: int = 8,
+                  candidates: list[int] | None = None):
     """The ``k`` converted layers whose softmax attention most lowers ``copy_loss``, chosen greedily:
     each round scores every layer not yet chosen by the loss with the layers chosen so far softmax
     minus the loss with that layer softmax too, and takes the largest (ties: the lower index). The
     first round's scores are each layer's gain alone (every other layer linear); later rounds see
     the earlier choices, so a second layer that only repeats what the first restores scores low.
     Costs 1 + k x (layers) forwards of ``ids``. Returns (chosen, in layer order; the rounds:
-    the layers softmax before it, their loss and every candidate's score)."""
-    candidates = sorted(mixers(student))
+    the layers softmax before it, their loss and every candidate's score). ``candidates``: the layers it
+    chooses among (default: every converted one)."""
+    candidates = sorted(candidates if candidates is not None else mixers(student))
     chosen: list[int] = []
     loss = copy_loss(student, ids, labels, (), batch_size)
     rounds = []
@@ -507,6 +521,22 @@ def auto_softmax_choice(student, tokenizer, mse: dict[int, float], k: int, cfg: 
                     "scores": rounds[0]["scores"], "rounds": rounds,
                     "copy_task": {"sequences": len(ids), "span": min(RECALL_SPAN, distance), "distance": distance,
                                   "seed": cfg.seed, "loss_every_layer_linear": rounds[0]["loss"]}}
+
+
+def auto_long_choice(student, tokenizer, chosen: list[int], cfg: LolcatsConfig) -> tuple[list[int], dict]:
+    """Which of the ``chosen`` layers take ``auto_softmax_long``'s longer window ``W2``: greedily, those whose
+    softmax most lowers the loss of copying a span ``W2 - RECALL_SPAN`` tokens back (``recall_choice`` among
+    them alone, a task drawn from ``cfg.seed + 1``). Returns (those layers, their record)."""
+    request, width = auto_long_request(cfg.auto_softmax_long)
+    n = auto_softmax_layers(request, len(chosen))
+    distance = width - RECALL_SPAN
+    rows = student.get_input_embeddings().num_embeddings
+    ids, labels = copy_task(tokenizer, rows, distance, seed=cfg.seed + 1)
+    long, rounds = recall_choice(student, ids, labels, n, cfg.batch_size, candidates=chosen)
+    return long, {"window": width, "k": n, "chosen": long, "distance": distance, "scores": rounds[0]["scores"],
+                  "rounds": rounds,
+                  "score": f"recall among the kept layers: the loss of copying a random span {distance} tokens back, "
+                           "every layer linear, minus that with the layer softmax; the largest kept, greedily"}
 
 
 def keep_chosen_layers(teacher, trained, chosen: list[int], spec: dict, record: dict):
@@ -554,6 +584,16 @@ def run(cfg: LolcatsConfig) -> dict:
         raise LinearizeError(f"auto_softmax_distance must be a whole number of tokens, 2 or more, got {distance!r}")
     from ..spec import Spec
 
+    long = auto_long_request(cfg.auto_softmax_long)
+    if long and not auto_k:
+        raise LinearizeError("auto_softmax_long gives some of the layers keep_softmax auto:K chooses a longer window; "
+                             "this run does not ask for auto:K")
+    if long and not 0 < Spec.coerce(cfg.spec).softmax_window < long[1] - RECALL_SPAN:
+        raise LinearizeError(f"auto_softmax_long {cfg.auto_softmax_long}: the longer window must pass the kept layers' "
+                             f"softmax_window (given: {Spec.coerce(cfg.spec).softmax_window}; 0 sees everything) by "
+                             f"more than the {RECALL_SPAN}-token span it is chosen to copy")
+    if long and isinstance(auto_k, int) and isinstance(long[0], int) and long[0] > auto_k:
+        raise LinearizeError(f"auto_softmax_long {cfg.auto_softmax_long} asks for more layers than auto:{auto_k} keeps")
     if auto_k and Spec.coerce(cfg.spec).softmax_windows:
         raise LinearizeError("softmax_window gives layers windows of their own, but keep_softmax auto:K has not chosen its "
                              "layers yet: name the kept layers (--keep-softmax I,J,...) or give one window for all")
@@ -590,7 +630,11 @@ def run(cfg: LolcatsConfig) -> dict:
         if auto_k:
             ppl["after_stage1, every layer linear"] = perplexity(student, eval_blocks)
             chosen, results["auto_softmax"] = auto_softmax_choice(student, tok, results["layer_mse_after"], auto_k, cfg)
-            student = keep_chosen_layers(teacher, student, chosen, cfg.spec, results["auto_softmax"])
+            spec = dict(cfg.spec)
+            if cfg.auto_softmax_long:
+                long, results["auto_softmax"]["long"] = auto_long_choice(student, tok, chosen, cfg)
+                spec["softmax_windows"] = {i: results["auto_softmax"]["long"]["window"] for i in long}
+            student = keep_chosen_layers(teacher, student, chosen, spec, results["auto_softmax"])
         del teacher
         ppl["after_stage1"] = perplexity(student, eval_blocks)
         if fsdp:  # gathered whole on the CPU alone, where rank 0 saves it and decodes the sample (finish)
@@ -680,6 +724,8 @@ def summary(results: dict, row: str = "lolcats") -> str:
     if "auto_softmax" in results:
         a = results["auto_softmax"]
         lines.append(f"  softmax kept at layers {a['chosen']} (auto:{a['k']} by {a['score']})")
+        if "long" in a:
+            lines.append(f"  of those, {a['long']['chosen']} over {a['long']['window']} tokens (by {a['long']['score']})")
     mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
     if "layer_mse_before" in results:
         b, a = results["layer_mse_before"], results["layer_mse_after"]

@@ -65,6 +65,10 @@ class LolcatsConfig(RunConfig):
     auto_softmax_distance: int | None = setting(None, "auto_softmax_score recall: tokens from a span's first "
                                                       "occurrence to its copy (default: 4 x the window)",
                                                 metavar="N")
+    auto_softmax_long: str | None = setting(None, "keep_softmax auto:K with --softmax-window W: N@W2 gives N of "
+                                                  "the K layers (or a share 0 < N < 1 of them) a window of W2 tokens "
+                                                  "instead of W: those whose softmax most lowers the loss of copying "
+                                                  "a span W2 - 64 tokens back, greedily (e.g. 4@4160)", metavar="N@W2")
     # stage 2
     stage2_lr: float = setting(1e-4, "stage 2 (LoRA) learning rate")
     stage2_epochs: float = setting(2.0, "stage 2 epochs")
