@@ -224,3 +224,5 @@ def test_keep_softmax_flag_wins_over_a_recipe_files_auto_choice():
     assert fixed.keep_softmax == (0, 1, 17) and fixed.spec["softmax_window"] == 1280
     assert fixed.auto_softmax_score == lolcats.LolcatsConfig().auto_softmax_score
     assert fixed.auto_softmax_distance == lolcats.LolcatsConfig().auto_softmax_distance
+    fewer = config("--keep-softmax", "auto:4")  # another auto:K chooses as the file says
+    assert fewer.keep_softmax == "auto:4" and fewer.auto_softmax_score == "recall" and fewer.auto_softmax_distance == 1024

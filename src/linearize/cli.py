@@ -169,7 +169,8 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
     from_file = recipe.pop("keep_softmax", None) or spec.pop("keep_softmax", None)
     spec.pop("keep_softmax", None)
     keep = getattr(args, "keep_softmax", None) or from_file
-    if keep is not from_file and isinstance(from_file, str) and from_file.strip().startswith("auto:"):
+    auto = lambda x: isinstance(x, str) and x.strip().startswith("auto:")  # noqa: E731
+    if keep is not from_file and auto(from_file) and not auto(keep):  # named layers replace the file's auto:K
         for key in ("auto_softmax_score", "auto_softmax_distance", "auto_softmax_long"):  # the file's auto:K's: moot
             recipe.pop(key, None)
     method = recipe.pop("method", None)
