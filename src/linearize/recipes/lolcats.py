@@ -487,17 +487,26 @@ def recall_choice(student, ids: torch.Tensor, labels: torch.Tensor, k: int, batc
     Costs 1 + k x (layers) forwards of ``ids``. Returns (chosen, in layer order; the rounds:
     the layers softmax before it, their loss and every candidate's score). ``candidates``: the layers it
     chooses among (default: every converted one)."""
+    from tqdm.auto import tqdm
+
     candidates = sorted(candidates if candidates is not None else mixers(student))
     chosen: list[int] = []
     loss = copy_loss(student, ids, labels, (), batch_size)
     rounds = []
+    total = sum(len(candidates) - r for r in range(k))
+    progress = tqdm(total=total, desc=f"choosing {k} of {len(candidates)} layers", unit="copy", leave=False)
     for _ in range(k):
-        losses = {i: copy_loss(student, ids, labels, chosen + [i], batch_size) for i in candidates if i not in chosen}
+        losses = {}
+        for i in candidates:
+            if i not in chosen:
+                losses[i] = copy_loss(student, ids, labels, chosen + [i], batch_size)
+                progress.update()
         gains = {i: loss - v for i, v in losses.items()}
         best = choose_worst(gains, 1)[0]
         rounds.append({"softmax": list(chosen), "loss": loss, "scores": {str(i): v for i, v in gains.items()}})
         chosen.append(best)
         loss = losses[best]
+    progress.close()
     return sorted(chosen), rounds
 
 
