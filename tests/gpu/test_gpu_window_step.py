@@ -64,6 +64,22 @@ def test_window_step_kernel_equals_the_torch_step_on_cuda(shape, ring_dtype, q_d
                 assert torch.equal(a, c), i
 
 
+def _captured(step, ring):
+    """``step(ring)`` captured in a CUDA graph (the kernels compiled first on a scratch copy, on a side stream):
+    (the graph, the step's output buffer)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        scratch = ring.map(torch.clone)
+        for _ in range(2):
+            step(scratch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o, _ = step(ring)
+    return graph, o
+
+
 @pytest.mark.parametrize("programs", [None, 1])  # the ring in parts merged by a second launch; one part
 def test_window_step_replays_from_a_cuda_graph(programs, monkeypatch):
     """One step captured (the dispatch takes the kernel) and replayed past the ring's end, against the PyTorch
@@ -77,16 +93,7 @@ def test_window_step_replays_from_a_cuda_graph(programs, monkeypatch):
     twin = ring.map(torch.clone)
     q, k, v = (torch.zeros(batch, n, 1, D, device="cuda", dtype=torch.bfloat16) for n in (h, hk, hk))
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile the kernels first, on a scratch ring
-            scratch = ring.map(torch.clone)
-            for _ in range(2):
-                W.window_softmax_step_ring(q, k, v, scratch, scale=0.125)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o, _ = W.window_softmax_step_ring(q, k, v, ring, scale=0.125)
+        graph, o = _captured(lambda r: W.window_softmax_step_ring(q, k, v, r, scale=0.125), ring)
         for i in range(w + 20):
             for x in (q, k, v):
                 x.copy_(torch.randn(x.shape, device="cuda", generator=g))
@@ -188,16 +195,7 @@ def test_float8_ring_step_replays_from_a_cuda_graph(programs, monkeypatch):
     q, k, v = (torch.zeros(batch, n, 1, D, device="cuda", dtype=torch.bfloat16) for n in (h, hk, hk))
     step = lambda r: f8.float8_window_step_ring(q, k, v, r, W.window_softmax_step_ring, scale=0.125)  # noqa: E731
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile the kernels first, on a scratch ring
-            scratch = ring.map(torch.clone)
-            for _ in range(2):
-                step(scratch)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            o, _ = step(ring)
+        graph, o = _captured(step, ring)
         for i in range(w + 20):
             for x in (q, k, v):
                 x.copy_(torch.randn(x.shape, device="cuda", generator=g))
