@@ -95,6 +95,30 @@ def test_window_softmax_takes_the_flash_blocks_only_without_a_gradient(monkeypat
     assert len(calls) == 1
 
 
+def test_flash_blocks_refused_fall_back_once_with_one_line(monkeypatch, caplog):
+    """Flash kernels that refuse (an older GPU): the masked SDPA blocks answer, one warning, no second try."""
+    from linearize.ops.window import flash
+
+    monkeypatch.setattr(flash, "MIN_WINDOW", 4)
+    monkeypatch.setattr(flash, "AVAILABLE", True)
+    tries = []
+
+    def refuse(*a, **kw):
+        tries.append(1)
+        raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.\nmore")
+
+    monkeypatch.setattr(flash, "_causal_with_lse", refuse)
+    xs = [x.detach() for x in _inputs(1, 4, 2, 30)]
+    with caplog.at_level("WARNING", logger="linearize.ops.window.flash"):
+        for _ in range(2):
+            torch.testing.assert_close(W.window_softmax(*xs, window=6, scale=0.4), _definition(*xs, 6, 0.4),
+                                       atol=TOL, rtol=0)
+    assert len(tries) == 1 and not flash.AVAILABLE
+    assert [r.getMessage() for r in caplog.records] == [
+        "window-softmax layers prefill through SDPA on masked blocks, not flash blocks: FlashAttention only supports "
+        "Ampere GPUs or newer."]
+
+
 @pytest.mark.parametrize("t,window", [(3, 5), (12, 5), (30, 7)])
 def test_state_and_steps_continue_the_prefill(t, window):
     """After a prompt of ``t`` tokens, one token at a time from ``window_state`` (the step and the fast

@@ -137,7 +137,12 @@ def window_softmax(q, k, v, *, window: int, scale: float, softcap: float | None 
     if _use_window_kernel(q, k, v, window):
         return window_softmax_kernel(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
     if WINDOW_FLASH and flash.supported(q, k, v, window, softcap, key_mask):
-        return flash.window_softmax_flash(q, k, v, window=window, scale=scale)
+        try:
+            return flash.window_softmax_flash(q, k, v, window=window, scale=scale)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:  # a GPU or build whose flash kernels refuse these inputs: SDPA blocks from now on
+            flash.refused(err)
     if _use_window_sdpa(q, softcap):
         o = window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
         return o if key_mask is None else o * key_mask[:, None, :, None]  # padding queries: 0, as the forms below

@@ -14,11 +14,25 @@ dispatcher in ``ops/window`` keeps those on the other forms).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
+logger = logging.getLogger(__name__)
+
 # The fewest window tokens for which ``window_softmax`` takes this form: shorter windows mean many small blocks.
 MIN_WINDOW = 256
+# False once the flash kernels have refused an input (``refused``): the process keeps the other forms.
+AVAILABLE = True
+
+
+def refused(err: Exception) -> None:
+    """The flash kernels refused (an older GPU, a build without them): say so once, and take the other forms."""
+    global AVAILABLE
+    AVAILABLE = False
+    logger.warning("window-softmax layers prefill through SDPA on masked blocks, not flash blocks: %s",
+                   str(err).splitlines()[0] if str(err) else type(err).__name__)
 
 
 def _causal_with_lse(q, k, v, scale: float):
@@ -35,7 +49,7 @@ def supported(q, k, v, window: int, softcap=None, key_mask=None) -> bool:
     """Whether ``window_softmax_flash`` takes these inputs: no gradient wanted, no soft-cap or padding mask, a
     window of at least ``MIN_WINDOW`` shorter than the sequence, half precision on CUDA (the flash kernel's
     dtypes, head dims up to 256) or any floating dtype on the CPU."""
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+    if not AVAILABLE or (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
         return False
     if softcap is not None or key_mask is not None or window < MIN_WINDOW or q.shape[2] <= window:
         return False
