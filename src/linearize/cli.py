@@ -55,9 +55,8 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
                    "sum (one normaliser for the window's and the linear terms, LoLCATs) or separate (each normalised "
                    "on its own, mixed by a learned weight per head)")
     g.add_argument("--keep-softmax", metavar="I,J", help="comma-separated layer indices that keep softmax attention; "
-                   "lolcats also takes auto:K (K layers chosen after stage 1 stay softmax, or auto:F, a share 0 < F < 1 of the "
-                   "converted layers: by attention-output MSE, or "
-                   "see --auto-softmax-score)")
+                   "lolcats also takes auto:K (K layers chosen after stage 1 stay softmax, or auto:F, a share "
+                   "0 < F < 1 of the converted layers: by attention-output MSE, or see --auto-softmax-score)")
     g.add_argument("--softmax-window", metavar="W[,I:W2,...]", help="the layers kept softmax (--keep-softmax, auto:K "
                    "too) attend over their last W tokens only, so the student still decodes in constant memory: "
                    "W keys and values per key head in each (0: the whole sequence, the default); I:W2 gives layer I "
@@ -87,8 +86,8 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
 
 
 SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "decay_horizon", "feature_rope", "norm",
-              "keep_softmax", "softmax_window", "softmax_window_dtype", "keep_sliding", "backend", "sparse_cache", "sparse_priority", "sparse_anchor",
-              "sparse_linear")
+              "keep_softmax", "softmax_window", "softmax_window_dtype", "keep_sliding", "backend", "sparse_cache",
+              "sparse_priority", "sparse_anchor", "sparse_linear")
 
 
 def _on_off(value: str) -> bool:

@@ -203,8 +203,8 @@ class Spec:
             own = dict(own.items() if isinstance(own, dict) else own)
         except (TypeError, ValueError):
             raise LinearizeError(f"spec softmax_windows must map layers to windows, got {own!r}") from None
-        bad = LinearizeError(f"spec softmax_window must be W or W,I:W2,... (whole numbers of tokens; 0: kept layers see "
-                             f"the whole sequence), got {sw!r}")
+        bad = LinearizeError(f"spec softmax_window must be W or W,I:W2,... (whole numbers of tokens; 0: kept layers "
+                             f"see the whole sequence), got {sw!r}")
         if isinstance(sw, str):
             parts = [x for x in sw.replace(" ", "").split(",") if x]
             if not parts:

@@ -27,7 +27,8 @@ def apply_spec(model: nn.Module, spec: Spec) -> nn.Module:
     if bad:
         raise LinearizeError(f"keep_softmax {bad} out of range: the model has layers 0..{n_layers - 1}")
     # a layer's own window names a kept layer (a student converting every layer, as before auto:K chooses, has none)
-    stray = [i for i, _ in spec.softmax_windows if not 0 <= i < n_layers or (spec.keep_softmax and i not in spec.keep_softmax)]
+    stray = [i for i, _ in spec.softmax_windows
+             if not 0 <= i < n_layers or (spec.keep_softmax and i not in spec.keep_softmax)]
     if stray:
         raise LinearizeError(f"softmax_window gives layers {stray} windows of their own, but they keep no softmax "
                              f"(keep_softmax: {list(spec.keep_softmax)}; the model has layers 0..{n_layers - 1})")

@@ -604,8 +604,9 @@ def run(cfg: LolcatsConfig) -> dict:
     if long and isinstance(auto_k, int) and isinstance(long[0], int) and long[0] > auto_k:
         raise LinearizeError(f"auto_softmax_long {cfg.auto_softmax_long} asks for more layers than auto:{auto_k} keeps")
     if auto_k and Spec.coerce(cfg.spec).softmax_windows:
-        raise LinearizeError("softmax_window gives layers windows of their own, but keep_softmax auto:K has not chosen its "
-                             "layers yet: name the kept layers (--keep-softmax I,J,...) or give one window for all")
+        raise LinearizeError("softmax_window gives layers windows of their own, but keep_softmax auto:K has not "
+                             "chosen its layers yet: name the kept layers (--keep-softmax I,J,...) or give one window "
+                             "for all (--auto-softmax-long gives the chosen a longer one)")
     if auto_k and "stage1" not in cfg.stages:
         raise LinearizeError("keep_softmax auto:K picks the layers by their attention-transfer error: it needs stage 1")
     decisions = _graph_decisions(cfg)  # --cuda-graph on where a stage cannot replay: refused here
@@ -734,7 +735,8 @@ def summary(results: dict, row: str = "lolcats") -> str:
         a = results["auto_softmax"]
         lines.append(f"  softmax kept at layers {a['chosen']} (auto:{a['k']} by {a['score']})")
         if "long" in a:
-            lines.append(f"  of those, {a['long']['chosen']} over {a['long']['window']} tokens (by {a['long']['score']})")
+            long = a["long"]
+            lines.append(f"  of those, {long['chosen']} over {long['window']} tokens (by {long['score']})")
     mean = lambda d: sum(d.values()) / len(d)  # noqa: E731
     if "layer_mse_before" in results:
         b, a = results["layer_mse_before"], results["layer_mse_after"]
