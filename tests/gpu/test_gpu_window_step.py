@@ -206,3 +206,25 @@ def test_float8_ring_step_replays_from_a_cuda_graph(programs, monkeypatch):
         for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
             assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
         assert torch.equal(ring.key_scale, twin.key_scale) and torch.equal(ring.value_scale, twin.value_scale)
+
+
+@pytest.mark.parametrize("rot", [D, D // 2])
+def test_window_step_kernel_rotates_q_and_k_itself_on_cuda(rot):
+    """``position_embeddings`` given: the kernel's RoPE (fp32, by rotating halves over ``rot`` dims) against the
+    families' RoPE in PyTorch, then the PyTorch step, in bf16 at a kept layer's shapes."""
+    from linearize.models.base import rope_rotate_half
+    from linearize.ops.window.step_triton import window_step_ring_triton
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    ring = _ring(4, 3, 1280, torch.bfloat16, 0.7, g)
+    twin = ring.map(torch.clone)
+    for t in range(8):
+        q, k, v = _qkv(4, 9, 3, torch.bfloat16, g)
+        angles = torch.randn(4, 1, rot // 2, device="cuda", generator=g) * 3 + t
+        cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
+        with torch.no_grad():
+            got, ring = window_step_ring_triton(q, k, v, ring, scale=0.125, position_embeddings=(cos, sin))
+            want, twin = _reference(rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin), v, twin, scale=0.125)
+        torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+        assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid)
+        torch.testing.assert_close(ring.keys.float(), twin.keys.float(), atol=2e-2, rtol=2e-2)

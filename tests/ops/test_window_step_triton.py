@@ -14,7 +14,7 @@ def test_window_step_kernel_equals_the_torch_step_through_the_interpreter():
     """Token after token from a partly empty ring (padding holes) and a full one that wraps around: the
     outputs, the ring's keys and values, the valid slots and the slot counter; GQA (6 query heads on 2 key
     heads) and as many query as key heads, soft-capping on and off, fp32 rings."""
-    run_triton_interpreter_script("triton_interpret_window_step.py", "gqa", "softcap", "mha")
+    run_triton_interpreter_script("triton_interpret_window_step.py", "gqa", "softcap", "mha", "rope")
 
 
 def test_window_step_kernel_in_half_precision_parts_strides_and_the_decoder_through_the_interpreter():

@@ -13,7 +13,8 @@ as key heads, soft-capped; ``half``: a bf16 ring under fp32 and bf16 queries (so
 ring under bf16 ones; ``parts``: the ring in 2 and 3 parts per (sequence, key head), merged by the second
 launch (which also advances the slot counter), fp32 and bf16; ``strided``: q/k/v as slices of one projection's
 output; ``fma``: the products as broadcast sums (``STEP_MMA = False``) instead of ``tl.dot`` tiles;
-``decoder``: the fast decoder of tiny students with kept window layers, the kernel against the PyTorch step.
+``rope``: the kernel rotating q and k itself, full and partial rotary dims; ``decoder``: the fast decoder of tiny
+students with kept window layers, the kernel (rotating q and k) against the PyTorch step.
 
 Float8 rings (``ops/window/float8.py``), ``float8_window_step_ring`` with the kernel (``FLOAT8_STEP_KERNEL``,
 the dispatch told it runs on CUDA) against its PyTorch path on the read-back ring, from the same two rings:
@@ -174,6 +175,29 @@ def check_decoder(float8=False):
         WindowSoftmax.step = step
 
 
+def check_rope():
+    """The kernel rotating q and k itself (``position_embeddings``) against RoPE by rotating halves in PyTorch
+    then the PyTorch step: full and partial rotary dims, a batch of positions, the ring whole and in parts."""
+    from linearize.models.base import rope_rotate_half
+
+    gen = torch.Generator().manual_seed(11)
+    for rot, parts in ((D, None), (D // 2, 3)):
+        for _, start in _starts(6, 2, torch.float32, gen):
+            ring, twin = start, start.map(torch.clone)
+            for t in range(12):
+                q = torch.randn(B, 6, 1, D, generator=gen)
+                k, v = (torch.randn(B, 2, 1, D, generator=gen) for _ in range(2))
+                angles = torch.randn(B, 1, rot // 2, generator=gen) * 3 + t
+                cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+                got, ring = window_step_ring_triton(q, k, v, ring, scale=0.3, parts=parts,
+                                                    position_embeddings=(cos, sin))
+                rq, rk = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
+                want, twin = _reference(rq, rk, v, twin, scale=0.3)
+                _close(got, want.double(), ("rope", rot, t), tol=2e-5)
+                torch.testing.assert_close(ring.keys, twin.keys, atol=1e-5, rtol=1e-5)
+                assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid)
+
+
 def check_fma():
     step_triton.STEP_MMA = False
     try:
@@ -287,7 +311,7 @@ def check_float8_decoder():
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "fma", "decoder", "float8",
-                                 "float8_softcap", "float8_parts", "float8_decode", "float8_decoder"]:
+    for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "rope", "fma", "decoder",
+                                 "float8", "float8_softcap", "float8_parts", "float8_decode", "float8_decoder"]:
         globals()[f"check_{name}"]()
     print("ok")

@@ -22,11 +22,18 @@ from .. import ops
 from ..ops.window import window_softmax, window_softmax_step, window_softmax_step_ring, window_state
 from ..ops.window.float8 import (Float8RingState, Float8WindowState, fake_quantize, float8_window_state,
                                  float8_window_step, float8_window_step_ring)
+from ..models.base import rotates_half
 from .base import Mixer
+
+
+# The fast decoder's ring step rotates q and k inside its Triton kernel where it can (``_fused_rope``), saving the
+# layer's RoPE launches each token. False: RoPE in PyTorch before the kernel (the same numbers to rounding).
+WINDOW_STEP_ROPE: bool = True
 
 
 class WindowSoftmax(Mixer):
     kind = "window"
+    _rotates_half: bool | None = None  # the family's RoPE rotates halves (asked once)
 
     @property
     def window(self) -> int:
@@ -68,12 +75,28 @@ class WindowSoftmax(Mixer):
         return window_softmax_step(q, k, v, state, window=self.window, **self._kw(), key_mask=key_mask)
 
     def step(self, q, k, v, position_embeddings, state):
+        if type(state) is ops.RingHybridState and self._fused_rope(q, state):  # RoPE, ring and softmax: one launch
+            from ..ops.window.step_triton import window_step_ring_triton
+
+            rope = position_embeddings if self.geometry.rotary is not None else None
+            return window_step_ring_triton(q, k, v, state, **self._kw(), position_embeddings=rope)
         q, k = self.adapter.rope(self, q, k, position_embeddings)
         if isinstance(state, Float8RingState):
             return float8_window_step_ring(q, k, v, state, window_softmax_step_ring, **self._kw())
         if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
             return window_softmax_step_ring(q, k, v, state, **self._kw())
         return self._step(q, k, v, state, self.key_mask)
+
+    def _fused_rope(self, q, state) -> bool:
+        """Whether the ring step's Triton kernel runs (``ops.window``'s rule) and can rotate q and k itself
+        (RoPE by rotating halves, or none; asked of the family's RoPE once)."""
+        from ..ops import window as window_ops
+
+        if not (WINDOW_STEP_ROPE and window_ops._use_window_step_kernel(q, state)):
+            return False
+        if self._rotates_half is None:
+            self._rotates_half = rotates_half(self.geometry.rotary, self.geometry.head_dim)
+        return self._rotates_half
 
     def ring_state(self, state: ops.HybridState, keep_key_features: bool = False) -> ops.RingHybridState:
         """The fast decoder's ring of ``W`` slots from a prefill's state (its zero features not kept)."""

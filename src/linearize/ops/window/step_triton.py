@@ -4,6 +4,8 @@ for a small batch, whose ring is read in parts).
 ``window_step_ring_triton`` is the twin of ``window_softmax_step_ring`` (``ops/window/__init__.py``), which
 stays the reference and the CPU path. One program per (sequence, key head, part of the ring):
 
+0. with ``position_embeddings`` (the window mixer's fast path) q and k are rotated here, RoPE by rotating
+   halves in fp32, so the layer's RoPE costs no launches of its own;
 1. the new key and value, cast to the ring's dtype, take slot ``s = state.slot`` (written, with
    ``valid[b, s]``, by the program whose part holds the slot);
 2. the ``G`` query heads of the key head, one ``[BG, D]`` tile, start an online softmax (fp32 scores and
@@ -62,10 +64,10 @@ def _e4m3(b):
 
 @triton.jit
 def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr,
-                      l_ptr, acc_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, scale, softcap, HK, G, W,
-                      D, L, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr, MMA: tl.constexpr,
-                      F32_DOT: tl.constexpr, PREC: tl.constexpr, BG: tl.constexpr, BW: tl.constexpr,
-                      BD: tl.constexpr):
+                      l_ptr, acc_ptr, cos_ptr, sin_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b,
+                      sc_d, scale, softcap, HK, G, W, D, L, R, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
+                      FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
+                      ROPE: tl.constexpr, BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
     part = tl.program_id(2)
@@ -86,8 +88,23 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
         k_ty = keys_ptr.dtype.element_ty
         v_ty = values_ptr.dtype.element_ty
 
+    # RoPE by rotating halves over the first R dims (ROPE: q and k come unrotated), in fp32
+    if ROPE:
+        half = R // 2
+        rot = d < R
+        partner = tl.where(d < half, d + half, d - half)
+        sign = tl.where(d < half, -1.0, 1.0)
+        cos = tl.load(cos_ptr + bi * sc_b + d * sc_d, mask=rot, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + bi * sc_b + d * sc_d, mask=rot, other=0.0).to(tl.float32) * sign
+
     # 1. the new token, rounded as the ring stores it, takes slot s (a float8 ring's codes are in place)
-    k_new = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0).to(k_ty)
+    if ROPE:
+        k_at = k_ptr + bi * sk_b + hk * sk_h
+        k_new = tl.load(k_at + d * sk_d, mask=dm, other=0.0).to(tl.float32) * cos \
+            + tl.load(k_at + partner * sk_d, mask=rot, other=0.0).to(tl.float32) * sin
+        k_new = k_new.to(k_ty)
+    else:
+        k_new = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0).to(k_ty)
     v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + d * sv_d, mask=dm, other=0.0).to(v_ty)
     keys_ptr += head * W * D  # this head's ring [W, D]
     values_ptr += head * W * D
@@ -100,7 +117,12 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
     tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=mine)
 
     # 2. the group's query heads [BG, BD] in the ring's (read-back) dtype, as the reference's SDPA call reads them
-    q = tl.load(q_ptr + bi * sq_b + (hk * G + g)[:, None] * sq_h + d[None, :] * sq_d, mask=out, other=0.0)
+    q_at = q_ptr + bi * sq_b + (hk * G + g)[:, None] * sq_h
+    q = tl.load(q_at + d[None, :] * sq_d, mask=out, other=0.0)
+    if ROPE:
+        q = q.to(tl.float32) * cos[None, :] \
+            + tl.load(q_at + partner[None, :] * sq_d, mask=gm[:, None] & rot[None, :], other=0.0).to(tl.float32) \
+            * sin[None, :]
     q = q.to(k_ty)
     if F32_DOT:
         q = q.to(tl.float32)
@@ -207,14 +229,18 @@ def ring_parts(batch: int, n_kv: int, window: int, block: int, programs: int) ->
     return max(1, min(triton.cdiv(window, block), programs // max(batch * n_kv, 1)))
 
 
-def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None):
+def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None,
+                            position_embeddings=None):
     """The window softmax's decode step on a ``RingHybridState``, in place, as ``window_softmax_step_ring``.
 
-    ``q`` ``[B, H, 1, D]`` (rotated) and ``k``/``v`` ``[B, Hk, 1, D]`` with any strides; ``state.keys`` and
-    ``state.values`` ``[B, Hk, W, D]`` and ``state.valid`` ``[B, W]`` contiguous. ``parts``: the ring's parts
-    per (sequence, key head) (default: by ``STEP_PROGRAMS``). Returns ``(o [B, H, 1, D] in q's dtype,
-    state)``; the slot counter is advanced (no host sync: the launch's shapes are the tensors')."""
-    return _step(q, k, v, state, state.keys, state.values, None, None, scale=scale, softcap=softcap, parts=parts)
+    ``q`` ``[B, H, 1, D]`` and ``k``/``v`` ``[B, Hk, 1, D]`` with any strides, q and k rotated, or with
+    ``position_embeddings`` ``(cos, sin)`` ``[B or 1, 1, R]`` rotated here (RoPE by rotating halves over the
+    first R dims, in fp32: the launches of the layer's RoPE saved); ``state.keys`` and ``state.values``
+    ``[B, Hk, W, D]`` and ``state.valid`` ``[B, W]`` contiguous. ``parts``: the ring's parts per (sequence, key
+    head) (default: by ``STEP_PROGRAMS``). Returns ``(o [B, H, 1, D] in q's dtype, state)``; the slot counter
+    is advanced (no host sync: the launch's shapes are the tensors')."""
+    return _step(q, k, v, state, state.keys, state.values, None, None, scale=scale, softcap=softcap, parts=parts,
+                 position_embeddings=position_embeddings)
 
 
 def window_step_ring_float8_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None):
@@ -229,9 +255,11 @@ def window_step_ring_float8_triton(q, k, v, state, *, scale: float, softcap=None
                  state.value_scale, scale=scale, softcap=softcap, parts=parts)
 
 
-def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softcap, parts):
+def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softcap, parts, position_embeddings=None):
     """One launch (two with the ring in parts) on the ring's ``keys``/``values``: float8 codes as bytes with
-    their scales, or (scales None) the ring's own buffers."""
+    their scales, or (scales None) the ring's own buffers; with ``position_embeddings``, q and k rotated here."""
+    from ..hybrid.step_triton import rope_arguments
+
     fp8 = key_scale is not None
     b, h, _, d = q.shape
     hk, w = k.shape[1], keys.shape[2]
@@ -255,12 +283,14 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
     f32_dot = os.environ.get("TRITON_INTERPRET") == "1" or torch.float32 in read
     if not fp8:
         key_scale = value_scale = state.valid  # never read
+    cos, sin, rot, sc_b, sc_d = rope_arguments(position_embeddings, q)
     _window_ring_step[(b, hk, parts)](
-        q, k, v, keys, values, key_scale, value_scale, state.valid, state.slot, o, m, lsum, acc,
+        q, k, v, keys, values, key_scale, value_scale, state.valid, state.slot, o, m, lsum, acc, cos, sin,
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1),
-        v.stride(3), float(scale), float(softcap or 1.0), hk, g, w, d, span,
+        v.stride(3), sc_b, sc_d, float(scale), float(softcap or 1.0), hk, g, w, d, span, rot,
         HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8, MMA=STEP_MMA,
-        F32_DOT=f32_dot, PREC="ieee" if f32_dot else "tf32", BG=bg, BW=bw, BD=bd, num_warps=STEP_WARPS,
+        F32_DOT=f32_dot, PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, BG=bg, BW=bw, BD=bd,
+        num_warps=STEP_WARPS,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
     if parts > 1:
         _combine[(b, hk)](m, lsum, acc, o, state.slot, hk, g, w, d, parts, BG=bg, BD=bd)
