@@ -537,7 +537,7 @@ def auto_long_choice(student, tokenizer, chosen: list[int], cfg: LolcatsConfig) 
     softmax most lowers the loss of copying a span ``W2 - RECALL_SPAN`` tokens back (``recall_choice`` among
     them alone, a task drawn from ``cfg.seed + 1``). Returns (those layers, their record)."""
     request, width = auto_long_request(cfg.auto_softmax_long)
-    n = auto_softmax_layers(request, len(chosen))
+    n = min(auto_softmax_layers(request, len(chosen)), len(chosen))  # a count past a share-chosen K: all of them
     distance = width - RECALL_SPAN
     rows = student.get_input_embeddings().num_embeddings
     ids, labels = copy_task(tokenizer, rows, distance, seed=cfg.seed + 1)
