@@ -39,6 +39,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..hybrid.step_triton import _rope, rope_arguments
+
 # Ring slots per block of the loop (halved for heads over 128 wide), warps per program, the programs a step
 # aims for (parts of the ring are added until it has about this many; None: four per multiprocessor), the
 # products on the tensor cores (tl.dot) or as broadcast sums, and the loop's pipeline stages (None: Triton's
@@ -98,11 +100,9 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
         sin = tl.load(sin_ptr + bi * sc_b + d * sc_d, mask=rot, other=0.0).to(tl.float32) * sign
 
     # 1. the new token, rounded as the ring stores it, takes slot s (a float8 ring's codes are in place)
-    if ROPE:
-        k_at = k_ptr + bi * sk_b + hk * sk_h
-        k_new = tl.load(k_at + d * sk_d, mask=dm, other=0.0).to(tl.float32) * cos \
-            + tl.load(k_at + partner * sk_d, mask=rot, other=0.0).to(tl.float32) * sin
-        k_new = k_new.to(k_ty)
+    if ROPE:  # the LoLCATs fused step's RoPE of one head
+        k_new = _rope(k_ptr + bi * sk_b + hk * sk_h, sk_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d, D,
+                      R).to(k_ty)
     else:
         k_new = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0).to(k_ty)
     v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + d * sv_d, mask=dm, other=0.0).to(v_ty)
@@ -258,7 +258,6 @@ def window_step_ring_float8_triton(q, k, v, state, *, scale: float, softcap=None
 def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softcap, parts, position_embeddings=None):
     """One launch (two with the ring in parts) on the ring's ``keys``/``values``: float8 codes as bytes with
     their scales, or (scales None) the ring's own buffers; with ``position_embeddings``, q and k rotated here."""
-    from ..hybrid.step_triton import rope_arguments
 
     fp8 = key_scale is not None
     b, h, _, d = q.shape
