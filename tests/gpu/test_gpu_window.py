@@ -1,5 +1,6 @@
-"""CUDA checks of the window-softmax layers' fast forms (``ops/window``): the causal flash calls on blocks
-(``flash.py``, prefill without a gradient) against SDPA on masked blocks, in bf16 at a kept layer's shapes."""
+"""CUDA checks of the window-softmax layers' fast forms (``ops/window``): the one-launch Triton kernel
+(``parallel_triton.py``) and the causal flash calls on blocks (``flash.py``), both prefill without a gradient,
+against SDPA on masked blocks, in bf16 at a kept layer's shapes."""
 
 import pytest
 import torch
@@ -8,8 +9,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.mark.parametrize("t,window", [(4096, 1280), (3000, 1280), (1024, 256), (700, 1280)])
-def test_flash_blocks_equal_sdpa_blocks_on_cuda(t, window):
+def test_flash_blocks_equal_sdpa_blocks_on_cuda(t, window, monkeypatch):
+    from linearize.ops import window as W
     from linearize.ops.window import flash, window_softmax, window_softmax_sdpa
+
+    monkeypatch.setattr(W, "WINDOW_TRITON", False)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(2, 9, t, 64, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -19,4 +23,41 @@ def test_flash_blocks_equal_sdpa_blocks_on_cuda(t, window):
         assert flash.supported(q, k, v, window) == (t > window)
         got = window_softmax(q, k, v, window=window, scale=0.125)
     assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("t,window,softcap,pad", [(4096, 1280, None, 0), (3000, 1280, None, 0), (5000, 4160, None, 0),
+                                                   (1024, 256, 30.0, 0), (700, 1280, None, 0), (2500, 1280, None, 300),
+                                                   (999, 64, None, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_window_kernel_equals_sdpa_blocks_on_cuda(t, window, softcap, pad, dtype):
+    """Strided q/k/v (slices of one projection, as the adapters give them), grouped heads, left padding in one
+    sequence (padding queries zero), soft-capping; the reference in fp32 (the blocked SDPA form, the definition
+    with a soft-cap)."""
+    from linearize.ops import window as W
+    from linearize.ops.window import window_softmax, window_softmax_sdpa
+    from linearize.ops.window.parallel_triton import window_softmax_triton
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    out = torch.randn(2, t, (9 + 6) * 64, device="cuda", generator=g).to(dtype)
+    q, k, v = (x.unflatten(-1, (-1, 64)).transpose(1, 2) for x in out.split([9 * 64, 3 * 64, 3 * 64], -1))
+    key_mask = None
+    if pad:
+        key_mask = torch.ones(2, t, dtype=torch.bool, device="cuda")
+        key_mask[1, :pad] = False
+    with torch.no_grad():
+        assert W._use_window_triton(q, k, v, window)
+        got = window_softmax(q, k, v, window=window, scale=0.125, softcap=softcap, key_mask=key_mask)
+        if softcap is None:
+            want = window_softmax_sdpa(q.float(), k.float(), v.float(), window=window, scale=0.125, key_mask=key_mask)
+            want = want if key_mask is None else want * key_mask[:, None, :, None]
+        else:
+            W.WINDOW_TRITON = False
+            try:
+                want = window_softmax(q.float(), k.float(), v.float(), window=window, scale=0.125, softcap=softcap)
+            finally:
+                W.WINDOW_TRITON = True
+        direct = window_softmax_triton(q, k, v, window=window, scale=0.125, softcap=softcap, key_mask=key_mask)
+    assert got.dtype == dtype and got.transpose(1, 2).is_contiguous()
+    assert torch.equal(got, direct)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)

@@ -5,9 +5,9 @@ vanish and the shared normaliser is the window's alone), so the reference, the c
 the hybrid's; here are the faster whole-sequence forms and their dispatcher, and the decoding state:
 
 * ``window_softmax``: the sequence form, through the hybrid's Triton kernels with zero features
-  (``WINDOW_KERNEL``, windows up to their ``KERNEL_MAX_WINDOW``), without a gradient causal flash calls on
-  blocks (``WINDOW_FLASH``, ``flash.py``), SDPA on blocks (``WINDOW_SDPA``: no soft-cap) or the hybrid's
-  chunked form with zero features;
+  (``WINDOW_KERNEL``, windows up to their ``KERNEL_MAX_WINDOW``), without a gradient one Triton launch on
+  CUDA (``WINDOW_TRITON``, ``parallel_triton.py``) or causal flash calls on blocks (``WINDOW_FLASH``,
+  ``flash.py``), SDPA on blocks (``WINDOW_SDPA``: no soft-cap) or the hybrid's chunked form with zero features;
 * ``window_state``: after a prompt, its last ``window`` keys and values (a ``HybridState`` of zero features
   and an empty linear state, so every hybrid form and the fast decoder's ring take it);
 * ``window_softmax_step`` (one token from a ``HybridState``) and ``window_softmax_step_ring`` (in place on a
@@ -67,6 +67,19 @@ def window_softmax_kernel(q, k, v, *, window: int, scale: float, softcap: float 
     gamma = torch.ones(q.shape[1], device=q.device, dtype=torch.float32)
     o, _ = hybrid_triton(q, k, v, gamma, qf=zq, kf=zk, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
     return o
+
+
+# Without a gradient (prefill, evaluation), on CUDA, the window softmax as one Triton launch
+# (``parallel_triton.py``: grouped heads, strides, padding and soft-capping read as they come). False: never.
+WINDOW_TRITON: bool = True
+
+
+def _use_window_triton(q, k, v, window: int) -> bool:
+    if not WINDOW_TRITON:
+        return False
+    from . import parallel_triton
+
+    return parallel_triton.supported(q, k, v, window)
 
 
 # Without a gradient (prefill, evaluation), windows of at least ``flash.MIN_WINDOW`` tokens go through
@@ -131,11 +144,16 @@ def zero_features(q, k, width: int = 1):
 
 def window_softmax(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None):
     """Softmax over each query's last ``window`` keys (itself included; padding keys left out), ``[B, H, T, D]``:
-    through the hybrid's kernels where ``WINDOW_KERNEL`` takes it, SDPA on blocks (no soft-cap), else the
+    through the hybrid's kernels where ``WINDOW_KERNEL`` takes it, without a gradient one Triton launch
+    (``WINDOW_TRITON``, CUDA) or flash calls on blocks (``WINDOW_FLASH``), SDPA on blocks (no soft-cap), else the
     hybrid's chunked form with zero features (fp32 accumulation; the output in the computing dtype). Padding
     queries output zero."""
     if _use_window_kernel(q, k, v, window):
         return window_softmax_kernel(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
+    if _use_window_triton(q, k, v, window):
+        from .parallel_triton import window_softmax_triton
+
+        return window_softmax_triton(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask)
     if WINDOW_FLASH and flash.supported(q, k, v, window, softcap, key_mask):
         try:
             return flash.window_softmax_flash(q, k, v, window=window, scale=scale)

@@ -1,0 +1,146 @@
+"""The window softmax over a whole sequence as one Triton launch (no gradient): prefill and evaluation.
+
+Each program takes ``BM`` queries of one query head and walks the key blocks that any of them can see, from
+``W - 1`` tokens before its first query to its last, with the online softmax of flash attention (fp32 running
+maximum, sum and output; the weights rounded to the values' dtype for the second product, as flash kernels do).
+The band's two edges are masks on the blocks that cross them, so each query weighs exactly its last ``W`` keys.
+
+What the blocked forms cost it does not: no padded copies of the sequence, no key heads repeated to the query
+heads (a program reads its key head's rows; the ``G`` query heads of a group read the same rows from L2), no
+reversed blocks or log-sum-exp merge (``flash.py``), no band mask over twice the keys (``window_softmax_sdpa``).
+q, k and v are read through their strides (the projections' transposed views as they come), the output is
+written as ``[B, T, H, D]`` memory, which is what the output projection reads, and returned as its
+``[B, H, T, D]`` view.
+
+Padding (``key_mask`` ``[B, T]``, True for real tokens) leaves padding keys out of every real query's window;
+a padding query weighs itself alone and outputs zero, as the dispatcher's other forms do. Soft-capping
+(``softcap * tanh(s / softcap)``) as Gemma's. The products run on tensor cores in the inputs' half precision
+(fp32 inputs, and everything under the interpreter: IEEE fp32).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Queries per program, keys per block of the loop, warps per program and pipeline stages (None: Triton's
+# default). Module constants so that a benchmark can sweep them.
+PARALLEL_BM = 128
+PARALLEL_BN = 64
+PARALLEL_WARPS = 4
+PARALLEL_STAGES: int | None = 3
+MAX_HEAD_DIM = 256
+
+
+@triton.jit
+def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
+                     so_b, so_h, so_t, sm_b, T, H, G, W, D, scale, softcap, HAS_MASK: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
+                     BN: tl.constexpr, BD: tl.constexpr):
+    LOG2E: tl.constexpr = 1.4426950408889634
+    start_m = tl.program_id(0) * BM
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = bh % H
+    hk = h // G
+    rows = start_m + tl.arange(0, BM)
+    d = tl.arange(0, BD)
+    dm = d < D
+    rm = rows < T
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_t + d[None, :],
+                mask=rm[:, None] & dm[None, :], other=0.0)
+    if F32_DOT:
+        q = q.to(tl.float32)
+    k_base = k_ptr + b * sk_b + hk * sk_h
+    v_base = v_ptr + b * sv_b + hk * sv_h
+    if HAS_MASK:
+        real_row = tl.load(mask_ptr + b * sm_b + rows, mask=rm, other=0) != 0
+
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], dtype=tl.float32)
+    acc = tl.zeros([BM, BD], dtype=tl.float32)
+    lo = tl.maximum(start_m - W + 1, 0) // BN * BN  # the first key block any of these queries sees
+    hi = tl.minimum(start_m + BM, T)
+    for start_n in range(lo, hi, BN):
+        cols = start_n + tl.arange(0, BN)
+        cm = cols < T
+        tile = cols[:, None].to(tl.int64)
+        keys = tl.load(k_base + tile * sk_t + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0)
+        values = tl.load(v_base + tile * sv_t + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0)
+        if F32_DOT:
+            keys = keys.to(tl.float32)
+            values = values.to(tl.float32)
+        else:
+            keys = keys.to(q.dtype)
+            values = values.to(q.dtype)
+        s = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale
+        if HAS_SOFTCAP:
+            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
+        dist = rows[:, None] - cols[None, :]
+        ok = (dist >= 0) & (dist < W) & cm[None, :]
+        if HAS_MASK:
+            real = tl.load(mask_ptr + b * sm_b + cols, mask=cm, other=0) != 0
+            ok = (ok & real[None, :]) | (dist == 0)
+        s = tl.where(ok, s * LOG2E, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet for this row: nothing to weigh
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
+        m = m_new
+
+    o = acc / tl.where(rm, l, 1.0)[:, None]  # l >= 1 on a real row: its largest term is exp(0)
+    if HAS_MASK:
+        o = tl.where(real_row[:, None], o, 0.0)
+    tl.store(o_ptr + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_t + d[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
+
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def supported(q, k, v, window: int) -> bool:
+    """Whether ``window_softmax_triton`` takes these inputs: no gradient wanted, CUDA with Triton (or the
+    interpreter), half precision or fp32, head dims up to ``MAX_HEAD_DIM``, values as wide as keys."""
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return False
+    if q.dtype not in KERNEL_DTYPES or q.shape[-1] > MAX_HEAD_DIM or v.shape[-1] != q.shape[-1] or window < 1:
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    from ..availability import triton_available
+
+    return q.is_cuda and triton_available()
+
+
+def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None):
+    """Softmax over each query's last ``window`` keys (itself included; padding keys left out), ``q``
+    ``[B, H, T, D]``, ``k``/``v`` ``[B, Hk, T, D]`` with any strides but the last, in one launch. Returns
+    ``[B, H, T, D]`` in q's dtype: a view of ``[B, T, H, D]`` memory. Padding queries output zero."""
+    b, h, t, d = q.shape
+    hk = k.shape[1]
+    if h % hk:
+        raise ValueError(f"{h} query heads are not a multiple of {hk} key heads")
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    o = torch.empty(b, t, h, d, device=q.device, dtype=q.dtype).transpose(1, 2)
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    f32_dot = interpret or torch.float32 in (q.dtype, k.dtype, v.dtype)
+    mask = key_mask.to(torch.uint8).contiguous() if key_mask is not None else o
+    bm = PARALLEL_BM
+    grid = (triton.cdiv(t, bm), b * h)
+    _window_parallel[grid](
+        q, k, v, o, mask, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        mask.stride(0) if key_mask is not None else 0, t, h, h // hk, window, d, float(scale),
+        float(softcap or 1.0), HAS_MASK=key_mask is not None, HAS_SOFTCAP=softcap is not None, F32_DOT=f32_dot,
+        PREC="ieee", BM=bm, BN=PARALLEL_BN,
+        BD=max(16, triton.next_power_of_2(d)), num_warps=PARALLEL_WARPS,
+        **({} if PARALLEL_STAGES is None else dict(num_stages=PARALLEL_STAGES)))
+    return o
+
+
+__all__ = ["PARALLEL_BM", "PARALLEL_BN", "PARALLEL_STAGES", "PARALLEL_WARPS", "supported", "window_softmax_triton"]

@@ -1,0 +1,146 @@
+"""Run by test_window_parallel_triton.py in a subprocess, on the CPU through Triton's interpreter: the window
+softmax over a whole sequence as one Triton launch (``ops/window/parallel_triton.py``) against the definition
+in float64 (each query's scores over all keys, everything outside its last ``W`` real keys masked out).
+
+Tiles of 16 queries and 16 keys, so that short sequences cross many tiles, windows cross tile edges, and the
+last tile is partial.
+
+``gqa``: 6 query heads on 2 key heads, windows of 1, 5, 16, 23, 40 and longer than the sequence, lengths not a
+multiple of the tiles; ``mha``: as many query as key heads; ``softcap``: Gemma's soft-cap; ``padding``: a
+left-padded sequence beside a full one (padding keys left out, padding queries zero); ``strided``: q/k/v as
+slices of one projection's output, as the adapters give them; ``half``: bf16 and fp16 inputs against the
+definition on the same rounded inputs; ``dispatch``: ``window_softmax`` takes the kernel without a gradient and
+not with one, and the mixers' sequence forms (the window layer, the delta hybrid's window) give the same
+outputs through it as through the blocked SDPA form."""
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers.py
+os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
+
+import torch  # noqa: E402
+
+import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
+from interpret_checks import _close, _masks  # noqa: E402
+from linearize.ops import window as window_ops  # noqa: E402
+from linearize.ops.window import parallel_triton  # noqa: E402
+from linearize.ops.window.parallel_triton import window_softmax_triton  # noqa: E402
+
+torch.set_grad_enabled(False)
+parallel_triton.PARALLEL_BM = 16
+parallel_triton.PARALLEL_BN = 16
+B, D = 2, 16
+
+
+def definition(q, k, v, window, scale, softcap=None, key_mask=None):
+    """Softmax over each query's last ``window`` real keys, float64; padding queries weigh themselves, then 0."""
+    q, k, v = (x.double() for x in (q, k, v))
+    h, hk, t = q.shape[1], k.shape[1], q.shape[2]
+    k, v = (x.repeat_interleave(h // hk, dim=1) for x in (k, v))
+    s = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    pos = torch.arange(t)
+    dist = pos[:, None] - pos[None, :]
+    ok = ((dist >= 0) & (dist < window))[None, None]
+    if key_mask is not None:
+        ok = ok & key_mask[:, None, None, :] | (dist == 0)[None, None]
+    o = torch.softmax(s.masked_fill(~ok, float("-inf")), dim=-1) @ v
+    return o if key_mask is None else o * key_mask[:, None, :, None]
+
+
+def _case(h, hk, t, window, *, softcap=None, pad=0, dtype=torch.float32, strided=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if strided:  # slices of one projection's output [B, T, (H + 2 Hk) D]
+        out = torch.randn(B, t, (h + 2 * hk) * D, generator=gen).to(dtype)
+        q, k, v = (x.unflatten(-1, (-1, D)).transpose(1, 2) for x in out.split([h * D, hk * D, hk * D], -1))
+    else:
+        q = (torch.randn(B, h, t, D, generator=gen) * 2).to(dtype)
+        k, v = (torch.randn(B, hk, t, D, generator=gen).to(dtype) for _ in range(2))
+    key_mask = _masks(B, t, pad)
+    got = window_softmax_triton(q, k, v, window=window, scale=D ** -0.5, softcap=softcap, key_mask=key_mask)
+    want = definition(q, k, v, window, D ** -0.5, softcap, key_mask)
+    where = (h, hk, t, window, softcap, pad, str(dtype), strided)
+    assert got.dtype == dtype and got.shape == (B, h, t, D), where
+    assert got.transpose(1, 2).is_contiguous(), where  # [B, T, H, D] memory: what the output projection reads
+    _close(got, want, where, tol=2e-5 if dtype == torch.float32 else 1e-2)
+
+
+def check_gqa():
+    for t, window in ((37, 1), (37, 5), (50, 16), (50, 23), (64, 40), (21, 40), (33, 33)):
+        _case(6, 2, t, window, seed=t + window)
+
+
+def check_mha():
+    _case(2, 2, 45, 19, seed=1)
+
+
+def check_softcap():
+    _case(6, 2, 45, 19, softcap=3.0, seed=2)
+    _case(2, 2, 30, 64, softcap=3.0, seed=3)
+
+
+def check_padding():
+    _case(6, 2, 45, 19, pad=11, seed=4)
+    _case(6, 2, 45, 19, pad=30, softcap=3.0, seed=5)
+    _case(2, 2, 20, 64, pad=7, seed=6)
+
+
+def check_strided():
+    _case(6, 2, 41, 17, strided=True, seed=7)
+
+
+def check_half():
+    _case(6, 2, 41, 17, dtype=torch.bfloat16, seed=8)
+    _case(6, 2, 41, 17, dtype=torch.float16, pad=5, seed=9)
+
+
+def check_dispatch():
+    from linearize.ops.delta.window import delta_window_chunked
+
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randn(B, 6, 45, D, generator=gen)
+    k, v = (torch.randn(B, 2, 45, D, generator=gen) for _ in range(2))
+    calls = []
+    real = parallel_triton.window_softmax_triton
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return real(*a, **kw)
+
+    parallel_triton.window_softmax_triton = counted
+    try:
+        key_mask = _masks(B, 45, 9)
+        got = window_ops.window_softmax(q, k, v, window=19, scale=0.25, key_mask=key_mask)
+        assert len(calls) == 1
+        window_ops.WINDOW_TRITON = False
+        want = window_ops.window_softmax(q, k, v, window=19, scale=0.25, key_mask=key_mask)
+        assert len(calls) == 1
+        _close(got, want.double(), "window_softmax")
+        with torch.enable_grad():  # a gradient wanted: the blocked form, which has one
+            window_ops.WINDOW_TRITON = True
+            window_ops.window_softmax(q.requires_grad_(), k, v, window=19, scale=0.25)
+            assert len(calls) == 1
+        # the delta hybrid's sequence form: the same through the kernel as through SDPA on blocks
+        qd, kd = (torch.nn.functional.normalize(torch.randn(B, n, 45, D, generator=gen), dim=-1) for n in (6, 2))
+        g = -torch.rand(B, 2, 45, generator=gen)
+        beta = torch.rand(B, 2, 45, generator=gen)
+        lam = torch.rand(B, 6, 45, generator=gen)
+        args = (q.detach(), k, qd, kd, v, g, beta, lam)
+        kw = dict(window=19, scale=0.25, key_mask=key_mask, output_final_state=True)
+        y, _ = delta_window_chunked(*args, **kw)
+        assert len(calls) == 2
+        window_ops.WINDOW_TRITON = False
+        y_ref, _ = delta_window_chunked(*args, **kw)
+        _close(y, y_ref.double(), "delta window")
+    finally:
+        parallel_triton.window_softmax_triton = real
+        window_ops.WINDOW_TRITON = True
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:] or ["gqa", "mha", "softcap", "padding", "strided", "half", "dispatch"]:
+        globals()[f"check_{name}"]()
+    print("ok")
