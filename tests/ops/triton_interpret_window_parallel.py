@@ -6,7 +6,7 @@ Tiles of 16 queries and 16 keys, so that short sequences cross many tiles, windo
 last tile is partial.
 
 ``gqa``: 6 query heads on 2 key heads, windows of 1, 5, 16, 23, 40 and longer than the sequence, lengths not a
-multiple of the tiles; ``mha``: as many query as key heads; ``softcap``: Gemma's soft-cap; ``padding``: a
+multiple of the tiles; ``tiles``: query tiles of 32 and 64 over key blocks of 16; ``mha``: as many query as key heads; ``softcap``: Gemma's soft-cap; ``padding``: a
 left-padded sequence beside a full one (padding keys left out, padding queries zero); ``strided``: q/k/v as
 slices of one projection's output, as the adapters give them; ``half``: bf16 and fp16 inputs against the
 definition on the same rounded inputs; ``dispatch``: ``window_softmax`` takes the kernel without a gradient and
@@ -71,6 +71,18 @@ def _case(h, hk, t, window, *, softcap=None, pad=0, dtype=torch.float32, strided
 def check_gqa():
     for t, window in ((37, 1), (37, 5), (50, 16), (50, 23), (64, 40), (21, 40), (33, 33)):
         _case(6, 2, t, window, seed=t + window)
+
+
+def check_tiles():
+    """Query tiles of two and four key blocks: several blocks cross the diagonal, whole blocks between the edges."""
+    for bm, bn in ((32, 16), (64, 16)):
+        parallel_triton.PARALLEL_BM, parallel_triton.PARALLEL_BN = bm, bn
+        try:
+            for t, window in ((100, 1), (100, 7), (100, 40), (130, 57), (70, 200)):
+                _case(6, 2, t, window, seed=bm + t + window)
+            _case(6, 2, 100, 40, pad=13, softcap=3.0, seed=bm)
+        finally:
+            parallel_triton.PARALLEL_BM = parallel_triton.PARALLEL_BN = 16
 
 
 def check_mha():
@@ -141,6 +153,6 @@ def check_dispatch():
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["gqa", "mha", "softcap", "padding", "strided", "half", "dispatch"]:
+    for name in sys.argv[1:] or ["gqa", "tiles", "mha", "softcap", "padding", "strided", "half", "dispatch"]:
         globals()[f"check_{name}"]()
     print("ok")

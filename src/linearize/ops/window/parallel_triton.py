@@ -36,11 +36,50 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
+def _keys(q, k_base, v_base, sk_t, sv_t, mask_ptr, start_n, rows, d, dm, m, l, acc, T, W, qk_scale, softcap,
+          MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, F32_DOT: tl.constexpr,
+          PREC: tl.constexpr, BN: tl.constexpr):
+    """One block of ``BN`` keys into the running maximum ``m``, sum ``l`` and output ``acc`` (base-2 scores);
+    ``MASKED``: the block crosses the band's edges (or the sequence's end), else every query weighs all of it."""
+    cols = start_n + tl.arange(0, BN)
+    cm = cols < T
+    tile = cols[:, None].to(tl.int64)
+    if MASKED:
+        keys = tl.load(k_base + tile * sk_t + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0)
+        values = tl.load(v_base + tile * sv_t + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0)
+    else:
+        keys = tl.load(k_base + tile * sk_t + d[None, :], mask=dm[None, :], other=0.0)
+        values = tl.load(v_base + tile * sv_t + d[None, :], mask=dm[None, :], other=0.0)
+    if F32_DOT:
+        keys = keys.to(tl.float32)
+        values = values.to(tl.float32)
+    else:
+        keys = keys.to(q.dtype)
+        values = values.to(q.dtype)
+    s = tl.dot(q, tl.trans(keys), input_precision=PREC) * qk_scale
+    if HAS_SOFTCAP:  # on natural-log scores, then to base 2
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
+    if MASKED:
+        dist = rows[:, None] - cols[None, :]
+        ok = (dist >= 0) & (dist < W) & cm[None, :]
+        if HAS_MASK:
+            real = tl.load(mask_ptr + cols, mask=cm, other=0) != 0
+            ok = (ok & real[None, :]) | (dist == 0)
+        s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet for this row: nothing to weigh
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
+    return m_new, l, acc
+
+
+@triton.jit
 def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                      so_b, so_h, so_t, sm_b, T, H, G, W, D, scale, softcap, HAS_MASK: tl.constexpr,
                      HAS_SOFTCAP: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
                      BN: tl.constexpr, BD: tl.constexpr):
-    LOG2E: tl.constexpr = 1.4426950408889634
     start_m = tl.program_id(0) * BM
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -56,45 +95,36 @@ def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, sq_b, sq_h, sq_t, sk_
         q = q.to(tl.float32)
     k_base = k_ptr + b * sk_b + hk * sk_h
     v_base = v_ptr + b * sv_b + hk * sv_h
-    if HAS_MASK:
-        real_row = tl.load(mask_ptr + b * sm_b + rows, mask=rm, other=0) != 0
+    mask_row = mask_ptr + b * sm_b
+    # scores in base 2 (exp2), the soft-cap on natural ones
+    qk_scale = scale if HAS_SOFTCAP else scale * 1.4426950408889634
 
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, BD], dtype=tl.float32)
-    lo = tl.maximum(start_m - W + 1, 0) // BN * BN  # the first key block any of these queries sees
+    # key blocks: [lo, full) cross the window's lower edge for some of these queries, [full, start_m) are whole
+    # for all of them, [start_m, hi) cross the diagonal (BM is a multiple of BN)
+    lo = tl.maximum(start_m - W + 1, 0) // BN * BN
     hi = tl.minimum(start_m + BM, T)
-    for start_n in range(lo, hi, BN):
-        cols = start_n + tl.arange(0, BN)
-        cm = cols < T
-        tile = cols[:, None].to(tl.int64)
-        keys = tl.load(k_base + tile * sk_t + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0)
-        values = tl.load(v_base + tile * sv_t + d[None, :], mask=cm[:, None] & dm[None, :], other=0.0)
-        if F32_DOT:
-            keys = keys.to(tl.float32)
-            values = values.to(tl.float32)
-        else:
-            keys = keys.to(q.dtype)
-            values = values.to(q.dtype)
-        s = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale
-        if HAS_SOFTCAP:
-            s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0)
-        dist = rows[:, None] - cols[None, :]
-        ok = (dist >= 0) & (dist < W) & cm[None, :]
-        if HAS_MASK:
-            real = tl.load(mask_ptr + b * sm_b + cols, mask=cm, other=0) != 0
-            ok = (ok & real[None, :]) | (dist == 0)
-        s = tl.where(ok, s * LOG2E, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet for this row: nothing to weigh
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
-        m = m_new
+    if HAS_MASK:  # padding: every block masked
+        for start_n in range(lo, hi, BN):
+            m, l, acc = _keys(q, k_base, v_base, sk_t, sv_t, mask_row, start_n, rows, d, dm, m, l, acc, T, W,
+                              qk_scale, softcap, True, HAS_MASK, HAS_SOFTCAP, F32_DOT, PREC, BN)
+    else:
+        full = tl.minimum(tl.maximum((tl.maximum(start_m + BM - W, 0) + BN - 1) // BN * BN, lo), start_m)
+        for start_n in range(lo, full, BN):
+            m, l, acc = _keys(q, k_base, v_base, sk_t, sv_t, mask_row, start_n, rows, d, dm, m, l, acc, T, W,
+                              qk_scale, softcap, True, HAS_MASK, HAS_SOFTCAP, F32_DOT, PREC, BN)
+        for start_n in range(full, start_m, BN):
+            m, l, acc = _keys(q, k_base, v_base, sk_t, sv_t, mask_row, start_n, rows, d, dm, m, l, acc, T, W,
+                              qk_scale, softcap, False, HAS_MASK, HAS_SOFTCAP, F32_DOT, PREC, BN)
+        for start_n in range(start_m, hi, BN):
+            m, l, acc = _keys(q, k_base, v_base, sk_t, sv_t, mask_row, start_n, rows, d, dm, m, l, acc, T, W,
+                              qk_scale, softcap, True, HAS_MASK, HAS_SOFTCAP, F32_DOT, PREC, BN)
 
     o = acc / tl.where(rm, l, 1.0)[:, None]  # l >= 1 on a real row: its largest term is exp(0)
     if HAS_MASK:
+        real_row = tl.load(mask_row + rows, mask=rm, other=0) != 0
         o = tl.where(real_row[:, None], o, 0.0)
     tl.store(o_ptr + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_t + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
@@ -130,14 +160,16 @@ def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float 
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     f32_dot = interpret or torch.float32 in (q.dtype, k.dtype, v.dtype)
     mask = key_mask.to(torch.uint8).contiguous() if key_mask is not None else o
-    bm = PARALLEL_BM
+    bm, bn = PARALLEL_BM, PARALLEL_BN
+    if bm % bn:
+        raise ValueError(f"PARALLEL_BM ({bm}) must be a multiple of PARALLEL_BN ({bn})")
     grid = (triton.cdiv(t, bm), b * h)
     _window_parallel[grid](
         q, k, v, o, mask, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         mask.stride(0) if key_mask is not None else 0, t, h, h // hk, window, d, float(scale),
         float(softcap or 1.0), HAS_MASK=key_mask is not None, HAS_SOFTCAP=softcap is not None, F32_DOT=f32_dot,
-        PREC="ieee", BM=bm, BN=PARALLEL_BN,
+        PREC="ieee", BM=bm, BN=bn,
         BD=max(16, triton.next_power_of_2(d)), num_warps=PARALLEL_WARPS,
         **({} if PARALLEL_STAGES is None else dict(num_stages=PARALLEL_STAGES)))
     return o
