@@ -9,7 +9,7 @@ last tile is partial.
 multiple of the tiles; ``tiles``: query tiles of 32 and 64 over key blocks of 16; ``mha``: as many query as key heads; ``softcap``: Gemma's soft-cap; ``padding``: a
 left-padded sequence beside a full one (padding keys left out, padding queries zero); ``strided``: q/k/v as
 slices of one projection's output, as the adapters give them; ``half``: bf16 and fp16 inputs against the
-definition on the same rounded inputs; ``dispatch``: ``window_softmax`` takes the kernel without a gradient and
+definition on the same rounded inputs; ``rope``: q rotated inside the kernel, full and partial rotary dims; ``dispatch``: ``window_softmax`` takes the kernel without a gradient and
 not with one, and the mixers' sequence forms (the window layer, the delta hybrid's window) give the same
 outputs through it as through the blocked SDPA form."""
 
@@ -109,6 +109,27 @@ def check_half():
     _case(6, 2, 41, 17, dtype=torch.float16, pad=5, seed=9)
 
 
+def check_rope():
+    """q rotated in the kernel (full and partial rotary dims, tables per sequence or shared), against the
+    definition on q rotated by ``rope_rotate_half`` (the families' RoPE by rotating halves)."""
+    from linearize.models.base import rope_rotate_half
+
+    for rot, shared, pad, dtype in ((D, True, 0, torch.float32), (D // 2, False, 9, torch.float32),
+                                    (D, False, 0, torch.bfloat16)):
+        gen = torch.Generator().manual_seed(rot + pad)
+        t = 45
+        q = (torch.randn(B, 6, t, D, generator=gen) * 2).to(dtype)
+        k, v = (torch.randn(B, 2, t, D, generator=gen).to(dtype) for _ in range(2))
+        angles = torch.randn(1 if shared else B, t, rot // 2, generator=gen) * 3
+        cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+        key_mask = _masks(B, t, pad)
+        got = window_softmax_triton(q, k, v, window=19, scale=D ** -0.5, key_mask=key_mask,
+                                    position_embeddings=(cos, sin))
+        turned = rope_rotate_half(q.double(), cos.double(), sin.double()).to(dtype)
+        want = definition(turned, k, v, 19, D ** -0.5, key_mask=key_mask)
+        _close(got, want, ("rope", rot, shared, pad, str(dtype)), tol=2e-5 if dtype == torch.float32 else 1e-2)
+
+
 def check_dispatch():
     from linearize.ops.delta.window import delta_window_chunked
 
@@ -153,6 +174,6 @@ def check_dispatch():
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["gqa", "tiles", "mha", "softcap", "padding", "strided", "half", "dispatch"]:
+    for name in sys.argv[1:] or ["gqa", "tiles", "mha", "softcap", "padding", "strided", "half", "rope", "dispatch"]:
         globals()[f"check_{name}"]()
     print("ok")

@@ -76,10 +76,10 @@ def _keys(q, k_base, v_base, sk_t, sv_t, mask_ptr, start_n, rows, d, dm, m, l, a
 
 
 @triton.jit
-def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
-                     so_b, so_h, so_t, sm_b, T, H, G, W, D, scale, softcap, HAS_MASK: tl.constexpr,
-                     HAS_SOFTCAP: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr, BM: tl.constexpr,
-                     BN: tl.constexpr, BD: tl.constexpr):
+def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b,
+                     sv_h, sv_t, so_b, so_h, so_t, sm_b, sc_b, sc_t, T, H, G, W, D, R, scale, softcap,
+                     HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr, F32_DOT: tl.constexpr,
+                     PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     start_m = tl.program_id(0) * BM
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -89,8 +89,17 @@ def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, sq_b, sq_h, sq_t, sk_
     d = tl.arange(0, BD)
     dm = d < D
     rm = rows < T
-    q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_t + d[None, :],
-                mask=rm[:, None] & dm[None, :], other=0.0)
+    q_rows = q_ptr + b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_t
+    q = tl.load(q_rows + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+    if ROPE:  # by rotating halves over the first R dims, in fp32, rounded back as the family's RoPE rounds
+        half = R // 2
+        rot = (d < R)[None, :] & rm[:, None]
+        partner = tl.load(q_rows + tl.where(d < half, d + half, d - half)[None, :], mask=rot, other=0.0)
+        at = b * sc_b + rows[:, None].to(tl.int64) * sc_t + d[None, :]
+        cos = tl.load(cos_ptr + at, mask=rot, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + at, mask=rot, other=0.0).to(tl.float32)
+        turned = tl.where((d < half)[None, :], -partner.to(tl.float32), partner.to(tl.float32))
+        q = (q.to(tl.float32) * cos + turned * sin).to(q.dtype)
     if F32_DOT:
         q = q.to(tl.float32)
     k_base = k_ptr + b * sk_b + hk * sk_h
@@ -147,10 +156,15 @@ def supported(q, k, v, window: int) -> bool:
     return q.is_cuda and triton_available()
 
 
-def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None):
+def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None,
+                          position_embeddings=None):
     """Softmax over each query's last ``window`` keys (itself included; padding keys left out), ``q``
     ``[B, H, T, D]``, ``k``/``v`` ``[B, Hk, T, D]`` with any strides but the last, in one launch. Returns
-    ``[B, H, T, D]`` in q's dtype: a view of ``[B, T, H, D]`` memory. Padding queries output zero."""
+    ``[B, H, T, D]`` in q's dtype: a view of ``[B, T, H, D]`` memory. Padding queries output zero.
+
+    ``position_embeddings`` ``(cos, sin)`` ``[B or 1, T, R]``: q comes unrotated and the kernel rotates it (RoPE by
+    rotating halves over its first ``R`` dims, in fp32, rounded to q's dtype), saving the passes of q's RoPE; the
+    keys come rotated (``models.base.rope_rotate_half``: the state keeps them so)."""
     b, h, t, d = q.shape
     hk = k.shape[1]
     if h % hk:
@@ -160,15 +174,24 @@ def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float 
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     f32_dot = interpret or torch.float32 in (q.dtype, k.dtype, v.dtype)
     mask = key_mask.to(torch.uint8).contiguous() if key_mask is not None else o
+    if position_embeddings is not None:
+        cos, sin = (x if x.stride(-1) == 1 else x.contiguous() for x in position_embeddings)
+        rot, sc_b, sc_t = cos.shape[-1], cos.stride(0) if cos.shape[0] > 1 else 0, cos.stride(1)
+        if sin.stride() != cos.stride() or rot > d or rot % 2:
+            raise ValueError(f"RoPE tables {tuple(cos.shape)} / {tuple(sin.shape)} do not fit heads of {d}")
+    else:
+        cos = sin = o  # never read
+        rot = sc_b = sc_t = 0
     bm, bn = PARALLEL_BM, PARALLEL_BN
     if bm % bn:
         raise ValueError(f"PARALLEL_BM ({bm}) must be a multiple of PARALLEL_BN ({bn})")
     grid = (triton.cdiv(t, bm), b * h)
     _window_parallel[grid](
-        q, k, v, o, mask, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q, k, v, o, mask, cos, sin, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        mask.stride(0) if key_mask is not None else 0, t, h, h // hk, window, d, float(scale),
-        float(softcap or 1.0), HAS_MASK=key_mask is not None, HAS_SOFTCAP=softcap is not None, F32_DOT=f32_dot,
+        mask.stride(0) if key_mask is not None else 0, sc_b, sc_t, t, h, h // hk, window, d, rot, float(scale),
+        float(softcap or 1.0), HAS_MASK=key_mask is not None, HAS_SOFTCAP=softcap is not None, ROPE=rot > 0,
+        F32_DOT=f32_dot,
         PREC="ieee", BM=bm, BN=bn,
         BD=max(16, triton.next_power_of_2(d)), num_warps=PARALLEL_WARPS,
         **({} if PARALLEL_STAGES is None else dict(num_stages=PARALLEL_STAGES)))
