@@ -1,8 +1,10 @@
 """The window softmax's ring step as one Triton launch (``ops/window/step_triton.py``) on CUDA against the PyTorch
 ring step, at a kept layer's shapes (9 query heads on 3 key heads, head dim 64, a ring of 1,280 slots) and off
 them: token after token, the outputs and the ring's every buffer; and replayed from a CUDA graph around the
-ring. The same for float8 rings (``float8_window_step_ring`` on the kernel reading the codes against its PyTorch
-path on the read-back ring), and the kernel's e4m3 decoding. Skipped without CUDA."""
+ring. The same for float8 rings (``float8_window_step_ring`` on the kernel, which quantises the new token and
+writes its codes, against its PyTorch path on the read-back ring: codes and scales bit for bit), the float8
+kernel rotating q and k itself, and the kernel's e4m3 pieces against torch on CUDA: decoding (integer and the
+GPU's own conversion), encoding, a vector's quantisation. Skipped without CUDA."""
 
 import pytest
 import torch
@@ -13,6 +15,37 @@ from linearize.ops import window as W
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 D = 64
+
+try:  # the test kernels at module level: Triton's JIT resolves a kernel's callees among its module's globals
+    import triton
+    import triton.language as tl
+
+    from linearize.ops.window.step_triton import _e4m3, _e4m3_code, _e4m3_value, _quantize
+
+    @triton.jit
+    def _decode_e4m3(b_ptr, o_ptr, N: tl.constexpr, NATIVE: tl.constexpr):
+        i = tl.arange(0, N)
+        b = tl.load(b_ptr + i)
+        if NATIVE:
+            x = _e4m3_value(b, True)
+        else:
+            x = _e4m3(b)
+        tl.store(o_ptr + i, x)
+
+    @triton.jit
+    def _encode_e4m3(x_ptr, o_ptr, N, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(o_ptr + i, _e4m3_code(tl.load(x_ptr + i, mask=i < N, other=0.0)), mask=i < N)
+
+    @triton.jit
+    def _quantize_rows(x_ptr, c_ptr, s_ptr, D, BD: tl.constexpr):
+        row = tl.program_id(0)
+        d = tl.arange(0, BD)
+        codes, scale = _quantize(tl.load(x_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32), d < D)
+        tl.store(c_ptr + row * D + d, codes.to(tl.uint8), mask=d < D)
+        tl.store(s_ptr + row, scale)
+except ImportError:  # no Triton: the module's tests are skipped anyway (no CUDA)
+    _decode_e4m3 = _encode_e4m3 = _quantize_rows = None
 
 
 def _ring(b, hk, w, dtype, fill, g):
@@ -160,28 +193,73 @@ def test_float8_ring_step_kernel_equals_the_torch_path_on_cuda(shape, q_dtype, s
                 assert torch.equal(a, c), i
 
 
-try:  # the decoding kernel at module level: Triton's JIT resolves a kernel's callees among its module's globals
-    import triton
-    import triton.language as tl
-
-    from linearize.ops.window.step_triton import _e4m3
-
-    @triton.jit
-    def _decode_e4m3(b_ptr, o_ptr, N: tl.constexpr):
-        i = tl.arange(0, N)
-        tl.store(o_ptr + i, _e4m3(tl.load(b_ptr + i)))
-except ImportError:  # no Triton: the module's tests are skipped anyway (no CUDA)
-    _decode_e4m3 = None
-
-
-def test_float8_e4m3_decoding_on_cuda():
-    """The kernel's e4m3 decoding of every byte but the NaNs, as torch reads the codes."""
+@pytest.mark.parametrize("native", [False, True])
+def test_float8_e4m3_decoding_on_cuda(native):
+    """The kernel's e4m3 decoding of every byte but the NaNs, as torch reads the codes: by integer arithmetic
+    (``_e4m3``) and by the GPU's own conversion (``_e4m3_value``, NATIVE: what the kernel uses on sm_89+)."""
+    if native and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 conversions need sm_89")
     codes = torch.arange(256, device="cuda", dtype=torch.int32).to(torch.uint8)
     got = torch.empty(256, device="cuda")
-    _decode_e4m3[(1,)](codes, got, N=256)
+    _decode_e4m3[(1,)](codes, got, N=256, NATIVE=native)
     want = codes.view(torch.float8_e4m3fn).float()
     real = (codes & 0x7F) != 0x7F
     assert torch.equal(got[real], want[real]) and torch.equal(got[real].signbit(), want[real].signbit())
+
+
+def _encoder_inputs(g):
+    """fp32 numbers up to 464 in size, both signs: every finite e4m3 value, the midpoints between neighbours (ties)
+    and the fp32 numbers either side, the subnormal range down to fp32's subnormals, random bit patterns and
+    log-uniform magnitudes."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    pos = every[every > 0].unique()
+    mids = ((pos[:-1].double() + pos[1:].double()) / 2).float()
+    inf = torch.tensor(float("inf"))
+    small = torch.tensor([2.0 ** -10, 2.0 ** -11, 3 * 2.0 ** -11, 2.0 ** -6, 2.0 ** -7, 1e-20, 1e-38, 1e-40, 1e-45])
+    bits = torch.randint(0, 2 ** 31 - 1, (200000,), generator=g, dtype=torch.int32).view(torch.float32)
+    logs = torch.exp2(torch.rand(200000, generator=g) * 40 - 31)
+    x = torch.cat([every[~every.isnan()], mids, mids.nextafter(inf), mids.nextafter(-inf), small,
+                   small.nextafter(inf), small.nextafter(-inf), torch.tensor([448.0, 456.0, 464.0]), bits, logs])
+    x = x[x.abs() <= 464]
+    return torch.cat([x, -x]).cuda()
+
+
+def test_float8_e4m3_encoding_on_cuda():
+    """The kernel's e4m3 encoding (``_e4m3_code``) bit for bit as torch converts fp32 on CUDA (and on the CPU):
+    ties to even, subnormals, signed zeros."""
+    x = _encoder_inputs(torch.Generator().manual_seed(6))
+    got = torch.empty(x.shape, device="cuda", dtype=torch.int32)
+    _encode_e4m3[(triton.cdiv(x.numel(), 1024),)](x, got, x.numel(), BLOCK=1024)
+    want = x.to(torch.float8_e4m3fn).view(torch.uint8).int()
+    bad = got != want
+    assert not bad.any(), (x[bad][:8], got[bad][:8], want[bad][:8])
+    assert torch.equal(want.cpu(), x.cpu().to(torch.float8_e4m3fn).view(torch.uint8).int())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", ["random", "tiny"])
+def test_float8_quantize_on_cuda(dtype, rows):
+    """The kernel's quantisation of a vector (``_quantize``: ``div_rn`` divisions, ``_e4m3_code``) bit for bit
+    as ``float8.quantize`` on CUDA: random vectors of every size, zeros of both signs, ties; ``tiny``: vectors
+    whose scale is clamped to float32's tiny, fp32 subnormals among them (a flush to zero would show here)."""
+    from linearize.ops.window.float8 import quantize
+
+    g = torch.Generator().manual_seed(7)
+    if rows == "random":
+        x = torch.randn(4096, 12, generator=g) * torch.exp2(torch.randint(-40, 40, (4096, 1), generator=g).float())
+        ties = torch.tensor([448.0, 5.5 * 2 ** -9, 0.5 * 2 ** -9, 1.0625, -1.1875, 2 ** -6 + 2 ** -10, 13.0, 104.0,
+                             -0.0, 3.0, 2 ** -10, -(2 ** -10)])[None]
+        x = torch.cat([x, torch.zeros(1, 12), torch.full((1, 12), -0.0), ties])
+    else:
+        x = torch.randn(64, 12, generator=g) * torch.tensor([1e-36, 1e-38, 1e-40, 1e-43]).repeat(16)[:, None]
+    x = x.to(dtype).cuda()
+    codes = torch.empty(x.shape, device="cuda", dtype=torch.uint8)
+    scales = torch.empty(x.shape[0], device="cuda")
+    _quantize_rows[(x.shape[0],)](x, codes, scales, x.shape[1], BD=16)
+    want, want_scale = quantize(x)
+    assert torch.equal(scales, want_scale[:, 0])
+    bad = codes != want.view(torch.uint8)
+    assert not bad.any(), (x[bad][:8], codes[bad][:8], want.view(torch.uint8)[bad][:8])
 
 
 @pytest.mark.parametrize("programs", [None, 1])
@@ -232,3 +310,44 @@ def test_window_step_kernel_rotates_q_and_k_itself_on_cuda(rot):
         torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
         assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid)
         torch.testing.assert_close(ring.keys.float(), twin.keys.float(), atol=2e-2, rtol=2e-2)
+
+
+def _adjacent(a, b):
+    """Whether float8 codes ``a`` and ``b`` are the same or neighbours (their magnitudes one step apart, or both
+    within one step of zero)."""
+    a, b = a.view(torch.uint8).int(), b.view(torch.uint8).int()
+    ma, mb = a & 0x7F, b & 0x7F
+    same_sign = (a ^ b) < 0x80
+    return bool((((ma - mb).abs() <= 1) & (same_sign | ((ma <= 1) & (mb <= 1)))).all())
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot,programs", [(D, None), (D // 2, None), (D, 1)])
+def test_float8_ring_step_kernel_rotates_q_and_k_itself_on_cuda(q_dtype, rot, programs, monkeypatch):
+    """``position_embeddings`` given: the float8 kernel's RoPE (fp32, by rotating halves over ``rot`` dims; on
+    CUDA the compiler may fuse its products and sums) then its quantisation, against the families' RoPE in
+    PyTorch then the PyTorch path, at a kept layer's shapes, the ring in parts and in one: the outputs, the
+    scales (to rounding), the codes (the same or neighbours), valid slots and counter."""
+    from linearize.models.base import rope_rotate_half
+    from linearize.ops.window import step_triton
+
+    monkeypatch.setattr(step_triton, "STEP_PROGRAMS", programs)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    ring = _float8_ring(4, 3, 1280, 0.7, g)
+    twin = ring.map(torch.clone)
+    tol, scale_tol = (1e-3, 1e-6) if q_dtype == torch.float32 else (3e-2, 1e-2)
+    for t in range(8):
+        q, k, v = _qkv(4, 9, 3, q_dtype, g)
+        angles = torch.randn(4, 1, rot // 2, device="cuda", generator=g) * 3 + t
+        cos, sin = (f(torch.cat([angles, angles], -1)).to(q_dtype) for f in (torch.cos, torch.sin))
+        with torch.no_grad():
+            got, ring = step_triton.window_step_ring_float8_triton(q, k, v, ring, scale=0.125,
+                                                                   position_embeddings=(cos, sin))
+            want, twin = _float8_step(rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin), v, twin, False,
+                                      scale=0.125)
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+        assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid)
+        assert torch.equal(ring.values.view(torch.uint8), twin.values.view(torch.uint8))
+        assert torch.equal(ring.value_scale, twin.value_scale)
+        torch.testing.assert_close(ring.key_scale, twin.key_scale, atol=0, rtol=scale_tol)
+        assert _adjacent(ring.keys, twin.keys), t

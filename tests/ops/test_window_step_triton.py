@@ -26,11 +26,21 @@ def test_window_step_kernel_in_half_precision_parts_strides_and_the_decoder_thro
 
 
 def test_float8_ring_step_kernel_equals_the_torch_path_through_the_interpreter():
-    """``float8_window_step_ring`` on the kernel reading the float8 codes against its PyTorch path on the
-    read-back ring, token after token from a partly empty ring and a full one that wraps around: the outputs
-    (fp32 and bf16 queries, soft-capping on and off, GQA and as many query as key heads), the ring's codes,
-    scales, valid slots and slot counter; the kernel's e4m3 decoding of every byte but the NaNs."""
+    """``float8_window_step_ring`` on the kernel (which quantises the new token and writes its codes) against
+    its PyTorch path on the read-back ring, token after token from a partly empty ring and a full one that
+    wraps around: the outputs (fp32 and bf16 queries, soft-capping on and off, GQA and as many query as key
+    heads), the ring's codes, scales, valid slots and slot counter bit for bit; the kernel's e4m3 decoding of
+    every byte but the NaNs."""
     run_triton_interpreter_script("triton_interpret_window_step.py", "float8", "float8_softcap", "float8_decode")
+
+
+def test_float8_ring_step_kernel_rotates_quantises_and_encodes_as_torch_through_the_interpreter():
+    """The float8 kernel rotating q and k itself (full and partial rotary, the ring whole and in parts) against
+    RoPE in PyTorch then the PyTorch path, every ring buffer bit for bit; its quantisation of a vector against
+    ``float8.quantize``; its e4m3 encoding against ``Tensor.to(float8_e4m3fn)`` on every e4m3 value, the ties
+    between neighbours, subnormals, zeros of both signs and random numbers."""
+    run_triton_interpreter_script("triton_interpret_window_step.py", "float8_rope", "float8_quantize",
+                                  "float8_encode")
 
 
 def test_float8_ring_step_kernel_in_parts_and_the_decoder_through_the_interpreter():

@@ -18,10 +18,16 @@ students with kept window layers, the kernel (rotating q and k) against the PyTo
 
 Float8 rings (``ops/window/float8.py``), ``float8_window_step_ring`` with the kernel (``FLOAT8_STEP_KERNEL``,
 the dispatch told it runs on CUDA) against its PyTorch path on the read-back ring, from the same two rings:
+The kernel quantises the new token itself, so every float8 case compares the ring's codes and scales bit for
+bit, the new keys and values holding -0s, zero vectors and entries with subnormal codes (``_special``).
 ``float8``: fp32 queries (6 on 2 key heads), then bf16 ones; ``float8_softcap``: soft-capped, and as many
-query as key heads; ``float8_parts``: the ring in 2 and 3 parts; ``float8_decode``: the kernel's e4m3 decoding
-of every byte but the NaNs against torch's; ``float8_decoder``: the fast decoder of tiny students with float8
-window layers."""
+query as key heads; ``float8_parts``: the ring in 2 and 3 parts; ``float8_rope``: the kernel rotating q and k
+(full and partial rotary, whole ring and in parts) against RoPE in PyTorch then the PyTorch path;
+``float8_encode``: the kernel's e4m3 encoding against ``Tensor.to(float8_e4m3fn)`` (every value, the ties
+between neighbours, subnormals, signed zeros, random numbers, out of range); ``float8_quantize``: its
+quantisation of a vector against ``float8.quantize``; ``float8_decode``: the kernel's e4m3 decoding of every
+byte but the NaNs against torch's; ``float8_decoder``: the fast decoder of tiny students with float8 window
+layers (the kernel rotating q and k)."""
 
 import functools
 import os
@@ -236,6 +242,22 @@ def _float8_starts(hk, gen, exact=False):
     return (("partly", partly), ("full", full))
 
 
+def _special(x, i):
+    """``x`` ``[B, Hk, 1, D]`` with entries whose codes the kernel must round as torch does: -0 (its sign kept),
+    one far below the vector's largest (a subnormal e4m3 code) and one that rounds to -0; at step 3 a vector
+    of -0s, at step 5 one of zeros (scale float32's tiny, codes 0x80 and 0). Numbers that bf16 holds where
+    ``x`` is ``_exact``'s."""
+    x = x.clone()
+    top = x.abs().amax(-1)
+    x[..., 1], x[..., -1] = 0.0, -0.0
+    x[..., 2], x[..., -2] = top * 1.5 * 2 ** -16, -top * 2 ** -21
+    if i == 3:
+        x[0, 0] = -0.0
+    if i == 5:
+        x[-1, -1] = 0.0
+    return x
+
+
 def _float8_step(q, k, v, ring, kernel, parts=None, **kw):
     """``float8_window_step_ring`` on the kernel (the dispatch told it runs on CUDA; ``parts`` parts of the ring)
     or, ``FLOAT8_STEP_KERNEL`` off, its PyTorch path."""
@@ -260,7 +282,7 @@ def _float8_steps(h, hk, q_dtype, softcap, *, parts=None, steps=46, seed=0):
         for i in range(steps):
             q = (torch.randn(B, h, 1, D, generator=gen) * 2).to(q_dtype)
             k, v = (torch.randn(B, hk, 1, D, generator=gen) for _ in range(2))
-            k, v = ((_exact(x) if exact else x).to(q_dtype) for x in (k, v))
+            k, v = (_special(_exact(x) if exact else x, i).to(q_dtype) for x in (k, v))
             want, twin = _float8_step(q, k, v, twin, False, **kw)
             got, ring = _float8_step(q, k, v, ring, True, parts=parts, **kw)
             where = (name, i, h, hk, str(q_dtype), softcap, parts)
@@ -290,6 +312,118 @@ def check_float8_parts():
     _float8_steps(6, 2, torch.bfloat16, None, parts=2, steps=10, seed=16)
 
 
+def check_float8_rope():
+    """The float8 kernel rotating q and k itself (``position_embeddings``), then quantising k, against RoPE by
+    rotating halves in PyTorch then the PyTorch path: full and partial rotary dims, the ring whole and in 3
+    parts, fp32 queries: the outputs, and every buffer of the ring bit for bit."""
+    from linearize.models.base import rope_rotate_half
+
+    gen = torch.Generator().manual_seed(17)
+    kw = dict(scale=D ** -0.5, softcap=None)
+    for rot, parts, steps in ((D, None, 46), (D // 2, 3, 12), (D // 2, None, 12), (D, 2, 9)):
+        for name, start in _float8_starts(2, gen):
+            ring, twin = start, start.map(torch.clone)
+            for t in range(steps):
+                q = torch.randn(B, 6, 1, D, generator=gen) * 2
+                k, v = (_special(torch.randn(B, 2, 1, D, generator=gen), t) for _ in range(2))
+                angles = torch.randn(B, 1, rot // 2, generator=gen) * 3 + t
+                cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+                got, ring = step_triton.window_step_ring_float8_triton(q, k, v, ring, **kw, parts=parts,
+                                                                       position_embeddings=(cos, sin))
+                rq, rk = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
+                want, twin = _float8_step(rq, rk, v, twin, False, **kw)
+                where = ("float8_rope", name, rot, parts, t)
+                _close(got, want.double(), where, tol=2e-5)
+                for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
+                    assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), where
+                for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale),
+                             (ring.valid, twin.valid), (ring.slot, twin.slot)):
+                    assert torch.equal(a, c), where
+            if steps >= W:
+                assert bool(ring.valid.all()), name
+
+
+def encoder_inputs(gen, beyond=False):
+    """fp32 numbers for the e4m3 encoder, both signs: every finite e4m3 value (zeros of both signs), the
+    midpoints between neighbours (ties, to even) and the fp32 numbers either side of them, the subnormal range
+    below 2^-6 down to fp32's subnormals, 448 to 464 (which round to 448), and random bit patterns and
+    log-uniform magnitudes up to 464. ``beyond``: also past 464, inf and NaN (saturated by torch 2.13)."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(f8.FLOAT8).float()
+    every = every[~every.isnan()]
+    pos = every[every > 0].unique()  # sorted
+    mids = ((pos[:-1].double() + pos[1:].double()) / 2).float()
+    assert torch.equal(mids.double(), (pos[:-1].double() + pos[1:].double()) / 2)  # fp32 holds them
+    inf = torch.tensor(float("inf"))
+    near = torch.cat([mids, mids.nextafter(inf), mids.nextafter(-inf)])
+    small = torch.tensor([2.0 ** -10, 2.0 ** -11, 3 * 2.0 ** -11, 2.0 ** -6, 2.0 ** -7, 1e-20, 1e-38, 1e-40, 1e-45])
+    small = torch.cat([small, small.nextafter(inf), small.nextafter(-inf)])
+    top = torch.tensor([448.0, 450.0, 456.0, 460.0, 464.0, 463.99])
+    bits = torch.randint(0, 2 ** 31 - 1, (20000,), generator=gen, dtype=torch.int32).view(torch.float32)
+    bits = bits[bits.abs() <= 464]
+    logs = torch.exp2(torch.rand(20000, generator=gen) * 40 - 31).clamp(max=464)
+    x = torch.cat([every, near, small, top, bits, logs])
+    if beyond:
+        past = torch.tensor([470.0, 479.99, 480.0, 1e6, 3e38, float("inf"), float("nan")])
+        x = torch.cat([x, torch.tensor([464.0]).nextafter(inf), past])
+    return torch.cat([x, -x]).contiguous()
+
+
+@triton.jit
+def _encode(x_ptr, o_ptr, N, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(o_ptr + i, step_triton._e4m3_code(tl.load(x_ptr + i, mask=i < N, other=0.0)), mask=i < N)
+
+
+def check_float8_encode():
+    """The kernel's e4m3 encoding (``_e4m3_code``) against ``Tensor.to(float8_e4m3fn)`` bit for bit: ties to
+    even, subnormals, signed zeros, and out of range as torch."""
+    x = encoder_inputs(torch.Generator().manual_seed(18), beyond=True)
+    got = torch.empty(x.shape, dtype=torch.int32)
+    _encode[(triton.cdiv(x.numel(), 4096),)](x, got, x.numel(), BLOCK=4096)
+    want = x.to(f8.FLOAT8).view(torch.uint8).to(torch.int32)
+    bad = got != want
+    assert not bad.any(), (x[bad][:8], got[bad][:8], want[bad][:8])
+
+
+@triton.jit
+def _quantize_rows(x_ptr, c_ptr, s_ptr, D, BD: tl.constexpr):
+    row = tl.program_id(0)
+    d = tl.arange(0, BD)
+    codes, scale = step_triton._quantize(tl.load(x_ptr + row * D + d, mask=d < D, other=0.0).to(tl.float32), d < D)
+    tl.store(c_ptr + row * D + d, codes.to(tl.uint8), mask=d < D)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows(gen):
+    """Rows for the kernel's quantisation (12 wide: a padded tile): random ones of every size, zeros of both
+    signs, largest entries at 448 times powers of 2, rows so small that the scale is clamped to float32's
+    tiny (fp32 subnormals among them), and rows holding e4m3's ties."""
+    r = torch.randn(64, 12, generator=gen) * torch.exp2(torch.randint(-40, 40, (64, 1), generator=gen).float())
+    zeros = torch.zeros(2, 12)
+    zeros[1] = -0.0
+    powers = torch.randn(4, 12, generator=gen)
+    powers[:, 0] = 448.0 * torch.tensor([1.0, 2.0 ** -20, 2.0 ** 10, 0.5])
+    tiny = torch.randn(3, 12, generator=gen) * torch.tensor([[1e-36], [1e-38], [1e-41]])
+    ties = torch.tensor([448.0, 5.5 * 2 ** -9, 0.5 * 2 ** -9, 1.0625, -1.1875, 2 ** -6 + 2 ** -10, 13.0, 104.0,
+                         -0.0, 3.0, 2 ** -10, -(2 ** -10)])[None]
+    return torch.cat([r, zeros, powers, tiny, ties])
+
+
+def check_float8_quantize():
+    """The kernel's quantisation of one vector (``_quantize``) against ``float8.quantize``, codes and scales bit
+    for bit, from fp32 and from bf16 (bf16's subnormals left out: the interpreter reads them wrong)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x = quantize_rows(torch.Generator().manual_seed(19)).to(dtype)
+        if dtype == torch.bfloat16:
+            x = x[~((x != 0) & (x.float().abs() < torch.finfo(torch.float32).tiny)).any(1)]
+        codes = torch.empty(x.shape, dtype=torch.uint8)
+        scales = torch.empty(x.shape[0])
+        _quantize_rows[(x.shape[0],)](x, codes, scales, x.shape[1], BD=16)
+        want, want_scale = f8.quantize(x)
+        assert torch.equal(scales, want_scale[:, 0]), (dtype, scales, want_scale[:, 0])
+        assert torch.equal(codes, want.view(torch.uint8)), dtype
+
+
 @triton.jit
 def _decode(b_ptr, o_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
@@ -312,6 +446,7 @@ def check_float8_decoder():
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "rope", "fma", "decoder",
-                                 "float8", "float8_softcap", "float8_parts", "float8_decode", "float8_decoder"]:
+                                 "float8", "float8_softcap", "float8_parts", "float8_rope", "float8_encode",
+                                 "float8_quantize", "float8_decode", "float8_decoder"]:
         globals()[f"check_{name}"]()
     print("ok")

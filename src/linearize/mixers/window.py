@@ -75,11 +75,13 @@ class WindowSoftmax(Mixer):
         return window_softmax_step(q, k, v, state, window=self.window, **self._kw(), key_mask=key_mask)
 
     def step(self, q, k, v, position_embeddings, state):
-        if type(state) is ops.RingHybridState and self._fused_rope(q, state):  # RoPE, ring and softmax: one launch
-            from ..ops.window.step_triton import window_step_ring_triton
+        if type(state) in (ops.RingHybridState, Float8RingState) and self._fused_rope(q, state):
+            from ..ops.window import step_triton  # RoPE, ring (a float8 one's quantising too) and softmax: one launch
 
             rope = position_embeddings if self.geometry.rotary is not None else None
-            return window_step_ring_triton(q, k, v, state, **self._kw(), position_embeddings=rope)
+            launch = (step_triton.window_step_ring_float8_triton if isinstance(state, Float8RingState)
+                      else step_triton.window_step_ring_triton)
+            return launch(q, k, v, state, **self._kw(), position_embeddings=rope)
         q, k = self.adapter.rope(self, q, k, position_embeddings)
         if isinstance(state, Float8RingState):
             return float8_window_step_ring(q, k, v, state, window_softmax_step_ring, **self._kw())
@@ -88,11 +90,15 @@ class WindowSoftmax(Mixer):
         return self._step(q, k, v, state, self.key_mask)
 
     def _fused_rope(self, q, state) -> bool:
-        """Whether the ring step's Triton kernel runs (``ops.window``'s rule) and can rotate q and k itself
-        (RoPE by rotating halves, or none; asked of the family's RoPE once)."""
+        """Whether the ring step's Triton kernel runs (``ops.window``'s rule, a float8 ring's
+        ``_use_float8_step_kernel``) and can rotate q and k itself (RoPE by rotating halves, or none; asked of
+        the family's RoPE once)."""
         from ..ops import window as window_ops
+        from ..ops.window import float8 as float8_ops
 
-        if not (WINDOW_STEP_ROPE and window_ops._use_window_step_kernel(q, state)):
+        rule = (float8_ops._use_float8_step_kernel if isinstance(state, Float8RingState)
+                else window_ops._use_window_step_kernel)
+        if not (WINDOW_STEP_ROPE and rule(q, state)):
             return False
         if self._rotates_half is None:
             self._rotates_half = rotates_half(self.geometry.rotary, self.geometry.head_dim)

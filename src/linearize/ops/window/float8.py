@@ -12,10 +12,12 @@ with ``fake_quantize(k)``, ``fake_quantize(v)``.
   (the fast decoder's ring of ``window`` slots, ``Float8RingState.from_state``): the hybrid's states with codes
   in ``keys`` / ``values`` and the scales beside them, so the cache and the fast decoder carry them as any other;
 * ``float8_window_step``: one token from a ``Float8WindowState``, through the exact step on the read-back window;
-* ``float8_window_step_ring``: one token on the ring, in place: the new token's codes and scales into its slot,
-  then on CUDA one Triton launch that reads the codes as bytes and decodes them
-  (``step_triton.window_step_ring_float8_triton``, ``FLOAT8_STEP_KERNEL``): about half the bytes a bf16
-  ring's step reads. Elsewhere, and the reference, the exact ring step on the whole ring read back.
+* ``float8_window_step_ring``: one token on the ring, in place: the new token's codes and scales into its slot
+  and the softmax over the ring read back. On CUDA one Triton launch (``step_triton.window_step_ring_float8_triton``,
+  ``FLOAT8_STEP_KERNEL``) that quantises the new token itself (bit for bit as ``quantize``), writes its codes
+  and scales and reads the ring's codes as bytes: about half the bytes a bf16 ring's step reads. The window
+  mixer's fast path also has it rotate q and k (``position_embeddings``). Elsewhere, and the reference,
+  ``quantize``, the copies into the slot and the exact ring step on the whole ring read back.
 """
 
 from __future__ import annotations
@@ -37,9 +39,14 @@ FLOAT8_STEP_KERNEL: bool = True
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x`` ``[..., D]`` as float8 codes and one float32 scale per vector ``[..., 1]`` (a zero vector: codes 0)."""
+    """``x`` ``[..., D]`` as float8 codes and one float32 scale per vector ``[..., 1]`` (a zero vector: codes 0).
+
+    Both divisions are rounded as IEEE on every device: 448 is divided by as a tensor on ``x``'s device, since
+    PyTorch's CUDA division by a Python number multiplies by its reciprocal (a bit off at times), and the
+    float8 step's kernel (``step_triton._quantize``) divides exactly."""
     wide = x if x.dtype == torch.float64 else x.float()
-    scale = (wide.abs().amax(dim=-1, keepdim=True) / FLOAT8_MAX).float().clamp_min(torch.finfo(torch.float32).tiny)
+    amax = wide.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / torch.full_like(amax, FLOAT8_MAX)).float().clamp_min(torch.finfo(torch.float32).tiny)
     return (wide / scale).to(FLOAT8), scale
 
 
@@ -159,9 +166,15 @@ def _use_float8_step_kernel(q, state: "Float8RingState") -> bool:
 def float8_window_step_ring(q, k, v, state: Float8RingState, ring_step, **kw) -> tuple[torch.Tensor, Float8RingState]:
     """One token on the ring, in place: the new token's codes and scales into slot ``state.slot``, then the
     softmax over the ring read back in q's dtype, the new token's read-back key and value included, which
-    marks the slot valid and advances the slot counter. On CUDA one Triton launch decoding the codes
-    (``FLOAT8_STEP_KERNEL``); else ``ring_step`` (the exact ``window_softmax_step_ring``) on the read-back ring.
-    ``kw``: ``scale`` and ``softcap``."""
+    marks the slot valid and advances the slot counter. On CUDA one Triton launch that quantises the new token,
+    writes its codes and decodes the ring's (``FLOAT8_STEP_KERNEL``); else, and the reference, ``quantize``,
+    the codes copied into the slot and ``ring_step`` (the exact ``window_softmax_step_ring``) on the read-back
+    ring. ``kw``: ``scale`` and ``softcap``."""
+    if _use_float8_step_kernel(q, state):
+        from .step_triton import window_step_ring_float8_triton
+
+        o, _ = window_step_ring_float8_triton(q, k, v, state, **kw)
+        return o, state
     k8, ks = quantize(k)
     v8, vs = quantize(v)
     idx = state.slot.view(1)
@@ -171,11 +184,6 @@ def float8_window_step_ring(q, k, v, state: Float8RingState, ring_step, **kw) ->
     state.value_scale.index_copy_(2, idx, vs)
     dtype = q.dtype
     k, v = dequantize(k8, ks, dtype), dequantize(v8, vs, dtype)
-    if _use_float8_step_kernel(q, state):
-        from .step_triton import window_step_ring_float8_triton
-
-        o, _ = window_step_ring_float8_triton(q, k, v, state, **kw)
-        return o, state
     read = RingHybridState(dequantize(state.keys, state.key_scale, dtype), state.key_features,
                            dequantize(state.values, state.value_scale, dtype), state.linear, state.valid,
                            slot=state.slot)

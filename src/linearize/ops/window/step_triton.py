@@ -6,8 +6,8 @@ stays the reference and the CPU path. One program per (sequence, key head, part 
 
 0. with ``position_embeddings`` (the window mixer's fast path) q and k are rotated here, RoPE by rotating
    halves in fp32, so the layer's RoPE costs no launches of its own;
-1. the new key and value, cast to the ring's dtype, take slot ``s = state.slot`` (written, with
-   ``valid[b, s]``, by the program whose part holds the slot);
+1. the new key and value, cast to the ring's dtype (on a float8 ring quantised), take slot ``s = state.slot``
+   (written, with ``valid[b, s]``, by the program whose part holds the slot);
 2. the ``G`` query heads of the key head, one ``[BG, D]`` tile, start an online softmax (fp32 scores and
    sums) from the new token, held in registers, then take the part's other valid slots in blocks of ``BW``.
    No program reads slot ``s`` from memory, so none races with its write;
@@ -23,12 +23,15 @@ rounds them) with fp32 accumulation; for an fp32 ring full fp32 products. Triton
 multiply bf16 tiles: there the same rounded inputs are multiplied in fp32. ``STEP_MMA = False`` computes
 both products as broadcast sums on the CUDA cores instead (fp32 throughout), for comparison.
 
-``window_step_ring_float8_triton`` is the same kernel on a float8 ring (``float8.py``, ``FP8``): the keys and
-values as e4m3 codes, read as bytes (a byte per element and a float32 scale per slot: about half the bytes of
-a bf16 ring) and decoded by integer arithmetic (``_e4m3``; the interpreter's NumPy has no float8), times their
-slot's scale in fp32, then rounded to q's dtype as the reference reads the ring back. The caller has written
-the new token's codes and scales into slot ``s``; the kernel writes no codes (only ``valid[b, s]``) and takes
-the new token from ``k``/``v``, its read-back key and value, in registers as above.
+``window_step_ring_float8_triton`` is the same kernel on a float8 ring (``float8.py``, ``FP8``), RoPE included.
+The new token comes as the layer computed it: each program quantises its key head's key and value as
+``float8.quantize`` does (scale ``max|x| / 448`` in fp32, ``div_rn`` divisions, e4m3 codes rounded to nearest
+even by ``_e4m3_code``, bit for bit as torch's conversion), the program holding slot ``s`` writes the codes (as
+bytes) and the scales there, and all take the read-back values (code times scale, rounded to q's dtype as
+``dequantize`` rounds them) from registers. The ring's codes are read as bytes (a byte per element and a
+float32 scale per slot: about half the bytes of a bf16 ring) and decoded (``_e4m3_value``: the GPU's own
+conversion on sm_89 and later, integer arithmetic, ``_e4m3``, under the interpreter, whose NumPy has no
+float8), times their slot's scale in fp32, then rounded to q's dtype as the reference reads the ring back.
 """
 
 from __future__ import annotations
@@ -65,11 +68,50 @@ def _e4m3(b):
 
 
 @triton.jit
+def _e4m3_value(b, NATIVE: tl.constexpr):
+    """float8 e4m3fn codes (uint8) as fp32: the GPU's own conversion (NATIVE: a bitcast to ``tl.float8e4nv``,
+    sm_89 and later) or ``_e4m3`` (the interpreter, older GPUs). Both exact."""
+    if NATIVE:
+        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        x = _e4m3(b)
+    return x
+
+
+@triton.jit
+def _e4m3_code(x):
+    """fp32 ``x`` as its float8 e4m3fn code (int32, 0..255) bit for bit as ``torch.Tensor.to(float8_e4m3fn)``
+    (c10's ``fp8e4m3fn_from_fp32_value``): to nearest, ties to even, signed zeros kept. Normals (|x| >= 2^-6):
+    the fp32 bit pattern rounded to 3 mantissa bits by adding ``0x7FFFF`` plus the lowest kept bit, the
+    exponent rebased; below 2^-6 the fp32 addition of 2^14 (whose ulp, 2^-9, is e4m3's subnormal step)
+    rounds, and the low bits are the code. Beyond 448 (and inf) saturated to 448 as torch 2.13 does (its
+    older releases gave NaN past 464), NaN as NaN (0x7F, with the sign); the kernel's codes never get there."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 128
+    mag = bits & 0x7FFFFFFF
+    small = (mag.to(tl.float32, bitcast=True) + 16384.0).to(tl.int32, bitcast=True) - (141 << 23)
+    normal = tl.minimum((mag - (120 << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20, 126)
+    code = tl.where(mag < (121 << 23), small, normal)
+    code = tl.where(mag > 0x7F800000, 127, tl.where(mag >= (1087 << 20), 126, code))
+    return code | sign
+
+
+@triton.jit
+def _quantize(x, mask):
+    """One vector ``x`` ``[BD]`` (fp32, ``mask`` its real entries) as ``float8.quantize`` keeps it: the scale
+    ``max|x| / 448`` (at least float32's tiny) and the e4m3 codes (int32) of ``x / scale``, both divisions
+    rounded as IEEE (``div_rn``: Triton's ``/`` on fp32 is approximate on CUDA)."""
+    amax = tl.max(tl.where(mask, tl.abs(x), 0.0), axis=0)
+    scale = tl.maximum(tl.math.div_rn(amax, tl.full([], 448.0, tl.float32)), 1.1754943508222875e-38)
+    return _e4m3_code(tl.math.div_rn(x, scale)), scale
+
+
+@triton.jit
 def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr,
                       l_ptr, acc_ptr, cos_ptr, sin_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b,
                       sc_d, scale, softcap, HK, G, W, D, L, R, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
-                      FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
-                      ROPE: tl.constexpr, BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
+                      FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr,
+                      PREC: tl.constexpr, ROPE: tl.constexpr, BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
     part = tl.program_id(2)
@@ -83,9 +125,9 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
     hi = tl.minimum(lo + L, W)
     mine = (s >= lo) & (s < hi)  # this part holds slot s
 
-    if FP8:  # the codes read back in the dtype of the new token's read-back key and value (q's)
-        k_ty = k_ptr.dtype.element_ty
-        v_ty = v_ptr.dtype.element_ty
+    if FP8:  # the codes read back in q's dtype, as the reference reads the ring back
+        k_ty = q_ptr.dtype.element_ty
+        v_ty = q_ptr.dtype.element_ty
     else:
         k_ty = keys_ptr.dtype.element_ty
         v_ty = values_ptr.dtype.element_ty
@@ -99,21 +141,39 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
         cos = tl.load(cos_ptr + bi * sc_b + d * sc_d, mask=rot, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + bi * sc_b + d * sc_d, mask=rot, other=0.0).to(tl.float32) * sign
 
-    # 1. the new token, rounded as the ring stores it, takes slot s (a float8 ring's codes are in place)
-    if ROPE:  # the LoLCATs fused step's RoPE of one head
-        k_new = _rope(k_ptr + bi * sk_b + hk * sk_h, sk_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d, D,
-                      R).to(k_ty)
-    else:
-        k_new = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0).to(k_ty)
-    v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + d * sv_d, mask=dm, other=0.0).to(v_ty)
+    # 1. the new token, rounded as the ring stores it, takes slot s; every program of the (sequence, key head)
+    #    computes it alike in registers, the one whose part holds slot s writes it
     keys_ptr += head * W * D  # this head's ring [W, D]
     values_ptr += head * W * D
-    if FP8:
+    write = tl.where(mine, dm, False)
+    if FP8:  # quantised here as float8.quantize (k rotated first, in fp32, and rounded to k's dtype)
+        k_in = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0)
+        if ROPE:  # dims past R kept as they are (a rotation would turn -0 into +0)
+            k_in = tl.where(d < R, _rope(k_ptr + bi * sk_b + hk * sk_h, sk_d, cos_ptr + bi * sc_b,
+                                         sin_ptr + bi * sc_b, sc_d, d, D, R), k_in.to(tl.float32)).to(k_in.dtype)
+        v_in = tl.load(v_ptr + bi * sv_b + hk * sv_h + d * sv_d, mask=dm, other=0.0)
+        k_code, k_scale = _quantize(k_in.to(tl.float32), dm)
+        v_code, v_scale = _quantize(v_in.to(tl.float32), dm)
+        k_code = k_code.to(tl.uint8)
+        v_code = v_code.to(tl.uint8)
         ks_ptr += head * W  # this head's scales [W]
         vs_ptr += head * W
+        tl.store(keys_ptr + s * D + d, k_code, mask=write)
+        tl.store(values_ptr + s * D + d, v_code, mask=write)
+        tl.store(ks_ptr + s, k_scale, mask=mine)
+        tl.store(vs_ptr + s, v_scale, mask=mine)
+        # the new token's key and value as the ring gives them back (dequantize: code * scale in fp32)
+        k_new = (_e4m3_value(k_code, NATIVE_FP8) * k_scale).to(k_ty)
+        v_new = (_e4m3_value(v_code, NATIVE_FP8) * v_scale).to(v_ty)
     else:
-        tl.store(keys_ptr + s * D + d, k_new, mask=tl.where(mine, dm, False))
-        tl.store(values_ptr + s * D + d, v_new, mask=tl.where(mine, dm, False))
+        if ROPE:  # the LoLCATs fused step's RoPE of one head
+            k_new = _rope(k_ptr + bi * sk_b + hk * sk_h, sk_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d,
+                          D, R).to(k_ty)
+        else:
+            k_new = tl.load(k_ptr + bi * sk_b + hk * sk_h + d * sk_d, mask=dm, other=0.0).to(k_ty)
+        v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + d * sv_d, mask=dm, other=0.0).to(v_ty)
+        tl.store(keys_ptr + s * D + d, k_new, mask=write)
+        tl.store(values_ptr + s * D + d, v_new, mask=write)
     tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=mine)
 
     # 2. the group's query heads [BG, BD] in the ring's (read-back) dtype, as the reference's SDPA call reads them
@@ -141,9 +201,9 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
         live = tl.load(valid_ptr + bi * W + w, mask=old, other=0).to(tl.int1)
         tile = w[:, None] * D + d[None, :]
         if FP8:  # codes times the slot's scale in fp32, then rounded as ``dequantize`` rounds them
-            keys = _e4m3(tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0))
+            keys = _e4m3_value(tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0), NATIVE_FP8)
             keys = (keys * tl.load(ks_ptr + w, mask=old, other=0.0)[:, None]).to(k_ty)
-            values = _e4m3(tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0))
+            values = _e4m3_value(tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0), NATIVE_FP8)
             values = (values * tl.load(vs_ptr + w, mask=old, other=0.0)[:, None]).to(v_ty)
         else:
             keys = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
@@ -243,21 +303,39 @@ def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts
                  position_embeddings=position_embeddings)
 
 
-def window_step_ring_float8_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None):
-    """The decode step on a float8 ring (``float8.Float8RingState``) whose slot ``state.slot`` already holds
-    the new token's codes and scales (``float8_window_step_ring`` writes them): as the reference, which
-    attends over the whole ring read back in q's dtype, with ``k``/``v`` the new token's read-back key and
-    value (in q's dtype). The codes are read as bytes and decoded in the kernel, times their slot's scale;
-    the ring's codes and scales are not written, ``valid`` at the slot is set and the counter advanced.
-    Shapes and the rest as ``window_step_ring_triton``; ``state.key_scale``/``value_scale`` ``[B, Hk, W, 1]``
-    contiguous."""
+def window_step_ring_float8_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None,
+                                   position_embeddings=None):
+    """The decode step on a float8 ring (``float8.Float8RingState``), in place, as ``float8_window_step_ring``'s
+    PyTorch path (the reference): ``k``/``v`` are the new token's key and value as the layer computed them
+    (unrotated with ``position_embeddings``, which rotate q and k here as ``window_step_ring_triton`` does).
+    The kernel quantises them as ``float8.quantize`` (a scale per vector, e4m3 codes rounded as torch rounds
+    them), writes their codes and scales into slot ``state.slot`` (with ``valid`` there) and attends with
+    their read-back values (``dequantize`` in q's dtype) over the ring, whose codes it reads as bytes and
+    decodes times their slot's scale; the counter is advanced. Shapes and the rest as
+    ``window_step_ring_triton``; ``state.key_scale``/``value_scale`` ``[B, Hk, W, 1]`` contiguous."""
     return _step(q, k, v, state, state.keys.view(torch.uint8), state.values.view(torch.uint8), state.key_scale,
-                 state.value_scale, scale=scale, softcap=softcap, parts=parts)
+                 state.value_scale, scale=scale, softcap=softcap, parts=parts,
+                 position_embeddings=position_embeddings)
+
+
+_NATIVE_FP8: dict[int, bool] = {}
+
+
+def _native_float8(device: torch.device) -> bool:
+    """Whether the kernel decodes e4m3 with the GPU's own conversion: not under the interpreter (whose NumPy
+    has no float8), and on NVIDIA GPUs of compute capability 8.9 or later (asked once per device)."""
+    if os.environ.get("TRITON_INTERPRET") == "1" or device.type != "cuda" or torch.version.hip is not None:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NATIVE_FP8:
+        _NATIVE_FP8[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return _NATIVE_FP8[index]
 
 
 def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softcap, parts, position_embeddings=None):
     """One launch (two with the ring in parts) on the ring's ``keys``/``values``: float8 codes as bytes with
-    their scales, or (scales None) the ring's own buffers; with ``position_embeddings``, q and k rotated here."""
+    their scales (the new token quantised here), or (scales None) the ring's own buffers; with
+    ``position_embeddings``, q and k rotated here."""
 
     fp8 = key_scale is not None
     b, h, _, d = q.shape
@@ -278,7 +356,7 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         acc = torch.empty(b, hk, parts, g, d, device=q.device, dtype=torch.float32)
     else:
         m = lsum = acc = o  # never read
-    read = (k.dtype, v.dtype) if fp8 else (keys.dtype, values.dtype)  # the dtypes the products take the ring in
+    read = (q.dtype,) if fp8 else (keys.dtype, values.dtype)  # the dtypes the products take the ring in
     f32_dot = os.environ.get("TRITON_INTERPRET") == "1" or torch.float32 in read
     if not fp8:
         key_scale = value_scale = state.valid  # never read
@@ -287,8 +365,8 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         q, k, v, keys, values, key_scale, value_scale, state.valid, state.slot, o, m, lsum, acc, cos, sin,
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1),
         v.stride(3), sc_b, sc_d, float(scale), float(softcap or 1.0), hk, g, w, d, span, rot,
-        HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8, MMA=STEP_MMA,
-        F32_DOT=f32_dot, PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, BG=bg, BW=bw, BD=bd,
+        HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8, NATIVE_FP8=fp8 and _native_float8(q.device),
+        MMA=STEP_MMA, F32_DOT=f32_dot, PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, BG=bg, BW=bw, BD=bd,
         num_warps=STEP_WARPS,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
     if parts > 1:
