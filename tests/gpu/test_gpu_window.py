@@ -61,3 +61,36 @@ def test_window_kernel_equals_sdpa_blocks_on_cuda(t, window, softcap, pad, dtype
     assert got.dtype == dtype and got.transpose(1, 2).is_contiguous()
     assert torch.equal(got, direct)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("float8", [False, True])
+def test_window_layers_prefill_through_the_kernel_on_cuda(float8, monkeypatch):
+    """A student with kept window layers (64 and 128 tokens) prefills 300 tokens of a left-padded batch through the
+    kernel, q rotated inside it, as through the PyTorch forms: the logits, and the fast decoder's tokens."""
+    from transformers import AutoModelForCausalLM
+
+    import linearize
+    from helpers import tiny_config
+    from linearize.decode import FastDecoder
+    from linearize.ops import window as W
+
+    torch.manual_seed(0)
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=2, hidden_size=192,
+                                                           num_attention_heads=6, max_position_embeddings=1024))
+    model = linearize.convert(teacher.eval(), {"kind": "lolcats", "window": 16, "feature_dim": 16, "keep_softmax": [0, 1],
+                                               "softmax_window": "64,1:128",
+                                               **({"softmax_window_dtype": "float8"} if float8 else {})})
+    model = model.to("cuda", torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(2, 97, (2, 300), generator=torch.Generator().manual_seed(0)).to("cuda")
+    mask = torch.ones_like(ids)
+    mask[1, :37] = 0
+    with torch.no_grad():
+        got = model(ids, attention_mask=mask).logits.float()
+        tokens = FastDecoder(model).generate(ids, mask, max_new_tokens=8, pad_token_id=0)
+        monkeypatch.setattr(W, "WINDOW_TRITON", False)
+        want = model(ids, attention_mask=mask).logits.float()
+        ref_tokens = FastDecoder(model).generate(ids, mask, max_new_tokens=8, pad_token_id=0)
+    real = mask.bool()[:, :, None]
+    torch.testing.assert_close(got * real, want * real, atol=5e-2, rtol=5e-2)
+    assert (tokens == ref_tokens).float().mean() > 0.9  # bf16: a near tie may turn a token

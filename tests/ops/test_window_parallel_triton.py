@@ -22,6 +22,13 @@ def test_window_softmax_dispatches_to_the_kernel_without_a_gradient_through_the_
     run_triton_interpreter_script("triton_interpret_window_parallel.py", "dispatch")
 
 
+def test_window_layers_prefill_through_the_kernel_through_the_interpreter():
+    """Tiny students with kept window layers (Llama, Gemma 2 soft-capped, float8 windows) prefill a left-padded
+    batch through the kernel with q rotated inside it: the logits of the PyTorch forms, and the fast decoder's
+    greedy tokens from the states the prefill left."""
+    run_triton_interpreter_script("triton_interpret_window_parallel.py", "model")
+
+
 def test_the_kernel_is_not_taken_on_the_cpu_or_with_a_gradient():
     """Outside the interpreter only CUDA tensors go to the kernel; a wanted gradient never does."""
     from linearize.ops.window import parallel_triton

@@ -9,7 +9,9 @@ last tile is partial.
 multiple of the tiles; ``tiles``: query tiles of 32 and 64 over key blocks of 16; ``mha``: as many query as key heads; ``softcap``: Gemma's soft-cap; ``padding``: a
 left-padded sequence beside a full one (padding keys left out, padding queries zero); ``strided``: q/k/v as
 slices of one projection's output, as the adapters give them; ``half``: bf16 and fp16 inputs against the
-definition on the same rounded inputs; ``rope``: q rotated inside the kernel, full and partial rotary dims; ``dispatch``: ``window_softmax`` takes the kernel without a gradient and
+definition on the same rounded inputs; ``rope``: q rotated inside the kernel, full and partial rotary dims; ``model``: tiny students' prefill through
+the kernel (q rotated in it) against the PyTorch forms, and the fast decoder from its states; ``dispatch``:
+``window_softmax`` takes the kernel without a gradient and
 not with one, and the mixers' sequence forms (the window layer, the delta hybrid's window) give the same
 outputs through it as through the blocked SDPA form."""
 
@@ -130,6 +132,59 @@ def check_rope():
         _close(got, want, ("rope", rot, shared, pad, str(dtype)), tol=2e-5 if dtype == torch.float32 else 1e-2)
 
 
+def check_model():
+    """Tiny float32 students with kept window layers (Llama: windows of 6 and 9 over prompts of 17, GQA; Gemma 2's
+    global layer, soft-capped; float8 windows): the prefill through the kernel (q rotated inside it) against the PyTorch
+    forms, on a batch with a left-padded prompt: the logits, the window states the cache keeps, and the fast
+    decoder's greedy tokens from them."""
+    from transformers import AutoModelForCausalLM
+
+    import linearize
+    from helpers import tiny_config
+    from linearize.decode import FastDecoder
+    from linearize.mixers import window as window_mixer
+
+    ids = torch.randint(2, 97, (2, 17), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    calls = []
+    real = parallel_triton.window_softmax_triton
+
+    def counted(*a, **kw):
+        calls.append(kw.get("position_embeddings") is not None)
+        return real(*a, **kw)
+
+    parallel_triton.window_softmax_triton = counted
+    try:
+        for family, extra in (("llama", {}), ("gemma2", {}), ("llama", {"softmax_window_dtype": "float8"})):
+            torch.manual_seed(0)
+            teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2)).eval()
+            model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [0, 1],
+                                                "softmax_window": "6,1:9", **extra})
+            model.generation_config.eos_token_id = None
+            window_ops.WINDOW_TRITON = False
+            want = model(ids, attention_mask=mask).logits
+            plain = FastDecoder(model).generate(ids, mask, max_new_tokens=12, pad_token_id=0)
+            window_ops.WINDOW_TRITON = True
+            calls.clear()
+            got = model(ids, attention_mask=mask).logits
+            layers = sum(isinstance(m, window_mixer.WindowSoftmax) for m in model.modules())
+            assert layers and calls == [True] * layers, (family, calls)  # every window layer, q rotated in the kernel
+            real_tokens = mask.bool()[:, :, None]
+            _close(got * real_tokens, (want * real_tokens).double(), (family, extra))
+            fused = FastDecoder(model).generate(ids, mask, max_new_tokens=12, pad_token_id=0)
+            assert torch.equal(fused, plain), (family, extra)
+            window_mixer.WINDOW_PREFILL_ROPE = False  # the kernel with q rotated first
+            calls.clear()
+            _close(model(ids, attention_mask=mask).logits * real_tokens, (want * real_tokens).double(), family)
+            assert calls == [False] * layers, calls
+            window_mixer.WINDOW_PREFILL_ROPE = True
+    finally:
+        parallel_triton.window_softmax_triton = real
+        window_ops.WINDOW_TRITON = True
+        window_mixer.WINDOW_PREFILL_ROPE = True
+
+
 def check_dispatch():
     from linearize.ops.delta.window import delta_window_chunked
 
@@ -174,6 +229,7 @@ def check_dispatch():
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["gqa", "tiles", "mha", "softcap", "padding", "strided", "half", "rope", "dispatch"]:
+    for name in sys.argv[1:] or ["gqa", "tiles", "mha", "softcap", "padding", "strided", "half", "rope", "model",
+                                 "dispatch"]:
         globals()[f"check_{name}"]()
     print("ok")

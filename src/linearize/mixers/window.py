@@ -22,13 +22,16 @@ from .. import ops
 from ..ops.window import window_softmax, window_softmax_step, window_softmax_step_ring, window_state
 from ..ops.window.float8 import (Float8RingState, Float8WindowState, fake_quantize, float8_window_state,
                                  float8_window_step, float8_window_step_ring)
-from ..models.base import rotates_half
+from ..models.base import rope_rotate_half, rotates_half
 from .base import Mixer
 
 
 # The fast decoder's ring step rotates q and k inside its Triton kernel where it can (``_fused_rope``), saving the
 # layer's RoPE launches each token. False: RoPE in PyTorch before the kernel (the same numbers to rounding).
 WINDOW_STEP_ROPE: bool = True
+# The same for a prompt through the prefill kernel (``ops/window/parallel_triton.py``): q rotated inside it, the
+# keys by ``rope_rotate_half``. False: the family's RoPE on both first.
+WINDOW_PREFILL_ROPE: bool = True
 
 
 class WindowSoftmax(Mixer):
@@ -49,12 +52,22 @@ class WindowSoftmax(Mixer):
         return self.spec.softmax_window_dtype == "float8"
 
     def sequence(self, q, k, v, position_embeddings, state, want_state):
-        q, k = self.adapter.rope(self, q, k, position_embeddings)
+        fused = state is None and self._prefill_rope(q, k, v, position_embeddings)
+        if fused:  # the keys rotated here (the state keeps them), q inside the prefill kernel
+            k = rope_rotate_half(k, *position_embeddings)
+        else:
+            q, k = self.adapter.rope(self, q, k, position_embeddings)
         if state is None:
             if self.float8:  # attend over what the ring will give back
                 k, k8, ks = fake_quantize(k)
                 v, v8, vs = fake_quantize(v)
-            o = window_softmax(q, k, v, window=self.window, **self._kw(), key_mask=self.key_mask)
+            if fused:
+                from ..ops.window.parallel_triton import window_softmax_triton
+
+                o = window_softmax_triton(q, k, v, window=self.window, **self._kw(), key_mask=self.key_mask,
+                                          position_embeddings=position_embeddings)
+            else:
+                o = window_softmax(q, k, v, window=self.window, **self._kw(), key_mask=self.key_mask)
             if not want_state:
                 return o, None
             new = window_state(k, v, self.window, self.key_mask)
@@ -88,6 +101,20 @@ class WindowSoftmax(Mixer):
         if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
             return window_softmax_step_ring(q, k, v, state, **self._kw())
         return self._step(q, k, v, state, self.key_mask)
+
+    def _prefill_rope(self, q, k, v, position_embeddings) -> bool:
+        """Whether a whole sequence goes through the prefill kernel (``ops.window``'s rule) with q rotated
+        inside it: RoPE by rotating halves (asked of the family's RoPE once)."""
+        from ..ops import window as window_ops
+
+        if not (WINDOW_PREFILL_ROPE and position_embeddings is not None and self.geometry.rotary is not None):
+            return False
+        if window_ops._use_window_kernel(q, k, v, self.window) or not window_ops._use_window_triton(q, k, v,
+                                                                                                     self.window):
+            return False
+        if self._rotates_half is None:
+            self._rotates_half = rotates_half(self.geometry.rotary, self.geometry.head_dim)
+        return self._rotates_half
 
     def _fused_rope(self, q, state) -> bool:
         """Whether the ring step's Triton kernel runs (``ops.window``'s rule, a float8 ring's
