@@ -4,11 +4,13 @@ sit in L2 between steps), for each batch and each setting of the kernel's module
 PyTorch step (``window_softmax_step_ring`` with ``WINDOW_STEP_KERNEL`` off).
 
     python dev/window_step_bench.py [--batches 1 8 64 256] [--blocks 32 64 128] [--warps 2 4 8]
-                                    [--programs 0 1 528] [--stages 0 2 3 4] [--fma] [--layers 14] [--out FILE]
+                                    [--programs 0 1 528] [--stages 0 2 3 4] [--fma] [--float8] [--layers 14]
+                                    [--out FILE]
 
 Shapes are a kept layer's of the SmolLM2-135M student (9 query heads, 3 key heads, head dim 64, a ring of
 ``--window`` 1,280 slots, bf16). ``0`` means the module's default (``--programs 1``: never split the ring);
-``--fma`` adds the products as broadcast sums (``STEP_MMA = False``). Each setting's output for one step
+``--fma`` adds the products as broadcast sums (``STEP_MMA = False``); ``--float8`` times float8 rings
+(``float8_window_step_ring``: the kernel quantising the new token itself, or its PyTorch path). Each setting's output for one step
 from the same ring is compared with the PyTorch step's (largest absolute difference). Prints µs per layer
 step and the effective GB/s of the ring's bytes (keys and values read once).
 """
@@ -31,15 +33,21 @@ H, HK, D = 9, 3, 64
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def rings(b, w, layers, gen):
+def rings(b, w, layers, gen, float8=False):
     from linearize.ops import RingHybridState
+    from linearize.ops.window import float8 as f8
 
     out = []
     for _ in range(layers):
         keys, values = (torch.randn(b, HK, w, D, device=DEV, generator=gen).bfloat16() for _ in range(2))
-        out.append(RingHybridState(keys, keys[..., :0], values, torch.zeros(b, HK, 1, 1, D + 1, device=DEV),
-                                   torch.ones(b, w, dtype=torch.bool, device=DEV),
-                                   slot=torch.zeros((), dtype=torch.long, device=DEV)))
+        common = (torch.zeros(b, HK, 1, 1, D + 1, device=DEV), torch.ones(b, w, dtype=torch.bool, device=DEV))
+        slot = torch.zeros((), dtype=torch.long, device=DEV)
+        if float8:  # e4m3 codes with a float32 scale per slot and key head
+            (k8, ks), (v8, vs) = f8.quantize(keys), f8.quantize(values)
+            out.append(f8.Float8RingState(k8.contiguous(), keys[..., :0], v8.contiguous(), *common, slot=slot,
+                                          key_scale=ks.contiguous(), value_scale=vs.contiguous()))
+        else:
+            out.append(RingHybridState(keys, keys[..., :0], values, *common, slot=slot))
     return out
 
 
@@ -55,6 +63,7 @@ def main(argv=None) -> int:
     p.add_argument("--programs", nargs="+", type=int, default=[0])
     p.add_argument("--stages", nargs="+", type=int, default=[0])
     p.add_argument("--fma", action="store_true")
+    p.add_argument("--float8", action="store_true", help="float8 rings (the kernel quantising the new token itself)")
     p.add_argument("--layers", type=int, default=14)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out")
@@ -63,15 +72,23 @@ def main(argv=None) -> int:
         raise SystemExit("window_step_bench.py needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
     defaults = {k: getattr(step_triton, k) for k in ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES",
                                                       "STEP_MMA")}
+    from linearize.ops.window import float8 as f8
+
     gen = torch.Generator(device=DEV).manual_seed(0)
     kw = dict(scale=D ** -0.5, softcap=None)
+    if args.float8:  # the float8 ring's step: the kernel, or (``torch``) its PyTorch path on the read-back ring
+        def ring_step(q, k, v, state, **kw):
+            f8.FLOAT8_STEP_KERNEL = window.WINDOW_STEP_KERNEL
+            return f8.float8_window_step_ring(q, k, v, state, window.window_softmax_step_ring, **kw)
+    else:
+        ring_step = window.window_softmax_step_ring
     rows = []
     print("| step | batch | block | warps | programs | stages | µs/layer | GB/s | max err |\n"
           "|---|---|---|---|---|---|---|---|---|")
     for b in args.batches:
         q = torch.randn(b, H, 1, D, device=DEV, generator=gen).bfloat16()
         k, v = (torch.randn(b, HK, 1, D, device=DEV, generator=gen).bfloat16() for _ in range(2))
-        ring_bytes = b * HK * args.window * D * 2 * 2
+        ring_bytes = b * HK * args.window * ((D + 4) if args.float8 else D * 2) * 2
         want = None
         settings = [("torch", {})]
         for mma, block, warps, programs, stages in itertools.product([True, False] if args.fma else [True], args.blocks,
@@ -83,12 +100,13 @@ def main(argv=None) -> int:
             for key, value in {**defaults, **consts}.items():
                 setattr(step_triton, key, value)
             window.WINDOW_STEP_KERNEL = name != "torch"
-            one = rings(b, args.window, 1, torch.Generator(device=DEV).manual_seed(1))[0]  # the same for each
-            y = window.window_softmax_step_ring(q, k, v, one, **kw)[0].float()
+            seed = torch.Generator(device=DEV).manual_seed(1)
+            one = rings(b, args.window, 1, seed, args.float8)[0]  # the same ring for each setting
+            y = ring_step(q, k, v, one, **kw)[0].float()
             want = y if want is None else want
             err = (y - want).abs().max().item()
-            layers = rings(b, args.window, args.layers, gen)
-            step = lambda: [window.window_softmax_step_ring(q, k, v, s, **kw) for s in layers]  # noqa: E731
+            layers = rings(b, args.window, args.layers, gen, args.float8)
+            step = lambda: [ring_step(q, k, v, s, **kw) for s in layers]  # noqa: E731
             us = graph_us(step, args.replays) / args.layers
             shown = {k.removeprefix("STEP_").lower(): consts.get(k, "-") for k in
                      ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES")}
@@ -99,7 +117,7 @@ def main(argv=None) -> int:
             del layers
         for key, value in defaults.items():
             setattr(step_triton, key, value)
-        window.WINDOW_STEP_KERNEL = True
+        window.WINDOW_STEP_KERNEL = f8.FLOAT8_STEP_KERNEL = True
     if args.out:
         json.dump(rows, open(args.out, "w"), indent=1)
     return 0
