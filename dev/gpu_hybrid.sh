@@ -34,13 +34,13 @@
 #   profile   where a training step's time goes (bench.profile train at 8x1024: kernels, host phases) for the
 #             teacher and both LoLCATs stages, and a 1k prefill's kernels, student and teacher
 #   delta-prefill  issue #53: the delta student's prefill, part by part (dev/delta_prefill.py), beside the teacher
-#   window    issue #53: the window-softmax layers' fast forms: CUDA tests (the one-launch prefill kernel, flash blocks,
-#             the Triton ring step), the ring step alone, bf16 and float8 rings (dev/window_step_bench.py, WINDOW_BENCH_ARGS,
-#             WINDOW_BENCH8_ARGS; WINDOW_STEP_SWEEP=0 skips them), the prefill forms alone (dev/window_prefill_bench.py: the kernel's tiles swept at 1 x 32k,
-#             WINDOW_PREFILL_ARGS), then length-speed's rows (LENGTH_NEW 512) of
-#             untrained students of T (WINDOW_SPECS, default: mix = the default student; wide = 14 layers over 1,280;
-#             wide8 = the same in float8;
-#             tiers = 0-9 over 1,280 and 17, 18, 20, 23 over 4,160 in float8), each beside the teacher
+#   window    issue #53: the window-softmax layers' fast forms: CUDA tests (the one-launch prefill kernel, flash
+#             blocks, the Triton ring step), the ring step alone on bf16 and float8 rings (dev/window_step_bench.py,
+#             WINDOW_BENCH_ARGS, WINDOW_BENCH8_ARGS; WINDOW_STEP_SWEEP=0 skips them), the prefill forms alone
+#             (dev/window_prefill_bench.py: the kernel's tiles swept at 1 x 32k, WINDOW_PREFILL_ARGS), then
+#             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: mix = the
+#             default student; wide = 14 layers over 1,280; wide8 = the same in float8; tiers = 0-9 over 1,280 and
+#             17, 18, 20, 23 over 4,160 in float8), each beside the teacher
 #   decode-default  issue #44: the norm/activation kernels' CUDA tests, then decode from 1k prompts + 512 new at
 #             batch 1/64/256 on the default fast path (no flags) and with --compile, each beside the teacher's
 #             static and fast paths in its run, then the default path with the kernels off (the step as before),
