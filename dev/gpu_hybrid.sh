@@ -39,8 +39,7 @@
 #             WINDOW_BENCH_ARGS, WINDOW_BENCH8_ARGS; WINDOW_STEP_SWEEP=0 skips them), the prefill forms alone
 #             (dev/window_prefill_bench.py: the kernel's tiles swept at 1 x 32k, WINDOW_PREFILL_ARGS), then
 #             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: mix = the
-#             default student; wide = 14 layers over 1,280; wide8 = the same in float8; tiers = 0-9 over 1,280 and
-#             17, 18, 20, 23 over 4,160 in float8), each beside the teacher
+#             default student; wide = 14 layers over 1,280; wide8 = the same in float8), each beside the teacher
 #   decode-default  issue #44: the norm/activation kernels' CUDA tests, then decode from 1k prompts + 512 new at
 #             batch 1/64/256 on the default fast path (no flags) and with --compile, each beside the teacher's
 #             static and fast paths in its run, then the default path with the kernels off (the step as before),
@@ -181,13 +180,12 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       [ "${WINDOW_STEP_SWEEP:-1}" = 1 ] && timeout 300 python3 dev/window_step_bench.py --float8 ${WINDOW_BENCH8_ARGS:---blocks 64 128 \
 --warps 4 8} --out "$S/window_step_bench_float8.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -20
       timeout 300 python3 dev/window_prefill_bench.py ${WINDOW_PREFILL_ARGS:---shapes 1x32768 --windows 1280 --bm 64 128 \
---bn 32 64 128 --warps 4 8 --stages 2 3 4} --out "$S/window_prefill_sweep.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -45
+--bn 64 128 --warps 4 8 --stages 2 3} --out "$S/window_prefill_sweep.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -45
       timeout 200 python3 dev/window_prefill_bench.py --out "$S/window_prefill_bench.json" 2>&1 | grep -E "^\|" | tail -20
       kept=0,1,2,3,4,5,6,7,8,9,17,18,20,23
       LENGTH_TESTS=0 LENGTH_NEW=${LENGTH_NEW:-512} LENGTH_SPECS="${WINDOW_SPECS:-mix=--config:lolcats_mix \
 wide=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280 \
-wide8=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280:--softmax-window-dtype:float8 \
-tiers=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280,17%4160,18%4160,20%4160,23%4160:--softmax-window-dtype:float8}" \
+wide8=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280:--softmax-window-dtype:float8}" \
         bash "$0" length-speed ;;
     delta-prefill)  # issue #53: where the delta student's prefill goes (dev/delta_prefill.py: parts swapped out, the
       # parts alone, the kernels) at DELTA_SHAPES (default 1x32768 32x1024), beside the teacher, on an untrained student
