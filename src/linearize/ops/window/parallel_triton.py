@@ -192,7 +192,7 @@ def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float 
         mask.stride(0) if key_mask is not None else 0, sc_b, sc_t, t, h, h // hk, window, d, rot, float(scale),
         float(softcap or 1.0), HAS_MASK=key_mask is not None, HAS_SOFTCAP=softcap is not None, ROPE=rot > 0,
         F32_DOT=f32_dot,
-        PREC="ieee", BM=bm, BN=bn,
+        PREC="ieee" if f32_dot else "tf32", BM=bm, BN=bn,  # half-precision products ignore it (as in the ring step)
         BD=max(16, triton.next_power_of_2(d)), num_warps=PARALLEL_WARPS,
         **({} if PARALLEL_STAGES is None else dict(num_stages=PARALLEL_STAGES)))
     return o
