@@ -102,6 +102,12 @@ class WindowSoftmax(Mixer):
             return window_softmax_step_ring(q, k, v, state, **self._kw())
         return self._step(q, k, v, state, self.key_mask)
 
+    def _half_rope(self) -> bool:
+        """Whether the family's RoPE rotates halves (or there is none): what the kernels compute (asked once)."""
+        if self._rotates_half is None:
+            self._rotates_half = rotates_half(self.geometry.rotary, self.geometry.head_dim)
+        return self._rotates_half
+
     def _prefill_rope(self, q, k, v, position_embeddings) -> bool:
         """Whether a whole sequence goes through the prefill kernel (``ops.window``'s rule) with q rotated
         inside it: RoPE by rotating halves (asked of the family's RoPE once)."""
@@ -112,9 +118,7 @@ class WindowSoftmax(Mixer):
         if window_ops._use_window_kernel(q, k, v, self.window) or not window_ops._use_window_triton(q, k, v,
                                                                                                      self.window):
             return False
-        if self._rotates_half is None:
-            self._rotates_half = rotates_half(self.geometry.rotary, self.geometry.head_dim)
-        return self._rotates_half
+        return self._half_rope()
 
     def _fused_rope(self, q, state) -> bool:
         """Whether the ring step's Triton kernel runs (``ops.window``'s rule, a float8 ring's
@@ -127,9 +131,7 @@ class WindowSoftmax(Mixer):
                 else window_ops._use_window_step_kernel)
         if not (WINDOW_STEP_ROPE and rule(q, state)):
             return False
-        if self._rotates_half is None:
-            self._rotates_half = rotates_half(self.geometry.rotary, self.geometry.head_dim)
-        return self._rotates_half
+        return self._half_rope()
 
     def ring_state(self, state: ops.HybridState, keep_key_features: bool = False) -> ops.RingHybridState:
         """The fast decoder's ring of ``W`` slots from a prefill's state (its zero features not kept)."""
