@@ -174,7 +174,9 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
           --out "$S/prefill_length_$name.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:"
       done ;;
     window)  # issue #53: see the header
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_window.py tests/gpu/test_gpu_window_step.py 2>&1 | tail -3
+      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_window.py tests/gpu/test_gpu_window_step.py \
+        > $S/window_tests.log 2>&1  # the whole log comes back; here the failures' names, their first errors, the count
+      grep -E "^FAILED|^E  |passed|failed" $S/window_tests.log | head -40
       [ "${WINDOW_STEP_SWEEP:-1}" = 1 ] && timeout 300 python3 dev/window_step_bench.py ${WINDOW_BENCH_ARGS:---blocks 32 64 128 \
 --warps 2 4 8 --programs 0 1} --out "$S/window_step_bench.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -40
       [ "${WINDOW_STEP_SWEEP:-1}" = 1 ] && timeout 300 python3 dev/window_step_bench.py --float8 ${WINDOW_BENCH8_ARGS:---blocks 64 128 \

@@ -151,6 +151,11 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
 
     from .spec import Spec
 
+    if (command or args.command) == "lolcats" and getattr(args, "config", None) is None \
+            and _budget_or_device(args) == "gpu":  # no file on a GPU: the measured default's recipe file
+        from .recipes.settings import DEFAULT_CONFIG
+
+        args.config = DEFAULT_CONFIG
     recipe = read_recipe(getattr(args, "config", None))
     if "hybrid" in recipe:  # XATL's earlier name for the kept softmax layers (run configs saved before)
         hybrid = recipe.pop("hybrid")
@@ -196,6 +201,15 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
     else:
         keep = tuple(Spec(keep_softmax=keep).keep_softmax) if keep else ()
     return replace(cfg, **{**recipe, **fixed, **flags}, teacher=teacher, spec=spec, keep_softmax=keep)
+
+
+def _budget_or_device(args) -> str:
+    """The budget a recipe runs on: the flag's, else gpu on CUDA and cpu otherwise."""
+    if getattr(args, "budget", None):
+        return args.budget
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
 
 
 def _load_any(model: str, dtype, device):
@@ -403,7 +417,8 @@ def _training_arguments(p: argparse.ArgumentParser, cls, budgets=("cpu", "gpu"))
     p.add_argument("--teacher", default="default", help=teacher_help())
     p.add_argument("--budget", choices=budgets, default=None,
                    help="token budget preset: cpu (minutes on 2 cores), gpu (~20M tokens; lolcats: 10M per "
-                        "stage of books, code and WordNet in 4,096-token blocks)"
+                        "stage of books, code and WordNet in 4,096-token blocks, and with no --config the "
+                        "lolcats_wide recipe's window layers)"
                         + (", paper (2 epochs per stage)" if "paper" in budgets else "")
                         + "; default: gpu on CUDA, cpu otherwise")
     add_flags(p, cls, TRAINING_FLAGS)
@@ -585,10 +600,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     "stage 2 trains LoRA adapters on next-token loss and merges them. Prints held-out "
                                     "perplexity of the teacher, the converted model and after each stage; writes "
                                     "OUT/final (a standalone checkpoint), OUT/results.json and OUT/metrics.jsonl. With "
-                                    "no flag it trains the measured default: Hedgehog features of the q/k before RoPE, "
-                                    "a gated linear state, the teacher's sliding-window layers kept, 4,096-token blocks of "
-                                    "books, code and WordNet on a GPU (= --config lolcats_mix); the paper's student on "
-                                    "its books: --config lolcats_plain.")
+                                    "no --config on a GPU it trains the measured default (= --config lolcats_wide): "
+                                    "Hedgehog features of the q/k before RoPE, a gated linear state, the teacher's "
+                                    "sliding-window layers kept, 4,096-token blocks of books, code and WordNet, and "
+                                    "after stage 1 the 47 % of the layers whose softmax most helps copying kept as the "
+                                    "teacher's attention over their last 1,280 tokens (constant memory); flags change "
+                                    "any of it. Without the window layers: --config lolcats_mix; the paper's student on "
+                                    "its books: --config lolcats_plain; --budget cpu: a few minutes of the hybrid alone "
+                                    "on short blocks of the books.")
     lc.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/lolcats)")
     _training_arguments(lc, LolcatsConfig, budgets=("cpu", "gpu", "paper"))
     add_flags(lc, LolcatsConfig, ("stage1_lr", "stage1_steps", "stage1_epochs", "layers_per_block", "block_inputs",

@@ -124,26 +124,33 @@ def _trained(cfg) -> dict:
     return {k: v for k, v in asdict(cfg).items() if k != "out"}
 
 
-def test_the_default_lolcats_run_is_the_mixture_recipe_and_the_old_one_stays_named():
-    """``linearize lolcats`` with no flags on a GPU trains what ``--config lolcats_mix`` names (the measured
-    best: features before RoPE, gates, kept sliding layers, 4,096-token blocks, books + code + WordNet);
-    ``--config lolcats_plain`` is the run that was the default before; the cpu budget keeps the default
-    student on short blocks of the books."""
+def test_the_default_lolcats_run_is_the_window_recipe_and_the_earlier_ones_stay_named():
+    """``linearize lolcats`` with no flags on a GPU trains what ``--config lolcats_wide`` names (the measured
+    best across domains: the hybrid with features before RoPE, gates and kept sliding layers, 4,096-token blocks of
+    books + code + WordNet, and after stage 1 the layers that most help copying kept as the teacher's softmax over
+    1,280 tokens); ``--config lolcats_mix`` is the default before it, ``lolcats_plain`` the paper's student; the cpu
+    budget trains the hybrid alone on short blocks of the books; flags still win over the default file."""
+    hybrid = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64, "feature_rope": False,
+              "decay": "gated", "keep_sliding": True}
     default = _resolved(["--budget", "gpu"])
-    assert default.spec == {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64,
-                            "feature_rope": False, "decay": "gated", "keep_sliding": True}
+    assert default.spec == {**hybrid, "softmax_window": 1280}
+    assert (default.keep_softmax, default.auto_softmax_score, default.auto_softmax_distance) == ("auto:0.47", "recall",
+                                                                                                 1024)
     assert (default.block_len, default.batch_size, default.stage1_steps, default.stage2_steps) == (4096, 2, 1220, 1220)
     assert default.data == "gutenberg,corpus:code,corpus:wordnet"
-    assert _trained(_resolved(["--config", "lolcats_mix"])) == _trained(default)
+    assert _trained(_resolved(["--config", "lolcats_wide"])) == _trained(default)
+    mix = _resolved(["--config", "lolcats_mix"])
+    assert mix.spec == hybrid and mix.keep_softmax == () and (mix.block_len, mix.data) == (4096, default.data)
+    assert _resolved(["--budget", "gpu", "--keep-softmax", "3,5"]).keep_softmax == (3, 5)  # named layers win
+    assert _resolved(["--budget", "gpu", "--data", "gutenberg"]).data == "gutenberg"
     plain = _resolved(["--config", "lolcats_plain"])
-    assert plain.spec == {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64,
-                          "feature_rope": True, "decay": "none", "keep_sliding": False}
+    assert plain.spec == {**hybrid, "feature_rope": True, "decay": "none", "keep_sliding": False}
     assert (plain.block_len, plain.batch_size, plain.stage1_steps, plain.data) == (1024, 8, 2440, "gutenberg")
     assert _resolved(["--config", "lolcats_paper"]).spec == plain.spec  # the paper's student, 2 epochs per stage
     long = _resolved(["--config", "lolcats_long"])
-    assert long.spec == default.spec and long.data == "gutenberg" and long.block_len == 4096
+    assert long.spec == hybrid and long.data == "gutenberg" and long.block_len == 4096
     cpu = _resolved(["--budget", "cpu"])
-    assert cpu.spec == default.spec and cpu.block_len == 256 and cpu.data is None  # books, no corpus to fetch
+    assert cpu.spec == hybrid and cpu.keep_softmax == () and cpu.block_len == 256 and cpu.data is None  # books
 
 
 def test_the_no_window_row_of_the_default_is_a_valid_linear_student():

@@ -700,9 +700,9 @@ BUDGETS = {
     # (from 40 to 80 stage-1 steps the attention MSE falls 15 %, from 20 to 40 stage-2 steps the loss 0.02 nats)
     "cpu": dict(block_len=256, batch_size=2, train_blocks=256, eval_blocks=4, eval_steps=40, patience=None,
                 stage1_steps=40, stage2_steps=12),
-    # one GPU, ~10M tokens per stage at 4,096-token packs (2 x 4096 x 1220 steps) of the books, code and WordNet:
-    # the default student as measured (docs/RESULTS.md, "Across domains"); the paper's 1,024-token packs, 20M
-    # tokens per stage and books: --config lolcats_plain
+    # one GPU, ~10M tokens per stage at 4,096-token packs (2 x 4096 x 1220 steps) of the books, code and WordNet
+    # (docs/RESULTS.md, "Across domains"; with no --config the command adds settings.DEFAULT_CONFIG's kept window
+    # layers); the paper's 1,024-token packs, 20M tokens per stage and books: --config lolcats_plain
     "gpu": dict(block_len=4096, batch_size=2, train_blocks=None, eval_blocks=64, eval_steps=200, patience=3,
                 stage1_steps=1220, stage2_steps=1220, data=DEFAULT_DATA),
     # LoLCATs: 2 epochs per stage over the whole corpus, early stopping

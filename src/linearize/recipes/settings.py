@@ -17,12 +17,18 @@ from ..errors import LinearizeError
 from .config import MODES, RunConfig, graph_mode, setting
 from .launch import world_size
 
-__all__ = ["AUTO_SCORES", "DEFAULT_DATA", "DEFAULT_SPEC", "LolcatsConfig", "SupraConfig", "UptrainConfig", "XatlConfig"]
+__all__ = ["AUTO_SCORES", "DEFAULT_CONFIG", "DEFAULT_DATA", "DEFAULT_SPEC", "LolcatsConfig", "SupraConfig", "UptrainConfig", "XatlConfig"]
 
 AUTO_SCORES = ("mse", "recall")  # how keep_softmax auto:K scores the layers (``lolcats.auto_softmax_choice``)
-# The student ``linearize lolcats`` trains with no flags: LoLCATs' Hedgehog features over a 64-token window, the
-# features read from the q/k before RoPE, a data-dependent gate on the linear state, the teacher's own sliding-window
-# layers kept (issue #46's length options; ``lolcats_mix`` with its data). The paper's student: ``lolcats_plain``.
+# What ``linearize lolcats`` trains with no flag and no --config on the gpu budget: the packaged recipe file
+# ``lolcats_wide`` (DEFAULT_SPEC's hybrid, 4,096-token blocks of DEFAULT_DATA, and the 14 of SmolLM2's 30 layers
+# whose softmax most helps copying kept as the teacher's attention over their last 1,280 tokens; the best measured
+# across books, speeches, code and technical text, docs/RESULTS.md "Across domains"). Until 2026-11-30 it was
+# ``lolcats_mix``, which stays named; the paper's student: ``lolcats_plain``.
+DEFAULT_CONFIG = "lolcats_wide"
+# The hybrid of every converted layer (``linearize convert``'s untrained student with no --config; on the cpu budget
+# the whole student): LoLCATs' Hedgehog features over a 64-token window, the features read from the q/k before RoPE,
+# a data-dependent gate on the linear state, the teacher's own sliding-window layers kept (issue #46's length options).
 DEFAULT_SPEC = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64, "feature_rope": False,
                 "decay": "gated", "keep_sliding": True}
 # The default training text on the gpu budget: books, Python source and WordNet, never an epoch repeated at its 10M

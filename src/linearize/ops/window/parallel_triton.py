@@ -27,11 +27,13 @@ import triton
 import triton.language as tl
 
 # Queries per program, keys per block of the loop, warps per program and pipeline stages (None: Triton's
-# default). Module constants so that a benchmark can sweep them.
-PARALLEL_BM = 128
+# default). Module constants so that a benchmark can sweep them (dev/window_prefill_bench.py). On the H200 at
+# 1 x 32,768, SmolLM2's heads, a 1,280-token window: 64 / 64 / 4 / 2 took 0.377 ms a layer, the best of 16 tilings
+# (128 / 64 / 4 / 3 0.441, 128 / 128 0.43-0.49, 8 warps on 64-query tiles 0.82-1.0; flash blocks 1.66).
+PARALLEL_BM = 64
 PARALLEL_BN = 64
 PARALLEL_WARPS = 4
-PARALLEL_STAGES: int | None = 3
+PARALLEL_STAGES: int | None = 2
 MAX_HEAD_DIM = 256
 
 
