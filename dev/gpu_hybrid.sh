@@ -38,8 +38,9 @@
 #             blocks, the Triton ring step), the ring step alone on bf16 and float8 rings (dev/window_step_bench.py,
 #             WINDOW_BENCH_ARGS, WINDOW_BENCH8_ARGS; WINDOW_STEP_SWEEP=0 skips them), the prefill forms alone
 #             (dev/window_prefill_bench.py: the kernel's tiles swept at 1 x 32k, WINDOW_PREFILL_ARGS), then
-#             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: mix = the
-#             default student; wide = 14 layers over 1,280; wide8 = the same in float8), each beside the teacher
+#             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: mix =
+#             lolcats_mix; wide = 14 layers over 1,280, the default's shape; wide8 = the same in float8), each beside
+#             the teacher; then wide8 with the float8 slot scales folded into the products (WINDOW_FOLD=0 skips it)
 #   decode-default  issue #44: the norm/activation kernels' CUDA tests, then decode from 1k prompts + 512 new at
 #             batch 1/64/256 on the default fast path (no flags) and with --compile, each beside the teacher's
 #             static and fast paths in its run, then the default path with the kernels off (the step as before),
@@ -180,7 +181,7 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       [ "${WINDOW_STEP_SWEEP:-1}" = 1 ] && timeout 300 python3 dev/window_step_bench.py ${WINDOW_BENCH_ARGS:---blocks 32 64 128 \
 --warps 2 4 8 --programs 0 1} --out "$S/window_step_bench.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -40
       [ "${WINDOW_STEP_SWEEP:-1}" = 1 ] && timeout 300 python3 dev/window_step_bench.py --float8 ${WINDOW_BENCH8_ARGS:---blocks 64 128 \
---warps 4 8} --out "$S/window_step_bench_float8.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -20
+--warps 4 --fold 0 1} --out "$S/window_step_bench_float8.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -20
       timeout 300 python3 dev/window_prefill_bench.py ${WINDOW_PREFILL_ARGS:---shapes 1x32768 --windows 1280 --bm 64 128 \
 --bn 64 128 --warps 4 8 --stages 2 3} --out "$S/window_prefill_sweep.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -45
       timeout 200 python3 dev/window_prefill_bench.py --out "$S/window_prefill_bench.json" 2>&1 | grep -E "^\|" | tail -20
@@ -188,7 +189,12 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       LENGTH_TESTS=0 LENGTH_NEW=${LENGTH_NEW:-512} LENGTH_SPECS="${WINDOW_SPECS:-mix=--config:lolcats_mix \
 wide=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280 \
 wide8=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280:--softmax-window-dtype:float8}" \
-        bash "$0" length-speed ;;
+        bash "$0" length-speed
+      # the float8 student again with the slot scales folded into the products (FLOAT8_FOLD_SCALES), beside the teacher
+      [ "${WINDOW_FOLD:-1}" = 1 ] && [ -d "$C-wide8" ] && timeout 420 python3 dev/with_knobs.py \
+        '{"window.step_triton.FLOAT8_FOLD_SCALES": true}' - linearize.cli bench "$C-wide8" --teacher "$T" --dtype bfloat16 \
+        --paths fast --teacher-paths static fast --batch-sizes 1 64 256 --new-tokens ${LENGTH_NEW:-512} --prompt-len 1024 \
+        --out "$S/decode_length_wide8fold.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:" ;;
     delta-prefill)  # issue #53: where the delta student's prefill goes (dev/delta_prefill.py: parts swapped out, the
       # parts alone, the kernels) at DELTA_SHAPES (default 1x32768 32x1024), beside the teacher, on an untrained student
       ck=$C-delta; [ -d "$ck" ] || python3 -m linearize convert --teacher "$T" --kind delta --feature-rope off --out "$ck" \

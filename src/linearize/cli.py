@@ -153,9 +153,13 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
 
     if (command or args.command) == "lolcats" and getattr(args, "config", None) is None \
             and _budget_or_device(args) == "gpu":  # no file on a GPU: the measured default's recipe file
+        from .recipes.launch import is_main_process
         from .recipes.settings import DEFAULT_CONFIG
 
         args.config = DEFAULT_CONFIG
+        if is_main_process():
+            print(f"linearize lolcats: no --config on a GPU: the default recipe, {DEFAULT_CONFIG} (--config lolcats_mix: "
+                  "the same without its window-softmax layers)")
     recipe = read_recipe(getattr(args, "config", None))
     if "hybrid" in recipe:  # XATL's earlier name for the kept softmax layers (run configs saved before)
         hybrid = recipe.pop("hybrid")

@@ -24,9 +24,11 @@ from linearize.decode import loop, route
 from linearize.convert.xatl_transfer import build_xatl
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-KINDS = {  # every mixer kind, and a kept softmax layer beside lolcats
+KINDS = {  # every mixer kind, a kept softmax layer beside lolcats, and the default's window-softmax layer
     "lolcats": {"kind": "lolcats", "window": 4, "feature_dim": 8},
     "lolcats+softmax": {"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [1]},
+    "lolcats+window": {"kind": "lolcats", "window": 4, "feature_dim": 8, "feature_rope": False, "decay": "gated",
+                       "keep_softmax": [1], "softmax_window": 6},
     "linear": {"kind": "linear", "feature_map": "hedgehog", "feature_dim": 8},
     "supra": {"kind": "supra"},
     "delta": {"kind": "delta", "window": 4, "chunk_size": 8},
@@ -104,7 +106,9 @@ def test_every_kind_loaded_each_way_decodes_fast_with_the_plain_loops_tokens(nam
 
     loaded, _ = linearize.load(checkpoints / name, device="cpu")
     auto = AutoModelForCausalLM.from_pretrained(checkpoints / name)
-    assert type(auto) is type(loaded) and {p.dtype for p in auto.parameters()} == {torch.float64}
+    # the gated decay's bias is float32 by design (``mixers/lolcats.py``); everything else keeps the saved float64
+    assert type(auto) is type(loaded)
+    assert {p.dtype for n, p in auto.named_parameters() if not n.endswith("gate_bias")} == {torch.float64}
     for model in (loaded, auto):
         _same_tokens_and_fast(model, spy, name)
 

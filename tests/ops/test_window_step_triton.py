@@ -38,15 +38,17 @@ def test_float8_ring_step_kernel_rotates_quantises_and_encodes_as_torch_through_
     """The float8 kernel rotating q and k itself (full and partial rotary, the ring whole and in parts) against
     RoPE in PyTorch then the PyTorch path, every ring buffer bit for bit; its quantisation of a vector against
     ``float8.quantize``; its e4m3 encoding against ``Tensor.to(float8_e4m3fn)`` on every e4m3 value, the ties
-    between neighbours, subnormals, zeros of both signs and random numbers."""
-    run_triton_interpreter_script("triton_interpret_window_step.py", "float8_rope", "float8_quantize",
-                                  "float8_encode")
+    between neighbours, subnormals, zeros of both signs and random numbers; in bf16, RoPE rounded once as the
+    kernel rounds it (the casts rounded as on CUDA)."""
+    run_triton_interpreter_script("triton_interpret_window_step.py", "float8_rope", "float8_rope_bf16",
+                                  "float8_quantize", "float8_encode")
 
 
 def test_float8_ring_step_kernel_in_parts_and_the_decoder_through_the_interpreter():
-    """The float8 ring in 2 and 3 parts merged by the second launch; the fast decoder of tiny students with
+    """The float8 ring in 2 and 3 parts merged by the second launch; the slot scales folded into the products
+    (``FLOAT8_FOLD_SCALES``: the same outputs to rounding, the same ring); the fast decoder of tiny students with
     float8 window layers on the kernel (each window step's output and the greedy tokens)."""
-    run_triton_interpreter_script("triton_interpret_window_step.py", "float8_parts", "float8_decoder")
+    run_triton_interpreter_script("triton_interpret_window_step.py", "float8_parts", "float8_fold", "float8_decoder")
 
 
 def _ring(b=2, hk=2, w=8, d=4, dtype=torch.float32):

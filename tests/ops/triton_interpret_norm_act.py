@@ -15,7 +15,7 @@ Parts (arguments; all by default):
 fp32 agrees to rounding (the sum of squares in another order). 16-bit outputs must equal the module's bit for
 bit almost everywhere: the kernels round where the modules round (a misplaced rounding shows as many
 one-bit differences). Triton 3.9's interpreter truncates fp32 -> bf16 casts where CUDA rounds to nearest
-even; ``_round_bf16_like_cuda`` makes it round as the GPU does.
+even; ``interpret_checks.round_bf16_like_cuda`` makes it round as the GPU does.
 """
 
 import os
@@ -25,30 +25,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for helpers.py
 os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
+from interpret_checks import round_bf16_like_cuda  # noqa: E402
 from linearize.ops import gated_act_triton as gat  # noqa: E402
 from linearize.ops import rms_norm_triton as rnt  # noqa: E402
 
 
-def _round_bf16_like_cuda():
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    cast = interpreter.InterpreterBuilder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            data = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).bfloat16()
-            return interpreter.TensorHandle(data.view(torch.int16).numpy().view(np.uint16), dst_type.scalar)
-        return cast(self, src, dst_type)
-
-    interpreter.InterpreterBuilder.cast_impl = cast_impl
-
-
-_round_bf16_like_cuda()
+round_bf16_like_cuda()  # for the whole script
 
 
 def agree(got, want, what, exact_share=0.97, unit=None):

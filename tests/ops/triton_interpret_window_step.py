@@ -23,6 +23,7 @@ bit, the new keys and values holding -0s, zero vectors and entries with subnorma
 ``float8``: fp32 queries (6 on 2 key heads), then bf16 ones; ``float8_softcap``: soft-capped, and as many
 query as key heads; ``float8_parts``: the ring in 2 and 3 parts; ``float8_rope``: the kernel rotating q and k
 (full and partial rotary, whole ring and in parts) against RoPE in PyTorch then the PyTorch path;
+``float8_fold``: the slot scales folded into the products (``FLOAT8_FOLD_SCALES``); ``float8_rope_bf16``: the same in bf16, RoPE rounded once as the kernel does, the casts rounded as on CUDA;
 ``float8_encode``: the kernel's e4m3 encoding against ``Tensor.to(float8_e4m3fn)`` (every value, the ties
 between neighbours, subnormals, signed zeros, random numbers, out of range); ``float8_quantize``: its
 quantisation of a vector against ``float8.quantize``; ``float8_decode``: the kernel's e4m3 decoding of every
@@ -42,7 +43,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
-from interpret_checks import _close  # noqa: E402
+from interpret_checks import _close, bf16_rounded_like_cuda  # noqa: E402
 from linearize import ops  # noqa: E402
 from linearize.ops import window as window_ops  # noqa: E402
 from linearize.ops.window import float8 as f8  # noqa: E402
@@ -312,6 +313,20 @@ def check_float8_parts():
     _float8_steps(6, 2, torch.bfloat16, None, parts=2, steps=10, seed=16)
 
 
+def check_float8_fold():
+    """``FLOAT8_FOLD_SCALES``: the slot scales applied to the scores and the weights instead of the decoded
+    entries; the same outputs to rounding (fp32, bf16, fp16 where only the keys' fold; soft-capped; in parts), the
+    ring's buffers bit for bit."""
+    step_triton.FLOAT8_FOLD_SCALES = True
+    try:
+        _float8_steps(6, 2, torch.float32, None, steps=20, seed=21)
+        _float8_steps(6, 2, torch.bfloat16, 3.0, steps=12, seed=22)
+        _float8_steps(6, 2, torch.float16, None, parts=3, steps=10, seed=23)
+        _float8_steps(2, 2, torch.float32, 3.0, parts=2, steps=10, seed=24)
+    finally:
+        step_triton.FLOAT8_FOLD_SCALES = False
+
+
 def check_float8_rope():
     """The float8 kernel rotating q and k itself (``position_embeddings``), then quantising k, against RoPE by
     rotating halves in PyTorch then the PyTorch path: full and partial rotary dims, the ring whole and in 3
@@ -341,6 +356,40 @@ def check_float8_rope():
                     assert torch.equal(a, c), where
             if steps >= W:
                 assert bool(ring.valid.all()), name
+
+
+def check_float8_rope_bf16():
+    """bf16 q, k, v and cos / sin: the kernel rotates in fp32 and rounds once to bf16 (q and k), then quantises k;
+    against RoPE computed the same way in PyTorch, then the PyTorch path (the families' bf16 RoPE rounds each
+    product and the sum: a bit off here and there, so one e4m3 code off). The casts round as on CUDA. The ring's
+    codes and scales bit for bit, the outputs to bf16 rounding."""
+    from linearize.models.base import rope_rotate_half
+
+    def rope(x, cos, sin):
+        return rope_rotate_half(x.float(), cos.float(), sin.float()).to(x.dtype)
+
+    gen = torch.Generator().manual_seed(19)
+    kw = dict(scale=D ** -0.5, softcap=None)
+    with bf16_rounded_like_cuda():
+        for rot, parts in ((D, None), (D // 2, 3)):
+            for name, start in _float8_starts(2, gen):
+                ring, twin = start, start.map(torch.clone)
+                for t in range(12):
+                    q = (torch.randn(B, 6, 1, D, generator=gen) * 2).bfloat16()
+                    k, v = (_special(torch.randn(B, 2, 1, D, generator=gen), t).bfloat16() for _ in range(2))
+                    angles = torch.randn(B, 1, rot // 2, generator=gen) * 3 + t
+                    cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
+                    got, ring = step_triton.window_step_ring_float8_triton(q, k, v, ring, **kw, parts=parts,
+                                                                           position_embeddings=(cos, sin))
+                    want, twin = _float8_step(rope(q, cos, sin), rope(k, cos, sin), v, twin, False, **kw)
+                    where = ("float8_rope_bf16", name, rot, parts, t)
+                    assert got.dtype == want.dtype == torch.bfloat16, where
+                    _close(got, want.double(), where, tol=1e-2)
+                    for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
+                        assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), where
+                    for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale),
+                                 (ring.valid, twin.valid), (ring.slot, twin.slot)):
+                        assert torch.equal(a, c), where
 
 
 def encoder_inputs(gen, beyond=False):
@@ -446,7 +495,8 @@ def check_float8_decoder():
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "rope", "fma", "decoder",
-                                 "float8", "float8_softcap", "float8_parts", "float8_rope", "float8_encode",
+                                 "float8", "float8_softcap", "float8_parts", "float8_fold", "float8_rope", "float8_rope_bf16",
+                                 "float8_encode",
                                  "float8_quantize", "float8_decode", "float8_decoder"]:
         globals()[f"check_{name}"]()
     print("ok")

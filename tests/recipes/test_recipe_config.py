@@ -124,7 +124,7 @@ def _trained(cfg) -> dict:
     return {k: v for k, v in asdict(cfg).items() if k != "out"}
 
 
-def test_the_default_lolcats_run_is_the_window_recipe_and_the_earlier_ones_stay_named():
+def test_the_default_lolcats_run_is_the_window_recipe_and_the_earlier_ones_stay_named(capsys):
     """``linearize lolcats`` with no flags on a GPU trains what ``--config lolcats_wide`` names (the measured
     best across domains: the hybrid with features before RoPE, gates and kept sliding layers, 4,096-token blocks of
     books + code + WordNet, and after stage 1 the layers that most help copying kept as the teacher's softmax over
@@ -133,13 +133,16 @@ def test_the_default_lolcats_run_is_the_window_recipe_and_the_earlier_ones_stay_
     hybrid = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64, "feature_rope": False,
               "decay": "gated", "keep_sliding": True}
     default = _resolved(["--budget", "gpu"])
+    assert "no --config on a GPU: the default recipe, lolcats_wide" in capsys.readouterr().out  # said in one line
     assert default.spec == {**hybrid, "softmax_window": 1280}
     assert (default.keep_softmax, default.auto_softmax_score, default.auto_softmax_distance) == ("auto:0.47", "recall",
                                                                                                  1024)
     assert (default.block_len, default.batch_size, default.stage1_steps, default.stage2_steps) == (4096, 2, 1220, 1220)
     assert default.data == "gutenberg,corpus:code,corpus:wordnet"
     assert _trained(_resolved(["--config", "lolcats_wide"])) == _trained(default)
+    capsys.readouterr()
     mix = _resolved(["--config", "lolcats_mix"])
+    assert capsys.readouterr().out == ""
     assert mix.spec == hybrid and mix.keep_softmax == () and (mix.block_len, mix.data) == (4096, default.data)
     assert _resolved(["--budget", "gpu", "--keep-softmax", "3,5"]).keep_softmax == (3, 5)  # named layers win
     assert _resolved(["--budget", "gpu", "--data", "gutenberg"]).data == "gutenberg"
