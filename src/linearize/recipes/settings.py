@@ -17,7 +17,8 @@ from ..errors import LinearizeError
 from .config import MODES, RunConfig, graph_mode, setting
 from .launch import world_size
 
-__all__ = ["AUTO_SCORES", "DEFAULT_CONFIG", "DEFAULT_DATA", "DEFAULT_SPEC", "LolcatsConfig", "SupraConfig", "UptrainConfig", "XatlConfig"]
+__all__ = ["AUTO_SCORES", "DEFAULT_CONFIG", "DEFAULT_DATA", "DEFAULT_SPEC", "LolcatsConfig", "SupraConfig",
+           "UptrainConfig", "XatlConfig"]
 
 AUTO_SCORES = ("mse", "recall")  # how keep_softmax auto:K scores the layers (``lolcats.auto_softmax_choice``)
 # What ``linearize lolcats`` trains with no flag and no --config on the gpu budget: the packaged recipe file

@@ -75,25 +75,21 @@ def _e4m3(b):
 
 
 @triton.jit
-def _e4m3_value(b, NATIVE: tl.constexpr):
-    """float8 e4m3fn codes (uint8) as fp32: the GPU's own conversion (NATIVE: a bitcast to ``tl.float8e4nv``,
-    sm_89 and later) or ``_e4m3`` (the interpreter, older GPUs). Both exact."""
-    if NATIVE:
-        x = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    else:
-        x = _e4m3(b)
-    return x
-
-
-@triton.jit
 def _e4m3_as(b, NATIVE: tl.constexpr, ty: tl.constexpr):
     """float8 e4m3fn codes (uint8) as ``ty`` (every e4m3 value is exact in bf16, fp16 and fp32): the GPU's own
-    conversion straight to ``ty`` (NATIVE) or ``_e4m3`` then a cast."""
+    conversion (NATIVE: a bitcast to ``tl.float8e4nv``, sm_89 and later) or ``_e4m3`` (the interpreter, older
+    GPUs) then a cast."""
     if NATIVE:
         x = b.to(tl.float8e4nv, bitcast=True).to(ty)
     else:
         x = _e4m3(b).to(ty)
     return x
+
+
+@triton.jit
+def _e4m3_value(b, NATIVE: tl.constexpr):
+    """float8 e4m3fn codes (uint8) as fp32 (``_e4m3_as``)."""
+    return _e4m3_as(b, NATIVE, tl.float32)
 
 
 @triton.jit
@@ -399,7 +395,8 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1),
         v.stride(3), sc_b, sc_d, float(scale), float(softcap or 1.0), hk, g, w, d, span, rot,
         HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8, NATIVE_FP8=fp8 and _native_float8(q.device),
-        FOLD_K=fp8 and FLOAT8_FOLD_SCALES, FOLD_V=fp8 and FLOAT8_FOLD_SCALES and q.dtype != torch.float16, MMA=STEP_MMA, F32_DOT=f32_dot, PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, BG=bg, BW=bw, BD=bd,
+        FOLD_K=fp8 and FLOAT8_FOLD_SCALES, FOLD_V=fp8 and FLOAT8_FOLD_SCALES and q.dtype != torch.float16,
+        MMA=STEP_MMA, F32_DOT=f32_dot, PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, BG=bg, BW=bw, BD=bd,
         num_warps=STEP_WARPS,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
     if parts > 1:
