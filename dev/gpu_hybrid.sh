@@ -53,7 +53,8 @@
 #             student converted with --feature-rope off --decay gated ($C-nopegated) the prefill (1x32k, 32x1k; the
 #             kernels, then the PyTorch chunked form as before) beside the teacher, then bench.train at 8x1024 eager and
 #             graphed: teacher, LoLCATs' stages and the gated student's (lolcats-long-stage1/2)
-# An untrained student, convert's default LoLCATs one (what `linearize lolcats` trains): speed does not depend on the
+# An untrained student, convert's default LoLCATs one (the hybrid `linearize lolcats` trains in every layer it does not
+# keep as window softmax; the default's window layers: the window job's `wide` row): speed does not depend on the
 # weights. Rows land in $S (/tmp/runs/hybrid).
 set -uo pipefail
 T=${T:-/tmp/stage/teacher.gguf}; S=${S:-/tmp/runs/hybrid}; C=${C:-/tmp/ckpt/lolcats}; mkdir -p "$S"
