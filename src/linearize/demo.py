@@ -5,7 +5,8 @@
 2. The LoLCATs recipe as ``linearize lolcats`` runs it with no flags: stage 1 (attention transfer) and
    stage 2 (LoRA), with held-out perplexity of the teacher, the converted model and after each stage.
    The budget is a few minutes on the Gutenberg books on a CPU, ~10M tokens per stage of books, code
-   and WordNet on a GPU (``--budget``).
+   and WordNet on a GPU (``--budget``), where the student also keeps its copying layers as window softmax
+   (the default recipe file, ``lolcats_wide``).
 3. The final checkpoint loads without the teacher and decodes recurrently with a cache whose
    size does not grow with the generated length.
 """
@@ -45,6 +46,15 @@ def exactness(block_len: int, spec: dict) -> float:
         return (student(block).logits - reference).abs().max().item()
 
 
+def recipe_config(out: Path, budget: str | None) -> lolcats.LolcatsConfig:
+    """What ``linearize lolcats --out OUT [--budget BUDGET]`` runs, resolved as the command resolves it (on the
+    gpu budget the default recipe file, ``settings.DEFAULT_CONFIG``)."""
+    from .cli import _recipe_config, build_parser
+
+    args = build_parser().parse_args(["lolcats", "--out", str(out), *(["--budget", budget] if budget else [])])
+    return _recipe_config(args, lolcats.LolcatsConfig, lolcats.apply_budget, "runs/lolcats", lolcats.DEFAULT_SPEC)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m linearize.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -53,7 +63,7 @@ def main(argv=None):
                    help="LoLCATs token budget (default: gpu on CUDA, cpu otherwise)")
     a = p.parse_args(argv)
     start = time.time()
-    cfg = lolcats.apply_budget(lolcats.LolcatsConfig(out=str(a.out)), a.budget)
+    cfg = recipe_config(a.out, a.budget)
 
     diff = exactness(cfg.block_len, cfg.spec)
     print(f"[1] LoLCATs hybrid with window {cfg.block_len} >= the block vs the softmax teacher: "

@@ -156,6 +156,18 @@ def test_the_default_lolcats_run_is_the_window_recipe_and_the_earlier_ones_stay_
     assert cpu.spec == hybrid and cpu.keep_softmax == () and cpu.block_len == 256 and cpu.data is None  # books
 
 
+def test_the_demo_trains_what_the_command_trains(tmp_path):
+    """``make demo`` runs the recipe ``linearize lolcats`` runs with no flags: the hybrid on short blocks of the
+    books on the cpu budget, the default recipe file on the gpu budget."""
+    from linearize.demo import recipe_config
+
+    for budget in ("cpu", "gpu"):
+        got = recipe_config(tmp_path / "demo", budget)
+        assert got.out == str(tmp_path / "demo")
+        assert _trained(got) == _trained(_resolved(["--budget", budget]))
+    assert recipe_config(tmp_path, "gpu").keep_softmax == "auto:0.47"
+
+
 def test_the_no_window_row_of_the_default_is_a_valid_linear_student():
     """LoLCATs Table 5's no-window row drops the hybrid's own options (a linear student takes neither
     features before RoPE nor per-key-head gates)."""
