@@ -346,7 +346,7 @@ def test_float8_ring_step_kernel_rotates_q_and_k_itself_on_cuda(q_dtype, rot, pr
             got, ring = step_triton.window_step_ring_float8_triton(q, k, v, ring, scale=0.125,
                                                                    position_embeddings=(cos, sin))
             # RoPE as the kernel computes it: in fp32, rounded once to q's dtype (the families' bf16 RoPE rounds
-            # each product and the sum: bf16 keys a bit off, scales up to 0.8 % off; failed here on 2026-11-30)
+            # each product and the sum: bf16 keys a bit off, their scales up to 0.8 % off)
             rq, rk = (rope_rotate_half(x.float(), cos.float(), sin.float()).to(x.dtype) for x in (q, k))
             want, twin = _float8_step(rq, rk, v, twin, False, scale=0.125)
         torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)

@@ -23,7 +23,8 @@ bit, the new keys and values holding -0s, zero vectors and entries with subnorma
 ``float8``: fp32 queries (6 on 2 key heads), then bf16 ones; ``float8_softcap``: soft-capped, and as many
 query as key heads; ``float8_parts``: the ring in 2 and 3 parts; ``float8_rope``: the kernel rotating q and k
 (full and partial rotary, whole ring and in parts) against RoPE in PyTorch then the PyTorch path;
-``float8_fold``: the slot scales folded into the products (``FLOAT8_FOLD_SCALES``); ``float8_rope_bf16``: the same in bf16, RoPE rounded once as the kernel does, the casts rounded as on CUDA;
+``float8_fold``: the slot scales folded into the products (``FLOAT8_FOLD_SCALES``); ``float8_rope_bf16``: the
+same as ``float8_rope`` in bf16, RoPE rounded once as the kernel does, the casts rounded as on CUDA;
 ``float8_encode``: the kernel's e4m3 encoding against ``Tensor.to(float8_e4m3fn)`` (every value, the ties
 between neighbours, subnormals, signed zeros, random numbers, out of range); ``float8_quantize``: its
 quantisation of a vector against ``float8.quantize``; ``float8_decode``: the kernel's e4m3 decoding of every
@@ -273,6 +274,15 @@ def _float8_step(q, k, v, ring, kernel, parts=None, **kw):
         step_triton.window_step_ring_float8_triton = launch
 
 
+def _same_ring(ring, twin, where):
+    """Two float8 rings' buffers bit for bit: codes, scales, valid slots and counter."""
+    for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
+        assert a.dtype == f8.FLOAT8 and torch.equal(a.view(torch.uint8), c.view(torch.uint8)), where
+    for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale), (ring.valid, twin.valid),
+                 (ring.slot, twin.slot)):
+        assert torch.equal(a, c), where
+
+
 def _float8_steps(h, hk, q_dtype, softcap, *, parts=None, steps=46, seed=0):
     gen = torch.Generator().manual_seed(seed)
     kw = dict(scale=D ** -0.5, softcap=softcap)
@@ -289,11 +299,7 @@ def _float8_steps(h, hk, q_dtype, softcap, *, parts=None, steps=46, seed=0):
             where = (name, i, h, hk, str(q_dtype), softcap, parts)
             assert got.dtype == q_dtype and got.shape == (B, h, 1, D), where
             _close(got, want.double(), where, tol=tol)
-            for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
-                assert a.dtype == f8.FLOAT8 and torch.equal(a.view(torch.uint8), c.view(torch.uint8)), where
-            for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale),
-                         (ring.valid, twin.valid), (ring.slot, twin.slot)):
-                assert torch.equal(a, c), where
+            _same_ring(ring, twin, where)
         if steps >= W:
             assert bool(ring.valid.all()), name
 
@@ -349,11 +355,7 @@ def check_float8_rope():
                 want, twin = _float8_step(rq, rk, v, twin, False, **kw)
                 where = ("float8_rope", name, rot, parts, t)
                 _close(got, want.double(), where, tol=2e-5)
-                for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
-                    assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), where
-                for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale),
-                             (ring.valid, twin.valid), (ring.slot, twin.slot)):
-                    assert torch.equal(a, c), where
+                _same_ring(ring, twin, where)
             if steps >= W:
                 assert bool(ring.valid.all()), name
 
@@ -385,11 +387,7 @@ def check_float8_rope_bf16():
                     where = ("float8_rope_bf16", name, rot, parts, t)
                     assert got.dtype == want.dtype == torch.bfloat16, where
                     _close(got, want.double(), where, tol=1e-2)
-                    for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
-                        assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), where
-                    for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale),
-                                 (ring.valid, twin.valid), (ring.slot, twin.slot)):
-                        assert torch.equal(a, c), where
+                    _same_ring(ring, twin, where)
 
 
 def encoder_inputs(gen, beyond=False):
@@ -495,8 +493,8 @@ def check_float8_decoder():
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "rope", "fma", "decoder",
-                                 "float8", "float8_softcap", "float8_parts", "float8_fold", "float8_rope", "float8_rope_bf16",
-                                 "float8_encode",
-                                 "float8_quantize", "float8_decode", "float8_decoder"]:
+                                 "float8", "float8_softcap", "float8_parts", "float8_fold", "float8_rope",
+                                 "float8_rope_bf16", "float8_encode", "float8_quantize", "float8_decode",
+                                 "float8_decoder"]:
         globals()[f"check_{name}"]()
     print("ok")
