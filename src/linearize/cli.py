@@ -158,8 +158,8 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
 
         args.config = DEFAULT_CONFIG
         if is_main_process():
-            print(f"linearize lolcats: no --config on a GPU: the default recipe, {DEFAULT_CONFIG} (--config lolcats_mix: "
-                  "the same without its window-softmax layers)")
+            print(f"linearize lolcats: no --config on the gpu budget: the default recipe, {DEFAULT_CONFIG} "
+                  "(--config lolcats_mix: the same without its window-softmax layers)")
     recipe = read_recipe(getattr(args, "config", None))
     if "hybrid" in recipe:  # XATL's earlier name for the kept softmax layers (run configs saved before)
         hybrid = recipe.pop("hybrid")

@@ -133,7 +133,7 @@ def test_the_default_lolcats_run_is_the_window_recipe_and_the_earlier_ones_stay_
     hybrid = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64, "feature_rope": False,
               "decay": "gated", "keep_sliding": True}
     default = _resolved(["--budget", "gpu"])
-    assert "no --config on a GPU: the default recipe, lolcats_wide" in capsys.readouterr().out  # said in one line
+    assert "no --config on the gpu budget: the default recipe, lolcats_wide" in capsys.readouterr().out  # said in one line
     assert default.spec == {**hybrid, "softmax_window": 1280}
     assert (default.keep_softmax, default.auto_softmax_score, default.auto_softmax_distance) == ("auto:0.47", "recall",
                                                                                                  1024)
