@@ -61,7 +61,7 @@ def place(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("stray")
     torch.manual_seed(0)
-    teacher = AutoModelForCausalLM.from_config(tiny_config("llama"))
+    teacher = AutoModelForCausalLM.from_config(tiny_config("llama", tie_word_embeddings=True))  # as SmolLM2's
     teacher.save_pretrained(root / "teacher")
     bpe_tokenizer().save_pretrained(root / "teacher")
     rng = random.Random(0)
