@@ -14,7 +14,9 @@ the hybrid's; here are the faster whole-sequence forms and their dispatcher, and
   ``RingHybridState``: the fast decoder's, fixed shapes; on CUDA one Triton launch, ``step_triton.py``,
   ``WINDOW_STEP_KERNEL``);
 * float8 rings (``float8.py``): the keys and values as e4m3 codes with a scale per token and key head (their
-  ring step on CUDA: the same Triton kernel reading the codes, ``FLOAT8_STEP_KERNEL``).
+  ring step on CUDA: the same Triton kernel reading the codes, ``FLOAT8_STEP_KERNEL``);
+* attention sinks (``sinks.py``): the window plus each sequence's first tokens, the sequence form on SDPA blocks
+  with its gradient (not yet in the mixer, its states or steps).
 """
 
 from __future__ import annotations
