@@ -604,7 +604,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "stage 2 trains LoRA adapters on next-token loss and merges them. Prints held-out "
                                     "perplexity of the teacher, the converted model and after each stage; writes "
                                     "OUT/final (a standalone checkpoint), OUT/results.json and OUT/metrics.jsonl. With "
-                                    "no --config on a GPU it trains the measured default (= --config lolcats_wide): "
+                                    "no --config on a GPU (or --budget gpu) it trains the measured default (= --config lolcats_wide): "
                                     "Hedgehog features of the q/k before RoPE, a gated linear state, the teacher's "
                                     "sliding-window layers kept, 4,096-token blocks of books, code and WordNet, and "
                                     "after stage 1 the 47 % of the layers whose softmax most helps copying kept as the "
