@@ -149,10 +149,11 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
     Unknown keys in the file fail with one line, before anything loads."""
     from dataclasses import fields, replace
 
+    from .recipes.config import resolve_budget
     from .spec import Spec
 
     if (command or args.command) == "lolcats" and getattr(args, "config", None) is None \
-            and _budget_or_device(args) == "gpu":  # no file on a GPU: the measured default's recipe file
+            and resolve_budget(getattr(args, "budget", None)) == "gpu":  # no file on a GPU: the default's recipe file
         from .recipes.launch import is_main_process
         from .recipes.settings import DEFAULT_CONFIG
 
@@ -205,15 +206,6 @@ def _recipe_config(args, make, apply_budget, default_out: str, spec_base: dict, 
     else:
         keep = tuple(Spec(keep_softmax=keep).keep_softmax) if keep else ()
     return replace(cfg, **{**recipe, **fixed, **flags}, teacher=teacher, spec=spec, keep_softmax=keep)
-
-
-def _budget_or_device(args) -> str:
-    """The budget a recipe runs on: the flag's, else gpu on CUDA and cpu otherwise."""
-    if getattr(args, "budget", None):
-        return args.budget
-    import torch
-
-    return "gpu" if torch.cuda.is_available() else "cpu"
 
 
 def _load_any(model: str, dtype, device):

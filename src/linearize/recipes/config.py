@@ -20,11 +20,20 @@ import dataclasses
 import typing
 from dataclasses import dataclass, field
 
-__all__ = ["MODES", "RunConfig", "add_flags", "flag_help", "graph_mode", "setting"]
+__all__ = ["MODES", "RunConfig", "add_flags", "flag_help", "graph_mode", "resolve_budget", "setting"]
 
 _NONE = type(None)
 
 MODES = ("auto", "on", "off")  # the cuda_graph setting of the recipes that train with linearize.graphed
+
+
+def resolve_budget(budget: str | None) -> str:
+    """A recipe's token budget: ``budget``, else gpu on CUDA and cpu otherwise (torch imported only then)."""
+    if budget:
+        return budget
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
 
 
 def graph_mode(value) -> str:

@@ -45,6 +45,7 @@ from ..eval import perplexity
 from ..graphed import use_graphs
 from ..models import get_adapter
 from .common import begin_run, finish
+from .config import resolve_budget
 from .settings import AUTO_SCORES, DEFAULT_DATA, DEFAULT_SPEC, LolcatsConfig
 if typing.TYPE_CHECKING:
     from .engine import TrainConfig
@@ -713,8 +714,7 @@ BUDGETS = {
 
 def apply_budget(cfg: LolcatsConfig, budget: str | None) -> LolcatsConfig:
     """A token-budget preset; ``None`` picks gpu on CUDA and cpu otherwise."""
-    budget = budget or ("gpu" if torch.cuda.is_available() else "cpu")
-    return replace(cfg, **BUDGETS[budget])
+    return replace(cfg, **BUDGETS[resolve_budget(budget)])
 
 
 def summary(results: dict, row: str = "lolcats") -> str:

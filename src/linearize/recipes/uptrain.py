@@ -24,6 +24,7 @@ from ..errors import LinearizeError
 from ..eval import perplexity
 from ..graphed import use_graphs
 from .common import begin_run, finish
+from .config import resolve_budget
 from .settings import UptrainConfig
 from ..distill import FrozenTeacher, build_objective, check_options, next_token_loss
 if typing.TYPE_CHECKING:
@@ -58,8 +59,7 @@ BUDGETS = {
 
 
 def apply_budget(cfg: UptrainConfig, budget: str | None) -> UptrainConfig:
-    budget = budget or ("gpu" if torch.cuda.is_available() else "cpu")
-    return replace(cfg, **BUDGETS[budget])
+    return replace(cfg, **BUDGETS[resolve_budget(budget)])
 
 
 def learns_from_lm(loss: str) -> bool:
