@@ -64,6 +64,9 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--softmax-window-dtype", choices=WINDOW_DTYPES, help="how the window-softmax layers "
                    "(--softmax-window) keep their keys and values: auto (the model's dtype; the default) or float8 "
                    "(e4m3 with a scale per token and key head: about half the bytes of bf16)")
+    g.add_argument("--softmax-window-sinks", type=int, metavar="S", help="the window-softmax layers (--softmax-window) "
+                   "also see each sequence's first S real tokens once those have left their window (attention sinks): "
+                   "S more keys and values per key head in each (0: none, the default)")
     g.add_argument("--sparse-cache", type=int, metavar="S", help="lolcats: tokens per layer and key head kept exactly "
                    "beside the window, by default those whose values are least like the others' (see --sparse-priority); "
                    "0 = off (default)")
@@ -86,7 +89,7 @@ def _spec_arguments(p: argparse.ArgumentParser) -> None:
 
 
 SPEC_FLAGS = ("kind", "feature_map", "feature_dim", "window", "decay", "decay_horizon", "feature_rope", "norm",
-              "keep_softmax", "softmax_window", "softmax_window_dtype", "keep_sliding", "backend", "sparse_cache",
+              "keep_softmax", "softmax_window", "softmax_window_dtype", "softmax_window_sinks", "keep_sliding", "backend", "sparse_cache",
               "sparse_priority", "sparse_anchor", "sparse_linear")
 
 

@@ -22,10 +22,10 @@ def _runs(labels: list[str]) -> str:
 
 
 def _label(mixer) -> str:
-    """A converted layer's kind; a window-softmax layer's with its window (and float8 rings): 'window 1280 float8'."""
+    """A converted layer's kind; a window-softmax layer's with its window (sinks, float8 rings): 'window 1280+4 float8'."""
     if mixer.kind != "window":
         return mixer.kind
-    return f"window {mixer.window}" + (" float8" if mixer.float8 else "")
+    return f"window {mixer.window}" + (f"+{mixer.sinks}" if mixer.sinks else "") + (" float8" if mixer.float8 else "")
 
 
 def state_bytes(model, length: int | None = None, batch: int = 1, dtype: torch.dtype | None = None) -> dict[str, int]:

@@ -71,6 +71,8 @@ class Spec:
     softmax_window_dtype: ``auto`` (the model's) or ``float8``: how the window-softmax layers keep their keys and
         values (``ops/window/float8.py``: e4m3 codes and a float32 scale per token and key head; the layers'
         sequence form attends over the same read-back values, so training, prefill and decoding agree).
+    softmax_window_sinks: ``S`` > 0: the window-softmax layers also see each sequence's first ``S`` real tokens
+        once those have left their window (attention sinks, ``ops/window/sinks.py``): ``S`` more slots of state.
     softmax_windows: the kept layers' own windows, ``(layer, W)`` pairs (from ``softmax_window``'s string form, or
         a ``{layer: W}`` mapping).
     keep_sliding: keep every teacher layer that has its own sliding window (Gemma 2/3's local layers,
@@ -132,6 +134,9 @@ class Spec:
         "cli": True, "choices": WINDOW_DTYPES, "help": "how the window-softmax layers keep their keys and values: auto "
         "(the model's dtype; the default) or float8 (e4m3 with a scale per token and key head: about half the bytes "
         "of bf16; the layers attend over the same read-back values in training and decoding)"})
+    softmax_window_sinks: int = field(default=0, metadata={
+        "cli": True, "help": "the window-softmax layers also see each sequence's first S real tokens (attention "
+        "sinks) once those have left their window: S more keys and values per key head (0: none; the default)"})
     keep_sliding: bool = False
     backend: str = field(default="auto", metadata={
         "cli": True, "choices": BACKENDS, "help": "auto: fla CUDA kernels when installed; torch: PyTorch only"})
@@ -175,6 +180,12 @@ class Spec:
         if self.softmax_window_dtype != "auto" and not (self.softmax_window or self.softmax_windows):
             raise LinearizeError(f"spec softmax_window_dtype {self.softmax_window_dtype} sets how the window-softmax "
                                  "layers keep their keys and values; give them a window (softmax_window W)")
+        sinks = self.softmax_window_sinks
+        if not isinstance(sinks, int) or isinstance(sinks, bool) or sinks < 0:
+            raise LinearizeError(f"spec softmax_window_sinks must be a non-negative whole number of tokens, got {sinks!r}")
+        if sinks and not (self.softmax_window or self.softmax_windows):
+            raise LinearizeError(f"spec softmax_window_sinks {sinks} gives the window-softmax layers sinks; give them a "
+                                 "window (softmax_window W)")
         cache = self.sparse_cache
         if not isinstance(cache, int) or isinstance(cache, bool) or cache < 0:
             raise LinearizeError(f"spec sparse_cache must be a non-negative integer, got {cache!r}")

@@ -137,6 +137,62 @@ def test_window_step_replays_from_a_cuda_graph(programs, monkeypatch):
         assert torch.equal(ring.keys, twin.keys) and torch.equal(ring.values, twin.values)
 
 
+@pytest.mark.parametrize("programs", [None, 1])
+@pytest.mark.parametrize("float8", [False, True])
+def test_sinks_ring_step_and_settling_replay_from_a_cuda_graph(programs, float8, monkeypatch):
+    """A ring with 4 attention sinks (``ops/window/sinks.py``) after a left-padded prompt whose second sequence
+    lacks two: the kernel's step and ``settle_sinks`` captured together and replayed past the ring's end, against
+    the PyTorch step and settling run eagerly on a copy (the slot stays past the sinks; the sinks fill in)."""
+    from linearize.ops.window import float8 as f8
+    from linearize.ops.window import step_triton
+    from linearize.ops.window.sinks import settle_sinks, sink_ring_state, sink_window_state
+
+    monkeypatch.setattr(step_triton, "STEP_PROGRAMS", programs)
+    batch, h, hk, w, sinks = 2, 9, 3, 256, 4
+    g = torch.Generator(device="cuda").manual_seed(3)
+    k0, v0 = (torch.randn(batch, hk, 8, D, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
+    mask = torch.ones(batch, 8, dtype=torch.bool, device="cuda")
+    mask[1, :6] = False
+    codes = None
+    if float8:
+        (kr, k8, ks), (vr, v8, vs) = f8.fake_quantize(k0), f8.fake_quantize(v0)
+        k0, v0, codes = kr, vr, (k8, ks, v8, vs)
+    ring = sink_ring_state(sink_window_state(k0, v0, w, sinks, mask, codes), w)
+    assert ring.fill.tolist() == [4, 2] and _use_kernel(ring, float8)
+    twin = ring.map(torch.clone)
+    q, k, v = (torch.zeros(batch, n, 1, D, device="cuda", dtype=torch.bfloat16) for n in (h, hk, hk))
+
+    def step(r, kernel=True):
+        if float8:
+            o, _ = _float8_step(q, k, v, r, kernel, scale=0.125)
+        else:
+            o, _ = (W.window_softmax_step_ring(q, k, v, r, scale=0.125) if kernel
+                    else _reference(q, k, v, r, scale=0.125))
+        settle_sinks(r)
+        return o, r
+
+    with torch.no_grad():
+        graph, o = _captured(step, ring)
+        for i in range(w + 20):
+            for x in (q, k, v):
+                x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+            graph.replay()
+            want, twin = step(twin, kernel=False)
+            torch.testing.assert_close(o.float(), want.float(), atol=2e-2, rtol=2e-2)
+            assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid), i
+            assert torch.equal(ring.fill, twin.fill), i
+        assert ring.fill.tolist() == [4, 4] and sinks <= int(ring.slot) < sinks + w
+        raw = (lambda x: x.view(torch.uint8)) if float8 else (lambda x: x)  # noqa: E731
+        assert torch.equal(raw(ring.keys), raw(twin.keys)) and torch.equal(raw(ring.values), raw(twin.values))
+
+
+def _use_kernel(ring, float8) -> bool:
+    from linearize.ops.window import float8 as f8
+
+    q = torch.zeros(ring.keys.shape[0], 9, 1, D, device="cuda", dtype=torch.bfloat16)
+    return f8._use_float8_step_kernel(q, ring) if float8 else W._use_window_step_kernel(q, ring)
+
+
 def _float8_ring(b, hk, w, fill, g):
     """A float8 ring with about ``fill`` of its slots valid (the others' codes and scales zero), the counter
     near its end."""

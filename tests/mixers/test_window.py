@@ -328,3 +328,57 @@ def test_a_bad_softmax_window_dtype_is_one_clear_line():
         linearize.Spec(softmax_window_dtype="int4", softmax_window=8)
     with pytest.raises(LinearizeError, match="give them a window"):
         linearize.Spec(softmax_window_dtype="float8")
+
+
+SINKS = {**SPEC, "softmax_window_sinks": 3}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3"])
+def test_sinks_decode_like_the_parallel_forward(tiny_model, family):
+    """Window layers with attention sinks (``ops/window/sinks.py``): a prefill and steps give the parallel forward
+    (prompts longer and shorter than the sinks; gemma2's soft-capped scores), plain generate() full forwards."""
+    student = tiny_student(tiny_model, family, SINKS)
+    assert_decodes_like_parallel(student)
+    assert_decodes_like_parallel(student, prefill=2)
+
+
+@pytest.mark.parametrize("family,sinks,dtype", [("llama", 3, "auto"), ("gemma2", 3, "auto"), ("llama", 7, "auto"),
+                                                ("llama", 3, "float8")])
+def test_sinks_fast_decoder_equals_generate(tiny_model, family, sinks, dtype):
+    """The fast decoder's ring of sinks + window slots gives generate()'s tokens; with 7 sinks the left-padded
+    prompt (5 real tokens) lacks two, which its first decoded tokens become."""
+    spec = {**SINKS, "softmax_window_sinks": sinks, "softmax_window_dtype": dtype}
+    assert_fast_equals_generate(tiny_student(tiny_model, family, spec))
+
+
+def test_sinks_change_only_queries_past_the_window_and_cost_their_slots(tiny_model, tmp_path):
+    from helpers import tiny_tokenizer
+    from linearize.info import describe
+
+    plain = tiny_student(tiny_model, "llama", SPEC)
+    sunk = tiny_student(tiny_model, "llama", SINKS)
+    sunk.load_state_dict(plain.state_dict())
+    ids = torch.randint(0, 97, (2, 21), generator=torch.Generator().manual_seed(2))
+    a, b = sunk(ids).logits, plain(ids).logits
+    torch.testing.assert_close(a[:, :6], b[:, :6], atol=TOL, rtol=0)  # the 6-token window still holds token 0
+    assert (a[:, 6:] - b[:, 6:]).abs().amax(-1).min() > 0
+    layer = linearize.mixers(sunk)[1]
+    g = layer.geometry
+    assert layer.state_bytes(torch.bfloat16) == 9 * (g.n_kv_heads * 2 * g.head_dim * 2 + 1)
+    assert "window 6+3 [1]" in describe(sunk)
+    sunk.generation_config.eos_token_id = None
+    assert cache_bytes_after(sunk, 12) == cache_bytes_after(sunk, 40)
+    linearize.save(sunk, tiny_tokenizer(), tmp_path / "ckpt")
+    loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu", dtype=torch.float64)
+    assert linearize.mixers(loaded)[1].sinks == 3
+    torch.testing.assert_close(loaded(ids).logits, a, atol=TOL, rtol=0)
+    sunk.zero_grad()
+    sunk(ids).logits.sum().backward()
+    assert sunk.model.layers[1].self_attn.k_proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("spec,message", [({"softmax_window_sinks": -1, "softmax_window": 8}, "non-negative whole"),
+                                          ({"softmax_window_sinks": 4}, "give them a window")])
+def test_bad_sinks_are_one_clear_line(spec, message):
+    with pytest.raises(LinearizeError, match=message):
+        linearize.Spec(**spec)

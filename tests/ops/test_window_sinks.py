@@ -1,11 +1,14 @@
 """Window softmax with attention sinks (``ops/window/sinks.py``) against its float64 definition: values and
-gradients, grouped heads, left padding, sequences shorter than the window or than the sinks."""
+gradients, grouped heads, left padding, sequences shorter than the window or than the sinks, soft-capped scores; the
+state after a prompt, the plain step and the fast decoder's ring (float8 codes too) continue it exactly."""
 
 import pytest
 import torch
 
+from linearize.ops import window as W
 from linearize.ops.window import window_softmax_sdpa
-from linearize.ops.window.sinks import sink_positions, window_softmax_sinks_sdpa
+from linearize.ops.window.sinks import (settle_sinks, sink_positions, sink_ring_state, sink_window_state,
+                                        sinks_window_step, window_softmax_sinks, window_softmax_sinks_sdpa)
 
 
 def _definition(q, k, v, window, sinks, scale, key_mask=None):
@@ -66,3 +69,109 @@ def test_sink_positions_are_each_sequences_first_real_tokens():
     assert first.tolist() == [[0, 1], [2, 3], [4, 4]] and exists.tolist() == [[True, True], [True, True], [True, False]]
     first, exists = sink_positions(None, 2, 5, 3, "cpu")
     assert first.tolist() == [[0, 1, 2]] * 2 and bool(exists.all())
+
+
+def _softcapped_definition(q, k, v, window, sinks, scale, softcap, key_mask=None):
+    """``_definition`` with Gemma 2's soft-capped scores; padding queries' outputs 0."""
+    b, h, t, _ = q.shape
+    k, v = (x.repeat_interleave(h // x.shape[1], dim=1) for x in (k, v))
+    pos = torch.arange(t)
+    dist = pos[:, None] - pos[None, :]
+    real = torch.ones(b, t, dtype=torch.bool) if key_mask is None else key_mask.bool()
+    is_sink = real & (real.long().cumsum(1) - 1 < sinks)
+    allowed = (((dist >= 0) & (dist < window))[None] | ((dist >= 0)[None] & is_sink[:, None, :])) & real[:, None, :]
+    allowed = allowed | (~real[:, :, None] & (dist == 0)[None])
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    o = torch.softmax(scores.masked_fill(~allowed[:, None], float("-inf")), -1) @ v
+    return o * real[:, None, :, None]
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_soft_capped_scores_take_the_blocks_by_hand(padded):
+    q, k, v = _inputs(2, 4, 2, 33, seed=2)
+    key_mask = None
+    if padded:
+        key_mask = torch.ones(2, 33, dtype=torch.bool)
+        key_mask[0, :6] = False
+    got = window_softmax_sinks(q, k, v, window=7, sinks=3, scale=0.4, softcap=1.5, key_mask=key_mask)
+    want = _softcapped_definition(q, k, v, 7, 3, 0.4, 1.5, key_mask)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    wants = torch.autograd.grad(want.square().sum(), (q, k, v))
+    for a, c in zip(grads, wants):
+        torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-10)
+
+
+def _padded(b, t, pads):
+    key_mask = torch.ones(b, t, dtype=torch.bool)
+    for i, p in enumerate(pads):
+        key_mask[i, :p] = False
+    return key_mask
+
+
+@pytest.mark.parametrize("prompt,window,sinks,pads", [
+    (12, 5, 2, (0, 0)), (30, 7, 4, (0, 9)), (3, 6, 4, (0, 2)), (2, 4, 3, (1, 0)), (9, 16, 4, (0, 5)), (1, 3, 2, (0, 0))])
+@pytest.mark.parametrize("softcap", [None, 1.5])
+def test_state_plain_steps_and_ring_continue_the_prefill(prompt, window, sinks, pads, softcap):
+    """After a left-padded prompt (some shorter than the sinks: decoded tokens become their sinks), one token at a
+    time from ``sink_window_state`` (the plain step) and from its ring (in place, wrapping many times) gives the
+    sequence form's outputs."""
+    new = 3 * window + 5
+    t = prompt + new
+    q, k, v = (x.detach() for x in _inputs(2, 4, 2, t, seed=3))
+    key_mask = _padded(2, t, pads)
+    want = _softcapped_definition(q, k, v, window, sinks, 0.4, softcap, key_mask) if softcap else \
+        _definition(q, k, v, window, sinks, 0.4, key_mask) * key_mask[:, None, :, None]
+    head = lambda x: x[:, :, :prompt]  # noqa: E731
+    state = sink_window_state(head(k), head(v), window, sinks, key_mask[:, :prompt])
+    ring = sink_ring_state(sink_window_state(head(k), head(v), window, sinks, key_mask[:, :prompt]), window)
+    assert ring.keys.shape[2] == sinks + window and int(ring.slot) == sinks
+    assert (ring.fill is None) == all(prompt - p >= sinks for p in pads)
+    for i in range(prompt, t):
+        one = [x[:, :, i : i + 1] for x in (q, k, v)]
+        o, state = sinks_window_step(*one, state, window=window, scale=0.4, softcap=softcap,
+                                     key_mask=key_mask[:, : i + 1])
+        o_ring, ring = W.window_softmax_step_ring(*one, ring, scale=0.4, softcap=softcap)
+        settle_sinks(ring)
+        torch.testing.assert_close(o, want[:, :, i : i + 1], atol=1e-10, rtol=0)
+        torch.testing.assert_close(o_ring, want[:, :, i : i + 1], atol=1e-10, rtol=0)
+    assert state.window.keys.shape[2] == window and ring.keys.shape[2] == sinks + window
+    assert state.fill.tolist() == [min(sinks, t - p) for p in pads]
+
+
+def test_a_padding_token_in_a_continuation_is_neither_sink_nor_window_key():
+    q, k, v = (x.detach() for x in _inputs(1, 2, 2, 8, seed=4))
+    state = sink_window_state(k[:, :, :1], v[:, :, :1], 3, 2)
+    one = [x[:, :, 1:2] for x in (q, k, v)]
+    o, after = sinks_window_step(*one, state, window=3, scale=0.5, key_mask=torch.tensor([[True, False]]))
+    assert torch.equal(o, torch.zeros_like(o)) and after.fill.tolist() == [1]
+    assert after.window.valid.tolist() == [[False, False]]  # the sink held once, the padding not at all
+
+
+def test_float8_sinks_keep_codes_and_agree_with_the_read_back_sequence_form():
+    """A float8 layer's sinks are codes with their scales; its plain steps and ring give the sequence form of the
+    read-back keys and values."""
+    from linearize.ops.window.float8 import FLOAT8, Float8RingState, fake_quantize
+
+    t, prompt, window, sinks = 40, 7, 5, 3
+    q, k, v = (x.detach().float() for x in _inputs(2, 4, 2, t, seed=5))
+    key_mask = _padded(2, t, (0, 5))
+    (kr, k8, ks), (vr, v8, vs) = fake_quantize(k), fake_quantize(v)
+    want = window_softmax_sinks(q, kr, vr, window=window, sinks=sinks, scale=0.4, key_mask=key_mask)
+    cut = lambda x: x[:, :, :prompt]  # noqa: E731
+    state = sink_window_state(cut(kr), cut(vr), window, sinks, key_mask[:, :prompt],
+                              codes=(cut(k8), cut(ks), cut(v8), cut(vs)))
+    assert state.keys.dtype == FLOAT8 and state.key_scale.shape == (2, 2, sinks, 1)
+    ring = sink_ring_state(sink_window_state(cut(kr), cut(vr), window, sinks, key_mask[:, :prompt],
+                                             codes=(cut(k8), cut(ks), cut(v8), cut(vs))), window)
+    assert isinstance(ring, Float8RingState) and ring.fill is not None  # the padded prompt holds 2 real tokens
+    from linearize.ops.window.float8 import float8_window_step_ring
+
+    for i in range(prompt, t):
+        one = [x[:, :, i : i + 1] for x in (q, k, v)]
+        o, state = sinks_window_step(*one, state, window=window, scale=0.4, key_mask=key_mask[:, : i + 1])
+        o_ring, ring = float8_window_step_ring(*one, ring, W.window_softmax_step_ring, scale=0.4)
+        settle_sinks(ring)
+        torch.testing.assert_close(o, want[:, :, i : i + 1], atol=1e-5, rtol=0)
+        torch.testing.assert_close(o_ring, want[:, :, i : i + 1], atol=1e-5, rtol=0)

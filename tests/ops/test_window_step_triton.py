@@ -51,6 +51,13 @@ def test_float8_ring_step_kernel_in_parts_and_the_decoder_through_the_interprete
     run_triton_interpreter_script("triton_interpret_window_step.py", "float8_parts", "float8_fold", "float8_decoder")
 
 
+def test_rings_with_sinks_on_the_kernel_through_the_interpreter():
+    """Rings with attention sinks: the kernel whole and in parts (the slot advanced past the sinks), settled after
+    each step, against the PyTorch step; the fast decoder of students whose window layers have sinks (fp32 and
+    float8 rings, a prompt lacking sinks)."""
+    run_triton_interpreter_script("triton_interpret_window_step.py", "sinks", "sinks_decoder")
+
+
 def _ring(b=2, hk=2, w=8, d=4, dtype=torch.float32):
     z = torch.zeros(b, hk, w, d, dtype=dtype)
     return ops.RingHybridState(z, z[..., :0], z.clone(), torch.zeros(b, hk, 1, 1, d + 1),

@@ -29,7 +29,8 @@ same as ``float8_rope`` in bf16, RoPE rounded once as the kernel does, the casts
 between neighbours, subnormals, signed zeros, random numbers, out of range); ``float8_quantize``: its
 quantisation of a vector against ``float8.quantize``; ``float8_decode``: the kernel's e4m3 decoding of every
 byte but the NaNs against torch's; ``float8_decoder``: the fast decoder of tiny students with float8 window
-layers (the kernel rotating q and k)."""
+layers (the kernel rotating q and k). ``sinks``: rings with attention sinks, whole and in parts; ``sinks_decoder``: the
+fast decoder of students whose window layers have sinks (fp32 rings and float8 ones)."""
 
 import functools
 import os
@@ -134,11 +135,43 @@ def check_strided():
     _steps(6, 2, torch.float32, torch.float32, None, strided=True, steps=10, seed=7)
 
 
-def check_decoder(float8=False):
+def check_sinks():
+    """Rings with attention sinks (``ops/window/sinks.py``): 3 sink slots before 40 ring slots, from a left-padded
+    prompt whose second sequence (2 real tokens) lacks a sink; the kernel whole and in 2 parts (the second launch
+    then advances the slot past the sinks), each step followed by ``settle_sinks``, against the PyTorch step."""
+    from linearize.ops.window.sinks import settle_sinks, sink_ring_state, sink_window_state
+
+    gen = torch.Generator().manual_seed(11)
+    kw = dict(scale=D ** -0.5, softcap=None)
+    mask = torch.ones(B, 6, dtype=torch.bool)
+    mask[1, :4] = False
+    for parts in (None, 2):
+        k0, v0 = torch.randn(B, 2, 6, D, generator=gen), torch.randn(B, 2, 6, D, generator=gen)
+        ring = sink_ring_state(sink_window_state(k0, v0, W, 3, mask), W)
+        twin = ring.map(torch.clone)
+        assert ring.fill.tolist() == [3, 2] and int(ring.slot) == 3
+        for i in range(50):
+            q = torch.randn(B, 6, 1, D, generator=gen) * 2
+            k, v = torch.randn(B, 2, 1, D, generator=gen), torch.randn(B, 2, 1, D, generator=gen)
+            want, twin = _reference(q, k, v, twin, **kw)
+            settle_sinks(twin)
+            got, ring = window_step_ring_triton(q, k, v, ring, **kw, parts=parts)
+            settle_sinks(ring)
+            where = ("sinks", parts, i)
+            _close(got, want.double(), where, tol=2e-5)
+            assert torch.equal(ring.keys, twin.keys) and torch.equal(ring.values, twin.values), where
+            assert torch.equal(ring.valid, twin.valid) and torch.equal(ring.slot, twin.slot), where
+            assert torch.equal(ring.fill, twin.fill), where
+            assert 3 <= int(ring.slot) < 3 + W, where
+        assert ring.fill.tolist() == [3, 3] and bool(ring.valid.all()), parts
+
+
+def check_decoder(float8=False, sinks=0):
     """The fast decoder of tiny float32 students with kept window layers (Llama's two of 6 and 9 tokens, GQA;
     Gemma 2's one of 9, soft-capped), the ring step on the kernel (the dispatch told it runs on CUDA) against
     the PyTorch step, from a batch with a left-padded prompt, the rings wrapping around: every window step's
-    output, and the greedy tokens. ``float8``: the window layers' rings in float8."""
+    output, and the greedy tokens. ``float8``: the window layers' rings in float8; ``sinks``: with that many
+    attention sinks (7: more than the padded prompt's 5 real tokens)."""
     from transformers import AutoModelForCausalLM
 
     import linearize
@@ -165,6 +198,7 @@ def check_decoder(float8=False):
             teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2)).eval()
             model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8,
                                                 "keep_softmax": [0, 1], "softmax_window": "6,1:9",
+                                                "softmax_window_sinks": sinks,
                                                 **({"softmax_window_dtype": "float8"} if float8 else {})})
             model.generation_config.eos_token_id = None
             plain = FastDecoder(model).generate(ids, mask, max_new_tokens=16, pad_token_id=0)
@@ -491,10 +525,15 @@ def check_float8_decoder():
     check_decoder(float8=True)
 
 
+def check_sinks_decoder():
+    check_decoder(sinks=3)
+    check_decoder(float8=True, sinks=7)
+
+
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "rope", "fma", "decoder",
                                  "float8", "float8_softcap", "float8_parts", "float8_fold", "float8_rope",
                                  "float8_rope_bf16", "float8_encode", "float8_quantize", "float8_decode",
-                                 "float8_decoder"]:
+                                 "float8_decoder", "sinks", "sinks_decoder"]:
         globals()[f"check_{name}"]()
     print("ok")

@@ -16,6 +16,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
 from .. import ops
+from ..ops.window.sinks import SinkWindowState
 from ..cache import LinearizeCache, RecurrentLayer, state_tensors
 from ..convert.layers import mixers
 
@@ -141,7 +142,7 @@ def static_cache(model, cache: LinearizeCache, total: int, position: torch.Tenso
     for i, layer in enumerate(cache.layers):
         if isinstance(layer, RecurrentLayer):
             state, layer.state = layer.state, None
-            if isinstance(state, (ops.HybridState, ops.SparseHybridState, ops.DeltaWindowState)):
+            if isinstance(state, (ops.HybridState, ops.SparseHybridState, ops.DeltaWindowState, SinkWindowState)):
                 state = converted[i].ring_state(state, keep_key_features=keep_key_features)
             else:
                 state = state.contiguous()
@@ -164,7 +165,9 @@ def join_caches(caches: list) -> LinearizeCache:
         parts = [c.layers[i] for c in caches]
         if isinstance(layer, RecurrentLayer):
             states = [p.state for p in parts]
-            if isinstance(layer.state, (ops.HybridState, ops.SparseHybridState, ops.DeltaWindowState)):
+            if isinstance(layer.state, SinkWindowState):
+                layer.state = SinkWindowState.cat(states)
+            elif isinstance(layer.state, (ops.HybridState, ops.SparseHybridState, ops.DeltaWindowState)):
                 kind = type(layer.state)
                 layer.state = kind(*(torch.cat(xs) for xs in zip(*(s.tensors() for s in states))))
             else:

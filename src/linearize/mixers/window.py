@@ -10,7 +10,8 @@ see ``W`` tokens back exactly, at ``W`` keys and values per key head and layer.
 
 It adds no parameters: attention transfer has nothing to train in it, LoRA trains its projections as any
 other layer's. Inside ``W`` tokens it is exactly the teacher's attention (a window covering the sequence is the
-teacher). The op is ``ops.window``: the sequence form (SDPA on blocks), the state of the last ``W``
+teacher). With ``spec.softmax_window_sinks = S`` it also sees each sequence's first ``S`` real tokens once they have
+left the window (attention sinks, ``ops/window/sinks.py``): ``S`` more slots of state. The op is ``ops.window``: the sequence form (SDPA on blocks), the state of the last ``W``
 keys and values, the step, and the fast decoder's ring of ``W`` slots (updated in place, fixed shapes).
 """
 
@@ -19,9 +20,12 @@ from __future__ import annotations
 import torch
 
 from .. import ops
+from ..ops.hybrid import RingHybridState
 from ..ops.window import window_softmax, window_softmax_step, window_softmax_step_ring, window_state
 from ..ops.window.float8 import (Float8RingState, Float8WindowState, fake_quantize, float8_window_state,
                                  float8_window_step, float8_window_step_ring)
+from ..ops.window.sinks import (SinkWindowState, settle_sinks, sink_ring_state, sink_window_state, sinks_window_step,
+                                window_softmax_sinks)
 from ..models.base import rope_rotate_half, rotates_half
 from .base import Mixer
 
@@ -51,8 +55,13 @@ class WindowSoftmax(Mixer):
         """Whether the window's keys and values are kept as float8 (``spec.softmax_window_dtype``)."""
         return self.spec.softmax_window_dtype == "float8"
 
+    @property
+    def sinks(self) -> int:
+        """Each sequence's first real tokens the layer sees beside its window (``spec.softmax_window_sinks``)."""
+        return self.spec.softmax_window_sinks
+
     def sequence(self, q, k, v, position_embeddings, state, want_state):
-        fused = state is None and self._prefill_rope(q, k, v, position_embeddings)
+        fused = state is None and not self.sinks and self._prefill_rope(q, k, v, position_embeddings)
         if fused:  # the keys rotated here (the state keeps them), q inside the prefill kernel
             k = rope_rotate_half(k, *position_embeddings)
         else:
@@ -61,6 +70,13 @@ class WindowSoftmax(Mixer):
             if self.float8:  # attend over what the ring will give back
                 k, k8, ks = fake_quantize(k)
                 v, v8, vs = fake_quantize(v)
+            if self.sinks:  # the window and the sinks: SDPA on blocks, the sinks' keys appended to each block's
+                o = window_softmax_sinks(q, k, v, window=self.window, sinks=self.sinks, **self._kw(),
+                                         key_mask=self.key_mask)
+                if not want_state:
+                    return o, None
+                codes = (k8, ks, v8, vs) if self.float8 else None
+                return o, sink_window_state(k, v, self.window, self.sinks, self.key_mask, codes)
             if fused:
                 from ..ops.window.parallel_triton import window_softmax_triton
 
@@ -82,12 +98,20 @@ class WindowSoftmax(Mixer):
 
     def _step(self, q, k, v, state, key_mask):
         """One token from a ``window_state`` (rotated q and k)."""
+        if isinstance(state, SinkWindowState):
+            return sinks_window_step(q, k, v, state, window=self.window, **self._kw(), key_mask=key_mask)
         if isinstance(state, Float8WindowState):
             return float8_window_step(q, k, v, state, window_softmax_step, window=self.window, **self._kw(),
                                       key_mask=key_mask)
         return window_softmax_step(q, k, v, state, window=self.window, **self._kw(), key_mask=key_mask)
 
     def step(self, q, k, v, position_embeddings, state):
+        o, state = self._step_any(q, k, v, position_embeddings, state)
+        if isinstance(state, RingHybridState) and state.fill is not None:  # a ring lacking some sinks yet
+            settle_sinks(state)
+        return o, state
+
+    def _step_any(self, q, k, v, position_embeddings, state):
         if type(state) in (ops.RingHybridState, Float8RingState) and self._fused_rope(q, state):
             from ..ops.window import step_triton  # RoPE, ring (a float8 one's quantising too) and softmax: one launch
 
@@ -134,7 +158,10 @@ class WindowSoftmax(Mixer):
         return self._half_rope()
 
     def ring_state(self, state: ops.HybridState, keep_key_features: bool = False) -> ops.RingHybridState:
-        """The fast decoder's ring of ``W`` slots from a prefill's state (its zero features not kept)."""
+        """The fast decoder's ring of ``W`` slots from a prefill's state (its zero features not kept); with sinks
+        ``S + W`` slots, the sinks first."""
+        if isinstance(state, SinkWindowState):
+            return sink_ring_state(state, self.window)
         if isinstance(state, Float8WindowState):
             return Float8RingState.from_state(state, self.window, copy=False)
         return ops.RingHybridState.from_state(state, self.window, keep_key_features=False, copy=False)
@@ -144,10 +171,12 @@ class WindowSoftmax(Mixer):
 
     def state_bytes(self, dtype):
         g = self.geometry
+        slots = self.window + self.sinks
         if self.float8:  # a byte per element and a float32 scale per token and key head, for keys and values
-            return self.window * (g.n_kv_heads * 2 * (g.head_dim + 4) + 1)
+            return slots * (g.n_kv_heads * 2 * (g.head_dim + 4) + 1)
         elem = torch.tensor([], dtype=dtype).element_size()
-        return self.window * (g.n_kv_heads * 2 * g.head_dim * elem + 1)
+        return slots * (g.n_kv_heads * 2 * g.head_dim * elem + 1)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, window={self.window}" + (", float8" if self.float8 else "")
+        return (f"{super().extra_repr()}, window={self.window}" + (f", sinks={self.sinks}" if self.sinks else "")
+                + (", float8" if self.float8 else ""))

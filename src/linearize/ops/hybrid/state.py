@@ -131,12 +131,18 @@ class RingHybridState(HybridState):
     """
 
     slot: torch.Tensor | None = None
+    # attention sinks (a window-softmax layer's, ``ops/window/sinks.py``): the first ``sinks`` slots hold each
+    # sequence's first real tokens and never move, the ring is the other slots; ``fill`` [B] long: the sinks
+    # each sequence holds, while some sequence still lacks some (else None: nothing to do per step)
+    sinks: int = 0
+    fill: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.keys, self.key_features, self.values, self.linear, self.valid, self.slot)
 
     def map(self, fn) -> "RingHybridState":
-        return RingHybridState(*(fn(x) for x in self.tensors()[:5]), slot=self.slot.clone())
+        return RingHybridState(*(fn(x) for x in self.tensors()[:5]), slot=self.slot.clone(), sinks=self.sinks,
+                               fill=None if self.fill is None else fn(self.fill))
 
     @classmethod
     def from_state(cls, state: HybridState, window: int, keep_key_features: bool = True,

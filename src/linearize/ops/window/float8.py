@@ -94,8 +94,9 @@ class Float8RingState(RingHybridState):
                 self.value_scale)
 
     def map(self, fn) -> "Float8RingState":
-        return Float8RingState(*(fn(x) for x in self.tensors()[:5]), slot=self.slot.clone(),
-                               key_scale=fn(self.key_scale), value_scale=fn(self.value_scale))
+        return Float8RingState(*(fn(x) for x in self.tensors()[:5]), slot=self.slot.clone(), sinks=self.sinks,
+                               fill=None if self.fill is None else fn(self.fill), key_scale=fn(self.key_scale),
+                               value_scale=fn(self.value_scale))
 
     @classmethod
     def from_state(cls, state: Float8WindowState, window: int, keep_key_features: bool = False,
@@ -186,6 +187,6 @@ def float8_window_step_ring(q, k, v, state: Float8RingState, ring_step, **kw) ->
     k, v = dequantize(k8, ks, dtype), dequantize(v8, vs, dtype)
     read = RingHybridState(dequantize(state.keys, state.key_scale, dtype), state.key_features,
                            dequantize(state.values, state.value_scale, dtype), state.linear, state.valid,
-                           slot=state.slot)
+                           slot=state.slot, sinks=state.sinks)
     o, _ = ring_step(q, k, v, read, **kw)
     return o, state

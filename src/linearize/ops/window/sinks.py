@@ -1,5 +1,5 @@
 """Softmax over each query's last ``window`` keys and its sequence's first ``sinks`` real tokens (StreamingLLM's
-attention sinks), the sequence form as SDPA on blocks, with its gradient.
+attention sinks): a window-softmax layer's ``spec.softmax_window_sinks``.
 
 Why: a layer kept as the teacher's softmax over a sliding window loses, once a text outgrows the window, the first
 tokens on which the teacher parks much of its attention; on the CPU stand-in of the default student
@@ -7,17 +7,31 @@ tokens on which the teacher parks much of its attention; on the CPU stand-in of 
 1,280-token window on code and technical text, for 4 tokens of state.
 
 Query ``t`` attends to key ``j`` when ``0 <= t - j < window`` or ``j`` is one of its sequence's first ``sinks``
-real tokens (``j <= t``): each key once. Padding keys are left out; a padding query attends to itself alone (as
-``window_softmax_sdpa``; callers zero its output). Not yet wired into the window mixer, its states or the decoding
-steps (a ring whose first ``sinks`` slots never move).
+real tokens (``j <= t``): each key once. Padding keys are left out; a padding query outputs zero.
+
+* ``window_softmax_sinks``: the sequence form, the queries in blocks with the sinks appended to each block's keys
+  (SDPA; soft-capped scores by hand), with its gradient;
+* ``SinkWindowState`` (``sink_window_state``): after a prompt, the window's last ``window`` tokens (the sinks
+  among them marked not valid: they are held once, as sinks) and the sinks, float8 codes too;
+  ``sinks_window_step``: one token from it (a sequence's first real tokens become its sinks as they come);
+* the fast decoder's ring (``sink_ring_state``): ``S + W`` slots, the first ``S`` the sinks, which never move, the
+  ring the others (``ops.window.advance_slot``); the steps write and attend as on any ring, then
+  ``settle_sinks`` moves the new token into a sink slot while some sequence still lacks sinks (``fill``), which
+  only prompts of fewer than ``S`` real tokens leave to do.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from . import _window_block
+from ..hybrid import HybridState, RingHybridState
+from ..hybrid.shared import _scores
+from ..linear_attention import _group, accum_dtype
+from . import _window_block, window_state
+from .float8 import FLOAT8, dequantize, float8_window_state, quantize
 
 
 def sink_positions(key_mask, b: int, t: int, sinks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,14 +46,10 @@ def sink_positions(key_mask, b: int, t: int, sinks: int, device) -> tuple[torch.
     return real_first.clamp(max=t - 1), valid
 
 
-def window_softmax_sinks_sdpa(q, k, v, *, window: int, sinks: int, scale: float, key_mask=None):
-    """``[B, H, T, D]`` in ``q``'s dtype: the queries in blocks of ``C >= window - 1`` tokens, each attending to its
-    own block's and the previous block's keys within the window (as ``window_softmax_sdpa``) and to the sinks that
-    have left its window, all in one SDPA call per block batch."""
-    from . import window_softmax_sdpa
-
-    if sinks <= 0:
-        return window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
+def _sinks_blocks(q, k, v, window: int, sinks: int, key_mask):
+    """The queries in blocks of ``C >= window - 1`` tokens ``[B N, H, C, D]``, each with its own and the previous
+    block's keys and values and the ``S`` sinks' ``[B N, Hk, 2C + S, D]``, and which it may see ``[B N, 1, C, 2C + S]``
+    (a window key within the window, a sink once it has left it; a padding query itself alone)."""
     b, h, t, d = q.shape
     n_kv = k.shape[1]
     s = min(sinks, t)
@@ -70,10 +80,222 @@ def window_softmax_sinks_sdpa(q, k, v, *, window: int, sinks: int, scale: float,
         query_real = F.pad(key_mask.bool(), (0, pad)).view(b, n, c)
         far = far & query_real[..., None]  # a padding query sees no sink
     allowed = torch.cat([near | (dist == 0)[None], far], dim=-1).reshape(b * n, 1, c, 2 * c + s)
-    o = F.scaled_dot_product_attention(qb.reshape(b * n, h, c, d), kb.reshape(b * n, n_kv, 2 * c + s, d),
-                                       vb.reshape(b * n, n_kv, 2 * c + s, v.shape[-1]), attn_mask=allowed, scale=scale,
-                                       enable_gqa=n_kv != h)
+    flat = lambda x: x.reshape(b * n, x.shape[2], x.shape[3], x.shape[4])  # noqa: E731
+    return flat(qb), flat(kb), flat(vb), allowed, n, c
+
+
+def window_softmax_sinks_sdpa(q, k, v, *, window: int, sinks: int, scale: float, key_mask=None):
+    """``[B, H, T, D]`` in ``q``'s dtype (padding queries: whatever SDPA gives a query that sees itself alone): the
+    queries in blocks of ``C >= window - 1`` tokens, each attending to its own block's and the previous block's keys
+    within the window (as ``window_softmax_sdpa``) and to the sinks that have left its window, all in one SDPA call
+    per block batch."""
+    from . import window_softmax_sdpa
+
+    if sinks <= 0:
+        return window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
+    b, h, t, _ = q.shape
+    qb, kb, vb, allowed, n, c = _sinks_blocks(q, k, v, window, sinks, key_mask)
+    o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scale, enable_gqa=kb.shape[1] != h)
     return o.view(b, n, h, c, -1).transpose(1, 2).flatten(2, 3)[:, :, :t]
 
 
-__all__ = ["sink_positions", "window_softmax_sinks_sdpa"]
+def window_softmax_sinks(q, k, v, *, window: int, sinks: int, scale: float, softcap: float | None = None,
+                         key_mask=None):
+    """The window-softmax layer's sequence form with ``sinks`` (see the module): SDPA on blocks, or with soft-capped
+    scores (Gemma 2) the same blocks by hand in fp32. ``[B, H, T, D]`` in ``q``'s dtype; padding queries output 0."""
+    if softcap is None:
+        o = window_softmax_sinks_sdpa(q, k, v, window=window, sinks=sinks, scale=scale, key_mask=key_mask)
+    else:
+        b, h, t, _ = q.shape
+        qb, kb, vb, allowed, n, c = _sinks_blocks(q, k, v, window, max(sinks, 0), key_mask)
+        acc = accum_dtype(q.dtype)
+        grp = h // kb.shape[1]
+        kb, vb = (x.repeat_interleave(grp, dim=1).to(acc) for x in (kb, vb))
+        scores = _scores(qb.to(acc), kb, scale, softcap).masked_fill(~allowed, torch.finfo(acc).min)
+        o = (torch.softmax(scores, dim=-1) @ vb).to(q.dtype)
+        o = o.view(b, n, h, c, -1).transpose(1, 2).flatten(2, 3)[:, :, :t]
+    return o if key_mask is None else o * key_mask[:, None, :, None]
+
+
+@dataclass
+class SinkWindowState:
+    """A window layer's decoding state with sinks (the plain loop's and the cache's; the fast decoder turns it into
+    a ring, ``sink_ring_state``). ``window``: the last ``window`` tokens as ``window_state`` keeps them (a
+    ``Float8WindowState`` for float8 layers), each sink among them marked not valid; ``keys``/``values``
+    ``[B, Hk, S, D]`` (float8 codes, with ``key_scale``/``value_scale`` ``[B, Hk, S, 1]``) and ``valid`` ``[B, S]``:
+    the sinks held; ``fill`` ``[B]`` long: how many."""
+
+    window: HybridState
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    fill: torch.Tensor
+    key_scale: torch.Tensor | None = None
+    value_scale: torch.Tensor | None = None
+
+    @property
+    def float8(self) -> bool:
+        return self.key_scale is not None
+
+    def _own(self) -> tuple[torch.Tensor, ...]:
+        scales = (self.key_scale, self.value_scale) if self.float8 else ()
+        return (self.keys, self.values, self.valid, self.fill, *scales)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (*self.window.tensors(), *self._own())
+
+    def map(self, fn) -> "SinkWindowState":
+        return SinkWindowState(self.window.map(fn), *(fn(x) for x in self._own()))
+
+    @classmethod
+    def cat(cls, states: list["SinkWindowState"]) -> "SinkWindowState":
+        """The states of consecutive slices of a batch as one."""
+        kind = type(states[0].window)
+        window = kind(*(torch.cat(xs) for xs in zip(*(s.window.tensors() for s in states))))
+        return cls(window, *(torch.cat(xs) for xs in zip(*(s._own() for s in states))))
+
+    def read(self, dtype) -> tuple[HybridState, torch.Tensor, torch.Tensor]:
+        """The window (an exact layer's state) and the sinks' keys and values, read back in ``dtype``."""
+        if not self.float8:
+            return self.window, self.keys, self.values
+        return (self.window.read(dtype), dequantize(self.keys, self.key_scale, dtype),
+                dequantize(self.values, self.value_scale, dtype))
+
+
+def sink_window_state(k, v, window: int, sinks: int, key_mask=None, codes=None) -> SinkWindowState:
+    """The state after a prompt of keys ``k`` (rotated) and values ``v`` ``[B, Hk, T, D]`` (a float8 layer's read
+    back, with ``codes`` ``(k8, ks, v8, vs)``, the whole prompt's codes and scales): its first ``sinks`` real
+    tokens (fewer where a sequence has fewer) and its last ``window`` tokens but those."""
+    b, n_kv, t, d = k.shape
+    s = min(sinks, t)
+    first, exists = sink_positions(key_mask, b, t, s, k.device)  # [B, s]
+    real = torch.ones(b, t, dtype=torch.bool, device=k.device) if key_mask is None else key_mask.bool()
+    held = real & (real.long().cumsum(1) <= s)  # the sinks, held once: as sinks, not in the window
+    win = window_state(k, v, window, real & ~held)
+    pad = sinks - s  # slots for sinks still to come (a prompt shorter than the sinks)
+    keep = exists[:, None, :, None]
+
+    def take(x):  # [B, Hk, T, .] -> the sinks' [B, Hk, S, .], zero where none
+        got = x.gather(2, first[:, None, :, None].expand(b, n_kv, s, x.shape[-1]))
+        got = torch.where(keep, got, torch.zeros((), dtype=got.dtype, device=got.device))
+        return F.pad(got, (0, 0, 0, pad)).contiguous()
+
+    valid = F.pad(exists, (0, pad)).contiguous()
+    fill = exists.sum(1)
+    if codes is None:
+        return SinkWindowState(win, take(k), take(v), valid, fill)
+    k8, ks, v8, vs = codes
+    win = float8_window_state(win, k8, ks, v8, vs)
+    code = lambda x: take(x.view(torch.uint8)).view(FLOAT8)  # noqa: E731
+    return SinkWindowState(win, code(k8), code(v8), valid, fill, key_scale=take(ks), value_scale=take(vs))
+
+
+def _attend(q, keys, values, valid, scale: float, softcap):
+    """One query token ``[B, H, 1, D]`` over ``keys``/``values`` ``[B, Hk, N, D]`` where ``valid`` ``[B, N]``, in fp32."""
+    acc = accum_dtype(q.dtype)
+    qg = _group(q, keys.shape[1]).to(acc)  # [B, Hk, G, 1, D]
+    scores = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap)
+    scores = scores.masked_fill(~valid[:, None, None, None, :], torch.finfo(acc).min)
+    o = torch.softmax(scores, dim=-1) @ values.to(acc).unsqueeze(2)
+    return o.flatten(1, 2).to(q.dtype)
+
+
+def _put(buf, at, x, where):
+    """``buf`` ``[B, Hk, S, .]`` with ``x`` ``[B, Hk, 1, .]`` in slot ``at[b]`` of each sequence where ``where[b]``
+    (a new tensor; float8 codes as bytes)."""
+    raw = buf.view(torch.uint8) if buf.dtype == FLOAT8 else buf
+    new = x.view(torch.uint8) if x.dtype == FLOAT8 else x.to(raw.dtype)
+    slot = torch.arange(buf.shape[2], device=buf.device)[None, :] == at[:, None]  # [B, S]
+    out = torch.where((slot & where[:, None])[:, None, :, None], new, raw)
+    return out.view(FLOAT8) if buf.dtype == FLOAT8 else out
+
+
+def sinks_window_step(q, k, v, state: SinkWindowState, *, window: int, scale: float, softcap=None, key_mask=None):
+    """One token (``T = 1``; q and k rotated) from ``state``: ``(o [B, H, 1, D], new_state)``. A sequence's real
+    token becomes one of its sinks while it holds fewer than ``S`` (the window then keeps it as padding), else it
+    enters the window; the query sees the sinks held and the window."""
+    from . import window_softmax_step
+    from .float8 import float8_window_step
+
+    b, n_sinks = q.shape[0], state.keys.shape[2]
+    real = (torch.ones(b, dtype=torch.bool, device=q.device) if key_mask is None
+            else key_mask[:, -1].to(device=q.device, dtype=torch.bool))
+    sink = real & (state.fill < n_sinks)
+    kw = dict(window=window, scale=scale, softcap=softcap, key_mask=(real & ~sink)[:, None])
+    at = state.fill.clamp(max=max(n_sinks - 1, 0))
+    if state.float8:
+        _, win = float8_window_step(q, k, v, state.window, window_softmax_step, **kw)
+        k8, ks = quantize(k)
+        v8, vs = quantize(v)
+        new = SinkWindowState(win, _put(state.keys, at, k8, sink), _put(state.values, at, v8, sink), state.valid,
+                              state.fill, key_scale=_put(state.key_scale, at, ks, sink),
+                              value_scale=_put(state.value_scale, at, vs, sink))
+    else:
+        _, win = window_softmax_step(q, k, v, state.window, **kw)
+        new = SinkWindowState(win, _put(state.keys, at, k, sink), _put(state.values, at, v, sink), state.valid,
+                              state.fill)
+    slots = torch.arange(n_sinks, device=q.device)[None, :] == at[:, None]
+    new.valid = state.valid | (slots & sink[:, None])
+    new.fill = state.fill + sink.long()
+    window_read, sink_keys, sink_values = new.read(q.dtype)
+    keys = torch.cat([sink_keys.to(window_read.keys.dtype), window_read.keys], dim=2)
+    values = torch.cat([sink_values.to(window_read.values.dtype), window_read.values], dim=2)
+    o = _attend(q, keys, values, torch.cat([new.valid, window_read.valid], dim=1), scale, softcap)
+    return o * real[:, None, None, None], new
+
+
+def sink_ring_state(state: SinkWindowState, window: int):
+    """The fast decoder's ring from a prompt's ``SinkWindowState`` (whose buffers it may take over): ``S + window``
+    slots, the sinks first (they never move), then the window oldest first (empty slots in front); ``slot = S``.
+    ``fill`` is kept only while some sequence lacks sinks (asked once, here)."""
+    from .float8 import Float8RingState
+
+    n_sinks = state.keys.shape[2]
+    if state.float8:
+        ring = Float8RingState.from_state(state.window, window, copy=False)
+    else:
+        ring = RingHybridState.from_state(state.window, window, keep_key_features=False, copy=False)
+
+    def front(sinks, ring_part):  # the sinks' slots, then the ring's (float8 codes joined as bytes)
+        if sinks.dtype == FLOAT8:
+            return torch.cat([sinks.view(torch.uint8), ring_part.view(torch.uint8)], dim=2).view(FLOAT8).contiguous()
+        return torch.cat([sinks, ring_part.to(sinks.dtype)], dim=2).contiguous()
+
+    keys, values = front(state.keys, ring.keys), front(state.values, ring.values)
+    valid = torch.cat([state.valid, ring.valid], dim=1).contiguous()
+    slot = torch.full((), n_sinks, dtype=torch.long, device=keys.device)
+    fill = state.fill.clone() if bool((state.fill < n_sinks).any()) else None
+    if state.float8:
+        scales = [torch.cat([a, b], dim=2).contiguous() for a, b in ((state.key_scale, ring.key_scale),
+                                                                      (state.value_scale, ring.value_scale))]
+        return Float8RingState(keys, ring.key_features, values, ring.linear, valid, slot=slot, sinks=n_sinks,
+                               fill=fill, key_scale=scales[0], value_scale=scales[1])
+    return RingHybridState(keys, ring.key_features, values, ring.linear, valid, slot=slot, sinks=n_sinks, fill=fill)
+
+
+def settle_sinks(state: RingHybridState) -> None:
+    """After a ring step (the new token written in the slot before ``state.slot``): in each sequence that holds
+    fewer than ``S`` sinks, the new token moves to sink slot ``fill`` (its ring slot emptied). In place, no host
+    sync; nothing once every sequence has its sinks (``fill`` None)."""
+    if state.fill is None:
+        return
+    n_sinks, n = state.sinks, state.keys.shape[2]
+    b = state.keys.shape[0]
+    prev = (state.slot - n_sinks - 1).remainder(n - n_sinks) + n_sinks  # 0-d
+    at = prev.view(1).expand(b)
+    take = (state.fill < n_sinks) & state.valid.gather(1, at[:, None]).squeeze(1)
+    dst = torch.where(take, state.fill, at)
+    rows = torch.arange(b, device=state.keys.device)
+    bufs = [state.keys, state.values]
+    if getattr(state, "key_scale", None) is not None:
+        bufs += [state.key_scale, state.value_scale]
+    for buf in bufs:
+        raw = buf.view(torch.uint8) if buf.dtype == FLOAT8 else buf
+        raw[rows, :, dst] = raw.index_select(2, prev.view(1)).squeeze(2)
+    state.valid[rows, dst] = state.valid[rows, dst] | take
+    state.valid[rows, at] = state.valid[rows, at] & ~take
+    state.fill.add_(take.long())
+
+
+__all__ = ["SinkWindowState", "settle_sinks", "sink_positions", "sink_ring_state", "sink_window_state", "sinks_window_step",
+           "window_softmax_sinks", "window_softmax_sinks_sdpa"]

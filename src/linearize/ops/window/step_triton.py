@@ -270,7 +270,7 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
 
 
 @triton.jit
-def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, HK, G, W, D, P, BG: tl.constexpr, BD: tl.constexpr):
+def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, HK, G, W, S, D, P, BG: tl.constexpr, BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
     g = tl.arange(0, BG)
@@ -294,9 +294,10 @@ def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, HK, G, W, D, P, BG: tl.cons
         m = m_new
     o = acc / tl.where(gm, l, 1.0)[:, None]
     tl.store(o_ptr + (head * G + g)[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=out)
-    # every program of the step has read the slot before this launch: the first advances it
+    # every program of the step has read the slot before this launch: the first advances it (past the S sinks'
+    # slots, which never move)
     s = tl.load(slot_ptr)
-    tl.store(slot_ptr, (s + 1) % W, mask=(bi == 0) & (hk == 0))
+    tl.store(slot_ptr, S + (s - S + 1) % (W - S), mask=(bi == 0) & (hk == 0))
 
 
 _PROGRAMS: dict[int, int] = {}
@@ -400,7 +401,9 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         num_warps=STEP_WARPS,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
     if parts > 1:
-        _combine[(b, hk)](m, lsum, acc, o, state.slot, hk, g, w, d, parts, BG=bg, BD=bd)
+        _combine[(b, hk)](m, lsum, acc, o, state.slot, hk, g, w, state.sinks, d, parts, BG=bg, BD=bd)
     else:
-        state.slot.add_(1).remainder_(w)
+        from . import advance_slot
+
+        advance_slot(state)
     return o, state
