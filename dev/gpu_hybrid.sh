@@ -37,9 +37,11 @@
 #   window    issue #53: the window-softmax layers' fast forms: CUDA tests (the one-launch prefill kernel, flash
 #             blocks, the Triton ring step), the ring step alone on bf16 and float8 rings (dev/window_step_bench.py,
 #             WINDOW_BENCH_ARGS, WINDOW_BENCH8_ARGS; WINDOW_STEP_SWEEP=0 skips them), the prefill forms alone
-#             (dev/window_prefill_bench.py: the kernel's tiles swept at 1 x 32k, WINDOW_PREFILL_ARGS), then
+#             (dev/window_prefill_bench.py: the kernel's tiles swept at 1 x 32k, WINDOW_PREFILL_ARGS;
+#             WINDOW_PREFILL_SWEEP=0 skips them), then
 #             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: mix =
-#             lolcats_mix; wide = 14 layers over 1,280, the default's shape; wide8 = the same in float8), each beside
+#             lolcats_mix; wide = 14 layers over 1,280, the default's shape; wide8 = the same in float8; e.g.
+#             sinks=...:--softmax-window-sinks:4 for attention sinks), each beside
 #             the teacher; then wide8 with the float8 slot scales folded into the products (WINDOW_FOLD=0 skips it)
 #   decode-default  issue #44: the norm/activation kernels' CUDA tests, then decode from 1k prompts + 512 new at
 #             batch 1/64/256 on the default fast path (no flags) and with --compile, each beside the teacher's
@@ -183,9 +185,11 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
 --warps 2 4 8 --programs 0 1} --out "$S/window_step_bench.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -40
       [ "${WINDOW_STEP_SWEEP:-1}" = 1 ] && timeout 300 python3 dev/window_step_bench.py --float8 ${WINDOW_BENCH8_ARGS:---blocks 64 128 \
 --warps 4 --fold 0 1} --out "$S/window_step_bench_float8.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -20
-      timeout 300 python3 dev/window_prefill_bench.py ${WINDOW_PREFILL_ARGS:---shapes 1x32768 --windows 1280 --bm 64 128 \
---bn 64 128 --warps 4 8 --stages 2 3} --out "$S/window_prefill_sweep.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -45
-      timeout 200 python3 dev/window_prefill_bench.py --out "$S/window_prefill_bench.json" 2>&1 | grep -E "^\|" | tail -20
+      [ "${WINDOW_PREFILL_SWEEP:-1}" = 1 ] && timeout 300 python3 dev/window_prefill_bench.py ${WINDOW_PREFILL_ARGS:---shapes \
+1x32768 --windows 1280 --bm 64 128 --bn 64 128 --warps 4 8 --stages 2 3} --out "$S/window_prefill_sweep.json" 2>&1 \
+        | grep -v -E "^\s*$|Warning|warn" | tail -45
+      [ "${WINDOW_PREFILL_SWEEP:-1}" = 1 ] && timeout 200 python3 dev/window_prefill_bench.py \
+        --out "$S/window_prefill_bench.json" 2>&1 | grep -E "^\|" | tail -20
       kept=0,1,2,3,4,5,6,7,8,9,17,18,20,23
       LENGTH_TESTS=0 LENGTH_NEW=${LENGTH_NEW:-512} LENGTH_SPECS="${WINDOW_SPECS:-mix=--config:lolcats_mix \
 wide=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280 \

@@ -63,6 +63,34 @@ def test_window_kernel_equals_sdpa_blocks_on_cuda(t, window, softcap, pad, dtype
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("t,window,sinks,softcap,pad", [(4096, 1280, 4, None, 0), (3000, 1280, 4, None, 300),
+                                                         (2000, 256, 20, 30.0, 0), (700, 1280, 4, None, 0)])
+def test_window_kernel_with_sinks_equals_the_sdpa_form_on_cuda(t, window, sinks, softcap, pad):
+    """Attention sinks in the prefill kernel (``ops/window/sinks.py``) against the blocked form in fp32 (by hand
+    with a soft-cap), strided grouped heads, left padding."""
+    from linearize.ops.window import sinks as S
+    from linearize.ops.window.parallel_triton import window_softmax_triton
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    out = torch.randn(2, t, (9 + 6) * 64, device="cuda", generator=g).to(torch.bfloat16)
+    q, k, v = (x.unflatten(-1, (-1, 64)).transpose(1, 2) for x in out.split([9 * 64, 3 * 64, 3 * 64], -1))
+    key_mask = None
+    if pad:
+        key_mask = torch.ones(2, t, dtype=torch.bool, device="cuda")
+        key_mask[1, :pad] = False
+    with torch.no_grad():
+        got = S.window_softmax_sinks(q, k, v, window=window, sinks=sinks, scale=0.125, softcap=softcap,
+                                     key_mask=key_mask)
+        direct = window_softmax_triton(q, k, v, window=window, scale=0.125, softcap=softcap, key_mask=key_mask,
+                                       sinks=sinks)
+        with torch.enable_grad():  # the blocked forms (a gradient wanted)
+            qf = q.float().requires_grad_()
+            want = S.window_softmax_sinks(qf, k.float(), v.float(), window=window, sinks=sinks, scale=0.125,
+                                          softcap=softcap, key_mask=key_mask).detach()
+    assert torch.equal(got, direct)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("float8", [False, True])
 def test_window_layers_prefill_through_the_kernel_on_cuda(float8, monkeypatch):
     """A student with kept window layers (64 and 128 tokens) prefills 300 tokens of a left-padded batch through the

@@ -9,8 +9,9 @@ last tile is partial.
 multiple of the tiles; ``tiles``: query tiles of 32 and 64 over key blocks of 16; ``mha``: as many query as key heads; ``softcap``: Gemma's soft-cap; ``padding``: a
 left-padded sequence beside a full one (padding keys left out, padding queries zero); ``strided``: q/k/v as
 slices of one projection's output, as the adapters give them; ``half``: bf16 and fp16 inputs against the
-definition on the same rounded inputs; ``rope``: q rotated inside the kernel, full and partial rotary dims; ``model``: tiny students' prefill through
-the kernel (q rotated in it) against the PyTorch forms, and the fast decoder from its states; ``dispatch``:
+definition on the same rounded inputs; ``rope``: q rotated inside the kernel, full and partial rotary dims; ``sinks``: attention sinks beside the window
+(``ops/window/sinks.py``); ``model``: tiny students' prefill through the kernel (q rotated in it; with sinks too)
+against the PyTorch forms, and the fast decoder from its states; ``dispatch``:
 ``window_softmax`` takes the kernel without a gradient and
 not with one, and the mixers' sequence forms (the window layer, the delta hybrid's window) give the same
 outputs through it as through the blocked SDPA form."""
@@ -36,8 +37,9 @@ parallel_triton.PARALLEL_BN = 16
 B, D = 2, 16
 
 
-def definition(q, k, v, window, scale, softcap=None, key_mask=None):
-    """Softmax over each query's last ``window`` real keys, float64; padding queries weigh themselves, then 0."""
+def definition(q, k, v, window, scale, softcap=None, key_mask=None, sinks=0):
+    """Softmax over each query's last ``window`` real keys and its sequence's first ``sinks`` real tokens, float64;
+    padding queries weigh themselves, then 0."""
     q, k, v = (x.double() for x in (q, k, v))
     h, hk, t = q.shape[1], k.shape[1], q.shape[2]
     k, v = (x.repeat_interleave(h // hk, dim=1) for x in (k, v))
@@ -47,13 +49,17 @@ def definition(q, k, v, window, scale, softcap=None, key_mask=None):
     pos = torch.arange(t)
     dist = pos[:, None] - pos[None, :]
     ok = ((dist >= 0) & (dist < window))[None, None]
+    if sinks:
+        real = torch.ones(q.shape[0], t, dtype=torch.bool) if key_mask is None else key_mask.bool()
+        is_sink = real & (real.long().cumsum(1) <= sinks)
+        ok = ok | ((dist >= 0)[None] & is_sink[:, None, :])[:, None]
     if key_mask is not None:
         ok = ok & key_mask[:, None, None, :] | (dist == 0)[None, None]
     o = torch.softmax(s.masked_fill(~ok, float("-inf")), dim=-1) @ v
     return o if key_mask is None else o * key_mask[:, None, :, None]
 
 
-def _case(h, hk, t, window, *, softcap=None, pad=0, dtype=torch.float32, strided=False, seed=0):
+def _case(h, hk, t, window, *, softcap=None, pad=0, dtype=torch.float32, strided=False, seed=0, sinks=0):
     gen = torch.Generator().manual_seed(seed)
     if strided:  # slices of one projection's output [B, T, (H + 2 Hk) D]
         out = torch.randn(B, t, (h + 2 * hk) * D, generator=gen).to(dtype)
@@ -62,9 +68,10 @@ def _case(h, hk, t, window, *, softcap=None, pad=0, dtype=torch.float32, strided
         q = (torch.randn(B, h, t, D, generator=gen) * 2).to(dtype)
         k, v = (torch.randn(B, hk, t, D, generator=gen).to(dtype) for _ in range(2))
     key_mask = _masks(B, t, pad)
-    got = window_softmax_triton(q, k, v, window=window, scale=D ** -0.5, softcap=softcap, key_mask=key_mask)
-    want = definition(q, k, v, window, D ** -0.5, softcap, key_mask)
-    where = (h, hk, t, window, softcap, pad, str(dtype), strided)
+    got = window_softmax_triton(q, k, v, window=window, scale=D ** -0.5, softcap=softcap, key_mask=key_mask,
+                                sinks=sinks)
+    want = definition(q, k, v, window, D ** -0.5, softcap, key_mask, sinks)
+    where = (h, hk, t, window, softcap, pad, str(dtype), strided, sinks)
     assert got.dtype == dtype and got.shape == (B, h, t, D), where
     assert got.transpose(1, 2).is_contiguous(), where  # [B, T, H, D] memory: what the output projection reads
     _close(got, want, where, tol=2e-5 if dtype == torch.float32 else 1e-2)
@@ -132,6 +139,21 @@ def check_rope():
         _close(got, want, ("rope", rot, shared, pad, str(dtype)), tol=2e-5 if dtype == torch.float32 else 1e-2)
 
 
+def check_sinks():
+    """Attention sinks: 1, 4 and 20 of them (a tile of 32), windows crossing tiles, left padding (a sequence with
+    fewer real tokens than sinks), soft-capping, bf16, and query tiles of 64."""
+    for t, window, sinks, pad, softcap, dtype in ((50, 7, 4, 0, None, torch.float32), (50, 16, 1, 0, 3.0, torch.float32),
+                                                  (61, 9, 4, 13, None, torch.float32), (40, 5, 20, 0, None, torch.float32),
+                                                  (30, 8, 4, 27, 3.0, torch.float32), (12, 40, 4, 0, None, torch.float32),
+                                                  (45, 11, 4, 6, None, torch.bfloat16)):
+        _case(6, 2, t, window, sinks=sinks, pad=pad, softcap=softcap, dtype=dtype, seed=t + window + sinks)
+    parallel_triton.PARALLEL_BM = 64
+    try:
+        _case(6, 2, 130, 23, sinks=4, pad=9, seed=99)
+    finally:
+        parallel_triton.PARALLEL_BM = 16
+
+
 def check_model():
     """Tiny float32 students with kept window layers (Llama: windows of 6 and 9 over prompts of 17, GQA; Gemma 2's
     global layer, soft-capped; float8 windows): the prefill through the kernel (q rotated inside it) against the PyTorch
@@ -156,7 +178,9 @@ def check_model():
 
     parallel_triton.window_softmax_triton = counted
     try:
-        for family, extra in (("llama", {}), ("gemma2", {}), ("llama", {"softmax_window_dtype": "float8"})):
+        for family, extra in (("llama", {}), ("gemma2", {}), ("llama", {"softmax_window_dtype": "float8"}),
+                              ("llama", {"softmax_window_sinks": 3}),
+                              ("llama", {"softmax_window_sinks": 14, "softmax_window_dtype": "float8"})):
             torch.manual_seed(0)
             teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2)).eval()
             model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [0, 1],
@@ -229,7 +253,7 @@ def check_dispatch():
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:] or ["gqa", "tiles", "mha", "softcap", "padding", "strided", "half", "rope", "model",
-                                 "dispatch"]:
+    for name in sys.argv[1:] or ["gqa", "tiles", "mha", "softcap", "padding", "strided", "half", "rope", "sinks",
+                                 "model", "dispatch"]:
         globals()[f"check_{name}"]()
     print("ok")

@@ -341,16 +341,18 @@ def test_auto_softmax_layers_keep_the_worst_fitted_layer(workspace, monkeypatch,
     assert ppl["after_stage1"] < ppl["after_stage1, every layer linear"]  # the worst layer back to softmax helps
 
 
-def test_auto_softmax_layers_with_a_window_decode_in_constant_memory(workspace, monkeypatch, tmp_path):
+@pytest.mark.parametrize("sinks", [0, 2])
+def test_auto_softmax_layers_with_a_window_decode_in_constant_memory(workspace, monkeypatch, tmp_path, sinks):
     """keep_softmax auto:1 with softmax_window: the chosen layer keeps the teacher's softmax over its last W
-    tokens (a WindowSoftmax mixer, no parameters), so every layer of the saved student is recurrent; it loads,
-    and the fast decoder gives generate()'s tokens."""
+    tokens (a WindowSoftmax mixer, no parameters; with 2 attention sinks too), so every layer of the saved student
+    is recurrent; it loads, and the fast decoder gives generate()'s tokens."""
     from helpers import plain_generate
     from linearize.decode import fast_generate
     from linearize.mixers.window import WindowSoftmax
 
     monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
-    spec = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 8, "window": 4, "softmax_window": 8}
+    spec = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 8, "window": 4, "softmax_window": 8,
+            "softmax_window_sinks": sinks}
     res = lolcats.run(_config(workspace, tmp_path / "w", keep_softmax="auto:1", spec=spec, stage1_steps=4,
                               stage2_steps=3, eval_steps=3))
     chosen = res["auto_softmax"]["chosen"]
@@ -358,6 +360,7 @@ def test_auto_softmax_layers_with_a_window_decode_in_constant_memory(workspace, 
     layers = linearize.mixers(model)
     assert sorted(layers) == [0, 1, 2] and [i for i, m in layers.items() if isinstance(m, WindowSoftmax)] == chosen
     assert model.config.linearize["spec"]["softmax_window"] == 8 and model.config.linearize["keep_softmax"] == chosen
+    assert all(m.sinks == sinks for m in layers.values() if isinstance(m, WindowSoftmax))
     model.generation_config.eos_token_id = None
     ids = torch.randint(2, 97, (1, 11), generator=torch.Generator().manual_seed(3))
     ref = plain_generate(model, ids, max_new_tokens=12, do_sample=False, pad_token_id=0)

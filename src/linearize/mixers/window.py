@@ -61,7 +61,7 @@ class WindowSoftmax(Mixer):
         return self.spec.softmax_window_sinks
 
     def sequence(self, q, k, v, position_embeddings, state, want_state):
-        fused = state is None and not self.sinks and self._prefill_rope(q, k, v, position_embeddings)
+        fused = state is None and self._prefill_rope(q, k, v, position_embeddings)
         if fused:  # the keys rotated here (the state keeps them), q inside the prefill kernel
             k = rope_rotate_half(k, *position_embeddings)
         else:
@@ -70,22 +70,21 @@ class WindowSoftmax(Mixer):
             if self.float8:  # attend over what the ring will give back
                 k, k8, ks = fake_quantize(k)
                 v, v8, vs = fake_quantize(v)
-            if self.sinks:  # the window and the sinks: SDPA on blocks, the sinks' keys appended to each block's
-                o = window_softmax_sinks(q, k, v, window=self.window, sinks=self.sinks, **self._kw(),
-                                         key_mask=self.key_mask)
-                if not want_state:
-                    return o, None
-                codes = (k8, ks, v8, vs) if self.float8 else None
-                return o, sink_window_state(k, v, self.window, self.sinks, self.key_mask, codes)
             if fused:
                 from ..ops.window.parallel_triton import window_softmax_triton
 
                 o = window_softmax_triton(q, k, v, window=self.window, **self._kw(), key_mask=self.key_mask,
-                                          position_embeddings=position_embeddings)
+                                          position_embeddings=position_embeddings, sinks=self.sinks)
+            elif self.sinks:  # the window and the sinks: SDPA on blocks, the sinks' keys appended to each block's
+                o = window_softmax_sinks(q, k, v, window=self.window, sinks=self.sinks, **self._kw(),
+                                         key_mask=self.key_mask)
             else:
                 o = window_softmax(q, k, v, window=self.window, **self._kw(), key_mask=self.key_mask)
             if not want_state:
                 return o, None
+            if self.sinks:
+                codes = (k8, ks, v8, vs) if self.float8 else None
+                return o, sink_window_state(k, v, self.window, self.sinks, self.key_mask, codes)
             new = window_state(k, v, self.window, self.key_mask)
             return o, (float8_window_state(new, k8, ks, v8, vs) if self.float8 else new)
         outs = []  # continuing a sequence with several tokens at once: token by token from the state

@@ -12,6 +12,9 @@ q, k and v are read through their strides (the projections' transposed views as 
 written as ``[B, T, H, D]`` memory, which is what the output projection reads, and returned as its
 ``[B, H, T, D]`` view.
 
+With attention sinks (``sinks.py``) each program first weighs its sequence's first ``S`` real tokens, one tile of
+keys gathered by position, for the queries they have left the window of.
+
 Padding (``key_mask`` ``[B, T]``, True for real tokens) leaves padding keys out of every real query's window;
 a padding query weighs itself alone and outputs zero, as the dispatcher's other forms do. Soft-capping
 (``softcap * tanh(s / softcap)``) as Gemma's. The products run on tensor cores in the inputs' half precision
@@ -78,10 +81,45 @@ def _keys(q, k_base, v_base, sk_t, sv_t, mask_ptr, start_n, rows, d, dm, m, l, a
 
 
 @triton.jit
-def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b,
-                     sv_h, sv_t, so_b, so_h, so_t, sm_b, sc_b, sc_t, T, H, G, W, D, R, scale, softcap,
+def _sink_keys(q, k_base, v_base, sk_t, sv_t, pos_ptr, rows, d, dm, m, l, acc, W, qk_scale, softcap, real_row,
+               HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
+               BS: tl.constexpr):
+    """The sequence's sinks (their positions at ``pos_ptr``, -1 for none) into the running softmax, each weighed
+    by the queries it has left the window of (``row - pos >= W``; within it, the band's blocks weigh it)."""
+    j = tl.arange(0, BS)
+    pos = tl.load(pos_ptr + j)
+    there = pos >= 0
+    tile = tl.maximum(pos, 0)[:, None].to(tl.int64)
+    keys = tl.load(k_base + tile * sk_t + d[None, :], mask=there[:, None] & dm[None, :], other=0.0)
+    values = tl.load(v_base + tile * sv_t + d[None, :], mask=there[:, None] & dm[None, :], other=0.0)
+    if F32_DOT:
+        keys = keys.to(tl.float32)
+        values = values.to(tl.float32)
+    else:
+        keys = keys.to(q.dtype)
+        values = values.to(q.dtype)
+    s = tl.dot(q, tl.trans(keys), input_precision=PREC) * qk_scale
+    if HAS_SOFTCAP:
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
+    ok = (rows[:, None] - pos[None, :] >= W) & there[None, :]
+    if HAS_MASK:  # a padding query sees no sink
+        ok = ok & real_row[:, None]
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
+    return m_new, l, acc
+
+
+@triton.jit
+def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, pos_ptr, sq_b, sq_h, sq_t, sk_b, sk_h,
+                     sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, sm_b, sc_b, sc_t, T, H, G, W, D, R, scale, softcap,
                      HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr, F32_DOT: tl.constexpr,
-                     PREC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+                     PREC: tl.constexpr, SINKS: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                     BD: tl.constexpr):
     start_m = tl.program_id(0) * BM
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -113,6 +151,13 @@ def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, sq_
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], dtype=tl.float32)
     acc = tl.zeros([BM, BD], dtype=tl.float32)
+    real_row = rm
+    if HAS_MASK:
+        real_row = tl.load(mask_row + rows, mask=rm, other=0) != 0
+    if SINKS:  # first the sinks, for tiles with a query past the window (a sink at p is seen from p + W on)
+        if start_m + BM - 1 >= W:
+            m, l, acc = _sink_keys(q, k_base, v_base, sk_t, sv_t, pos_ptr + b * BS, rows, d, dm, m, l, acc, W,
+                                   qk_scale, softcap, real_row, HAS_MASK, HAS_SOFTCAP, F32_DOT, PREC, BS)
     # key blocks: [lo, full) cross the window's lower edge for some of these queries, [full, start_m) are whole
     # for all of them, [start_m, hi) cross the diagonal (BM is a multiple of BN)
     lo = tl.maximum(start_m - W + 1, 0) // BN * BN
@@ -135,7 +180,6 @@ def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, sq_
 
     o = acc / tl.where(rm, l, 1.0)[:, None]  # l >= 1 on a real row: its largest term is exp(0)
     if HAS_MASK:
-        real_row = tl.load(mask_row + rows, mask=rm, other=0) != 0
         o = tl.where(real_row[:, None], o, 0.0)
     tl.store(o_ptr + b * so_b + h * so_h + rows[:, None].to(tl.int64) * so_t + d[None, :],
              o.to(o_ptr.dtype.element_ty), mask=rm[:, None] & dm[None, :])
@@ -159,8 +203,9 @@ def supported(q, k, v, window: int) -> bool:
 
 
 def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None,
-                          position_embeddings=None):
-    """Softmax over each query's last ``window`` keys (itself included; padding keys left out), ``q``
+                          position_embeddings=None, sinks: int = 0):
+    """Softmax over each query's last ``window`` keys (itself included; padding keys left out) and, with ``sinks``,
+    its sequence's first ``sinks`` real tokens once they have left its window (``sinks.py``), ``q``
     ``[B, H, T, D]``, ``k``/``v`` ``[B, Hk, T, D]`` with any strides but the last, in one launch. Returns
     ``[B, H, T, D]`` in q's dtype: a view of ``[B, T, H, D]`` memory. Padding queries output zero.
 
@@ -184,16 +229,26 @@ def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float 
     else:
         cos = sin = o  # never read
         rot = sc_b = sc_t = 0
+    bs = max(16, triton.next_power_of_2(max(sinks, 1)))  # the sinks' key tile: a dot's narrowest
+    if sinks > 0:
+        from .sinks import sink_positions
+
+        s = min(sinks, t)
+        first, exists = sink_positions(key_mask, b, t, s, q.device)
+        pos = torch.full((b, bs), -1, dtype=torch.int32, device=q.device)
+        pos[:, :s] = torch.where(exists, first, -1).to(torch.int32)
+    else:
+        pos = o  # never read
     bm, bn = PARALLEL_BM, PARALLEL_BN
     if bm % bn:
         raise ValueError(f"PARALLEL_BM ({bm}) must be a multiple of PARALLEL_BN ({bn})")
     grid = (triton.cdiv(t, bm), b * h)
     _window_parallel[grid](
-        q, k, v, o, mask, cos, sin, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        q, k, v, o, mask, cos, sin, pos, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         mask.stride(0) if key_mask is not None else 0, sc_b, sc_t, t, h, h // hk, window, d, rot, float(scale),
         float(softcap or 1.0), HAS_MASK=key_mask is not None, HAS_SOFTCAP=softcap is not None, ROPE=rot > 0,
-        F32_DOT=f32_dot,
+        F32_DOT=f32_dot, SINKS=sinks > 0, BS=bs,
         PREC="ieee" if f32_dot else "tf32", BM=bm, BN=bn,  # half-precision products ignore it (as in the ring step)
         BD=max(16, triton.next_power_of_2(d)), num_warps=PARALLEL_WARPS,
         **({} if PARALLEL_STAGES is None else dict(num_stages=PARALLEL_STAGES)))

@@ -10,7 +10,8 @@ Query ``t`` attends to key ``j`` when ``0 <= t - j < window`` or ``j`` is one of
 real tokens (``j <= t``): each key once. Padding keys are left out; a padding query outputs zero.
 
 * ``window_softmax_sinks``: the sequence form, the queries in blocks with the sinks appended to each block's keys
-  (SDPA; soft-capped scores by hand), with its gradient;
+  (SDPA; soft-capped scores by hand), with its gradient; without one on CUDA the window's Triton kernel, which
+  weighs the sinks first (``parallel_triton.py``);
 * ``SinkWindowState`` (``sink_window_state``): after a prompt, the window's last ``window`` tokens (the sinks
   among them marked not valid: they are held once, as sinks) and the sinks, float8 codes too;
   ``sinks_window_step``: one token from it (a sequence's first real tokens become its sinks as they come);
@@ -101,8 +102,16 @@ def window_softmax_sinks_sdpa(q, k, v, *, window: int, sinks: int, scale: float,
 
 def window_softmax_sinks(q, k, v, *, window: int, sinks: int, scale: float, softcap: float | None = None,
                          key_mask=None):
-    """The window-softmax layer's sequence form with ``sinks`` (see the module): SDPA on blocks, or with soft-capped
-    scores (Gemma 2) the same blocks by hand in fp32. ``[B, H, T, D]`` in ``q``'s dtype; padding queries output 0."""
+    """The window-softmax layer's sequence form with ``sinks`` (see the module): without a gradient on CUDA one Triton
+    launch (``parallel_triton.py``), else SDPA on blocks, or with soft-capped scores (Gemma 2) the same blocks by hand
+    in fp32. ``[B, H, T, D]`` in ``q``'s dtype; padding queries output 0."""
+    from . import _use_window_triton
+
+    if _use_window_triton(q, k, v, window):  # without a gradient, on CUDA: one launch
+        from .parallel_triton import window_softmax_triton
+
+        return window_softmax_triton(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask,
+                                     sinks=sinks)
     if softcap is None:
         o = window_softmax_sinks_sdpa(q, k, v, window=window, sinks=sinks, scale=scale, key_mask=key_mask)
     else:
