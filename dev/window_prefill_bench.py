@@ -32,6 +32,7 @@ H, HK, D = 9, 3, 64
 def main(argv=None) -> int:
     from linearize.ops import window
     from linearize.ops.window import flash, parallel_triton
+    from linearize.ops.window.sinks import window_softmax_sinks_sdpa
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=["1x32768", "32x1024"], help="batch x tokens")
@@ -40,6 +41,8 @@ def main(argv=None) -> int:
     p.add_argument("--bn", nargs="+", type=int, default=[0])
     p.add_argument("--warps", nargs="+", type=int, default=[0])
     p.add_argument("--stages", nargs="+", type=int, default=[0])
+    p.add_argument("--sinks", nargs="+", type=int, default=[0], help="attention sinks (ops/window/sinks.py) for the "
+                   "kernel's rows, each against the blocked sinks form")
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--out")
     args = p.parse_args(argv)
@@ -69,13 +72,20 @@ def main(argv=None) -> int:
             print(f"| {form} | {shape} | {w} | {cells[0]} | {cells[1]} | {cells[2]} | {cells[3]} | {ms:.3f} | "
                   f"{rec['tflops']:.0f} | {'-' if diff is None else f'{diff:.3g}'} |", flush=True)
 
-        for bm, bn, warps, stages in itertools.product(args.bm, args.bn, args.warps, args.stages):
+        for bm, bn, warps, stages, n_sinks in itertools.product(args.bm, args.bn, args.warps, args.stages, args.sinks):
             cfg = (bm or default[0], bn or default[1], warps or default[2], stages or default[3])
             (parallel_triton.PARALLEL_BM, parallel_triton.PARALLEL_BN, parallel_triton.PARALLEL_WARPS,
              parallel_triton.PARALLEL_STAGES) = cfg
             try:
-                fn = lambda: parallel_triton.window_softmax_triton(q, k, v, window=w, scale=D ** -0.5)  # noqa: E731
-                emit("triton", cfg, timed(fn, args.runs), fn())
+                fn = lambda: parallel_triton.window_softmax_triton(q, k, v, window=w, scale=D ** -0.5,  # noqa: E731
+                                                                   sinks=n_sinks)
+                if n_sinks:
+                    want = window_softmax_sinks_sdpa(q, k, v, window=w, sinks=n_sinks, scale=D ** -0.5)
+                    got = fn()
+                    got = ref + (got.float() - want.float())  # the max diff column: against the sinks form
+                    emit(f"triton + {n_sinks} sinks", cfg, timed(fn, args.runs), got)
+                else:
+                    emit("triton", cfg, timed(fn, args.runs), fn())
             except Exception as e:  # a tile that does not fit (shared memory): say so, go on
                 print(f"| triton | {shape} | {w} | {cfg} | failed: {str(e).splitlines()[0][:80]} |")
         (parallel_triton.PARALLEL_BM, parallel_triton.PARALLEL_BN, parallel_triton.PARALLEL_WARPS,

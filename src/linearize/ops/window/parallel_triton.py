@@ -154,10 +154,9 @@ def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, pos
     real_row = rm
     if HAS_MASK:
         real_row = tl.load(mask_row + rows, mask=rm, other=0) != 0
-    if SINKS:  # first the sinks, for tiles with a query past the window (a sink at p is seen from p + W on)
-        if start_m + BM - 1 >= W:
-            m, l, acc = _sink_keys(q, k_base, v_base, sk_t, sv_t, pos_ptr + b * BS, rows, d, dm, m, l, acc, W,
-                                   qk_scale, softcap, real_row, HAS_MASK, HAS_SOFTCAP, F32_DOT, PREC, BS)
+    if SINKS:  # first the sinks (a sink at p is seen from p + W on); in every tile, masked: no branch around a dot
+        m, l, acc = _sink_keys(q, k_base, v_base, sk_t, sv_t, pos_ptr + b * BS, rows, d, dm, m, l, acc, W,
+                               qk_scale, softcap, real_row, HAS_MASK, HAS_SOFTCAP, F32_DOT, PREC, BS)
     # key blocks: [lo, full) cross the window's lower edge for some of these queries, [full, start_m) are whole
     # for all of them, [start_m, hi) cross the diagonal (BM is a multiple of BN)
     lo = tl.maximum(start_m - W + 1, 0) // BN * BN
