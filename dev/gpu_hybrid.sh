@@ -39,10 +39,9 @@
 #             WINDOW_BENCH_ARGS, WINDOW_BENCH8_ARGS; WINDOW_STEP_SWEEP=0 skips them), the prefill forms alone
 #             (dev/window_prefill_bench.py: the kernel's tiles swept at 1 x 32k, WINDOW_PREFILL_ARGS;
 #             WINDOW_PREFILL_SWEEP=0 skips them), then
-#             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: mix =
-#             lolcats_mix; wide = 14 layers over 1,280, the default's shape; wide8 = the same in float8; e.g.
-#             sinks=...:--softmax-window-sinks:4 for attention sinks), each beside
-#             the teacher; then wide8 with the float8 slot scales folded into the products (WINDOW_FOLD=0 skips it)
+#             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: wide = 14
+#             layers over 1,280, lolcats_wide's shape; tiers = 4 of them over 4,160, float8, 4 sinks: lolcats_tiers',
+#             the default's), each beside the teacher
 #   decode-default  issue #44: the norm/activation kernels' CUDA tests, then decode from 1k prompts + 512 new at
 #             batch 1/64/256 on the default fast path (no flags) and with --compile, each beside the teacher's
 #             static and fast paths in its run, then the default path with the kernels off (the step as before),
@@ -184,22 +183,16 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       [ "${WINDOW_STEP_SWEEP:-1}" = 1 ] && timeout 300 python3 dev/window_step_bench.py ${WINDOW_BENCH_ARGS:---blocks 32 64 128 \
 --warps 2 4 8 --programs 0 1} --out "$S/window_step_bench.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -40
       [ "${WINDOW_STEP_SWEEP:-1}" = 1 ] && timeout 300 python3 dev/window_step_bench.py --float8 ${WINDOW_BENCH8_ARGS:---blocks 64 128 \
---warps 4 --fold 0 1} --out "$S/window_step_bench_float8.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -20
+--warps 4} --out "$S/window_step_bench_float8.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -20
       [ "${WINDOW_PREFILL_SWEEP:-1}" = 1 ] && timeout 300 python3 dev/window_prefill_bench.py ${WINDOW_PREFILL_ARGS:---shapes \
 1x32768 --windows 1280 --bm 64 128 --bn 64 128 --warps 4 8 --stages 2 3} --out "$S/window_prefill_sweep.json" 2>&1 \
         | grep -v -E "^\s*$|Warning|warn" | tail -45
       [ "${WINDOW_PREFILL_SWEEP:-1}" = 1 ] && timeout 200 python3 dev/window_prefill_bench.py \
         --out "$S/window_prefill_bench.json" 2>&1 | grep -E "^\|" | tail -20
       kept=0,1,2,3,4,5,6,7,8,9,17,18,20,23
-      LENGTH_TESTS=0 LENGTH_NEW=${LENGTH_NEW:-512} LENGTH_SPECS="${WINDOW_SPECS:-mix=--config:lolcats_mix \
-wide=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280 \
-wide8=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280:--softmax-window-dtype:float8}" \
-        bash "$0" length-speed
-      # the float8 student again with the slot scales folded into the products (FLOAT8_FOLD_SCALES), beside the teacher
-      [ "${WINDOW_FOLD:-1}" = 1 ] && [ -d "$C-wide8" ] && timeout 420 python3 dev/with_knobs.py \
-        '{"window.step_triton.FLOAT8_FOLD_SCALES": true}' - linearize.cli bench "$C-wide8" --teacher "$T" --dtype bfloat16 \
-        --paths fast --teacher-paths static fast --batch-sizes 1 64 256 --new-tokens ${LENGTH_NEW:-512} --prompt-len 1024 \
-        --out "$S/decode_length_wide8fold.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:" ;;
+      LENGTH_TESTS=0 LENGTH_NEW=${LENGTH_NEW:-512} LENGTH_SPECS="${WINDOW_SPECS:-wide=--config:lolcats_mix:--keep-softmax:$kept\
+:--softmax-window:1280 tiers=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280,17%4160,18%4160,20%4160,23%4160\
+:--softmax-window-dtype:float8:--softmax-window-sinks:4}" bash "$0" length-speed ;;
     delta-prefill)  # issue #53: where the delta student's prefill goes (dev/delta_prefill.py: parts swapped out, the
       # parts alone, the kernels) at DELTA_SHAPES (default 1x32768 32x1024), beside the teacher, on an untrained student
       ck=$C-delta; [ -d "$ck" ] || python3 -m linearize convert --teacher "$T" --kind delta --feature-rope off --out "$ck" \

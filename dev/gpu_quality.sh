@@ -303,7 +303,7 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     python3 dev/recall_probe.py $ck --lengths ${PASSKEY_LENGTHS:-2k,4k,8k} --limit ${RECALL_LIMIT:-4} \
       --variants "${VARIANTS:-none;S=256;exact;S=256,lin=0}" --out $RUNS/length/probe-$name.json \
       2> $RUNS/length/probe-$name.err ;;  # (progress bars apart: they share lines with the rows)
-  domains)  # issue #53: a LoLCATs recipe (RECIPE, default lolcats_wide, the default student; RECIPE_ARGS, e.g. --data ...) trained as NAME, then
+  domains)  # issue #53: a LoLCATs recipe (RECIPE, default lolcats_tiers, the default student; RECIPE_ARGS, e.g. --data ...) trained as NAME, then
             # its student beside the teacher on every held-out domain (whole, by position to 8k, KL, greedy agreement),
             # the copy task and passkey; then the domains alone on 32k blocks (DOMAIN_32K=0 skips); TASKS=1: zero-shot.
             # FROM=OTHER: no training, OTHER's student scored as NAME (with EVAL_FLAGS, e.g. --sparse-cache 256).
@@ -312,7 +312,7 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     name=${NAME:-recipe}; ck=$RUNS/dom-${FROM:-$name}/final; mkdir -p $RUNS/domains
     tea=$T; [ -n "${TEACHER:-}" ] && { tea=/tmp/stage/$TEACHER.gguf; waitfor $tea 1500 || exit 1; }
     [ -n "${FROM:-}" ] && { waitfor $ck/config.json 3000 || exit 1; }
-    [ -e $ck ] || lin lolcats --config ${RECIPE:-lolcats_wide} --teacher $tea ${RECIPE_ARGS:-} --out $RUNS/dom-$name 2>&1 \
+    [ -e $ck ] || lin lolcats --config ${RECIPE:-lolcats_tiers} --teacher $tea ${RECIPE_ARGS:-} --out $RUNS/dom-$name 2>&1 \
       | quiet | tail -9
     lin eval $ck --domains all --teacher $tea --tasks copy,passkey --lengths 2k,4k,8k --limit ${RECALL_LIMIT:-5} \
       --batch-size 16 --no-perplexity ${EVAL_FLAGS:-} --name $name --out $RUNS/domains/$name.json 2>&1 | quiet | tail -12

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue #55's rows at a named shape (random weights: speed and memory do not depend on them), parts run one
 # after another with nothing else on the GPU: `gpu_session.sh start s8 "SHAPE=llama-3-8b bash dev/gpu_scale.sh"`.
-#   train    linearize lolcats (the default config: the gpu budget's 2 x 4,096 blocks, the default student, since
-#            2026-11-30 lolcats_wide's; TRAIN_ARGS='--config lolcats_mix' for the rows measured before) for
+#   train    linearize lolcats (the default config: the gpu budget's default student, since 2026-11-30
+#            lolcats_tiers'; TRAIN_ARGS='--config lolcats_mix' for the rows measured before) for
 #            S1 + S2 steps (80 + 60) on the books: each stage's set-up / steady split and peak memory
 #            (results.json); its final checkpoint is the student the next parts time
 #   decode   the student's default fast path beside the teacher's static and fast paths, 1k prompts + NEW (256)

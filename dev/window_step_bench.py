@@ -4,15 +4,14 @@ sit in L2 between steps), for each batch and each setting of the kernel's module
 PyTorch step (``window_softmax_step_ring`` with ``WINDOW_STEP_KERNEL`` off).
 
     python dev/window_step_bench.py [--batches 1 8 64 256] [--blocks 32 64 128] [--warps 2 4 8]
-                                    [--programs 0 1 528] [--stages 0 2 3 4] [--fma] [--float8 [--fold 0 1]]
+                                    [--programs 0 1 528] [--stages 0 2 3 4] [--fma] [--float8]
                                     [--layers 14] [--out FILE]
 
 Shapes are a kept layer's of the SmolLM2-135M student (9 query heads, 3 key heads, head dim 64, a ring of
 ``--window`` 1,280 slots, bf16). ``0`` means the module's default (``--programs 1``: never split the ring);
 ``--fma`` adds the products as broadcast sums (``STEP_MMA = False``); ``--float8`` times float8 rings
-(``float8_window_step_ring``: the kernel quantising the new token itself, or its PyTorch path), ``--fold 0 1``
-with the slot scales applied to the products and to the decoded entries (``FLOAT8_FOLD_SCALES``, the step named
-``kernel+fold``). Each setting's output for one step
+(``float8_window_step_ring``: the kernel quantising the new token itself, or its PyTorch path). Each setting's
+output for one step
 from the same ring is compared with the PyTorch step's (largest absolute difference). Prints µs per layer
 step and the effective GB/s of the ring's bytes (keys and values read once).
 """
@@ -66,8 +65,6 @@ def main(argv=None) -> int:
     p.add_argument("--stages", nargs="+", type=int, default=[0])
     p.add_argument("--fma", action="store_true")
     p.add_argument("--float8", action="store_true", help="float8 rings (the kernel quantising the new token itself)")
-    p.add_argument("--fold", nargs="+", type=int, default=[0], choices=[0, 1],
-                   help="float8: 1 folds the slot scales into the products (FLOAT8_FOLD_SCALES), 0 not")
     p.add_argument("--layers", type=int, default=14)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out")
@@ -75,7 +72,7 @@ def main(argv=None) -> int:
     if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("window_step_bench.py needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
     defaults = {k: getattr(step_triton, k) for k in ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES",
-                                                      "STEP_MMA", "FLOAT8_FOLD_SCALES")}
+                                                      "STEP_MMA")}
     from linearize.ops.window import float8 as f8
 
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -95,15 +92,13 @@ def main(argv=None) -> int:
         ring_bytes = b * HK * args.window * ((D + 4) if args.float8 else D * 2) * 2
         want = None
         settings = [("torch", {})]
-        folds = args.fold if args.float8 else [0]
-        for mma, block, warps, programs, stages, fold in itertools.product([True, False] if args.fma else [True],
-                                                                           args.blocks, args.warps, args.programs,
-                                                                           args.stages, folds):
-            name = ("kernel" if mma else "fma") + ("+fold" if fold else "")
+        for mma, block, warps, programs, stages in itertools.product([True, False] if args.fma else [True],
+                                                                     args.blocks, args.warps, args.programs,
+                                                                     args.stages):
+            name = "kernel" if mma else "fma"
             settings.append((name, dict(
                 STEP_MMA=mma, STEP_BLOCK=block or defaults["STEP_BLOCK"], STEP_WARPS=warps or defaults["STEP_WARPS"],
-                STEP_PROGRAMS=programs or defaults["STEP_PROGRAMS"], STEP_STAGES=stages or defaults["STEP_STAGES"],
-                FLOAT8_FOLD_SCALES=bool(fold))))
+                STEP_PROGRAMS=programs or defaults["STEP_PROGRAMS"], STEP_STAGES=stages or defaults["STEP_STAGES"])))
         for name, consts in settings:
             for key, value in {**defaults, **consts}.items():
                 setattr(step_triton, key, value)

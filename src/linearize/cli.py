@@ -417,7 +417,7 @@ def _training_arguments(p: argparse.ArgumentParser, cls, budgets=("cpu", "gpu"))
     p.add_argument("--budget", choices=budgets, default=None,
                    help="token budget preset: cpu (minutes on 2 cores), gpu (~20M tokens; lolcats: 10M per "
                         "stage of books, code and WordNet in 4,096-token blocks, and with no --config the "
-                        "lolcats_wide recipe's window layers)"
+                        "lolcats_tiers recipe's window layers on 8,192-token blocks)"
                         + (", paper (2 epochs per stage)" if "paper" in budgets else "")
                         + "; default: gpu on CUDA, cpu otherwise")
     add_flags(p, cls, TRAINING_FLAGS)
@@ -599,12 +599,14 @@ def build_parser() -> argparse.ArgumentParser:
                                     "stage 2 trains LoRA adapters on next-token loss and merges them. Prints held-out "
                                     "perplexity of the teacher, the converted model and after each stage; writes "
                                     "OUT/final (a standalone checkpoint), OUT/results.json and OUT/metrics.jsonl. With "
-                                    "no --config on a GPU (or --budget gpu) it trains the measured default (= --config lolcats_wide): "
+                                    "no --config on a GPU (or --budget gpu) it trains the measured default (= --config lolcats_tiers): "
                                     "Hedgehog features of the q/k before RoPE, a gated linear state, the teacher's "
-                                    "sliding-window layers kept, 4,096-token blocks of books, code and WordNet, and "
+                                    "sliding-window layers kept, 8,192-token blocks of books, code and WordNet, and "
                                     "after stage 1 the 47 % of the layers whose softmax most helps copying kept as the "
-                                    "teacher's attention over their last 1,280 tokens (constant memory); flags change "
-                                    "any of it. Without the window layers: --config lolcats_mix; the paper's student on "
+                                    "teacher's attention over their last 1,280 tokens, four of them over 4,160, each "
+                                    "also seeing the first 4 tokens, keys and values in float8 (constant memory); flags "
+                                    "change any of it. The same on 4,096-token blocks with one tier, no sinks, bf16: "
+                                    "--config lolcats_wide; without the window layers: --config lolcats_mix; the paper's student on "
                                     "its books: --config lolcats_plain; --budget cpu: a few minutes of the hybrid alone "
                                     "on short blocks of the books.")
     lc.add_argument("--out", type=Path, help="run folder (default: the recipe file's out, else runs/lolcats)")

@@ -6,7 +6,7 @@
    stage 2 (LoRA), with held-out perplexity of the teacher, the converted model and after each stage.
    The budget is a few minutes on the Gutenberg books on a CPU, ~10M tokens per stage of books, code
    and WordNet on a GPU (``--budget``), where the student also keeps its copying layers as window softmax
-   (the default recipe file, ``lolcats_wide``).
+   (the default recipe file, ``lolcats_tiers``).
 3. The final checkpoint loads without the teacher and decodes recurrently with a cache whose
    size does not grow with the generated length.
 """

@@ -223,15 +223,13 @@ def _float8_step(q, k, v, ring, kernel, **kw):
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("softcap", [None, 30.0])
 @pytest.mark.parametrize("programs", [None, 1])
-@pytest.mark.parametrize("fold", [False, True])
-def test_float8_ring_step_kernel_equals_the_torch_path_on_cuda(shape, q_dtype, softcap, programs, fold, monkeypatch):
+def test_float8_ring_step_kernel_equals_the_torch_path_on_cuda(shape, q_dtype, softcap, programs, monkeypatch):
     """``float8_window_step_ring`` on the kernel reading the codes against its PyTorch path on the read-back
-    ring, token after token (the ring in parts and in one; the slot scales on the entries or, ``fold``, on the
-    products): the outputs, and the ring's codes, scales, valid slots and counter."""
+    ring, token after token (the ring in parts and in one): the outputs, and the ring's codes, scales, valid slots
+    and counter."""
     from linearize.ops.window import step_triton
 
     monkeypatch.setattr(step_triton, "STEP_PROGRAMS", programs)
-    monkeypatch.setattr(step_triton, "FLOAT8_FOLD_SCALES", fold)
     b, h, hk, w = shape
     g = torch.Generator(device="cuda").manual_seed(2)
     ring = _float8_ring(b, hk, w, 0.4, g)

@@ -45,10 +45,9 @@ def test_float8_ring_step_kernel_rotates_quantises_and_encodes_as_torch_through_
 
 
 def test_float8_ring_step_kernel_in_parts_and_the_decoder_through_the_interpreter():
-    """The float8 ring in 2 and 3 parts merged by the second launch; the slot scales folded into the products
-    (``FLOAT8_FOLD_SCALES``: the same outputs to rounding, the same ring); the fast decoder of tiny students with
-    float8 window layers on the kernel (each window step's output and the greedy tokens)."""
-    run_triton_interpreter_script("triton_interpret_window_step.py", "float8_parts", "float8_fold", "float8_decoder")
+    """The float8 ring in 2 and 3 parts merged by the second launch; the fast decoder of tiny students with float8
+    window layers on the kernel (each window step's output and the greedy tokens)."""
+    run_triton_interpreter_script("triton_interpret_window_step.py", "float8_parts", "float8_decoder")
 
 
 def test_rings_with_sinks_on_the_kernel_through_the_interpreter():

@@ -23,7 +23,7 @@ bit, the new keys and values holding -0s, zero vectors and entries with subnorma
 ``float8``: fp32 queries (6 on 2 key heads), then bf16 ones; ``float8_softcap``: soft-capped, and as many
 query as key heads; ``float8_parts``: the ring in 2 and 3 parts; ``float8_rope``: the kernel rotating q and k
 (full and partial rotary, whole ring and in parts) against RoPE in PyTorch then the PyTorch path;
-``float8_fold``: the slot scales folded into the products (``FLOAT8_FOLD_SCALES``); ``float8_rope_bf16``: the
+``float8_rope_bf16``: the
 same as ``float8_rope`` in bf16, RoPE rounded once as the kernel does, the casts rounded as on CUDA;
 ``float8_encode``: the kernel's e4m3 encoding against ``Tensor.to(float8_e4m3fn)`` (every value, the ties
 between neighbours, subnormals, signed zeros, random numbers, out of range); ``float8_quantize``: its
@@ -353,20 +353,6 @@ def check_float8_parts():
     _float8_steps(6, 2, torch.bfloat16, None, parts=2, steps=10, seed=16)
 
 
-def check_float8_fold():
-    """``FLOAT8_FOLD_SCALES``: the slot scales applied to the scores and the weights instead of the decoded
-    entries; the same outputs to rounding (fp32, bf16, fp16 where only the keys' fold; soft-capped; in parts), the
-    ring's buffers bit for bit."""
-    step_triton.FLOAT8_FOLD_SCALES = True
-    try:
-        _float8_steps(6, 2, torch.float32, None, steps=20, seed=21)
-        _float8_steps(6, 2, torch.bfloat16, 3.0, steps=12, seed=22)
-        _float8_steps(6, 2, torch.float16, None, parts=3, steps=10, seed=23)
-        _float8_steps(2, 2, torch.float32, 3.0, parts=2, steps=10, seed=24)
-    finally:
-        step_triton.FLOAT8_FOLD_SCALES = False
-
-
 def check_float8_rope():
     """The float8 kernel rotating q and k itself (``position_embeddings``), then quantising k, against RoPE by
     rotating halves in PyTorch then the PyTorch path: full and partial rotary dims, the ring whole and in 3
@@ -532,7 +518,7 @@ def check_sinks_decoder():
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "rope", "fma", "decoder",
-                                 "float8", "float8_softcap", "float8_parts", "float8_fold", "float8_rope",
+                                 "float8", "float8_softcap", "float8_parts", "float8_rope",
                                  "float8_rope_bf16", "float8_encode", "float8_quantize", "float8_decode",
                                  "float8_decoder", "sinks", "sinks_decoder"]:
         globals()[f"check_{name}"]()

@@ -125,21 +125,27 @@ def _trained(cfg) -> dict:
 
 
 def test_the_default_lolcats_run_is_the_window_recipe_and_the_earlier_ones_stay_named(capsys):
-    """``linearize lolcats`` with no flags on a GPU trains what ``--config lolcats_wide`` names (the measured
-    best across domains: the hybrid with features before RoPE, gates and kept sliding layers, 4,096-token blocks of
+    """``linearize lolcats`` with no flags on a GPU trains what ``--config lolcats_tiers`` names (the measured
+    best across domains: the hybrid with features before RoPE, gates and kept sliding layers, 8,192-token blocks of
     books + code + WordNet, and after stage 1 the layers that most help copying kept as the teacher's softmax over
-    1,280 tokens); ``--config lolcats_mix`` is the default before it, ``lolcats_plain`` the paper's student; the cpu
-    budget trains the hybrid alone on short blocks of the books; flags still win over the default file."""
+    1,280 tokens, four over 4,160, with 4 sinks and float8 keys and values); ``--config lolcats_wide`` is the default
+    before it, ``lolcats_mix`` the one before, ``lolcats_plain`` the paper's student; the cpu budget trains the hybrid
+    alone on short blocks of the books; flags still win over the default file."""
     hybrid = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64, "feature_rope": False,
               "decay": "gated", "keep_sliding": True}
     default = _resolved(["--budget", "gpu"])
-    assert "no --config on the gpu budget: the default recipe, lolcats_wide" in capsys.readouterr().out  # said in one line
-    assert default.spec == {**hybrid, "softmax_window": 1280}
+    assert "no --config on the gpu budget: the default recipe, lolcats_tiers" in capsys.readouterr().out  # one line
+    assert default.spec == {**hybrid, "softmax_window": 1280, "softmax_window_sinks": 4, "softmax_window_dtype": "float8"}
     assert (default.keep_softmax, default.auto_softmax_score, default.auto_softmax_distance) == ("auto:0.47", "recall",
                                                                                                  1024)
-    assert (default.block_len, default.batch_size, default.stage1_steps, default.stage2_steps) == (4096, 2, 1220, 1220)
+    assert default.auto_softmax_long == "4@4160"
+    assert (default.block_len, default.batch_size, default.stage1_steps, default.stage2_steps) == (8192, 1, 1220, 1220)
     assert default.data == "gutenberg,corpus:code,corpus:wordnet"
-    assert _trained(_resolved(["--config", "lolcats_wide"])) == _trained(default)
+    assert _trained(_resolved(["--config", "lolcats_tiers"])) == _trained(default)
+    capsys.readouterr()
+    wide = _resolved(["--config", "lolcats_wide"])
+    assert wide.spec == {**hybrid, "softmax_window": 1280} and (wide.block_len, wide.batch_size) == (4096, 2)
+    assert wide.keep_softmax == "auto:0.47" and wide.auto_softmax_long in (None, "")
     capsys.readouterr()
     mix = _resolved(["--config", "lolcats_mix"])
     assert capsys.readouterr().out == ""

@@ -22,11 +22,13 @@ __all__ = ["AUTO_SCORES", "DEFAULT_CONFIG", "DEFAULT_DATA", "DEFAULT_SPEC", "Lol
 
 AUTO_SCORES = ("mse", "recall")  # how keep_softmax auto:K scores the layers (``lolcats.auto_softmax_choice``)
 # What ``linearize lolcats`` trains with no flag and no --config on the gpu budget: the packaged recipe file
-# ``lolcats_wide`` (DEFAULT_SPEC's hybrid, 4,096-token blocks of DEFAULT_DATA, and the 14 of SmolLM2's 30 layers
-# whose softmax most helps copying kept as the teacher's attention over their last 1,280 tokens; the best measured
-# across books, speeches, code and technical text, docs/RESULTS.md "Across domains"). Until 2026-11-30 it was
-# ``lolcats_mix``, which stays named; the paper's student: ``lolcats_plain``.
-DEFAULT_CONFIG = "lolcats_wide"
+# ``lolcats_tiers`` (DEFAULT_SPEC's hybrid, 8,192-token blocks of DEFAULT_DATA, and the 14 of SmolLM2's 30 layers
+# whose softmax most helps copying kept as the teacher's attention over their last 1,280 tokens, four of them over
+# 4,160, with 4 attention sinks and float8 keys and values; the best measured across books, speeches, code and
+# technical text, docs/RESULTS.md "Across domains"). Before 2026-11-30's second change it was ``lolcats_wide`` (the
+# same without the far tier, the sinks and float8, on 4,096-token blocks), before that ``lolcats_mix``; both stay
+# named; the paper's student: ``lolcats_plain``.
+DEFAULT_CONFIG = "lolcats_tiers"
 # The hybrid of every converted layer (``linearize convert``'s untrained student with no --config; on the cpu budget
 # the whole student): LoLCATs' Hedgehog features over a 64-token window, the features read from the q/k before RoPE,
 # a data-dependent gate on the linear state, the teacher's own sliding-window layers kept (issue #46's length options).

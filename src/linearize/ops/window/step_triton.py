@@ -54,12 +54,6 @@ STEP_WARPS = 4
 STEP_PROGRAMS: int | None = None
 STEP_MMA = True
 STEP_STAGES: int | None = None
-# float8 rings: the slot scales applied to the products (keys' to the scores, values' to the weights) instead of
-# to every decoded entry, so that a block's codes are only converted (exactly) to the products' dtype: fewer
-# operations a byte read, the products rounded differently (the scaled keys are not rounded to q's dtype). Values'
-# scales fold only where the weights are not fp16 (there a small scale times a small weight would be subnormal).
-# Off until an H200 sweep (dev/window_step_bench.py --float8 --fold 0 1) says it is faster.
-FLOAT8_FOLD_SCALES = False
 
 
 @triton.jit
@@ -71,7 +65,8 @@ def _e4m3(b):
     m = b & 7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)  # fp32 bits: exponent e - 7 + 127
     mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where(b >= 128, -mag, mag)
+    # the sign as a bit (code 0x80 is -0.0; a negation may compile to 0 - x, which gives +0.0 on CUDA)
+    return (mag.to(tl.int32, bitcast=True) | ((b & 128) << 24)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -124,8 +119,7 @@ def _quantize(x, mask):
 def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr,
                       l_ptr, acc_ptr, cos_ptr, sin_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b,
                       sc_d, scale, softcap, HK, G, W, D, L, R, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
-                      FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
-                      MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
+                      FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
                       BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
@@ -215,20 +209,11 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
         old = (w < hi) & (w != s)
         live = tl.load(valid_ptr + bi * W + w, mask=old, other=0).to(tl.int1)
         tile = w[:, None] * D + d[None, :]
-        if FP8:  # codes times the slot's scale in fp32, then rounded as ``dequantize`` rounds them (or, folded,
-            # the codes alone in the products' dtype, their scales applied below)
+        if FP8:  # codes times the slot's scale in fp32, then rounded as ``dequantize`` rounds them
             k_codes = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
             v_codes = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
-            if FOLD_K:
-                k_scales = tl.load(ks_ptr + w, mask=old, other=0.0)
-                keys = _e4m3_as(k_codes, NATIVE_FP8, k_ty)
-            else:
-                keys = (_e4m3_value(k_codes, NATIVE_FP8) * tl.load(ks_ptr + w, mask=old, other=0.0)[:, None]).to(k_ty)
-            if FOLD_V:
-                v_scales = tl.load(vs_ptr + w, mask=old, other=0.0)
-                values = _e4m3_as(v_codes, NATIVE_FP8, v_ty)
-            else:
-                values = (_e4m3_value(v_codes, NATIVE_FP8) * tl.load(vs_ptr + w, mask=old, other=0.0)[:, None]).to(v_ty)
+            keys = (_e4m3_value(k_codes, NATIVE_FP8) * tl.load(ks_ptr + w, mask=old, other=0.0)[:, None]).to(k_ty)
+            values = (_e4m3_value(v_codes, NATIVE_FP8) * tl.load(vs_ptr + w, mask=old, other=0.0)[:, None]).to(v_ty)
         else:
             keys = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
             values = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
@@ -239,8 +224,6 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
             scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale  # [BG, BW]
         else:
             scores = tl.sum(q.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
-        if FOLD_K:
-            scores = scores * k_scales[None, :]
         if HAS_SOFTCAP:
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         scores = tl.where(live[None, :], scores, float("-inf"))
@@ -249,13 +232,10 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        pv = p
-        if FOLD_V:  # the weights of the values as they are stored
-            pv = p * v_scales[None, :]
         if MMA:  # the weights in the ring's dtype, as a flash kernel rounds them
-            acc = tl.dot(pv.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
+            acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
         else:
-            acc = acc * alpha[:, None] + tl.sum(pv[:, :, None] * values.to(tl.float32)[None, :, :], axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values.to(tl.float32)[None, :, :], axis=1)
         m = m_new
 
     # 4. the output, or this part's terms for _combine ([B, Hk, P, G] and [B, Hk, P, G, D])
@@ -396,7 +376,6 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1),
         v.stride(3), sc_b, sc_d, float(scale), float(softcap or 1.0), hk, g, w, d, span, rot,
         HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8, NATIVE_FP8=fp8 and _native_float8(q.device),
-        FOLD_K=fp8 and FLOAT8_FOLD_SCALES, FOLD_V=fp8 and FLOAT8_FOLD_SCALES and q.dtype != torch.float16,
         MMA=STEP_MMA, F32_DOT=f32_dot, PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, BG=bg, BW=bw, BD=bd,
         num_warps=STEP_WARPS,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
