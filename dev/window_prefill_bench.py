@@ -32,7 +32,7 @@ H, HK, D = 9, 3, 64
 def main(argv=None) -> int:
     from linearize.ops import window
     from linearize.ops.window import flash, parallel_triton
-    from linearize.ops.window.sinks import window_softmax_sinks_sdpa
+    from linearize.ops.window.sinks import sink_index, window_softmax_sinks_sdpa
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="+", default=["1x32768", "32x1024"], help="batch x tokens")
@@ -77,8 +77,9 @@ def main(argv=None) -> int:
             (parallel_triton.PARALLEL_BM, parallel_triton.PARALLEL_BN, parallel_triton.PARALLEL_WARPS,
              parallel_triton.PARALLEL_STAGES) = cfg
             try:
+                pos = sink_index(None, b, t, n_sinks, q.device) if n_sinks else None
                 fn = lambda: parallel_triton.window_softmax_triton(q, k, v, window=w, scale=D ** -0.5,  # noqa: E731
-                                                                   sinks=n_sinks)
+                                                                   sink_positions=pos)
                 if n_sinks:
                     want = window_softmax_sinks_sdpa(q, k, v, window=w, sinks=n_sinks, scale=D ** -0.5)
                     got = fn()

@@ -82,7 +82,7 @@ def test_window_kernel_with_sinks_equals_the_sdpa_form_on_cuda(t, window, sinks,
         got = S.window_softmax_sinks(q, k, v, window=window, sinks=sinks, scale=0.125, softcap=softcap,
                                      key_mask=key_mask)
         direct = window_softmax_triton(q, k, v, window=window, scale=0.125, softcap=softcap, key_mask=key_mask,
-                                       sinks=sinks)
+                                       sink_positions=S.sink_index(key_mask, 2, t, sinks, q.device))
         with torch.enable_grad():  # the blocked forms (a gradient wanted)
             qf = q.float().requires_grad_()
             want = S.window_softmax_sinks(qf, k.float(), v.float(), window=window, sinks=sinks, scale=0.125,

@@ -30,6 +30,7 @@ from interpret_checks import _close, _masks  # noqa: E402
 from linearize.ops import window as window_ops  # noqa: E402
 from linearize.ops.window import parallel_triton  # noqa: E402
 from linearize.ops.window.parallel_triton import window_softmax_triton  # noqa: E402
+from linearize.ops.window.sinks import sink_index  # noqa: E402
 
 torch.set_grad_enabled(False)
 parallel_triton.PARALLEL_BM = 16
@@ -68,8 +69,9 @@ def _case(h, hk, t, window, *, softcap=None, pad=0, dtype=torch.float32, strided
         q = (torch.randn(B, h, t, D, generator=gen) * 2).to(dtype)
         k, v = (torch.randn(B, hk, t, D, generator=gen).to(dtype) for _ in range(2))
     key_mask = _masks(B, t, pad)
+    pos = sink_index(key_mask, B, t, sinks, q.device) if sinks else None
     got = window_softmax_triton(q, k, v, window=window, scale=D ** -0.5, softcap=softcap, key_mask=key_mask,
-                                sinks=sinks)
+                                sink_positions=pos)
     want = definition(q, k, v, window, D ** -0.5, softcap, key_mask, sinks)
     where = (h, hk, t, window, softcap, pad, str(dtype), strided, sinks)
     assert got.dtype == dtype and got.shape == (B, h, t, D), where

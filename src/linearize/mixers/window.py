@@ -24,8 +24,8 @@ from ..ops.hybrid import RingHybridState
 from ..ops.window import window_softmax, window_softmax_step, window_softmax_step_ring, window_state
 from ..ops.window.float8 import (Float8RingState, Float8WindowState, fake_quantize, float8_window_state,
                                  float8_window_step, float8_window_step_ring)
-from ..ops.window.sinks import (SinkWindowState, settle_sinks, sink_ring_state, sink_window_state, sinks_window_step,
-                                window_softmax_sinks)
+from ..ops.window.sinks import (SinkWindowState, settle_sinks, sink_index, sink_ring_state, sink_window_state,
+                                sinks_window_step, window_softmax_sinks)
 from ..models.base import rope_rotate_half, rotates_half
 from .base import Mixer
 
@@ -73,8 +73,10 @@ class WindowSoftmax(Mixer):
             if fused:
                 from ..ops.window.parallel_triton import window_softmax_triton
 
+                sinks = (sink_index(self.key_mask, q.shape[0], q.shape[2], self.sinks, q.device) if self.sinks
+                         else None)
                 o = window_softmax_triton(q, k, v, window=self.window, **self._kw(), key_mask=self.key_mask,
-                                          position_embeddings=position_embeddings, sinks=self.sinks)
+                                          position_embeddings=position_embeddings, sink_positions=sinks)
             elif self.sinks:  # the window and the sinks: SDPA on blocks, the sinks' keys appended to each block's
                 o = window_softmax_sinks(q, k, v, window=self.window, sinks=self.sinks, **self._kw(),
                                          key_mask=self.key_mask)

@@ -144,6 +144,13 @@ class RingHybridState(HybridState):
         return RingHybridState(*(fn(x) for x in self.tensors()[:5]), slot=self.slot.clone(), sinks=self.sinks,
                                fill=None if self.fill is None else fn(self.fill))
 
+    def advance(self) -> None:
+        """The next slot to overwrite, in place: the oldest of the ring's slots (after its ``sinks`` fixed ones)."""
+        if self.sinks:
+            self.slot.sub_(self.sinks).add_(1).remainder_(self.keys.shape[2] - self.sinks).add_(self.sinks)
+        else:
+            self.slot.add_(1).remainder_(self.keys.shape[2])
+
     @classmethod
     def from_state(cls, state: HybridState, window: int, keep_key_features: bool = True,
                    copy: bool = True) -> "RingHybridState":

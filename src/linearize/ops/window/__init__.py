@@ -213,14 +213,6 @@ def _use_window_step_kernel(q, state: RingHybridState) -> bool:
     return triton_available()
 
 
-def advance_slot(state: RingHybridState) -> None:
-    """The ring's next slot, in place: the oldest of its ring slots (after its ``sinks`` fixed ones)."""
-    if state.sinks:
-        state.slot.sub_(state.sinks).add_(1).remainder_(state.keys.shape[2] - state.sinks).add_(state.sinks)
-    else:
-        state.slot.add_(1).remainder_(state.keys.shape[2])
-
-
 def window_softmax_step_ring(q, k, v, state: RingHybridState, *, scale: float, softcap=None):
     """One token on the fast decoder's ring (every decoded token real), in place with fixed shapes: the new
     token overwrites slot ``state.slot`` (the oldest), then the softmax over the ring's valid slots.
@@ -235,7 +227,7 @@ def window_softmax_step_ring(q, k, v, state: RingHybridState, *, scale: float, s
     state.keys.index_copy_(2, idx, k.to(state.keys.dtype))
     state.values.index_copy_(2, idx, v.to(state.values.dtype))
     state.valid.index_fill_(1, idx, True)
-    advance_slot(state)
+    state.advance()
     if softcap is None:
         # one SDPA call, a group's query heads as its query rows: the ring is read in its own dtype (a wide
         # window is not copied to fp32 each step), scores and softmax in fp32 inside the kernel

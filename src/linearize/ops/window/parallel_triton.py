@@ -202,9 +202,10 @@ def supported(q, k, v, window: int) -> bool:
 
 
 def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None,
-                          position_embeddings=None, sinks: int = 0):
-    """Softmax over each query's last ``window`` keys (itself included; padding keys left out) and, with ``sinks``,
-    its sequence's first ``sinks`` real tokens once they have left its window (``sinks.py``), ``q``
+                          position_embeddings=None, sink_positions=None):
+    """Softmax over each query's last ``window`` keys (itself included; padding keys left out) and, with
+    ``sink_positions`` ``[B, S]`` (``sinks.sink_index``: each sequence's first real tokens, -1 for none), those once
+    they have left its window (attention sinks, ``sinks.py``), ``q``
     ``[B, H, T, D]``, ``k``/``v`` ``[B, Hk, T, D]`` with any strides but the last, in one launch. Returns
     ``[B, H, T, D]`` in q's dtype: a view of ``[B, T, H, D]`` memory. Padding queries output zero.
 
@@ -228,14 +229,10 @@ def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float 
     else:
         cos = sin = o  # never read
         rot = sc_b = sc_t = 0
-    bs = max(16, triton.next_power_of_2(max(sinks, 1)))  # the sinks' key tile: a dot's narrowest
-    if sinks > 0:
-        from .sinks import sink_positions
-
-        s = min(sinks, t)
-        first, exists = sink_positions(key_mask, b, t, s, q.device)
-        pos = torch.full((b, bs), -1, dtype=torch.int32, device=q.device)
-        pos[:, :s] = torch.where(exists, first, -1).to(torch.int32)
+    n_sinks = 0 if sink_positions is None else sink_positions.shape[1]
+    bs = max(16, triton.next_power_of_2(max(n_sinks, 1)))  # the sinks' key tile: a dot's narrowest
+    if n_sinks:
+        pos = torch.nn.functional.pad(sink_positions.to(torch.int32), (0, bs - n_sinks), value=-1).contiguous()
     else:
         pos = o  # never read
     bm, bn = PARALLEL_BM, PARALLEL_BN
@@ -247,7 +244,7 @@ def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float 
         v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
         mask.stride(0) if key_mask is not None else 0, sc_b, sc_t, t, h, h // hk, window, d, rot, float(scale),
         float(softcap or 1.0), HAS_MASK=key_mask is not None, HAS_SOFTCAP=softcap is not None, ROPE=rot > 0,
-        F32_DOT=f32_dot, SINKS=sinks > 0, BS=bs,
+        F32_DOT=f32_dot, SINKS=n_sinks > 0, BS=bs,
         PREC="ieee" if f32_dot else "tf32", BM=bm, BN=bn,  # half-precision products ignore it (as in the ring step)
         BD=max(16, triton.next_power_of_2(d)), num_warps=PARALLEL_WARPS,
         **({} if PARALLEL_STAGES is None else dict(num_stages=PARALLEL_STAGES)))

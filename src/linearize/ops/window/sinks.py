@@ -16,7 +16,7 @@ real tokens (``j <= t``): each key once. Padding keys are left out; a padding qu
   among them marked not valid: they are held once, as sinks) and the sinks, float8 codes too;
   ``sinks_window_step``: one token from it (a sequence's first real tokens become its sinks as they come);
 * the fast decoder's ring (``sink_ring_state``): ``S + W`` slots, the first ``S`` the sinks, which never move, the
-  ring the others (``ops.window.advance_slot``); the steps write and attend as on any ring, then
+  ring the others (``RingHybridState.advance``); the steps write and attend as on any ring, then
   ``settle_sinks`` moves the new token into a sink slot while some sequence still lacks sinks (``fill``), which
   only prompts of fewer than ``S`` real tokens leave to do.
 """
@@ -85,6 +85,13 @@ def _sinks_blocks(q, k, v, window: int, sinks: int, key_mask):
     return flat(qb), flat(kb), flat(vb), allowed, n, c
 
 
+def sink_index(key_mask, b: int, t: int, sinks: int, device) -> torch.Tensor:
+    """Each sequence's first ``sinks`` real positions ``[B, min(sinks, T)]`` (long), -1 where a sequence has fewer:
+    what the prefill kernel takes (``parallel_triton.window_softmax_triton``'s ``sink_positions``)."""
+    first, exists = sink_positions(key_mask, b, t, min(sinks, t), device)
+    return torch.where(exists, first, -1)
+
+
 def window_softmax_sinks_sdpa(q, k, v, *, window: int, sinks: int, scale: float, key_mask=None):
     """``[B, H, T, D]`` in ``q``'s dtype (padding queries: whatever SDPA gives a query that sees itself alone): the
     queries in blocks of ``C >= window - 1`` tokens, each attending to its own block's and the previous block's keys
@@ -111,7 +118,7 @@ def window_softmax_sinks(q, k, v, *, window: int, sinks: int, scale: float, soft
         from .parallel_triton import window_softmax_triton
 
         return window_softmax_triton(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask,
-                                     sinks=sinks)
+                                     sink_positions=sink_index(key_mask, q.shape[0], q.shape[2], sinks, q.device))
     if softcap is None:
         o = window_softmax_sinks_sdpa(q, k, v, window=window, sinks=sinks, scale=scale, key_mask=key_mask)
     else:
@@ -306,5 +313,5 @@ def settle_sinks(state: RingHybridState) -> None:
     state.fill.add_(take.long())
 
 
-__all__ = ["SinkWindowState", "settle_sinks", "sink_positions", "sink_ring_state", "sink_window_state", "sinks_window_step",
+__all__ = ["SinkWindowState", "settle_sinks", "sink_index", "sink_positions", "sink_ring_state", "sink_window_state", "sinks_window_step",
            "window_softmax_sinks", "window_softmax_sinks_sdpa"]

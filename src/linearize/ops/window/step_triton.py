@@ -382,7 +382,5 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
     if parts > 1:
         _combine[(b, hk)](m, lsum, acc, o, state.slot, hk, g, w, state.sinks, d, parts, BG=bg, BD=bd)
     else:
-        from . import advance_slot
-
-        advance_slot(state)
+        state.advance()
     return o, state
