@@ -41,6 +41,34 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
+def _scored(q, keys, values, qk_scale, softcap, HAS_SOFTCAP: tl.constexpr, F32_DOT: tl.constexpr,
+            PREC: tl.constexpr):
+    """A tile of keys and values as the products take them (fp32, else q's dtype) and its base-2 scores."""
+    if F32_DOT:
+        keys = keys.to(tl.float32)
+        values = values.to(tl.float32)
+    else:
+        keys = keys.to(q.dtype)
+        values = values.to(q.dtype)
+    s = tl.dot(q, tl.trans(keys), input_precision=PREC) * qk_scale
+    if HAS_SOFTCAP:  # on natural-log scores, then to base 2
+        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
+    return s, values
+
+
+@triton.jit
+def _absorb(s, values, m, l, acc, PREC: tl.constexpr):
+    """Masked scores ``s`` and their values into the running maximum ``m``, sum ``l`` and output ``acc``."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet for this row: nothing to weigh
+    alpha = tl.exp2(m - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
+    return m_new, l, acc
+
+
+@triton.jit
 def _keys(q, k_base, v_base, sk_t, sv_t, mask_ptr, start_n, rows, d, dm, m, l, acc, T, W, qk_scale, softcap,
           MASKED: tl.constexpr, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, F32_DOT: tl.constexpr,
           PREC: tl.constexpr, BN: tl.constexpr):
@@ -55,15 +83,7 @@ def _keys(q, k_base, v_base, sk_t, sv_t, mask_ptr, start_n, rows, d, dm, m, l, a
     else:
         keys = tl.load(k_base + tile * sk_t + d[None, :], mask=dm[None, :], other=0.0)
         values = tl.load(v_base + tile * sv_t + d[None, :], mask=dm[None, :], other=0.0)
-    if F32_DOT:
-        keys = keys.to(tl.float32)
-        values = values.to(tl.float32)
-    else:
-        keys = keys.to(q.dtype)
-        values = values.to(q.dtype)
-    s = tl.dot(q, tl.trans(keys), input_precision=PREC) * qk_scale
-    if HAS_SOFTCAP:  # on natural-log scores, then to base 2
-        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
+    s, values = _scored(q, keys, values, qk_scale, softcap, HAS_SOFTCAP, F32_DOT, PREC)
     if MASKED:
         dist = rows[:, None] - cols[None, :]
         ok = (dist >= 0) & (dist < W) & cm[None, :]
@@ -71,13 +91,7 @@ def _keys(q, k_base, v_base, sk_t, sv_t, mask_ptr, start_n, rows, d, dm, m, l, a
             real = tl.load(mask_ptr + cols, mask=cm, other=0) != 0
             ok = (ok & real[None, :]) | (dist == 0)
         s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet for this row: nothing to weigh
-    alpha = tl.exp2(m - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
-    return m_new, l, acc
+    return _absorb(s, values, m, l, acc, PREC)
 
 
 @triton.jit
@@ -86,32 +100,16 @@ def _sink_keys(q, k_base, v_base, sk_t, sv_t, pos_ptr, rows, d, dm, m, l, acc, W
                BS: tl.constexpr):
     """The sequence's sinks (their positions at ``pos_ptr``, -1 for none) into the running softmax, each weighed
     by the queries it has left the window of (``row - pos >= W``; within it, the band's blocks weigh it)."""
-    j = tl.arange(0, BS)
-    pos = tl.load(pos_ptr + j)
+    pos = tl.load(pos_ptr + tl.arange(0, BS))
     there = pos >= 0
     tile = tl.maximum(pos, 0)[:, None].to(tl.int64)
     keys = tl.load(k_base + tile * sk_t + d[None, :], mask=there[:, None] & dm[None, :], other=0.0)
     values = tl.load(v_base + tile * sv_t + d[None, :], mask=there[:, None] & dm[None, :], other=0.0)
-    if F32_DOT:
-        keys = keys.to(tl.float32)
-        values = values.to(tl.float32)
-    else:
-        keys = keys.to(q.dtype)
-        values = values.to(q.dtype)
-    s = tl.dot(q, tl.trans(keys), input_precision=PREC) * qk_scale
-    if HAS_SOFTCAP:
-        s = softcap * (2.0 * tl.sigmoid(2.0 * s / softcap) - 1.0) * 1.4426950408889634
+    s, values = _scored(q, keys, values, qk_scale, softcap, HAS_SOFTCAP, F32_DOT, PREC)
     ok = (rows[:, None] - pos[None, :] >= W) & there[None, :]
     if HAS_MASK:  # a padding query sees no sink
         ok = ok & real_row[:, None]
-    s = tl.where(ok, s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, axis=1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m - m_safe)
-    p = tl.exp2(s - m_safe[:, None])
-    l = l * alpha + tl.sum(p, axis=1)
-    acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
-    return m_new, l, acc
+    return _absorb(tl.where(ok, s, float("-inf")), values, m, l, acc, PREC)
 
 
 @triton.jit
