@@ -11,8 +11,9 @@ see ``W`` tokens back exactly, at ``W`` keys and values per key head and layer.
 It adds no parameters: attention transfer has nothing to train in it, LoRA trains its projections as any
 other layer's. Inside ``W`` tokens it is exactly the teacher's attention (a window covering the sequence is the
 teacher). With ``spec.softmax_window_sinks = S`` it also sees each sequence's first ``S`` real tokens once they have
-left the window (attention sinks, ``ops/window/sinks.py``): ``S`` more slots of state. The op is ``ops.window``: the sequence form (SDPA on blocks), the state of the last ``W``
-keys and values, the step, and the fast decoder's ring of ``W`` slots (updated in place, fixed shapes).
+left the window (attention sinks, ``ops/window/sinks.py``): ``S`` more slots of state. The op is ``ops.window``: the
+sequence form (SDPA on blocks), the state of the last ``W`` keys and values, the step, and the fast decoder's ring of
+``W`` slots (updated in place, fixed shapes).
 """
 
 from __future__ import annotations

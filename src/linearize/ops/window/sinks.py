@@ -207,7 +207,8 @@ def sink_window_state(k, v, window: int, sinks: int, key_mask=None, codes=None) 
 
 
 def _attend(q, keys, values, valid, scale: float, softcap):
-    """One query token ``[B, H, 1, D]`` over ``keys``/``values`` ``[B, Hk, N, D]`` where ``valid`` ``[B, N]``, in fp32."""
+    """One query token ``[B, H, 1, D]`` over ``keys``/``values`` ``[B, Hk, N, D]`` where ``valid`` ``[B, N]``, in
+    fp32."""
     acc = accum_dtype(q.dtype)
     qg = _group(q, keys.shape[1]).to(acc)  # [B, Hk, G, 1, D]
     scores = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap)
@@ -313,5 +314,5 @@ def settle_sinks(state: RingHybridState) -> None:
     state.fill.add_(take.long())
 
 
-__all__ = ["SinkWindowState", "settle_sinks", "sink_index", "sink_positions", "sink_ring_state", "sink_window_state", "sinks_window_step",
-           "window_softmax_sinks", "window_softmax_sinks_sdpa"]
+__all__ = ["SinkWindowState", "settle_sinks", "sink_index", "sink_positions", "sink_ring_state", "sink_window_state",
+           "sinks_window_step", "window_softmax_sinks", "window_softmax_sinks_sdpa"]

@@ -119,7 +119,8 @@ def _quantize(x, mask):
 def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr,
                       l_ptr, acc_ptr, cos_ptr, sin_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b,
                       sc_d, scale, softcap, HK, G, W, D, L, R, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
-                      FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr,
+                      FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr,
+                      PREC: tl.constexpr, ROPE: tl.constexpr,
                       BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
