@@ -602,6 +602,44 @@ def test_auto_softmax_long_gives_some_chosen_layers_a_longer_window(workspace, m
     assert torch.equal(fast_generate(model, ids, torch.ones_like(ids), max_new_tokens=12, pad_token_id=0), ref)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_the_default_recipes_shape_trains_on_each_family(workspace, tiny_model, family, monkeypatch, tmp_path):
+    """``lolcats_tiers``' settings at a tiny scale (a share of the converted layers kept over a window, a far tier
+    asking for more layers than the share keeps, so all of them take it; attention sinks; float8): both stages run on
+    Llama and Gemma 3 (whose local layers stay as they are) teachers; the saved student's window layers have
+    the sinks and the float8 rings, and the fast decoder gives generate()'s tokens."""
+    from transformers import AutoTokenizer
+
+    from helpers import plain_generate
+    from linearize.decode import fast_generate
+
+    monkeypatch.setenv("LINEARIZE_HOME", str(tmp_path / "home"))
+    teacher = workspace / "teacher"
+    if family != "llama":  # the workspace teacher's tokenizer; Gemma 3 with two global layers of six
+        teacher = tmp_path / family
+        more = dict(num_hidden_layers=6, layer_types=["sliding_attention"] * 2 + ["full_attention"]) if family == \
+            "gemma3_text" else {}
+        if more:
+            more["layer_types"] = more["layer_types"] * 2
+        tiny_model(family, **more).save_pretrained(teacher)
+        AutoTokenizer.from_pretrained(workspace / "teacher").save_pretrained(teacher)
+    spec = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 8, "window": 4, "keep_sliding": True,
+            "softmax_window": 8, "softmax_window_sinks": 2, "softmax_window_dtype": "float8"}
+    res = lolcats.run(_config(workspace, tmp_path / "w", teacher=str(teacher), keep_softmax="auto:0.47", spec=spec,
+                              auto_softmax_score="recall", auto_softmax_long="4@80", stage1_steps=3, stage2_steps=2,
+                              eval_steps=2))
+    chosen, long = res["auto_softmax"]["chosen"], res["auto_softmax"]["long"]["chosen"]
+    assert chosen and long == chosen  # the far tier's count past the share: every chosen layer
+    model, _ = linearize.load(tmp_path / "w" / "final", device="cpu")
+    windows = {i: m for i, m in linearize.mixers(model).items() if m.kind == "window"}
+    assert sorted(windows) == chosen
+    assert all(m.window == 80 and m.sinks == 2 and m.float8 for m in windows.values())
+    model.generation_config.eos_token_id = None
+    ids = torch.randint(2, 97, (1, 11), generator=torch.Generator().manual_seed(3))
+    ref = plain_generate(model, ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(fast_generate(model, ids, torch.ones_like(ids), max_new_tokens=12, pad_token_id=0), ref)
+
+
 @pytest.mark.parametrize("settings, message", [
     ({"auto_softmax_score": "entropy"}, "auto_softmax_score must be one of mse, recall, got 'entropy'"),
     ({"auto_softmax_score": "recall", "keep_softmax": (1,)}, "which this run does not ask for"),
