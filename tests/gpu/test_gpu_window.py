@@ -8,6 +8,19 @@ import torch
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
+def _strided(t, pad, dtype, seed):
+    """q/k/v of 2 sequences as strided slices of one projection's output (9 query heads on 3 key heads, head dim 64),
+    as the adapters give them; the second sequence left-padded by ``pad`` tokens (``key_mask`` None without)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    out = torch.randn(2, t, (9 + 6) * 64, device="cuda", generator=g).to(dtype)
+    q, k, v = (x.unflatten(-1, (-1, 64)).transpose(1, 2) for x in out.split([9 * 64, 3 * 64, 3 * 64], -1))
+    key_mask = None
+    if pad:
+        key_mask = torch.ones(2, t, dtype=torch.bool, device="cuda")
+        key_mask[1, :pad] = False
+    return q, k, v, key_mask
+
+
 @pytest.mark.parametrize("t,window", [(4096, 1280), (3000, 1280), (1024, 256), (700, 1280)])
 def test_flash_blocks_equal_sdpa_blocks_on_cuda(t, window, monkeypatch):
     from linearize.ops import window as W
@@ -38,13 +51,7 @@ def test_window_kernel_equals_sdpa_blocks_on_cuda(t, window, softcap, pad, dtype
     from linearize.ops.window import window_softmax, window_softmax_sdpa
     from linearize.ops.window.parallel_triton import window_softmax_triton
 
-    g = torch.Generator(device="cuda").manual_seed(0)
-    out = torch.randn(2, t, (9 + 6) * 64, device="cuda", generator=g).to(dtype)
-    q, k, v = (x.unflatten(-1, (-1, 64)).transpose(1, 2) for x in out.split([9 * 64, 3 * 64, 3 * 64], -1))
-    key_mask = None
-    if pad:
-        key_mask = torch.ones(2, t, dtype=torch.bool, device="cuda")
-        key_mask[1, :pad] = False
+    q, k, v, key_mask = _strided(t, pad, dtype, seed=0)
     with torch.no_grad():
         assert W._use_window_triton(q, k, v, window)
         got = window_softmax(q, k, v, window=window, scale=0.125, softcap=softcap, key_mask=key_mask)
@@ -71,13 +78,7 @@ def test_window_kernel_with_sinks_equals_the_sdpa_form_on_cuda(t, window, sinks,
     from linearize.ops.window import sinks as S
     from linearize.ops.window.parallel_triton import window_softmax_triton
 
-    g = torch.Generator(device="cuda").manual_seed(1)
-    out = torch.randn(2, t, (9 + 6) * 64, device="cuda", generator=g).to(torch.bfloat16)
-    q, k, v = (x.unflatten(-1, (-1, 64)).transpose(1, 2) for x in out.split([9 * 64, 3 * 64, 3 * 64], -1))
-    key_mask = None
-    if pad:
-        key_mask = torch.ones(2, t, dtype=torch.bool, device="cuda")
-        key_mask[1, :pad] = False
+    q, k, v, key_mask = _strided(t, pad, torch.bfloat16, seed=1)
     with torch.no_grad():
         got = S.window_softmax_sinks(q, k, v, window=window, sinks=sinks, scale=0.125, softcap=softcap,
                                      key_mask=key_mask)

@@ -113,6 +113,18 @@ def _captured(step, ring):
     return graph, o
 
 
+def _replays(graph, o, inputs, reference, steps, g):
+    """Replay ``graph`` ``steps`` times, ``inputs`` refilled at random before each, its output ``o`` against
+    ``reference()`` (the same step run eagerly on the twin ring, in place); yields each step's index for the
+    caller's checks of the rings."""
+    for i in range(steps):
+        for x in inputs:
+            x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+        graph.replay()
+        torch.testing.assert_close(o.float(), reference().float(), atol=2e-2, rtol=2e-2)
+        yield i
+
+
 @pytest.mark.parametrize("programs", [None, 1])  # the ring in parts merged by a second launch; one part
 def test_window_step_replays_from_a_cuda_graph(programs, monkeypatch):
     """One step captured (the dispatch takes the kernel) and replayed past the ring's end, against the PyTorch
@@ -127,12 +139,7 @@ def test_window_step_replays_from_a_cuda_graph(programs, monkeypatch):
     q, k, v = (torch.zeros(batch, n, 1, D, device="cuda", dtype=torch.bfloat16) for n in (h, hk, hk))
     with torch.no_grad():
         graph, o = _captured(lambda r: W.window_softmax_step_ring(q, k, v, r, scale=0.125), ring)
-        for i in range(w + 20):
-            for x in (q, k, v):
-                x.copy_(torch.randn(x.shape, device="cuda", generator=g))
-            graph.replay()
-            want, twin = _reference(q, k, v, twin, scale=0.125)
-            torch.testing.assert_close(o.float(), want.float(), atol=2e-2, rtol=2e-2)
+        for i in _replays(graph, o, (q, k, v), lambda: _reference(q, k, v, twin, scale=0.125)[0], w + 20, g):
             assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid), i
         assert torch.equal(ring.keys, twin.keys) and torch.equal(ring.values, twin.values)
 
@@ -173,12 +180,7 @@ def test_sinks_ring_step_and_settling_replay_from_a_cuda_graph(programs, float8,
 
     with torch.no_grad():
         graph, o = _captured(step, ring)
-        for i in range(w + 20):
-            for x in (q, k, v):
-                x.copy_(torch.randn(x.shape, device="cuda", generator=g))
-            graph.replay()
-            want, twin = step(twin, kernel=False)
-            torch.testing.assert_close(o.float(), want.float(), atol=2e-2, rtol=2e-2)
+        for i in _replays(graph, o, (q, k, v), lambda: step(twin, kernel=False)[0], w + 20, g):
             assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid), i
             assert torch.equal(ring.fill, twin.fill), i
         assert ring.fill.tolist() == [4, 4] and sinks <= int(ring.slot) < sinks + w
@@ -334,12 +336,7 @@ def test_float8_ring_step_replays_from_a_cuda_graph(programs, monkeypatch):
     step = lambda r: f8.float8_window_step_ring(q, k, v, r, W.window_softmax_step_ring, scale=0.125)  # noqa: E731
     with torch.no_grad():
         graph, o = _captured(step, ring)
-        for i in range(w + 20):
-            for x in (q, k, v):
-                x.copy_(torch.randn(x.shape, device="cuda", generator=g))
-            graph.replay()
-            want, twin = _float8_step(q, k, v, twin, False, scale=0.125)
-            torch.testing.assert_close(o.float(), want.float(), atol=2e-2, rtol=2e-2)
+        for i in _replays(graph, o, (q, k, v), lambda: _float8_step(q, k, v, twin, False, scale=0.125)[0], w + 20, g):
             assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid), i
         for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
             assert torch.equal(a.view(torch.uint8), c.view(torch.uint8))
