@@ -222,7 +222,6 @@ def window_softmax_step_ring(q, k, v, state: RingHybridState, *, scale: float, s
         from .step_triton import window_step_ring_triton
 
         return window_step_ring_triton(q, k, v, state, scale=scale, softcap=softcap)
-    acc = accum_dtype(q.dtype)
     idx = state.slot.view(1)
     state.keys.index_copy_(2, idx, k.to(state.keys.dtype))
     state.values.index_copy_(2, idx, v.to(state.values.dtype))
@@ -236,8 +235,15 @@ def window_softmax_step_ring(q, k, v, state: RingHybridState, *, scale: float, s
         o = F.scaled_dot_product_attention(qg, state.keys, state.values, attn_mask=state.valid[:, None, None, :],
                                            scale=scale)
         return o.reshape(b, h, 1, -1).to(q.dtype), state
-    qg = _group(q, k.shape[1]).to(acc)  # [B, Hk, G, 1, D]
-    scores = _scores(qg, state.keys.to(acc).unsqueeze(2), scale, softcap)
-    scores = scores.masked_fill(~state.valid[:, None, None, None, :], torch.finfo(scores.dtype).min)
-    o = torch.softmax(scores.to(acc), dim=-1) @ state.values.to(acc).unsqueeze(2)
-    return o.flatten(1, 2).to(q.dtype), state
+    return attend_slots(q, state.keys, state.values, state.valid, scale, softcap), state
+
+
+def attend_slots(q, keys, values, valid, scale: float, softcap=None):
+    """One query token ``[B, H, 1, D]`` over ``keys``/``values`` ``[B, Hk, N, D]`` where ``valid`` ``[B, N]``: scores
+    (soft-capped or not) and softmax in fp32, the output in q's dtype."""
+    acc = accum_dtype(q.dtype)
+    qg = _group(q, keys.shape[1]).to(acc)  # [B, Hk, G, 1, D]
+    scores = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap)
+    scores = scores.masked_fill(~valid[:, None, None, None, :], torch.finfo(acc).min)
+    o = torch.softmax(scores, dim=-1) @ values.to(acc).unsqueeze(2)
+    return o.flatten(1, 2).to(q.dtype)

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from ..hybrid import HybridState, RingHybridState
 from ..hybrid.shared import _scores
-from ..linear_attention import _group, accum_dtype
-from . import _window_block, window_state
+from ..linear_attention import accum_dtype
+from . import _window_block, attend_slots, window_state
 from .float8 import FLOAT8, dequantize, float8_window_state, quantize
 
 
@@ -123,7 +123,7 @@ def window_softmax_sinks(q, k, v, *, window: int, sinks: int, scale: float, soft
         o = window_softmax_sinks_sdpa(q, k, v, window=window, sinks=sinks, scale=scale, key_mask=key_mask)
     else:
         b, h, t, _ = q.shape
-        qb, kb, vb, allowed, n, c = _sinks_blocks(q, k, v, window, max(sinks, 0), key_mask)
+        qb, kb, vb, allowed, n, c = _sinks_blocks(q, k, v, window, sinks, key_mask)
         acc = accum_dtype(q.dtype)
         grp = h // kb.shape[1]
         kb, vb = (x.repeat_interleave(grp, dim=1).to(acc) for x in (kb, vb))
@@ -206,17 +206,6 @@ def sink_window_state(k, v, window: int, sinks: int, key_mask=None, codes=None) 
     return SinkWindowState(win, code(k8), code(v8), valid, fill, key_scale=take(ks), value_scale=take(vs))
 
 
-def _attend(q, keys, values, valid, scale: float, softcap):
-    """One query token ``[B, H, 1, D]`` over ``keys``/``values`` ``[B, Hk, N, D]`` where ``valid`` ``[B, N]``, in
-    fp32."""
-    acc = accum_dtype(q.dtype)
-    qg = _group(q, keys.shape[1]).to(acc)  # [B, Hk, G, 1, D]
-    scores = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap)
-    scores = scores.masked_fill(~valid[:, None, None, None, :], torch.finfo(acc).min)
-    o = torch.softmax(scores, dim=-1) @ values.to(acc).unsqueeze(2)
-    return o.flatten(1, 2).to(q.dtype)
-
-
 def _put(buf, at, x, where):
     """``buf`` ``[B, Hk, S, .]`` with ``x`` ``[B, Hk, 1, .]`` in slot ``at[b]`` of each sequence where ``where[b]``
     (a new tensor; float8 codes as bytes)."""
@@ -257,7 +246,7 @@ def sinks_window_step(q, k, v, state: SinkWindowState, *, window: int, scale: fl
     window_read, sink_keys, sink_values = new.read(q.dtype)
     keys = torch.cat([sink_keys.to(window_read.keys.dtype), window_read.keys], dim=2)
     values = torch.cat([sink_values.to(window_read.values.dtype), window_read.values], dim=2)
-    o = _attend(q, keys, values, torch.cat([new.valid, window_read.valid], dim=1), scale, softcap)
+    o = attend_slots(q, keys, values, torch.cat([new.valid, window_read.valid], dim=1), scale, softcap)
     return o * real[:, None, None, None], new
 
 
