@@ -72,22 +72,27 @@ def test_window_kernel_equals_sdpa_blocks_on_cuda(t, window, softcap, pad, dtype
 
 @pytest.mark.parametrize("t,window,sinks,softcap,pad", [(4096, 1280, 4, None, 0), (3000, 1280, 4, None, 300),
                                                          (2000, 256, 20, 30.0, 0), (700, 1280, 4, None, 0)])
-def test_window_kernel_with_sinks_equals_the_sdpa_form_on_cuda(t, window, sinks, softcap, pad):
+@pytest.mark.parametrize("own", [False, True])
+def test_window_kernel_with_sinks_equals_the_sdpa_form_on_cuda(t, window, sinks, softcap, pad, own):
     """Attention sinks in the prefill kernel (``ops/window/sinks.py``) against the blocked form in fp32 (by hand
-    with a soft-cap), strided grouped heads, left padding."""
+    with a soft-cap), strided grouped heads, left padding; ``own``: the sinks scored by queries of their own (the
+    reach's ``sink_q``)."""
     from linearize.ops.window import sinks as S
     from linearize.ops.window.parallel_triton import window_softmax_triton
 
     q, k, v, key_mask = _strided(t, pad, torch.bfloat16, seed=1)
+    sq = torch.randn(q.shape, device="cuda", generator=torch.Generator(device="cuda").manual_seed(7)).to(q.dtype) \
+        if own else None
     with torch.no_grad():
         got = S.window_softmax_sinks(q, k, v, window=window, sinks=sinks, scale=0.125, softcap=softcap,
-                                     key_mask=key_mask)
+                                     key_mask=key_mask, sink_q=sq)
         direct = window_softmax_triton(q, k, v, window=window, scale=0.125, softcap=softcap, key_mask=key_mask,
-                                       sink_positions=S.sink_index(key_mask, 2, t, sinks, q.device))
+                                       sink_positions=S.sink_index(key_mask, 2, t, sinks, q.device), sink_q=sq)
         with torch.enable_grad():  # the blocked forms (a gradient wanted)
             qf = q.float().requires_grad_()
             want = S.window_softmax_sinks(qf, k.float(), v.float(), window=window, sinks=sinks, scale=0.125,
-                                          softcap=softcap, key_mask=key_mask).detach()
+                                          softcap=softcap, key_mask=key_mask,
+                                          sink_q=None if sq is None else sq.float()).detach()
     assert torch.equal(got, direct)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 

@@ -146,10 +146,12 @@ def test_window_step_replays_from_a_cuda_graph(programs, monkeypatch):
 
 @pytest.mark.parametrize("programs", [None, 1])
 @pytest.mark.parametrize("float8", [False, True])
-def test_sinks_ring_step_and_settling_replay_from_a_cuda_graph(programs, float8, monkeypatch):
+@pytest.mark.parametrize("own", [False, True])
+def test_sinks_ring_step_and_settling_replay_from_a_cuda_graph(programs, float8, own, monkeypatch):
     """A ring with 4 attention sinks (``ops/window/sinks.py``) after a left-padded prompt whose second sequence
     lacks two: the kernel's step and ``settle_sinks`` captured together and replayed past the ring's end, against
-    the PyTorch step and settling run eagerly on a copy (the slot stays past the sinks; the sinks fill in)."""
+    the PyTorch step and settling run eagerly on a copy (the slot stays past the sinks; the sinks fill in).
+    ``own``: the sink slots scored by queries of their own (the reach's ``sink_q``)."""
     from linearize.ops.window import float8 as f8
     from linearize.ops.window import step_triton
     from linearize.ops.window.sinks import settle_sinks, sink_ring_state, sink_window_state
@@ -167,20 +169,20 @@ def test_sinks_ring_step_and_settling_replay_from_a_cuda_graph(programs, float8,
     ring = sink_ring_state(sink_window_state(k0, v0, w, sinks, mask, codes), w)
     assert ring.fill.tolist() == [4, 2] and _use_kernel(ring, float8)
     twin = ring.map(torch.clone)
-    q, k, v = (torch.zeros(batch, n, 1, D, device="cuda", dtype=torch.bfloat16) for n in (h, hk, hk))
+    q, k, v, sq = (torch.zeros(batch, n, 1, D, device="cuda", dtype=torch.bfloat16) for n in (h, hk, hk, h))
+    kw = dict(scale=0.125, sink_q=sq if own else None)
 
     def step(r, kernel=True):
         if float8:
-            o, _ = _float8_step(q, k, v, r, kernel, scale=0.125)
+            o, _ = _float8_step(q, k, v, r, kernel, **kw)
         else:
-            o, _ = (W.window_softmax_step_ring(q, k, v, r, scale=0.125) if kernel
-                    else _reference(q, k, v, r, scale=0.125))
+            o, _ = W.window_softmax_step_ring(q, k, v, r, **kw) if kernel else _reference(q, k, v, r, **kw)
         settle_sinks(r)
         return o, r
 
     with torch.no_grad():
         graph, o = _captured(step, ring)
-        for i in _replays(graph, o, (q, k, v), lambda: step(twin, kernel=False)[0], w + 20, g):
+        for i in _replays(graph, o, (q, k, v, sq), lambda: step(twin, kernel=False)[0], w + 20, g):
             assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid), i
             assert torch.equal(ring.fill, twin.fill), i
         assert ring.fill.tolist() == [4, 4] and sinks <= int(ring.slot) < sinks + w

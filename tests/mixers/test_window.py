@@ -370,7 +370,7 @@ def test_sinks_change_only_queries_past_the_window_and_cost_their_slots(tiny_mod
     assert cache_bytes_after(sunk, 12) == cache_bytes_after(sunk, 40)
     linearize.save(sunk, tiny_tokenizer(), tmp_path / "ckpt")
     loaded, _ = linearize.load(tmp_path / "ckpt", device="cpu", dtype=torch.float64)
-    assert linearize.mixers(loaded)[1].sinks == 3
+    assert linearize.mixers(loaded)[1].sinks == 3 and linearize.mixers(loaded)[1].reach == 255  # the context less one
     torch.testing.assert_close(loaded(ids).logits, a, atol=TOL, rtol=0)
     sunk.zero_grad()
     sunk(ids).logits.sum().backward()
@@ -382,3 +382,81 @@ def test_sinks_change_only_queries_past_the_window_and_cost_their_slots(tiny_mod
 def test_bad_sinks_are_one_clear_line(spec, message):
     with pytest.raises(LinearizeError, match=message):
         linearize.Spec(**spec)
+
+
+def _reach(model, reach):
+    """Every sink-keeping window layer of ``model`` with ``reach`` (its least: window + sinks)."""
+    from linearize.models import get_adapter
+
+    adapter = get_adapter(model.config)
+    layers = [m for m in linearize.mixers(model).values() if m.kind == "window" and m.sinks]
+    for m in layers:
+        m.set_reach(reach, adapter.rope_tables(model, m.layer_idx))
+    return layers
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "qwen3", "gemma3_text"])
+def test_sinks_reach_is_the_teachers_context_and_decodes_like_the_parallel_forward(tiny_model, family):
+    """Past the teacher's context (``max_position_embeddings - 1``, here set to its least, the window + the sinks)
+    a query scores the sinks from there: the prefill (longer and shorter than the reach) and its steps give the
+    parallel forward; the fast decoder generate()'s tokens."""
+    spec = {**SINKS, "keep_softmax": [2]} if family == "gemma3_text" else SINKS  # gemma3's layer 2 is its global one
+    student = tiny_student(tiny_model, family, spec)
+    layers = [m for m in linearize.mixers(student).values() if m.kind == "window"]
+    assert layers and all(m.reach == student.config.max_position_embeddings - 1 for m in layers)
+    ids = torch.randint(0, 97, (2, 25), generator=torch.Generator().manual_seed(3))
+    before = student(ids).logits
+    assert all(m.reach == 9 for m in _reach(student, 0))
+    after = student(ids).logits
+    torch.testing.assert_close(after[:, :10], before[:, :10], atol=TOL, rtol=0)  # to position 9: as it was
+    assert (after[:, 10:] - before[:, 10:]).abs().amax() > 1e-6
+    assert_decodes_like_parallel(student)
+    assert_decodes_like_parallel(student, prefill=2)
+    assert_fast_equals_generate(student)
+
+
+def test_sinks_reach_float8_ring_equals_generate(tiny_model):
+    student = tiny_student(tiny_model, "llama", {**SINKS, "softmax_window_dtype": "float8"})
+    _reach(student, 0)
+    assert_fast_equals_generate(student)
+
+
+def test_a_query_past_the_reach_scores_the_sinks_from_it(tiny_model):
+    """The layer's output at a query past the reach is that of the same query moved to the reach with its window
+    (RoPE is relative: the window's scores do not change), the sinks where they were."""
+    student = tiny_student(tiny_model, "llama", SINKS)
+    layer = linearize.mixers(student)[1]
+    window, sinks, reach = 6, 3, 12
+    [layer] = _reach(student, reach)
+    rotary = student.base_model.rotary_emb
+    t = 30
+    h = torch.randn(1, t, student.config.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    ids = torch.arange(t)[None]
+    with torch.no_grad():
+        whole = layer(h, position_embeddings=rotary(h, ids), position_ids=ids)[0]
+        layer.set_reach(None, None)
+        for p in (9, 12, 20, 29):  # before, at and past the reach
+            keep = list(range(sinks)) + list(range(p - window + 1, p + 1))
+            at = min(p, reach)
+            moved = torch.tensor([list(range(sinks)) + list(range(at - window + 1, at + 1))])
+            part = h[:, keep]
+            alone = layer(part, position_embeddings=rotary(part, moved), position_ids=moved)[0]
+            torch.testing.assert_close(alone[:, -1], whole[:, p], atol=TOL, rtol=0)
+
+
+def test_a_decoder_short_of_the_reach_computes_no_sink_queries(tiny_model):
+    """The fast decoder tells the window layers how far its positions go: within the reach their steps compute no
+    queries of the sinks' own (nor launches for them); past it they do, and the promise ends with the call."""
+    from linearize.decode import fast_generate
+
+    student = tiny_student(tiny_model, "llama", SINKS)
+    [layer] = _reach(student, 0)  # reach 9
+    made = []
+    real = layer._sink_queries
+    layer._sink_queries = lambda *a: made.append(real(*a)) or made[-1]
+    ids = torch.randint(2, 97, (1, 5), generator=torch.Generator().manual_seed(5))
+    fast_generate(student, ids, max_new_tokens=5, pad_token_id=0)  # positions 0..9
+    assert made and all(x is None for x in made)
+    made.clear()
+    fast_generate(student, ids, max_new_tokens=8, pad_token_id=0)  # positions to 12
+    assert any(x is not None for x in made) and layer.positions_below is None

@@ -38,21 +38,24 @@ parallel_triton.PARALLEL_BN = 16
 B, D = 2, 16
 
 
-def definition(q, k, v, window, scale, softcap=None, key_mask=None, sinks=0):
-    """Softmax over each query's last ``window`` real keys and its sequence's first ``sinks`` real tokens, float64;
-    padding queries weigh themselves, then 0."""
+def definition(q, k, v, window, scale, softcap=None, key_mask=None, sinks=0, sink_q=None):
+    """Softmax over each query's last ``window`` real keys and its sequence's first ``sinks`` real tokens (those that
+    have left its window scored by ``sink_q`` where given), float64; padding queries weigh themselves, then 0."""
     q, k, v = (x.double() for x in (q, k, v))
     h, hk, t = q.shape[1], k.shape[1], q.shape[2]
     k, v = (x.repeat_interleave(h // hk, dim=1) for x in (k, v))
     s = q @ k.transpose(-1, -2) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
     pos = torch.arange(t)
     dist = pos[:, None] - pos[None, :]
+    real = torch.ones(q.shape[0], t, dtype=torch.bool) if key_mask is None else key_mask.bool()
+    is_sink = real & (real.long().cumsum(1) <= sinks)
+    if sink_q is not None:
+        far = ((dist >= window)[None] & is_sink[:, None, :])[:, None]
+        s = torch.where(far, sink_q.double() @ k.transpose(-1, -2) * scale, s)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
     ok = ((dist >= 0) & (dist < window))[None, None]
     if sinks:
-        real = torch.ones(q.shape[0], t, dtype=torch.bool) if key_mask is None else key_mask.bool()
-        is_sink = real & (real.long().cumsum(1) <= sinks)
         ok = ok | ((dist >= 0)[None] & is_sink[:, None, :])[:, None]
     if key_mask is not None:
         ok = ok & key_mask[:, None, None, :] | (dist == 0)[None, None]
@@ -60,7 +63,8 @@ def definition(q, k, v, window, scale, softcap=None, key_mask=None, sinks=0):
     return o if key_mask is None else o * key_mask[:, None, :, None]
 
 
-def _case(h, hk, t, window, *, softcap=None, pad=0, dtype=torch.float32, strided=False, seed=0, sinks=0):
+def _case(h, hk, t, window, *, softcap=None, pad=0, dtype=torch.float32, strided=False, seed=0, sinks=0,
+          own=False):
     gen = torch.Generator().manual_seed(seed)
     if strided:  # slices of one projection's output [B, T, (H + 2 Hk) D]
         out = torch.randn(B, t, (h + 2 * hk) * D, generator=gen).to(dtype)
@@ -70,10 +74,11 @@ def _case(h, hk, t, window, *, softcap=None, pad=0, dtype=torch.float32, strided
         k, v = (torch.randn(B, hk, t, D, generator=gen).to(dtype) for _ in range(2))
     key_mask = _masks(B, t, pad)
     pos = sink_index(key_mask, B, t, sinks, q.device) if sinks else None
+    sink_q = (torch.randn(q.shape, generator=gen) * 2).to(dtype) if own else None  # the sinks' own queries
     got = window_softmax_triton(q, k, v, window=window, scale=D ** -0.5, softcap=softcap, key_mask=key_mask,
-                                sink_positions=pos)
-    want = definition(q, k, v, window, D ** -0.5, softcap, key_mask, sinks)
-    where = (h, hk, t, window, softcap, pad, str(dtype), strided, sinks)
+                                sink_positions=pos, sink_q=sink_q)
+    want = definition(q, k, v, window, D ** -0.5, softcap, key_mask, sinks, sink_q)
+    where = (h, hk, t, window, softcap, pad, str(dtype), strided, sinks, own)
     assert got.dtype == dtype and got.shape == (B, h, t, D), where
     assert got.transpose(1, 2).is_contiguous(), where  # [B, T, H, D] memory: what the output projection reads
     _close(got, want, where, tol=2e-5 if dtype == torch.float32 else 1e-2)
@@ -148,10 +153,13 @@ def check_sinks():
                                                   (61, 9, 4, 13, None, torch.float32), (40, 5, 20, 0, None, torch.float32),
                                                   (30, 8, 4, 27, 3.0, torch.float32), (12, 40, 4, 0, None, torch.float32),
                                                   (45, 11, 4, 6, None, torch.bfloat16)):
-        _case(6, 2, t, window, sinks=sinks, pad=pad, softcap=softcap, dtype=dtype, seed=t + window + sinks)
+        for own in (False, True):  # the sinks scored by the window's queries, or by their own (the reach's)
+            _case(6, 2, t, window, sinks=sinks, pad=pad, softcap=softcap, dtype=dtype, seed=t + window + sinks,
+                  own=own)
     parallel_triton.PARALLEL_BM = 64
     try:
         _case(6, 2, 130, 23, sinks=4, pad=9, seed=99)
+        _case(6, 2, 130, 23, sinks=4, pad=9, seed=99, own=True)
     finally:
         parallel_triton.PARALLEL_BM = 16
 
@@ -182,12 +190,21 @@ def check_model():
     try:
         for family, extra in (("llama", {}), ("gemma2", {}), ("llama", {"softmax_window_dtype": "float8"}),
                               ("llama", {"softmax_window_sinks": 3}),
+                              ("llama", {"softmax_window_sinks": 3, "reach": 0}),
                               ("llama", {"softmax_window_sinks": 14, "softmax_window_dtype": "float8"})):
+            reach = extra.get("reach")
+            extra = {key: value for key, value in extra.items() if key != "reach"}
             torch.manual_seed(0)
             teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2)).eval()
             model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8, "keep_softmax": [0, 1],
                                                 "softmax_window": "6,1:9", **extra})
             model.generation_config.eos_token_id = None
+            if reach is not None:  # the least reach (the window + the sinks): queries past it score the sinks from it
+                from linearize.models import get_adapter
+
+                for m in model.modules():
+                    if isinstance(m, window_mixer.WindowSoftmax):
+                        m.set_reach(reach, get_adapter(model.config).rope_tables(model, m.layer_idx))
             window_ops.WINDOW_TRITON = False
             want = model(ids, attention_mask=mask).logits
             plain = FastDecoder(model).generate(ids, mask, max_new_tokens=12, pad_token_id=0)

@@ -145,7 +145,7 @@ def check_sinks():
     kw = dict(scale=D ** -0.5, softcap=None)
     mask = torch.ones(B, 6, dtype=torch.bool)
     mask[1, :4] = False
-    for parts in (None, 2):
+    for parts, own in ((None, False), (2, False), (None, True), (2, True)):  # own: the sinks' own queries (reach)
         k0, v0 = torch.randn(B, 2, 6, D, generator=gen), torch.randn(B, 2, 6, D, generator=gen)
         ring = sink_ring_state(sink_window_state(k0, v0, W, 3, mask), W)
         twin = ring.map(torch.clone)
@@ -153,11 +153,12 @@ def check_sinks():
         for i in range(50):
             q = torch.randn(B, 6, 1, D, generator=gen) * 2
             k, v = torch.randn(B, 2, 1, D, generator=gen), torch.randn(B, 2, 1, D, generator=gen)
-            want, twin = _reference(q, k, v, twin, **kw)
+            sink_q = torch.randn(B, 6, 1, D, generator=gen) * 2 if own else None
+            want, twin = _reference(q, k, v, twin, **kw, sink_q=sink_q)
             settle_sinks(twin)
-            got, ring = window_step_ring_triton(q, k, v, ring, **kw, parts=parts)
+            got, ring = window_step_ring_triton(q, k, v, ring, **kw, parts=parts, sink_q=sink_q)
             settle_sinks(ring)
-            where = ("sinks", parts, i)
+            where = ("sinks", parts, own, i)
             _close(got, want.double(), where, tol=2e-5)
             assert torch.equal(ring.keys, twin.keys) and torch.equal(ring.values, twin.values), where
             assert torch.equal(ring.valid, twin.valid) and torch.equal(ring.slot, twin.slot), where
@@ -166,12 +167,13 @@ def check_sinks():
         assert ring.fill.tolist() == [3, 3] and bool(ring.valid.all()), parts
 
 
-def check_decoder(float8=False, sinks=0):
+def check_decoder(float8=False, sinks=0, reach=None):
     """The fast decoder of tiny float32 students with kept window layers (Llama's two of 6 and 9 tokens, GQA;
     Gemma 2's one of 9, soft-capped), the ring step on the kernel (the dispatch told it runs on CUDA) against
     the PyTorch step, from a batch with a left-padded prompt, the rings wrapping around: every window step's
     output, and the greedy tokens. ``float8``: the window layers' rings in float8; ``sinks``: with that many
-    attention sinks (7: more than the padded prompt's 5 real tokens)."""
+    attention sinks (7: more than the padded prompt's 5 real tokens); ``reach``: the window layers' (at least the
+    window + the sinks; past it a query scores the sinks from there)."""
     from transformers import AutoModelForCausalLM
 
     import linearize
@@ -201,6 +203,12 @@ def check_decoder(float8=False, sinks=0):
                                                 "softmax_window_sinks": sinks,
                                                 **({"softmax_window_dtype": "float8"} if float8 else {})})
             model.generation_config.eos_token_id = None
+            if reach is not None:
+                from linearize.models import get_adapter
+
+                for m in model.modules():
+                    if isinstance(m, WindowSoftmax):
+                        m.set_reach(reach, get_adapter(model.config).rope_tables(model, m.layer_idx))
             plain = FastDecoder(model).generate(ids, mask, max_new_tokens=16, pad_token_id=0)
             want, outputs[:] = list(outputs), []
             window_ops._use_window_step_kernel = f8._use_float8_step_kernel = lambda q, state: True  # as on CUDA
@@ -514,6 +522,8 @@ def check_float8_decoder():
 def check_sinks_decoder():
     check_decoder(sinks=3)
     check_decoder(float8=True, sinks=7)
+    check_decoder(sinks=3, reach=0)
+    check_decoder(float8=True, sinks=3, reach=0)
 
 
 if __name__ == "__main__":

@@ -39,11 +39,21 @@ def apply_spec(model: nn.Module, spec: Spec) -> nn.Module:
             if spec.window_for(i) and not isinstance(attn, Mixer):
                 geometry = adapter.geometry(attn, model.config)
                 if geometry.sliding_window is None:
-                    adapter.set_attention(layer, WindowSoftmax(attn, adapter, geometry, spec, i, n_layers))
+                    window = WindowSoftmax(attn, adapter, geometry, spec, i, n_layers)
+                    if spec.softmax_window_sinks:  # past the teacher's context, the sinks at its last position
+                        window.set_reach(sink_reach(model.config), adapter.rope_tables(model, i))
+                    adapter.set_attention(layer, window)
             continue
         geometry = adapter.geometry(attn, model.config)
         adapter.set_attention(layer, mixer_cls(attn, adapter, geometry, spec, i, n_layers))
     return model
+
+
+def sink_reach(config) -> int | None:
+    """The farthest position from which a window layer scores its sinks as they are: the teacher's context
+    (``max_position_embeddings``) less one; None where the config names none."""
+    n = getattr(config, "max_position_embeddings", None)
+    return n - 1 if isinstance(n, int) and n > 1 else None
 
 
 def mixers(model: nn.Module) -> dict[int, Mixer]:

@@ -128,6 +128,7 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
 class Mixer(nn.Module):
     kind: str = ""
     key_mask: torch.Tensor | None = None  # the current call's real tokens (left padding), set in forward
+    position_ids: torch.Tensor | None = None  # the current call's positions, where the model passes them
 
     def __init__(self, attn: nn.Module, adapter: Adapter, geometry: Geometry, spec: Spec,
                  layer_idx: int, n_layers: int):
@@ -203,6 +204,7 @@ class Mixer(nn.Module):
         state = slot.state if slot is not None else None
         q, k, v = self.adapter.qkv(self, autocast_input(hidden_states))
         self.key_mask = key_padding_mask(attention_mask, q.shape[2]) if not is_static(slot) else None
+        self.position_ids = kwargs.get("position_ids")  # [B or 1, T] where the model passes them (transformers does)
         if state is not None and q.shape[2] == 1:
             o, state = self.step(q, k, v, position_embeddings, state)
         else:

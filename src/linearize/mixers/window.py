@@ -11,12 +11,16 @@ see ``W`` tokens back exactly, at ``W`` keys and values per key head and layer.
 It adds no parameters: attention transfer has nothing to train in it, LoRA trains its projections as any
 other layer's. Inside ``W`` tokens it is exactly the teacher's attention (a window covering the sequence is the
 teacher). With ``spec.softmax_window_sinks = S`` it also sees each sequence's first ``S`` real tokens once they have
-left the window (attention sinks, ``ops/window/sinks.py``): ``S`` more slots of state. The op is ``ops.window``: the
+left the window (attention sinks, ``ops/window/sinks.py``): ``S`` more slots of state. A query past the teacher's
+context (``reach``: ``max_position_embeddings - 1``) scores the sinks as if it stood at ``reach``, a distance the
+teacher's RoPE knows (``ops/window/sinks.py``, "reach"). The op is ``ops.window``: the
 sequence form (SDPA on blocks), the state of the last ``W`` keys and values, the step, and the fast decoder's ring of
 ``W`` slots (updated in place, fixed shapes).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -39,9 +43,69 @@ WINDOW_STEP_ROPE: bool = True
 WINDOW_PREFILL_ROPE: bool = True
 
 
+@contextmanager
+def positions_below(model, n: int):
+    """Inside, ``model``'s window layers know that no position reaches ``n`` (a decoder's prompt and new tokens):
+    where ``n`` is within a layer's reach, its steps compute no queries of the sinks' own (no launches a step)."""
+    layers = [m for m in model.modules() if isinstance(m, WindowSoftmax) and m.sinks]
+    for m in layers:
+        m.positions_below = n
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.positions_below = None
+
+
 class WindowSoftmax(Mixer):
     kind = "window"
     _rotates_half: bool | None = None  # the family's RoPE rotates halves (asked once)
+    # with sinks: the farthest position the sinks are scored from (``set_reach``) and the model's RoPE tables
+    reach: int | None = None
+    positions_below: int | None = None  # a caller's promise that positions stay below this (``positions_below``)
+
+    def set_reach(self, reach: int | None, tables) -> None:
+        """A query past position ``reach`` scores the sinks as if it stood at ``reach`` (at least ``window + sinks``:
+        every sink has left such a query's window); ``tables`` (``Adapter.rope_tables``) gives the RoPE tables
+        there (kept out of the module tree). ``reach`` None: the sinks at their own distance."""
+        self.reach = max(reach, self.window + self.sinks) if reach is not None and tables is not None else None
+        self.__dict__["_tables"] = tables
+        self.__dict__["_reach_cache"] = None
+
+    def _reach_rows(self, device):
+        """The RoPE tables at ``reach`` ``(cos, sin)`` ``[R]`` in fp32 on ``device`` (computed once per device,
+        outside graph capture: a prefill comes first)."""
+        rows = self.__dict__.get("_reach_cache")
+        if rows is None or rows[0].device != device:
+            ids = torch.full((1, 1), self.reach, dtype=torch.long, device=device)
+            cos, sin = self.__dict__["_tables"](ids)
+            rows = (cos[0, 0].float().to(device), sin[0, 0].float().to(device))
+            if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+                self.__dict__["_reach_cache"] = rows
+        return rows
+
+    def _sink_queries(self, q, k, position_embeddings, state):
+        """The queries that score the sinks (before RoPE in, rotated out): each query rotated as if at position
+        ``min(p, reach)``; None where no query can pass ``reach`` (a prompt of at most ``reach + 1`` tokens from
+        the start: the model's own q then) or nothing is known of positions."""
+        if not self.sinks or self.reach is None or position_embeddings is None or self.geometry.rotary is None:
+            return None
+        if self.positions_below is not None and self.positions_below <= self.reach + 1:
+            self._reach_rows(q.device)
+            return None
+        positions = self.position_ids
+        if state is None and q.shape[2] <= self.reach + 1:
+            self._reach_rows(q.device)  # cached before any graph capture
+            return None
+        if positions is None:
+            if state is not None:
+                return None
+            positions = torch.arange(q.shape[2], device=q.device)[None]
+        cos, sin = position_embeddings
+        at_cos, at_sin = self._reach_rows(cos.device)
+        over = (positions.to(cos.device) > self.reach)[..., None]  # [B or 1, T, 1]
+        tables = (torch.where(over, at_cos.to(cos.dtype), cos), torch.where(over, at_sin.to(sin.dtype), sin))
+        return self.adapter.rope(self, q, k, tables)[0]
 
     @property
     def window(self) -> int:
@@ -62,6 +126,7 @@ class WindowSoftmax(Mixer):
         return self.spec.softmax_window_sinks
 
     def sequence(self, q, k, v, position_embeddings, state, want_state):
+        sink_q = self._sink_queries(q, k, position_embeddings, state)
         fused = state is None and self._prefill_rope(q, k, v, position_embeddings)
         if fused:  # the keys rotated here (the state keeps them), q inside the prefill kernel
             k = rope_rotate_half(k, *position_embeddings)
@@ -77,10 +142,11 @@ class WindowSoftmax(Mixer):
                 sinks = (sink_index(self.key_mask, q.shape[0], q.shape[2], self.sinks, q.device) if self.sinks
                          else None)
                 o = window_softmax_triton(q, k, v, window=self.window, **self._kw(), key_mask=self.key_mask,
-                                          position_embeddings=position_embeddings, sink_positions=sinks)
+                                          position_embeddings=position_embeddings, sink_positions=sinks,
+                                          sink_q=sink_q)
             elif self.sinks:  # the window and the sinks: SDPA on blocks, the sinks' keys appended to each block's
                 o = window_softmax_sinks(q, k, v, window=self.window, sinks=self.sinks, **self._kw(),
-                                         key_mask=self.key_mask)
+                                         key_mask=self.key_mask, sink_q=sink_q)
             else:
                 o = window_softmax(q, k, v, window=self.window, **self._kw(), key_mask=self.key_mask)
             if not want_state:
@@ -94,14 +160,16 @@ class WindowSoftmax(Mixer):
         for i in range(q.shape[2]):
             sl = slice(i, i + 1)
             mask = None if self.key_mask is None else self.key_mask[:, sl]
-            o, state = self._step(q[:, :, sl], k[:, :, sl], v[:, :, sl], state, mask)
+            o, state = self._step(q[:, :, sl], k[:, :, sl], v[:, :, sl], state, mask,
+                                  None if sink_q is None else sink_q[:, :, sl])
             outs.append(o)
         return torch.cat(outs, dim=2), state
 
-    def _step(self, q, k, v, state, key_mask):
-        """One token from a ``window_state`` (rotated q and k)."""
+    def _step(self, q, k, v, state, key_mask, sink_q=None):
+        """One token from a ``window_state`` (rotated q and k; ``sink_q``: the queries that score the sinks)."""
         if isinstance(state, SinkWindowState):
-            return sinks_window_step(q, k, v, state, window=self.window, **self._kw(), key_mask=key_mask)
+            return sinks_window_step(q, k, v, state, window=self.window, **self._kw(), key_mask=key_mask,
+                                     sink_q=sink_q)
         if isinstance(state, Float8WindowState):
             return float8_window_step(q, k, v, state, window_softmax_step, window=self.window, **self._kw(),
                                       key_mask=key_mask)
@@ -114,19 +182,20 @@ class WindowSoftmax(Mixer):
         return o, state
 
     def _step_any(self, q, k, v, position_embeddings, state):
+        sink_q = self._sink_queries(q, k, position_embeddings, state)
         if type(state) in (ops.RingHybridState, Float8RingState) and self._fused_rope(q, state):
             from ..ops.window import step_triton  # RoPE, ring (a float8 one's quantising too) and softmax: one launch
 
             rope = position_embeddings if self.geometry.rotary is not None else None
             launch = (step_triton.window_step_ring_float8_triton if isinstance(state, Float8RingState)
                       else step_triton.window_step_ring_triton)
-            return launch(q, k, v, state, **self._kw(), position_embeddings=rope)
+            return launch(q, k, v, state, **self._kw(), position_embeddings=rope, sink_q=sink_q)
         q, k = self.adapter.rope(self, q, k, position_embeddings)
         if isinstance(state, Float8RingState):
-            return float8_window_step_ring(q, k, v, state, window_softmax_step_ring, **self._kw())
+            return float8_window_step_ring(q, k, v, state, window_softmax_step_ring, **self._kw(), sink_q=sink_q)
         if isinstance(state, ops.RingHybridState):  # the fast decoder's fixed-shape, in-place window
-            return window_softmax_step_ring(q, k, v, state, **self._kw())
-        return self._step(q, k, v, state, self.key_mask)
+            return window_softmax_step_ring(q, k, v, state, **self._kw(), sink_q=sink_q)
+        return self._step(q, k, v, state, self.key_mask, sink_q)
 
     def _half_rope(self) -> bool:
         """Whether the family's RoPE rotates halves (or there is none): what the kernels compute (asked once)."""

@@ -69,6 +69,19 @@ class Adapter:
         ``[Hk, D, hidden]`` (views of ``attn``'s weights; biases and QK-norms are not included)."""
         raise NotImplementedError(f"{type(self).__name__} does not expose its q/k/v weights")
 
+    def rope_tables(self, model: nn.Module, layer_idx: int) -> Callable | None:
+        """``position_ids [B, T] -> (cos, sin) [B, T, R]``: the RoPE tables layer ``layer_idx`` of ``model`` rotates by,
+        from the model's own rotary embedding (its base model's ``rotary_emb``; a family whose one module serves
+        several layer types is asked for this layer's); None without one."""
+        rotary = getattr(model.base_model, "rotary_emb", None)
+        if not isinstance(rotary, nn.Module):
+            return None
+        types = getattr(model.config, "layer_types", None)
+        if "layer_type" in _parameters(rotary.forward) and types:
+            kind = types[layer_idx]
+            return lambda ids: rotary(torch.zeros((), device=ids.device), ids, kind)
+        return lambda ids: rotary(torch.zeros((), device=ids.device), ids)
+
     def rope(self, m: nn.Module, q, k, position_embeddings):
         if m.geometry.rotary is None or position_embeddings is None:
             return q, k
@@ -137,6 +150,15 @@ def _rotates_half(rotary: Callable, head_dim: int) -> bool:
         if got.shape != want.shape or not torch.allclose(got, want):
             return False
     return True
+
+
+def _parameters(fn: Callable) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
 
 
 def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:

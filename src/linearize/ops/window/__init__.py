@@ -213,20 +213,23 @@ def _use_window_step_kernel(q, state: RingHybridState) -> bool:
     return triton_available()
 
 
-def window_softmax_step_ring(q, k, v, state: RingHybridState, *, scale: float, softcap=None):
+def window_softmax_step_ring(q, k, v, state: RingHybridState, *, scale: float, softcap=None, sink_q=None):
     """One token on the fast decoder's ring (every decoded token real), in place with fixed shapes: the new
-    token overwrites slot ``state.slot`` (the oldest), then the softmax over the ring's valid slots.
+    token overwrites slot ``state.slot`` (the oldest), then the softmax over the ring's valid slots (its
+    ``state.sinks`` sink slots scored by ``sink_q`` where given, ``sinks.py``'s reach).
     Returns ``(o [B, H, 1, D], state)``. On CUDA one Triton launch (``WINDOW_STEP_KERNEL``,
     ``step_triton.window_step_ring_triton``); the PyTorch code below is its reference."""
     if _use_window_step_kernel(q, state):
         from .step_triton import window_step_ring_triton
 
-        return window_step_ring_triton(q, k, v, state, scale=scale, softcap=softcap)
+        return window_step_ring_triton(q, k, v, state, scale=scale, softcap=softcap, sink_q=sink_q)
     idx = state.slot.view(1)
     state.keys.index_copy_(2, idx, k.to(state.keys.dtype))
     state.values.index_copy_(2, idx, v.to(state.values.dtype))
     state.valid.index_fill_(1, idx, True)
     state.advance()
+    if sink_q is not None and state.sinks:
+        return attend_slots(q, state.keys, state.values, state.valid, scale, softcap, sink_q, state.sinks), state
     if softcap is None:
         # one SDPA call, a group's query heads as its query rows: the ring is read in its own dtype (a wide
         # window is not copied to fp32 each step), scores and softmax in fp32 inside the kernel
@@ -238,12 +241,16 @@ def window_softmax_step_ring(q, k, v, state: RingHybridState, *, scale: float, s
     return attend_slots(q, state.keys, state.values, state.valid, scale, softcap), state
 
 
-def attend_slots(q, keys, values, valid, scale: float, softcap=None):
+def attend_slots(q, keys, values, valid, scale: float, softcap=None, sink_q=None, sinks: int = 0):
     """One query token ``[B, H, 1, D]`` over ``keys``/``values`` ``[B, Hk, N, D]`` where ``valid`` ``[B, N]``: scores
-    (soft-capped or not) and softmax in fp32, the output in q's dtype."""
+    (soft-capped or not) and softmax in fp32, the output in q's dtype. ``sink_q`` (like ``q``): the query that
+    scores the first ``sinks`` slots instead (``sinks.py``'s reach)."""
     acc = accum_dtype(q.dtype)
     qg = _group(q, keys.shape[1]).to(acc)  # [B, Hk, G, 1, D]
     scores = _scores(qg, keys.to(acc).unsqueeze(2), scale, softcap)
+    if sink_q is not None and sinks:
+        lead = _scores(_group(sink_q, keys.shape[1]).to(acc), keys[:, :, :sinks].to(acc).unsqueeze(2), scale, softcap)
+        scores = torch.cat([lead, scores[..., sinks:]], dim=-1)
     scores = scores.masked_fill(~valid[:, None, None, None, :], torch.finfo(acc).min)
     o = torch.softmax(scores, dim=-1) @ values.to(acc).unsqueeze(2)
     return o.flatten(1, 2).to(q.dtype)

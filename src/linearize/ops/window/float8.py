@@ -170,7 +170,7 @@ def float8_window_step_ring(q, k, v, state: Float8RingState, ring_step, **kw) ->
     marks the slot valid and advances the slot counter. On CUDA one Triton launch that quantises the new token,
     writes its codes and decodes the ring's (``FLOAT8_STEP_KERNEL``); else, and the reference, ``quantize``,
     the codes copied into the slot and ``ring_step`` (the exact ``window_softmax_step_ring``) on the read-back
-    ring. ``kw``: ``scale`` and ``softcap``."""
+    ring. ``kw``: ``scale``, ``softcap`` and ``sink_q`` (``sinks.py``'s reach)."""
     if _use_float8_step_kernel(q, state):
         from .step_triton import window_step_ring_float8_triton
 

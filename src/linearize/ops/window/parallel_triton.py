@@ -113,11 +113,11 @@ def _sink_keys(q, k_base, v_base, sk_t, sv_t, pos_ptr, rows, d, dm, m, l, acc, W
 
 
 @triton.jit
-def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, pos_ptr, sq_b, sq_h, sq_t, sk_b, sk_h,
-                     sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, sm_b, sc_b, sc_t, T, H, G, W, D, R, scale, softcap,
-                     HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr, F32_DOT: tl.constexpr,
-                     PREC: tl.constexpr, SINKS: tl.constexpr, BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                     BD: tl.constexpr):
+def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, pos_ptr, qs_ptr, sq_b, sq_h, sq_t, sk_b,
+                     sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, sm_b, sc_b, sc_t, ss_b, ss_h, ss_t, T, H, G, W, D, R,
+                     scale, softcap, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
+                     F32_DOT: tl.constexpr, PREC: tl.constexpr, SINKS: tl.constexpr, SINK_Q: tl.constexpr,
+                     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     start_m = tl.program_id(0) * BM
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -153,7 +153,11 @@ def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, pos
     if HAS_MASK:
         real_row = tl.load(mask_row + rows, mask=rm, other=0) != 0
     if SINKS:  # first the sinks (a sink at p is seen from p + W on); in every tile, masked: no branch around a dot
-        m, l, acc = _sink_keys(q, k_base, v_base, sk_t, sv_t, pos_ptr + b * BS, rows, d, dm, m, l, acc, W,
+        qs = q
+        if SINK_Q:  # their own queries, rotated already (sinks.py's reach)
+            qs = tl.load(qs_ptr + b * ss_b + h * ss_h + rows[:, None].to(tl.int64) * ss_t + d[None, :],
+                         mask=rm[:, None] & dm[None, :], other=0.0).to(q.dtype)
+        m, l, acc = _sink_keys(qs, k_base, v_base, sk_t, sv_t, pos_ptr + b * BS, rows, d, dm, m, l, acc, W,
                                qk_scale, softcap, real_row, HAS_MASK, HAS_SOFTCAP, F32_DOT, PREC, BS)
     # key blocks: [lo, full) cross the window's lower edge for some of these queries, [full, start_m) are whole
     # for all of them, [start_m, hi) cross the diagonal (BM is a multiple of BN)
@@ -200,7 +204,7 @@ def supported(q, k, v, window: int) -> bool:
 
 
 def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None,
-                          position_embeddings=None, sink_positions=None):
+                          position_embeddings=None, sink_positions=None, sink_q=None):
     """Softmax over each query's last ``window`` keys (itself included; padding keys left out) and, with
     ``sink_positions`` ``[B, S]`` (``sinks.sink_index``: each sequence's first real tokens, -1 for none), those once
     they have left its window (attention sinks, ``sinks.py``), ``q``
@@ -209,7 +213,8 @@ def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float 
 
     ``position_embeddings`` ``(cos, sin)`` ``[B or 1, T, R]``: q comes unrotated and the kernel rotates it (RoPE by
     rotating halves over its first ``R`` dims, in fp32, rounded to q's dtype), saving the passes of q's RoPE; the
-    keys come rotated (``models.base.rope_rotate_half``: the state keeps them so)."""
+    keys come rotated (``models.base.rope_rotate_half``: the state keeps them so). ``sink_q`` (like ``q``, rotated
+    whatever ``position_embeddings``): the queries that weigh the sinks instead (``sinks.reach_tables``)."""
     b, h, t, d = q.shape
     hk = k.shape[1]
     if h % hk:
@@ -233,16 +238,18 @@ def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float 
         pos = torch.nn.functional.pad(sink_positions.to(torch.int32), (0, bs - n_sinks), value=-1).contiguous()
     else:
         pos = o  # never read
+    use_qs = n_sinks > 0 and sink_q is not None
+    qs = (sink_q if sink_q.stride(-1) == 1 else sink_q.contiguous()) if use_qs else o  # o: never read
     bm, bn = PARALLEL_BM, PARALLEL_BN
     if bm % bn:
         raise ValueError(f"PARALLEL_BM ({bm}) must be a multiple of PARALLEL_BN ({bn})")
     grid = (triton.cdiv(t, bm), b * h)
     _window_parallel[grid](
-        q, k, v, o, mask, cos, sin, pos, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        mask.stride(0) if key_mask is not None else 0, sc_b, sc_t, t, h, h // hk, window, d, rot, float(scale),
-        float(softcap or 1.0), HAS_MASK=key_mask is not None, HAS_SOFTCAP=softcap is not None, ROPE=rot > 0,
-        F32_DOT=f32_dot, SINKS=n_sinks > 0, BS=bs,
+        q, k, v, o, mask, cos, sin, pos, qs, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        mask.stride(0) if key_mask is not None else 0, sc_b, sc_t, qs.stride(0), qs.stride(1), qs.stride(2), t, h,
+        h // hk, window, d, rot, float(scale), float(softcap or 1.0), HAS_MASK=key_mask is not None,
+        HAS_SOFTCAP=softcap is not None, ROPE=rot > 0, F32_DOT=f32_dot, SINKS=n_sinks > 0, SINK_Q=use_qs, BS=bs,
         PREC="ieee" if f32_dot else "tf32", BM=bm, BN=bn,  # half-precision products ignore it (as in the ring step)
         BD=max(16, triton.next_power_of_2(d)), num_warps=PARALLEL_WARPS,
         **({} if PARALLEL_STAGES is None else dict(num_stages=PARALLEL_STAGES)))

@@ -9,6 +9,15 @@ tokens of state.
 Query ``t`` attends to key ``j`` when ``0 <= t - j < window`` or ``j`` is one of its sequence's first ``sinks``
 real tokens (``j <= t``): each key once. Padding keys are left out; a padding query outputs zero.
 
+**Reach.** Every form takes ``sink_q``, queries of the sinks' own (like ``q``, rotated): the sinks that have left a
+query's window are scored by it instead of ``q`` (a sink still inside the window is a window key; the steps and
+rings score their sink slots by ``sink_q`` throughout, so the caller keeps ``sink_q = q`` until every sink has
+left the window). The window layer (``mixers/window.py``) passes each query rotated as if it stood at
+``min(p, reach)``, ``reach`` the teacher's context less one: past it, the sinks' distance grows beyond anything
+the teacher's RoPE saw, and a CPU stand-in's perplexity went from 42 at 1k-4k tokens to 315 at 12k-16k and 2,335 at
+16k-32k; scored from the reach it stays at 44-45 (``dev/sink_reach.py``, docs/RESULTS.md). The window's own
+scores are relative and need nothing.
+
 * ``window_softmax_sinks``: the sequence form, the queries in blocks with the sinks appended to each block's keys
   (SDPA; soft-capped scores by hand), with its gradient; without one on CUDA the window's Triton kernel, which
   weighs the sinks first (``parallel_triton.py``);
@@ -47,10 +56,13 @@ def sink_positions(key_mask, b: int, t: int, sinks: int, device) -> tuple[torch.
     return real_first.clamp(max=t - 1), valid
 
 
-def _sinks_blocks(q, k, v, window: int, sinks: int, key_mask):
+def _sinks_blocks(q, k, v, window: int, sinks: int, key_mask, sink_q=None):
     """The queries in blocks of ``C >= window - 1`` tokens ``[B N, H, C, D]``, each with its own and the previous
     block's keys and values and the ``S`` sinks' ``[B N, Hk, 2C + S, D]``, and which it may see ``[B N, 1, C, 2C + S]``
-    (a window key within the window, a sink once it has left it; a padding query itself alone)."""
+    (a window key within the window, a sink once it has left it; a padding query itself alone).
+
+    With ``sink_q`` (the queries that score the sinks, see ``reach_queries``) queries and keys are twice as wide:
+    ``[q, sink_q]`` against ``[k, 0]`` for the window's keys and ``[0, k]`` for the sinks'."""
     b, h, t, d = q.shape
     n_kv = k.shape[1]
     s = min(sinks, t)
@@ -61,6 +73,10 @@ def _sinks_blocks(q, k, v, window: int, sinks: int, key_mask):
     first, exists = sink_positions(key_mask, b, t, s, q.device)  # [B, S]
     gather = lambda x: x.gather(2, first[:, None, :, None].expand(b, n_kv, s, x.shape[-1]))  # noqa: E731
     ks, vs = gather(k), gather(v)  # [B, Hk, S, D]
+    if sink_q is not None:
+        q = torch.cat([q, sink_q.to(q.dtype)], dim=-1)
+        k = torch.cat([k, torch.zeros_like(k)], dim=-1)
+        ks = torch.cat([torch.zeros_like(ks), ks], dim=-1)
     blocks = lambda x: F.pad(x, (0, 0, 0, pad)).unflatten(2, (n, c)).transpose(1, 2)  # noqa: E731  [B, N, H, C, D]
     qb, kb, vb = blocks(q), blocks(k), blocks(v)
     before = lambda x: F.pad(x, (0, 0, 0, 0, 0, 0, 1, 0))[:, :-1]  # noqa: E731  the previous block (zeros first)
@@ -92,38 +108,43 @@ def sink_index(key_mask, b: int, t: int, sinks: int, device) -> torch.Tensor:
     return torch.where(exists, first, -1)
 
 
-def window_softmax_sinks_sdpa(q, k, v, *, window: int, sinks: int, scale: float, key_mask=None):
+def window_softmax_sinks_sdpa(q, k, v, *, window: int, sinks: int, scale: float, key_mask=None, sink_q=None):
     """``[B, H, T, D]`` in ``q``'s dtype (padding queries: whatever SDPA gives a query that sees itself alone): the
     queries in blocks of ``C >= window - 1`` tokens, each attending to its own block's and the previous block's keys
-    within the window (as ``window_softmax_sdpa``) and to the sinks that have left its window, all in one SDPA call
-    per block batch."""
+    within the window (as ``window_softmax_sdpa``) and to the sinks that have left its window (scored by ``sink_q``
+    where given), all in one SDPA call per block batch."""
     from . import window_softmax_sdpa
 
     if sinks <= 0:
         return window_softmax_sdpa(q, k, v, window=window, scale=scale, key_mask=key_mask)
-    b, h, t, _ = q.shape
-    qb, kb, vb, allowed, n, c = _sinks_blocks(q, k, v, window, sinks, key_mask)
+    b, h, t, d = q.shape
+    qb, kb, vb, allowed, n, c = _sinks_blocks(q, k, v, window, sinks, key_mask, sink_q)
+    if qb.shape[-1] != vb.shape[-1]:  # widened queries and keys (sink_q): values padded to their width
+        vb = F.pad(vb, (0, qb.shape[-1] - vb.shape[-1]))
     o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=allowed, scale=scale, enable_gqa=kb.shape[1] != h)
-    return o.view(b, n, h, c, -1).transpose(1, 2).flatten(2, 3)[:, :, :t]
+    return o[..., :d].reshape(b, n, h, c, d).transpose(1, 2).flatten(2, 3)[:, :, :t]
 
 
 def window_softmax_sinks(q, k, v, *, window: int, sinks: int, scale: float, softcap: float | None = None,
-                         key_mask=None):
-    """The window-softmax layer's sequence form with ``sinks`` (see the module): without a gradient on CUDA one Triton
-    launch (``parallel_triton.py``), else SDPA on blocks, or with soft-capped scores (Gemma 2) the same blocks by hand
-    in fp32. ``[B, H, T, D]`` in ``q``'s dtype; padding queries output 0."""
+                         key_mask=None, sink_q=None):
+    """The window-softmax layer's sequence form with ``sinks`` (see the module; ``sink_q``: the queries that score
+    the sinks, ``reach_queries``): without a gradient on CUDA one Triton launch (``parallel_triton.py``), else SDPA
+    on blocks, or with soft-capped scores (Gemma 2) the same blocks by hand in fp32. ``[B, H, T, D]`` in ``q``'s
+    dtype; padding queries output 0."""
     from . import _use_window_triton
 
     if _use_window_triton(q, k, v, window):  # without a gradient, on CUDA: one launch
         from .parallel_triton import window_softmax_triton
 
         return window_softmax_triton(q, k, v, window=window, scale=scale, softcap=softcap, key_mask=key_mask,
-                                     sink_positions=sink_index(key_mask, q.shape[0], q.shape[2], sinks, q.device))
+                                     sink_positions=sink_index(key_mask, q.shape[0], q.shape[2], sinks, q.device),
+                                     sink_q=sink_q)
     if softcap is None:
-        o = window_softmax_sinks_sdpa(q, k, v, window=window, sinks=sinks, scale=scale, key_mask=key_mask)
+        o = window_softmax_sinks_sdpa(q, k, v, window=window, sinks=sinks, scale=scale, key_mask=key_mask,
+                                      sink_q=sink_q)
     else:
         b, h, t, _ = q.shape
-        qb, kb, vb, allowed, n, c = _sinks_blocks(q, k, v, window, sinks, key_mask)
+        qb, kb, vb, allowed, n, c = _sinks_blocks(q, k, v, window, sinks, key_mask, sink_q)
         acc = accum_dtype(q.dtype)
         grp = h // kb.shape[1]
         kb, vb = (x.repeat_interleave(grp, dim=1).to(acc) for x in (kb, vb))
@@ -216,10 +237,11 @@ def _put(buf, at, x, where):
     return out.view(FLOAT8) if buf.dtype == FLOAT8 else out
 
 
-def sinks_window_step(q, k, v, state: SinkWindowState, *, window: int, scale: float, softcap=None, key_mask=None):
+def sinks_window_step(q, k, v, state: SinkWindowState, *, window: int, scale: float, softcap=None, key_mask=None,
+                      sink_q=None):
     """One token (``T = 1``; q and k rotated) from ``state``: ``(o [B, H, 1, D], new_state)``. A sequence's real
     token becomes one of its sinks while it holds fewer than ``S`` (the window then keeps it as padding), else it
-    enters the window; the query sees the sinks held and the window."""
+    enters the window; the query sees the sinks held (scored by ``sink_q`` where given) and the window."""
     from . import window_softmax_step
     from .float8 import float8_window_step
 
@@ -246,7 +268,8 @@ def sinks_window_step(q, k, v, state: SinkWindowState, *, window: int, scale: fl
     window_read, sink_keys, sink_values = new.read(q.dtype)
     keys = torch.cat([sink_keys.to(window_read.keys.dtype), window_read.keys], dim=2)
     values = torch.cat([sink_values.to(window_read.values.dtype), window_read.values], dim=2)
-    o = attend_slots(q, keys, values, torch.cat([new.valid, window_read.valid], dim=1), scale, softcap)
+    o = attend_slots(q, keys, values, torch.cat([new.valid, window_read.valid], dim=1), scale, softcap, sink_q,
+                     n_sinks)
     return o * real[:, None, None, None], new
 
 

@@ -117,10 +117,10 @@ def _quantize(x, mask):
 
 @triton.jit
 def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr,
-                      l_ptr, acc_ptr, cos_ptr, sin_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b,
-                      sc_d, scale, softcap, HK, G, W, D, L, R, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr,
-                      FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr,
-                      PREC: tl.constexpr, ROPE: tl.constexpr,
+                      l_ptr, acc_ptr, cos_ptr, sin_ptr, qs_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d,
+                      sc_b, sc_d, ss_b, ss_h, ss_d, scale, softcap, HK, G, W, D, L, R, S, HAS_SOFTCAP: tl.constexpr,
+                      SPLIT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, MMA: tl.constexpr,
+                      F32_DOT: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr, SINK_Q: tl.constexpr,
                       BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
@@ -196,6 +196,9 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
     q = q.to(k_ty)
     if F32_DOT:
         q = q.to(tl.float32)
+    if SINK_Q:  # the queries that score the S sink slots, rotated already (sinks.py's reach)
+        qs = tl.load(qs_ptr + bi * ss_b + (hk * G + g)[:, None] * ss_h + d[None, :] * ss_d, mask=out,
+                     other=0.0).to(q.dtype)
     # the online softmax starts from the new token (in the part holding slot s), read from registers
     new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
     if HAS_SOFTCAP:
@@ -225,6 +228,12 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
             scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale  # [BG, BW]
         else:
             scores = tl.sum(q.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
+        if SINK_Q:
+            if MMA:
+                lead = tl.dot(qs, tl.trans(keys), input_precision=PREC) * scale
+            else:
+                lead = tl.sum(qs.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
+            scores = tl.where((w < S)[None, :], lead, scores)
         if HAS_SOFTCAP:
             scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
         scores = tl.where(live[None, :], scores, float("-inf"))
@@ -301,7 +310,7 @@ def ring_parts(batch: int, n_kv: int, window: int, block: int, programs: int) ->
 
 
 def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None,
-                            position_embeddings=None):
+                            position_embeddings=None, sink_q=None):
     """The window softmax's decode step on a ``RingHybridState``, in place, as ``window_softmax_step_ring``.
 
     ``q`` ``[B, H, 1, D]`` and ``k``/``v`` ``[B, Hk, 1, D]`` with any strides, q and k rotated, or with
@@ -309,13 +318,14 @@ def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts
     first R dims, in fp32: the launches of the layer's RoPE saved); ``state.keys`` and ``state.values``
     ``[B, Hk, W, D]`` and ``state.valid`` ``[B, W]`` contiguous. ``parts``: the ring's parts per (sequence, key
     head) (default: by ``STEP_PROGRAMS``). Returns ``(o [B, H, 1, D] in q's dtype, state)``; the slot counter
-    is advanced (no host sync: the launch's shapes are the tensors')."""
+    is advanced (no host sync: the launch's shapes are the tensors'). ``sink_q`` (like ``q``, rotated whatever
+    ``position_embeddings``): the queries that score the ring's ``state.sinks`` sink slots (``sinks.py``'s reach)."""
     return _step(q, k, v, state, state.keys, state.values, None, None, scale=scale, softcap=softcap, parts=parts,
-                 position_embeddings=position_embeddings)
+                 position_embeddings=position_embeddings, sink_q=sink_q)
 
 
 def window_step_ring_float8_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None,
-                                   position_embeddings=None):
+                                   position_embeddings=None, sink_q=None):
     """The decode step on a float8 ring (``float8.Float8RingState``), in place, as ``float8_window_step_ring``'s
     PyTorch path (the reference): ``k``/``v`` are the new token's key and value as the layer computed them
     (unrotated with ``position_embeddings``, which rotate q and k here as ``window_step_ring_triton`` does).
@@ -326,7 +336,7 @@ def window_step_ring_float8_triton(q, k, v, state, *, scale: float, softcap=None
     ``window_step_ring_triton``; ``state.key_scale``/``value_scale`` ``[B, Hk, W, 1]`` contiguous."""
     return _step(q, k, v, state, state.keys.view(torch.uint8), state.values.view(torch.uint8), state.key_scale,
                  state.value_scale, scale=scale, softcap=softcap, parts=parts,
-                 position_embeddings=position_embeddings)
+                 position_embeddings=position_embeddings, sink_q=sink_q)
 
 
 _NATIVE_FP8: dict[int, bool] = {}
@@ -343,7 +353,8 @@ def _native_float8(device: torch.device) -> bool:
     return _NATIVE_FP8[index]
 
 
-def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softcap, parts, position_embeddings=None):
+def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softcap, parts, position_embeddings=None,
+          sink_q=None):
     """One launch (two with the ring in parts) on the ring's ``keys``/``values``: float8 codes as bytes with
     their scales (the new token quantised here), or (scales None) the ring's own buffers; with
     ``position_embeddings``, q and k rotated here."""
@@ -372,12 +383,15 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
     if not fp8:
         key_scale = value_scale = state.valid  # never read
     cos, sin, rot, sc_b, sc_d = rope_arguments(position_embeddings, q)
+    use_qs = sink_q is not None and state.sinks > 0
+    qs = sink_q if use_qs else q  # q: never read
     _window_ring_step[(b, hk, parts)](
-        q, k, v, keys, values, key_scale, value_scale, state.valid, state.slot, o, m, lsum, acc, cos, sin,
+        q, k, v, keys, values, key_scale, value_scale, state.valid, state.slot, o, m, lsum, acc, cos, sin, qs,
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1),
-        v.stride(3), sc_b, sc_d, float(scale), float(softcap or 1.0), hk, g, w, d, span, rot,
-        HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8, NATIVE_FP8=fp8 and _native_float8(q.device),
-        MMA=STEP_MMA, F32_DOT=f32_dot, PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, BG=bg, BW=bw, BD=bd,
+        v.stride(3), sc_b, sc_d, qs.stride(0), qs.stride(1), qs.stride(3), float(scale), float(softcap or 1.0), hk, g,
+        w, d, span, rot, state.sinks, HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8,
+        NATIVE_FP8=fp8 and _native_float8(q.device), MMA=STEP_MMA, F32_DOT=f32_dot,
+        PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, SINK_Q=use_qs, BG=bg, BW=bw, BD=bd,
         num_warps=STEP_WARPS,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
     if parts > 1:
