@@ -105,6 +105,8 @@ class WindowSoftmax(Mixer):
         at_cos, at_sin = self._reach_rows(cos.device)
         over = (positions.to(cos.device) > self.reach)[..., None]  # [B or 1, T, 1]
         tables = (torch.where(over, at_cos.to(cos.dtype), cos), torch.where(over, at_sin.to(sin.dtype), sin))
+        if self._half_rope():  # q alone, in fewer launches
+            return rope_rotate_half(q, *tables)
         return self.adapter.rope(self, q, k, tables)[0]
 
     @property
