@@ -97,10 +97,11 @@ def test_window_kernel_with_sinks_equals_the_sdpa_form_on_cuda(t, window, sinks,
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("float8", [False, True])
-def test_window_layers_prefill_through_the_kernel_on_cuda(float8, monkeypatch):
+@pytest.mark.parametrize("float8,reach", [(False, None), (True, None), (False, 150), (True, 150)])
+def test_window_layers_prefill_through_the_kernel_on_cuda(float8, reach, monkeypatch):
     """A student with kept window layers (64 and 128 tokens) prefills 300 tokens of a left-padded batch through the
-    kernel, q rotated inside it, as through the PyTorch forms: the logits, and the fast decoder's tokens."""
+    kernel, q rotated inside it, as through the PyTorch forms: the logits, and the fast decoder's tokens. ``reach``:
+    with 4 sinks scored from position 150 on (the prefill kernel's sink queries, the ring step rotating them)."""
     from transformers import AutoModelForCausalLM
 
     import linearize
@@ -113,7 +114,13 @@ def test_window_layers_prefill_through_the_kernel_on_cuda(float8, monkeypatch):
                                                            num_attention_heads=6, max_position_embeddings=1024))
     model = linearize.convert(teacher.eval(), {"kind": "lolcats", "window": 16, "feature_dim": 16, "keep_softmax": [0, 1],
                                                "softmax_window": "64,1:128",
-                                               **({"softmax_window_dtype": "float8"} if float8 else {})})
+                                               **({"softmax_window_dtype": "float8"} if float8 else {}),
+                                               **({"softmax_window_sinks": 4} if reach else {})})
+    if reach:
+        from linearize.models import get_adapter
+
+        for m in linearize.mixers(model).values():
+            m.set_reach(reach, get_adapter(model.config).rope_tables(model, m.layer_idx))
     model = model.to("cuda", torch.bfloat16)
     model.generation_config.eos_token_id = None
     ids = torch.randint(2, 97, (2, 300), generator=torch.Generator().manual_seed(0)).to("cuda")
@@ -123,6 +130,11 @@ def test_window_layers_prefill_through_the_kernel_on_cuda(float8, monkeypatch):
         got = model(ids, attention_mask=mask).logits.float()
         tokens = FastDecoder(model).generate(ids, mask, max_new_tokens=8, pad_token_id=0)
         monkeypatch.setattr(W, "WINDOW_TRITON", False)
+        monkeypatch.setattr(W, "WINDOW_STEP_KERNEL", False)
+        if float8:
+            from linearize.ops.window import float8 as f8
+
+            monkeypatch.setattr(f8, "FLOAT8_STEP_KERNEL", False)
         want = model(ids, attention_mask=mask).logits.float()
         ref_tokens = FastDecoder(model).generate(ids, mask, max_new_tokens=8, pad_token_id=0)
     real = mask.bool()[:, :, None]

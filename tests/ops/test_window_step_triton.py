@@ -53,8 +53,8 @@ def test_float8_ring_step_kernel_in_parts_and_the_decoder_through_the_interprete
 def test_rings_with_sinks_on_the_kernel_through_the_interpreter():
     """Rings with attention sinks: the kernel whole and in parts (the slot advanced past the sinks), settled after
     each step, against the PyTorch step; the fast decoder of students whose window layers have sinks (fp32 and
-    float8 rings, a prompt lacking sinks)."""
-    run_triton_interpreter_script("triton_interpret_window_step.py", "sinks", "sinks_decoder")
+    float8 rings, a prompt lacking sinks); past a small reach, the sinks' queries given or rotated in the kernel."""
+    run_triton_interpreter_script("triton_interpret_window_step.py", "sinks", "sinks_decoder", "sinks_rope")
 
 
 def _ring(b=2, hk=2, w=8, d=4, dtype=torch.float32):

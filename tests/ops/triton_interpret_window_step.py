@@ -167,6 +167,50 @@ def check_sinks():
         assert ring.fill.tolist() == [3, 3] and bool(ring.valid.all()), parts
 
 
+def check_sinks_rope():
+    """The sinks' queries rotated inside the kernel (``sink_rope``: the tables at the reach for the sequences past
+    it; here one of the batch is, the other not) against ``sink_q`` rotated in PyTorch then the PyTorch step: full
+    and partial rotary dims, fp32 and float8 rings, whole and in parts."""
+    from linearize.models.base import rope_rotate_half
+    from linearize.ops.window.sinks import settle_sinks, sink_ring_state, sink_window_state
+
+    gen = torch.Generator().manual_seed(12)
+    mask = torch.ones(B, 6, dtype=torch.bool)
+    for rot, parts, float8 in ((D, None, False), (D // 2, 2, False), (D, 2, True)):
+        k0, v0 = torch.randn(B, 2, 6, D, generator=gen), torch.randn(B, 2, 6, D, generator=gen)
+        codes = None
+        if float8:
+            (k0, k8, ks), (v0, v8, vs) = f8.fake_quantize(k0), f8.fake_quantize(v0)
+            codes = (k8, ks, v8, vs)
+        ring = sink_ring_state(sink_window_state(k0, v0, W, 3, mask, codes), W)
+        twin = ring.map(torch.clone)
+        positions = torch.tensor([5, 20])
+        reach = 12
+        freq = torch.rand(rot // 2, generator=gen)
+        angles = lambda p: torch.cat([p[..., None] * freq] * 2, -1)  # noqa: E731
+        table = lambda p: (angles(p).cos(), angles(p).sin())  # noqa: E731
+        at_cos, at_sin = (x.reshape(-1) for x in table(torch.tensor(float(reach))))
+        for t in range(10):
+            q = torch.randn(B, 6, 1, D, generator=gen)
+            k, v = (torch.randn(B, 2, 1, D, generator=gen) for _ in range(2))
+            p = (positions + t).float()
+            cos, sin = (x[:, None] for x in table(p))  # [B, 1, R]
+            launch = step_triton.window_step_ring_float8_triton if float8 else window_step_ring_triton
+            got, ring = launch(q, k, v, ring, scale=0.3, parts=parts, position_embeddings=(cos, sin),
+                               sink_rope=(at_cos, at_sin, positions + t, reach))
+            settle_sinks(ring)
+            over = (positions + t > reach)[:, None, None]
+            sink_q = rope_rotate_half(q, torch.where(over, at_cos, cos), torch.where(over, at_sin, sin))
+            rq, rk = rope_rotate_half(q, cos, sin), rope_rotate_half(k, cos, sin)
+            if float8:
+                want, twin = _float8_step(rq, rk, v, twin, False, scale=0.3, sink_q=sink_q)
+            else:
+                want, twin = _reference(rq, rk, v, twin, scale=0.3, sink_q=sink_q)
+            settle_sinks(twin)
+            _close(got, want.double(), ("sinks_rope", rot, parts, float8, t), tol=2e-5 if not float8 else 2e-2)
+            assert torch.equal(ring.slot, twin.slot) and torch.equal(ring.valid, twin.valid)
+
+
 def check_decoder(float8=False, sinks=0, reach=None):
     """The fast decoder of tiny float32 students with kept window layers (Llama's two of 6 and 9 tokens, GQA;
     Gemma 2's one of 9, soft-capped), the ring step on the kernel (the dispatch told it runs on CUDA) against
@@ -530,6 +574,6 @@ if __name__ == "__main__":
     for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "rope", "fma", "decoder",
                                  "float8", "float8_softcap", "float8_parts", "float8_rope",
                                  "float8_rope_bf16", "float8_encode", "float8_quantize", "float8_decode",
-                                 "float8_decoder", "sinks", "sinks_decoder"]:
+                                 "float8_decoder", "sinks", "sinks_decoder", "sinks_rope"]:
         globals()[f"check_{name}"]()
     print("ok")

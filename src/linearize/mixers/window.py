@@ -84,23 +84,27 @@ class WindowSoftmax(Mixer):
                 self.__dict__["_reach_cache"] = rows
         return rows
 
+    def _reach_positions(self, q, position_embeddings, state):
+        """The positions ``[B or 1, T]`` whose queries may be past the reach (see ``_sink_queries``), or None where
+        none can be or nothing is known of them."""
+        if not self.sinks or self.reach is None or position_embeddings is None or self.geometry.rotary is None:
+            return None
+        if (self.positions_below is not None and self.positions_below <= self.reach + 1) or \
+                (state is None and q.shape[2] <= self.reach + 1):
+            self._reach_rows(q.device)  # cached before any graph capture
+            return None
+        positions = self.position_ids
+        if positions is None and state is None:
+            positions = torch.arange(q.shape[2], device=q.device)[None]
+        return positions
+
     def _sink_queries(self, q, k, position_embeddings, state):
         """The queries that score the sinks (before RoPE in, rotated out): each query rotated as if at position
         ``min(p, reach)``; None where no query can pass ``reach`` (a prompt of at most ``reach + 1`` tokens from
-        the start: the model's own q then) or nothing is known of positions."""
-        if not self.sinks or self.reach is None or position_embeddings is None or self.geometry.rotary is None:
-            return None
-        if self.positions_below is not None and self.positions_below <= self.reach + 1:
-            self._reach_rows(q.device)
-            return None
-        positions = self.position_ids
-        if state is None and q.shape[2] <= self.reach + 1:
-            self._reach_rows(q.device)  # cached before any graph capture
-            return None
+        the start, or a decoder's promise: the model's own q then) or nothing is known of positions."""
+        positions = self._reach_positions(q, position_embeddings, state)
         if positions is None:
-            if state is not None:
-                return None
-            positions = torch.arange(q.shape[2], device=q.device)[None]
+            return None
         cos, sin = position_embeddings
         at_cos, at_sin = self._reach_rows(cos.device)
         over = (positions.to(cos.device) > self.reach)[..., None]  # [B or 1, T, 1]
@@ -108,6 +112,15 @@ class WindowSoftmax(Mixer):
         if self._half_rope():  # q alone, in fewer launches
             return rope_rotate_half(q, *tables)
         return self.adapter.rope(self, q, k, tables)[0]
+
+    def _sink_rope(self, q, position_embeddings, state):
+        """What the ring-step kernel takes to rotate the sinks' queries itself (``sink_rope``): the tables at the
+        reach, each sequence's position and the reach; None where ``_sink_queries`` would be."""
+        positions = self._reach_positions(q, position_embeddings, state)
+        if positions is None:
+            return None
+        at_cos, at_sin = self._reach_rows(q.device)
+        return at_cos, at_sin, positions[:, -1], self.reach
 
     @property
     def window(self) -> int:
@@ -184,14 +197,15 @@ class WindowSoftmax(Mixer):
         return o, state
 
     def _step_any(self, q, k, v, position_embeddings, state):
-        sink_q = self._sink_queries(q, k, position_embeddings, state)
         if type(state) in (ops.RingHybridState, Float8RingState) and self._fused_rope(q, state):
             from ..ops.window import step_triton  # RoPE, ring (a float8 one's quantising too) and softmax: one launch
 
             rope = position_embeddings if self.geometry.rotary is not None else None
             launch = (step_triton.window_step_ring_float8_triton if isinstance(state, Float8RingState)
                       else step_triton.window_step_ring_triton)
-            return launch(q, k, v, state, **self._kw(), position_embeddings=rope, sink_q=sink_q)
+            return launch(q, k, v, state, **self._kw(), position_embeddings=rope,  # the sinks' queries rotated in it
+                          sink_rope=self._sink_rope(q, position_embeddings, state))
+        sink_q = self._sink_queries(q, k, position_embeddings, state)
         q, k = self.adapter.rope(self, q, k, position_embeddings)
         if isinstance(state, Float8RingState):
             return float8_window_step_ring(q, k, v, state, window_softmax_step_ring, **self._kw(), sink_q=sink_q)

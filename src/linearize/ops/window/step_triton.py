@@ -117,10 +117,11 @@ def _quantize(x, mask):
 
 @triton.jit
 def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr,
-                      l_ptr, acc_ptr, cos_ptr, sin_ptr, qs_ptr, sq_b, sq_h, sq_d, sk_b, sk_h, sk_d, sv_b, sv_h, sv_d,
-                      sc_b, sc_d, ss_b, ss_h, ss_d, scale, softcap, HK, G, W, D, L, R, S, HAS_SOFTCAP: tl.constexpr,
-                      SPLIT: tl.constexpr, FP8: tl.constexpr, NATIVE_FP8: tl.constexpr, MMA: tl.constexpr,
-                      F32_DOT: tl.constexpr, PREC: tl.constexpr, ROPE: tl.constexpr, SINK_Q: tl.constexpr,
+                      l_ptr, acc_ptr, cos_ptr, sin_ptr, qs_ptr, rc_ptr, rs_ptr, pos_ptr, sq_b, sq_h, sq_d, sk_b, sk_h,
+                      sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, ss_b, ss_h, ss_d, sp_b, scale, softcap, HK, G, W, D, L, R, S,
+                      reach, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr,
+                      NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
+                      ROPE: tl.constexpr, SINK_Q: tl.constexpr, SINK_ROPE: tl.constexpr,
                       BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
@@ -190,15 +191,22 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
     q_at = q_ptr + bi * sq_b + (hk * G + g)[:, None] * sq_h
     q = tl.load(q_at + d[None, :] * sq_d, mask=out, other=0.0)
     if ROPE:
-        q = q.to(tl.float32) * cos[None, :] \
-            + tl.load(q_at + partner[None, :] * sq_d, mask=gm[:, None] & rot[None, :], other=0.0).to(tl.float32) \
-            * sin[None, :]
+        q_raw = q.to(tl.float32)
+        q_turn = tl.load(q_at + partner[None, :] * sq_d, mask=gm[:, None] & rot[None, :], other=0.0).to(tl.float32)
+        q = q_raw * cos[None, :] + q_turn * sin[None, :]
+        if SINK_ROPE:  # the sinks' queries: q rotated at min(position, reach) (sinks.py's reach)
+            over = tl.load(pos_ptr + bi * sp_b) > reach
+            at_cos = tl.where(over, tl.load(rc_ptr + d, mask=rot, other=1.0), cos)
+            at_sin = tl.where(over, tl.load(rs_ptr + d, mask=rot, other=0.0) * sign, sin)
+            qs = q_raw * at_cos[None, :] + q_turn * at_sin[None, :]
     q = q.to(k_ty)
     if F32_DOT:
         q = q.to(tl.float32)
     if SINK_Q:  # the queries that score the S sink slots, rotated already (sinks.py's reach)
         qs = tl.load(qs_ptr + bi * ss_b + (hk * G + g)[:, None] * ss_h + d[None, :] * ss_d, mask=out,
                      other=0.0).to(q.dtype)
+    if SINK_ROPE:
+        qs = qs.to(k_ty).to(q.dtype)
     # the online softmax starts from the new token (in the part holding slot s), read from registers
     new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], axis=1) * scale
     if HAS_SOFTCAP:
@@ -228,7 +236,7 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
             scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale  # [BG, BW]
         else:
             scores = tl.sum(q.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
-        if SINK_Q:
+        if SINK_Q or SINK_ROPE:
             if MMA:
                 lead = tl.dot(qs, tl.trans(keys), input_precision=PREC) * scale
             else:
@@ -310,7 +318,7 @@ def ring_parts(batch: int, n_kv: int, window: int, block: int, programs: int) ->
 
 
 def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None,
-                            position_embeddings=None, sink_q=None):
+                            position_embeddings=None, sink_q=None, sink_rope=None):
     """The window softmax's decode step on a ``RingHybridState``, in place, as ``window_softmax_step_ring``.
 
     ``q`` ``[B, H, 1, D]`` and ``k``/``v`` ``[B, Hk, 1, D]`` with any strides, q and k rotated, or with
@@ -319,13 +327,15 @@ def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts
     ``[B, Hk, W, D]`` and ``state.valid`` ``[B, W]`` contiguous. ``parts``: the ring's parts per (sequence, key
     head) (default: by ``STEP_PROGRAMS``). Returns ``(o [B, H, 1, D] in q's dtype, state)``; the slot counter
     is advanced (no host sync: the launch's shapes are the tensors'). ``sink_q`` (like ``q``, rotated whatever
-    ``position_embeddings``): the queries that score the ring's ``state.sinks`` sink slots (``sinks.py``'s reach)."""
+    ``position_embeddings``): the queries that score the ring's ``state.sinks`` sink slots (``sinks.py``'s reach);
+    or, with ``position_embeddings``, ``sink_rope`` ``(cos, sin, positions, reach)``: q rotated here by ``cos``/``sin``
+    ``[R]`` (fp32, the tables at ``reach``) for the sequences whose position ``[B]`` (or ``[1]``) is past ``reach``."""
     return _step(q, k, v, state, state.keys, state.values, None, None, scale=scale, softcap=softcap, parts=parts,
-                 position_embeddings=position_embeddings, sink_q=sink_q)
+                 position_embeddings=position_embeddings, sink_q=sink_q, sink_rope=sink_rope)
 
 
 def window_step_ring_float8_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None,
-                                   position_embeddings=None, sink_q=None):
+                                   position_embeddings=None, sink_q=None, sink_rope=None):
     """The decode step on a float8 ring (``float8.Float8RingState``), in place, as ``float8_window_step_ring``'s
     PyTorch path (the reference): ``k``/``v`` are the new token's key and value as the layer computed them
     (unrotated with ``position_embeddings``, which rotate q and k here as ``window_step_ring_triton`` does).
@@ -336,7 +346,7 @@ def window_step_ring_float8_triton(q, k, v, state, *, scale: float, softcap=None
     ``window_step_ring_triton``; ``state.key_scale``/``value_scale`` ``[B, Hk, W, 1]`` contiguous."""
     return _step(q, k, v, state, state.keys.view(torch.uint8), state.values.view(torch.uint8), state.key_scale,
                  state.value_scale, scale=scale, softcap=softcap, parts=parts,
-                 position_embeddings=position_embeddings, sink_q=sink_q)
+                 position_embeddings=position_embeddings, sink_q=sink_q, sink_rope=sink_rope)
 
 
 _NATIVE_FP8: dict[int, bool] = {}
@@ -354,7 +364,7 @@ def _native_float8(device: torch.device) -> bool:
 
 
 def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softcap, parts, position_embeddings=None,
-          sink_q=None):
+          sink_q=None, sink_rope=None):
     """One launch (two with the ring in parts) on the ring's ``keys``/``values``: float8 codes as bytes with
     their scales (the new token quantised here), or (scales None) the ring's own buffers; with
     ``position_embeddings``, q and k rotated here."""
@@ -385,13 +395,21 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
     cos, sin, rot, sc_b, sc_d = rope_arguments(position_embeddings, q)
     use_qs = sink_q is not None and state.sinks > 0
     qs = sink_q if use_qs else q  # q: never read
+    turn = sink_rope is not None and state.sinks > 0 and rot > 0 and not use_qs
+    if turn:
+        reach_cos, reach_sin, positions, reach = sink_rope
+        positions = positions.reshape(-1)
+    else:
+        reach_cos = reach_sin = positions = cos  # never read
+        reach = 0
     _window_ring_step[(b, hk, parts)](
         q, k, v, keys, values, key_scale, value_scale, state.valid, state.slot, o, m, lsum, acc, cos, sin, qs,
-        q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1),
-        v.stride(3), sc_b, sc_d, qs.stride(0), qs.stride(1), qs.stride(3), float(scale), float(softcap or 1.0), hk, g,
-        w, d, span, rot, state.sinks, HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8,
+        reach_cos, reach_sin, positions, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
+        v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, qs.stride(0), qs.stride(1), qs.stride(3),
+        positions.stride(0) if turn and positions.shape[0] > 1 else 0, float(scale), float(softcap or 1.0), hk, g, w,
+        d, span, rot, state.sinks, int(reach), HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8,
         NATIVE_FP8=fp8 and _native_float8(q.device), MMA=STEP_MMA, F32_DOT=f32_dot,
-        PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, SINK_Q=use_qs, BG=bg, BW=bw, BD=bd,
+        PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, SINK_Q=use_qs, SINK_ROPE=turn, BG=bg, BW=bw, BD=bd,
         num_warps=STEP_WARPS,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
     if parts > 1:
