@@ -189,10 +189,12 @@ def main():
     print(f"{a.rank} scores", [(i, round(s, 3)) for i, s in order], f"{time.time() - t0:.0f}s", flush=True)
     record = {"teacher": a.teacher or "default", "passage": a.passage, "trials": a.trials, "window": a.window,
               "kept_window": a.kept_window, "rank": a.rank, "sinks": a.sinks, "kept_sinks": a.kept_sinks, "diffuse": a.diffuse, "kept_fp8": a.kept_fp8, "order": order, "rows": []}
-    own = {int(i.split("@")[0]): int(i.split("@")[1]) for i in (a.layers or "").replace(";", ",").split(",") if "@" in i}
+    # each set's own windows (``17@4160``), apart: a layer may have one in one set and not in another
+    owns = [{int(i.split("@")[0]): int(i.split("@")[1]) for i in part.split(",") if "@" in i}
+            for part in a.layers.split(";")] if a.layers else [{} for _ in a.ks]
     sets = ([{int(i.split("@")[0]) for i in part.split(",")} for part in a.layers.split(";")] if a.layers else
             [set(layers) if k >= len(layers) else {i for i, _ in order[:k]} for k in a.ks])
-    for keep in sets:
+    for keep, own in zip(sets, owns):
         k = len(keep)
         row = {"k": k, "layers": sorted(keep), "own_windows": {str(i): w for i, w in own.items() if i in keep},
                "accuracy": {}}
