@@ -306,7 +306,9 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
   domains)  # issue #53: a LoLCATs recipe (RECIPE, default lolcats_tiers, the default student; RECIPE_ARGS, e.g. --data ...) trained as NAME, then
             # its student beside the teacher on every held-out domain (whole, by position to 8k, KL, greedy agreement),
             # the copy task and passkey; then the domains alone on 32k blocks (DOMAIN_32K=0 skips); TASKS=1: zero-shot.
-            # FROM=OTHER: no training, OTHER's student scored as NAME (with EVAL_FLAGS, e.g. --sparse-cache 256).
+            # FROM=OTHER: no training, OTHER's student scored as NAME (with EVAL_FLAGS, e.g. --sparse-cache 256);
+            # DOMAINS_EVAL=0: not the domains, copy and passkey (e.g. FROM=x DOMAINS_EVAL=0 DOMAIN_32K=0 TASKS=1 on
+            # another GPU: the zero-shot tasks beside the domains' scoring)
             # TEACHER=NAME: the named teacher staged by dev/gpu_teacher.sh (gemma-3-270m: with OVERLAY=1;
             # qwen2.5-coder-0.5b) instead of SmolLM2
     name=${NAME:-recipe}; ck=$RUNS/dom-${FROM:-$name}/final; mkdir -p $RUNS/domains
@@ -314,8 +316,9 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
     [ -n "${FROM:-}" ] && { waitfor $ck/config.json 3000 || exit 1; }
     [ -e $ck ] || lin lolcats --config ${RECIPE:-lolcats_tiers} --teacher $tea ${RECIPE_ARGS:-} --out $RUNS/dom-$name 2>&1 \
       | quiet | tail -9
-    lin eval $ck --domains all --teacher $tea --tasks copy,passkey --lengths 2k,4k,8k --limit ${RECALL_LIMIT:-5} \
-      --batch-size 16 --no-perplexity ${EVAL_FLAGS:-} --name $name --out $RUNS/domains/$name.json 2>&1 | quiet | tail -12
+    [ "${DOMAINS_EVAL:-1}" = 0 ] || lin eval $ck --domains all --teacher $tea --tasks copy,passkey --lengths 2k,4k,8k \
+      --limit ${RECALL_LIMIT:-5} --batch-size 16 --no-perplexity ${EVAL_FLAGS:-} --name $name \
+      --out $RUNS/domains/$name.json 2>&1 | quiet | tail -12
     [ "${DOMAIN_32K:-1}" = 0 ] || lin eval $ck --domains all --position-len 32k --domain-blocks 4 --no-perplexity \
       ${EVAL_FLAGS:-} --name $name --out $RUNS/domains/$name-32k.json 2>&1 | quiet | tail -5
     if [ "${TASKS:-0}" = 1 ]; then evaluate $ck domains-$name; fi ;;
