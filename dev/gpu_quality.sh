@@ -313,7 +313,7 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
             # qwen2.5-coder-0.5b) instead of SmolLM2
     name=${NAME:-recipe}; ck=$RUNS/dom-${FROM:-$name}/final; mkdir -p $RUNS/domains
     tea=$T; [ -n "${TEACHER:-}" ] && { tea=/tmp/stage/$TEACHER.gguf; waitfor $tea 1500 || exit 1; }
-    [ -n "${FROM:-}" ] && { waitfor $ck/config.json 3000 || exit 1; }
+    [ -n "${FROM:-}" ] && { waitfor $RUNS/dom-$FROM/results.json 3000 || exit 1; }  # written once final/ is saved
     [ -e $ck ] || lin lolcats --config ${RECIPE:-lolcats_tiers} --teacher $tea ${RECIPE_ARGS:-} --out $RUNS/dom-$name 2>&1 \
       | quiet | tail -9
     [ "${DOMAINS_EVAL:-1}" = 0 ] || lin eval $ck --domains all --teacher $tea --tasks copy,passkey --lengths 2k,4k,8k \
