@@ -460,3 +460,26 @@ def test_a_decoder_short_of_the_reach_computes_no_sink_queries(tiny_model):
     made.clear()
     fast_generate(student, ids, max_new_tokens=8, pad_token_id=0)  # positions to 12
     assert any(x is not None for x in made) and layer.positions_below is None
+
+
+def test_rope_tables_are_the_models_own_and_none_where_a_layer_type_is_unknown(tiny_model):
+    from types import SimpleNamespace
+
+    from linearize.models import get_adapter
+
+    for family, layer in (("llama", 1), ("gemma3_text", 2)):
+        model = tiny_model(family)
+        ids = torch.tensor([[7, 300]])
+        cos, sin = get_adapter(model.config).rope_tables(model, layer)(ids)
+        x = torch.zeros(1)
+        kind = (model.config.layer_types[layer],) if family == "gemma3_text" else ()
+        want = model.base_model.rotary_emb(x, ids, *kind)
+        torch.testing.assert_close((cos, sin), want)
+
+    class TypedRotary(torch.nn.Module):
+        def forward(self, x, position_ids, layer_type):
+            raise AssertionError("not to be called")
+
+    model = tiny_model("llama")
+    fake = SimpleNamespace(base_model=SimpleNamespace(rotary_emb=TypedRotary()), config=SimpleNamespace())
+    assert get_adapter(model.config).rope_tables(fake, 0) is None

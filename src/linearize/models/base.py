@@ -77,9 +77,12 @@ class Adapter:
         if not isinstance(rotary, nn.Module):
             return None
         types = getattr(model.config, "layer_types", None)
-        if "layer_type" in _parameters(rotary.forward) and types:
+        wants_type = _parameters(rotary.forward).get("layer_type")
+        if wants_type is not None and types:
             kind = types[layer_idx]
             return lambda ids: rotary(torch.zeros((), device=ids.device), ids, kind)
+        if wants_type is not None and wants_type.default is wants_type.empty:
+            return None  # a layer type it cannot be told
         return lambda ids: rotary(torch.zeros((), device=ids.device), ids)
 
     def rope(self, m: nn.Module, q, k, position_embeddings):
@@ -152,13 +155,14 @@ def _rotates_half(rotary: Callable, head_dim: int) -> bool:
     return True
 
 
-def _parameters(fn: Callable) -> set[str]:
+def _parameters(fn: Callable) -> dict:
+    """``fn``'s parameters by name (``inspect.Parameter``s); empty where it has no signature to read."""
     import inspect
 
     try:
-        return set(inspect.signature(fn).parameters)
+        return dict(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        return set()
+        return {}
 
 
 def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1) -> torch.Tensor:
