@@ -483,3 +483,12 @@ def test_rope_tables_are_the_models_own_and_none_where_a_layer_type_is_unknown(t
     model = tiny_model("llama")
     fake = SimpleNamespace(base_model=SimpleNamespace(rotary_emb=TypedRotary()), config=SimpleNamespace())
     assert get_adapter(model.config).rope_tables(fake, 0) is None
+
+
+def test_a_student_with_a_reach_pickles(tiny_model):
+    import io
+    import pickle
+
+    student = tiny_student(tiny_model, "llama", SINKS)
+    pickle.loads(pickle.dumps(student))  # the RoPE tables the reach keeps are no closure
+    torch.save(student, io.BytesIO())

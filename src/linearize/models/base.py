@@ -79,11 +79,10 @@ class Adapter:
         types = getattr(model.config, "layer_types", None)
         wants_type = _parameters(rotary.forward).get("layer_type")
         if wants_type is not None and types:
-            kind = types[layer_idx]
-            return lambda ids: rotary(torch.zeros((), device=ids.device), ids, kind)
+            return RopeTables(rotary, types[layer_idx])
         if wants_type is not None and wants_type.default is wants_type.empty:
             return None  # a layer type it cannot be told
-        return lambda ids: rotary(torch.zeros((), device=ids.device), ids)
+        return RopeTables(rotary)
 
     def rope(self, m: nn.Module, q, k, position_embeddings):
         if m.geometry.rotary is None or position_embeddings is None:
@@ -153,6 +152,18 @@ def _rotates_half(rotary: Callable, head_dim: int) -> bool:
         if got.shape != want.shape or not torch.allclose(got, want):
             return False
     return True
+
+
+class RopeTables:
+    """``position_ids [B, T] -> (cos, sin) [B, T, R]`` (fp32) from a model's rotary embedding module (for one layer
+    type where it serves several); picklable, unlike a closure."""
+
+    def __init__(self, rotary: nn.Module, layer_type: str | None = None):
+        self.rotary, self.layer_type = rotary, layer_type
+
+    def __call__(self, ids: torch.Tensor):
+        x = torch.zeros((), device=ids.device)
+        return self.rotary(x, ids) if self.layer_type is None else self.rotary(x, ids, self.layer_type)
 
 
 def _parameters(fn: Callable) -> dict:
