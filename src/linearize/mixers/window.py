@@ -79,7 +79,7 @@ class WindowSoftmax(Mixer):
         if rows is None or rows[0].device != device:
             ids = torch.full((1, 1), self.reach, dtype=torch.long, device=device)
             cos, sin = self.__dict__["_tables"](ids)
-            rows = (cos[0, 0].float().to(device), sin[0, 0].float().to(device))
+            rows = (cos[0, 0].float(), sin[0, 0].float())
             if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
                 self.__dict__["_reach_cache"] = rows
         return rows

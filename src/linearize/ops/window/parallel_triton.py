@@ -214,7 +214,7 @@ def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float 
     ``position_embeddings`` ``(cos, sin)`` ``[B or 1, T, R]``: q comes unrotated and the kernel rotates it (RoPE by
     rotating halves over its first ``R`` dims, in fp32, rounded to q's dtype), saving the passes of q's RoPE; the
     keys come rotated (``models.base.rope_rotate_half``: the state keeps them so). ``sink_q`` (like ``q``, rotated
-    whatever ``position_embeddings``): the queries that weigh the sinks instead (``sinks.reach_tables``)."""
+    whatever ``position_embeddings``): the queries that weigh the sinks instead (``sinks.py``'s reach)."""
     b, h, t, d = q.shape
     hk = k.shape[1]
     if h % hk:

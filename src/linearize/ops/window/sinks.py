@@ -61,7 +61,7 @@ def _sinks_blocks(q, k, v, window: int, sinks: int, key_mask, sink_q=None):
     block's keys and values and the ``S`` sinks' ``[B N, Hk, 2C + S, D]``, and which it may see ``[B N, 1, C, 2C + S]``
     (a window key within the window, a sink once it has left it; a padding query itself alone).
 
-    With ``sink_q`` (the queries that score the sinks, see ``reach_queries``) queries and keys are twice as wide:
+    With ``sink_q`` (the queries that score the sinks: ``WindowSoftmax._sink_queries``) queries and keys are twice as wide:
     ``[q, sink_q]`` against ``[k, 0]`` for the window's keys and ``[0, k]`` for the sinks'."""
     b, h, t, d = q.shape
     n_kv = k.shape[1]
@@ -128,7 +128,7 @@ def window_softmax_sinks_sdpa(q, k, v, *, window: int, sinks: int, scale: float,
 def window_softmax_sinks(q, k, v, *, window: int, sinks: int, scale: float, softcap: float | None = None,
                          key_mask=None, sink_q=None):
     """The window-softmax layer's sequence form with ``sinks`` (see the module; ``sink_q``: the queries that score
-    the sinks, ``reach_queries``): without a gradient on CUDA one Triton launch (``parallel_triton.py``), else SDPA
+    the sinks, ``WindowSoftmax._sink_queries``): without a gradient on CUDA one Triton launch (``parallel_triton.py``), else SDPA
     on blocks, or with soft-capped scores (Gemma 2) the same blocks by hand in fp32. ``[B, H, T, D]`` in ``q``'s
     dtype; padding queries output 0."""
     from . import _use_window_triton
