@@ -72,7 +72,7 @@ def main(argv=None) -> int:
     if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("window_step_bench.py needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
     defaults = {k: getattr(step_triton, k) for k in ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES",
-                                                      "STEP_MMA")}
+                                                      "STEP_MMA", "STEP_CROWDED_FP8")}
     from linearize.ops.window import float8 as f8
 
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -98,7 +98,9 @@ def main(argv=None) -> int:
             name = "kernel" if mma else "fma"
             settings.append((name, dict(
                 STEP_MMA=mma, STEP_BLOCK=block or defaults["STEP_BLOCK"], STEP_WARPS=warps or defaults["STEP_WARPS"],
-                STEP_PROGRAMS=programs or defaults["STEP_PROGRAMS"], STEP_STAGES=stages or defaults["STEP_STAGES"])))
+                STEP_PROGRAMS=programs or defaults["STEP_PROGRAMS"], STEP_STAGES=stages or defaults["STEP_STAGES"],
+                # a block or warps given: those, crowded or not; none: the module's choice (its crowded tiles too)
+                STEP_CROWDED_FP8=None if block or warps else defaults["STEP_CROWDED_FP8"])))
         for name, consts in settings:
             for key, value in {**defaults, **consts}.items():
                 setattr(step_triton, key, value)

@@ -229,8 +229,8 @@ def _float8_step(q, k, v, ring, kernel, **kw):
 @pytest.mark.parametrize("programs", [None, 1])
 def test_float8_ring_step_kernel_equals_the_torch_path_on_cuda(shape, q_dtype, softcap, programs, monkeypatch):
     """``float8_window_step_ring`` on the kernel reading the codes against its PyTorch path on the read-back
-    ring, token after token (the ring in parts and in one): the outputs, and the ring's codes, scales, valid slots
-    and counter."""
+    ring, token after token (the ring in parts and in one; with one program aimed for, in one on the crowded
+    tiles, ``STEP_CROWDED_FP8``): the outputs, and the ring's codes, scales, valid slots and counter."""
     from linearize.ops.window import step_triton
 
     monkeypatch.setattr(step_triton, "STEP_PROGRAMS", programs)

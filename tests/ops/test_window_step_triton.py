@@ -138,3 +138,24 @@ def test_float8_step_dispatch_rule(monkeypatch):
     assert not f8._use_float8_step_kernel(cuda_like(torch.bfloat16), strided)
     monkeypatch.setattr(f8, "FLOAT8_STEP_KERNEL", False)
     assert not f8._use_float8_step_kernel(cuda_like(torch.bfloat16), _float8_ring())
+
+
+def test_ring_step_tiles_by_crowding(monkeypatch):
+    """The ring step's (block, warps): a float8 ring whose step has a program or more per aimed-for one (batch
+    256 on 3 key heads against 528) takes the crowded tiles, a split one (batch 64) or a bf16 ring the defaults;
+    heads over 128 wide halve the block; ``STEP_CROWDED_FP8 = None`` keeps the defaults everywhere."""
+    from linearize.ops.window import step_triton as st
+
+    monkeypatch.setattr(st, "STEP_BLOCK", 128)
+    monkeypatch.setattr(st, "STEP_WARPS", 4)
+    monkeypatch.setattr(st, "STEP_CROWDED_FP8", (64, 2))
+    assert st.step_tiles(256, 3, 64, True, 528) == (64, 2)
+    assert st.step_tiles(176, 3, 64, True, 528) == (64, 2)  # exactly one program per aimed-for one
+    assert st.step_tiles(175, 3, 64, True, 528) == (128, 4)
+    assert st.step_tiles(64, 3, 64, True, 528) == (128, 4)
+    assert st.step_tiles(256, 3, 64, False, 528) == (128, 4)
+    assert st.step_tiles(256, 3, 256, True, 528) == (32, 2)
+    assert st.step_tiles(1, 3, 256, False, 528) == (64, 4)
+    assert st.ring_parts(256, 3, 4164, 64, 528) == 1 and st.ring_parts(64, 3, 4164, 128, 528) == 2
+    monkeypatch.setattr(st, "STEP_CROWDED_FP8", None)
+    assert st.step_tiles(256, 3, 64, True, 528) == (128, 4)
