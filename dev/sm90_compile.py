@@ -8,6 +8,7 @@ their rotation in the kernel). A build error is a bug the next lease would meet;
 
     PYTHONPATH=src python dev/sm90_compile.py                 # every variant
     PYTHONPATH=src python dev/sm90_compile.py --step-block 32 # the ring step with blocks of 32 slots
+    PYTHONPATH=src python dev/sm90_compile.py --step-block 64 --step-warps 2  # its crowded float8 tiles
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def build(kernel, pointers: dict, consts: dict, num_warps: int) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--step-block", type=int, default=step_triton.STEP_BLOCK, help="the ring step's slots a block")
+    p.add_argument("--step-warps", type=int, default=step_triton.STEP_WARPS, help="the ring step's warps")
     a = p.parse_args()
     prefill = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", mask_ptr="*u8", cos_ptr="*bf16",
                    sin_ptr="*bf16", pos_ptr="*i32", qs_ptr="*bf16")
@@ -69,11 +71,11 @@ def main() -> None:
         for split in (False, True):
             for sink_q, sink_rope in ((False, False), (True, False), (False, True)):
                 consts = dict(HAS_SOFTCAP=False, SPLIT=split, FP8=fp8, NATIVE_FP8=fp8, MMA=step_triton.STEP_MMA,
-                              F32_DOT=False, PREC="tf32", ROPE=True, SINK_Q=sink_q, SINK_ROPE=sink_rope, BG=16,
-                              BW=a.step_block, BD=64)
+                              F32_DOT=False, PREC="tf32", ROPE=True, SINK_Q=sink_q, SINK_ROPE=sink_rope,
+                              BG=16, BW=a.step_block, BD=64)
                 print(f"step     float8={fp8!s:5} parts={split!s:5} own queries={sink_q!s:5} "
                       f"rotated here={sink_rope!s:5}:", build(step_triton._window_ring_step, step, consts,
-                                                             step_triton.STEP_WARPS))
+                                                             a.step_warps))
 
 
 if __name__ == "__main__":
