@@ -554,7 +554,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "A LoLCATs student (no --kind, or --kind lolcats) starts from the spec 'linearize "
                                    "lolcats' trains by default (Hedgehog features of q/k before RoPE, window 64, gated "
                                    "linear state, sliding-window layers kept); the flags and --config change it "
-                                   "(--config lolcats_plain: the paper's student).")
+                                   "(--config lolcats_plain: the paper's student). Which layers keep the teacher's "
+                                   "softmax over a window the recipe chooses in training (the default's fourteen, by "
+                                   "how they help copying): convert keeps none unless --keep-softmax names them "
+                                   "(e.g. --keep-softmax 1,2,7 --softmax-window 1280,1:4160).")
     c.add_argument("--teacher", default="default", help=teacher_help())
     c.add_argument("--out", required=True, type=Path, help="folder to write the checkpoint to")
     _spec_arguments(c)
