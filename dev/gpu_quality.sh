@@ -310,13 +310,14 @@ m.save_pretrained(sys.argv[2]); t.save_pretrained(sys.argv[2])" $RUNS/lolcats-re
             # DOMAINS_EVAL=0: not the domains, copy and passkey (e.g. FROM=x DOMAINS_EVAL=0 DOMAIN_32K=0 TASKS=1 on
             # another GPU: the zero-shot tasks beside the domains' scoring)
             # TEACHER=NAME: the named teacher staged by dev/gpu_teacher.sh (gemma-3-270m: with OVERLAY=1;
-            # qwen2.5-coder-0.5b) instead of SmolLM2
+            # qwen2.5-coder-0.5b) instead of SmolLM2; DOMAIN_TASKS (default copy,passkey; empty: none) beside the domains
     name=${NAME:-recipe}; ck=$RUNS/dom-${FROM:-$name}/final; mkdir -p $RUNS/domains
     tea=$T; [ -n "${TEACHER:-}" ] && { tea=/tmp/stage/$TEACHER.gguf; waitfor $tea 1500 || exit 1; }
     [ -n "${FROM:-}" ] && { waitfor $RUNS/dom-$FROM/results.json 3000 || exit 1; }  # written once final/ is saved
     [ -e $ck ] || lin lolcats --config ${RECIPE:-lolcats_tiers} --teacher $tea ${RECIPE_ARGS:-} --out $RUNS/dom-$name 2>&1 \
       | quiet | tail -9
-    [ "${DOMAINS_EVAL:-1}" = 0 ] || lin eval $ck --domains all --teacher $tea --tasks copy,passkey --lengths 2k,4k,8k \
+    dtasks=${DOMAIN_TASKS-copy,passkey}  # DOMAIN_TASKS= (empty): the domains alone (e.g. a named teacher's whole-file rows)
+    [ "${DOMAINS_EVAL:-1}" = 0 ] || lin eval $ck --domains all --teacher $tea ${dtasks:+--tasks $dtasks --lengths 2k,4k,8k} \
       --limit ${RECALL_LIMIT:-5} --batch-size 16 --no-perplexity ${EVAL_FLAGS:-} --name $name \
       --out $RUNS/domains/$name.json 2>&1 | quiet | tail -12
     [ "${DOMAIN_32K:-1}" = 0 ] || lin eval $ck --domains all --position-len 32k --domain-blocks 4 --no-perplexity \
