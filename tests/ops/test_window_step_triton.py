@@ -20,7 +20,7 @@ def test_window_step_kernel_equals_the_torch_step_through_the_interpreter():
 def test_window_step_kernel_in_half_precision_parts_strides_and_the_decoder_through_the_interpreter():
     """bf16 rings under fp32 and bf16 queries, an fp16 ring under bf16 ones; the ring in parts merged by
     the second launch (parts without a live slot too); q/k/v as strided slices of one projection; the
-    products as broadcast sums instead of ``tl.dot`` tiles; the fast decoder of tiny students with kept window
+    products as broadcast sums instead of ``tl.dot`` tiles (bf16 and float8 rings); the fast decoder of tiny students with kept window
     layers on the kernel (each window step's output and the greedy tokens)."""
     run_triton_interpreter_script("triton_interpret_window_step.py", "half", "parts", "strided", "fma", "decoder")
 

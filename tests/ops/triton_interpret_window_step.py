@@ -297,6 +297,8 @@ def check_fma():
     try:
         _steps(6, 2, torch.float32, torch.float32, 3.0, steps=12, seed=8)
         _steps(2, 2, torch.bfloat16, torch.bfloat16, None, parts=3, steps=12, seed=9)
+        _float8_steps(6, 2, torch.float32, 3.0, steps=12, seed=17)  # float8 rings: the codes decoded, no tl.dot
+        _float8_steps(6, 2, torch.bfloat16, None, parts=2, steps=10, seed=18)
     finally:
         step_triton.STEP_MMA = True
 
