@@ -14,9 +14,9 @@ query's window are scored by it instead of ``q`` (a sink still inside the window
 rings score their sink slots by ``sink_q`` throughout, so the caller keeps ``sink_q = q`` until every sink has
 left the window). The window layer (``mixers/window.py``) passes each query rotated as if it stood at
 ``min(p, reach)``, ``reach`` the teacher's context less one: past it, the sinks' distance grows beyond anything
-the teacher's RoPE saw, and a CPU stand-in's perplexity went from 42 at 1k-4k tokens to 315 at 12k-16k and 2,335 at
-16k-32k; scored from the reach it stays at 44-45 (``dev/sink_reach.py``, docs/RESULTS.md). The window's own
-scores are relative and need nothing.
+the teacher's RoPE saw: a trained student's perplexity at 16k-32k tokens was up to 8x its own at 1k-4k; scored from
+the reach, no more than it (docs/RESULTS.md, "Across domains"). The window's own scores are relative and need
+nothing.
 
 * ``window_softmax_sinks``: the sequence form, the queries in blocks with the sinks appended to each block's keys
   (SDPA; soft-capped scores by hand), with its gradient; without one on CUDA the window's Triton kernel, which
