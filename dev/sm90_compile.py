@@ -5,15 +5,21 @@ for an H100/H200 (Triton's own ptxas) and prints registers and spills a variant:
 (``ops/window/parallel_triton.py``: RoPE in the kernel, with or without sinks and their own queries) and the ring step
 (``ops/window/step_triton.py``: bf16 and float8 rings, whole or in parts, with or without the sinks' own queries or
 their rotation in the kernel). A build error is a bug the next lease would meet; more spills are worth a look.
+Arguments are specialised as the JIT specialises them on the SmolLM2 student's shapes (pointers 16-byte aligned, the
+strides and sizes that are multiples of 16 marked so, unit strides fixed at 1): without that Triton loads the rings
+element by element and the figures describe a kernel that never runs. ``--ptx`` also counts the loop's memory
+instructions (e.g. a float8 ring's codes read from shared memory byte by byte into the product's layout).
 
     PYTHONPATH=src python dev/sm90_compile.py                 # every variant
     PYTHONPATH=src python dev/sm90_compile.py --step-block 32 # the ring step with blocks of 32 slots
     PYTHONPATH=src python dev/sm90_compile.py --step-block 64 --step-warps 2  # its crowded float8 tiles
+    PYTHONPATH=src python dev/sm90_compile.py --fma --step-block 16 --ptx      # the products as broadcast sums
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import re
 import subprocess
@@ -25,14 +31,33 @@ from triton.backends.compiler import GPUTarget
 from linearize.ops.window import parallel_triton, step_triton
 
 
-def build(kernel, pointers: dict, consts: dict, num_warps: int) -> str:
-    """``kernel`` compiled for sm_90 with ``pointers`` typed and ``consts`` fixed (other arguments 32-bit integers,
-    ``scale``/``softcap`` floats); ptxas' register and spill line."""
+# The integer arguments that are multiples of 16 on the SmolLM2 student (head dim 64, 9 query / 3 key heads, q/k/v
+# as views of one projection), and the unit strides, as the JIT sees them there
+ALIGNED = {"_window_parallel": ("sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "so_b", "so_h",
+                                "so_t", "ss_b", "ss_h", "ss_t", "sc_t", "T", "D", "R"),
+           "_window_ring_step": ("sq_b", "sq_h", "sk_b", "sk_h", "sv_b", "sv_h", "ss_b", "ss_h", "sc_b", "D", "L", "R")}
+ONES = {"_window_ring_step": ("sq_d", "sk_d", "sv_d", "sc_d", "ss_d")}
+
+
+def memory_ops(ptx: str) -> str:
+    """How many of each global / shared memory instruction the PTX holds (predicated ones too)."""
+    ops = collections.Counter(m.group(1) for m in re.finditer(r"\b((?:ld|st|cp\.async)\.[a-z0-9.]*(?:global|shared)[a-z0-9.]*)",
+                                                               ptx))
+    return ", ".join(f"{k} {v}" for k, v in sorted(ops.items()))
+
+
+def build(kernel, pointers: dict, consts: dict, num_warps: int, ptx_ops: bool = False) -> str:
+    """``kernel`` compiled for sm_90 with ``pointers`` typed (16-byte aligned) and ``consts`` fixed (other arguments
+    32-bit integers, ``ALIGNED`` ones multiples of 16, ``ONES`` equal to 1; ``scale``/``softcap`` floats); ptxas'
+    register and spill line (``ptx_ops``: and the PTX's memory instructions)."""
     names = list(kernel.arg_names)
+    consts = {**consts, **{n: 1 for n in ONES.get(kernel.__name__, ())}}
     sig = {n: "constexpr" if n in consts else pointers.get(n, "fp32" if n in ("scale", "softcap") else "i32")
            for n in names}
+    aligned = [n for n in names if n in pointers or n in ALIGNED.get(kernel.__name__, ())]
     src = triton.compiler.ASTSource(fn=kernel, signature=sig,
-                                    constexprs={(names.index(c),): v for c, v in consts.items()})
+                                    constexprs={(names.index(c),): v for c, v in consts.items()},
+                                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned})
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas-blackwell")
     if not os.path.exists(ptxas):
@@ -47,13 +72,16 @@ def build(kernel, pointers: dict, consts: dict, num_warps: int) -> str:
         return "ptxas failed: " + done.stderr.strip().splitlines()[-1]
     used = re.search(r"Used (\d+) registers", done.stderr)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)
-    return f"{used.group(1) if used else '?'} registers, spills {spill.group(1) if spill else '?'} B stored"
+    line = f"{used.group(1) if used else '?'} registers, spills {spill.group(1) if spill else '?'} B stored"
+    return line + ("\n    " + memory_ops(compiled.asm["ptx"]) if ptx_ops else "")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--step-block", type=int, default=step_triton.STEP_BLOCK, help="the ring step's slots a block")
     p.add_argument("--step-warps", type=int, default=step_triton.STEP_WARPS, help="the ring step's warps")
+    p.add_argument("--fma", action="store_true", help="the ring step's products as broadcast sums (STEP_MMA = False)")
+    p.add_argument("--ptx", action="store_true", help="also count each variant's memory instructions")
     a = p.parse_args()
     prefill = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", mask_ptr="*u8", cos_ptr="*bf16",
                    sin_ptr="*bf16", pos_ptr="*i32", qs_ptr="*bf16")
@@ -61,7 +89,7 @@ def main() -> None:
         consts = dict(HAS_MASK=False, HAS_SOFTCAP=False, ROPE=True, F32_DOT=False, PREC="tf32", SINKS=sinks,
                       SINK_Q=own, BS=16, BM=parallel_triton.PARALLEL_BM, BN=parallel_triton.PARALLEL_BN, BD=64)
         print(f"prefill  sinks={sinks!s:5} own queries={own!s:5}:",
-              build(parallel_triton._window_parallel, prefill, consts, parallel_triton.PARALLEL_WARPS))
+              build(parallel_triton._window_parallel, prefill, consts, parallel_triton.PARALLEL_WARPS, a.ptx))
     for fp8 in (False, True):
         ring = "*u8" if fp8 else "*bf16"
         step = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", keys_ptr=ring, values_ptr=ring, ks_ptr="*fp32",
@@ -70,12 +98,12 @@ def main() -> None:
                     rs_ptr="*fp32", pos_ptr="*i64")
         for split in (False, True):
             for sink_q, sink_rope in ((False, False), (True, False), (False, True)):
-                consts = dict(HAS_SOFTCAP=False, SPLIT=split, FP8=fp8, NATIVE_FP8=fp8, MMA=step_triton.STEP_MMA,
+                consts = dict(HAS_SOFTCAP=False, SPLIT=split, FP8=fp8, NATIVE_FP8=fp8, MMA=not a.fma,
                               F32_DOT=False, PREC="tf32", ROPE=True, SINK_Q=sink_q, SINK_ROPE=sink_rope,
-                              BG=16, BW=a.step_block, BD=64)
+                              BG=4 if a.fma else 16, BW=a.step_block, BD=64)
                 print(f"step     float8={fp8!s:5} parts={split!s:5} own queries={sink_q!s:5} "
                       f"rotated here={sink_rope!s:5}:", build(step_triton._window_ring_step, step, consts,
-                                                             a.step_warps))
+                                                             a.step_warps, a.ptx))
 
 
 if __name__ == "__main__":
