@@ -99,8 +99,9 @@ def main(argv=None) -> int:
             settings.append((name, dict(
                 STEP_MMA=mma, STEP_BLOCK=block or defaults["STEP_BLOCK"], STEP_WARPS=warps or defaults["STEP_WARPS"],
                 STEP_PROGRAMS=programs or defaults["STEP_PROGRAMS"], STEP_STAGES=stages or defaults["STEP_STAGES"],
-                # a block or warps given: those, crowded or not; none: the module's choice (its crowded tiles too)
-                STEP_CROWDED_FP8=None if block or warps else defaults["STEP_CROWDED_FP8"])))
+                # tiles given (a block, warps, broadcast sums): those, crowded or not; none: the module's choice
+                # (its crowded tiles too)
+                STEP_CROWDED_FP8=None if block or warps or not mma else defaults["STEP_CROWDED_FP8"])))
         for name, consts in settings:
             for key, value in {**defaults, **consts}.items():
                 setattr(step_triton, key, value)
@@ -115,6 +116,11 @@ def main(argv=None) -> int:
             us = graph_us(step, args.replays) / args.layers
             shown = {k.removeprefix("STEP_").lower(): consts.get(k, "-") for k in
                      ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES")}
+            if name != "torch":  # the tiles the step took (a crowded float8 ring's own, where they apply)
+                aimed = (step_triton._target_programs(q.device) if q.is_cuda or step_triton.STEP_PROGRAMS is not None
+                         else 1 << 30)
+                mma, shown["block"], shown["warps"] = step_triton.step_tiles(b, HK, D, args.float8, aimed)
+                name = "kernel" if mma else "fma"
             row = dict(step=name, batch=b, **shown, us_per_layer=us, gb_per_s=ring_bytes / us / 1e3, max_err=err)
             rows.append(row)
             print(f"| {name} | {b} | {shown['block']} | {shown['warps']} | {shown['programs']} | {shown['stages']} | "

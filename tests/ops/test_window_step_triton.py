@@ -141,21 +141,30 @@ def test_float8_step_dispatch_rule(monkeypatch):
 
 
 def test_ring_step_tiles_by_crowding(monkeypatch):
-    """The ring step's (block, warps): a float8 ring whose step has a program or more per aimed-for one (batch
-    256 on 3 key heads against 528) takes the crowded tiles, a split one (batch 64) or a bf16 ring the defaults;
-    heads over 128 wide halve the block; ``STEP_CROWDED_FP8 = None`` keeps the defaults everywhere."""
+    """The ring step's (tensor cores, block, warps): a float8 ring whose step has a program or more per aimed-for
+    one (batch 256 on 3 key heads against 528) takes the crowded tiles, a split one (batch 64) or a bf16 ring the
+    defaults; heads over 128 wide halve the block; ``STEP_CROWDED_FP8 = None`` keeps the defaults everywhere."""
     from linearize.ops.window import step_triton as st
 
+    monkeypatch.setattr(st, "STEP_MMA", True)
     monkeypatch.setattr(st, "STEP_BLOCK", 128)
     monkeypatch.setattr(st, "STEP_WARPS", 4)
-    monkeypatch.setattr(st, "STEP_CROWDED_FP8", (64, 2))
-    assert st.step_tiles(256, 3, 64, True, 528) == (64, 2)
-    assert st.step_tiles(176, 3, 64, True, 528) == (64, 2)  # exactly one program per aimed-for one
-    assert st.step_tiles(175, 3, 64, True, 528) == (128, 4)
-    assert st.step_tiles(64, 3, 64, True, 528) == (128, 4)
-    assert st.step_tiles(256, 3, 64, False, 528) == (128, 4)
-    assert st.step_tiles(256, 3, 256, True, 528) == (32, 2)
-    assert st.step_tiles(1, 3, 256, False, 528) == (64, 4)
+    monkeypatch.setattr(st, "STEP_CROWDED_FP8", (False, 64, 2))
+    assert st.step_tiles(256, 3, 64, True, 528) == (False, 64, 2)
+    assert st.step_tiles(176, 3, 64, True, 528) == (False, 64, 2)  # exactly one program per aimed-for one
+    assert st.step_tiles(175, 3, 64, True, 528) == (True, 128, 4)
+    assert st.step_tiles(64, 3, 64, True, 528) == (True, 128, 4)
+    assert st.step_tiles(256, 3, 64, False, 528) == (True, 128, 4)
+    assert st.step_tiles(256, 3, 256, True, 528) == (False, 32, 2)
+    assert st.step_tiles(1, 3, 256, False, 528) == (True, 64, 4)
     assert st.ring_parts(256, 3, 4164, 64, 528) == 1 and st.ring_parts(64, 3, 4164, 128, 528) == 2
     monkeypatch.setattr(st, "STEP_CROWDED_FP8", None)
-    assert st.step_tiles(256, 3, 64, True, 528) == (128, 4)
+    assert st.step_tiles(256, 3, 64, True, 528) == (True, 128, 4)
+
+
+def test_crowded_float8_ring_step_through_the_interpreter():
+    """A crowded float8 ring's own tiles (``STEP_CROWDED_FP8``; one program aimed for, so every step is crowded):
+    broadcast sums over blocks of 16 and tensor-core tiles of 32 with 2 warps, against the PyTorch path (fp32 and
+    bf16 queries, soft-capping; the ring's buffers bit for bit), and the fast decoder of a float8 student with
+    sinks past their reach."""
+    run_triton_interpreter_script("triton_interpret_window_step.py", "float8_crowded")

@@ -565,6 +565,34 @@ def check_float8_decoder():
     check_decoder(float8=True)
 
 
+class _Launches:
+    """Stands in for ``_window_ring_step`` and records each launch's (MMA, BW, num_warps)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.seen = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append((kw["MMA"], kw["BW"], kw["num_warps"]))
+            return self.kernel[grid](*args, **kw)
+        return launch
+
+
+def check_float8_crowded():
+    before = step_triton.STEP_PROGRAMS, step_triton.STEP_CROWDED_FP8, step_triton._window_ring_step
+    step_triton.STEP_PROGRAMS = 1  # every step crowded: the ring's own tiles, whatever its batch
+    try:
+        for tiles in ((False, 16, 4), (True, 32, 2)):
+            step_triton.STEP_CROWDED_FP8 = tiles
+            step_triton._window_ring_step = spy = _Launches(before[2])
+            _float8_steps(6, 2, torch.float32, 3.0, steps=12, seed=19)
+            _float8_steps(6, 2, torch.bfloat16, None, steps=10, seed=20)
+            check_decoder(float8=True, sinks=3, reach=0)
+            assert spy.seen and set(spy.seen) == {tiles}, (tiles, set(spy.seen))
+    finally:
+        step_triton.STEP_PROGRAMS, step_triton.STEP_CROWDED_FP8, step_triton._window_ring_step = before
+
+
 def check_sinks_decoder():
     check_decoder(sinks=3)
     check_decoder(float8=True, sinks=7)
@@ -576,6 +604,6 @@ if __name__ == "__main__":
     for name in sys.argv[1:] or ["gqa", "softcap", "mha", "half", "parts", "strided", "rope", "fma", "decoder",
                                  "float8", "float8_softcap", "float8_parts", "float8_rope",
                                  "float8_rope_bf16", "float8_encode", "float8_quantize", "float8_decode",
-                                 "float8_decoder", "sinks", "sinks_decoder", "sinks_rope"]:
+                                 "float8_decoder", "float8_crowded", "sinks", "sinks_decoder", "sinks_rope"]:
         globals()[f"check_{name}"]()
     print("ok")

@@ -54,11 +54,13 @@ STEP_WARPS = 4
 STEP_PROGRAMS: int | None = None
 STEP_MMA = True
 STEP_STAGES: int | None = None
-# The (block, warps) of a float8 ring's step when it is crowded: one program per (sequence, key head) and at least
-# the programs a step aims for (batch 256 on 3 key heads). On an H200, batch 256, the fastest of blocks 32 / 64 / 128
-# x warps 2 / 4 / 8: 213 against 232 µs a layer at a ring of 4,164 slots, 75 against 87 at 1,284; at batch 1 and
-# 64 (rings split in parts) the defaults above stay the fastest. None: the defaults above always (sweeps set it).
-STEP_CROWDED_FP8: tuple[int, int] | None = (64, 2)
+# The (products on the tensor cores, block, warps) of a float8 ring's step when it is crowded: one program per
+# (sequence, key head) and at least the programs a step aims for (batch 256 on 3 key heads). On an H200, batch 256,
+# the fastest tensor-core tiles of blocks 32 / 64 / 128 x warps 2 / 4 / 8: 213 against 232 µs a layer at a ring of
+# 4,164 slots, 75 against 87 at 1,284; at batch 1 and 64 (rings split in parts) the defaults above stay the fastest.
+# (On the tensor cores a float8 ring's value codes reach the product's layout byte by byte from shared memory;
+# broadcast sums, ``False``, read them as words: not yet timed.) None: the defaults above always (sweeps set it).
+STEP_CROWDED_FP8: tuple[bool, int, int] | None = (True, 64, 2)
 
 
 @triton.jit
@@ -316,15 +318,15 @@ def _target_programs(device: torch.device) -> int:
     return _PROGRAMS[index]
 
 
-def step_tiles(batch: int, n_kv: int, d: int, fp8: bool, programs: int) -> tuple[int, int]:
-    """The ring step's ``(block of slots, warps)`` for ``batch`` sequences of ``n_kv`` key heads of width ``d``
-    when a step aims for ``programs`` programs: ``STEP_CROWDED_FP8`` for a float8 ring with a program or more
-    per aimed-for one (the ring never split), else ``STEP_BLOCK`` / ``STEP_WARPS``; the block halved for heads
-    over 128 wide."""
-    block, warps = STEP_BLOCK, STEP_WARPS
+def step_tiles(batch: int, n_kv: int, d: int, fp8: bool, programs: int) -> tuple[bool, int, int]:
+    """The ring step's ``(products on the tensor cores, block of slots, warps)`` for ``batch`` sequences of
+    ``n_kv`` key heads of width ``d`` when a step aims for ``programs`` programs: ``STEP_CROWDED_FP8`` for a
+    float8 ring with a program or more per aimed-for one (the ring never split), else ``STEP_MMA`` /
+    ``STEP_BLOCK`` / ``STEP_WARPS``; the block halved for heads over 128 wide."""
+    mma, block, warps = STEP_MMA, STEP_BLOCK, STEP_WARPS
     if fp8 and STEP_CROWDED_FP8 is not None and batch * n_kv >= programs:
-        block, warps = STEP_CROWDED_FP8
-    return (block if d <= 128 else max(16, block // 2)), warps
+        mma, block, warps = STEP_CROWDED_FP8
+    return mma, (block if d <= 128 else max(16, block // 2)), warps
 
 
 def ring_parts(batch: int, n_kv: int, window: int, block: int, programs: int) -> int:
@@ -391,9 +393,11 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
     if h % hk:
         raise ValueError(f"{h} query heads are not a multiple of {hk} key heads")
     g = h // hk
-    bg, bd = max(16 if STEP_MMA else 1, triton.next_power_of_2(g)), max(16, triton.next_power_of_2(d))
-    programs = _target_programs(q.device) if q.is_cuda else 1 << 30
-    bw, warps = step_tiles(b, hk, bd, fp8, programs)
+    bd = max(16, triton.next_power_of_2(d))
+    # the programs a step aims for (on the CPU, the interpreter's, only when STEP_PROGRAMS sets them)
+    programs = _target_programs(q.device) if q.is_cuda or STEP_PROGRAMS is not None else 1 << 30
+    mma, bw, warps = step_tiles(b, hk, bd, fp8, programs)
+    bg = max(16 if mma else 1, triton.next_power_of_2(g))
     if parts is None:
         parts = ring_parts(b, hk, w, bw, programs) if q.is_cuda else 1
     span = triton.cdiv(triton.cdiv(w, parts), bw) * bw  # slots per part, whole blocks
@@ -425,7 +429,7 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, qs.stride(0), qs.stride(1), qs.stride(3),
         positions.stride(0) if turn and positions.shape[0] > 1 else 0, float(scale), float(softcap or 1.0), hk, g, w,
         d, span, rot, state.sinks, int(reach), HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8,
-        NATIVE_FP8=fp8 and _native_float8(q.device), MMA=STEP_MMA, F32_DOT=f32_dot,
+        NATIVE_FP8=fp8 and _native_float8(q.device), MMA=mma, F32_DOT=f32_dot,
         PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, SINK_Q=use_qs, SINK_ROPE=turn, BG=bg, BW=bw, BD=bd,
         num_warps=warps,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
