@@ -253,6 +253,34 @@ def test_float8_ring_step_kernel_equals_the_torch_path_on_cuda(shape, q_dtype, s
                 assert torch.equal(a, c), i
 
 
+@pytest.mark.parametrize("tiles", [(True, 64, 2), (False, 16, 4), (False, 32, 4)])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float32])
+def test_crowded_float8_ring_step_equals_the_torch_path_on_cuda(tiles, q_dtype, monkeypatch):
+    """Batch 256 on 3 key heads (crowded: a program per sequence and key head) on each candidate of
+    ``STEP_CROWDED_FP8`` (tensor cores or broadcast sums) against the PyTorch path on the read-back ring, token after
+    token: the outputs, and the ring's codes, scales, valid slots and counter."""
+    from linearize.ops.window import step_triton
+
+    monkeypatch.setattr(step_triton, "STEP_CROWDED_FP8", tiles)
+    b, h, hk, w = 256, 9, 3, 333
+    assert step_triton.step_tiles(b, hk, D, True, step_triton._target_programs(torch.device("cuda")))[0] == tiles[0]
+    g = torch.Generator(device="cuda").manual_seed(3)
+    ring = _float8_ring(b, hk, w, 0.6, g)
+    twin = ring.map(torch.clone)
+    tol = 1e-4 if q_dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        for i in range(5):
+            q, k, v = _qkv(b, h, hk, q_dtype, g)
+            want, twin = _float8_step(q, k, v, twin, False, scale=D ** -0.5, softcap=None)
+            got, ring = _float8_step(q, k, v, ring, True, scale=D ** -0.5, softcap=None)
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
+                assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), i
+            for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale),
+                         (ring.valid, twin.valid), (ring.slot, twin.slot)):
+                assert torch.equal(a, c), i
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_float8_e4m3_decoding_on_cuda(native):
     """The kernel's e4m3 decoding of every byte but the NaNs, as torch reads the codes: by integer arithmetic
