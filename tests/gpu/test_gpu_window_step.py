@@ -223,6 +223,26 @@ def _float8_step(q, k, v, ring, kernel, **kw):
         f8.FLOAT8_STEP_KERNEL = True
 
 
+def _kernel_steps_agree(ring, h, q_dtype, softcap, steps, g):
+    """``steps`` tokens through a float8 ring on the kernel and through a copy of it on the PyTorch path: the
+    outputs, and the rings' codes, scales, valid slots and counter, bit for bit."""
+    b, hk = ring.keys.shape[:2]
+    twin = ring.map(torch.clone)
+    tol = 1e-4 if q_dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        for i in range(steps):
+            q, k, v = _qkv(b, h, hk, q_dtype, g)
+            want, twin = _float8_step(q, k, v, twin, False, scale=D ** -0.5, softcap=softcap)
+            got, ring = _float8_step(q, k, v, ring, True, scale=D ** -0.5, softcap=softcap)
+            assert got.dtype == q_dtype and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
+                assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), i
+            for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale),
+                         (ring.valid, twin.valid), (ring.slot, twin.slot)):
+                assert torch.equal(a, c), i
+
+
 @pytest.mark.parametrize("shape", [(1, 9, 3, 1280), (64, 9, 3, 1280), (3, 6, 2, 333), (2, 4, 4, 100)])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("softcap", [None, 30.0])
@@ -237,20 +257,7 @@ def test_float8_ring_step_kernel_equals_the_torch_path_on_cuda(shape, q_dtype, s
     b, h, hk, w = shape
     g = torch.Generator(device="cuda").manual_seed(2)
     ring = _float8_ring(b, hk, w, 0.4, g)
-    twin = ring.map(torch.clone)
-    tol = 1e-4 if q_dtype == torch.float32 else 2e-2
-    with torch.no_grad():
-        for i in range(6):  # wraps around after 3
-            q, k, v = _qkv(b, h, hk, q_dtype, g)
-            want, twin = _float8_step(q, k, v, twin, False, scale=D ** -0.5, softcap=softcap)
-            got, ring = _float8_step(q, k, v, ring, True, scale=D ** -0.5, softcap=softcap)
-            assert got.dtype == q_dtype and got.shape == want.shape
-            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-            for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
-                assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), i
-            for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale),
-                         (ring.valid, twin.valid), (ring.slot, twin.slot)):
-                assert torch.equal(a, c), i
+    _kernel_steps_agree(ring, h, q_dtype, softcap, 6, g)  # wraps around after 3
 
 
 @pytest.mark.parametrize("tiles", [(True, 64, 2), (False, 16, 4), (False, 32, 4)])
@@ -266,19 +273,7 @@ def test_crowded_float8_ring_step_equals_the_torch_path_on_cuda(tiles, q_dtype, 
     assert step_triton.step_tiles(b, hk, D, True, step_triton._target_programs(torch.device("cuda")))[0] == tiles[0]
     g = torch.Generator(device="cuda").manual_seed(3)
     ring = _float8_ring(b, hk, w, 0.6, g)
-    twin = ring.map(torch.clone)
-    tol = 1e-4 if q_dtype == torch.float32 else 2e-2
-    with torch.no_grad():
-        for i in range(5):
-            q, k, v = _qkv(b, h, hk, q_dtype, g)
-            want, twin = _float8_step(q, k, v, twin, False, scale=D ** -0.5, softcap=None)
-            got, ring = _float8_step(q, k, v, ring, True, scale=D ** -0.5, softcap=None)
-            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-            for a, c in ((ring.keys, twin.keys), (ring.values, twin.values)):
-                assert torch.equal(a.view(torch.uint8), c.view(torch.uint8)), i
-            for a, c in ((ring.key_scale, twin.key_scale), (ring.value_scale, twin.value_scale),
-                         (ring.valid, twin.valid), (ring.slot, twin.slot)):
-                assert torch.equal(a, c), i
+    _kernel_steps_agree(ring, h, q_dtype, None, 5, g)
 
 
 @pytest.mark.parametrize("native", [False, True])
