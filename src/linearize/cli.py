@@ -606,7 +606,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "Hedgehog features of the q/k before RoPE, a gated linear state, the teacher's "
                                     "sliding-window layers kept, 8,192-token blocks of books, code and WordNet, and "
                                     "after stage 1 the 47 % of the layers whose softmax most helps copying kept as the "
-                                    "teacher's attention over their last 1,280 tokens, four of them over 4,160, each "
+                                    "teacher's attention over their last 1,280 tokens, four of them over 4,288, each "
                                     "also seeing the first 4 tokens, keys and values in float8 (constant memory); flags "
                                     "change any of it. The same on 4,096-token blocks with one tier, no sinks, bf16: "
                                     "--config lolcats_wide; without the window layers: --config lolcats_mix; the paper's student on "

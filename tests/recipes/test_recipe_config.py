@@ -128,7 +128,7 @@ def test_the_default_lolcats_run_is_the_window_recipe_and_the_earlier_ones_stay_
     """``linearize lolcats`` with no flags on a GPU trains what ``--config lolcats_tiers`` names (the measured
     best across domains: the hybrid with features before RoPE, gates and kept sliding layers, 8,192-token blocks of
     books + code + WordNet, and after stage 1 the layers that most help copying kept as the teacher's softmax over
-    1,280 tokens, four over 4,160, with 4 sinks and float8 keys and values); ``--config lolcats_wide`` is the default
+    1,280 tokens, four over 4,288, with 4 sinks and float8 keys and values); ``--config lolcats_wide`` is the default
     before it, ``lolcats_mix`` the one before, ``lolcats_plain`` the paper's student; the cpu budget trains the hybrid
     alone on short blocks of the books; flags still win over the default file."""
     hybrid = {"kind": "lolcats", "feature_map": "hedgehog", "feature_dim": 64, "window": 64, "feature_rope": False,
@@ -138,7 +138,7 @@ def test_the_default_lolcats_run_is_the_window_recipe_and_the_earlier_ones_stay_
     assert default.spec == {**hybrid, "softmax_window": 1280, "softmax_window_sinks": 4, "softmax_window_dtype": "float8"}
     assert (default.keep_softmax, default.auto_softmax_score, default.auto_softmax_distance) == ("auto:0.47", "recall",
                                                                                                  1024)
-    assert default.auto_softmax_long == "4@4160"
+    assert default.auto_softmax_long == "4@4288"
     assert (default.block_len, default.batch_size, default.stage1_steps, default.stage2_steps) == (8192, 1, 1220, 1220)
     assert default.data == "gutenberg,corpus:code,corpus:wordnet"
     assert _trained(_resolved(["--config", "lolcats_tiers"])) == _trained(default)

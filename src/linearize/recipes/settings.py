@@ -24,7 +24,7 @@ AUTO_SCORES = ("mse", "recall")  # how keep_softmax auto:K scores the layers (``
 # What ``linearize lolcats`` trains with no flag and no --config on the gpu budget: the packaged recipe file
 # ``lolcats_tiers`` (DEFAULT_SPEC's hybrid, 8,192-token blocks of DEFAULT_DATA, and the 14 of SmolLM2's 30 layers
 # whose softmax most helps copying kept as the teacher's attention over their last 1,280 tokens, four of them over
-# 4,160, with 4 attention sinks and float8 keys and values; the best measured across books, speeches, code and
+# 4,288, with 4 attention sinks and float8 keys and values; the best measured across books, speeches, code and
 # technical text, docs/RESULTS.md "Across domains"). Before 2026-11-30's second change it was ``lolcats_wide`` (the
 # same without the far tier, the sinks and float8, on 4,096-token blocks), before that ``lolcats_mix``; both stay
 # named; the paper's student: ``lolcats_plain``.
