@@ -34,7 +34,7 @@ from linearize.ops.window import parallel_triton, step_triton
 # The integer arguments that are multiples of 16 on the SmolLM2 student (head dim 64, 9 query / 3 key heads, q/k/v
 # as views of one projection), and the unit strides, as the JIT sees them there
 ALIGNED = {"_window_parallel": ("sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t", "sv_b", "sv_h", "sv_t", "so_b", "so_h",
-                                "so_t", "ss_b", "ss_h", "ss_t", "sc_t", "T", "D", "R"),
+                                "so_t", "ss_b", "ss_h", "ss_t", "sc_t", "sp_t", "T", "D", "R"),
            "_window_ring_step": ("sq_b", "sq_h", "sk_b", "sk_h", "sv_b", "sv_h", "ss_b", "ss_h", "sc_b", "D", "L", "R")}
 ONES = {"_window_ring_step": ("sq_d", "sk_d", "sv_d", "sc_d", "ss_d")}
 
@@ -84,11 +84,12 @@ def main() -> None:
     p.add_argument("--ptx", action="store_true", help="also count each variant's memory instructions")
     a = p.parse_args()
     prefill = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", mask_ptr="*u8", cos_ptr="*bf16",
-                   sin_ptr="*bf16", pos_ptr="*i32", qs_ptr="*bf16")
-    for sinks, own in ((False, False), (True, False), (True, True)):
+                   sin_ptr="*bf16", pos_ptr="*i32", qs_ptr="*bf16", rc_ptr="*bf16", rs_ptr="*bf16", rp_ptr="*i64")
+    for sinks, own, made in ((False, False, False), (True, False, False), (True, True, False), (True, False, True)):
         consts = dict(HAS_MASK=False, HAS_SOFTCAP=False, ROPE=True, F32_DOT=False, PREC="tf32", SINKS=sinks,
-                      SINK_Q=own, BS=16, BM=parallel_triton.PARALLEL_BM, BN=parallel_triton.PARALLEL_BN, BD=64)
-        print(f"prefill  sinks={sinks!s:5} own queries={own!s:5}:",
+                      SINK_Q=own, SINK_ROPE=made, BS=16, BM=parallel_triton.PARALLEL_BM, BN=parallel_triton.PARALLEL_BN,
+                      BD=64)
+        print(f"prefill  sinks={sinks!s:5} own queries={'made' if made else own!s:5}:",
               build(parallel_triton._window_parallel, prefill, consts, parallel_triton.PARALLEL_WARPS, a.ptx))
     for fp8 in (False, True):
         ring = "*u8" if fp8 else "*bf16"

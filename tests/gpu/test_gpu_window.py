@@ -97,6 +97,39 @@ def test_window_kernel_with_sinks_equals_the_sdpa_form_on_cuda(t, window, sinks,
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("t,window,reach,pad", [(12000, 1280, 8191, 0), (9000, 4288, 8191, 500), (3000, 1280, 2000, 0)])
+def test_sink_queries_made_in_the_kernel_equal_those_given_on_cuda(t, window, reach, pad):
+    """The prefill kernel rotating the sinks' queries itself (``sink_rope``: a query past ``reach`` by the reach's
+    tables) against the same kernel given them (``sink_q``, from ``rope_rotate_half`` as ``_sink_queries`` makes
+    them): SmolLM2's heads, its RoPE tables, bf16, a left-padded sequence (positions shifted by the padding)."""
+    from linearize.models.base import rope_rotate_half
+    from linearize.ops.window import sinks as S
+    from linearize.ops.window.parallel_triton import window_softmax_triton
+
+    q, k, v, key_mask = _strided(t, pad, torch.bfloat16, seed=2)
+    shift = torch.tensor([[0], [pad]], device="cuda")
+    positions = (torch.arange(t, device="cuda")[None].expand(2, t) - shift).clamp(min=0)
+    inv = 1.0 / (100000.0 ** (torch.arange(0, 64, 2, device="cuda").float() / 64))  # SmolLM2's rope_theta
+
+    def table(p):
+        return tuple(torch.cat([f(p[..., None].float() * inv)] * 2, dim=-1) for f in (torch.cos, torch.sin))
+
+    cos, sin = (x.to(torch.bfloat16) for x in table(positions))
+    at_cos, at_sin = table(torch.tensor(reach, device="cuda"))
+    far = (positions > reach)[..., None]
+    sq = rope_rotate_half(q, torch.where(far, at_cos.to(cos.dtype), cos),
+                          torch.where(far, at_sin.to(sin.dtype), sin))
+    pos = S.sink_index(key_mask, 2, t, 4, q.device)
+    with torch.no_grad():
+        made = window_softmax_triton(q, k, v, window=window, scale=0.125, key_mask=key_mask,
+                                     position_embeddings=(cos, sin), sink_positions=pos,
+                                     sink_rope=(at_cos, at_sin, positions, reach))
+        given = window_softmax_triton(q, k, v, window=window, scale=0.125, key_mask=key_mask,
+                                      position_embeddings=(cos, sin), sink_positions=pos, sink_q=sq)
+    torch.testing.assert_close(made.float(), given.float(), atol=2e-2, rtol=2e-2)
+    assert (made.float() - given.float()).abs().mean() < 1e-3  # rounding apart, the same queries
+
+
 @pytest.mark.parametrize("float8,reach", [(False, None), (True, None), (False, 150), (True, 150)])
 def test_window_layers_prefill_through_the_kernel_on_cuda(float8, reach, monkeypatch):
     """A student with kept window layers (64 and 128 tokens) prefills 300 tokens of a left-padded batch through the

@@ -11,9 +11,10 @@ from linearize.ops import window as W
 def test_window_kernel_equals_the_definition_through_the_interpreter():
     """Grouped and plain heads, windows from 1 to past the sequence across tile edges, query tiles of one to four
     key blocks, soft-capping, left
-    padding, strided q/k/v, bf16 and fp16 inputs, q rotated inside the kernel, attention sinks."""
+    padding, strided q/k/v, bf16 and fp16 inputs, q rotated inside the kernel, attention sinks, the sinks' queries past
+    the reach rotated inside it too."""
     run_triton_interpreter_script("triton_interpret_window_parallel.py", "gqa", "tiles", "mha", "softcap", "padding", "strided",
-                                  "half", "rope", "sinks")
+                                  "half", "rope", "sinks", "sink_rope")
 
 
 def test_window_softmax_dispatches_to_the_kernel_without_a_gradient_through_the_interpreter():

@@ -10,7 +10,7 @@ multiple of the tiles; ``tiles``: query tiles of 32 and 64 over key blocks of 16
 left-padded sequence beside a full one (padding keys left out, padding queries zero); ``strided``: q/k/v as
 slices of one projection's output, as the adapters give them; ``half``: bf16 and fp16 inputs against the
 definition on the same rounded inputs; ``rope``: q rotated inside the kernel, full and partial rotary dims; ``sinks``: attention sinks beside the window
-(``ops/window/sinks.py``); ``model``: tiny students' prefill through the kernel (q rotated in it; with sinks too)
+(``ops/window/sinks.py``); ``sink_rope``: the sinks' queries past the reach made inside the kernel; ``model``: tiny students' prefill through the kernel (q rotated in it; with sinks too)
 against the PyTorch forms, and the fast decoder from its states; ``dispatch``:
 ``window_softmax`` takes the kernel without a gradient and
 not with one, and the mixers' sequence forms (the window layer, the delta hybrid's window) give the same
@@ -164,6 +164,56 @@ def check_sinks():
         parallel_triton.PARALLEL_BM = 16
 
 
+def check_sink_rope():
+    """The sinks' queries made inside the kernel (``sink_rope``): a query whose position passes the reach weighs the
+    sinks by q rotated with the reach's tables, the others by q rotated at their own; positions shared or per
+    sequence (left padding shifts them), full and partial rotary dims, fp32 and bf16, against the definition on the
+    queries ``rope_rotate_half`` gives (what ``WindowSoftmax._sink_queries`` computes), and bit for bit against the
+    same kernel given those queries as ``sink_q``."""
+    from linearize.models.base import rope_rotate_half
+
+    t, window, sinks = 45, 9, 4
+    for rot, per_seq, pad, dtype, reach in ((D, False, 0, torch.float32, 20), (D // 2, True, 7, torch.float32, 13),
+                                            (D, True, 5, torch.bfloat16, 30), (D, False, 0, torch.float32, 100)):
+        gen = torch.Generator().manual_seed(rot + pad + reach)
+        q = (torch.randn(B, 6, t, D, generator=gen) * 2).to(dtype)
+        k, v = (torch.randn(B, 2, t, D, generator=gen).to(dtype) for _ in range(2))
+        key_mask = _masks(B, t, pad)
+        positions = torch.arange(t)[None].expand(B, t) - (torch.tensor([[0], [pad]]) if per_seq else 0)
+        positions = positions.clamp(min=0) if per_seq else positions[:1]
+        freqs = torch.randn(rot // 2, generator=gen).abs()
+        table = lambda p: tuple(torch.cat([f(p[..., None].double() * freqs)] * 2, dim=-1)  # noqa: E731
+                                for f in (torch.cos, torch.sin))
+        cos, sin = (x.to(dtype) for x in table(positions))
+        at_cos, at_sin = (x.float() for x in table(torch.tensor(reach)))
+        far = (positions > reach)[..., None]
+        moved = (torch.where(far, at_cos.to(dtype), cos), torch.where(far, at_sin.to(dtype), sin))
+        sink_q = rope_rotate_half(q, *moved)
+        pos = sink_index(key_mask, B, t, sinks, q.device)
+        got = window_softmax_triton(q, k, v, window=window, scale=D ** -0.5, key_mask=key_mask,
+                                    position_embeddings=(cos, sin), sink_positions=pos,
+                                    sink_rope=(at_cos, at_sin, positions, reach))
+        given = window_softmax_triton(q, k, v, window=window, scale=D ** -0.5, key_mask=key_mask,
+                                      position_embeddings=(cos, sin), sink_positions=pos, sink_q=sink_q)
+        turned = rope_rotate_half(q.double(), cos.double(), sin.double()).to(dtype)
+        want = definition(turned, k, v, window, D ** -0.5, key_mask=key_mask, sinks=sinks, sink_q=sink_q)
+        where = ("sink_rope", rot, per_seq, pad, str(dtype), reach)
+        _close(got, want, where, tol=2e-5 if dtype == torch.float32 else 1e-2)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, given, atol=1e-6, rtol=0, msg=str(where))
+        if reach >= t:  # no query past it: the same as no sink queries at all
+            plain = window_softmax_triton(q, k, v, window=window, scale=D ** -0.5, key_mask=key_mask,
+                                          position_embeddings=(cos, sin), sink_positions=pos)
+            assert torch.equal(got, plain), where
+    try:  # sink_rope needs q's RoPE in the kernel and stands instead of sink_q
+        window_softmax_triton(q, k, v, window=window, scale=D ** -0.5, sink_positions=pos,
+                              sink_rope=(at_cos, at_sin, positions, 3))
+    except ValueError as e:
+        assert "position_embeddings" in str(e)
+    else:
+        raise AssertionError("sink_rope without position_embeddings was taken")
+
+
 def check_model():
     """Tiny float32 students with kept window layers (Llama: windows of 6 and 9 over prompts of 17, GQA; Gemma 2's
     global layer, soft-capped; float8 windows): the prefill through the kernel (q rotated inside it) against the PyTorch
@@ -182,8 +232,11 @@ def check_model():
     calls = []
     real = parallel_triton.window_softmax_triton
 
+    made = []  # per launch: the sinks' queries made inside the kernel (sink_rope), given (sink_q), or neither
+
     def counted(*a, **kw):
         calls.append(kw.get("position_embeddings") is not None)
+        made.append("rope" if kw.get("sink_rope") is not None else "given" if kw.get("sink_q") is not None else None)
         return real(*a, **kw)
 
     parallel_triton.window_softmax_triton = counted
@@ -210,11 +263,19 @@ def check_model():
             plain = FastDecoder(model).generate(ids, mask, max_new_tokens=12, pad_token_id=0)
             window_ops.WINDOW_TRITON = True
             calls.clear()
+            made.clear()
             got = model(ids, attention_mask=mask).logits
             layers = sum(isinstance(m, window_mixer.WindowSoftmax) for m in model.modules())
             assert layers and calls == [True] * layers, (family, calls)  # every window layer, q rotated in the kernel
+            assert made == [("rope" if reach is not None else None)] * layers, (family, made)  # past the reach
             real_tokens = mask.bool()[:, :, None]
             _close(got * real_tokens, (want * real_tokens).double(), (family, extra))
+            if reach is not None:  # the sinks' queries from _sink_queries instead: the same logits
+                window_mixer.WINDOW_PREFILL_SINK_ROPE = False
+                made.clear()
+                _close(model(ids, attention_mask=mask).logits * real_tokens, (want * real_tokens).double(), family)
+                assert made == ["given"] * layers, made
+                window_mixer.WINDOW_PREFILL_SINK_ROPE = True
             fused = FastDecoder(model).generate(ids, mask, max_new_tokens=12, pad_token_id=0)
             assert torch.equal(fused, plain), (family, extra)
             window_mixer.WINDOW_PREFILL_ROPE = False  # the kernel with q rotated first
@@ -226,6 +287,7 @@ def check_model():
         parallel_triton.window_softmax_triton = real
         window_ops.WINDOW_TRITON = True
         window_mixer.WINDOW_PREFILL_ROPE = True
+        window_mixer.WINDOW_PREFILL_SINK_ROPE = True
 
 
 def check_dispatch():
@@ -273,6 +335,6 @@ def check_dispatch():
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or ["gqa", "tiles", "mha", "softcap", "padding", "strided", "half", "rope", "sinks",
-                                 "model", "dispatch"]:
+                                 "sink_rope", "model", "dispatch"]:
         globals()[f"check_{name}"]()
     print("ok")

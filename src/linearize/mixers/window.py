@@ -41,6 +41,9 @@ WINDOW_STEP_ROPE: bool = True
 # The same for a prompt through the prefill kernel (``ops/window/parallel_triton.py``): q rotated inside it, the
 # keys by ``rope_rotate_half``. False: the family's RoPE on both first.
 WINDOW_PREFILL_ROPE: bool = True
+# With sinks past the reach, that kernel also rotates the sinks' queries itself (``sink_rope``), as the ring step
+# does. False: ``_sink_queries`` in PyTorch first (a pass over q a layer; the same numbers to rounding).
+WINDOW_PREFILL_SINK_ROPE: bool = True
 
 
 @contextmanager
@@ -113,14 +116,15 @@ class WindowSoftmax(Mixer):
             return rope_rotate_half(q, *tables)
         return self.adapter.rope(self, q, k, tables)[0]
 
-    def _sink_rope(self, q, position_embeddings, state):
-        """What the ring-step kernel takes to rotate the sinks' queries itself (``sink_rope``): the tables at the
-        reach, each sequence's position and the reach; None where ``_sink_queries`` would be."""
+    def _sink_rope(self, q, position_embeddings, state, whole: bool = False):
+        """What the kernels take to rotate the sinks' queries themselves (``sink_rope``): the tables at the reach,
+        each sequence's position (``whole``: every query's, ``[B or 1, T]``, for the prefill kernel; else the last,
+        for the ring step) and the reach; None where ``_sink_queries`` would be."""
         positions = self._reach_positions(q, position_embeddings, state)
         if positions is None:
             return None
         at_cos, at_sin = self._reach_rows(q.device)
-        return at_cos, at_sin, positions[:, -1], self.reach
+        return at_cos, at_sin, (positions.to(q.device) if whole else positions[:, -1]), self.reach
 
     @property
     def window(self) -> int:
@@ -141,8 +145,12 @@ class WindowSoftmax(Mixer):
         return self.spec.softmax_window_sinks
 
     def sequence(self, q, k, v, position_embeddings, state, want_state):
-        sink_q = self._sink_queries(q, k, position_embeddings, state)
         fused = state is None and self._prefill_rope(q, k, v, position_embeddings)
+        sink_q = sink_rope = None
+        if fused and WINDOW_PREFILL_SINK_ROPE:  # the kernel makes the sinks' queries from q as it rotates it
+            sink_rope = self._sink_rope(q, position_embeddings, state, whole=True)
+        else:
+            sink_q = self._sink_queries(q, k, position_embeddings, state)
         if fused:  # the keys rotated here (the state keeps them), q inside the prefill kernel
             k = rope_rotate_half(k, *position_embeddings)
         else:
@@ -158,7 +166,7 @@ class WindowSoftmax(Mixer):
                          else None)
                 o = window_softmax_triton(q, k, v, window=self.window, **self._kw(), key_mask=self.key_mask,
                                           position_embeddings=position_embeddings, sink_positions=sinks,
-                                          sink_q=sink_q)
+                                          sink_q=sink_q, sink_rope=sink_rope)
             elif self.sinks:  # the window and the sinks: SDPA on blocks, the sinks' keys appended to each block's
                 o = window_softmax_sinks(q, k, v, window=self.window, sinks=self.sinks, **self._kw(),
                                          key_mask=self.key_mask, sink_q=sink_q)

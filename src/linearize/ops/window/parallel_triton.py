@@ -113,11 +113,12 @@ def _sink_keys(q, k_base, v_base, sk_t, sv_t, pos_ptr, rows, d, dm, m, l, acc, W
 
 
 @triton.jit
-def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, pos_ptr, qs_ptr, sq_b, sq_h, sq_t, sk_b,
-                     sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, sm_b, sc_b, sc_t, ss_b, ss_h, ss_t, T, H, G, W, D, R,
-                     scale, softcap, HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr,
-                     F32_DOT: tl.constexpr, PREC: tl.constexpr, SINKS: tl.constexpr, SINK_Q: tl.constexpr,
-                     BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
+def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, pos_ptr, qs_ptr, rc_ptr, rs_ptr, rp_ptr,
+                     sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, sm_b, sc_b, sc_t, ss_b, ss_h,
+                     ss_t, sp_b, sp_t, T, H, G, W, D, R, REACH, scale, softcap, HAS_MASK: tl.constexpr,
+                     HAS_SOFTCAP: tl.constexpr, ROPE: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
+                     SINKS: tl.constexpr, SINK_Q: tl.constexpr, SINK_ROPE: tl.constexpr, BS: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr):
     start_m = tl.program_id(0) * BM
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
@@ -129,6 +130,7 @@ def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, pos
     rm = rows < T
     q_rows = q_ptr + b * sq_b + h * sq_h + rows[:, None].to(tl.int64) * sq_t
     q = tl.load(q_rows + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)
+    qs = q
     if ROPE:  # by rotating halves over the first R dims, in fp32, rounded back as the family's RoPE rounds
         half = R // 2
         rot = (d < R)[None, :] & rm[:, None]
@@ -137,7 +139,15 @@ def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, pos
         cos = tl.load(cos_ptr + at, mask=rot, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + at, mask=rot, other=0.0).to(tl.float32)
         turned = tl.where((d < half)[None, :], -partner.to(tl.float32), partner.to(tl.float32))
-        q = (q.to(tl.float32) * cos + turned * sin).to(q.dtype)
+        raw = q
+        q = (raw.to(tl.float32) * cos + turned * sin).to(raw.dtype)
+        qs = q
+        if SINK_ROPE:  # the sinks' queries (sinks.py's reach): a row past REACH rotated by the tables at REACH
+            at_cos = tl.load(rc_ptr + d, mask=d < R, other=1.0).to(tl.float32)
+            at_sin = tl.load(rs_ptr + d, mask=d < R, other=0.0).to(tl.float32)
+            far = tl.load(rp_ptr + b * sp_b + rows.to(tl.int64) * sp_t, mask=rm, other=0) > REACH
+            moved = (raw.to(tl.float32) * at_cos[None, :] + turned * at_sin[None, :]).to(raw.dtype)
+            qs = tl.where(far[:, None], moved, q)
     if F32_DOT:
         q = q.to(tl.float32)
     k_base = k_ptr + b * sk_b + hk * sk_h
@@ -152,8 +162,9 @@ def _window_parallel(q_ptr, k_ptr, v_ptr, o_ptr, mask_ptr, cos_ptr, sin_ptr, pos
     real_row = rm
     if HAS_MASK:
         real_row = tl.load(mask_row + rows, mask=rm, other=0) != 0
+    if F32_DOT:
+        qs = qs.to(tl.float32)
     if SINKS:  # first the sinks (a sink at p is seen from p + W on); in every tile, masked: no branch around a dot
-        qs = q
         if SINK_Q:  # their own queries, rotated already (sinks.py's reach)
             qs = tl.load(qs_ptr + b * ss_b + h * ss_h + rows[:, None].to(tl.int64) * ss_t + d[None, :],
                          mask=rm[:, None] & dm[None, :], other=0.0).to(q.dtype)
@@ -204,7 +215,7 @@ def supported(q, k, v, window: int) -> bool:
 
 
 def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float | None = None, key_mask=None,
-                          position_embeddings=None, sink_positions=None, sink_q=None):
+                          position_embeddings=None, sink_positions=None, sink_q=None, sink_rope=None):
     """Softmax over each query's last ``window`` keys (itself included; padding keys left out) and, with
     ``sink_positions`` ``[B, S]`` (``sinks.sink_index``: each sequence's first real tokens, -1 for none), those once
     they have left its window (attention sinks, ``sinks.py``), ``q``
@@ -214,7 +225,10 @@ def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float 
     ``position_embeddings`` ``(cos, sin)`` ``[B or 1, T, R]``: q comes unrotated and the kernel rotates it (RoPE by
     rotating halves over its first ``R`` dims, in fp32, rounded to q's dtype), saving the passes of q's RoPE; the
     keys come rotated (``models.base.rope_rotate_half``: the state keeps them so). ``sink_q`` (like ``q``, rotated
-    whatever ``position_embeddings``): the queries that weigh the sinks instead (``sinks.py``'s reach)."""
+    whatever ``position_embeddings``): the queries that weigh the sinks instead (``sinks.py``'s reach).
+    ``sink_rope`` ``(cos, sin, positions, reach)`` instead of ``sink_q``, with ``position_embeddings``: the kernel
+    makes those queries itself, a query whose position (``positions`` ``[B or 1, T]``) passes ``reach`` rotated by
+    the tables ``cos``/``sin`` ``[R]`` (the reach's row), the others as ``q`` (no pass over q before the launch)."""
     b, h, t, d = q.shape
     hk = k.shape[1]
     if h % hk:
@@ -240,16 +254,32 @@ def window_softmax_triton(q, k, v, *, window: int, scale: float, softcap: float 
         pos = o  # never read
     use_qs = n_sinks > 0 and sink_q is not None
     qs = (sink_q if sink_q.stride(-1) == 1 else sink_q.contiguous()) if use_qs else o  # o: never read
+    if sink_rope is not None and (sink_q is not None or position_embeddings is None):
+        raise ValueError("sink_rope rotates the sinks' queries inside the kernel beside q's own RoPE: give "
+                         "position_embeddings and no sink_q")
+    use_rope = n_sinks > 0 and sink_rope is not None
+    if use_rope:
+        at_cos, at_sin, at_pos, reach = sink_rope
+        at_cos, at_sin = (x.reshape(-1).to(cos.dtype).contiguous() for x in (at_cos, at_sin))
+        at_pos = at_pos if at_pos.stride(-1) == 1 else at_pos.contiguous()
+        sp_b, sp_t = (at_pos.stride(0) if at_pos.shape[0] > 1 else 0), at_pos.stride(1)
+        if at_cos.numel() != rot or at_pos.shape[-1] != t:
+            raise ValueError(f"sink_rope: tables of {at_cos.numel()} for a rotary of {rot}, positions "
+                             f"{tuple(at_pos.shape)} for {t} queries")
+    else:
+        at_cos = at_sin = at_pos = o  # never read
+        sp_b = sp_t = reach = 0
     bm, bn = PARALLEL_BM, PARALLEL_BN
     if bm % bn:
         raise ValueError(f"PARALLEL_BM ({bm}) must be a multiple of PARALLEL_BN ({bn})")
     grid = (triton.cdiv(t, bm), b * h)
     _window_parallel[grid](
-        q, k, v, o, mask, cos, sin, pos, qs, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
-        k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
-        mask.stride(0) if key_mask is not None else 0, sc_b, sc_t, qs.stride(0), qs.stride(1), qs.stride(2), t, h,
-        h // hk, window, d, rot, float(scale), float(softcap or 1.0), HAS_MASK=key_mask is not None,
-        HAS_SOFTCAP=softcap is not None, ROPE=rot > 0, F32_DOT=f32_dot, SINKS=n_sinks > 0, SINK_Q=use_qs, BS=bs,
+        q, k, v, o, mask, cos, sin, pos, qs, at_cos, at_sin, at_pos, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1),
+        o.stride(2), mask.stride(0) if key_mask is not None else 0, sc_b, sc_t, qs.stride(0), qs.stride(1),
+        qs.stride(2), sp_b, sp_t, t, h, h // hk, window, d, rot, int(reach), float(scale), float(softcap or 1.0),
+        HAS_MASK=key_mask is not None, HAS_SOFTCAP=softcap is not None, ROPE=rot > 0, F32_DOT=f32_dot,
+        SINKS=n_sinks > 0, SINK_Q=use_qs, SINK_ROPE=use_rope, BS=bs,
         PREC="ieee" if f32_dot else "tf32", BM=bm, BN=bn,  # half-precision products ignore it (as in the ring step)
         BD=max(16, triton.next_power_of_2(d)), num_warps=PARALLEL_WARPS,
         **({} if PARALLEL_STAGES is None else dict(num_stages=PARALLEL_STAGES)))

@@ -16,7 +16,8 @@ left the window). The window layer (``mixers/window.py``) passes each query rota
 ``min(p, reach)``, ``reach`` the teacher's context less one: past it, the sinks' distance grows beyond anything
 the teacher's RoPE saw: a trained student's perplexity at 16k-32k tokens was up to 8x its own at 1k-4k; scored from
 the reach, no more than it (docs/RESULTS.md, "Across domains"). The window's own scores are relative and need
-nothing.
+nothing. The Triton kernels that rotate q themselves (the prefill's and the ring step's) also make these queries
+from q and the reach's tables (``sink_rope``), with no pass over q before them.
 
 * ``window_softmax_sinks``: the sequence form, the queries in blocks with the sinks appended to each block's keys
   (SDPA; soft-capped scores by hand), with its gradient; without one on CUDA the window's Triton kernel, which
