@@ -40,8 +40,12 @@
 #             (dev/window_prefill_bench.py: the kernel's tiles swept at 1 x 32k, WINDOW_PREFILL_ARGS;
 #             WINDOW_PREFILL_SWEEP=0 skips them), then
 #             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: wide = 14
-#             layers over 1,280, lolcats_wide's shape; tiers = 4 of them over 4,160, float8, 4 sinks: lolcats_tiers',
+#             layers over 1,280, lolcats_wide's shape; tiers = 4 of them over 4,288, float8, 4 sinks: lolcats_tiers',
 #             the default's), each beside the teacher
+#   prefill-reach  issue #53: the default's shape (untrained, tiers above) prefilling 1 x 32k beside the teacher's
+#             SDPA, as it runs (past the reach the kernel makes the sinks' queries), with them made in PyTorch first
+#             (WINDOW_PREFILL_SINK_ROPE off) and without sinks (--softmax-window-sinks 0), each with the teacher in its
+#             run; REACH_RUNS repeats the three (default 2: a 32k prefill varies by a few ms run to run)
 #   decode-default  issue #44: the norm/activation kernels' CUDA tests, then decode from 1k prompts + 512 new at
 #             batch 1/64/256 on the default fast path (no flags) and with --compile, each beside the teacher's
 #             static and fast paths in its run, then the default path with the kernels off (the step as before),
@@ -189,10 +193,25 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
         | grep -v -E "^\s*$|Warning|warn" | tail -45
       [ "${WINDOW_PREFILL_SWEEP:-1}" = 1 ] && timeout 200 python3 dev/window_prefill_bench.py \
         --out "$S/window_prefill_bench.json" 2>&1 | grep -E "^\|" | tail -20
-      kept=0,1,2,3,4,5,6,7,8,9,17,18,20,23
+      kept=1,2,7,8,10,11,12,14,15,17,18,19,20,23  # the default's layers in its third training (1, 2, 18, 20 far)
       LENGTH_TESTS=0 LENGTH_NEW=${LENGTH_NEW:-512} LENGTH_SPECS="${WINDOW_SPECS:-wide=--config:lolcats_mix:--keep-softmax:$kept\
-:--softmax-window:1280 tiers=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280,17%4160,18%4160,20%4160,23%4160\
+:--softmax-window:1280 tiers=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280,1%4288,2%4288,18%4288,20%4288\
 :--softmax-window-dtype:float8:--softmax-window-sinks:4}" bash "$0" length-speed ;;
+    prefill-reach)  # issue #53: see the header
+      kept=1,2,7,8,10,11,12,14,15,17,18,19,20,23
+      for n in 4 0; do
+        [ -d "$C-reach$n" ] || python3 -m linearize convert --teacher "$T" --config lolcats_mix --keep-softmax $kept \
+          --softmax-window 1280,1:4288,2:4288,18:4288,20:4288 --softmax-window-dtype float8 --softmax-window-sinks $n \
+          --out "$C-reach$n" --dtype bfloat16 2>&1 | tail -1
+      done
+      for r in $(seq ${REACH_RUNS:-2}); do
+        for run in "kernel 4 none" "torch 4 {\"linearize.mixers.window.WINDOW_PREFILL_SINK_ROPE\":false}" "nosinks 0 none"; do
+          set -- $run; echo "--- $1 (run $r)"
+          timeout 200 python3 dev/with_knobs.py "$3" - linearize.cli bench "$C-reach$2" --teacher "$T" --dtype bfloat16 \
+            --prefill 1x32768 --prefill-teacher-paths sdpa --out "$S/prefill_reach_$1_$r.json" 2>&1 | quiet \
+            | grep -E "^\| (student|teacher)|rror"
+        done
+      done ;;
     delta-prefill)  # issue #53: where the delta student's prefill goes (dev/delta_prefill.py: parts swapped out, the
       # parts alone, the kernels) at DELTA_SHAPES (default 1x32768 32x1024), beside the teacher, on an untrained student
       ck=$C-delta; [ -d "$ck" ] || python3 -m linearize convert --teacher "$T" --kind delta --feature-rope off --out "$ck" \
