@@ -40,9 +40,9 @@ ONES = {"_window_ring_step": ("sq_d", "sk_d", "sv_d", "sc_d", "ss_d")}
 
 
 def memory_ops(ptx: str) -> str:
-    """How many of each global / shared memory instruction the PTX holds (predicated ones too)."""
-    ops = collections.Counter(m.group(1) for m in re.finditer(r"\b((?:ld|st|cp\.async)\.[a-z0-9.]*(?:global|shared)[a-z0-9.]*)",
-                                                               ptx))
+    """How many of each global / shared memory instruction (``ldmatrix`` too) the PTX holds (predicated ones too)."""
+    pattern = r"\b((?:ld|st|cp\.async)\.[a-z0-9.]*(?:global|shared)[a-z0-9.]*|ldmatrix\.[a-z0-9.]*)"
+    ops = collections.Counter(m.group(1) for m in re.finditer(pattern, ptx))
     return ", ".join(f"{k} {v}" for k, v in sorted(ops.items()))
 
 
@@ -82,6 +82,8 @@ def main() -> None:
     p.add_argument("--step-warps", type=int, default=step_triton.STEP_WARPS, help="the ring step's warps")
     p.add_argument("--fma", action="store_true", help="the ring step's products as broadcast sums (STEP_MMA = False)")
     p.add_argument("--ptx", action="store_true", help="also count each variant's memory instructions")
+    p.add_argument("--hold", action="store_true", help="a float8 ring's values held converted where loaded "
+                   "(STEP_HOLD_VALUES)")
     a = p.parse_args()
     prefill = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", mask_ptr="*u8", cos_ptr="*bf16",
                    sin_ptr="*bf16", pos_ptr="*i32", qs_ptr="*bf16", rc_ptr="*bf16", rs_ptr="*bf16", rp_ptr="*i64")
@@ -101,7 +103,7 @@ def main() -> None:
             for sink_q, sink_rope in ((False, False), (True, False), (False, True)):
                 consts = dict(HAS_SOFTCAP=False, SPLIT=split, FP8=fp8, NATIVE_FP8=fp8, MMA=not a.fma,
                               F32_DOT=False, PREC="tf32", ROPE=True, SINK_Q=sink_q, SINK_ROPE=sink_rope,
-                              BG=4 if a.fma else 16, BW=a.step_block, BD=64)
+                              HOLD_VALUES=a.hold, BG=4 if a.fma else 16, BW=a.step_block, BD=64)
                 print(f"step     float8={fp8!s:5} parts={split!s:5} own queries={sink_q!s:5} "
                       f"rotated here={sink_rope!s:5}:", build(step_triton._window_ring_step, step, consts,
                                                              a.step_warps, a.ptx))

@@ -4,13 +4,15 @@ sit in L2 between steps), for each batch and each setting of the kernel's module
 PyTorch step (``window_softmax_step_ring`` with ``WINDOW_STEP_KERNEL`` off).
 
     python dev/window_step_bench.py [--batches 1 8 64 256] [--blocks 32 64 128] [--warps 2 4 8]
-                                    [--programs 0 1 528] [--stages 0 2 3 4] [--fma] [--float8]
+                                    [--programs 0 1 528] [--stages 0 2 3 4] [--fma] [--float8] [--hold]
                                     [--layers 14] [--out FILE]
 
 Shapes are a kept layer's of the SmolLM2-135M student (9 query heads, 3 key heads, head dim 64, a ring of
 ``--window`` 1,280 slots, bf16). ``0`` means the module's default (``--programs 1``: never split the ring);
 ``--fma`` adds the products as broadcast sums (``STEP_MMA = False``); ``--float8`` times float8 rings
-(``float8_window_step_ring``: the kernel quantising the new token itself, or its PyTorch path). Each setting's
+(``float8_window_step_ring``: the kernel quantising the new token itself, or its PyTorch path); ``--hold`` times
+each tensor-core setting of a float8 ring also with its values held converted where loaded (``STEP_HOLD_VALUES``:
+rows ``held``). Each setting's
 output for one step
 from the same ring is compared with the PyTorch step's (largest absolute difference). Prints µs per layer
 step and the effective GB/s of the ring's bytes (keys and values read once).
@@ -65,6 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--stages", nargs="+", type=int, default=[0])
     p.add_argument("--fma", action="store_true")
     p.add_argument("--float8", action="store_true", help="float8 rings (the kernel quantising the new token itself)")
+    p.add_argument("--hold", action="store_true", help="float8 rings on the tensor cores with their values held "
+                   "converted where loaded too (STEP_HOLD_VALUES)")
     p.add_argument("--layers", type=int, default=14)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out")
@@ -72,7 +76,7 @@ def main(argv=None) -> int:
     if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("window_step_bench.py needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
     defaults = {k: getattr(step_triton, k) for k in ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES",
-                                                      "STEP_MMA", "STEP_CROWDED_FP8")}
+                                                      "STEP_MMA", "STEP_CROWDED_FP8", "STEP_HOLD_VALUES")}
     from linearize.ops.window import float8 as f8
 
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -92,13 +96,16 @@ def main(argv=None) -> int:
         ring_bytes = b * HK * args.window * ((D + 4) if args.float8 else D * 2) * 2
         want = None
         settings = [("torch", {})]
-        for mma, block, warps, programs, stages in itertools.product([True, False] if args.fma else [True],
-                                                                     args.blocks, args.warps, args.programs,
-                                                                     args.stages):
-            name = "kernel" if mma else "fma"
+        holds = [False, True] if args.hold and args.float8 else [defaults["STEP_HOLD_VALUES"]]
+        for mma, block, warps, programs, stages, hold in itertools.product(
+                [True, False] if args.fma else [True], args.blocks, args.warps, args.programs, args.stages, holds):
+            if hold and not mma:
+                continue  # broadcast sums read the values as they are
+            name = ("held" if hold else "kernel") if mma else "fma"
             settings.append((name, dict(
                 STEP_MMA=mma, STEP_BLOCK=block or defaults["STEP_BLOCK"], STEP_WARPS=warps or defaults["STEP_WARPS"],
                 STEP_PROGRAMS=programs or defaults["STEP_PROGRAMS"], STEP_STAGES=stages or defaults["STEP_STAGES"],
+                STEP_HOLD_VALUES=hold,
                 # tiles given (a block, warps, broadcast sums): those, crowded or not; none: the module's choice
                 # (its crowded tiles too)
                 STEP_CROWDED_FP8=None if block or warps or not mma else defaults["STEP_CROWDED_FP8"])))
@@ -120,7 +127,7 @@ def main(argv=None) -> int:
                 aimed = (step_triton._target_programs(q.device) if q.is_cuda or step_triton.STEP_PROGRAMS is not None
                          else 1 << 30)
                 mma, shown["block"], shown["warps"] = step_triton.step_tiles(b, HK, D, args.float8, aimed)
-                name = "kernel" if mma else "fma"
+                name = ("held" if args.float8 and step_triton.STEP_HOLD_VALUES else "kernel") if mma else "fma"
             row = dict(step=name, batch=b, **shown, us_per_layer=us, gb_per_s=ring_bytes / us / 1e3, max_err=err)
             rows.append(row)
             print(f"| {name} | {b} | {shown['block']} | {shown['warps']} | {shown['programs']} | {shown['stages']} | "

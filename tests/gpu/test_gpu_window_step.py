@@ -276,6 +276,23 @@ def test_crowded_float8_ring_step_equals_the_torch_path_on_cuda(tiles, q_dtype, 
     _kernel_steps_agree(ring, h, q_dtype, None, 5, g)
 
 
+@pytest.mark.parametrize("b,programs,crowded", [(1, None, None), (64, None, None), (256, None, (True, 64, 2)),
+                                                 (3, 1, None)])
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_float8_ring_step_with_values_held_equals_the_torch_path_on_cuda(b, programs, crowded, q_dtype, monkeypatch):
+    """``STEP_HOLD_VALUES``: the values converted where they are loaded (the product then reads them as 16-bit
+    words) on the default tiles (the ring in parts at batch 1 and 64, in one with one program aimed for) and the
+    crowded ones at batch 256, against the PyTorch path, token after token."""
+    from linearize.ops.window import step_triton
+
+    monkeypatch.setattr(step_triton, "STEP_HOLD_VALUES", True)
+    monkeypatch.setattr(step_triton, "STEP_PROGRAMS", programs)
+    monkeypatch.setattr(step_triton, "STEP_CROWDED_FP8", crowded)
+    g = torch.Generator(device="cuda").manual_seed(4)
+    ring = _float8_ring(b, 3, 1284 if b < 256 else 333, 0.5, g)
+    _kernel_steps_agree(ring, 9, q_dtype, None, 5, g)
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_float8_e4m3_decoding_on_cuda(native):
     """The kernel's e4m3 decoding of every byte but the NaNs, as torch reads the codes: by integer arithmetic

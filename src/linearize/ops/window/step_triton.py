@@ -58,9 +58,15 @@ STEP_STAGES: int | None = None
 # (sequence, key head) and at least the programs a step aims for (batch 256 on 3 key heads). On an H200, batch 256,
 # the fastest tensor-core tiles of blocks 32 / 64 / 128 x warps 2 / 4 / 8: 213 against 232 µs a layer at a ring of
 # 4,164 slots, 75 against 87 at 1,284; at batch 1 and 64 (rings split in parts) the defaults above stay the fastest.
-# (On the tensor cores a float8 ring's value codes reach the product's layout byte by byte from shared memory;
-# broadcast sums, ``False``, read them as words: not yet timed.) None: the defaults above always (sweeps set it).
+# Broadcast sums (``False``) read the value codes as words but took 5.8-15x as long (blocks 16-64, 2-4 warps: 1,232
+# to 3,210 µs at 4,164 slots). None: the defaults above always (sweeps set it).
 STEP_CROWDED_FP8: tuple[bool, int, int] | None = (True, 64, 2)
+# On the tensor cores Triton moves a float8 ring's value decoding past shared memory: the codes are stored there and
+# read back into the product's (transposed) operand byte by byte, 64 ``ld.shared.b8`` a block, 186-225 registers
+# (``dev/sm90_compile.py --ptx``). True: the values are held decoded where they are loaded (``_held``), stored as
+# 16-bit words and read with ``ldmatrix.trans``: 8 of them a block, 128-168 registers. Not yet timed on a GPU
+# (``dev/window_step_bench.py --float8 --hold``); False until it is.
+STEP_HOLD_VALUES: bool = False
 
 
 @triton.jit
@@ -86,6 +92,14 @@ def _e4m3_as(b, NATIVE: tl.constexpr, ty: tl.constexpr):
     else:
         x = _e4m3(b).to(ty)
     return x
+
+
+@triton.jit
+def _held(x):
+    """``x`` (bf16/fp16) unchanged, through an inline-asm move Triton may not move or merge: the values a product
+    takes stay converted where they are loaded, so the product's operand layout reads them from shared memory as
+    16-bit words (``ldmatrix``) instead of the float8 codes byte by byte (CUDA only; not under the interpreter)."""
+    return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=x.dtype, is_pure=False, pack=2)
 
 
 @triton.jit
@@ -128,7 +142,7 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
                       sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, ss_b, ss_h, ss_d, sp_b, scale, softcap, HK, G, W, D, L, R, S,
                       reach, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr,
                       NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
-                      ROPE: tl.constexpr, SINK_Q: tl.constexpr, SINK_ROPE: tl.constexpr,
+                      ROPE: tl.constexpr, SINK_Q: tl.constexpr, SINK_ROPE: tl.constexpr, HOLD_VALUES: tl.constexpr,
                       BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
@@ -233,6 +247,8 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
             v_codes = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
             keys = (_e4m3_value(k_codes, NATIVE_FP8) * tl.load(ks_ptr + w, mask=old, other=0.0)[:, None]).to(k_ty)
             values = (_e4m3_value(v_codes, NATIVE_FP8) * tl.load(vs_ptr + w, mask=old, other=0.0)[:, None]).to(v_ty)
+            if MMA and NATIVE_FP8 and HOLD_VALUES and not F32_DOT:  # 16-bit values only
+                values = _held(values)
         else:
             keys = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
             values = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
@@ -430,7 +446,8 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         positions.stride(0) if turn and positions.shape[0] > 1 else 0, float(scale), float(softcap or 1.0), hk, g, w,
         d, span, rot, state.sinks, int(reach), HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8,
         NATIVE_FP8=fp8 and _native_float8(q.device), MMA=mma, F32_DOT=f32_dot,
-        PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, SINK_Q=use_qs, SINK_ROPE=turn, BG=bg, BW=bw, BD=bd,
+        PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, SINK_Q=use_qs, SINK_ROPE=turn, HOLD_VALUES=STEP_HOLD_VALUES,
+        BG=bg, BW=bw, BD=bd,
         num_warps=warps,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
     if parts > 1:
