@@ -12,7 +12,7 @@ stays the reference and the CPU path. One program per (sequence, key head, part 
    sums) from the new token, held in registers, then take the part's other valid slots in blocks of ``BW``.
    No program reads slot ``s`` from memory, so none races with its write;
 3. with one part per (sequence, key head) the program writes the output and the slot counter is advanced
-   after the launch (two small PyTorch ops: every program reads the counter); with several parts (a small
+   after the launch (a one-program launch, ``_advance``: every program reads the counter); with several parts (a small
    batch would leave most of the GPU idle) each writes its running maximum, sum and weighted values, and a
    second small launch (``_combine``) merges them and advances the counter.
 
@@ -321,6 +321,15 @@ def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, HK, G, W, S, D, P, BG: tl.c
     tl.store(slot_ptr, S + (s - S + 1) % (W - S), mask=(bi == 0) & (hk == 0))
 
 
+@triton.jit
+def _advance(slot_ptr, W, S):
+    """A ring step taken in one program per (sequence, key head): the next slot to overwrite, past the ``S`` sinks'
+    slots (``RingHybridState.advance``), in one launch where PyTorch takes two to four. A launch of its own: the
+    step's programs all read the slot first, and a program cannot know that the others have."""
+    s = tl.load(slot_ptr)
+    tl.store(slot_ptr, S + (s - S + 1) % (W - S))
+
+
 _PROGRAMS: dict[int, int] = {}
 
 
@@ -453,5 +462,5 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
     if parts > 1:
         _combine[(b, hk)](m, lsum, acc, o, state.slot, hk, g, w, state.sinks, d, parts, BG=bg, BD=bd)
     else:
-        state.advance()
+        _advance[(1,)](state.slot, w, state.sinks)
     return o, state
