@@ -14,7 +14,8 @@ from helpers import plain_generate, run_triton_interpreter_script, tiny_student
 from linearize.convert import mixers
 from linearize.decode import FastDecoder, fast_generate, fused_projections
 from linearize.decode import fusion
-from linearize.models.fusion import FusedGatedMLP, FusedRMSNorm, activation_kind, rms_norm_kind
+from linearize.models.fusion import (FusedGatedMLP, FusedRMSNorm, ResidualFusion, activation_kind, residual_fusable,
+                                     rms_norm_kind)
 
 LOLCATS = {"kind": "lolcats", "window": 4, "feature_dim": 8}
 
@@ -100,13 +101,18 @@ def test_every_norm_and_mlp_is_swapped_for_the_call_and_restored(tiny_model, fam
         mlps = [layer.mlp for layer in model.model.layers]
         assert all(isinstance(m, FusedGatedMLP) and m.act == ("gelu_tanh" if family == "gemma" else "silu")
                    for m in mlps)
-        assert n == len(norms) + len(mixers(model)) + len(mlps)
+        layers = model.model.layers
+        paired = [isinstance(vars(layer).get("forward"), ResidualFusion) for layer in layers]
+        assert paired == [family != "gemma"] * len(layers)  # Gemma's layers norm after the attention and MLP too
+        assert n == len(norms) + len(mixers(model)) + len(mlps) + sum(paired)
     assert _state(model)[0] == before[0] and _state(model)[1] == before[1]
+    assert not any("forward" in vars(layer) for layer in model.model.layers)
     with fused_projections(model, kernels=False):  # the projections alone, as before
         assert not any(isinstance(m, FusedRMSNorm) for m in model.modules())
         assert all(m.act is None for m in model.modules() if isinstance(m, FusedGatedMLP))
-    with fused_projections(model, enabled=False, kernels=True) as n:  # the norms alone
-        assert n == len(norms) and not any(isinstance(m, FusedGatedMLP) for m in model.modules())
+    with fused_projections(model, enabled=False, kernels=True) as n:  # the norms alone (with the adds before them)
+        assert n == len(norms) + (0 if family == "gemma" else len(model.model.layers))
+        assert not any(isinstance(m, FusedGatedMLP) for m in model.modules())
     with pytest.raises(RuntimeError, match="boom"), fused_projections(model, kernels=True):
         raise RuntimeError("boom")
     assert _state(model)[0] == before[0]
@@ -138,6 +144,47 @@ def test_stand_ins_fall_back_for_float64_and_decode_generates_tokens(tiny_model,
     prompt = _ids()
     ref = plain_generate(model, prompt, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(fast_generate(model, prompt, max_new_tokens=10, pad_token_id=0, fuse_kernels=True), ref)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "smollm3"])
+def test_a_pre_norm_layer_with_its_adds_fused_computes_its_class_forward(tiny_model, family):
+    """``ResidualFusion`` (the adds with the norms after them) against
+    each family's own decoder-layer forward, the hidden states after every layer and the logits: the same; the
+    next layer's input norm and the final norm take the norms computed ahead, and only for that very tensor.
+    (float64: the stand-ins' PyTorch paths; the kernels themselves: ``triton_interpret_norm_act.py``.)"""
+    model = tiny_student(tiny_model, family, {**LOLCATS, "keep_softmax": [1]}).double()
+    ids = _ids()
+    with torch.no_grad():
+        want = model(ids, output_hidden_states=True)
+        with fused_projections(model, enabled=False, kernels=True):
+            assert all(isinstance(vars(layer).get("forward"), ResidualFusion) for layer in model.model.layers)
+            got = model(ids, output_hidden_states=True)
+            final = model.model.norm
+            assert isinstance(final, FusedRMSNorm) and "_ahead" not in vars(final)  # taken by the final norm
+            x = torch.randn(2, 3, final.norm.weight.shape[0], dtype=torch.float64)
+            summed = final.add_norm_ahead(x, x)
+            assert torch.equal(final(summed.clone()), final.norm(summed))  # another tensor: normalised anew
+            assert torch.equal(final(summed), final.norm(summed))  # and the stale one was dropped
+    for a, b in zip(got.hidden_states, want.hidden_states):
+        assert torch.equal(a, b)
+    assert torch.equal(got.logits, want.logits)
+
+
+def test_layers_that_are_not_the_plain_pre_norm_pair_keep_their_forward(tiny_model):
+    for family in ("gemma", "gemma2", "gemma3_text"):  # norms after the attention and the MLP as well
+        model = tiny_student(tiny_model, family, LOLCATS)
+        with fused_projections(model, kernels=True):
+            assert not any(residual_fusable(layer) or "forward" in vars(layer) for layer in model.model.layers)
+    model = tiny_student(tiny_model, "llama", LOLCATS)
+    own = model.model.layers[0].forward
+    model.model.layers[0].forward = lambda *a, **kw: own(*a, **kw)  # a forward of its own: left to it
+    model.model.layers[1].register_forward_hook(lambda *a: None)  # a hook sees the same inputs and output
+    with fused_projections(model, kernels=True):
+        assert not isinstance(vars(model.model.layers[0])["forward"], ResidualFusion)
+        assert isinstance(vars(model.model.layers[1]).get("forward"), ResidualFusion)
+    assert "forward" in vars(model.model.layers[0]) and "forward" not in vars(model.model.layers[1])
+    with fused_projections(model, kernels=False):  # no norm kernels: nothing to pair the adds with
+        assert not any(isinstance(vars(layer).get("forward"), ResidualFusion) for layer in model.model.layers)
 
 
 # --------------------------------------------------------------------------- when

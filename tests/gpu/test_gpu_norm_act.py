@@ -44,6 +44,24 @@ def test_rms_norm_kernel_equals_its_twin_on_cuda(rows, d, offset):
         _agree(rms_norm_triton(x, w, 1e-6, offset), rms_norm(x, w, 1e-6, offset), (x_dtype, w_dtype), unit=x_dtype)
 
 
+@pytest.mark.parametrize("offset", [False, True])
+@pytest.mark.parametrize("d", [576, 2048, 5000])
+@pytest.mark.parametrize("rows", [1, 256, 4096])
+def test_add_rms_norm_kernel_equals_its_twin_on_cuda(rows, d, offset):
+    """A pre-norm layer's residual add with the norm after it: the sum bit for bit as ``residual + x``."""
+    from linearize.ops.norm_act import add_rms_norm
+    from linearize.ops.rms_norm_triton import add_rms_norm_triton
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for x_dtype, w_dtype in DTYPES:
+        x, r = ((torch.randn(rows, 1, d, device="cuda", generator=g) * 3).to(x_dtype) for _ in range(2))
+        w = (torch.randn(d, device="cuda", generator=g) * 0.5 + (0.0 if offset else 1.0)).to(w_dtype)
+        normed, summed = add_rms_norm_triton(x, r, w, 1e-6, offset)
+        want_normed, want_summed = add_rms_norm(x, r, w, 1e-6, offset)
+        assert torch.equal(summed, want_summed), (x_dtype, w_dtype)
+        _agree(normed, want_normed, (x_dtype, w_dtype), unit=x_dtype)
+
+
 def test_rms_norm_kernel_on_a_strided_view_on_cuda():
     """Qwen3's per-head q norm on the fused q/k/v product's rows: no copy, the twin's values."""
     from linearize.ops.norm_act import rms_norm
@@ -117,7 +135,7 @@ def test_fast_decoder_with_the_kernels_on_cuda(tiny_model, monkeypatch):
 
 def test_the_kernels_cut_the_decode_steps_launches_on_cuda(tiny_model, monkeypatch):
     """bench.profile's CUDA kernels per decode step, bf16: with the kernels at least 6 fewer a norm (7 expected; two
-    a layer and the final one) and 1 fewer a gated MLP than without them."""
+    a layer and the final one), 1 fewer a gated MLP and 2 fewer a layer for its residual adds than without them."""
     from linearize.bench.profile import profile_decode
     from linearize.decode import fusion
 
@@ -128,5 +146,6 @@ def test_the_kernels_cut_the_decode_steps_launches_on_cuda(tiny_model, monkeypat
     without = profile_decode(model, batch=1, tokens=8, prompt_len=16, top=10**6)
     layers = model.config.num_hidden_layers
     saved = without["launches_per_step"] - with_kernels["launches_per_step"]
-    assert saved >= 6 * (2 * layers + 1) + layers - 0.5, (without["launches_per_step"],
-                                                          with_kernels["launches_per_step"])
+    # and the residual adds with the norms after them: two a layer
+    assert saved >= 6 * (2 * layers + 1) + layers + 2 * layers - 0.5, (without["launches_per_step"],
+                                                                       with_kernels["launches_per_step"])

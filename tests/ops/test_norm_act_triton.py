@@ -50,6 +50,12 @@ def test_rms_norm_kernel_equals_the_families_modules():
     run_triton_interpreter_script("triton_interpret_norm_act.py", "norm")
 
 
+def test_add_rms_norm_kernel_equals_the_add_and_the_module():
+    """A pre-norm layer's residual add and the norm after it in one launch: the sum bit for bit as the layer's
+    ``residual + x``, the norm as the module's on it (Llama's and Gemma's, fp32 / bf16 / fp16)."""
+    run_triton_interpreter_script("triton_interpret_norm_act.py", "add_norm")
+
+
 def test_gated_act_kernel_equals_the_mlps():
     """SiLU (Llama) and GELU's tanh form (Gemma) times up in fp32, bf16 and fp16; the stand-in modules
     ``FusedRMSNorm`` and ``FusedGatedMLP`` with the kernel against the modules they replace."""

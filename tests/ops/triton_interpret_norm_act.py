@@ -7,6 +7,7 @@ Parts (arguments; all by default):
 * ``norm``: ``rms_norm_triton`` against Llama's, Qwen3's (a per-head q/k norm on a view of the fused q/k/v
   product) and Gemma's ``(1 + weight)`` RMSNorm modules in fp32, bf16 (also with fp32 weights) and fp16:
   rows across several programs, one row, rows longer than a power of 2, a row longer than one tile;
+* ``add_norm``: ``add_rms_norm_triton`` (a layer's residual add and the norm after it) against the add and the module;
 * ``act``: ``gated_act_triton`` against ``act_fn(gate) * up`` of Llama's (SiLU) and Gemma's (GELU, tanh form)
   MLPs, and the stand-in modules (``FusedRMSNorm``, ``FusedGatedMLP`` with the kernel) against the originals;
 * ``decoder``: ``FastDecoder(fuse_kernels=True)`` (as on CUDA) against the PyTorch modules and ``generate()``,
@@ -119,6 +120,31 @@ def check_norm():
     assert len(seen) == 11, seen
 
 
+def check_add_norm():
+    """``add_rms_norm_triton``: the residual add and the norm after it, against the layer's ``residual + x`` (bit
+    for bit) and the module on that sum, Llama's and Gemma's norms, fp32 / bf16 / fp16, rows across programs."""
+    from linearize.ops.norm_act import add_rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    llama = _family("llama", hidden_size=40, num_attention_heads=5, num_key_value_heads=1).model.norm
+    gemma = _family("gemma", hidden_size=40, num_attention_heads=5).model.norm
+    for name, norm, around in (("llama", llama, 1.0), ("gemma", gemma, 0.0)):
+        _randomise(norm, g, around)
+        for x_dtype, w_dtype in DTYPES:
+            if name == "gemma" and w_dtype != x_dtype:
+                continue
+            mod = norm.to(w_dtype)
+            eps = getattr(mod, "variance_epsilon", getattr(mod, "eps", None))
+            for shape in ((3, 7), (1, 1), (41,)):
+                x = (torch.randn(*shape, 40, generator=g) * 3).to(x_dtype)
+                r = (torch.randn(*shape, 40, generator=g) * 3 + 0.5).to(x_dtype)
+                normed, summed = rnt.add_rms_norm_triton(x, r, mod.weight, eps, offset=name == "gemma")
+                assert torch.equal(summed, r + x), (name, x_dtype, shape)  # the layer's own add, rounded alike
+                agree(normed, mod(r + x), (name, x_dtype, w_dtype, shape, "add"), unit=x_dtype)
+                twin = add_rms_norm(x, r, mod.weight, eps, offset=name == "gemma")
+                assert torch.equal(twin[1], summed) and twin[0].dtype == normed.dtype
+
+
 def check_act():
     from linearize.models.fusion import FusedGatedMLP, FusedRMSNorm
 
@@ -203,8 +229,9 @@ def check_decoder():
     from linearize.decode.route import plain_loop
     from linearize.fast import FastDecoder
 
-    calls = {"norm": 0, "act": 0}
+    calls = {"norm": 0, "add": 0, "act": 0}
     rnt.rms_norm_triton = _Launches.launch(rnt.rms_norm_triton, "norm", calls)
+    rnt.add_rms_norm_triton = _Launches.launch(rnt.add_rms_norm_triton, "add", calls)
     gat.gated_act_triton = _Launches.launch(gat.gated_act_triton, "act", calls)
     ids = torch.randint(2, 97, (2, 9), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
@@ -218,28 +245,32 @@ def check_decoder():
         model = linearize.convert(_family(family, num_hidden_layers=2), s)
         model.generation_config.eos_token_id = None
         n_norms = sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
+        paired = 0 if family == "gemma" else len(model.model.layers)  # pre-norm layers: adds with their norms
         with fusion.fused_projections(model, kernels=True) as n:
-            assert n == n_norms + len(mixers(model)) + len(model.model.layers), (family, n)
+            assert n == n_norms + len(mixers(model)) + len(model.model.layers) + paired, (family, n)
         plain = FastDecoder(model, fuse_kernels=False).generate(ids, mask, max_new_tokens=6)
-        calls.update(norm=0, act=0)
+        calls.update(norm=0, add=0, act=0)
         fused = FastDecoder(model, fuse_kernels=True).generate(ids, mask, max_new_tokens=6)
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
                              **plain_loop(model))  # transformers' own loop
         assert torch.equal(fused, plain) and torch.equal(fused, ref), (family, s)
-        # every norm and MLP on every forward: the prefill and 5 steps (past the ring of 4)
-        assert calls == {"norm": 6 * n_norms, "act": 6 * len(model.model.layers)}, (family, calls, n_norms)
+        # every norm and MLP on every forward: the prefill and 5 steps (past the ring of 4); in a pre-norm layer
+        # both adds with the norm after them (the second layer's input norm, the final norm)
+        assert calls == {"norm": 6 * (n_norms - 2 * paired), "add": 6 * 2 * paired,
+                         "act": 6 * len(model.model.layers)}, (family, calls, n_norms)
         assert not any(type(m).__name__.startswith("Fused") for m in model.modules()), family  # all restored
-    # the kernels cut a decode step's launches: 5 a norm in fp32 (2 a layer + the final one; 7 in 16 bits), 1 an MLP
+    # the kernels cut a decode step's launches: 5 a norm in fp32 (2 a layer + the final one; 7 in 16 bits), 1 an MLP,
+    # and each residual add goes into the norm after it
     model = linearize.convert(_family("llama", num_hidden_layers=2), spec)
     model.generation_config.eos_token_id = None
     before = _launches_per_step(FastDecoder(model, fuse_kernels=False), ids, mask)
     after = _launches_per_step(FastDecoder(model, fuse_kernels=True), ids, mask)
     layers = len(model.model.layers)
-    assert before - after >= 5 * (2 * layers + 1) + layers, (before, after)
+    assert before - after >= 5 * (2 * layers + 1) + layers + 2 * layers, (before, after)
     print(f"launches per step, 2-layer Llama LoLCATs on the CPU: {before:.0f} -> {after:.0f}", file=sys.stderr)
 
 
-parts = sys.argv[1:] or ["norm", "act", "decoder"]
+parts = sys.argv[1:] or ["norm", "add_norm", "act", "decoder"]
 for part in parts:
-    {"norm": check_norm, "act": check_act, "decoder": check_decoder}[part]()
+    {"norm": check_norm, "add_norm": check_add_norm, "act": check_act, "decoder": check_decoder}[part]()
 print("ok")

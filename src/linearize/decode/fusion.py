@@ -23,7 +23,10 @@ computes exactly the kernel's PyTorch twin (``ops.norm_act``):
   per-head q/k norms) is replaced by a ``FusedRMSNorm`` (about eight launches become one);
 * the fused gated MLPs compute ``act(gate) * up`` in one launch (two before).
 
-The residual adds stay: they sit in the families' decoder-layer forwards, which this does not patch.
+* the residual adds of the pre-norm decoder layers (Llama, Mistral, Qwen2/3, SmolLM3: ``models.fusion.PRE_NORM_LAYERS``)
+  run with the norm after each (``ResidualFusion`` as the layer's forward): the attention's add with the
+  layer's second norm, the MLP's with the next layer's input norm or the model's final one (two launches a layer
+  fewer). Gemma's layers (norms after the attention and the MLP too) keep their own forward.
 ``KERNELS = False`` turns the kernels off for every decoder that is not told otherwise (a
 before-and-after switch for benchmarks: ``dev/gpu_hybrid.sh decode-default``).
 """
@@ -37,7 +40,7 @@ from torch import nn
 from ..convert.layers import mixers
 from ..errors import LinearizeError
 from ..models import get_adapter
-from ..models.fusion import FUSED_QKV, FusedGatedMLP, FusedRMSNorm
+from ..models.fusion import FUSED_QKV, FusedGatedMLP, FusedRMSNorm, ResidualFusion, residual_fusable
 
 KERNELS = True  # the Triton norm and activation kernels by default where they can run (kernels_default)
 
@@ -63,6 +66,8 @@ def fused_projections(model: nn.Module, enabled: bool = True, kernels: bool = Fa
             _fuse_norms(model, undo)
         if enabled:
             _fuse(model, undo, kernels)
+        if kernels:
+            _fuse_residuals(model, undo)
         yield len(undo)
     finally:
         for restore in reversed(undo):
@@ -89,6 +94,22 @@ def _fuse(model: nn.Module, undo: list, kernels: bool) -> None:
         if fused is not None:
             adapter.set_mlp(layer, fused)
             undo.append(lambda layer=layer, mlp=mlp: adapter.set_mlp(layer, mlp))
+
+
+def _fuse_residuals(model: nn.Module, undo: list) -> None:
+    """Each pre-norm decoder layer ``residual_fusable`` says may, with ``ResidualFusion`` as its forward: its residual
+    adds computed with the norms after them (the last layer's with the model's final norm)."""
+    try:
+        layers = list(get_adapter(model.config).layers(model))
+    except LinearizeError:
+        return
+    final = getattr(model.base_model, "norm", None)
+    for i, layer in enumerate(layers):
+        if not residual_fusable(layer):
+            continue
+        after = layers[i + 1].input_layernorm if i + 1 < len(layers) else final
+        layer.forward = ResidualFusion(layer, after if isinstance(after, FusedRMSNorm) else None)
+        undo.append(lambda layer=layer: vars(layer).pop("forward", None))
 
 
 def _fuse_norms(model: nn.Module, undo: list) -> None:

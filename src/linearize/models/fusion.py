@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..ops.norm_act import ACTIVATIONS, gated_act_kernel_takes, rms_norm, rms_norm_kernel_takes
+from ..ops.norm_act import (ACTIVATIONS, add_rms_norm_kernel_takes, gated_act_kernel_takes, rms_norm,
+                             rms_norm_kernel_takes)
 
 FUSED_QKV = "fused_qkv"  # the name under which a converted layer holds its q/k/v FusedLinear (Adapter.fuse_qkv)
 
@@ -166,6 +167,9 @@ class FusedRMSNorm(nn.Module):
         return None if kind is None else cls(norm, _eps(norm), kind == "offset")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ahead = self.__dict__.pop("_ahead", None)  # normalised already, with the add before it (add_norm_ahead)
+        if ahead is not None and ahead[0] is x:
+            return ahead[1]
         weight = self.norm.weight
         if torch.compiler.is_compiling() or not rms_norm_kernel_takes(x, weight):
             return self.norm(x)
@@ -173,8 +177,67 @@ class FusedRMSNorm(nn.Module):
 
         return kernel.rms_norm_triton(x, weight, self.eps, self.offset)
 
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``: a layer's residual add and this norm after it, in one launch
+        (``ops.rms_norm_triton.add_rms_norm_triton``) where the kernels take them."""
+        weight = self.norm.weight
+        if torch.compiler.is_compiling() or not add_rms_norm_kernel_takes(x, residual, weight):
+            summed = residual + x
+            return self.norm(summed), summed
+        from ..ops import rms_norm_triton as kernel
+
+        return kernel.add_rms_norm_triton(x, residual, weight, self.eps, self.offset)
+
+    def add_norm_ahead(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """``residual + x``, normalised by this module at the same time: its next call on that very tensor
+        (the next layer's input norm, or the model's final norm) returns the norm without computing it."""
+        normed, summed = self.add_norm(x, residual)
+        self.__dict__["_ahead"] = (summed, normed)
+        return summed
+
     def extra_repr(self) -> str:
         return f"eps={self.eps}, offset={self.offset}"
+
+
+# The decoder layers whose forward is the pre-norm pair ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``, op for
+# op (transformers 5.x; checked against the class's own forward by tests/decode/test_fused_kernels.py)
+PRE_NORM_LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer",
+                   "SmolLM3DecoderLayer")
+
+
+def residual_fusable(layer: nn.Module) -> bool:
+    """Whether ``ResidualFusion`` may stand in for ``layer``'s forward: a ``PRE_NORM_LAYERS`` class of transformers
+    with its class's own forward (no instance ``forward``; hooks are fine: they see the same inputs and output, as
+    transformers' own output-capturing hooks do), both norms already ``FusedRMSNorm``."""
+    cls = type(layer)
+    return (cls.__name__ in PRE_NORM_LAYERS and cls.__module__.startswith("transformers.models.")
+            and "forward" not in vars(layer) and all(hasattr(layer, n) for n in ("self_attn", "mlp"))
+            and isinstance(getattr(layer, "input_layernorm", None), FusedRMSNorm)
+            and isinstance(getattr(layer, "post_attention_layernorm", None), FusedRMSNorm))
+
+
+class ResidualFusion:
+    """A pre-norm decoder layer's forward (``residual_fusable``) with each residual add and the RMSNorm after it
+    as one launch: the attention's add with the layer's second norm, and the MLP's add with ``next_norm`` (the next
+    layer's input norm or the model's final one, a ``FusedRMSNorm``; None: a plain add), whose call on the sum
+    then returns the norm computed here. Two launches a layer fewer; the same function. Installed as the layer's
+    ``forward`` for a decoding call (``decode.fusion``); keyword arguments pass to the attention as the class's
+    forward passes them (anything positional: the class's own forward)."""
+
+    def __init__(self, layer: nn.Module, next_norm: FusedRMSNorm | None):
+        self.layer = weakref.proxy(layer)  # held by the layer itself: no cycle
+        self.next_norm = next_norm
+
+    def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        layer = self.layer
+        if args:
+            return type(layer).forward(layer, hidden_states, *args, **kwargs)
+        attn = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)[0]
+        normed, hidden = layer.post_attention_layernorm.add_norm(attn, hidden_states)
+        out = layer.mlp(normed)
+        if self.next_norm is None:
+            return hidden + out
+        return self.next_norm.add_norm_ahead(out, hidden)
 
 
 # -- which modules compute the kernels' functions exactly ------------------------------------------

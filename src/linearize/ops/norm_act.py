@@ -7,6 +7,8 @@
   input's dtype, then times the weight (the result in the promotion of the two dtypes);
 * Gemma 1/2/3 (``offset=True``): normalised in fp32, times ``1 + weight`` in fp32, rounded to the input's dtype.
 
+``add_rms_norm`` is a pre-norm decoder layer's residual add followed by the next RMSNorm (the sum rounded first).
+
 ``gated_act`` is a gated MLP's ``act(gate) * up`` over the ``[..., 2I]`` output of its fused gate/up
 product (``models.fusion.FusedGatedMLP``): ``act(gate)`` rounded to the input's dtype, then the product.
 No Triton here: ``models.fusion`` checks the modules against these twins on the CPU before a kernel
@@ -35,6 +37,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = F
     if offset:
         return (h * (1.0 + weight.float())).to(x.dtype)
     return weight * h.to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """A pre-norm decoder layer's residual add and the RMSNorm after it: ``(rms_norm(s), s)`` for
+    ``s = residual + x`` (rounded to the inputs' dtype first, as the layer's ``residual + hidden_states``)."""
+    s = residual + x
+    return rms_norm(s, weight, eps, offset), s
+
+
+def add_rms_norm_kernel_takes(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``rms_norm_triton.add_rms_norm_triton`` takes these inputs: one dtype and shape for the two
+    summands, and what the norm's kernel takes."""
+    return x.dtype == residual.dtype and x.shape == residual.shape and rms_norm_kernel_takes(x, weight)
 
 
 def rms_norm_dtype(x_dtype: torch.dtype, weight_dtype: torch.dtype, offset: bool) -> torch.dtype:

@@ -49,6 +49,30 @@ def _rms_norm(x_ptr, w_ptr, y_ptr, n_rows, R, D, s_outer, s_inner, eps,
     tl.store(y_ptr + i[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit(do_not_specialize=["n_rows"])
+def _add_rms_norm(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_rows, D, eps, OFFSET: tl.constexpr, ROWS: tl.constexpr,
+                  BD: tl.constexpr):
+    """``s = r + x`` rounded to their dtype (stored), then ``_rms_norm`` of ``s``; contiguous rows."""
+    i = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    d = tl.arange(0, BD)
+    dm = d < D
+    m = (i < n_rows)[:, None] & dm[None, :]
+    at = i[:, None] * D + d[None, :]
+    x = tl.load(x_ptr + at, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + at, mask=m, other=0.0).to(tl.float32)
+    s = (r + x).to(s_ptr.dtype.element_ty)
+    tl.store(s_ptr + at, s, mask=m)
+    h = s.to(tl.float32)
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)
+    h = h * rstd[:, None]
+    if OFFSET:
+        y = h * (1.0 + w[None, :])
+    else:
+        y = h.to(s_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+    tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=m)
+
+
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
     """``x`` as rows without a copy where its layout allows: (tensor, rows per outer index R, outer
     stride, inner stride), row ``i`` starting at ``(i // R) * outer + (i % R) * inner``."""
@@ -81,3 +105,20 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: b
     _rms_norm[(triton.cdiv(n_rows, per),)](rows, weight.contiguous(), y, n_rows, r, d, s_outer, s_inner, float(eps),
                                            OFFSET=offset, ROWS=per, BD=bd, num_warps=8 if per * bd > TILE else 4)
     return y
+
+
+def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm_act.add_rms_norm(x, residual, weight, eps, offset)`` in one launch where PyTorch takes the add and
+    the norm apart: ``(normed, summed)``, new contiguous tensors (inputs as ``norm_act.add_rms_norm_kernel_takes``
+    allows)."""
+    d = x.shape[-1]
+    x, residual = x.contiguous(), residual.contiguous()
+    n_rows = x.numel() // d
+    y = torch.empty(x.shape, dtype=rms_norm_dtype(x.dtype, weight.dtype, offset), device=x.device)
+    s = torch.empty_like(x)
+    bd = triton.next_power_of_2(d)
+    per = max(1, min(16, TILE // bd))
+    _add_rms_norm[(triton.cdiv(n_rows, per),)](x, residual, weight.contiguous(), y, s, n_rows, d, float(eps),
+                                               OFFSET=offset, ROWS=per, BD=bd, num_warps=8 if per * bd > TILE else 4)
+    return y, s
