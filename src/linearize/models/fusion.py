@@ -225,7 +225,7 @@ class ResidualFusion:
     forward passes them (anything positional: the class's own forward)."""
 
     def __init__(self, layer: nn.Module, next_norm: FusedRMSNorm | None):
-        self.layer = weakref.proxy(layer)  # held by the layer itself: no cycle
+        self.layer = layer  # a cycle through the layer's __dict__ for the call's length (decode.fusion removes it)
         self.next_norm = next_norm
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
