@@ -291,6 +291,13 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
 
 
 @triton.jit
+def _next_slot(s, W, S):
+    """The slot after ``s`` on a ring of ``W`` slots whose first ``S`` (the sinks') never move
+    (``RingHybridState.advance``)."""
+    return S + (s - S + 1) % (W - S)
+
+
+@triton.jit
 def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, HK, G, W, S, D, P, BG: tl.constexpr, BD: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
@@ -315,19 +322,16 @@ def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, HK, G, W, S, D, P, BG: tl.c
         m = m_new
     o = acc / tl.where(gm, l, 1.0)[:, None]
     tl.store(o_ptr + (head * G + g)[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=out)
-    # every program of the step has read the slot before this launch: the first advances it (past the S sinks'
-    # slots, which never move)
-    s = tl.load(slot_ptr)
-    tl.store(slot_ptr, S + (s - S + 1) % (W - S), mask=(bi == 0) & (hk == 0))
+    # every program of the step has read the slot before this launch: the first advances it
+    tl.store(slot_ptr, _next_slot(tl.load(slot_ptr), W, S), mask=(bi == 0) & (hk == 0))
 
 
 @triton.jit
 def _advance(slot_ptr, W, S):
-    """A ring step taken in one program per (sequence, key head): the next slot to overwrite, past the ``S`` sinks'
-    slots (``RingHybridState.advance``), in one launch where PyTorch takes two to four. A launch of its own: the
-    step's programs all read the slot first, and a program cannot know that the others have."""
-    s = tl.load(slot_ptr)
-    tl.store(slot_ptr, S + (s - S + 1) % (W - S))
+    """A ring step taken in one program per (sequence, key head): the slot counter advanced in one launch where
+    PyTorch takes two to four. A launch of its own: the step's programs all read the slot first, and a program
+    cannot know that the others have."""
+    tl.store(slot_ptr, _next_slot(tl.load(slot_ptr), W, S))
 
 
 _PROGRAMS: dict[int, int] = {}
