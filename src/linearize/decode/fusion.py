@@ -107,7 +107,7 @@ def _fuse_residuals(model: nn.Module, undo: list) -> None:
     for i, layer in enumerate(layers):
         if not residual_fusable(layer):
             continue
-        after = layers[i + 1].input_layernorm if i + 1 < len(layers) else final
+        after = getattr(layers[i + 1], "input_layernorm", None) if i + 1 < len(layers) else final
         layer.forward = ResidualFusion(layer, after if isinstance(after, FusedRMSNorm) else None)
         undo.append(lambda layer=layer: vars(layer).pop("forward", None))
 
