@@ -29,6 +29,23 @@ from .norm_act import rms_norm_dtype
 TILE = 4096  # elements per program (rows x BLOCK_D); rows of up to norm_act.MAX_NORM_D
 
 
+@triton.jit
+def _normalised(x, w_ptr, d, dm, D, eps, x_ty: tl.constexpr, OFFSET: tl.constexpr):
+    """Rows ``x`` (fp32, from ``x_ty``) normalised and weighted with ``rms_norm``'s roundings (fp32 result)."""
+    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
+    h = x * tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]
+    if OFFSET:  # Gemma: (h * (1 + w)) rounded once
+        return h * (1.0 + w[None, :])
+    return h.to(x_ty).to(tl.float32) * w[None, :]  # Llama: h rounded to x's dtype, then times the weight
+
+
+def _tiles(d: int) -> tuple[int, int, int]:
+    """A row of ``d`` as the kernels take it: (its block, rows a program, warps)."""
+    bd = triton.next_power_of_2(d)
+    per = max(1, min(16, TILE // bd))
+    return bd, per, 8 if per * bd > TILE else 4
+
+
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm(x_ptr, w_ptr, y_ptr, n_rows, R, D, s_outer, s_inner, eps,
               OFFSET: tl.constexpr, ROWS: tl.constexpr, BD: tl.constexpr):
@@ -39,13 +56,7 @@ def _rms_norm(x_ptr, w_ptr, y_ptr, n_rows, R, D, s_outer, s_inner, eps,
     outer = i // R
     base = outer * s_outer + (i - outer * R) * s_inner
     x = tl.load(x_ptr + base[:, None] + d[None, :], mask=m, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)
-    h = x * rstd[:, None]
-    if OFFSET:  # Gemma: (h * (1 + w)) rounded once
-        y = h * (1.0 + w[None, :])
-    else:  # Llama: h rounded to x's dtype, then times the weight
-        y = h.to(x_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+    y = _normalised(x, w_ptr, d, dm, D, eps, x_ptr.dtype.element_ty, OFFSET)
     tl.store(y_ptr + i[:, None] * D + d[None, :], y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -62,14 +73,7 @@ def _add_rms_norm(x_ptr, r_ptr, w_ptr, y_ptr, s_ptr, n_rows, D, eps, OFFSET: tl.
     r = tl.load(r_ptr + at, mask=m, other=0.0).to(tl.float32)
     s = (r + x).to(s_ptr.dtype.element_ty)
     tl.store(s_ptr + at, s, mask=m)
-    h = s.to(tl.float32)
-    w = tl.load(w_ptr + d, mask=dm, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)
-    h = h * rstd[:, None]
-    if OFFSET:
-        y = h * (1.0 + w[None, :])
-    else:
-        y = h.to(s_ptr.dtype.element_ty).to(tl.float32) * w[None, :]
+    y = _normalised(s.to(tl.float32), w_ptr, d, dm, D, eps, s_ptr.dtype.element_ty, OFFSET)
     tl.store(y_ptr + at, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
@@ -100,10 +104,9 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: b
     rows, r, s_outer, s_inner = _rows(x)
     n_rows = rows.numel() // d
     y = torch.empty(x.shape, dtype=rms_norm_dtype(x.dtype, weight.dtype, offset), device=x.device)
-    bd = triton.next_power_of_2(d)
-    per = max(1, min(16, TILE // bd))
+    bd, per, warps = _tiles(d)
     _rms_norm[(triton.cdiv(n_rows, per),)](rows, weight.contiguous(), y, n_rows, r, d, s_outer, s_inner, float(eps),
-                                           OFFSET=offset, ROWS=per, BD=bd, num_warps=8 if per * bd > TILE else 4)
+                                           OFFSET=offset, ROWS=per, BD=bd, num_warps=warps)
     return y
 
 
@@ -117,8 +120,7 @@ def add_rms_norm_triton(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     n_rows = x.numel() // d
     y = torch.empty(x.shape, dtype=rms_norm_dtype(x.dtype, weight.dtype, offset), device=x.device)
     s = torch.empty_like(x)
-    bd = triton.next_power_of_2(d)
-    per = max(1, min(16, TILE // bd))
+    bd, per, warps = _tiles(d)
     _add_rms_norm[(triton.cdiv(n_rows, per),)](x, residual, weight.contiguous(), y, s, n_rows, d, float(eps),
-                                               OFFSET=offset, ROWS=per, BD=bd, num_warps=8 if per * bd > TILE else 4)
+                                               OFFSET=offset, ROWS=per, BD=bd, num_warps=warps)
     return y, s
