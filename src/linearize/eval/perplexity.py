@@ -53,10 +53,19 @@ def token_nll(model, batch: torch.Tensor) -> torch.Tensor:
     for j in range(0, len(batch), rows):
         part = batch[j : j + rows]
         logits = model(part, use_cache=False).logits
-        out.append(torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2).double(), part[:, 1:],
-                                                     reduction="none"))
+        out.append(_nll(logits[:, :-1], part[:, 1:]))
         del logits
     return torch.cat(out)
+
+
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` float64 next-token losses of ``logits`` ``[B, T, V]`` against ``targets`` ``[B, T]``, the
+    softmax taken along the last (contiguous) dimension. ``cross_entropy`` of ``[B, V, T]`` (the vocabulary
+    moved to dimension 1) gives the same values by a strided softmax: 3.3x slower on a CPU at Gemma's
+    262k vocabulary ([1, 256, 262144]), and on CUDA a different kernel (the spatial softmax)."""
+    flat = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(), targets.reshape(-1),
+                                             reduction="none")
+    return flat.view(targets.shape)
 
 
 def _sliced_nll(trunk, head, batch: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -70,8 +79,7 @@ def _sliced_nll(trunk, head, batch: torch.Tensor, vocab: int) -> torch.Tensor:
         for s in range(0, part.shape[1] - 1, step):
             e = min(s + step, part.shape[1] - 1)
             logits = head(hidden[:, s:e])
-            out[j : j + 1, s:e] = torch.nn.functional.cross_entropy(logits.transpose(1, 2).double(),
-                                                                     part[:, s + 1 : e + 1], reduction="none")
+            out[j : j + 1, s:e] = _nll(logits, part[:, s + 1 : e + 1])
             del logits
         del hidden
     return out
