@@ -119,6 +119,13 @@ def test_stages_report_set_up_and_steady_state(workspace, monkeypatch, tmp_path)
     assert [r["stage"] for r in rows if "speed" in r] == ["stage1[0]", "stage1[1]", "stage2"]
     text = lolcats.summary(res)
     assert "stage1: 10 steps" in text and "set-up " in text and "(4 steps), steady " in text
+    # the whole run's wall time by phase: what is not training shows too
+    phases = res["phases"]
+    assert list(phases)[:4] == ["teacher", "data", "perplexity: teacher", "convert"]
+    assert {"attention MSE", "stage 1", "perplexity: students", "stage 2", "save", "sample"} <= set(phases)
+    assert phases["stage 1"] >= one["seconds"] >= 4 * 0.3 and phases["stage 2"] >= two["seconds"]
+    assert all(v >= 0 for v in phases.values())
+    assert f"wall time {sum(phases.values()):.0f}s: " in text
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -16,6 +18,30 @@ from .launch import is_main_process, under_fsdp
 # what results.json says of a measurement left out under accelerate's FSDP config (results["skipped"])
 SKIPPED_UNDER_FSDP = ("under FSDP the teacher loads on the CPU and no whole model goes onto one GPU before the "
                       "Trainer shards it, so nothing is measured before training (the trained student is, sharded)")
+
+
+@contextmanager
+def phase(results: dict, name: str):
+    """Adds the wall seconds of the block to ``results["phases"][name]`` (phases in the order first met),
+    the GPU's queued work included: where a run's time goes besides training (loading, tokenizing,
+    the evaluations between stages, saving)."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()
+        phases = results.setdefault("phases", {})
+        phases[name] = round(phases.get(name, 0.0) + time.perf_counter() - start, 2)
+
+
+def phases_line(results: dict) -> str | None:
+    """One summary line: each phase's seconds, the largest first, and their total."""
+    phases = results.get("phases")
+    if not phases:
+        return None
+    parts = ", ".join(f"{name} {seconds:.0f}s" for name, seconds in sorted(phases.items(), key=lambda kv: -kv[1]))
+    return f"  wall time {sum(phases.values()):.0f}s: {parts}"
 
 
 def datasets(cfg, tokenizer):
@@ -51,14 +77,18 @@ def begin_run(cfg, skip_under_fsdp: tuple[str, ...] = ()):
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
     fsdp = under_fsdp()
-    if fsdp:  # on the CPU, in the dtype the process's own device would give it
-        teacher, tok = load_teacher(cfg.teacher, dtype=resolve_dtype(cfg.dtype, resolve_device(None)), device="cpu")
-    else:
-        teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
-    train_ds, eval_ds, eval_blocks = datasets(cfg, tok)
+    timing: dict = {}
+    with phase(timing, "teacher"):
+        if fsdp:  # on the CPU, in the dtype the process's own device would give it
+            teacher, tok = load_teacher(cfg.teacher, dtype=resolve_dtype(cfg.dtype, resolve_device(None)),
+                                        device="cpu")
+        else:
+            teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
+    with phase(timing, "data"):
+        train_ds, eval_ds, eval_blocks = datasets(cfg, tok)
     results: dict = {"config": asdict(cfg), "train_tokens_per_epoch": train_ds.blocks.numel(),
                      "eval_tokens": eval_blocks.numel(), "teacher_loaded_on": str(next(teacher.parameters()).device),
-                     "perplexity": {}}
+                     "perplexity": {}, **timing}
     if fsdp:
         skipped = ("perplexity: teacher", *skip_under_fsdp)
         results["skipped"] = dict.fromkeys(skipped, SKIPPED_UNDER_FSDP)
@@ -66,7 +96,8 @@ def begin_run(cfg, skip_under_fsdp: tuple[str, ...] = ()):
             print(f"linearize: under FSDP the teacher loads on the CPU and nothing is measured before the training "
                   f"shards the models; skipped: {', '.join(skipped)} (results.json: skipped)", file=sys.stderr)
     else:
-        results["perplexity"]["teacher"] = perplexity(teacher, eval_blocks)
+        with phase(results, "perplexity: teacher"):
+            results["perplexity"]["teacher"] = perplexity(teacher, eval_blocks)
     if is_main_process():  # a run stopped before results.json still says what its curves mean
         (out / "run_config.json").write_text(json.dumps(results["config"], indent=1, default=str))
     return out, teacher, tok, train_ds, eval_ds, eval_blocks, results
@@ -87,10 +118,11 @@ def finish(student, tokenizer, out: Path, results: dict, prompt: str) -> dict:
     record_training(student, cfg.get("method") or "lolcats", train.get("tokens", 0), steps=train.get("steps"),
                     seconds=train.get("seconds"), data=cfg.get("data") or "gutenberg",
                     **({"stages": list(cfg["stages"])} if "stages" in cfg else {}))
-    save(student, tokenizer, out / "final")
+    with phase(results, "save"):
+        save(student, tokenizer, out / "final")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(next(student.parameters()).device)
-    with torch.no_grad():
+    with torch.no_grad(), phase(results, "sample"):
         # long enough to run past a LoLCATs window (64), where the linear attention takes over;
         # through the fast decoder (the same greedy tokens as generate()) where it applies
         from ..errors import LinearizeError

@@ -44,7 +44,7 @@ from ..errors import LinearizeError
 from ..eval import perplexity
 from ..graphed import use_graphs
 from ..models import get_adapter
-from .common import begin_run, finish
+from .common import begin_run, finish, phase, phases_line
 from .config import resolve_budget
 from .settings import AUTO_SCORES, DEFAULT_DATA, DEFAULT_SPEC, LolcatsConfig
 if typing.TYPE_CHECKING:
@@ -623,7 +623,8 @@ def run(cfg: LolcatsConfig) -> dict:
     results["cuda_graph"] = _graph_record(cfg, decisions)
     # auto:K: every layer the spec converts is converted for stage 1; the teacher stays whole to keep the chosen
     # layers from
-    student = cfg.convert_teacher(teacher, inplace=not auto_k)
+    with phase(results, "convert"):
+        student = cfg.convert_teacher(teacher, inplace=not auto_k)
     if auto_k:
         auto_k = auto_softmax_layers(auto_k, n_converted := len(mixers(student)))
     if auto_k and auto_k >= n_converted:
@@ -631,31 +632,41 @@ def run(cfg: LolcatsConfig) -> dict:
                              "layers this spec converts (layers with their own sliding window stay as they are under "
                              "keep_sliding); ask for fewer")
     if not fsdp:
-        ppl["converted"] = perplexity(student, eval_blocks)
+        with phase(results, "perplexity: students"):
+            ppl["converted"] = perplexity(student, eval_blocks)
     if "stage1" in cfg.stages:
         if not fsdp:
-            results["layer_mse_before"] = layer_mse(student, eval_blocks)
-        results["stage1"] = run_stage1(student, train_ds, eval_ds, cfg, out)
+            with phase(results, "attention MSE"):
+                results["layer_mse_before"] = layer_mse(student, eval_blocks)
+        with phase(results, "stage 1"):
+            results["stage1"] = run_stage1(student, train_ds, eval_ds, cfg, out)
         # under FSDP (stage 1 alone, no auto:K) measured on the sharded student, every rank taking part
-        results["layer_mse_after"] = layer_mse(student, eval_blocks)
+        with phase(results, "attention MSE"):
+            results["layer_mse_after"] = layer_mse(student, eval_blocks)
         if auto_k:
-            ppl["after_stage1, every layer linear"] = perplexity(student, eval_blocks)
-            chosen, results["auto_softmax"] = auto_softmax_choice(student, tok, results["layer_mse_after"], auto_k, cfg)
-            spec = dict(cfg.spec)
-            if cfg.auto_softmax_long:
-                long, results["auto_softmax"]["long"] = auto_long_choice(student, tok, chosen, cfg)
-                spec["softmax_windows"] = {i: results["auto_softmax"]["long"]["window"] for i in long}
-            student = keep_chosen_layers(teacher, student, chosen, spec, results["auto_softmax"])
+            with phase(results, "perplexity: students"):
+                ppl["after_stage1, every layer linear"] = perplexity(student, eval_blocks)
+            with phase(results, "softmax layers' choice"):
+                chosen, results["auto_softmax"] = auto_softmax_choice(student, tok, results["layer_mse_after"], auto_k,
+                                                                      cfg)
+                spec = dict(cfg.spec)
+                if cfg.auto_softmax_long:
+                    long, results["auto_softmax"]["long"] = auto_long_choice(student, tok, chosen, cfg)
+                    spec["softmax_windows"] = {i: results["auto_softmax"]["long"]["window"] for i in long}
+                student = keep_chosen_layers(teacher, student, chosen, spec, results["auto_softmax"])
         del teacher
-        ppl["after_stage1"] = perplexity(student, eval_blocks)
+        with phase(results, "perplexity: students"):
+            ppl["after_stage1"] = perplexity(student, eval_blocks)
         if fsdp:  # gathered whole on the CPU alone, where rank 0 saves it and decodes the sample (finish)
             from .engine import unsharded
 
             student = unsharded(student, device="cpu")
         _plot_layer_mse(results, out)
     if "stage2" in cfg.stages:
-        student, results["stage2"] = run_stage2(student, train_ds, eval_ds, cfg, out)
-        ppl["after_stage2"] = perplexity(student, eval_blocks)
+        with phase(results, "stage 2"):
+            student, results["stage2"] = run_stage2(student, train_ds, eval_ds, cfg, out)
+        with phase(results, "perplexity: students"):
+            ppl["after_stage2"] = perplexity(student, eval_blocks)
     stages = [results[s] for s in ("stage1", "stage2") if s in results]
     seconds = sum(s["seconds"] for s in stages)
     tokens = sum(s["tokens"] for s in stages)
@@ -743,5 +754,7 @@ def summary(results: dict, row: str = "lolcats") -> str:
         lines.append(f"  attention MSE, mean over layers: {mean(b):.3g} -> {mean(a):.3g}")
     elif results.get("layer_mse_after"):  # under FSDP nothing is measured before stage 1
         lines.append(f"  attention MSE, mean over layers, after stage 1: {mean(results['layer_mse_after']):.3g}")
+    if line := phases_line(results):
+        lines.append(line)
     lines.append(f"  sample (recurrent decoding): {results['sample']!r}")
     return "\n".join(lines)

@@ -23,7 +23,7 @@ import torch
 from ..errors import LinearizeError
 from ..eval import perplexity
 from ..graphed import use_graphs
-from .common import begin_run, finish
+from .common import begin_run, finish, phase, phases_line
 from .config import resolve_budget
 from .settings import UptrainConfig
 from ..distill import FrozenTeacher, build_objective, check_options, next_token_loss
@@ -135,13 +135,15 @@ def run(cfg: UptrainConfig) -> dict:
     from_teacher = bool(cfg.align_steps) or not _learns_from_lm(cfg)
     if from_teacher and cfg.converts_in_place:
         frozen = FrozenTeacher(teacher, copy_model=True, shard=fsdp)
-    student, new_parameters, report = cfg.build(teacher)
+    with phase(results, "build"):
+        student, new_parameters, report = cfg.build(teacher)
     if from_teacher and not cfg.converts_in_place:
         frozen = FrozenTeacher(teacher, copy_model=False, shard=fsdp)
     if report is not None:
         results["transfer_report"] = report.summary()
     if not fsdp:  # under FSDP the student waits on the CPU until the Trainer shards it: not measured whole
-        results["perplexity"]["student, before training"] = perplexity(student, eval_blocks)
+        with phase(results, "perplexity: students"):
+            results["perplexity"]["student, before training"] = perplexity(student, eval_blocks)
     for p in student.parameters():
         p.requires_grad_(True)
 
@@ -154,7 +156,8 @@ def run(cfg: UptrainConfig) -> dict:
         results["align"] = _align(student, frozen, train_ds, eval_ds, cfg, out)
         steps_done += results["align"]["steps"]
         speeds.append(results["align"].pop("speed"))
-        results["perplexity"]["student, after alignment"] = perplexity(student, eval_blocks)
+        with phase(results, "perplexity: students"):
+            results["perplexity"]["student, after alignment"] = perplexity(student, eval_blocks)
         student = _plain(student)
     if first_steps := cfg.stage_before():
         new_ids = {id(p) for p in new_parameters}
@@ -192,7 +195,9 @@ def run(cfg: UptrainConfig) -> dict:
                         "epochs": tokens / max(results["train_tokens_per_epoch"], 1),  # passes over the corpus
                         **split(speeds, seconds)}
     results["train"].update(peak_gpu_memory())  # under FSDP: each GPU's share of the student and the teacher
-    results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
+    results.setdefault("phases", {})["training"] = round(seconds, 2)  # the stages, with what runs between them
+    with phase(results, "perplexity: students"):
+        results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
     return finish(_plain(student), tok, out, results, cfg.sample_prompt)
 
 
@@ -221,5 +226,7 @@ def summary(results: dict, label: str) -> str:
     t = results["train"]
     lines.append(f"  trained {t['steps']} steps, {t['tokens']:,} tokens ({t['epochs']:.2f} epochs of the corpus) in "
                  f"{t['seconds']:.0f}s ({t['tokens_per_second']:,.0f} tok/s; {split_line(t)})")
+    if line := phases_line(results):
+        lines.append(line)
     lines.append(f"  sample (recurrent decoding): {results['sample']!r}")
     return "\n".join(lines)
