@@ -42,11 +42,6 @@
 #             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: wide = 14
 #             layers over 1,280, lolcats_wide's shape; tiers = 4 of them over 4,288, float8, 4 sinks: lolcats_tiers',
 #             the default's), each beside the teacher
-#   levers    issues #53/#54: the decode step's untimed levers on the default's shape (untrained, tiers above): their
-#             CUDA tests, the float8 ring step with its values held decoded (STEP_HOLD_VALUES) beside without at rings of
-#             4,292 and 1,284 slots, then decode at batch 1/64/256 from 1k prompts + 512 new, each beside the teacher's
-#             fastest path: as it runs, with held values, and with the residual adds apart from the norms
-#             (PRE_NORM_LAYERS emptied: the step before ResidualFusion)
 #   prefill-reach  issue #53: the default's shape (untrained, tiers above) prefilling 1 x 32k beside the teacher's
 #             SDPA, as it runs (past the reach the kernel makes the sinks' queries), with them made in PyTorch first
 #             (WINDOW_PREFILL_SINK_ROPE off) and without sinks (--softmax-window-sinks 0), each with the teacher in its
@@ -202,26 +197,6 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       LENGTH_TESTS=0 LENGTH_NEW=${LENGTH_NEW:-512} LENGTH_SPECS="${WINDOW_SPECS:-wide=--config:lolcats_mix:--keep-softmax:$kept\
 :--softmax-window:1280 tiers=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280,1%4288,2%4288,18%4288,20%4288\
 :--softmax-window-dtype:float8:--softmax-window-sinks:4}" bash "$0" length-speed ;;
-    levers)  # issues #53/#54: see the header
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_window_step.py -k held 2>&1 | tail -2
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_norm_act.py 2>&1 | tail -2
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_window.py \
-        -k "sink_queries or prefill_through" 2>&1 | tail -2
-      for w in 4292 1284; do
-        timeout 200 python3 dev/window_step_bench.py --float8 --hold --window $w --batches 1 64 256 \
-          --out "$S/window_step_hold_$w.json" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -8
-      done
-      kept=1,2,7,8,10,11,12,14,15,17,18,19,20,23
-      [ -d "$C-tiers" ] || python3 -m linearize convert --teacher "$T" --config lolcats_mix --keep-softmax $kept \
-        --softmax-window 1280,1:4288,2:4288,18:4288,20:4288 --softmax-window-dtype float8 --softmax-window-sinks 4 \
-        --out "$C-tiers" --dtype bfloat16 2>&1 | tail -1
-      for run in "default none" "held {\"window.step_triton.STEP_HOLD_VALUES\":true}" \
-                 "adds-apart {\"linearize.models.fusion.PRE_NORM_LAYERS\":[]}"; do
-        set -- $run; echo "--- $1"
-        timeout 400 python3 dev/with_knobs.py "$2" - linearize.cli bench "$C-tiers" --teacher "$T" --dtype bfloat16 \
-          --paths fast --teacher-paths static fast --batch-sizes 1 64 256 --new-tokens 512 --prompt-len 1024 \
-          --out "$S/decode_levers_$1.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|rror"
-      done ;;
     prefill-reach)  # issue #53: see the header
       kept=1,2,7,8,10,11,12,14,15,17,18,19,20,23
       for n in 4 0; do

@@ -279,13 +279,16 @@ def test_crowded_float8_ring_step_equals_the_torch_path_on_cuda(tiles, q_dtype, 
 @pytest.mark.parametrize("b,programs,crowded", [(1, None, None), (64, None, None), (256, None, (True, 64, 2)),
                                                  (3, 1, None)])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
-def test_float8_ring_step_with_values_held_equals_the_torch_path_on_cuda(b, programs, crowded, q_dtype, monkeypatch):
+@pytest.mark.parametrize("held", [True, False])
+def test_float8_ring_step_with_values_held_equals_the_torch_path_on_cuda(b, programs, crowded, q_dtype, held,
+                                                                         monkeypatch):
     """``STEP_HOLD_VALUES``: the values converted where they are loaded (the product then reads them as 16-bit
-    words) on the default tiles (the ring in parts at batch 1 and 64, in one with one program aimed for) and the
-    crowded ones at batch 256, against the PyTorch path, token after token."""
+    words; the default) or as float8 codes past shared memory, on the default tiles (the ring in parts at batch 1
+    and 64, in one with one program aimed for) and the crowded ones at batch 256, against the PyTorch path, token
+    after token."""
     from linearize.ops.window import step_triton
 
-    monkeypatch.setattr(step_triton, "STEP_HOLD_VALUES", True)
+    monkeypatch.setattr(step_triton, "STEP_HOLD_VALUES", held)
     monkeypatch.setattr(step_triton, "STEP_PROGRAMS", programs)
     monkeypatch.setattr(step_triton, "STEP_CROWDED_FP8", crowded)
     g = torch.Generator(device="cuda").manual_seed(4)
