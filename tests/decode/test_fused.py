@@ -227,7 +227,8 @@ def test_a_fused_product_of_an_odd_width_is_padded_to_aligned_rows_and_returns_e
         width = sum(widths)
         assert fused.weight.shape[0] == -(-width // ALIGN) * ALIGN and fused.sizes == widths
         x = torch.randn(2, ALIGN, 5, dtype=torch.float64, generator=gen)
-        product = fused.product(x)
+        with torch.no_grad():  # inference (decoding): the fused product (under autograd the linears run)
+            product = fused.product(x)
         assert product.shape == (2, ALIGN, width) and product.stride(1) == fused.weight.shape[0]
         assert torch.allclose(product, torch.cat([m(x) for m in linears], -1), atol=1e-12, rtol=0)
         for got, m in zip(fused(x), linears, strict=True):
@@ -237,7 +238,8 @@ def test_a_fused_product_of_an_odd_width_is_padded_to_aligned_rows_and_returns_e
         else:
             assert "padding=" in fused.extra_repr()
         one = x[:1, :1]  # one row (batch-1 decoding): the weight without its padding rows, the same outputs
-        single = fused.product(one)
+        with torch.no_grad():
+            single = fused.product(one)
         assert single.is_contiguous() and single.shape == (1, 1, width)
         assert torch.allclose(single, product[:1, :1], atol=1e-12, rtol=0)
 

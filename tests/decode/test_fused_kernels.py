@@ -170,6 +170,34 @@ def test_a_pre_norm_layer_with_its_adds_fused_computes_its_class_forward(tiny_mo
     assert torch.equal(got.logits, want.logits)
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3_text"])
+def test_stand_ins_run_their_modules_where_a_gradient_must_flow(tiny_model, family):
+    """The kernels are forward-only: in fp32 (a kernel dtype) with gradients wanted, every stand-in (norms, the
+    gated activation, the adds with the norms) runs its module's own path, so the loss and every gradient are
+    those of the model as it is (on the CPU a kernel call would fail: none is made)."""
+    model = tiny_student(tiny_model, family, LOLCATS).float()
+    ids = _ids()
+
+    def backward():
+        model.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return loss.detach()
+
+    def grads():  # by the model's own names (the stand-ins are out again)
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_loss = backward()
+    want = grads()
+    with fused_projections(model, enabled=True, kernels=True) as replaced:
+        assert replaced > 0
+        got_loss = backward()
+    got = grads()
+    assert torch.equal(got_loss, want_loss) and set(got) == set(want) and len(want) > 0
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_layers_that_are_not_the_plain_pre_norm_pair_keep_their_forward(tiny_model):
     for family in ("gemma", "gemma2", "gemma3_text"):  # norms after the attention and the MLP as well
         model = tiny_student(tiny_model, family, LOLCATS)

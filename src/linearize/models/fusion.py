@@ -33,6 +33,12 @@ from ..ops.norm_act import (ACTIVATIONS, add_rms_norm_kernel_takes, gated_act_ke
 FUSED_QKV = "fused_qkv"  # the name under which a converted layer holds its q/k/v FusedLinear (Adapter.fuse_qkv)
 
 
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd would track a function of ``tensors``: the kernels here are forward-only (decoding), so
+    the stand-ins run their modules' own paths where a gradient must flow (a recipe training through them)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def fusable(*linears) -> bool:
     """Whether one product with the concatenated weights computes exactly what ``linears`` do: plain
     ``nn.Linear`` modules (not LoRA wrappers, quantized or parametrized layers) with no hooks or
@@ -56,7 +62,9 @@ class FusedLinear(nn.Module):
     """The outputs of several ``nn.Linear`` of one input (a tuple, in their order) from one product.
 
     Build it with ``FusedLinear.of(*linears)``, which says None where fusing would not be exact.
-    The weights are non-persistent buffers: a copy for inference, not parameters to train or save.
+    The weights are non-persistent buffers: a copy for inference, not parameters to train or save; where a
+    gradient must flow (the input or one of the linears' weights requires it, grad enabled) the linears
+    themselves run, so training through the stand-in trains them.
     Where the outputs' total width is not a multiple of ``ALIGN`` (q/k/v plus a gated state's gate:
     SmolLM2's 576 + 192 + 192 + 3), the weight gets zero rows up to the next multiple, so each output
     row starts 16-byte aligned: cuBLAS otherwise falls back to its slowest, unvectorised kernels. The
@@ -64,9 +72,10 @@ class FusedLinear(nn.Module):
     columns).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...]):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: tuple[int, ...], linears=()):
         super().__init__()
         self.sizes = tuple(sizes)
+        self.linears = tuple(linears)  # a plain tuple: not submodules (their layer holds them)
         pad = -sum(self.sizes) % ALIGN
         if pad:
             weight = F.pad(weight, (0, 0, 0, pad))
@@ -81,9 +90,14 @@ class FusedLinear(nn.Module):
         with torch.no_grad():
             weight = torch.cat([m.weight for m in linears])
             bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
-        return cls(weight, bias, tuple(m.out_features for m in linears))
+        return cls(weight, bias, tuple(m.out_features for m in linears), linears)
+
+    def _tracked(self, x: torch.Tensor) -> bool:
+        return _needs_grad(x, *(p for m in self.linears for p in m.parameters()))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._tracked(x):
+            return tuple(m(x) for m in self.linears)
         return self.product(x).split(self.sizes, dim=-1)
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,6 +105,8 @@ class FusedLinear(nn.Module):
         padded product where the weight has padding rows). Fewer than ``ALIGN`` input rows (batch-1
         decoding: a matrix-vector product, which the padding does not help) read the weight without
         its padding rows (a contiguous view), as before the padding."""
+        if self._tracked(x):
+            return torch.cat([m(x) for m in self.linears], dim=-1)
         width = sum(self.sizes)
         if self.weight.shape[0] == width:
             return F.linear(x, self.weight, self.bias)
@@ -113,7 +129,8 @@ class FusedGatedMLP(nn.Module):
     ``forward``: the adapter decides whether its family's MLPs compute this function at all.
     ``of(mlp, kernels=True)``: ``act(gate) * up`` as one Triton launch on the product (``act`` names the
     activation, ``activation_kind``) where ``act_fn`` is one the kernel computes; never under
-    ``torch.compile`` (which fuses it itself), nor for inputs the kernel does not take.
+    ``torch.compile`` (which fuses it itself), for inputs the kernel does not take, nor where a gradient must
+    flow (the kernel is forward-only).
     """
 
     def __init__(self, mlp: nn.Module, gate_up: FusedLinear, act: str | None = None):
@@ -135,7 +152,7 @@ class FusedGatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act is not None and not torch.compiler.is_compiling():
             h = self.gate_up.product(x)
-            if gated_act_kernel_takes(h):
+            if gated_act_kernel_takes(h) and not _needs_grad(h):
                 from ..ops import gated_act_triton as kernel  # Triton: imported on first use
 
                 return self.mlp.down_proj(kernel.gated_act_triton(h, self.act))
@@ -153,8 +170,9 @@ class FusedRMSNorm(nn.Module):
 
     Stands in for ``norm`` (kept as a submodule: its ``weight`` is the one read, so no copy). Build it
     with ``FusedRMSNorm.of(norm)``, which says None unless ``rms_norm_kind(norm)`` knows the module.
-    Never under ``torch.compile`` (which fuses the norm itself), nor for inputs the kernel does not
-    take (float64, rows longer than it holds): there the module's own forward runs.
+    Never under ``torch.compile`` (which fuses the norm itself), for inputs the kernel does not take
+    (float64, rows longer than it holds), nor where a gradient must flow (the kernel is forward-only): there
+    the module's own forward runs.
     """
 
     def __init__(self, norm: nn.Module, eps: float, offset: bool):
@@ -171,7 +189,7 @@ class FusedRMSNorm(nn.Module):
         if ahead is not None and ahead[0] is x:
             return ahead[1]
         weight = self.norm.weight
-        if torch.compiler.is_compiling() or not rms_norm_kernel_takes(x, weight):
+        if torch.compiler.is_compiling() or not rms_norm_kernel_takes(x, weight) or _needs_grad(x, weight):
             return self.norm(x)
         from ..ops import rms_norm_triton as kernel  # Triton: imported on first use
 
@@ -181,7 +199,8 @@ class FusedRMSNorm(nn.Module):
         """``(norm(residual + x), residual + x)``: a layer's residual add and this norm after it, in one launch
         (``ops.rms_norm_triton.add_rms_norm_triton``) where the kernels take them."""
         weight = self.norm.weight
-        if torch.compiler.is_compiling() or not add_rms_norm_kernel_takes(x, residual, weight):
+        if (torch.compiler.is_compiling() or not add_rms_norm_kernel_takes(x, residual, weight)
+                or _needs_grad(x, residual, weight)):
             summed = residual + x
             return self.norm(summed), summed
         from ..ops import rms_norm_triton as kernel
