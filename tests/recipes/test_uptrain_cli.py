@@ -54,8 +54,13 @@ def test_uptraining_reports_set_up_and_steady_state(workspace, monkeypatch, tmp_
     parts = train["setup"]["seconds"] + train["steady"]["seconds"] + train["other_seconds"]
     assert parts == pytest.approx(train["seconds"])
     assert "speed" not in results["align"]  # counted in train's split
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("trained"))
+    out = capsys.readouterr().out.splitlines()
+    line = next(x for x in out if x.strip().startswith("trained"))
     assert "; set-up " in line and "(4 steps), steady " in line and "tok/s over 4 steps)" in line
+    phases = results["phases"]  # the run's wall time by phase, the stages together as "training"
+    assert list(phases)[:4] == ["teacher", "data", "perplexity: teacher", "build"]
+    assert phases["training"] == pytest.approx(train["seconds"]) and {"save", "sample"} <= set(phases)
+    assert any(x.strip().startswith("wall time ") for x in out)
 
 
 def test_xatl_from_scratch_through_the_cli(workspace, monkeypatch, tmp_path, capsys):

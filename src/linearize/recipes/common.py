@@ -32,7 +32,7 @@ def phase(results: dict, name: str):
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         phases = results.setdefault("phases", {})
-        phases[name] = round(phases.get(name, 0.0) + time.perf_counter() - start, 2)
+        phases[name] = phases.get(name, 0.0) + time.perf_counter() - start
 
 
 def phases_line(results: dict) -> str | None:

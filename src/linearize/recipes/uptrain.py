@@ -195,7 +195,7 @@ def run(cfg: UptrainConfig) -> dict:
                         "epochs": tokens / max(results["train_tokens_per_epoch"], 1),  # passes over the corpus
                         **split(speeds, seconds)}
     results["train"].update(peak_gpu_memory())  # under FSDP: each GPU's share of the student and the teacher
-    results.setdefault("phases", {})["training"] = round(seconds, 2)  # the stages, with what runs between them
+    results.setdefault("phases", {})["training"] = seconds  # the stages, with what runs between them
     with phase(results, "perplexity: students"):
         results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
     return finish(_plain(student), tok, out, results, cfg.sample_prompt)
