@@ -1,6 +1,7 @@
 """`linearize bench` measures both models and the student's cache does not grow with length."""
 
 import json
+import statistics
 
 import pytest
 import torch
@@ -209,6 +210,8 @@ def test_bench_prefill_sweep_on_tiny_models(tiny_model, tmp_path, capsys):
         for r in ran:
             if (r["batch"], r["prompt_len"]) == shape:
                 assert r["ratio_to_teacher"] == pytest.approx(r["tokens_per_s"] / teacher_best)
+    for r in ran:  # every timed pass kept (at least the 2 repeats asked; the median is the row's ms)
+        assert len(r["ms_each"]) >= 2 and r["ms"] == pytest.approx(statistics.median(r["ms_each"]), abs=1e-3)
     flash = [r for r in rows if r["path"] == "flash_attention_2"]
     assert all(r["note"] or r["tokens_per_s"] for r in flash)
     printed = capsys.readouterr().out

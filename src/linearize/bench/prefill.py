@@ -45,6 +45,7 @@ class PrefillRow:
     peak_bytes: int | None
     ratio_to_teacher: float | None = None
     note: str = ""
+    ms_each: list[float] | None = None  # every timed pass (the median is ``ms``): a slow mode shows in them
 
 
 @contextlib.contextmanager
@@ -122,7 +123,8 @@ def measure(model, label: str, path: str, batch: int, prompt_len: int, *, warmup
             torch.cuda.empty_cache()
     seconds = statistics.median(times)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-    return PrefillRow(label, path, batch, prompt_len, batch * prompt_len / seconds, 1000 * seconds, peak)
+    return PrefillRow(label, path, batch, prompt_len, batch * prompt_len / seconds, 1000 * seconds, peak,
+                      ms_each=[round(1000 * t, 3) for t in times])
 
 
 def sweep(student, teacher, shapes, *, teacher_paths=("sdpa", "flash_attention_2"), student_paths=("kernels",),
