@@ -42,6 +42,9 @@
 #             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: wide = 14
 #             layers over 1,280, lolcats_wide's shape; tiers = 4 of them over 4,288, float8, 4 sinks: lolcats_tiers',
 #             the default's), each beside the teacher
+#   rope-table  issue #54: the default's shape (untrained, tiers above) decoding at batch 1/64/256 from 1k prompts + 512
+#             new with the RoPE tables (decode.fusion.ROPE_TABLE, the default) and without, each beside the teacher's
+#             fastest path; ROPE_RUNS repeats the pair (default 2)
 #   prefill-reach  issue #53: the default's shape (untrained, tiers above) prefilling 1 x 32k beside the teacher's
 #             SDPA, as it runs (past the reach the kernel makes the sinks' queries), with them made in PyTorch first
 #             (WINDOW_PREFILL_SINK_ROPE off) and without sinks (--softmax-window-sinks 0), each with the teacher in its
@@ -197,6 +200,19 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       LENGTH_TESTS=0 LENGTH_NEW=${LENGTH_NEW:-512} LENGTH_SPECS="${WINDOW_SPECS:-wide=--config:lolcats_mix:--keep-softmax:$kept\
 :--softmax-window:1280 tiers=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280,1%4288,2%4288,18%4288,20%4288\
 :--softmax-window-dtype:float8:--softmax-window-sinks:4}" bash "$0" length-speed ;;
+    rope-table)  # issue #54: see the header
+      kept=1,2,7,8,10,11,12,14,15,17,18,19,20,23
+      [ -d "$C-tiers" ] || python3 -m linearize convert --teacher "$T" --config lolcats_mix --keep-softmax $kept \
+        --softmax-window 1280,1:4288,2:4288,18:4288,20:4288 --softmax-window-dtype float8 --softmax-window-sinks 4 \
+        --out "$C-tiers" --dtype bfloat16 2>&1 | tail -1
+      for r in $(seq ${ROPE_RUNS:-2}); do
+        for run in "tables none" "module {\"linearize.decode.fusion.ROPE_TABLE\":false}"; do
+          set -- $run; echo "--- $1 (run $r)"
+          timeout 400 python3 dev/with_knobs.py "$2" - linearize.cli bench "$C-tiers" --teacher "$T" --dtype bfloat16 \
+            --paths fast --teacher-paths static fast --batch-sizes 1 64 256 --new-tokens 512 --prompt-len 1024 \
+            --out "$S/decode_rope_$1_$r.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|rror"
+        done
+      done ;;
     prefill-reach)  # issue #53: see the header
       kept=1,2,7,8,10,11,12,14,15,17,18,19,20,23
       for n in 4 0; do

@@ -149,3 +149,28 @@ def test_the_kernels_cut_the_decode_steps_launches_on_cuda(tiny_model, monkeypat
     # and the residual adds with the norms after them: two a layer
     assert saved >= 6 * (2 * layers + 1) + layers + 2 * layers - 0.5, (without["launches_per_step"],
                                                                        with_kernels["launches_per_step"])
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_rope_tables_give_the_modules_bits_and_the_decoders_tokens_on_cuda(tiny_model, family, monkeypatch):
+    """``decode.fusion.rope_table`` on CUDA: the tables are the rotary module's own values bit for bit (bf16), and the
+    fast decoder in a CUDA graph gives the same tokens with and without them."""
+    from helpers import tiny_student
+    from linearize.decode import FastDecoder, fusion
+    from linearize.models.fusion import RopeTable
+
+    model = tiny_student(tiny_model, family, {"kind": "lolcats", "window": 4, "feature_dim": 8}).cuda().bfloat16()
+    rotary = model.base_model.rotary_emb
+    types = getattr(model.config, "layer_types", None) or ()
+    table = RopeTable.of(rotary, 300, torch.bfloat16, torch.device("cuda"), types)
+    positions = torch.randint(0, 300, (4, 5), device="cuda")
+    x = torch.zeros(4, 5, model.config.hidden_size, dtype=torch.bfloat16, device="cuda")
+    for kind in table.tables:
+        args = (x, positions) if kind is None else (x, positions, kind)
+        assert all(torch.equal(g, w) for g, w in zip(table(*args), rotary(*args))), kind
+    ids = torch.randint(2, 97, (3, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    out = {}
+    for on in (False, True):
+        monkeypatch.setattr(fusion, "ROPE_TABLE", on)
+        out[on] = FastDecoder(model).generate(ids, max_new_tokens=24, pad_token_id=0)
+    assert torch.equal(out[True], out[False])

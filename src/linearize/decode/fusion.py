@@ -27,6 +27,9 @@ computes exactly the kernel's PyTorch twin (``ops.norm_act``):
   run with the norm after each (``ResidualFusion`` as the layer's forward): the attention's add with the
   layer's second norm, the MLP's with the next layer's input norm or the model's final one (two launches a layer
   fewer). Gemma's layers (norms after the attention and the MLP too) keep their own forward.
+``rope_table(model, length)`` (``FastDecoder.generate`` wraps each call in it too) has the model's rotary embedding
+read tables of the call's positions, built once by the module (``models.fusion.RopeTable``): a gather each instead of
+its eight launches a step, the same bits; ``ROPE_TABLE = False`` turns it off.
 ``KERNELS = False`` turns the kernels off for every decoder that is not told otherwise (a
 before-and-after switch for benchmarks: ``dev/gpu_hybrid.sh decode-default``).
 """
@@ -40,9 +43,10 @@ from torch import nn
 from ..convert.layers import mixers
 from ..errors import LinearizeError
 from ..models import get_adapter
-from ..models.fusion import FUSED_QKV, FusedGatedMLP, FusedRMSNorm, ResidualFusion, residual_fusable
+from ..models.fusion import FUSED_QKV, FusedGatedMLP, FusedRMSNorm, ResidualFusion, RopeTable, residual_fusable
 
 KERNELS = True  # the Triton norm and activation kernels by default where they can run (kernels_default)
+ROPE_TABLE = True  # the rotary embedding read from tables for a decoding call (rope_table)
 
 
 def kernels_default(model: nn.Module) -> bool:
@@ -122,3 +126,26 @@ def _fuse_norms(model: nn.Module, undo: list) -> None:
             if fused is not None:
                 setattr(parent, name, fused)
                 undo.append(lambda parent=parent, name=name, child=child: setattr(parent, name, child))
+
+
+@contextlib.contextmanager
+def rope_table(model: nn.Module, length: int):
+    """Within the block, ``model``'s rotary embedding (its base model's ``rotary_emb``) reads tables of the positions
+    below ``length`` (``models.fusion.RopeTable``: one gather each a call, the same bits) where its RoPE type allows
+    (``ROPE_TABLE``; ``FastDecoder.generate``: the prompt and its new tokens stay below their total); on exit the
+    module is back, exceptions included. Yields whether the tables are in place."""
+    base = getattr(model, "base_model", None)
+    rotary = getattr(base, "rotary_emb", None)
+    table = None
+    if ROPE_TABLE and isinstance(rotary, nn.Module) and not isinstance(rotary, RopeTable):
+        weight = model.get_input_embeddings().weight
+        types = getattr(model.config.get_text_config(), "layer_types", None) or ()
+        table = RopeTable.of(rotary, length, weight.dtype, weight.device, types)
+    if table is None:
+        yield False
+        return
+    base.rotary_emb = table
+    try:
+        yield True
+    finally:
+        base.rotary_emb = rotary

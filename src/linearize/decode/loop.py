@@ -27,7 +27,7 @@ from ..cache import LinearizeCache, cache_keyword
 from ..errors import LinearizeError
 from ..mixers.window import positions_below
 from .buffers import StaticCache, StaticKVLayer, StaticRingKVLayer, join_caches, state_nbytes, static_cache
-from .fusion import fused_projections, kernels_default
+from .fusion import fused_projections, kernels_default, rope_table
 from .sampling import Sampling, next_tokens
 
 WARMUP_STEPS = 2  # eager decode steps before a CUDA graph is captured
@@ -272,10 +272,12 @@ class FastDecoder:
             raise LinearizeError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         if input_ids.dim() != 2 or input_ids.shape[1] == 0:
             raise LinearizeError("input_ids must be a non-empty [batch, length] tensor")
-        # the fused weights live for this call only: a CUDA graph captured below replays within it; the window
-        # layers with sinks know how far positions go (short of their reach: no sink queries of their own a step)
+        # the fused weights and the RoPE tables live for this call only: a CUDA graph captured below replays within
+        # it; the window layers with sinks know how far positions go (short of their reach: no sink queries of their
+        # own a step)
+        total = input_ids.shape[1] + max_new_tokens
         with fused_projections(self.model, enabled=self.fuse_projections, kernels=self.fuse_kernels), \
-                positions_below(self.model, input_ids.shape[1] + max_new_tokens):
+                positions_below(self.model, total), rope_table(self.model, total):
             return self._generate(input_ids, attention_mask, max_new_tokens, sampling, eos_token_id,
                                   pad_token_id, streamer, check_every, stopping_criteria)
 

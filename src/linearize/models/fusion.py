@@ -21,6 +21,7 @@ rounds differently, or a class a future transformers release changes, keeps its 
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 
 import torch
@@ -216,6 +217,60 @@ class FusedRMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"eps={self.eps}, offset={self.offset}"
+
+
+class RopeTable(nn.Module):
+    """A model's rotary embedding read from tables: ``(cos, sin)`` of every position below ``length``, computed
+    once by the module itself (``RopeTable.of``), then one gather each a call instead of the module's eight
+    launches (the product of positions and frequencies, the concatenation, cos, sin, their scaling and casts).
+    The same bits: each table entry is the module's own arithmetic on that one position.
+
+    Stands in for ``rotary`` (kept as a submodule) for a caller whose positions stay below ``length`` (the fast
+    decoder: its prompt and new tokens); other dtypes or devices, a layer type without a table, and
+    ``torch.compile`` (which fuses the module itself) run the module. Built only for RoPE types whose frequencies
+    do not depend on the positions asked (not ``dynamic`` nor ``longrope``, ``rope_is_static``)."""
+
+    def __init__(self, rotary: nn.Module, tables: dict, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.rotary, self.dtype, self.device = rotary, dtype, device
+        self.tables = tables  # {layer type or None: (cos [L, R], sin [L, R])}
+
+    @classmethod
+    def of(cls, rotary: nn.Module, length: int, dtype: torch.dtype, device: torch.device,
+           layer_types=()) -> RopeTable | None:
+        if not rope_is_static(rotary) or length < 1:
+            return None
+        wants_type = "layer_type" in inspect.signature(rotary.forward).parameters
+        if wants_type and not layer_types:
+            return None
+        positions = torch.arange(length, device=device)[None]
+        probe = torch.empty(1, 1, 1, dtype=dtype, device=device)
+        tables = {}
+        with torch.no_grad():
+            for kind in (sorted(set(layer_types)) if wants_type else [None]):
+                cos, sin = rotary(probe, positions, kind) if wants_type else rotary(probe, positions)
+                tables[kind] = (cos[0].contiguous(), sin[0].contiguous())
+        return cls(rotary, tables, dtype, device)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type=None):
+        table = self.tables.get(layer_type)
+        if (table is None or x.dtype != self.dtype or x.device != self.device or position_ids.dim() != 2
+                or torch.compiler.is_compiling()):
+            return self.rotary(x, position_ids) if layer_type is None else self.rotary(x, position_ids, layer_type)
+        cos, sin = table
+        return cos[position_ids], sin[position_ids]
+
+
+def rope_is_static(rotary: nn.Module) -> bool:
+    """Whether ``rotary``'s frequencies are fixed (its ``rope_type``, one or one per layer type, neither ``dynamic``
+    nor ``longrope``, whose frequencies follow the largest position asked), with the transformers signature
+    ``forward(x, position_ids[, layer_type])``."""
+    kinds = getattr(rotary, "rope_type", None)
+    kinds = list(kinds.values()) if isinstance(kinds, dict) else [kinds]
+    if not kinds or any(not isinstance(k, str) or "dynamic" in k or k == "longrope" for k in kinds):
+        return False
+    names = list(inspect.signature(rotary.forward).parameters)
+    return names[:2] == ["x", "position_ids"] and set(names[2:]) <= {"layer_type"}
 
 
 # The decoder layers whose forward is the pre-norm pair ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``, op for
