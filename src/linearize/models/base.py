@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .fusion import FusedLinear
+from .fusion import FusedLinear, ask_rope
 
 
 @dataclass
@@ -162,8 +162,7 @@ class RopeTables:
         self.rotary, self.layer_type = rotary, layer_type
 
     def __call__(self, ids: torch.Tensor):
-        x = torch.zeros((), device=ids.device)
-        return self.rotary(x, ids) if self.layer_type is None else self.rotary(x, ids, self.layer_type)
+        return ask_rope(self.rotary, torch.zeros((), device=ids.device), ids, self.layer_type)
 
 
 def _parameters(fn: Callable) -> dict:

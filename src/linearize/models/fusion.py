@@ -93,8 +93,8 @@ class FusedLinear(nn.Module):
             bias = None if linears[0].bias is None else torch.cat([m.bias for m in linears])
         return cls(weight, bias, tuple(m.out_features for m in linears), linears)
 
-    def _tracked(self, x: torch.Tensor) -> bool:
-        return _needs_grad(x, *(p for m in self.linears for p in m.parameters()))
+    def _tracked(self, x: torch.Tensor) -> bool:  # grad mode first: decoding (no_grad) reads no parameter list
+        return torch.is_grad_enabled() and _needs_grad(x, *(p for m in self.linears for p in m.parameters()))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._tracked(x):
@@ -238,17 +238,15 @@ class RopeTable(nn.Module):
     @classmethod
     def of(cls, rotary: nn.Module, length: int, dtype: torch.dtype, device: torch.device,
            layer_types=()) -> RopeTable | None:
-        if not rope_is_static(rotary) or length < 1:
-            return None
-        wants_type = "layer_type" in inspect.signature(rotary.forward).parameters
-        if wants_type and not layer_types:
+        typed = _static_rope_form(rotary)
+        if typed is None or length < 1 or (typed and not layer_types):
             return None
         positions = torch.arange(length, device=device)[None]
         probe = torch.empty(1, 1, 1, dtype=dtype, device=device)
         tables = {}
         with torch.no_grad():
-            for kind in (sorted(set(layer_types)) if wants_type else [None]):
-                cos, sin = rotary(probe, positions, kind) if wants_type else rotary(probe, positions)
+            for kind in (sorted(set(layer_types)) if typed else [None]):
+                cos, sin = ask_rope(rotary, probe, positions, kind)
                 tables[kind] = (cos[0].contiguous(), sin[0].contiguous())
         return cls(rotary, tables, dtype, device)
 
@@ -256,21 +254,36 @@ class RopeTable(nn.Module):
         table = self.tables.get(layer_type)
         if (table is None or x.dtype != self.dtype or x.device != self.device or position_ids.dim() != 2
                 or torch.compiler.is_compiling()):
-            return self.rotary(x, position_ids) if layer_type is None else self.rotary(x, position_ids, layer_type)
+            return ask_rope(self.rotary, x, position_ids, layer_type)
         cos, sin = table
         return cos[position_ids], sin[position_ids]
 
 
-def rope_is_static(rotary: nn.Module) -> bool:
-    """Whether ``rotary``'s frequencies are fixed (its ``rope_type``, one or one per layer type, neither ``dynamic``
-    nor ``longrope``, whose frequencies follow the largest position asked), with the transformers signature
-    ``forward(x, position_ids[, layer_type])``."""
+def ask_rope(rotary: nn.Module, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
+    """``rotary(x, position_ids)``, told ``layer_type`` where one is given (a module serving several layer types)."""
+    return rotary(x, position_ids) if layer_type is None else rotary(x, position_ids, layer_type)
+
+
+def _static_rope_form(rotary: nn.Module) -> bool | None:
+    """None unless ``rotary``'s frequencies are fixed (its ``rope_type``, one or one per layer type, neither
+    ``dynamic`` nor ``longrope``, whose frequencies follow the largest position asked) and its forward is
+    transformers' ``forward(x, position_ids[, layer_type])``; else whether it takes a layer type."""
     kinds = getattr(rotary, "rope_type", None)
     kinds = list(kinds.values()) if isinstance(kinds, dict) else [kinds]
     if not kinds or any(not isinstance(k, str) or "dynamic" in k or k == "longrope" for k in kinds):
-        return False
-    names = list(inspect.signature(rotary.forward).parameters)
-    return names[:2] == ["x", "position_ids"] and set(names[2:]) <= {"layer_type"}
+        return None
+    try:
+        names = list(inspect.signature(rotary.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    if names[:2] != ["x", "position_ids"] or not set(names[2:]) <= {"layer_type"}:
+        return None
+    return "layer_type" in names
+
+
+def rope_is_static(rotary: nn.Module) -> bool:
+    """Whether ``RopeTable`` can stand in for ``rotary`` (``_static_rope_form``)."""
+    return _static_rope_form(rotary) is not None
 
 
 # The decoder layers whose forward is the pre-norm pair ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``, op for
