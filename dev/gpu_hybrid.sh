@@ -67,6 +67,10 @@
 set -uo pipefail
 T=${T:-/tmp/stage/teacher.gguf}; S=${S:-/tmp/runs/hybrid}; C=${C:-/tmp/ckpt/lolcats}; mkdir -p "$S"
 quiet() { grep -v -E "Warning|warn\(|it/s\]|s/it\]"; }
+# the default's shape (lolcats_tiers' layers in its third training, 4 far over 4,288, float8) with S sinks, as CK
+tiers() { local ck=$1 sinks=$2; [ -d "$ck" ] || python3 -m linearize convert --teacher "$T" --config lolcats_mix \
+  --keep-softmax 1,2,7,8,10,11,12,14,15,17,18,19,20,23 --softmax-window 1280,1:4288,2:4288,18:4288,20:4288 \
+  --softmax-window-dtype float8 --softmax-window-sinks "$sinks" --out "$ck" --dtype bfloat16 2>&1 | tail -1; }
 student() { [ -d "$C" ] || python3 -m linearize convert --teacher "$T" --kind lolcats --out "$C" --dtype bfloat16 2>&1 | tail -1; }
 for part in ${@:-tests kernels launches prefill train}; do
   echo "=== $part $(date +%T)"
@@ -201,10 +205,7 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
 :--softmax-window:1280 tiers=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280,1%4288,2%4288,18%4288,20%4288\
 :--softmax-window-dtype:float8:--softmax-window-sinks:4}" bash "$0" length-speed ;;
     rope-table)  # issue #54: see the header
-      kept=1,2,7,8,10,11,12,14,15,17,18,19,20,23
-      [ -d "$C-tiers" ] || python3 -m linearize convert --teacher "$T" --config lolcats_mix --keep-softmax $kept \
-        --softmax-window 1280,1:4288,2:4288,18:4288,20:4288 --softmax-window-dtype float8 --softmax-window-sinks 4 \
-        --out "$C-tiers" --dtype bfloat16 2>&1 | tail -1
+      tiers "$C-tiers" 4
       for r in $(seq ${ROPE_RUNS:-2}); do
         for run in "tables none" "module {\"linearize.decode.fusion.ROPE_TABLE\":false}"; do
           set -- $run; echo "--- $1 (run $r)"
@@ -214,12 +215,7 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
         done
       done ;;
     prefill-reach)  # issue #53: see the header
-      kept=1,2,7,8,10,11,12,14,15,17,18,19,20,23
-      for n in 4 0; do
-        [ -d "$C-reach$n" ] || python3 -m linearize convert --teacher "$T" --config lolcats_mix --keep-softmax $kept \
-          --softmax-window 1280,1:4288,2:4288,18:4288,20:4288 --softmax-window-dtype float8 --softmax-window-sinks $n \
-          --out "$C-reach$n" --dtype bfloat16 2>&1 | tail -1
-      done
+      for n in 4 0; do tiers "$C-reach$n" $n; done
       for r in $(seq ${REACH_RUNS:-2}); do
         for run in "kernel 4 none" "torch 4 {\"linearize.mixers.window.WINDOW_PREFILL_SINK_ROPE\":false}" "nosinks 0 none"; do
           set -- $run; echo "--- $1 (run $r)"
