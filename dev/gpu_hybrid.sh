@@ -45,6 +45,8 @@
 #   rope-table  issue #54: the default's shape (untrained, tiers above) decoding at batch 1/64/256 from 1k prompts + 512
 #             new with the RoPE tables (decode.fusion.ROPE_TABLE, the default) and without, each beside the teacher's
 #             fastest path; ROPE_RUNS repeats the pair (default 2); then the kernels of its batch-1 step (PROFILE=0: not)
+#   decode-default  issue #54: the default's shape (untrained, tiers above) decoding as it runs by default at batch
+#             1/64/256 from 1k prompts + 512 new beside the teacher's fastest path, then the kernels of its batch-1 step
 #   prefill-reach  issue #53: the default's shape (untrained, tiers above) prefilling 1 x 32k beside the teacher's
 #             SDPA, as it runs (past the reach the kernel makes the sinks' queries), with them made in PyTorch first
 #             (WINDOW_PREFILL_SINK_ROPE off) and without sinks (--softmax-window-sinks 0), each with the teacher in its
@@ -214,8 +216,15 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
             --out "$S/decode_rope_$1_$r.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|rror"
         done
       done
-      [ "${PROFILE:-1}" = 1 ] && timeout 200 python3 -m linearize.bench.profile decode "$C-tiers" --batch 1 \
-        --prompt-len 1024 --tokens 32 --top 45 --out "$S/profile_decode_tiers_1.json" 2>&1 | quiet | tail -50 ;;
+      if [ "${PROFILE:-1}" = 1 ]; then timeout 200 python3 -m linearize.bench.profile decode "$C-tiers" --batch 1 \
+        --prompt-len 1024 --tokens 32 --top 45 --out "$S/profile_decode_tiers_1.json" 2>&1 | quiet | tail -50; fi ;;
+    decode-default)  # issue #54: see the header
+      tiers "$C-tiers" 4
+      timeout 400 python3 -m linearize bench "$C-tiers" --teacher "$T" --dtype bfloat16 --paths fast \
+        --teacher-paths static fast --batch-sizes 1 64 256 --new-tokens 512 --prompt-len 1024 \
+        --out "$S/decode_default.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|rror"
+      timeout 200 python3 -m linearize.bench.profile decode "$C-tiers" --batch 1 --prompt-len 1024 --tokens 32 \
+        --top 45 --out "$S/profile_decode_default_1.json" 2>&1 | quiet | tail -50 ;;
     prefill-reach)  # issue #53: see the header
       for n in 4 0; do tiers "$C-reach$n" $n; done
       for r in $(seq ${REACH_RUNS:-2}); do

@@ -125,7 +125,7 @@ def _replays(graph, o, inputs, reference, steps, g):
         yield i
 
 
-@pytest.mark.parametrize("programs", [None, 1])  # the ring in parts merged by a second launch; one part
+@pytest.mark.parametrize("programs", [None, 1])  # the ring in parts merged in the launch; one part
 def test_window_step_replays_from_a_cuda_graph(programs, monkeypatch):
     """One step captured (the dispatch takes the kernel) and replayed past the ring's end, against the PyTorch
     step run eagerly on a copy."""

@@ -19,7 +19,7 @@ def test_window_step_kernel_equals_the_torch_step_through_the_interpreter():
 
 def test_window_step_kernel_in_half_precision_parts_strides_and_the_decoder_through_the_interpreter():
     """bf16 rings under fp32 and bf16 queries, an fp16 ring under bf16 ones; the ring in parts merged by
-    the second launch (parts without a live slot too); q/k/v as strided slices of one projection; the
+    the part that arrives last (parts without a live slot too), the arrival counts left zero; q/k/v as strided slices of one projection; the
     products as broadcast sums instead of ``tl.dot`` tiles (bf16 and float8 rings); the fast decoder of tiny students with kept window
     layers on the kernel (each window step's output and the greedy tokens)."""
     run_triton_interpreter_script("triton_interpret_window_step.py", "half", "parts", "strided", "fma", "decoder")
@@ -45,7 +45,7 @@ def test_float8_ring_step_kernel_rotates_quantises_and_encodes_as_torch_through_
 
 
 def test_float8_ring_step_kernel_in_parts_and_the_decoder_through_the_interpreter():
-    """The float8 ring in 2 and 3 parts merged by the second launch; the fast decoder of tiny students with float8
+    """The float8 ring in 2 and 3 parts merged by the part that arrives last; the fast decoder of tiny students with float8
     window layers on the kernel (each window step's output and the greedy tokens)."""
     run_triton_interpreter_script("triton_interpret_window_step.py", "float8_parts", "float8_decoder")
 

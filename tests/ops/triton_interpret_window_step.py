@@ -10,8 +10,8 @@ slots: a ring of 40 slots is three blocks, the last one partial.
 
 ``gqa``: 6 query heads on 2 key heads, fp32 ring; ``softcap``: the same, soft-capped; ``mha``: as many query
 as key heads, soft-capped; ``half``: a bf16 ring under fp32 and bf16 queries (soft-cap off and on) and an fp16
-ring under bf16 ones; ``parts``: the ring in 2 and 3 parts per (sequence, key head), merged by the second
-launch (which also advances the slot counter), fp32 and bf16; ``strided``: q/k/v as slices of one projection's
+ring under bf16 ones; ``parts``: the ring in 2 and 3 parts per (sequence, key head), merged by the part that
+arrives last (the last head to finish advances the slot counter), fp32 and bf16; ``strided``: q/k/v as slices of one projection's
 output; ``fma``: the products as broadcast sums (``STEP_MMA = False``) instead of ``tl.dot`` tiles;
 ``rope``: the kernel rotating q and k itself, full and partial rotary dims; ``decoder``: the fast decoder of tiny
 students with kept window layers, the kernel (rotating q and k) against the PyTorch step.
@@ -104,6 +104,7 @@ def _steps(h, hk, dtype, q_dtype, softcap, *, parts=None, steps=46, strided=Fals
             _close(got, want.double(), where, tol=tol)
             assert torch.equal(ring.keys, twin.keys) and torch.equal(ring.values, twin.values), where
             assert torch.equal(ring.valid, twin.valid) and torch.equal(ring.slot, twin.slot), where
+            assert not ring.counters.any(), where  # the arrival counts left zero for the next step
         if steps >= W:
             assert bool(ring.valid.all()), name  # the steps filled the ring
 
@@ -137,8 +138,8 @@ def check_strided():
 
 def check_sinks():
     """Rings with attention sinks (``ops/window/sinks.py``): 3 sink slots before 40 ring slots, from a left-padded
-    prompt whose second sequence (2 real tokens) lacks a sink; the kernel whole and in 2 parts (the second launch
-    then advances the slot past the sinks), each step followed by ``settle_sinks``, against the PyTorch step."""
+    prompt whose second sequence (2 real tokens) lacks a sink; the kernel whole and in 2 parts (the slot advanced
+    past the sinks in the same launch), each step followed by ``settle_sinks``, against the PyTorch step."""
     from linearize.ops.window.sinks import settle_sinks, sink_ring_state, sink_window_state
 
     gen = torch.Generator().manual_seed(11)

@@ -136,6 +136,9 @@ class RingHybridState(HybridState):
     # each sequence holds, while some sequence still lacks some (else None: nothing to do per step)
     sinks: int = 0
     fill: torch.Tensor | None = None
+    # the window step kernel's arrival counts (``ops/window/step_triton.py``), int32 zeros between steps; made by
+    # the first step, never part of the state's contents (``map`` leaves them to be made again)
+    counters: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.keys, self.key_features, self.values, self.linear, self.valid, self.slot)

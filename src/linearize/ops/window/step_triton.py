@@ -1,5 +1,5 @@
-"""The sliding-window softmax's decode step on the fast decoder's ring as one Triton launch (CUDA; two launches
-for a small batch, whose ring is read in parts).
+"""The sliding-window softmax's decode step on the fast decoder's ring as one Triton launch (CUDA; the ring of a
+small batch read in parts, merged in the same launch).
 
 ``window_step_ring_triton`` is the twin of ``window_softmax_step_ring`` (``ops/window/__init__.py``), which
 stays the reference and the CPU path. One program per (sequence, key head, part of the ring):
@@ -11,10 +11,13 @@ stays the reference and the CPU path. One program per (sequence, key head, part 
 2. the ``G`` query heads of the key head, one ``[BG, D]`` tile, start an online softmax (fp32 scores and
    sums) from the new token, held in registers, then take the part's other valid slots in blocks of ``BW``.
    No program reads slot ``s`` from memory, so none races with its write;
-3. with one part per (sequence, key head) the program writes the output and the slot counter is advanced
-   after the launch (a one-program launch, ``_advance``: every program reads the counter); with several parts (a small
-   batch would leave most of the GPU idle) each writes its running maximum, sum and weighted values, and a
-   second small launch (``_combine``) merges them and advances the counter.
+3. with one part per (sequence, key head) the program writes the output; with several parts (a small batch
+   would leave most of the GPU idle) each writes its running maximum, sum and weighted values and counts
+   itself in (an atomic add on the ring's ``counters``), and the last of the (sequence, key head) to arrive
+   merges them into the output (``_merge``), as a split-K GEMM's last block reduces the others' partials;
+4. the last (sequence, key head) to finish, counted the same way, advances the slot counter: every program has
+   read it by then. The counts are left zero for the next step. (Before, a second launch did steps 3 and 4:
+   one launch a layer and step more, 14 a step on the default SmolLM2 student.)
 
 The products ``q k^T`` and ``p v`` are ``tl.dot`` tiles (the query heads padded to 16 rows, which costs
 nothing in a step bound by reading the ring): for a half-precision ring their inputs are in the ring's
@@ -139,7 +142,7 @@ def _quantize(x, mask):
 
 @triton.jit
 def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr,
-                      l_ptr, acc_ptr, cos_ptr, sin_ptr, qs_ptr, rc_ptr, rs_ptr, pos_ptr, sq_b, sq_h, sq_d, sk_b, sk_h,
+                      l_ptr, acc_ptr, cnt_ptr, cos_ptr, sin_ptr, qs_ptr, rc_ptr, rs_ptr, pos_ptr, sq_b, sq_h, sq_d, sk_b, sk_h,
                       sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, ss_b, ss_h, ss_d, sp_b, scale, softcap, HK, G, W, D, L, R, S,
                       reach, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr,
                       NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
@@ -280,15 +283,31 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values.to(tl.float32)[None, :, :], axis=1)
         m = m_new
 
-    # 4. the output, or this part's terms for _combine ([B, Hk, P, G] and [B, Hk, P, G, D])
+    # 4. the output; with the ring in parts, this part's terms ([B, Hk, P, G] and [B, Hk, P, G, D]), and the last
+    #    part of the (sequence, key head) to arrive (counted in cnt[head]) merges them into the output
+    last = True
     if SPLIT:
-        at = (head * tl.num_programs(2) + part) * G + g
+        parts = tl.num_programs(2)
+        at = (head * parts + part) * G + g
         tl.store(m_ptr + at, m, mask=gm)
         tl.store(l_ptr + at, l, mask=gm)
         tl.store(acc_ptr + at[:, None] * D + d[None, :], acc, mask=out)
+        tl.debug_barrier()  # every thread's terms stored before the count releases them
+        last = tl.atomic_add(cnt_ptr + head, 1, sem="acq_rel") == parts - 1
+        if last:
+            tl.store(cnt_ptr + head, 0)  # zero again for the next step (a launch of its own, after this one)
+            o = _merge(m_ptr, l_ptr, acc_ptr, head, parts, G, D, g, d, gm, out)
+            tl.store(o_ptr + (head * G + g)[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=out)
     else:
         o = acc / tl.where(gm, l, 1.0)[:, None]  # l >= 1 on a real row: its largest term is exp(0)
         tl.store(o_ptr + (head * G + g)[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=out)
+    # 5. the slot counter advanced by the last (sequence, key head) to finish (counted in cnt[B * Hk]): every
+    #    program has read the slot by then (each head's other parts before that head's last one counted)
+    if last:
+        heads = tl.num_programs(0) * HK
+        if tl.atomic_add(cnt_ptr + heads, 1, sem="acq_rel") == heads - 1:
+            tl.store(cnt_ptr + heads, 0)
+            tl.store(slot_ptr, _next_slot(s, W, S))
 
 
 @triton.jit
@@ -299,40 +318,25 @@ def _next_slot(s, W, S):
 
 
 @triton.jit
-def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, HK, G, W, S, D, P, BG: tl.constexpr, BD: tl.constexpr):
-    bi = tl.program_id(0)
-    hk = tl.program_id(1)
-    g = tl.arange(0, BG)
-    d = tl.arange(0, BD)
-    gm = g < G
-    out = gm[:, None] & (d < D)[None, :]
-    head = (bi * HK + hk).to(tl.int64)
-    m = tl.full([BG], float("-inf"), tl.float32)
-    l = tl.zeros([BG], dtype=tl.float32)
-    acc = tl.zeros([BG, BD], dtype=tl.float32)
+def _merge(m_ptr, l_ptr, acc_ptr, head, P, G, D, g, d, gm, out):
+    """The output ``[BG, BD]`` (fp32) of one (sequence, key head) from its ``P`` parts' running maxima, sums and
+    weighted values, read past the L1 cache (``.cg``: the other parts' programs wrote them on other
+    multiprocessors during this launch)."""
+    m = tl.full(g.shape, float("-inf"), tl.float32)
+    l = tl.zeros(g.shape, dtype=tl.float32)
+    acc = tl.zeros(out.shape, dtype=tl.float32)
     for part in range(P):
         at = (head * P + part) * G + g
-        m_p = tl.load(m_ptr + at, mask=gm, other=float("-inf"))
+        m_p = tl.load(m_ptr + at, mask=gm, other=float("-inf"), cache_modifier=".cg")
         m_new = tl.maximum(m, m_p)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # parts without a live slot weigh nothing
         alpha = tl.exp(m - m_safe)
         beta = tl.exp(m_p - m_safe)
-        l = l * alpha + tl.load(l_ptr + at, mask=gm, other=0.0) * beta
-        terms = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=out, other=0.0)
+        l = l * alpha + tl.load(l_ptr + at, mask=gm, other=0.0, cache_modifier=".cg") * beta
+        terms = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=out, other=0.0, cache_modifier=".cg")
         acc = acc * alpha[:, None] + terms * beta[:, None]
         m = m_new
-    o = acc / tl.where(gm, l, 1.0)[:, None]
-    tl.store(o_ptr + (head * G + g)[:, None] * D + d[None, :], o.to(o_ptr.dtype.element_ty), mask=out)
-    # every program of the step has read the slot before this launch: the first advances it
-    tl.store(slot_ptr, _next_slot(tl.load(slot_ptr), W, S), mask=(bi == 0) & (hk == 0))
-
-
-@triton.jit
-def _advance(slot_ptr, W, S):
-    """A ring step taken in one program per (sequence, key head): the slot counter advanced in one launch where
-    PyTorch takes two to four. A launch of its own: the step's programs all read the slot first, and a program
-    cannot know that the others have."""
-    tl.store(slot_ptr, _next_slot(tl.load(slot_ptr), W, S))
+    return acc / tl.where(gm, l, 1.0)[:, None]
 
 
 _PROGRAMS: dict[int, int] = {}
@@ -454,7 +458,8 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         reach_cos = reach_sin = positions = cos  # never read
         reach = 0
     _window_ring_step[(b, hk, parts)](
-        q, k, v, keys, values, key_scale, value_scale, state.valid, state.slot, o, m, lsum, acc, cos, sin, qs,
+        q, k, v, keys, values, key_scale, value_scale, state.valid, state.slot, o, m, lsum, acc,
+        _counters(state, b * hk + 1, q.device), cos, sin, qs,
         reach_cos, reach_sin, positions, q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3), sc_b, sc_d, qs.stride(0), qs.stride(1), qs.stride(3),
         positions.stride(0) if turn and positions.shape[0] > 1 else 0, float(scale), float(softcap or 1.0), hk, g, w,
@@ -464,8 +469,13 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         BG=bg, BW=bw, BD=bd,
         num_warps=warps,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
-    if parts > 1:
-        _combine[(b, hk)](m, lsum, acc, o, state.slot, hk, g, w, state.sinks, d, parts, BG=bg, BD=bd)
-    else:
-        _advance[(1,)](state.slot, w, state.sinks)
     return o, state
+
+
+def _counters(state, n: int, device: torch.device) -> torch.Tensor:
+    """``state.counters``: ``n`` (or more) int32 zeros for the step's arrival counts, made once per ring (the
+    step leaves them zero again; a CUDA graph captures the one buffer)."""
+    have = state.counters
+    if have is None or have.numel() < n or have.device != device:
+        have = state.counters = torch.zeros(n, dtype=torch.int32, device=device)
+    return have
