@@ -130,6 +130,11 @@ def check_half():
 def check_parts():
     _steps(6, 2, torch.float32, torch.float32, 3.0, parts=3, steps=20, seed=5)
     _steps(6, 2, torch.bfloat16, torch.bfloat16, None, parts=2, steps=10, seed=6)
+    tile, step_triton.MERGE_PARTS = step_triton.MERGE_PARTS, 2  # three parts two at a time: a whole tile, a partial
+    try:
+        _steps(6, 2, torch.float32, torch.float32, None, parts=3, steps=12, seed=12)
+    finally:
+        step_triton.MERGE_PARTS = tile
 
 
 def check_strided():
