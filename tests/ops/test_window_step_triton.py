@@ -158,6 +158,9 @@ def test_ring_step_tiles_by_crowding(monkeypatch):
     assert st.step_tiles(256, 3, 256, True, 528) == (False, 32, 2)
     assert st.step_tiles(1, 3, 256, False, 528) == (True, 64, 4)
     assert st.ring_parts(256, 3, 4164, 64, 528) == 1 and st.ring_parts(64, 3, 4164, 128, 528) == 2
+    monkeypatch.setattr(st, "STEP_MIN_PARTS", 3)  # a crowded batch's rings in parts too, never past their blocks
+    assert st.ring_parts(256, 3, 4164, 64, 528) == 3 and st.ring_parts(64, 3, 4164, 128, 528) == 3
+    assert st.ring_parts(256, 3, 100, 64, 528) == 2 and st.ring_parts(1, 3, 4164, 128, 528) == 33
     monkeypatch.setattr(st, "STEP_CROWDED_FP8", None)
     assert st.step_tiles(256, 3, 64, True, 528) == (True, 128, 4)
 

@@ -73,6 +73,11 @@ STEP_CROWDED_FP8: tuple[bool, int, int] | None = (True, 64, 2)
 STEP_HOLD_VALUES: bool = True
 # The parts of a ring that its last part merges a tile at a time (``_merge``; a power of two).
 MERGE_PARTS = 8
+# The fewest parts a ring is read in, however many programs the batch already gives (as many as its blocks at most):
+# 1 reads a crowded batch's rings whole (one program per sequence and key head). The parts' merge costs no launch of
+# its own, so a crowded batch may gain from more programs reading shorter parts; ``dev/window_step_bench.py
+# --min-parts`` sweeps it.
+STEP_MIN_PARTS = 1
 
 
 @triton.jit
@@ -371,9 +376,9 @@ def step_tiles(batch: int, n_kv: int, d: int, fp8: bool, programs: int) -> tuple
 
 
 def ring_parts(batch: int, n_kv: int, window: int, block: int, programs: int) -> int:
-    """Parts of the ring per (sequence, key head): about ``programs`` programs in all, each part at
-    least one block of ``block`` slots."""
-    return max(1, min(triton.cdiv(window, block), programs // max(batch * n_kv, 1)))
+    """Parts of the ring per (sequence, key head): about ``programs`` programs in all and at least
+    ``STEP_MIN_PARTS``, each part at least one block of ``block`` slots."""
+    return max(1, min(triton.cdiv(window, block), max(STEP_MIN_PARTS, programs // max(batch * n_kv, 1))))
 
 
 def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None,
