@@ -45,6 +45,8 @@
 #   rope-table  issue #54: the default's shape (untrained, tiers above) decoding at batch 1/64/256 from 1k prompts + 512
 #             new with the RoPE tables (decode.fusion.ROPE_TABLE, the default) and without, each beside the teacher's
 #             fastest path; ROPE_RUNS repeats the pair (default 2); then the kernels of its batch-1 step (PROFILE=0: not)
+#   merge     issue #54: the float8 ring step alone (dev/window_step_bench.py, rings of 4,292 and 1,284 slots, batch 1/64/256)
+#             with its parts merged one by one or MERGE_PARTS a tile, and crowded batches' rings in STEP_MIN_PARTS parts
 #   decode-default  issue #54: the default's shape (untrained, tiers above) decoding as it runs by default at batch
 #             1/64/256 from 1k prompts + 512 new beside the teacher's fastest path, then the kernels of its batch-1 step
 #   prefill-reach  issue #53: the default's shape (untrained, tiers above) prefilling 1 x 32k beside the teacher's
@@ -218,6 +220,11 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       done
       if [ "${PROFILE:-1}" = 1 ]; then timeout 200 python3 -m linearize.bench.profile decode "$C-tiers" --batch 1 \
         --prompt-len 1024 --tokens 32 --top 45 --out "$S/profile_decode_tiers_1.json" 2>&1 | quiet | tail -50; fi ;;
+    merge)  # issue #54: see the header
+      for w in 4292 1284; do
+        timeout 300 python3 dev/window_step_bench.py --float8 --window $w --batches 1 64 256 --min-parts 0 2 3 4 \
+          --merge-parts 0 1 16 --out "$S/merge_$w.json" 2>&1 | quiet
+      done ;;
     decode-default)  # issue #54: see the header
       tiers "$C-tiers" 4
       timeout 400 python3 -m linearize bench "$C-tiers" --teacher "$T" --dtype bfloat16 --paths fast \
