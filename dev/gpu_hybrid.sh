@@ -42,9 +42,6 @@
 #             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: wide = 14
 #             layers over 1,280, lolcats_wide's shape; tiers = 4 of them over 4,288, float8, 4 sinks: lolcats_tiers',
 #             the default's), each beside the teacher
-#   rope-table  issue #54: the default's shape (untrained, tiers above) decoding at batch 1/64/256 from 1k prompts + 512
-#             new with the RoPE tables (decode.fusion.ROPE_TABLE, the default) and without, each beside the teacher's
-#             fastest path; ROPE_RUNS repeats the pair (default 2); then the kernels of its batch-1 step (PROFILE=0: not)
 #   merge     issue #54: the float8 ring step alone (dev/window_step_bench.py, rings of 4,292 and 1,284 slots, batch 1/64/256)
 #             with its parts merged one by one or MERGE_PARTS a tile, and crowded batches' rings in STEP_MIN_PARTS parts
 #   decode-default  issue #54: the default's shape (untrained, tiers above) decoding as it runs by default at batch
@@ -208,18 +205,6 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       LENGTH_TESTS=0 LENGTH_NEW=${LENGTH_NEW:-512} LENGTH_SPECS="${WINDOW_SPECS:-wide=--config:lolcats_mix:--keep-softmax:$kept\
 :--softmax-window:1280 tiers=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280,1%4288,2%4288,18%4288,20%4288\
 :--softmax-window-dtype:float8:--softmax-window-sinks:4}" bash "$0" length-speed ;;
-    rope-table)  # issue #54: see the header
-      tiers "$C-tiers" 4
-      for r in $(seq ${ROPE_RUNS:-2}); do
-        for run in "tables none" "module {\"linearize.decode.fusion.ROPE_TABLE\":false}"; do
-          set -- $run; echo "--- $1 (run $r)"
-          timeout 400 python3 dev/with_knobs.py "$2" - linearize.cli bench "$C-tiers" --teacher "$T" --dtype bfloat16 \
-            --paths fast --teacher-paths static fast --batch-sizes 1 64 256 --new-tokens 512 --prompt-len 1024 \
-            --out "$S/decode_rope_$1_$r.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|rror"
-        done
-      done
-      if [ "${PROFILE:-1}" = 1 ]; then timeout 200 python3 -m linearize.bench.profile decode "$C-tiers" --batch 1 \
-        --prompt-len 1024 --tokens 32 --top 45 --out "$S/profile_decode_tiers_1.json" 2>&1 | quiet | tail -50; fi ;;
     merge)  # issue #54: see the header
       for w in 4292 1284; do
         timeout 300 python3 dev/window_step_bench.py --float8 --window $w --batches 1 64 256 --min-parts 0 2 3 4 \
