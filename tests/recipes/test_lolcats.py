@@ -534,6 +534,48 @@ def test_copy_loss_falls_when_the_recalling_layer_is_softmax(recall_teacher):
     assert linearize.mixers(student) == kept and lolcats.copy_loss(student, ids, labels) == linear
 
 
+def test_recall_choice_takes_the_layers_before_a_candidate_from_the_rounds_forward(recall_teacher, monkeypatch):
+    """``recall_choice`` runs each candidate from its own layer on, the earlier layers' outputs taken from its
+    round's recorded forward (``LayerOutputs``): the same losses as whole forwards (above), fewer layers computed
+    (1 + 3 + 2 whole forwards of 3 layers would be 18), and no layer left patched. ``LayerOutputs`` alone: a
+    forward resumed at any layer gives the whole forward's logits bit for bit; a layer never recorded is refused."""
+    from helpers import tiny_tokenizer
+
+    from linearize.distill.probes import LayerOutputs
+    from linearize.errors import LinearizeError
+
+    student = linearize.convert(recall_teacher.teacher, RECALL_SPEC)
+    ids, labels = lolcats.copy_task(tiny_tokenizer(), 97, 10, seed=0)
+    outputs = LayerOutputs(student)
+    layer_type = type(outputs.layers[0])
+    computed = []
+    real_forward = layer_type.forward
+
+    def counting(self, *args, **kwargs):
+        computed.append(outputs.layers.index(self))
+        return real_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(layer_type, "forward", counting)
+    with outputs.recording("x"):
+        whole = student(input_ids=ids).logits
+    assert computed == [0, 1, 2]
+    for start in range(3):
+        computed.clear()
+        with outputs.resuming("x", start):
+            assert torch.equal(student(input_ids=ids).logits, whole)
+        assert computed == list(range(start, 3))
+    with pytest.raises(LinearizeError, match="no output"):
+        with outputs.resuming("y", 1):
+            pass
+    computed.clear()
+    chosen, rounds = lolcats.recall_choice(student, ids, labels, 2)
+    c = recall_teacher.carrier
+    assert c in chosen and rounds[1]["softmax"] == [c]
+    # the first forward, 3 candidates from their layers, the next round's forward from c, 2 candidates
+    assert len(computed) == 3 + (3 + 2 + 1) + (3 - c) + sum(3 - i for i in range(3) if i != c) < 18
+    assert all("forward" not in layer.__dict__ for layer in outputs.layers)
+
+
 def test_recall_score_is_the_same_for_a_seed(recall_teacher):
     """The recall score draws its task from the run's seed: the same seed scores and chooses the same,
     another seed draws another task. It does not read the attention MSE, which would choose otherwise."""

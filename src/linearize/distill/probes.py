@@ -11,6 +11,10 @@ in place through the family adapter's ``set_attention`` and taken out again afte
 
 Both answer the attention call as a mixer does (``hidden_states``, ``position_embeddings``, ...)
 with ``(output, None)``.
+
+``LayerOutputs(model)`` records what each decoder layer gives in one forward and lets a later forward
+of the same input, whose model differs only from some layer on, take the earlier layers' outputs as
+recorded instead of computing them again (the greedy choice of softmax layers scores every layer in turn).
 """
 
 from __future__ import annotations
@@ -162,3 +166,54 @@ def softmax_view(model: nn.Module):
                 yield model
         else:
             yield model
+
+
+class LayerOutputs:
+    """Each decoder layer's output in recorded forwards of ``model``, by a key for the input (e.g. a chunk
+    of rows), so that a forward of the same input whose model is the same before layer ``start`` resumes
+    there: ``with outputs.resuming(key, start): model(...)`` gives layers ``0 .. start - 1`` their recorded
+    outputs (no compute: each returns what it returned, the last one the input layer ``start`` then sees)
+    and computes the rest. Exact where the layers before ``start`` are unchanged and deterministic."""
+
+    def __init__(self, model: nn.Module):
+        inner = unwrap(model)
+        self.layers = list(get_adapter(inner.config).layers(inner))
+        self.outputs: dict = {}
+
+    @contextmanager
+    def recording(self, key):
+        """Inside, a forward records every layer's output under ``key`` (a later one replaces it)."""
+        kept = self.outputs[key] = [None] * len(self.layers)
+
+        def hook(index):
+            def keep(module, args, output):
+                kept[index] = output
+            return keep
+
+        handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
+        try:
+            yield kept
+        finally:
+            for h in handles:
+                h.remove()
+
+    @contextmanager
+    def resuming(self, key, start: int):
+        """Inside, layers before ``start`` give the outputs recorded under ``key`` (``start`` 0: nothing
+        changes)."""
+        kept = self.outputs.get(key) or [None] * len(self.layers)
+        if any(kept[i] is None for i in range(start)):
+            raise LinearizeError(f"no output of the layers before {start} recorded for {key!r}")
+        patched = []  # (layer, its own instance forward if it had one: an accelerate hook's, say)
+        try:
+            for i in range(start):
+                layer = self.layers[i]
+                patched.append((layer, layer.__dict__.get("forward")))
+                layer.forward = (lambda out: lambda *args, **kwargs: out)(kept[i])
+            yield
+        finally:
+            for layer, own in patched:
+                if own is None:
+                    del layer.forward
+                else:
+                    layer.forward = own

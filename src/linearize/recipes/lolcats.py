@@ -442,12 +442,18 @@ def copy_task(tokenizer, vocab_rows: int, distance: int, sequences: int = RECALL
 
 
 @torch.no_grad()
-def copy_loss(model, ids: torch.Tensor, labels: torch.Tensor, softmax_layers=(), batch_size: int = 8) -> float:
+def copy_loss(model, ids: torch.Tensor, labels: torch.Tensor, softmax_layers=(), batch_size: int = 8, *,
+              layer_outputs=None, resume_at: int = 0, record: bool = False) -> float:
     """Mean next-token cross-entropy of ``model`` on the labelled tokens of ``copy_task``, with the
     converted layers in ``softmax_layers`` giving the teacher's softmax attention (``SoftmaxAttention``
     from their own projections, which are the teacher's: the attention ``keep_chosen_layers`` keeps)
     and every other converted layer its own mixer. The model's mixers are back afterwards. Runs
-    ``batch_size`` rows at a time, fewer where their logits would pass ``LOGIT_BUDGET``."""
+    ``batch_size`` rows at a time, fewer where their logits would pass ``LOGIT_BUDGET``.
+    ``layer_outputs`` (``distill.probes.LayerOutputs`` of ``model``, on these ``ids``): each chunk of rows
+    resumes at layer ``resume_at`` from the outputs recorded for it (the layers before it must be as they
+    were then), and with ``record`` records its layers' outputs for later calls."""
+    from contextlib import nullcontext
+
     from ..distill.probes import SoftmaxAttention, swapped
     from ..eval.perplexity import LOGIT_BUDGET
 
@@ -457,7 +463,10 @@ def copy_loss(model, ids: torch.Tensor, labels: torch.Tensor, softmax_layers=(),
     total, count = 0.0, 0
     with swapped(model, lambda m: SoftmaxAttention(m) if m.layer_idx in restored else None):
         for s in range(0, len(ids), rows):
-            logits = model(input_ids=ids[s : s + rows].to(device), use_cache=False).logits[:, :-1]
+            resumed = layer_outputs.resuming(s, resume_at) if layer_outputs and resume_at else nullcontext()
+            kept = layer_outputs.recording(s) if layer_outputs and record else nullcontext()
+            with resumed, kept:
+                logits = model(input_ids=ids[s : s + rows].to(device), use_cache=False).logits[:, :-1]
             target = labels[s : s + rows, 1:].to(device)
             real = target != -100
             total += torch.nn.functional.cross_entropy(logits[real].double(), target[real], reduction="sum").item()
@@ -485,28 +494,37 @@ def recall_choice(student, ids: torch.Tensor, labels: torch.Tensor, k: int, batc
     minus the loss with that layer softmax too, and takes the largest (ties: the lower index). The
     first round's scores are each layer's gain alone (every other layer linear); later rounds see
     the earlier choices, so a second layer that only repeats what the first restores scores low.
-    Costs 1 + k x (layers) forwards of ``ids``. Returns (chosen, in layer order; the rounds:
+    Costs 1 + k x (layers) forwards of ``ids``, each from the layer it changes on: every layer's output in
+    the round's own forward (the layers chosen so far softmax) is kept (``LayerOutputs``), and a candidate's
+    forward takes the layers before it from there (about half the layers' compute; the same losses), as does
+    the next round's, which records again. Returns (chosen, in layer order; the rounds:
     the layers softmax before it, their loss and every candidate's score). ``candidates``: the layers it
     chooses among (default: every converted one)."""
     from tqdm.auto import tqdm
 
+    from ..distill.probes import LayerOutputs
+
     candidates = sorted(candidates if candidates is not None else mixers(student))
     chosen: list[int] = []
-    loss = copy_loss(student, ids, labels, (), batch_size)
+    outputs = LayerOutputs(student)
+    loss = copy_loss(student, ids, labels, (), batch_size, layer_outputs=outputs, record=True)
     rounds = []
     total = sum(len(candidates) - r for r in range(k))
     progress = tqdm(total=total, desc=f"choosing {k} of {len(candidates)} layers", unit="copy", leave=False)
-    for _ in range(k):
+    for r in range(k):
         losses = {}
         for i in candidates:
             if i not in chosen:
-                losses[i] = copy_loss(student, ids, labels, chosen + [i], batch_size)
+                losses[i] = copy_loss(student, ids, labels, chosen + [i], batch_size, layer_outputs=outputs,
+                                      resume_at=i)
                 progress.update()
         gains = {i: loss - v for i, v in losses.items()}
         best = choose_worst(gains, 1)[0]
         rounds.append({"softmax": list(chosen), "loss": loss, "scores": {str(i): v for i, v in gains.items()}})
         chosen.append(best)
         loss = losses[best]
+        if r + 1 < k:  # the next round's layer outputs: the same before ``best``
+            copy_loss(student, ids, labels, chosen, batch_size, layer_outputs=outputs, resume_at=best, record=True)
     progress.close()
     return sorted(chosen), rounds
 
