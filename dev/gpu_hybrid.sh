@@ -42,8 +42,10 @@
 #             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: wide = 14
 #             layers over 1,280, lolcats_wide's shape; tiers = 4 of them over 4,288, float8, 4 sinks: lolcats_tiers',
 #             the default's), each beside the teacher
-#   merge     issue #54: the float8 ring step alone (dev/window_step_bench.py, rings of 4,292 and 1,284 slots, batch 1/64/256)
-#             with its parts merged one by one or MERGE_PARTS a tile, and crowded batches' rings in STEP_MIN_PARTS parts
+#   merge     issue #54: the float8 ring step alone (dev/window_step_bench.py, rings of 4,292 and 1,284 slots): at batch
+#             1 and 64 its parts merged one by one or MERGE_PARTS a tile, with the programs a step aims for (STEP_PROGRAMS,
+#             4 per multiprocessor by default) doubled and quadrupled; at batch 256 (crowded: one program per sequence and
+#             key head, 2 warps each) the rings in 2, 4 and 8 parts (STEP_MIN_PARTS)
 #   decode-default  issue #54: the default's shape (untrained, tiers above) decoding as it runs by default at batch
 #             1/64/256 from 1k prompts + 512 new beside the teacher's fastest path, then the kernels of its batch-1 step
 #   prefill-reach  issue #53: the default's shape (untrained, tiers above) prefilling 1 x 32k beside the teacher's
@@ -207,8 +209,10 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
 :--softmax-window-dtype:float8:--softmax-window-sinks:4}" bash "$0" length-speed ;;
     merge)  # issue #54: see the header
       for w in 4292 1284; do
-        timeout 300 python3 dev/window_step_bench.py --float8 --window $w --batches 1 64 256 --min-parts 0 2 3 4 \
-          --merge-parts 0 1 16 --out "$S/merge_$w.json" 2>&1 | quiet
+        timeout 300 python3 dev/window_step_bench.py --float8 --window $w --batches 1 64 --merge-parts 0 1 16 \
+          --programs 0 1056 2112 --out "$S/merge_$w.json" 2>&1 | quiet
+        timeout 200 python3 dev/window_step_bench.py --float8 --window $w --batches 256 --min-parts 0 2 4 8 \
+          --out "$S/crowded_parts_$w.json" 2>&1 | quiet
       done ;;
     decode-default)  # issue #54: see the header
       tiers "$C-tiers" 4
