@@ -52,11 +52,6 @@
 #             SDPA, as it runs (past the reach the kernel makes the sinks' queries), with them made in PyTorch first
 #             (WINDOW_PREFILL_SINK_ROPE off) and without sinks (--softmax-window-sinks 0), each with the teacher in its
 #             run; REACH_RUNS repeats the three (default 2: a 32k prefill varies by a few ms run to run)
-#   decode-default  issue #44: the norm/activation kernels' CUDA tests, then decode from 1k prompts + 512 new at
-#             batch 1/64/256 on the default fast path (no flags) and with --compile, each beside the teacher's
-#             static and fast paths in its run, then the default path with the kernels off (the step as before),
-#             then the kernels of one decode step (bench.profile decode, batch 1) with the kernels on and off
-#             (DEFAULT_RUNS: which of tests default compile off profile, all by default)
 #   decode-ceiling  issue #44: the kernels of one decode step at batch 1 from 1k prompts (bench.profile decode,
 #             the default fast path without its graph), teacher and student: the teacher's attention share bounds
 #             what any replacement of it can gain at batch 1 (Amdahl), as `ceiling` does for the prefill
@@ -267,31 +262,6 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
         32x8192 --prefill-teacher-paths sdpa --out "$S/prefill_plain.json" 2>&1 | quiet | grep -E "kernels|sdpa|rror"
       timeout 120 python3 -m linearize bench "$C-sinks" --teacher none --dtype bfloat16 --prefill 1x1024 32x1024 \
         1x8192 32x8192 --out "$S/prefill_sinks.json" 2>&1 | quiet | grep -E "kernels|torch|rror" ;;
-    decode-default)  # issue #44: the default path's step with the RMSNorm and gated-activation Triton kernels
-      # (decode.fusion; no flag) against --compile and against the kernels off (decode.fusion.KERNELS = False)
-      runs=" ${DEFAULT_RUNS:-tests default compile off profile} "
-      rows() { timeout ${DEFAULT_S:-540} python3 -m linearize bench "$C" --dtype bfloat16 --paths fast --batch-sizes 1 64 256 \
-        --new-tokens 512 --prompt-len 1024 "$@" 2>&1 | quiet | grep -E "^\| (student|teacher)|Error|error:"; }
-      off="import sys; from linearize.decode import fusion; fusion.KERNELS = False; print('kernels off')
-from importlib import import_module; sys.exit(import_module(sys.argv[1]).main(sys.argv[2:]))"
-      [[ $runs == *" tests "* ]] && timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_norm_act.py \
-        2>&1 | grep -E "passed|failed|Error|assert" | tail -12
-      student
-      [[ $runs == *" default "* ]] && { echo "--- default path (kernels on), beside the teacher"
-        rows --teacher "$T" --teacher-paths static fast --out "$S/decode_default.json"; }
-      [[ $runs == *" compile "* ]] && { echo "--- --compile, beside the teacher"
-        rows --teacher "$T" --teacher-paths static fast --compile --out "$S/decode_default_compile.json"; }
-      [[ $runs == *" off "* ]] && { echo "--- default path with the kernels off (the step before them)"
-        timeout ${DEFAULT_S:-540} python3 -c "$off" linearize.cli bench "$C" --teacher none --dtype bfloat16 --paths fast \
-          --batch-sizes 1 64 256 --new-tokens 512 --prompt-len 1024 --out "$S/decode_default_off.json" 2>&1 | quiet \
-          | grep -E "^\| student|Error|error:"; }
-      if [[ $runs == *" profile "* ]]; then
-        echo "--- kernels per decode step, batch 1: kernels on, then off"
-        timeout 150 python3 -m linearize.bench.profile decode "$C" --batch 1 --top 12 \
-          --out "$S/profile_decode_default.json" 2>&1 | quiet | tail -16
-        timeout 150 python3 -c "$off" linearize.bench.profile decode "$C" --batch 1 --top 12 \
-          --out "$S/profile_decode_default_off.json" 2>&1 | quiet | tail -16
-      fi ;;
     profile)
       student
       for m in teacher lolcats-stage1 lolcats-stage2; do
