@@ -31,6 +31,19 @@ from .fusion import fused_projections, kernels_default, rope_table
 from .sampling import Sampling, next_tokens
 
 WARMUP_STEPS = 2  # eager decode steps before a CUDA graph is captured
+# A greedy step's argmax, EOS rule, token write and position advances as one Triton launch (``ops/pick_triton.py``)
+# instead of four to seven PyTorch ones. Off until its CUDA test and timing have run on a GPU.
+PICK_KERNEL = False
+
+
+def _pick_kernel(device: torch.device) -> bool:
+    """Whether a greedy step on ``device`` picks with the kernel: ``PICK_KERNEL``, Triton importable, and CUDA
+    (or Triton's CPU interpreter)."""
+    import os
+
+    from ..ops.availability import triton_available
+
+    return PICK_KERNEL and triton_available() and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
 
 def positions(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -118,6 +131,12 @@ class DecodeStep:
         self.out = self.sequence[:, t:]
         self.out[:, 0] = first
         self.position_ids = positions(attention_mask)[:, -1:] + 1
+        self.pick = None  # greedy: the kernel's buffers, made before any capture
+        if not sampling.do_sample and _pick_kernel(dev):
+            from ..ops.pick_triton import PickBuffers
+
+            self.pick = PickBuffers.make(b, dev)
+            self.eos_ids = torch.tensor(ids, dtype=torch.long, device=dev) if ids else None
         self.has_kv = any(isinstance(layer, StaticKVLayer) for layer in cache.layers)
         self.kv_mask = torch.zeros(b, 1, 1, total if self.has_kv else 1, dtype=dtype, device=dev)
         if self.has_kv:  # padding and the slots not written yet hidden; a step opens its own slot
@@ -148,6 +167,12 @@ class DecodeStep:
                               cache_position=self.position.view(1), **{self.cache_keyword: self.cache},
                               use_cache=True).logits
         self.scores = logits[:, -1]  # under a CUDA graph, the graph's own output (its values replayed)
+        if self.pick is not None:  # the lines below as one launch
+            from ..ops.pick_triton import greedy_step_triton
+
+            greedy_step_triton(logits[:, -1], self.token, self._next, self.position, self.position_ids, self.pick,
+                               self.finished, self.eos_ids, self.pad)
+            return
         if self.sampling.do_sample:
             self.token.copy_(next_tokens(logits[:, -1], self.sampling)[:, None])
         else:  # greedy: the argmax of the logits' own dtype, written in place
