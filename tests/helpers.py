@@ -273,3 +273,17 @@ class CollectStreamer:
 
     def end(self):
         self.ended = True
+
+
+def greedy_step_reference(logits, token, following, position, position_ids, finished, eos, pad):
+    """The PyTorch lines of a greedy decode step's bookkeeping (``decode.loop.DecodeStep``) that
+    ``ops/pick_triton.py``'s one launch stands for, in place."""
+    import torch
+
+    torch.argmax(logits, dim=-1, keepdim=True, out=token)
+    if eos is not None:
+        token.masked_fill_(finished[:, None], pad)
+        finished.logical_or_(torch.isin(token[:, 0], eos))
+    following.index_copy_(1, position.view(1), token)
+    position_ids.add_(1)
+    position.add_(1)

@@ -5,17 +5,9 @@ and the fast decoder with it against itself without it."""
 import pytest
 import torch
 
+from helpers import greedy_step_reference
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-
-def _reference(logits, token, following, position, position_ids, finished, eos, pad):
-    torch.argmax(logits, dim=-1, keepdim=True, out=token)
-    if eos is not None:
-        token.masked_fill_(finished[:, None], pad)
-        finished.logical_or_(torch.isin(token[:, 0], eos))
-    following.index_copy_(1, position.view(1), token)
-    position_ids.add_(1)
-    position.add_(1)
 
 
 @pytest.mark.parametrize("v", [49152, 151936, 262144, 1000])  # SmolLM2's, Qwen2.5's, Gemma 3's, one block
@@ -27,8 +19,8 @@ def test_greedy_step_kernel_equals_the_torch_lines_on_cuda(v, b, dtype, eos):
 
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = None if eos is None else torch.tensor(eos, device="cuda")
-    state = [torch.zeros(b, 1, dtype=torch.long, device="cuda"), torch.full((b, 9), -1, dtype=torch.long, device="cuda"),
-             torch.tensor(0, device="cuda"), torch.arange(b, device="cuda")[:, None],
+    state = [torch.zeros(b, 1, dtype=torch.long, device="cuda"),
+             torch.full((b, 9), -1, dtype=torch.long, device="cuda"), torch.tensor(0, device="cuda"), torch.arange(b, device="cuda")[:, None],
              torch.arange(b, device="cuda") % 3 == 1]
     twin = [x.clone() for x in state]
     work = PickBuffers.make(b, "cuda")
@@ -40,7 +32,7 @@ def test_greedy_step_kernel_equals_the_torch_lines_on_cuda(v, b, dtype, eos):
         token, seq, position, position_ids, finished = state
         greedy_step_triton(x[:, -1], token, seq[:, 1:], position, position_ids, work, finished if ids is not None
                            else None, ids, 0)
-        _reference(x[:, -1], twin[0], twin[1][:, 1:], twin[2], twin[3], twin[4], ids, 0)
+        greedy_step_reference(x[:, -1], twin[0], twin[1][:, 1:], twin[2], twin[3], twin[4], ids, 0)
         for got, want in zip(state, twin):
             assert torch.equal(got, want), (v, b, str(dtype), eos, step)
     torch.cuda.synchronize()

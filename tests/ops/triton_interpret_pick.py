@@ -19,21 +19,12 @@ os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are defined
 import torch  # noqa: E402
 
 import triton_interpret_patch  # noqa: E402,F401  (NumPy >= 2.4 and Triton 3.6's interpreter)
+from helpers import greedy_step_reference  # noqa: E402
 from linearize.ops import pick_triton  # noqa: E402
 from linearize.ops.pick_triton import PickBuffers, greedy_step_triton  # noqa: E402
 
 torch.set_grad_enabled(False)
 pick_triton.BLOCK = 64
-
-
-def _reference(logits, token, following, position, position_ids, finished, eos, pad):
-    torch.argmax(logits, dim=-1, keepdim=True, out=token)
-    if eos is not None:
-        token.masked_fill_(finished[:, None], pad)
-        finished.logical_or_(torch.isin(token[:, 0], eos))
-    following.index_copy_(1, position.view(1), token)
-    position_ids.add_(1)
-    position.add_(1)
 
 
 def _logits(b, v, gen, dtype, step):
@@ -68,7 +59,7 @@ def check_pick():
             greedy_step_triton(logits, token, seq[:, 1:], position, position_ids, work,
                                finished if ids is not None else None, ids, pad)
             t2, s2, p2, i2, f2 = twin
-            _reference(logits, t2, s2[:, 1:], p2, i2, f2, ids, pad)
+            greedy_step_reference(logits, t2, s2[:, 1:], p2, i2, f2, ids, pad)
             where = (b, v, str(dtype), eos, step)
             for got, want in zip(state, twin):
                 assert torch.equal(got, want), (where, got, want)

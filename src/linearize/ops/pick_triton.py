@@ -69,11 +69,10 @@ def _greedy_step(logits_ptr, s_lb, V, token_ptr, s_tb, follow_ptr, s_fb, pos_ptr
     top = tl.max(key, axis=0)
     first = tl.min(tl.where(key == top, cols, V), axis=0)
     packed = (top.to(tl.int64) << 32) | (4294967295 - first.to(tl.int64))
-    tl.atomic_max(best_ptr + b, packed, sem="relaxed")
-    tl.debug_barrier()
+    tl.atomic_max(best_ptr + b, packed, sem="relaxed")  # ordered before the count below, which releases it
     if tl.atomic_add(cnt_ptr + b, 1, sem="acq_rel") == tl.num_programs(1) - 1:  # the sequence's last block
         tl.store(cnt_ptr + b, 0)
-        won = tl.atomic_xchg(best_ptr + b, -9223372036854775808, sem="acq_rel")
+        won = tl.atomic_xchg(best_ptr + b, -9223372036854775808, sem="acq_rel")  # the best, reset to _LOWEST
         token = 4294967295 - (won & 4294967295)
         if HAS_EOS:
             done = tl.load(fin_ptr + b).to(tl.int1)

@@ -149,8 +149,8 @@ def _quantize(x, mask):
 
 @triton.jit
 def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr,
-                      l_ptr, acc_ptr, cnt_ptr, cos_ptr, sin_ptr, qs_ptr, rc_ptr, rs_ptr, pos_ptr, sq_b, sq_h, sq_d, sk_b, sk_h,
-                      sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, ss_b, ss_h, ss_d, sp_b, scale, softcap, HK, G, W, D, L, R, S,
+                      l_ptr, acc_ptr, cnt_ptr, cos_ptr, sin_ptr, qs_ptr, rc_ptr, rs_ptr, pos_ptr, sq_b, sq_h, sq_d,
+                      sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, ss_b, ss_h, ss_d, sp_b, scale, softcap, HK, G, W, D, L, R, S,
                       reach, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr,
                       NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
                       ROPE: tl.constexpr, SINK_Q: tl.constexpr, SINK_ROPE: tl.constexpr, HOLD_VALUES: tl.constexpr,
