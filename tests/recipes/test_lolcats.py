@@ -532,12 +532,15 @@ def test_copy_loss_falls_when_the_recalling_layer_is_softmax(recall_teacher):
     assert rounds[1]["scores"] == {str(i): pytest.approx(alone[c] - lolcats.copy_loss(student, ids, labels, [c, i]))
                                    for i in range(3) if i != c}
     assert linearize.mixers(student) == kept and lolcats.copy_loss(student, ids, labels) == linear
+    # the output layer on the labelled positions alone (the default) scores as the whole forward does
+    assert lolcats.copy_loss(student, ids, labels, [c], head=None) == pytest.approx(alone[c], rel=1e-6)
 
 
 def test_recall_choice_takes_the_layers_before_a_candidate_from_the_rounds_forward(recall_teacher, monkeypatch):
     """``recall_choice`` runs each candidate from its own layer on, the earlier layers' outputs taken from its
     round's recorded forward (``LayerOutputs``): the same losses as whole forwards (above), fewer layers computed
-    (1 + 3 + 2 whole forwards of 3 layers would be 18), and no layer left patched. ``LayerOutputs`` alone: a
+    (1 + 3 + 2 whole forwards of 3 layers would be 18), and no layer left patched; the output layer runs on the
+    labelled positions alone. ``LayerOutputs`` alone: a
     forward resumed at any layer gives the whole forward's logits bit for bit; a layer never recorded is refused."""
     from helpers import tiny_tokenizer
 
@@ -571,8 +574,9 @@ def test_recall_choice_takes_the_layers_before_a_candidate_from_the_rounds_forwa
     chosen, rounds = lolcats.recall_choice(student, ids, labels, 2)
     c = recall_teacher.carrier
     assert c in chosen and rounds[1]["softmax"] == [c]
-    # the first forward, 3 candidates from their layers, the next round's forward from c, 2 candidates
-    assert len(computed) == 3 + (3 + 2 + 1) + (3 - c) + sum(3 - i for i in range(3) if i != c) < 18
+    # the output layer's check (a few tokens, whole), the first forward, 3 candidates from their layers, the next
+    # round's forward from c, 2 candidates
+    assert len(computed) == 3 + 3 + (3 + 2 + 1) + (3 - c) + sum(3 - i for i in range(3) if i != c) < 3 + 18
     assert all("forward" not in layer.__dict__ for layer in outputs.layers)
 
 

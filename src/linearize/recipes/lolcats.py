@@ -443,33 +443,44 @@ def copy_task(tokenizer, vocab_rows: int, distance: int, sequences: int = RECALL
 
 @torch.no_grad()
 def copy_loss(model, ids: torch.Tensor, labels: torch.Tensor, softmax_layers=(), batch_size: int = 8, *,
-              layer_outputs=None, resume_at: int = 0, record: bool = False) -> float:
+              layer_outputs=None, resume_at: int = 0, record: bool = False, head="find") -> float:
     """Mean next-token cross-entropy of ``model`` on the labelled tokens of ``copy_task``, with the
     converted layers in ``softmax_layers`` giving the teacher's softmax attention (``SoftmaxAttention``
     from their own projections, which are the teacher's: the attention ``keep_chosen_layers`` keeps)
     and every other converted layer its own mixer. The model's mixers are back afterwards. Runs
-    ``batch_size`` rows at a time, fewer where their logits would pass ``LOGIT_BUDGET``.
+    ``batch_size`` rows at a time. ``head``: ``eval.perplexity._output_head``'s ``(trunk, head)`` for
+    ``model`` (``"find"``: looked for here; None: none): the output layer then runs on the labelled
+    positions alone (a large vocabulary's logits for every position would cap a chunk at a row or two
+    of ``LOGIT_BUDGET``); without one, the whole forward, fewer rows where their logits would pass it.
     ``layer_outputs`` (``distill.probes.LayerOutputs`` of ``model``, on these ``ids``): each chunk of rows
     resumes at layer ``resume_at`` from the outputs recorded for it (the layers before it must be as they
     were then), and with ``record`` records its layers' outputs for later calls."""
     from contextlib import nullcontext
 
     from ..distill.probes import SoftmaxAttention, swapped
-    from ..eval.perplexity import LOGIT_BUDGET
+    from ..eval.perplexity import LOGIT_BUDGET, _output_head
 
     device = next(model.parameters()).device
-    rows = max(1, min(batch_size, LOGIT_BUDGET // (ids.shape[1] * model.config.get_text_config().vocab_size)))
+    if head == "find":
+        head = _output_head(model, ids[:1, :8].to(device))
+    rows = batch_size if head is not None else max(1, min(batch_size, LOGIT_BUDGET // (
+        ids.shape[1] * model.config.get_text_config().vocab_size)))
     restored = set(softmax_layers)
     total, count = 0.0, 0
     with swapped(model, lambda m: SoftmaxAttention(m) if m.layer_idx in restored else None):
         for s in range(0, len(ids), rows):
+            target = labels[s : s + rows, 1:].to(device)
+            real = target != -100
             resumed = layer_outputs.resuming(s, resume_at) if layer_outputs and resume_at else nullcontext()
             kept = layer_outputs.recording(s) if layer_outputs and record else nullcontext()
             with resumed, kept:
-                logits = model(input_ids=ids[s : s + rows].to(device), use_cache=False).logits[:, :-1]
-            target = labels[s : s + rows, 1:].to(device)
-            real = target != -100
-            total += torch.nn.functional.cross_entropy(logits[real].double(), target[real], reduction="sum").item()
+                part = ids[s : s + rows].to(device)
+                if head is None:
+                    logits = model(input_ids=part, use_cache=False).logits[:, :-1][real]
+                else:
+                    trunk, output = head
+                    logits = output(trunk(input_ids=part, use_cache=False).last_hidden_state[:, :-1][real])
+            total += torch.nn.functional.cross_entropy(logits.double(), target[real], reduction="sum").item()
             count += int(real.sum())
             del logits
     return total / count
@@ -503,11 +514,13 @@ def recall_choice(student, ids: torch.Tensor, labels: torch.Tensor, k: int, batc
     from tqdm.auto import tqdm
 
     from ..distill.probes import LayerOutputs
+    from ..eval.perplexity import _output_head
 
     candidates = sorted(candidates if candidates is not None else mixers(student))
     chosen: list[int] = []
     outputs = LayerOutputs(student)
-    loss = copy_loss(student, ids, labels, (), batch_size, layer_outputs=outputs, record=True)
+    head = _output_head(student, ids[:1, :8].to(next(student.parameters()).device))  # found once for every forward
+    loss = copy_loss(student, ids, labels, (), batch_size, layer_outputs=outputs, record=True, head=head)
     rounds = []
     total = sum(len(candidates) - r for r in range(k))
     progress = tqdm(total=total, desc=f"choosing {k} of {len(candidates)} layers", unit="copy", leave=False)
@@ -516,7 +529,7 @@ def recall_choice(student, ids: torch.Tensor, labels: torch.Tensor, k: int, batc
         for i in candidates:
             if i not in chosen:
                 losses[i] = copy_loss(student, ids, labels, chosen + [i], batch_size, layer_outputs=outputs,
-                                      resume_at=i)
+                                      resume_at=i, head=head)
                 progress.update()
         gains = {i: loss - v for i, v in losses.items()}
         best = choose_worst(gains, 1)[0]
@@ -524,7 +537,8 @@ def recall_choice(student, ids: torch.Tensor, labels: torch.Tensor, k: int, batc
         chosen.append(best)
         loss = losses[best]
         if r + 1 < k:  # the next round's layer outputs: the same before ``best``
-            copy_loss(student, ids, labels, chosen, batch_size, layer_outputs=outputs, resume_at=best, record=True)
+            copy_loss(student, ids, labels, chosen, batch_size, layer_outputs=outputs, resume_at=best, record=True,
+                      head=head)
     progress.close()
     return sorted(chosen), rounds
 
