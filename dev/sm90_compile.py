@@ -14,6 +14,7 @@ instructions (e.g. a float8 ring's codes read from shared memory byte by byte in
     PYTHONPATH=src python dev/sm90_compile.py --step-block 32 # the ring step with blocks of 32 slots
     PYTHONPATH=src python dev/sm90_compile.py --step-block 64 --step-warps 2  # its crowded float8 tiles
     PYTHONPATH=src python dev/sm90_compile.py --fma --step-block 16 --ptx      # the products as broadcast sums
+    PYTHONPATH=src python dev/sm90_compile.py --head-dim 128 --step-block 64 --merge-parts 4  # Llama 3's heads
 """
 
 from __future__ import annotations
@@ -84,6 +85,9 @@ def main() -> None:
     p.add_argument("--ptx", action="store_true", help="also count each variant's memory instructions")
     p.add_argument("--hold", action="store_true", help="a float8 ring's values held converted where loaded "
                    "(STEP_HOLD_VALUES)")
+    p.add_argument("--head-dim", type=int, default=64, help="the ring step's head width (BD): 64 SmolLM2, 128 Llama 3")
+    p.add_argument("--merge-parts", type=int, default=step_triton.MERGE_PARTS,
+                   help="the parts the ring step's last part merges a tile at a time (BP)")
     a = p.parse_args()
     prefill = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*bf16", mask_ptr="*u8", cos_ptr="*bf16",
                    sin_ptr="*bf16", pos_ptr="*i32", qs_ptr="*bf16", rc_ptr="*bf16", rs_ptr="*bf16", rp_ptr="*i64")
@@ -97,13 +101,14 @@ def main() -> None:
         ring = "*u8" if fp8 else "*bf16"
         step = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", keys_ptr=ring, values_ptr=ring, ks_ptr="*fp32",
                     vs_ptr="*fp32", valid_ptr="*i1", slot_ptr="*i64", o_ptr="*bf16", m_ptr="*fp32", l_ptr="*fp32",
-                    acc_ptr="*fp32", cos_ptr="*bf16", sin_ptr="*bf16", qs_ptr="*bf16", rc_ptr="*fp32",
+                    acc_ptr="*fp32", cnt_ptr="*i32", cos_ptr="*bf16", sin_ptr="*bf16", qs_ptr="*bf16", rc_ptr="*fp32",
                     rs_ptr="*fp32", pos_ptr="*i64")
         for split in (False, True):
             for sink_q, sink_rope in ((False, False), (True, False), (False, True)):
                 consts = dict(HAS_SOFTCAP=False, SPLIT=split, FP8=fp8, NATIVE_FP8=fp8, MMA=not a.fma,
                               F32_DOT=False, PREC="tf32", ROPE=True, SINK_Q=sink_q, SINK_ROPE=sink_rope,
-                              HOLD_VALUES=a.hold, BG=4 if a.fma else 16, BW=a.step_block, BD=64)
+                              HOLD_VALUES=a.hold, BG=4 if a.fma else 16, BW=a.step_block, BD=a.head_dim,
+                              BP=a.merge_parts)
                 print(f"step     float8={fp8!s:5} parts={split!s:5} own queries={sink_q!s:5} "
                       f"rotated here={sink_rope!s:5}:", build(step_triton._window_ring_step, step, consts,
                                                              a.step_warps, a.ptx))

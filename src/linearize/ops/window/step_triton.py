@@ -71,8 +71,12 @@ STEP_CROWDED_FP8: tuple[bool, int, int] | None = (True, 64, 2)
 # (``dev/window_step_bench.py --float8 --hold``) 4-7 % faster at batch 1 / 64 / 256: 15.4 / 63.8 / 202.8 against
 # 16.1 / 66.9 / 217.8 µs a layer at 4,292 slots, 9.4 / 27.3 / 68.7 against 10.0 / 28.7 / 73.7 at 1,284.
 STEP_HOLD_VALUES: bool = True
-# The parts of a ring that its last part merges a tile at a time (``_merge``; a power of two).
+# The parts of a ring that its last part merges a tile at a time (``_merge``; a power of two), at most
+# ``MERGE_ELEMENTS`` fp32 terms a tile (parts x padded query heads x head width): sm_90 builds (``dev/sm90_compile.py
+# --hold``) of the float8 step in parts take 150 registers merging one part at a time and 168 merging 8 of 64-wide
+# heads or 4 of 128-wide ones, 245 merging 8 of 128-wide ones.
 MERGE_PARTS = 8
+MERGE_ELEMENTS = 8192
 # The fewest parts a ring is read in, however many programs the batch already gives (as many as its blocks at most):
 # 1 reads a crowded batch's rings whole (one program per sequence and key head). The parts' merge costs no launch of
 # its own, so a crowded batch may gain from more programs reading shorter parts; ``dev/window_step_bench.py
@@ -150,8 +154,8 @@ def _quantize(x, mask):
 @triton.jit
 def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr, valid_ptr, slot_ptr, o_ptr, m_ptr,
                       l_ptr, acc_ptr, cnt_ptr, cos_ptr, sin_ptr, qs_ptr, rc_ptr, rs_ptr, pos_ptr, sq_b, sq_h, sq_d,
-                      sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, ss_b, ss_h, ss_d, sp_b, scale, softcap, HK, G, W, D, L, R, S,
-                      reach, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr,
+                      sk_b, sk_h, sk_d, sv_b, sv_h, sv_d, sc_b, sc_d, ss_b, ss_h, ss_d, sp_b, scale, softcap, HK, G, W,
+                      D, L, R, S, reach, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr,
                       NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
                       ROPE: tl.constexpr, SINK_Q: tl.constexpr, SINK_ROPE: tl.constexpr, HOLD_VALUES: tl.constexpr,
                       BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr):
@@ -478,7 +482,7 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         d, span, rot, state.sinks, int(reach), HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8,
         NATIVE_FP8=fp8 and _native_float8(q.device), MMA=mma, F32_DOT=f32_dot,
         PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, SINK_Q=use_qs, SINK_ROPE=turn, HOLD_VALUES=STEP_HOLD_VALUES,
-        BG=bg, BW=bw, BD=bd, BP=min(MERGE_PARTS, triton.next_power_of_2(parts)),
+        BG=bg, BW=bw, BD=bd, BP=min(MERGE_PARTS, triton.next_power_of_2(parts), max(1, MERGE_ELEMENTS // (bg * bd))),
         num_warps=warps,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
     return o, state
