@@ -125,7 +125,7 @@ def test_time_sliced_loss_equals_the_whole_forward_on_real_models(tiny_model, mo
         whole = token_nll(model, ids)
         with monkeypatch.context() as m:
             m.setattr(ppl, "LOGIT_BUDGET", 97 * 37)
-            assert ppl._output_head(model, ids[:1, :8]) is not None, name
+            assert ppl.output_head(model, ids[:1, :8]) is not None, name
             sliced = token_nll(model, ids)
         assert sliced.shape == whole.shape == (2, 199)
         torch.testing.assert_close(sliced, whole, rtol=1e-12, atol=1e-12, msg=name)
@@ -142,7 +142,7 @@ def test_time_sliced_loss_equals_the_whole_forward_on_real_models(tiny_model, mo
     gemma.__class__ = Scaled
     with monkeypatch.context() as m:
         m.setattr(ppl, "LOGIT_BUDGET", 97 * 37)
-        assert ppl._output_head(gemma, ids[:1, :8]) is None
+        assert ppl.output_head(gemma, ids[:1, :8]) is None
         fallback = token_nll(gemma, ids)
     logits = gemma(ids).logits.double()
     manual = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")

@@ -192,7 +192,7 @@ class LayerOutputs:
 
         handles = [layer.register_forward_hook(hook(i)) for i, layer in enumerate(self.layers)]
         try:
-            yield kept
+            yield
         finally:
             for h in handles:
                 h.remove()

@@ -19,7 +19,7 @@ from tqdm.auto import tqdm
 
 from linearize.errors import LinearizeError
 
-from .perplexity import LOGIT_BUDGET, POSITION_EDGES, _output_head
+from .perplexity import LOGIT_BUDGET, POSITION_EDGES, output_head
 
 
 def check_same_vocabulary(model, teacher) -> None:
@@ -33,9 +33,9 @@ def check_same_vocabulary(model, teacher) -> None:
 def _logit_slices(model, row: torch.Tensor, step: int):
     """``(s, e, logits[:, s:e])`` over the positions of ``row`` ``[1, T]`` that predict a next token,
     ``step`` positions at a time: the output layer over the last hidden states a slice at a time where
-    the model is built so (``perplexity._output_head``), else slices of one whole forward's logits."""
+    the model is built so (``perplexity.output_head``), else slices of one whole forward's logits."""
     end = row.shape[1] - 1
-    head = _output_head(model, row[:, :8])
+    head = output_head(model, row[:, :8])
     if head is None:
         logits = model(row, use_cache=False).logits
         for s in range(0, end, step):

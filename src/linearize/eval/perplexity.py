@@ -42,10 +42,10 @@ def token_nll(model, batch: torch.Tensor) -> torch.Tensor:
     logits exist at once (a large vocabulary at batch 32 would need tens of GB): the forward split
     over rows; where one row alone is over the budget (a 49k vocabulary from 5,462 tokens on: a
     32k-token block would hold 1.6G logits), the model runs to its last hidden states and the
-    output layer and the loss go over slices of time (:func:`_output_head`; the same logits)."""
+    output layer and the loss go over slices of time (:func:`output_head`; the same logits)."""
     vocab = model.config.get_text_config().vocab_size
     if batch.shape[1] * vocab > LOGIT_BUDGET:
-        head = _output_head(model, batch[:1, :8])
+        head = output_head(model, batch[:1, :8])
         if head is not None:
             return _sliced_nll(*head, batch, vocab)
     rows = max(1, LOGIT_BUDGET // max(1, batch.shape[1] * vocab))
@@ -85,7 +85,7 @@ def _sliced_nll(trunk, head, batch: torch.Tensor, vocab: int) -> torch.Tensor:
     return out
 
 
-def _output_head(model, probe: torch.Tensor):
+def output_head(model, probe: torch.Tensor):
     """``(trunk, head)`` with ``model(ids).logits == head(trunk(ids).last_hidden_state)``: the base model
     and the output embedding (with Gemma's final soft-cap), or None where the model is not built so.
     Checked on ``probe`` (a few tokens): ``head`` of the hidden states the model's own forward

@@ -448,7 +448,7 @@ def copy_loss(model, ids: torch.Tensor, labels: torch.Tensor, softmax_layers=(),
     converted layers in ``softmax_layers`` giving the teacher's softmax attention (``SoftmaxAttention``
     from their own projections, which are the teacher's: the attention ``keep_chosen_layers`` keeps)
     and every other converted layer its own mixer. The model's mixers are back afterwards. Runs
-    ``batch_size`` rows at a time. ``head``: ``eval.perplexity._output_head``'s ``(trunk, head)`` for
+    ``batch_size`` rows at a time. ``head``: ``eval.perplexity.output_head``'s ``(trunk, head)`` for
     ``model`` (``"find"``: looked for here; None: none): the output layer then runs on the labelled
     positions alone (a large vocabulary's logits for every position would cap a chunk at a row or two
     of ``LOGIT_BUDGET``); without one, the whole forward, fewer rows where their logits would pass it.
@@ -458,11 +458,11 @@ def copy_loss(model, ids: torch.Tensor, labels: torch.Tensor, softmax_layers=(),
     from contextlib import nullcontext
 
     from ..distill.probes import SoftmaxAttention, swapped
-    from ..eval.perplexity import LOGIT_BUDGET, _output_head
+    from ..eval.perplexity import LOGIT_BUDGET, output_head
 
     device = next(model.parameters()).device
     if head == "find":
-        head = _output_head(model, ids[:1, :8].to(device))
+        head = output_head(model, ids[:1, :8].to(device))
     rows = batch_size if head is not None else max(1, min(batch_size, LOGIT_BUDGET // (
         ids.shape[1] * model.config.get_text_config().vocab_size)))
     restored = set(softmax_layers)
@@ -514,12 +514,12 @@ def recall_choice(student, ids: torch.Tensor, labels: torch.Tensor, k: int, batc
     from tqdm.auto import tqdm
 
     from ..distill.probes import LayerOutputs
-    from ..eval.perplexity import _output_head
+    from ..eval.perplexity import output_head
 
     candidates = sorted(candidates if candidates is not None else mixers(student))
     chosen: list[int] = []
     outputs = LayerOutputs(student)
-    head = _output_head(student, ids[:1, :8].to(next(student.parameters()).device))  # found once for every forward
+    head = output_head(student, ids[:1, :8].to(next(student.parameters()).device))  # found once for every forward
     loss = copy_loss(student, ids, labels, (), batch_size, layer_outputs=outputs, record=True, head=head)
     rounds = []
     total = sum(len(candidates) - r for r in range(k))
