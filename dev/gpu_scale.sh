@@ -70,7 +70,7 @@ EOF
         rm -rf "$R-$recipe"
         timeout ${FSDP_S:-480} accelerate launch --config_file "$cfg" --num_processes 2 -m linearize $recipe --teacher "$T" \
           --data gutenberg --steps ${FSDP_STEPS:-20} --block-len 4096 --batch-size ${FSDP_BATCH:-1} --warmup-steps 5 \
-          --eval-steps 100000 --eval-blocks 2 --out "$R-$recipe" > "$S/fsdp2-$recipe.log" 2>&1
+          --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 --out "$R-$recipe" > "$S/fsdp2-$recipe.log" 2>&1
         quiet < "$S/fsdp2-$recipe.log" | grep -E "Error|rror:" | sort -u | head -3
         python3 - "$R-$recipe/results.json" "$S/fsdp2-$recipe.json" $recipe <<'EOF'
 import glob, json, math, os, struct, sys
@@ -87,11 +87,13 @@ json.dump(rec, open(sys.argv[2], "w"), indent=1)
 print(sys.argv[3], "FSDP x2:", t["steps"], "steps, steady tok/s", rate, "set-up s", (t.get("setup") or {}).get("seconds"),
       "peak GiB per GPU", [round(b / 2**30, 1) for b in t.get("peak_gpu_bytes_per_rank") or []], "MFU", rec["mfu"])
 EOF
+        rm -rf "$R-$recipe"  # 16 GB a run: the disk (128 GB on x2) holds few
       done ;;
     ddp2)
       rm -rf "$R-ddp2"
       timeout ${TRAIN_S:-900} torchrun --standalone --nproc_per_node 2 -m linearize lolcats --teacher "$T" --data gutenberg \
-        --stage1-steps ${S1:-80} --stage2-steps ${S2:-60} --eval-steps 100000 --eval-blocks 2 --out "$R-ddp2" 2>&1 | quiet | tail -6
+        --stage1-steps ${S1:-80} --stage2-steps ${S2:-60} --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 \
+        --out "$R-ddp2" 2>&1 | quiet | tail -6
       python3 -c "import json; r=json.load(open('$R-ddp2/results.json')); json.dump({k: r.get(k) for k in ('stage1', 'stage2')}, \
 open('$S/ddp2.json', 'w'), indent=1); [print(s, 'x2 steady tok/s', (r[s].get('steady') or {}).get('tokens_per_second'), \
 'peak', r[s].get('peak_gpu_bytes_per_rank')) for s in ('stage1', 'stage2')]" ;;

@@ -32,6 +32,22 @@ def test_nan_loss_stops_with_one_line_and_keeps_the_checkpoint(tiny_model, tmp_p
     assert (tmp_path / "checkpoint-2").is_dir()  # saved before the NaN, still there
 
 
+def test_keeping_no_checkpoints_writes_none_and_turns_early_stopping_off(tiny_model, tmp_path, capsys):
+    def run(out, keep):
+        cfg = TrainConfig(output_dir=str(out), learning_rate=1e-3, max_steps=6, batch_size=2, eval_steps=2,
+                          logging_steps=1, early_stopping_patience=1, save_total_limit=keep)
+        return train(tiny_model("llama"), _data(), _data(4), next_token_loss, cfg, stage="t")
+
+    kept = run(tmp_path / "kept", 1)
+    assert [p.name for p in (tmp_path / "kept").glob("checkpoint-*")] == ["checkpoint-6"]
+    assert kept.args.load_best_model_at_end and "no early stopping" not in capsys.readouterr().err
+    none = run(tmp_path / "none", 0)
+    assert not list((tmp_path / "none").glob("checkpoint-*")) and none.state.global_step == 6
+    assert not none.args.load_best_model_at_end and none.args.save_strategy == "no"
+    err = capsys.readouterr().err
+    assert "t: no early stopping" in err and "--keep-checkpoints 0" in err
+
+
 def test_empty_data_and_nothing_trainable(tiny_model, tmp_path):
     model = tiny_model("llama")
     cfg = TrainConfig(output_dir=str(tmp_path), learning_rate=1e-3, max_steps=1)

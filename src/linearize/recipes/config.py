@@ -77,6 +77,11 @@ class RunConfig:
     batch_size: int = setting(8, "blocks per device per step")
     grad_accum: int = setting(1, "gradient accumulation steps")
     eval_steps: int = setting(100, "evaluate (and checkpoint) every N steps")
+    keep_checkpoints: int = setting(2, "resumable checkpoints (weights, optimizer state, data position) kept in "
+                                       "OUT, the newest N, one written every --eval-steps and at the end; 0 writes "
+                                       "none (OUT/final only: --resume starts over, and early stopping, which "
+                                       "returns to the best checkpoint, is off), e.g. where an optimizer's state "
+                                       "would not fit the disk")
     patience: int | None = setting(None, "early stopping: evaluations without improvement")
     seed: int = setting(0, "seed for data order and initialisation")
     dtype: str | None = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -61,7 +62,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model (TrainingArguments.torch_compile)
     cuda_graph: bool = False  # steps replayed as CUDA graphs (linearize.graphed; a recipe's auto/on/off: use_graphs)
     setup_steps: int = 2  # the first optimizer steps counted as set-up, not steady state (StepClock)
-    save_total_limit: int = 2
+    save_total_limit: int = 2  # resumable checkpoints kept; 0: none written (and no early stopping)
     extra: dict = field(default_factory=dict)  # passed straight to TrainingArguments
 
 
@@ -306,13 +307,18 @@ def _gloo_on_one_host() -> None:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"
 
 
+def _early_stopping(cfg: TrainConfig, has_eval: bool) -> bool:
+    """Whether the stage stops early: a patience, a validation set, and checkpoints to return to the best of."""
+    return cfg.early_stopping_patience is not None and has_eval and cfg.save_total_limit > 0
+
+
 def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
     multi_process_cpu = not torch.cuda.is_available() and world_size() > 1
     if multi_process_cpu:
         _gloo_on_one_host()
     bf16 = torch.cuda.is_available() if cfg.bf16 is None else cfg.bf16
     save_steps = cfg.save_steps or cfg.eval_steps
-    early = cfg.early_stopping_patience is not None and has_eval
+    early = _early_stopping(cfg, has_eval)
     return TrainingArguments(
         output_dir=cfg.output_dir,
         learning_rate=cfg.learning_rate,
@@ -329,9 +335,9 @@ def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
         max_grad_norm=cfg.max_grad_norm,
         eval_strategy="steps" if has_eval else "no",
         eval_steps=cfg.eval_steps,
-        save_strategy="steps",
+        save_strategy="steps" if cfg.save_total_limit else "no",
         save_steps=save_steps,
-        save_total_limit=cfg.save_total_limit,
+        save_total_limit=cfg.save_total_limit or None,
         load_best_model_at_end=early,
         metric_for_best_model="eval_loss" if early else None,
         greater_is_better=False if early else None,
@@ -379,8 +385,11 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
     out.mkdir(parents=True, exist_ok=True)
     metrics = Path(metrics_path or out / "metrics.jsonl")
     all_callbacks = [JsonlLogger(metrics, stage), *callbacks, clock]
-    if cfg.early_stopping_patience is not None and eval_dataset is not None:
+    if _early_stopping(cfg, eval_dataset is not None):
         all_callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
+    elif cfg.early_stopping_patience is not None and eval_dataset is not None and is_main_process():
+        print(f"linearize: {stage}: no early stopping: it returns to the best checkpoint, and --keep-checkpoints 0 "
+              "writes none", file=sys.stderr)
     args = training_arguments(cfg, eval_dataset is not None)
     trainer = RecipeTrainer(
         model=model,
