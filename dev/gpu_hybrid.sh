@@ -42,14 +42,8 @@
 #             length-speed's rows (LENGTH_NEW 512) of untrained students of T (WINDOW_SPECS, default: wide = 14
 #             layers over 1,280, lolcats_wide's shape; tiers = 4 of them over 4,288, float8, 4 sinks: lolcats_tiers',
 #             the default's), each beside the teacher
-#   merge     issue #54: the float8 ring step alone (dev/window_step_bench.py, rings of 4,292 and 1,284 slots): at batch
-#             1 and 64 its parts merged one by one or MERGE_PARTS a tile, with the programs a step aims for (STEP_PROGRAMS,
-#             4 per multiprocessor by default) doubled and quadrupled; at batch 256 (crowded: one program per sequence and
-#             key head, 2 warps each) the rings in 2, 4 and 8 parts (STEP_MIN_PARTS)
 #   decode-default  issue #54: the default's shape (untrained, tiers above) decoding as it runs by default at batch
 #             1/64/256 from 1k prompts + 512 new beside the teacher's fastest path, then the kernels of its batch-1 step
-#   pick      issue #54: the greedy step's bookkeeping kernel (ops/pick_triton.py, decode.loop.PICK_KERNEL, off by default):
-#             its CUDA tests, then the default's shape decoding with it beside the teacher (decode-default's command)
 #   prefill-reach  issue #53: the default's shape (untrained, tiers above) prefilling 1 x 32k beside the teacher's
 #             SDPA, as it runs (past the reach the kernel makes the sinks' queries), with them made in PyTorch first
 #             (WINDOW_PREFILL_SINK_ROPE off) and without sinks (--softmax-window-sinks 0), each with the teacher in its
@@ -204,13 +198,6 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
       LENGTH_TESTS=0 LENGTH_NEW=${LENGTH_NEW:-512} LENGTH_SPECS="${WINDOW_SPECS:-wide=--config:lolcats_mix:--keep-softmax:$kept\
 :--softmax-window:1280 tiers=--config:lolcats_mix:--keep-softmax:$kept:--softmax-window:1280,1%4288,2%4288,18%4288,20%4288\
 :--softmax-window-dtype:float8:--softmax-window-sinks:4}" bash "$0" length-speed ;;
-    merge)  # issue #54: see the header
-      for w in 4292 1284; do
-        timeout 300 python3 dev/window_step_bench.py --float8 --window $w --batches 1 64 --merge-parts 0 1 16 \
-          --programs 0 1056 2112 --out "$S/merge_$w.json" 2>&1 | quiet
-        timeout 200 python3 dev/window_step_bench.py --float8 --window $w --batches 256 --min-parts 0 2 4 8 \
-          --out "$S/crowded_parts_$w.json" 2>&1 | quiet
-      done ;;
     decode-default)  # issue #54: see the header
       tiers "$C-tiers" 4
       timeout 400 python3 -m linearize bench "$C-tiers" --teacher "$T" --dtype bfloat16 --paths fast \
@@ -218,12 +205,6 @@ from linearize.bench.train import main; sys.exit(main(sys.argv[1:]))" --teacher 
         --out "$S/decode_default.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|rror"
       timeout 200 python3 -m linearize.bench.profile decode "$C-tiers" --batch 1 --prompt-len 1024 --tokens 32 \
         --top 45 --out "$S/profile_decode_default_1.json" 2>&1 | quiet | tail -50 ;;
-    pick)  # issue #54: see the header
-      timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gpu_pick.py 2>&1 | tail -3
-      tiers "$C-tiers" 4
-      timeout 400 python3 dev/with_knobs.py '{"linearize.decode.loop.PICK_KERNEL": true}' - linearize.cli bench \
-        "$C-tiers" --teacher "$T" --dtype bfloat16 --paths fast --teacher-paths static fast --batch-sizes 1 64 256 \
-        --new-tokens 512 --prompt-len 1024 --out "$S/decode_pick.json" 2>&1 | quiet | grep -E "^\| (student|teacher)|rror" ;;
     prefill-reach)  # issue #53: see the header
       for n in 4 0; do tiers "$C-reach$n" $n; done
       for r in $(seq ${REACH_RUNS:-2}); do

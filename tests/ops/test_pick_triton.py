@@ -15,12 +15,14 @@ def test_greedy_step_kernel_equals_the_torch_lines_and_decodes_the_same_tokens_t
 
 
 def test_the_greedy_step_takes_the_kernel_only_where_asked_and_able(monkeypatch):
-    """Off by default; on, only for CUDA tensors (or under the interpreter) with Triton installed, and only greedy."""
+    """On by default, only for CUDA tensors (or under the interpreter) with Triton installed, and only greedy."""
     from linearize.decode import loop
     from linearize.ops.availability import triton_available
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    assert not loop.PICK_KERNEL and not loop._pick_kernel(torch.device("cuda"))
+    assert loop.PICK_KERNEL
+    monkeypatch.setattr(loop, "PICK_KERNEL", False)
+    assert not loop._pick_kernel(torch.device("cuda"))
     monkeypatch.setattr(loop, "PICK_KERNEL", True)
     assert not loop._pick_kernel(torch.device("cpu"))
     assert loop._pick_kernel(torch.device("cuda")) == triton_available()

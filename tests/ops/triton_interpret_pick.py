@@ -81,6 +81,7 @@ def check_decoder():
         torch.manual_seed(0)
         teacher = AutoModelForCausalLM.from_config(tiny_config(family, num_hidden_layers=2)).eval()
         model = linearize.convert(teacher, {"kind": "lolcats", "window": 4, "feature_dim": 8})
+        default = loop.PICK_KERNEL
         for eos in (None, 5):
             model.generation_config.eos_token_id = eos
             loop.PICK_KERNEL = False
@@ -91,7 +92,7 @@ def check_decoder():
             try:
                 picked = FastDecoder(model).generate(ids, mask, max_new_tokens=12, pad_token_id=0, eos_token_id=eos)
             finally:
-                loop.PICK_KERNEL = False
+                loop.PICK_KERNEL = default
                 pick_triton.greedy_step_triton = greedy_step_triton
             assert torch.equal(picked, plain), (family, eos, picked, plain)
             assert len(calls) == picked.shape[1] - ids.shape[1] - 1 > 0, (family, eos, len(calls))  # every step

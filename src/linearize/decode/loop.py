@@ -32,8 +32,9 @@ from .sampling import Sampling, next_tokens
 
 WARMUP_STEPS = 2  # eager decode steps before a CUDA graph is captured
 # A greedy step's argmax, EOS rule, token write and position advances as one Triton launch (``ops/pick_triton.py``)
-# instead of four to seven PyTorch ones. Off until its CUDA test and timing have run on a GPU.
-PICK_KERNEL = False
+# instead of four to seven PyTorch ones. On an H200 (the default's shape, 1k prompts + 512 new, 72a188b) 1.080 /
+# 1.572 / 3.168 ms a step at batch 1 / 64 / 256 against 1.091 / 1.588 / 3.178 without it; False: the PyTorch ops.
+PICK_KERNEL = True
 
 
 def _pick_kernel(device: torch.device) -> bool:

@@ -74,14 +74,16 @@ STEP_HOLD_VALUES: bool = True
 # The parts of a ring that its last part merges a tile at a time (``_merge``; a power of two), at most
 # ``MERGE_ELEMENTS`` fp32 terms a tile (parts x padded query heads x head width): sm_90 builds (``dev/sm90_compile.py
 # --hold``) of the float8 step in parts take 150 registers merging one part at a time and 168 merging 8 of 64-wide
-# heads or 4 of 128-wide ones, 245 merging 8 of 128-wide ones.
-MERGE_PARTS = 8
+# heads or 4 of 128-wide ones, 245 merging 8 of 128-wide ones. One at a time is the faster on an H200 (float8 rings,
+# ``bash dev/gpu_hybrid.sh merge``, 72a188b): 21.8 against 23.7 µs a layer at batch 1 and 4,292 slots, 11.9
+# against 14.1 at 1,284; at batch 64 the same within 1 %. Larger tiles stay for other GPUs and shapes to sweep.
+MERGE_PARTS = 1
 MERGE_ELEMENTS = 8192
 # The fewest parts a ring is read in, however many programs the batch already gives (as many as its blocks at most):
 # 1 reads a crowded batch's rings whole (one program per sequence and key head). The parts' merge costs no launch of
 # its own, so a crowded batch may gain from more programs reading shorter parts; ``dev/window_step_bench.py
 # --min-parts`` sweeps it.
-STEP_MIN_PARTS = 1
+STEP_MIN_PARTS = 1  # 2, 4, 8 parts: 3-82 % slower at batch 256 on an H200 (gpu_hybrid.sh merge at 72a188b)
 
 
 @triton.jit
