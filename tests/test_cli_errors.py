@@ -51,3 +51,34 @@ def test_a_bad_argument_is_one_line_before_anything_loads(argv, message, tmp_pat
     assert err.count("\n") == 1 and "Traceback" not in err
     assert time.perf_counter() - start < 5
     assert (tmp_path / "file").read_text() == "keep me\n"  # nothing already there is lost
+
+
+def test_a_full_disk_is_one_line_and_other_failures_still_raise(tmp_path, capsys, monkeypatch):
+    """A write that finds no space left (an OSError with ENOSPC, or safetensors' own error wrapping one, as an
+    8B checkpoint's optimizer state did on a 128 GB disk) ends with one line naming --keep-checkpoints."""
+    import errno
+
+    from linearize import cli
+
+    class SafetensorError(Exception):  # safetensors' Rust error is no OSError; its text is what says so
+        pass
+
+    def failing(error):
+        def run(args):
+            raise error
+        return run
+
+    out = tmp_path / "run"
+    for error in (OSError(errno.ENOSPC, "No space left on device"),
+                  SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")):
+        monkeypatch.setattr(cli, "cmd_supra", failing(error))
+        assert main(["supra", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("linearize: error: no space left on the device writing under")
+        assert str(out) in err and "--keep-checkpoints" in err
+    wrapped = RuntimeError("saving failed")
+    wrapped.__cause__ = OSError(errno.ENOSPC, "No space left on device")
+    assert cli.disk_full(wrapped) and not cli.disk_full(OSError(errno.EACCES, "Permission denied"))
+    monkeypatch.setattr(cli, "cmd_supra", failing(OSError(errno.EACCES, "Permission denied")))
+    with pytest.raises(PermissionError):
+        main(["supra", "--out", str(out)])

@@ -773,6 +773,20 @@ def check_arguments(args) -> None:
         raise LinearizeError(f"--out {out} is a file; the command writes a folder there")
 
 
+def disk_full(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is a write that found no space left on the device:
+    an ``OSError`` with ENOSPC, or a library's own error saying so (safetensors' ``SafetensorError``)."""
+    import errno
+
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC or "No space left on device" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -784,6 +798,14 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        if not disk_full(exc):
+            raise
+        out = getattr(args, "out", None)
+        print(f"linearize: error: no space left on the device writing{f' under {out}' if out else ''}: free some, or "
+              "write less (training: --keep-checkpoints N keeps N checkpoints with their optimizer state, 0 none)",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
