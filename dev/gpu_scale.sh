@@ -10,6 +10,8 @@
 #   prefill  1 x 32k and 1 x 128k (PREFILL_SHAPES), student's kernels beside the teacher's SDPA and flash
 #   ceiling  the teacher's prefill kernels at 32k (bench.profile prefill): attention's share bounds the prefill's gain
 #   profile  where a graphed stage-1 and stage-2 step of the default student goes at 2 x 4,096 (bench.profile train)
+#   profile-uptrain  where an eager step of SUPRA's and XATL's (RetNet) student goes at the shape's width on its first
+#            UP_LAYERS (8) layers, 1 x 4,096 (bench.profile train): the FSDP rows' XATL ran at half SUPRA's MFU
 #   maxbatch the largest batch at a 32k context: the teacher's static cache holds 32,768 + 32 tokens a sequence
 #            (TEACHER_BATCHES); the student's state does not grow with length, so 128-token prompts + 64 new
 #            hold what 32k would (STUDENT_BATCHES, prefilled 256 at a time)
@@ -56,6 +58,11 @@ EOF
       for m in lolcats-long-stage1 lolcats-long-stage2; do
         timeout 300 python3 -m linearize.bench.profile train --teacher "$T" --model $m --shape 2x4096 --cuda-graph \
           --top ${TOP:-40} --out "$S/profile_train_$m.json" 2>&1 | quiet | tail -22
+      done ;;
+    profile-uptrain)
+      for m in supra retnet; do
+        timeout 300 python3 -m linearize.bench.profile train --teacher "shape:$SHAPE,layers=${UP_LAYERS:-8}" --model $m \
+          --shape 1x4096 --top ${TOP:-30} --out "$S/profile_uptrain_$m.json" 2>&1 | quiet | tail -34
       done ;;
     maxbatch)
       timeout 420 python3 -m linearize bench "$T" --teacher none --dtype bfloat16 --paths static \
