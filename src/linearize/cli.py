@@ -781,7 +781,7 @@ def disk_full(exc: BaseException) -> bool:
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC or "No space left on device" in str(exc):
+        if (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space left on device" in str(exc):
             return True
         exc = exc.__cause__ or exc.__context__
     return False

@@ -39,7 +39,7 @@ def test_keeping_no_checkpoints_writes_none_and_turns_early_stopping_off(tiny_mo
         return train(tiny_model("llama"), _data(), _data(4), next_token_loss, cfg, stage="t")
 
     kept = run(tmp_path / "kept", 1)
-    assert [p.name for p in (tmp_path / "kept").glob("checkpoint-*")] == ["checkpoint-6"]
+    assert "checkpoint-6" in [p.name for p in (tmp_path / "kept").glob("checkpoint-*")]  # (and the best, if older)
     assert kept.args.load_best_model_at_end and "no early stopping" not in capsys.readouterr().err
     none = run(tmp_path / "none", 0)
     assert not list((tmp_path / "none").glob("checkpoint-*")) and none.state.global_step == 6
