@@ -81,7 +81,7 @@ class RunConfig:
                                        "OUT, the newest N, one written every --eval-steps and at the end; 0 writes "
                                        "none (OUT/final only: --resume starts over, and early stopping, which "
                                        "returns to the best checkpoint, is off), e.g. where an optimizer's state "
-                                       "would not fit the disk")
+                                       "would not fit the disk", metavar="N")
     patience: int | None = setting(None, "early stopping: evaluations without improvement")
     seed: int = setting(0, "seed for data order and initialisation")
     dtype: str | None = None
