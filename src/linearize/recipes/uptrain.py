@@ -199,7 +199,9 @@ def run(cfg: UptrainConfig) -> dict:
     results.setdefault("phases", {})["training"] = seconds  # the stages, with what runs between them
     with phase(results, "perplexity: students"):
         results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
-    return finish(_plain(student), tok, out, results, cfg.sample_prompt)
+    student = _plain(student)
+    del trainer, frozen, objective  # their GPU memory (under FSDP the sharded model, optimizer state) goes before the sample
+    return finish(student, tok, out, results, cfg.sample_prompt)
 
 
 def _plain(student):
