@@ -13,8 +13,9 @@
 #   profile-uptrain  where an eager step of SUPRA's and XATL's (RetNet) student goes at the shape's width on its first
 #            UP_LAYERS (8) layers, 1 x 4,096 (bench.profile train): the FSDP rows' XATL ran at half SUPRA's MFU
 #   maxbatch the largest batch at a 32k context: the teacher's static cache holds 32,768 + 32 tokens a sequence
-#            (TEACHER_BATCHES); the student's state does not grow with length, so 128-token prompts + 64 new
-#            hold what 32k would (STUDENT_BATCHES, prefilled 256 at a time)
+#            (TEACHER_BATCHES: a 32k prefill of 30 takes ~2 min, three a size), its prompts prefilled 2,048 tokens at a time (whole, 20 x 32k's activations ran
+#            out of memory); the student's state does not grow with length, so 128-token prompts + 64 new hold
+#            what 32k would (STUDENT_BATCHES, prefilled 256 at a time; 1,536 states of 87 MiB ran out at 8B)
 #   fsdp2    (two GPUs) SUPRA and XATL (RetNet) training every weight under accelerate's FSDP config, FSDP_STEPS (20)
 #            of FSDP_BATCH (1) x 4,096 per GPU: steady tok/s, peak memory per GPU, model FLOPs utilisation
 #            (6 x parameters x tok/s over 2 x 790 TFLOP/s)
@@ -65,11 +66,12 @@ EOF
           --shape 1x4096 --top ${TOP:-30} --out "$S/profile_uptrain_$m.json" 2>&1 | quiet | tail -34
       done ;;
     maxbatch)
-      timeout 420 python3 -m linearize bench "$T" --teacher none --dtype bfloat16 --paths static \
-        --batch-sizes ${TEACHER_BATCHES:-20 24 28 32} --new-tokens 32 --prompt-len 32768 --out "$S/maxbatch_teacher.json" \
+      timeout 600 python3 -m linearize bench "$T" --teacher none --dtype bfloat16 --paths static \
+        --batch-sizes ${TEACHER_BATCHES:-28 30} --new-tokens 32 --prompt-len 32768 --prefill-chunk 2048 \
+        --out "$S/maxbatch_teacher.json" \
         2>&1 | quiet | tee "$S/maxbatch_teacher.log" | grep -E "^\| teacher|Error|error:"
       timeout 420 python3 -m linearize bench "$R/final" --teacher none --dtype bfloat16 --paths fast --prefill-batch 256 \
-        --batch-sizes ${STUDENT_BATCHES:-1536 2048 2560 3072} --new-tokens 64 --prompt-len 128 \
+        --batch-sizes ${STUDENT_BATCHES:-1024 1152 1280 1344 1408 1472} --new-tokens 64 --prompt-len 128 \
         --out "$S/maxbatch_student.json" 2>&1 | quiet | tee "$S/maxbatch_student.log" | grep -E "^\| student|Error|error:" ;;
     fsdp2)
       cfg=$(python3 -m linearize.recipes.launch fsdp)
@@ -100,7 +102,8 @@ EOF
       rm -rf "$R-ddp2"
       timeout ${TRAIN_S:-900} torchrun --standalone --nproc_per_node 2 -m linearize lolcats --teacher "$T" --data gutenberg \
         --stage1-steps ${S1:-80} --stage2-steps ${S2:-60} --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 \
-        --out "$R-ddp2" 2>&1 | quiet | tail -6
+        --out "$R-ddp2" > "$S/ddp2.log" 2>&1
+      quiet < "$S/ddp2.log" | grep -v "copy/s\]" | grep -E -B2 -A8 "Error|rror:" | head -40
       python3 -c "import json; r=json.load(open('$R-ddp2/results.json')); json.dump({k: r.get(k) for k in ('stage1', 'stage2')}, \
 open('$S/ddp2.json', 'w'), indent=1); [print(s, 'x2 steady tok/s', (r[s].get('steady') or {}).get('tokens_per_second'), \
 'peak', r[s].get('peak_gpu_bytes_per_rank')) for s in ('stage1', 'stage2')]" ;;

@@ -501,7 +501,7 @@ def cmd_bench(args) -> int:
         teacher, _ = _load_any(args.teacher, args.dtype, args.device)
         entries = [("teacher", teacher, path) for path in args.teacher_paths] + entries
     rows = sweep(entries, args.batch_sizes, args.new_tokens, prompt_len=args.prompt_len, compile=args.compile,
-                 prefill_batch=args.prefill_batch, fuse_projections=not args.unfused)
+                 prefill_batch=args.prefill_batch, fuse_projections=not args.unfused, prefill_chunk=args.prefill_chunk)
     print(table(rows))
     if args.out:
         args.out.write_text(json.dumps([asdict(r) for r in rows], indent=1))
@@ -710,6 +710,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="the fast path keeps q/k/v and gate/up as separate products (default: one product each)")
     be.add_argument("--prefill-batch", type=int, metavar="N",
                     help="the fast path prefills N prompts at a time (large batches; default: all at once)")
+    be.add_argument("--prefill-chunk", type=int, metavar="N",
+                    help="the generate and static paths prefill N tokens of every prompt at a time (transformers' "
+                         "prefill_chunk_size: the activations of N tokens, not the whole prompt's; a long "
+                         "context's largest batch; default: the whole prompt at once)")
     be.add_argument("--prefill", nargs="+", metavar="BxT",
                     help="time the prefill alone at these batch x prompt-length shapes instead of decoding (e.g. "
                          "1x1024 32x8192 1x32768): the last token's logits and the cache decoding starts from, "
@@ -743,7 +747,7 @@ ARGUMENT_RULES = [
     *((name, lambda v: v >= 1, "a positive whole number") for name in (
         "batch_size", "grad_accum", "lora_r", "layers_per_block", "eval_steps", "steps", "stage1_steps",
         "stage2_steps", "max_new_tokens", "block_len", "train_blocks", "eval_blocks", "prompt_len", "feature_dim",
-        "window", "max_blocks", "prefill_batch", "lora_alpha", "kl_top_k")),
+        "window", "max_blocks", "prefill_batch", "prefill_chunk", "lora_alpha", "kl_top_k")),
     *((name, lambda v: all(x >= 1 for x in v), "positive whole numbers") for name in ("batch_sizes", "new_tokens")),
     *((name, lambda v: v >= 0, "zero or more") for name in ("temperature", "top_k", "patience", "sparse_cache",
                                                           "keep_checkpoints",

@@ -239,3 +239,30 @@ def test_the_bandwidth_floor_counts_the_weights_a_step_reads_and_the_state(tiny_
     assert floor_ms(3_000_000, 1_000_000, 4e12) == pytest.approx(1.0e-3)  # 4 MB at 4 TB/s: 1 microsecond
     assert floor_ms(3_000_000, None, 4e12) is None and floor_ms(3_000_000, 0, None) is None
     assert copy_bandwidth("cpu") is None  # measured on CUDA only: a CPU row has no floor
+
+
+def test_a_chunked_prefill_leaves_the_cache_a_whole_one_does(tiny_model, tmp_path, monkeypatch):
+    """`bench --prefill-chunk N`: the prompt goes in N tokens at a time, into the same cache as all at once
+    (teacher and student, float64), and generate() is asked for the same (transformers' prefill_chunk_size)."""
+    from linearize.bench.decode import _prefill, measure
+    from linearize.cache import cache_keyword
+
+    teacher = tiny_model("llama").double()
+    student = convert(teacher, "lolcats", window=4, feature_dim=8).double()
+    prompt = torch.randint(0, teacher.config.vocab_size, (2, 11), generator=torch.Generator().manual_seed(0))
+    whole, parts = _prefill(teacher, prompt, None), _prefill(teacher, prompt, 4)
+    for a, b in zip(whole.layers, parts.layers):
+        torch.testing.assert_close(a.keys, b.keys)
+        torch.testing.assert_close(a.values, b.values)
+    whole, parts = _prefill(student, prompt, None), _prefill(student, prompt, 4)
+    key, ids = cache_keyword(student), torch.tensor([[3], [5]])
+    with torch.no_grad():  # the student's state: the next token's logits from each cache
+        a = student(ids, **{key: whole}, use_cache=True).logits
+        b = student(ids, **{key: parts}, use_cache=True).logits
+    torch.testing.assert_close(a, b)
+    asked = []
+    generate = type(teacher).generate
+    monkeypatch.setattr(type(teacher), "generate", lambda self, *a, **kw: asked.append(kw.get("prefill_chunk_size"))
+                        or generate(self, *a, **kw))
+    row = measure(teacher.float(), "teacher", 2, 11, 3, "generate", prefill_chunk=4)
+    assert not row.note and row.decode_tok_s > 0 and asked and set(asked) == {4}

@@ -157,3 +157,31 @@ def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, 
         assert res["train"]["tokens"] == 6 * 2 * 32 * 2  # both processes' batches
     model, _ = linearize.load(run / "final", device="cpu")
     assert linearize.mixers(model)
+
+
+def test_a_student_on_the_cpu_samples_on_the_gpu_where_it_fits(monkeypatch, capsys):
+    """Under FSDP the trained student is gathered on the CPU to be saved; its sample decodes on the GPU when
+    the GPU has room for it, and on the CPU, with one line, when it has not (the CUDA calls stand in here)."""
+    from linearize.recipes.common import sampling_device
+
+    model = torch.nn.Linear(256, 256)  # 257 KiB of float32
+    moved = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(model, "to", lambda device: moved.append(device) or model)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (1 << 30, 1 << 31))
+    assert sampling_device(model) is model and moved == ["cuda"]
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (200 << 10, 1 << 31))
+    assert sampling_device(model) is model and moved == ["cuda"]  # not moved
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "decodes on the CPU" in err and "does not fit" in err
+
+
+def test_every_process_takes_the_main_process_choice():
+    """The softmax layers each rank scores in a several-GPU run: all keep rank 0's (``rank0s``)."""
+    from pathlib import Path
+
+    from helpers import run_two_processes
+
+    assert "agreed" in run_two_processes(Path(__file__).with_name("rank0s.py"))

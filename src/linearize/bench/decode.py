@@ -118,11 +118,16 @@ def _cache_for(model):
     return LinearizeCache(model) if getattr(model.config, "linearize", None) else None
 
 
-def _generate_run(model, prompt, new_tokens, path):
-    """(prefill seconds, decode seconds, cache bytes) through generate()."""
+def _generate_run(model, prompt, new_tokens, path, prefill_chunk: int | None = None):
+    """(prefill seconds, decode seconds, cache bytes) through generate(). ``prefill_chunk``: the prompt goes
+    in ``prefill_chunk`` tokens at a time (transformers' ``prefill_chunk_size``), so a prefill's activations
+    are those of one chunk for every sequence, not the whole prompt's: what lets a long context's cache
+    fill most of the memory."""
     device = prompt.device
     kw = dict(do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
               return_dict_in_generate=True)
+    if prefill_chunk:
+        kw["prefill_chunk_size"] = prefill_chunk
     if path == "static":
         if getattr(model.config, "linearize", None):
             raise LinearizeError("the static path is for softmax teachers; students use 'fast'")
@@ -131,7 +136,7 @@ def _generate_run(model, prompt, new_tokens, path):
         kw[cache_keyword(model)] = _cache_for(model)
     _sync(device)
     start = time.perf_counter()
-    model(prompt, **{cache_keyword(model): _cache_for(model)}, use_cache=True, logits_to_keep=1)
+    _prefill(model, prompt, prefill_chunk)  # its cache is dropped: generate() below makes its own
     _sync(device)
     prefill = time.perf_counter() - start
     start = time.perf_counter()
@@ -140,6 +145,18 @@ def _generate_run(model, prompt, new_tokens, path):
     total = time.perf_counter() - start
     cache = out.cache if cache_keyword(model) == "cache" else out.past_key_values
     return prefill, max(total - prefill, 1e-9), cache_nbytes(cache), None
+
+
+def _prefill(model, prompt, chunk: int | None):
+    """The prompt's forward alone, into a fresh cache, whole or ``chunk`` tokens at a time; returns the cache."""
+    key = cache_keyword(model)
+    cache = _cache_for(model)  # None for a teacher: its forward makes its own
+    for start in range(0, prompt.shape[1], chunk or prompt.shape[1]):
+        out = model(prompt[:, start:start + (chunk or prompt.shape[1])], **{key: cache}, use_cache=True,
+                    logits_to_keep=1)
+        cache = getattr(out, "cache", None)
+        cache = out.past_key_values if cache is None else cache
+    return cache
 
 
 def _fast_run(model, prompt, new_tokens, decoder, warmup: bool = False):
@@ -158,7 +175,7 @@ def _fast_run(model, prompt, new_tokens, decoder, warmup: bool = False):
 @torch.no_grad()
 def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, path: str = "generate",
             seed: int = 0, compile: bool = False, prefill_batch: int | None = None,
-            fuse_projections: bool = True) -> DecodeRow:
+            fuse_projections: bool = True, prefill_chunk: int | None = None) -> DecodeRow:
     if path not in PATHS:
         raise LinearizeError(f"unknown path {path!r}: expected one of {', '.join(PATHS)}")
     device = next(model.parameters()).device
@@ -173,7 +190,7 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
             run = lambda: _fast_run(model, prompt, new_tokens, decoder)  # noqa: E731
             _fast_run(model, prompt, new_tokens, decoder, warmup=True)
         else:
-            run = lambda: _generate_run(model, prompt, new_tokens, path)  # noqa: E731
+            run = lambda: _generate_run(model, prompt, new_tokens, path, prefill_chunk)  # noqa: E731
             run()  # warm-up at this size: compilation (the static path's cache length), allocator
         base = None
         if device.type == "cuda":
@@ -193,9 +210,11 @@ def measure(model, label: str, batch: int, prompt_len: int, new_tokens: int, pat
 
 
 def sweep(entries, batches, lengths, prompt_len: int = 128, compile: bool = False,
-          prefill_batch: int | None = None, fuse_projections: bool = True) -> list[DecodeRow]:
+          prefill_batch: int | None = None, fuse_projections: bool = True,
+          prefill_chunk: int | None = None) -> list[DecodeRow]:
     """``entries``: (label, model, path) triples. Rows are printed as JSON lines as they come.
     ``compile``: the fast path compiles its decode step (its row's path reads ``fast+compile``).
+    ``prefill_chunk``: the generate and static paths prefill that many tokens at a time (``_generate_run``).
     ``fuse_projections=False``: the fast path keeps q/k/v and gate/up apart (path ``...+unfused``)."""
     rows = []
     bandwidth = None
@@ -206,7 +225,8 @@ def sweep(entries, batches, lengths, prompt_len: int = 128, compile: bool = Fals
         for n in lengths:
             for b in batches:
                 row = measure(model, label, b, prompt_len, n, path, compile=compile and path == "fast",
-                              prefill_batch=prefill_batch, fuse_projections=fuse_projections)
+                              prefill_batch=prefill_batch, fuse_projections=fuse_projections,
+                              prefill_chunk=prefill_chunk)
                 if weights is not None and bandwidth and not row.note:
                     row.floor_ms, row.bandwidth_gb_s = floor_ms(weights, row.cache_bytes, bandwidth), bandwidth / 1e9
                 if compile and path == "fast":
