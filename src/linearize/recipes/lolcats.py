@@ -49,7 +49,7 @@ from .config import resolve_budget
 from .settings import AUTO_SCORES, DEFAULT_DATA, DEFAULT_SPEC, LolcatsConfig
 if typing.TYPE_CHECKING:
     from .engine import TrainConfig
-from .launch import is_main_process, peak_gpu_memory, under_fsdp, world_size
+from .launch import is_main_process, peak_gpu_memory, rank0s, under_fsdp, world_size
 
 __all__ = ["LolcatsConfig", "ablation_config", "cuda_graphs", "layer_mse", "run", "run_stage1", "run_stage2",
            "stage_config", "summary"]
@@ -680,11 +680,12 @@ def run(cfg: LolcatsConfig) -> dict:
             with phase(results, "perplexity: students"):
                 ppl["after_stage1, every layer linear"] = perplexity(student, eval_blocks)
             with phase(results, "softmax layers' choice"):
-                chosen, results["auto_softmax"] = auto_softmax_choice(student, tok, results["layer_mse_after"], auto_k,
-                                                                      cfg)
+                # each rank scores the layers; all keep the main process's choice (``rank0s``)
+                chosen, results["auto_softmax"] = rank0s(auto_softmax_choice(
+                    student, tok, results["layer_mse_after"], auto_k, cfg))
                 spec = dict(cfg.spec)
                 if cfg.auto_softmax_long:
-                    long, results["auto_softmax"]["long"] = auto_long_choice(student, tok, chosen, cfg)
+                    long, results["auto_softmax"]["long"] = rank0s(auto_long_choice(student, tok, chosen, cfg))
                     spec["softmax_windows"] = {i: results["auto_softmax"]["long"]["window"] for i in long}
                 student = keep_chosen_layers(teacher, student, chosen, spec, results["auto_softmax"])
         del teacher

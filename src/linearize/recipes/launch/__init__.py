@@ -38,6 +38,20 @@ def under_fsdp() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
 
 
+def rank0s(value):
+    """``value`` as the main process has it, on every process of a torch.distributed run (``value`` itself
+    otherwise). For what each process computes and all must agree on, such as the layers a student keeps
+    as softmax: scored on each GPU, a near tie can fall either way, and ranks whose models differ cannot
+    train together. Every process calls it (the broadcast is collective)."""
+    import torch
+
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def peak_gpu_memory() -> dict:
     """This process's peak allocated CUDA memory, ``{"peak_gpu_bytes": n}``, with every process's
     (``peak_gpu_bytes_per_rank``, by rank) under torch.distributed; ``{}`` without CUDA. Every
