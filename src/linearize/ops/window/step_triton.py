@@ -76,7 +76,9 @@ STEP_HOLD_VALUES: bool = True
 # --hold``) of the float8 step in parts take 150 registers merging one part at a time and 168 merging 8 of 64-wide
 # heads or 4 of 128-wide ones, 245 merging 8 of 128-wide ones. One at a time is the faster on an H200 (float8 rings,
 # ``bash dev/gpu_hybrid.sh merge``, 72a188b): 21.8 against 23.7 µs a layer at batch 1 and 4,292 slots, 11.9
-# against 14.1 at 1,284; at batch 64 the same within 1 %. Larger tiles stay for other GPUs and shapes to sweep.
+# against 14.1 at 1,284; at batch 64 the same within 1 %; with one part's tiles two-dimensional again (``_merge``'s
+# first branch) 15.5 against 16.2 merging 2 a tile, 9.8 against 10.4 (``dev/window_step_bench.py --float8 --window
+# 4292|1284 --batches 1 64 --merge-parts 1 2``, H200). Larger tiles stay for other GPUs and shapes to sweep.
 MERGE_PARTS = 1
 MERGE_ELEMENTS = 8192
 # The fewest parts a ring is read in, however many programs the batch already gives (as many as its blocks at most):
@@ -339,6 +341,20 @@ def _merge(m_ptr, l_ptr, acc_ptr, head, P, G, D, g, d, gm, out, BP: tl.constexpr
     m = tl.full(g.shape, float("-inf"), tl.float32)
     l = tl.zeros(g.shape, dtype=tl.float32)
     acc = tl.zeros(out.shape, dtype=tl.float32)
+    if BP == 1:  # two-dimensional tiles: the [1, BG, BD] form below took 21.8 / 11.9 µs a layer at batch 1 over 4,292 /
+        # 1,284 float8 slots on an H200 (72a188b), this one 15.5 / 9.8 (``dev/window_step_bench.py --float8``)
+        for part in range(P):
+            at = (head * P + part) * G + g
+            m_p = tl.load(m_ptr + at, mask=gm, other=float("-inf"), cache_modifier=".cg")
+            m_new = tl.maximum(m, m_p)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # parts without a live slot weigh nothing
+            alpha = tl.exp(m - m_safe)
+            beta = tl.exp(m_p - m_safe)
+            l = l * alpha + tl.load(l_ptr + at, mask=gm, other=0.0, cache_modifier=".cg") * beta
+            terms = tl.load(acc_ptr + at[:, None] * D + d[None, :], mask=out, other=0.0, cache_modifier=".cg")
+            acc = acc * alpha[:, None] + terms * beta[:, None]
+            m = m_new
+        return acc / tl.where(gm, l, 1.0)[:, None]
     j = tl.arange(0, BP)
     for start in range(0, P, BP):
         at = (head * P + start + j)[:, None] * G + g[None, :]  # [BP, BG]
