@@ -19,6 +19,8 @@
 #   fsdp2    (two GPUs) SUPRA and XATL (RetNet) training every weight under accelerate's FSDP config, FSDP_STEPS (20)
 #            of FSDP_BATCH (1) x 4,096 per GPU: steady tok/s, peak memory per GPU, model FLOPs utilisation
 #            (6 x parameters x tok/s over 2 x 790 TFLOP/s)
+#   fsdp2-profile  (two GPUs) the same runs for FSDP_STEPS (8), the steps after the set-up profiled (--profile-steps
+#            ${PROFILE_STEPS:-3}): kernels by time, the collectives among them, the GPU's busy share, on rank 0
 #   ddp2     (two GPUs) LoLCATs (the default config) under torchrun, S1 + S2 steps: each stage's steady tok/s, for the
 #            ratio to the `train` part's one GPU
 # Rows land in $S (/tmp/runs/scale/SHAPE).
@@ -97,6 +99,18 @@ print(sys.argv[3], "FSDP x2:", t["steps"], "steps, steady tok/s", rate, "set-up 
       "peak GiB per GPU", [round(b / 2**30, 1) for b in t.get("peak_gpu_bytes_per_rank") or []], "MFU", rec["mfu"])
 EOF
         rm -rf "$R-$recipe"  # 16 GB a run: the disk (128 GB on x2) holds few
+      done ;;
+    fsdp2-profile)
+      cfg=$(python3 -m linearize.recipes.launch fsdp)
+      for recipe in ${FSDP_RECIPES:-supra xatl}; do
+        rm -rf "$R-$recipe"
+        timeout ${FSDP_S:-480} accelerate launch --config_file "$cfg" --num_processes 2 -m linearize $recipe --teacher "$T" \
+          --data gutenberg --steps ${FSDP_STEPS:-8} --block-len 4096 --batch-size ${FSDP_BATCH:-1} --warmup-steps 2 \
+          --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 --profile-steps ${PROFILE_STEPS:-3} --out "$R-$recipe" \
+          > "$S/fsdp2-profile-$recipe.log" 2>&1
+        quiet < "$S/fsdp2-profile-$recipe.log" | grep -E "^profile of|^\| nccl|^GPU busy|Error|rror:" | head -12
+        cp "$R-$recipe/train/profile.json" "$S/fsdp2-profile-$recipe.json" 2>/dev/null
+        rm -rf "$R-$recipe"
       done ;;
     ddp2)
       rm -rf "$R-ddp2"

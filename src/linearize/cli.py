@@ -403,7 +403,7 @@ def cmd_lolcats(args) -> int:
 
 
 TRAINING_FLAGS = ("data", "block_len", "batch_size", "grad_accum", "train_blocks", "repeats", "eval_blocks",
-                  "eval_steps", "keep_checkpoints", "patience", "seed", "resume")
+                  "eval_steps", "keep_checkpoints", "profile_steps", "patience", "seed", "resume")
 SCHEDULE_FLAGS = ("compile", "cuda_graph", "steps", "lr", "min_lr", "warmup_steps")
 KL_FLAGS = ("kl_temperature", "kl_top_k")
 
@@ -750,7 +750,7 @@ ARGUMENT_RULES = [
         "window", "max_blocks", "prefill_batch", "prefill_chunk", "lora_alpha", "kl_top_k")),
     *((name, lambda v: all(x >= 1 for x in v), "positive whole numbers") for name in ("batch_sizes", "new_tokens")),
     *((name, lambda v: v >= 0, "zero or more") for name in ("temperature", "top_k", "patience", "sparse_cache",
-                                                          "keep_checkpoints",
+                                                          "keep_checkpoints", "profile_steps",
                                                           "warmup_steps", "stage1_epochs", "stage2_epochs",
                                                           "align_steps")),
     *((name, lambda v: v > 0, "positive") for name in ("lr", "min_lr", "stage1_lr", "stage2_lr", "mse_factor",

@@ -340,3 +340,35 @@ def test_train_makes_its_own_clock_with_the_configs_set_up_steps(tiny_model, tmp
     speed = train(tiny_model("llama"), _data(), None, next_token_loss, cfg, stage="t").speed
     assert (speed["setup"]["steps"], speed["steady"]["steps"]) == (1, 3)
     assert speed["steady"]["seconds"] > 0 and speed["steady"]["tokens_per_second"] > 0
+
+
+def test_profiled_steps_come_after_the_set_up_and_land_in_the_stage_folder(tiny_model, tmp_path, capsys):
+    """``profile_steps``: the steps after the set-up run under torch.profiler; their operators (the CPU's; kernels
+    on CUDA) go to OUT/profile.json and a table to stdout; a stage that ends first reports what it profiled."""
+    import json
+
+    cfg = TrainConfig(output_dir=str(tmp_path / "a"), learning_rate=1e-3, max_steps=6, batch_size=2, eval_steps=100,
+                      logging_steps=1, save_total_limit=0, setup_steps=2, profile_steps=3)
+    trainer = train(tiny_model("llama"), _data(), None, next_token_loss, cfg, stage="t")
+    record = json.loads((tmp_path / "a" / "profile.json").read_text())
+    assert record["stage"] == "t" and record["steps"] == 3 and record["after_steps"] == 2
+    assert record["unit"] == "operator" and record["top"] and record["us_per_step"] > 0 and record["wall_us_per_step"] > 0
+    assert any(r["name"] == "aten::mm" or r["name"] == "aten::addmm" for r in record["top"])
+    out = capsys.readouterr().out
+    assert "profile of t: 3 steps after 2" in out and "| operator | us/step |" in out
+    assert trainer.state.global_step == 6
+    # the stage ends before the last profiled step: the steps it profiled
+    cfg = TrainConfig(output_dir=str(tmp_path / "b"), learning_rate=1e-3, max_steps=4, batch_size=2, eval_steps=100,
+                      logging_steps=1, save_total_limit=0, setup_steps=2, profile_steps=5)
+    train(tiny_model("llama"), _data(), None, next_token_loss, cfg, stage="t")
+    assert json.loads((tmp_path / "b" / "profile.json").read_text())["steps"] == 2
+
+
+def test_the_recipes_hand_profile_steps_to_each_stage(tmp_path):
+    from linearize.recipes import lolcats, uptrain
+    from linearize.recipes.settings import SupraConfig
+
+    for stage in ("stage1", "stage2"):
+        assert lolcats.stage_config(lolcats.LolcatsConfig(profile_steps=3), stage, tmp_path).profile_steps == 3
+    assert uptrain.train_config(SupraConfig(profile_steps=4), tmp_path, 10, 1).profile_steps == 4
+    assert uptrain.train_config(SupraConfig(), tmp_path, 10, 1).profile_steps == 0

@@ -82,6 +82,10 @@ class RunConfig:
                                        "none (OUT/final only: --resume starts over, and early stopping, which "
                                        "returns to the best checkpoint, is off), e.g. where an optimizer's state "
                                        "would not fit the disk", metavar="N")
+    profile_steps: int = setting(0, "profile N steps of each training stage after its set-up with torch.profiler: "
+                                    "the kernels by time, the GPU's busy share (under FSDP the collectives too), "
+                                    "in OUT/<stage>/profile.json and on stdout; those steps run slower and count in "
+                                    "the stage's tok/s (default 0: none)", metavar="N")
     patience: int | None = setting(None, "early stopping: evaluations without improvement")
     seed: int = setting(0, "seed for data order and initialisation")
     dtype: str | None = None

@@ -63,6 +63,7 @@ class TrainConfig:
     cuda_graph: bool = False  # steps replayed as CUDA graphs (linearize.graphed; a recipe's auto/on/off: use_graphs)
     setup_steps: int = 2  # the first optimizer steps counted as set-up, not steady state (StepClock)
     save_total_limit: int = 2  # resumable checkpoints kept; 0: none written (and no early stopping)
+    profile_steps: int = 0  # > 0: that many steps after the set-up run under torch.profiler (StepProfiler)
     extra: dict = field(default_factory=dict)  # passed straight to TrainingArguments
 
 
@@ -84,6 +85,89 @@ class JsonlLogger(TrainerCallback):
             with self.path.open("a") as fh:
                 fh.write(json.dumps({"stage": self.stage, "step": state.global_step, **logs,
                                      "elapsed_s": elapsed}) + "\n")
+
+
+class StepProfiler(TrainerCallback):
+    """Profiles ``steps`` optimizer steps of a stage, those after its first ``after`` (the set-up: compilation,
+    graph capture, the allocator's growth), under ``torch.profiler`` on the main process, and writes ``path``
+    (JSON) and a table to stdout: the kernels by device time (operators on the CPU) and launches a step, how
+    long the GPU was busy against the profiled span (a step that waits on the host, or on another GPU's
+    collective, shows there), the host's CUDA runtime calls, and the wall time a step. Under FSDP the
+    collectives are kernels too (``nccl...``), so the table says what a sharded step spends on communication
+    that the GPU does not hide. Profiled steps run slower than the others and count in the stage's tok/s: use
+    it in a run that measures nothing else. A stage that ends before the last profiled step reports the
+    steps it profiled."""
+
+    def __init__(self, steps: int, after: int, path: Path, stage: str, top: int = 30):
+        self.steps, self.after, self.path, self.stage, self.top = steps, after, Path(path), stage, top
+        self.count, self.prof, self.began = 0, None, None
+
+    @staticmethod
+    def _device():
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.after == 0:
+            self._start(state)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.count += 1
+        if self.prof is None and self.count == self.after:
+            self._start(state)
+        elif self.prof is not None and self.count == self.after + self.steps:
+            self._stop(self.steps)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.prof is not None:
+            self._stop(self.count - self.after)
+
+    def _start(self, state) -> None:
+        if not state.is_world_process_zero:
+            return
+        from torch.profiler import profile
+
+        from ..profiling import activities
+
+        device = self._device()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.prof = profile(activities=activities(device))
+        self.prof.__enter__()
+        self.began = time.perf_counter()
+
+    def _stop(self, steps: int) -> None:
+        from ..profiling import gpu_busy, kernel_table, runtime_calls
+
+        device = self._device()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        wall = time.perf_counter() - self.began
+        self.prof.__exit__(None, None, None)
+        prof, self.prof = self.prof, None
+        if steps <= 0:
+            return
+        record = {"stage": self.stage, **kernel_table(prof, device, steps, self.top),
+                  "wall_us_per_step": 1e6 * wall / steps, "after_steps": self.after, "world_size": world_size()}
+        if device.type == "cuda":
+            busy, span = gpu_busy(prof)
+            record.update(gpu_busy_us_per_step=busy / steps, profiled_span_us_per_step=span / steps,
+                          runtime=runtime_calls(prof, steps)[:12])
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(record, indent=1))
+        print(self.table(record), flush=True)
+
+    @staticmethod
+    def table(record: dict) -> str:
+        """The record as lines: the head, the largest kernels, the GPU's busy share."""
+        unit = record["unit"]
+        lines = [f"profile of {record['stage']}: {record['steps']} steps after {record['after_steps']}, "
+                 f"{record['wall_us_per_step'] / 1000:.2f} ms a step, {record['us_per_step'] / 1000:.2f} ms of {unit} "
+                 f"time in {record['launches_per_step']:.0f} launches", f"| {unit} | us/step | launches/step |", "|---|---|---|"]
+        lines += [f"| {r['name'][:90]} | {r['us_per_step']:.1f} | {r['launches_per_step']:.1f} |" for r in record["top"]]
+        if record.get("profiled_span_us_per_step"):
+            lines.append(f"GPU busy {record['gpu_busy_us_per_step'] / 1000:.2f} ms of a "
+                         f"{record['profiled_span_us_per_step'] / 1000:.2f} ms profiled span per step")
+        return "\n".join(lines)
 
 
 class StepClock(TrainerCallback):
@@ -385,6 +469,8 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
     out.mkdir(parents=True, exist_ok=True)
     metrics = Path(metrics_path or out / "metrics.jsonl")
     all_callbacks = [JsonlLogger(metrics, stage), *callbacks, clock]
+    if cfg.profile_steps:
+        all_callbacks.append(StepProfiler(cfg.profile_steps, cfg.setup_steps, out / "profile.json", stage))
     if _early_stopping(cfg, eval_dataset is not None):
         all_callbacks.append(EarlyStoppingCallback(early_stopping_patience=cfg.early_stopping_patience))
     elif cfg.early_stopping_patience is not None and eval_dataset is not None and is_main_process():

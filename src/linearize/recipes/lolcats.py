@@ -77,6 +77,7 @@ def stage_config(cfg: LolcatsConfig, stage: str, output_dir: Path) -> TrainConfi
         max_steps=cfg.stage1_steps if first else cfg.stage2_steps,
         batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, eval_steps=cfg.eval_steps,
         early_stopping_patience=cfg.patience, save_total_limit=cfg.keep_checkpoints,
+        profile_steps=cfg.profile_steps,
         seed=cfg.seed, logging_steps=max(1, min(10, cfg.eval_steps)),
     )
 
