@@ -13,9 +13,10 @@
 #   profile-uptrain  where an eager step of SUPRA's and XATL's (RetNet) student goes at the shape's width on its first
 #            UP_LAYERS (8) layers, 1 x 4,096 (bench.profile train): the FSDP rows' XATL ran at half SUPRA's MFU
 #   maxbatch the largest batch at a 32k context: the teacher's static cache holds 32,768 + 32 tokens a sequence
-#            (TEACHER_BATCHES: a 32k prefill of 30 takes ~2 min, three a size), its prompts prefilled 2,048 tokens at a time (whole, 20 x 32k's activations ran
-#            out of memory); the student's state does not grow with length, so 128-token prompts + 64 new hold
-#            what 32k would (STUDENT_BATCHES, prefilled 256 at a time; 1,536 states of 87 MiB ran out at 8B)
+#            (TEACHER_BATCHES: a 32k prefill of 30 takes ~2 min, three a size), its prompts prefilled 2,048 tokens
+#            at a time (whole, 20 x 32k's activations ran out of memory); the student's state does not grow with
+#            length, so 128-token prompts + 64 new hold what 32k would (STUDENT_BATCHES, prefilled 256 at a time;
+#            1,536 states of 87 MiB ran out at 8B)
 #   fsdp2    (two GPUs) SUPRA and XATL (RetNet) training every weight under accelerate's FSDP config, FSDP_STEPS (20)
 #            of FSDP_BATCH (1) x 4,096 per GPU: steady tok/s, peak memory per GPU, model FLOPs utilisation
 #            (6 x parameters x tok/s over 2 x 790 TFLOP/s)

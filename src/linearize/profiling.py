@@ -62,3 +62,9 @@ def gpu_busy(prof) -> tuple[float, float]:
             cur_end = max(cur_end, end)
     busy += cur_end - cur_start
     return busy, spans[-1][1] - spans[0][0]
+
+
+def table_lines(unit: str, top: list[dict]) -> list[str]:
+    """A markdown table of ``kernel_table``'s rows: name, time and launches a step."""
+    return [f"| {unit} | us/step | launches/step |", "|---|---|---|",
+            *(f"| {r['name'][:90]} | {r['us_per_step']:.1f} | {r['launches_per_step']:.1f} |" for r in top)]

@@ -29,7 +29,7 @@ import json
 import torch
 
 from ..errors import LinearizeError
-from ..profiling import activities, gpu_busy, kernel_table, runtime_calls
+from ..profiling import activities, gpu_busy, kernel_table, runtime_calls, table_lines
 
 
 def host_phases(model, optimizer, ids, cuda: bool, steps: int, sync, loss_fn=None, graphed=None) -> dict:
@@ -208,9 +208,7 @@ def render(result: dict) -> str:
                f"batch {result['batch']}{' compiled' if result.get('compile') else ''}")
             + f" — {result['us_per_step'] / 1000:.2f} ms of {result['unit']} time and "
               f"{result['launches_per_step']:.0f} {result['unit']} launches per step")
-    lines = [head, f"| {result['unit']} | us/step | launches/step |", "|---|---|---|"]
-    for r in result["top"]:
-        lines.append(f"| {r['name'][:90]} | {r['us_per_step']:.1f} | {r['launches_per_step']:.1f} |")
+    lines = [head, *table_lines(result["unit"], result["top"])]
     if "launches_per_layer" in result:
         lines.append(f"{result['launches_per_layer']:.1f} {result['unit']} launches per decoder layer "
                      f"({result['layers']} layers; backend {result['backend']})")

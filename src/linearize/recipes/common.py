@@ -105,8 +105,8 @@ def begin_run(cfg, skip_under_fsdp: tuple[str, ...] = ()):
 
 def sampling_device(student):
     """``student``, on the GPU for its sample where it waits on the CPU and a GPU has room for it (a
-    student FSDP trained is gathered on the CPU to be saved: an 8B one decodes its 80 tokens there in
-    about three minutes, under a second on the GPU); left on the CPU, with one line, where it does not fit."""
+    student FSDP trained is gathered on the CPU to be saved, and an 8B one took about three minutes to decode
+    its 80 tokens there); left on the CPU, with one line, where it does not fit."""
     if not torch.cuda.is_available() or next(student.parameters()).device.type != "cpu":
         return student
     import gc

@@ -159,11 +159,12 @@ class StepProfiler(TrainerCallback):
     @staticmethod
     def table(record: dict) -> str:
         """The record as lines: the head, the largest kernels, the GPU's busy share."""
-        unit = record["unit"]
+        from ..profiling import table_lines
+
         lines = [f"profile of {record['stage']}: {record['steps']} steps after {record['after_steps']}, "
-                 f"{record['wall_us_per_step'] / 1000:.2f} ms a step, {record['us_per_step'] / 1000:.2f} ms of {unit} "
-                 f"time in {record['launches_per_step']:.0f} launches", f"| {unit} | us/step | launches/step |", "|---|---|---|"]
-        lines += [f"| {r['name'][:90]} | {r['us_per_step']:.1f} | {r['launches_per_step']:.1f} |" for r in record["top"]]
+                 f"{record['wall_us_per_step'] / 1000:.2f} ms a step, {record['us_per_step'] / 1000:.2f} ms of "
+                 f"{record['unit']} time in {record['launches_per_step']:.0f} launches",
+                 *table_lines(record["unit"], record["top"])]
         if record.get("profiled_span_us_per_step"):
             lines.append(f"GPU busy {record['gpu_busy_us_per_step'] / 1000:.2f} ms of a "
                          f"{record['profiled_span_us_per_step'] / 1000:.2f} ms profiled span per step")
