@@ -160,22 +160,30 @@ def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, 
 
 
 def test_a_student_on_the_cpu_samples_on_the_gpu_where_it_fits(monkeypatch, capsys):
-    """Under FSDP the trained student is gathered on the CPU to be saved; its sample decodes on the GPU when
-    the GPU has room for it, and on the CPU, with one line, when it has not (the CUDA calls stand in here)."""
-    from linearize.recipes.common import sampling_device
+    """Under FSDP the trained student is gathered on the CPU to be saved; its sample decodes on the GPU where the
+    GPU has room for it (in bfloat16 where only that fits), on the CPU with one line where neither fits, and not
+    at all, with one line, where the CPU would take too long (the CUDA calls stand in here)."""
+    from linearize.recipes import common
 
     model = torch.nn.Linear(256, 256)  # 257 KiB of float32
     moved = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(model, "to", lambda device: moved.append(device) or model)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (1 << 30, 1 << 31))
-    assert sampling_device(model) is model and moved == ["cuda"]
-    assert capsys.readouterr().err == ""
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (200 << 10, 1 << 31))
-    assert sampling_device(model) is model and moved == ["cuda"]  # not moved
+    monkeypatch.setattr(model, "to", lambda *a: moved.append(a) or model)
+    for free, expected in ((1 << 30, ("cuda",)), (200 << 10, ("cuda", torch.bfloat16))):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda free=free: (free, 1 << 31))
+        moved.clear()
+        assert common.sampling_device(model) is model and moved == [expected]
+        assert capsys.readouterr().err == ""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (100 << 10, 1 << 31))
+    moved.clear()
+    assert common.sampling_device(model) is model and moved == []  # stays on the CPU
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "decodes on the CPU" in err and "does not fit" in err
+    assert err.count("\n") == 1 and "decodes on the CPU" in err and "does not fit the GPU's free" in err
+    monkeypatch.setattr(common, "CPU_SAMPLE_BYTES", 100 << 10)
+    assert common.sampling_device(model) is None and moved == []
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("linearize: no sample:") and "linearize generate" in err
 
 
 def test_every_process_takes_the_main_process_choice():

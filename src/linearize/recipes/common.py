@@ -103,26 +103,41 @@ def begin_run(cfg, skip_under_fsdp: tuple[str, ...] = ()):
     return out, teacher, tok, train_ds, eval_ds, eval_blocks, results
 
 
-def sampling_device(student):
-    """``student``, on the GPU for its sample where it waits on the CPU and a GPU has room for it (a
-    student FSDP trained is gathered on the CPU to be saved, and an 8B one took about three minutes to decode
-    its 80 tokens there); left on the CPU, with one line, where it does not fit."""
-    if not torch.cuda.is_available() or next(student.parameters()).device.type != "cpu":
-        return student
-    import gc
+CPU_SAMPLE_BYTES = 40 * 2**30  # past this a student's sample is not decoded on the CPU (an 8B fp32 one took 3 min)
 
-    gc.collect()
-    torch.cuda.empty_cache()
+
+def sampling_device(student):
+    """``student`` where its sample decodes, or None to skip the sample. A student FSDP trained is gathered on
+    the CPU to be saved (an 8B one took about three minutes to decode its 80 tokens there): it goes to the GPU
+    where the GPU has room for it, in its dtype, else in bfloat16; where neither fits it stays on the CPU, with
+    one line, or, past ``CPU_SAMPLE_BYTES``, is not sampled (one line too)."""
+    if next(student.parameters()).device.type != "cpu":
+        return student
+    dtype0 = next(student.parameters()).dtype
     need = sum(t.numel() * t.element_size() for t in [*student.parameters(), *student.buffers()])
-    free, _ = torch.cuda.mem_get_info()
-    if need * 1.25 < free:  # the weights and room for the decoder's state and activations
-        try:
-            return student.to("cuda")
-        except torch.cuda.OutOfMemoryError:
-            student.to("cpu")
-            torch.cuda.empty_cache()
-    print(f"linearize: the sample decodes on the CPU: the student ({need / 2**30:.1f} GiB) does not fit the GPU's "
-          f"free {free / 2**30:.1f} GiB", file=sys.stderr)
+    where = "no GPU"
+    if torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        where = f"the GPU's free {free / 2**30:.1f} GiB"
+        half = need // 2 if dtype0 == torch.float32 else need
+        for size, dtype in ((need, None), (half, torch.bfloat16)):
+            if size * 1.25 < free:  # the weights and room for the decoder's state and activations
+                try:
+                    return student.to("cuda") if dtype is None else student.to("cuda", dtype)
+                except torch.cuda.OutOfMemoryError:
+                    student.to("cpu", dtype0)
+                    torch.cuda.empty_cache()
+    if need > CPU_SAMPLE_BYTES:
+        print(f"linearize: no sample: the student ({need / 2**30:.1f} GiB) does not fit {where}, and decoding it on "
+              "the CPU would take long (OUT/final decodes with `linearize generate`)", file=sys.stderr)
+        return None
+    if torch.cuda.is_available():
+        print(f"linearize: the sample decodes on the CPU: the student ({need / 2**30:.1f} GiB) does not fit {where}",
+              file=sys.stderr)
     return student
 
 
@@ -145,6 +160,9 @@ def finish(student, tokenizer, out: Path, results: dict, prompt: str) -> dict:
         save(student, tokenizer, out / "final")
     (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
     student = sampling_device(student)
+    if student is None:
+        results["sample"] = None
+        return results
     ids = tokenizer(prompt, return_tensors="pt").input_ids.to(next(student.parameters()).device)
     with torch.no_grad(), phase(results, "sample"):
         # long enough to run past a LoLCATs window (64), where the linear attention takes over;

@@ -791,5 +791,6 @@ def summary(results: dict, row: str = "lolcats") -> str:
         lines.append(f"  attention MSE, mean over layers, after stage 1: {mean(results['layer_mse_after']):.3g}")
     if line := phases_line(results):
         lines.append(line)
-    lines.append(f"  sample (recurrent decoding): {results['sample']!r}")
+    if results.get("sample") is not None:
+        lines.append(f"  sample (recurrent decoding): {results['sample']!r}")
     return "\n".join(lines)

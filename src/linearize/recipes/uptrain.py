@@ -232,5 +232,6 @@ def summary(results: dict, label: str) -> str:
                  f"{t['seconds']:.0f}s ({t['tokens_per_second']:,.0f} tok/s; {split_line(t)})")
     if line := phases_line(results):
         lines.append(line)
-    lines.append(f"  sample (recurrent decoding): {results['sample']!r}")
+    if results.get("sample") is not None:
+        lines.append(f"  sample (recurrent decoding): {results['sample']!r}")
     return "\n".join(lines)
