@@ -97,7 +97,8 @@ rec = {"train": t, "parameters": params,
        "mfu": 6 * params * rate / (2 * 790e12) if params and rate else None}
 json.dump(rec, open(sys.argv[2], "w"), indent=1)
 print(sys.argv[3], "FSDP x2:", t["steps"], "steps, steady tok/s", rate, "set-up s", (t.get("setup") or {}).get("seconds"),
-      "peak GiB per GPU", [round(b / 2**30, 1) for b in t.get("peak_gpu_bytes_per_rank") or []], "MFU", rec["mfu"])
+      "peak GiB per GPU", [round(b / 2**30, 1) for b in t.get("peak_gpu_bytes_per_rank") or []], "allocator retries",
+      t.get("alloc_retries_per_rank"), "MFU", rec["mfu"])
 EOF
         rm -rf "$R-$recipe"  # 16 GB a run: the disk (128 GB on x2) holds few
       done ;;

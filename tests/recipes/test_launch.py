@@ -187,7 +187,8 @@ def test_a_student_on_the_cpu_samples_on_the_gpu_where_it_fits(monkeypatch, caps
 
 
 def test_every_process_takes_the_main_process_choice():
-    """The softmax layers each rank scores in a several-GPU run: all keep rank 0's (``rank0s``)."""
+    """The softmax layers each rank scores in a several-GPU run: all keep rank 0's (``rank0s``); every rank's peak
+    memory and allocator retries are gathered (``peak_gpu_memory``)."""
     from pathlib import Path
 
     from helpers import run_two_processes

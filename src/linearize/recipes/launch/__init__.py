@@ -53,16 +53,20 @@ def rank0s(value):
 
 
 def peak_gpu_memory() -> dict:
-    """This process's peak allocated CUDA memory, ``{"peak_gpu_bytes": n}``, with every process's
-    (``peak_gpu_bytes_per_rank``, by rank) under torch.distributed; ``{}`` without CUDA. Every
-    process of a launch calls it (the gather is collective)."""
+    """This process's peak allocated CUDA memory, ``{"peak_gpu_bytes": n}``, its peak reserved by the caching
+    allocator (``peak_reserved_bytes``) and how often the allocator had to free its cache and retry
+    (``alloc_retries``: a run near the card's memory pays a synchronisation each time), with every
+    process's peak (``peak_gpu_bytes_per_rank``, by rank) and retries (``alloc_retries_per_rank``) under
+    torch.distributed; ``{}`` without CUDA. Every process of a launch calls it (the gather is collective)."""
     import torch
 
     if not torch.cuda.is_available():
         return {}
-    info = {"peak_gpu_bytes": torch.cuda.max_memory_allocated()}
+    info = {"peak_gpu_bytes": torch.cuda.max_memory_allocated(), "peak_reserved_bytes": torch.cuda.max_memory_reserved(),
+            "alloc_retries": torch.cuda.memory_stats().get("num_alloc_retries", 0)}
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        peaks = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(peaks, info["peak_gpu_bytes"])
-        info["peak_gpu_bytes_per_rank"] = peaks
+        mine = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(mine, (info["peak_gpu_bytes"], info["alloc_retries"]))
+        info["peak_gpu_bytes_per_rank"] = [peak for peak, _ in mine]
+        info["alloc_retries_per_rank"] = [retries for _, retries in mine]
     return info
