@@ -28,6 +28,14 @@
 set -uo pipefail
 SHAPE=${SHAPE:-llama-3-8b}; T=shape:$SHAPE; S=${S:-/tmp/runs/scale/$SHAPE}; R=/tmp/ckpt/scale-$SHAPE; mkdir -p "$S"
 quiet() { grep -v -E "Warning|warn\(|it/s\]|s/it\]"; }
+# fsdp_run RECIPE LOG STEPS WARMUP [FLAGS...]: one FSDP training on both GPUs, its run in $R-RECIPE
+fsdp_run() {
+  local recipe=$1 log=$2 steps=$3 warmup=$4; shift 4
+  rm -rf "$R-$recipe"
+  timeout ${FSDP_S:-480} accelerate launch --config_file "$(python3 -m linearize.recipes.launch fsdp)" --num_processes 2 \
+    -m linearize $recipe --teacher "$T" --data gutenberg --steps $steps --block-len 4096 --batch-size ${FSDP_BATCH:-1} \
+    --warmup-steps $warmup --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 --out "$R-$recipe" "$@" > "$log" 2>&1
+}
 for part in ${@:-train decode prefill ceiling}; do
   echo "=== $SHAPE $part $(date +%T)"
   case $part in
@@ -77,12 +85,8 @@ EOF
         --batch-sizes ${STUDENT_BATCHES:-1024 1152 1280 1344 1408 1472} --new-tokens 64 --prompt-len 128 \
         --out "$S/maxbatch_student.json" 2>&1 | quiet | tee "$S/maxbatch_student.log" | grep -E "^\| student|Error|error:" ;;
     fsdp2)
-      cfg=$(python3 -m linearize.recipes.launch fsdp)
       for recipe in ${FSDP_RECIPES:-supra xatl}; do
-        rm -rf "$R-$recipe"
-        timeout ${FSDP_S:-480} accelerate launch --config_file "$cfg" --num_processes 2 -m linearize $recipe --teacher "$T" \
-          --data gutenberg --steps ${FSDP_STEPS:-20} --block-len 4096 --batch-size ${FSDP_BATCH:-1} --warmup-steps 5 \
-          --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 --out "$R-$recipe" > "$S/fsdp2-$recipe.log" 2>&1
+        fsdp_run $recipe "$S/fsdp2-$recipe.log" ${FSDP_STEPS:-20} 5
         quiet < "$S/fsdp2-$recipe.log" | grep -E "Error|rror:" | sort -u | head -3
         python3 - "$R-$recipe/results.json" "$S/fsdp2-$recipe.json" $recipe <<'EOF'
 import glob, json, math, os, struct, sys
@@ -103,13 +107,8 @@ EOF
         rm -rf "$R-$recipe"  # 16 GB a run: the disk (128 GB on x2) holds few
       done ;;
     fsdp2-profile)
-      cfg=$(python3 -m linearize.recipes.launch fsdp)
       for recipe in ${FSDP_RECIPES:-supra xatl}; do
-        rm -rf "$R-$recipe"
-        timeout ${FSDP_S:-480} accelerate launch --config_file "$cfg" --num_processes 2 -m linearize $recipe --teacher "$T" \
-          --data gutenberg --steps ${FSDP_STEPS:-8} --block-len 4096 --batch-size ${FSDP_BATCH:-1} --warmup-steps 2 \
-          --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 --profile-steps ${PROFILE_STEPS:-3} --out "$R-$recipe" \
-          > "$S/fsdp2-profile-$recipe.log" 2>&1
+        fsdp_run $recipe "$S/fsdp2-profile-$recipe.log" ${FSDP_STEPS:-8} 2 --profile-steps ${PROFILE_STEPS:-3}
         quiet < "$S/fsdp2-profile-$recipe.log" | grep -E "^profile of|^\| nccl|^GPU busy|Error|rror:" | head -12
         cp "$R-$recipe/train/profile.json" "$S/fsdp2-profile-$recipe.json" 2>/dev/null
         rm -rf "$R-$recipe"

@@ -87,6 +87,11 @@ class JsonlLogger(TrainerCallback):
                                      "elapsed_s": elapsed}) + "\n")
 
 
+def process_device() -> torch.device:
+    """This process's device: its GPU (under torchrun / accelerate launch, the one it was given), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 class StepProfiler(TrainerCallback):
     """Profiles ``steps`` optimizer steps of a stage, those after its first ``after`` (the set-up: compilation,
     graph capture, the allocator's growth), under ``torch.profiler`` on the main process, and writes ``path``
@@ -101,10 +106,6 @@ class StepProfiler(TrainerCallback):
     def __init__(self, steps: int, after: int, path: Path, stage: str, top: int = 30):
         self.steps, self.after, self.path, self.stage, self.top = steps, after, Path(path), stage, top
         self.count, self.prof, self.began = 0, None, None
-
-    @staticmethod
-    def _device():
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.after == 0:
@@ -128,7 +129,7 @@ class StepProfiler(TrainerCallback):
 
         from ..profiling import activities
 
-        device = self._device()
+        device = process_device()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         self.prof = profile(activities=activities(device))
@@ -138,7 +139,7 @@ class StepProfiler(TrainerCallback):
     def _stop(self, steps: int) -> None:
         from ..profiling import gpu_busy, kernel_table, runtime_calls
 
-        device = self._device()
+        device = process_device()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         wall = time.perf_counter() - self.began
@@ -371,7 +372,7 @@ def unsharded(model, device=None):
     state = gathered_state(model)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        device = process_device()
     plain = type(model)._from_config(model.config, dtype=next(model.parameters()).dtype)
     plain.load_state_dict(state, strict=True)
     plain.to(device)
