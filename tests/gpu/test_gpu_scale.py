@@ -46,3 +46,27 @@ def test_supra_at_the_1b_shape_under_fsdp_on_two_gpus(tmp_path):
           "--block-len", "1024", "--batch-size", "2", "--eval-blocks", "2", "--out", str(out)], tmp_path)
     results = json.loads((out / "results.json").read_text())
     assert results["train"]["steps"] == 4
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_a_student_on_the_second_gpu_runs_its_kernels_there():
+    # the current device stays GPU 0 (device_map="auto" places layers so): each mixer launches on its own GPU
+    import linearize
+    from linearize.teacher import load_teacher
+
+    teacher, _ = load_teacher("shape:llama-3.2-1b,layers=2", dtype=torch.bfloat16, device="cuda:1")
+    student = linearize.convert(teacher, {"kind": "lolcats", "window": 64, "feature_dim": 64}).eval()
+    ids = torch.randint(0, 1000, (1, 256), device="cuda:1")
+    assert torch.cuda.current_device() == 0
+    with torch.no_grad():
+        logits = student(ids).logits
+    assert logits.device == torch.device("cuda:1") and torch.isfinite(logits).all()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_the_default_lolcats_recipe_under_torchrun_on_two_gpus(tmp_path):
+    out = tmp_path / "ddp"
+    _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "linearize",
+          "lolcats", "--teacher", "shape:llama-3.2-1b,layers=4", "--data", "gutenberg", "--stage1-steps", "3",
+          "--stage2-steps", "3", "--eval-blocks", "2", "--block-len", "1024", "--out", str(out)], tmp_path)
+    assert json.loads((out / "results.json").read_text())["stage2"]["steps"] == 3

@@ -194,3 +194,21 @@ def test_every_process_takes_the_main_process_choice():
     from helpers import run_two_processes
 
     assert "agreed" in run_two_processes(Path(__file__).with_name("rank0s.py"))
+
+
+@pytest.mark.parametrize("local_rank, gpus, expected", [("1", 2, 1), ("0", 2, 0), (None, 2, None), ("3", 2, None)])
+def test_a_launched_process_makes_its_own_gpu_current(monkeypatch, local_rank, gpus, expected):
+    # under torchrun rank r's teacher loads on GPU r before the Trainer would make it current: kernels launched
+    # for it from GPU 0 fail (the 8B ddp2 run of 2026-11-30 did in its first perplexity)
+    from linearize.recipes.launch import bind_process_gpu
+
+    chosen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    bind_process_gpu()
+    assert chosen == ([] if expected is None else [expected])

@@ -13,7 +13,7 @@ import torch
 from .. import save
 from ..checkpoint import record_training
 from ..data import BlockDataset, load_blocks, with_repeats
-from .launch import is_main_process, under_fsdp
+from .launch import bind_process_gpu, is_main_process, under_fsdp
 
 # what results.json says of a measurement left out under accelerate's FSDP config (results["skipped"])
 SKIPPED_UNDER_FSDP = ("under FSDP the teacher loads on the CPU and no whole model goes onto one GPU before the "
@@ -76,6 +76,7 @@ def begin_run(cfg, skip_under_fsdp: tuple[str, ...] = ()):
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(cfg.seed)
+    bind_process_gpu()  # under torchrun, rank r's teacher goes to GPU r: its kernels must launch there
     fsdp = under_fsdp()
     timing: dict = {}
     with phase(timing, "teacher"):

@@ -33,6 +33,18 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def bind_process_gpu() -> None:
+    """Make this process's GPU (``LOCAL_RANK`` under torchrun / accelerate launch) the current CUDA device.
+    The recipes load the teacher there and measure it before the Trainer would make it current; until then
+    the current device is GPU 0, where kernels launched for another GPU's tensors fail (Triton: "Pointer
+    argument cannot be accessed"). Nothing without CUDA or outside a launch."""
+    import torch
+
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and local.isdigit() and torch.cuda.is_available() and int(local) < torch.cuda.device_count():
+        torch.cuda.set_device(int(local))
+
+
 def under_fsdp() -> bool:
     """Launched by ``accelerate launch`` with an FSDP configuration (``fsdp.yaml`` here)."""
     return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true", "yes")
