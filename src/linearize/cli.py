@@ -403,7 +403,8 @@ def cmd_lolcats(args) -> int:
 
 
 TRAINING_FLAGS = ("data", "block_len", "batch_size", "grad_accum", "train_blocks", "repeats", "eval_blocks",
-                  "eval_steps", "keep_checkpoints", "profile_steps", "patience", "seed", "resume")
+                  "eval_steps", "keep_checkpoints", "profile_steps", "gradient_checkpointing", "patience", "seed",
+                  "resume")
 SCHEDULE_FLAGS = ("compile", "cuda_graph", "steps", "lr", "min_lr", "warmup_steps")
 KL_FLAGS = ("kl_temperature", "kl_top_k")
 

@@ -43,13 +43,13 @@ from .recipes.config import MODES, graph_mode  # noqa: F401  (the recipes' cuda_
 
 
 def use_graphs(mode: str, *, cuda: bool, uncapturable: str | None = None, fsdp: bool = False,
-               compile: bool = False, other: str | None = None) -> tuple[bool, str | None]:
+               compile: bool = False, checkpointing: bool = False, other: str | None = None) -> tuple[bool, str | None]:
     """Whether a run's training steps replay as CUDA graphs under ``cuda_graph`` ``mode``:
     ``(True, None)``, or ``(False, why)`` with the first condition that fails (under ``off``: None).
 
     The conditions: a CUDA device (``cuda``); a loss whose every term is capturable (``uncapturable``:
     what in it is not, e.g. "hidden_mse in the loss 'kl+hidden_mse'"); no FSDP (``fsdp``: its sharded
-    parameters); no ``compile``; and ``other``, a recipe's own reason (XATL's LIT under torchrun).
+    parameters); no ``compile``; no gradient checkpointing (``checkpointing``); and ``other``, a recipe's own reason (XATL's LIT under torchrun).
     ``on`` raises one ``LinearizeError`` where one fails; ``auto`` returns it, and the run trains eagerly.
     """
     mode = graph_mode(mode)
@@ -62,6 +62,8 @@ def use_graphs(mode: str, *, cuda: bool, uncapturable: str | None = None, fsdp: 
                   (fsdp, ("FSDP's sharded parameters cannot be captured (graphs run on one GPU or data-parallel "
                           "under torchrun)")),
                   (compile, "--compile is on (a step is compiled or graphed, not both)"),
+                  (checkpointing, "--gradient-checkpointing recomputes each layer in the backward (a step is "
+                                  "checkpointed or graphed, not both)"),
                   (other, other)]
     why = next((text for failed, text in conditions if failed), None)
     if why is not None and mode == "on":

@@ -372,3 +372,32 @@ def test_the_recipes_hand_profile_steps_to_each_stage(tmp_path):
         assert lolcats.stage_config(lolcats.LolcatsConfig(profile_steps=3), stage, tmp_path).profile_steps == 3
     assert uptrain.train_config(SupraConfig(profile_steps=4), tmp_path, 10, 1).profile_steps == 4
     assert uptrain.train_config(SupraConfig(), tmp_path, 10, 1).profile_steps == 0
+
+
+def test_a_sharded_student_is_gathered_on_the_main_process_alone_where_only_it_goes_on(tiny_model, monkeypatch):
+    """``unsharded(main_only=True)``: every rank takes part in the gathers (collectives), the others keep no copy
+    (eight CPU copies of a 70B student would not fit one host) and go on with the model as it was."""
+    from linearize.distill import probes
+    from linearize.recipes import engine
+
+    model = tiny_model("llama")
+    gathers = []
+    monkeypatch.setattr(probes, "fully_sharded", lambda m: True)
+    monkeypatch.setattr(engine, "gathered_state", lambda m, keep=True: gathers.append(keep) or (
+        {n: t.clone() for n, t in m.state_dict().items()} if keep else {}))
+    monkeypatch.setattr(engine, "is_main_process", lambda: False)
+    assert engine.unsharded(model, device="cpu", main_only=True) is model and gathers == [False]
+    copy = engine.unsharded(model, device="cpu")  # between stages every rank needs the plain model
+    assert copy is not model and gathers == [False, True]
+    monkeypatch.setattr(engine, "is_main_process", lambda: True)
+    main = engine.unsharded(model, device="cpu", main_only=True)
+    assert main is not model and gathers[-1] is True
+    assert all(torch.equal(a, b) for a, b in zip(main.state_dict().values(), model.state_dict().values()))
+
+
+def test_gathered_state_keeps_nothing_where_asked(tiny_model):
+    from linearize.recipes.engine import gathered_state
+
+    model = tiny_model("llama")
+    assert gathered_state(model, keep=False) == {}
+    assert gathered_state(model).keys() == model.state_dict().keys()

@@ -105,12 +105,12 @@ def test_under_fsdp_the_teacher_loads_on_the_cpu_and_nothing_is_measured_before_
     assert "skipped" not in results and results["perplexity"]["teacher"] > 1
 
 
-@pytest.mark.parametrize("recipe", ["supra", "xatl", "lolcats"])
+@pytest.mark.parametrize("recipe", ["supra", "xatl", "lolcats", "lolcats-checkpointed"])
 def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, tmp_path):
     """`accelerate launch` with the packaged FSDP config (on the CPU: gloo, no mixed precision): SUPRA or
     XATL with an alignment stage and KL distillation runs end to end on 2 processes, the frozen teacher
     (SUPRA's a copy, XATL's the teacher itself) sharded over both like the student, and the saved
-    student stands alone; LoLCATs' stage 1 alone likewise. The teacher was loaded on the CPU, nothing
+    student stands alone; LoLCATs' stage 1 alone likewise, also with its layers recomputed in the backward. The teacher was loaded on the CPU, nothing
     was measured before the training (results.json says why), and the trained student's perplexity was.
     (On the CPU accelerate trains the student data-parallel: what FSDP does to it is for GPU runs.)"""
     import json
@@ -128,8 +128,11 @@ def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, 
     cfg.update(use_cpu=True, mixed_precision="no")
     (tmp_path / "fsdp_cpu.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "LINEARIZE_HOME": str(tmp_path / "home")}
+    checkpointed = recipe.endswith("-checkpointed")  # --gradient-checkpointing: the probes stay for the backward
+    recipe = recipe.removesuffix("-checkpointed")
     if recipe == "lolcats":
-        options = ["--rows", "stage1-only", "--stage1-steps", "4", "--window", "4", "--feature-dim", "8"]
+        options = ["--rows", "stage1-only", "--stage1-steps", "4", "--window", "4", "--feature-dim", "8",
+                   *(["--gradient-checkpointing"] if checkpointed else [])]
     else:
         options = ["--steps", "4", "--loss", "kl+lm", "--align-steps", "2",
                    *(["--arch", "retnet", "--transfer", "embeddings,ffn"] if recipe == "xatl" else [])]

@@ -148,8 +148,20 @@ def transfer_probes(model: nn.Module, layers, with_xent: bool = False, tie: bool
     """Attention transfer on ``layers`` (layer indices): each gets an ``AttentionTransferProbe``
     (``tie``: its prediction tied to the layer's output with weight 0, what distributed training needs),
     every other converted layer gives the teacher's output (``SoftmaxAttention``). Yields the probes
-    by layer index."""
+    by layer index. Inside an outer call for the same layers, yields its probes: a stage whose decoder layers are
+    recomputed in the backward (gradient checkpointing) keeps them in place from its first forward to its last
+    backward, which runs after the loss's own call has returned."""
     layers = set(layers)
+    inner = unwrap(model)
+    adapter = get_adapter(inner.config)
+    present = {w.mixer.layer_idx: w for w in map(adapter.attention, adapter.layers(inner))
+               if isinstance(w, AttentionTransferProbe)}
+    if present:  # put in place by an outer call for a whole stage (a checkpointed layer recomputes in the backward)
+        if set(present) != layers or any((w.with_xent, w.tie) != (with_xent, tie) for w in present.values()):
+            raise LinearizeError(f"attention transfer probes are in place on layers {sorted(present)}; asked for "
+                                 f"{sorted(layers)} (xent {with_xent}, tie {tie})")
+        yield present
+        return
     with swapped(model, lambda m: AttentionTransferProbe(m, with_xent, tie) if m.layer_idx in layers
                  else SoftmaxAttention(m)) as wrappers:
         yield {i: w for i, w in wrappers.items() if i in layers}

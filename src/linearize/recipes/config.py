@@ -86,6 +86,12 @@ class RunConfig:
                                     "the kernels by time, the GPU's busy share (under FSDP the collectives too), "
                                     "in OUT/<stage>/profile.json and on stdout; those steps run slower and count in "
                                     "the stage's tok/s (default 0: none)", metavar="N")
+    gradient_checkpointing: bool = setting(False, "recompute each decoder layer's activations in the backward instead "
+                                                  "of keeping them (transformers' gradient checkpointing): a step "
+                                                  "keeps each layer's input and one layer's activations at a time, for "
+                                                  "about one more forward; the steps then train eagerly, not as CUDA "
+                                                  "graphs. For a model whose activations do not fit (a 70B shape under "
+                                                  "FSDP); default off")
     patience: int | None = setting(None, "early stopping: evaluations without improvement")
     seed: int = setting(0, "seed for data order and initialisation")
     dtype: str | None = None

@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,7 @@ import torch
 from transformers import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
 
 from ..distill import next_token_loss
+from ..distill.probes import unwrap
 from ..errors import LinearizeError
 from ..quiet import transient_bars
 from .launch import is_main_process, under_fsdp, world_size
@@ -64,6 +66,7 @@ class TrainConfig:
     setup_steps: int = 2  # the first optimizer steps counted as set-up, not steady state (StepClock)
     save_total_limit: int = 2  # resumable checkpoints kept; 0: none written (and no early stopping)
     profile_steps: int = 0  # > 0: that many steps after the set-up run under torch.profiler (StepProfiler)
+    gradient_checkpointing: bool = False  # each decoder layer recomputed in the backward (checkpointed_layers)
     extra: dict = field(default_factory=dict)  # passed straight to TrainingArguments
 
 
@@ -351,23 +354,34 @@ def average_gradients(model: torch.nn.Module, bucket_bytes: int = 1 << 28) -> No
 
 
 
-def gathered_state(model) -> dict[str, torch.Tensor]:
-    """``model``'s whole state dict on the CPU, on every process; FSDP-sharded tensors are gathered
-    one at a time (a collective: every rank calls it), so no GPU holds the whole model at once."""
+def gathered_state(model, keep: bool = True) -> dict[str, torch.Tensor]:
+    """``model``'s whole state dict on the CPU; FSDP-sharded tensors are gathered one at a time (a collective:
+    every rank calls it), so no GPU holds the whole model at once. A process with ``keep`` False takes part in
+    the gathers and keeps nothing (``{}``): N copies of a 70B model would not fit one host's memory."""
     from torch.distributed.tensor import DTensor
 
-    return {name: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu()
-            for name, t in model.state_dict().items()}
+    state = {}
+    for name, t in model.state_dict().items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            state[name] = full.detach().cpu()
+        del full
+    return state
 
 
-def unsharded(model, device=None):
+def unsharded(model, device=None, main_only: bool = False):
     """``model`` itself, or, where FSDP sharded it in place (a stage trained under accelerate's FSDP
     config), a plain copy on ``device`` (None: the process's own, the GPU it was sharded over) with the
     gathered weights and ``requires_grad`` flags, so the next stage wraps a fresh model and rank 0 can
-    save and decode it alone. Every rank calls it."""
+    save and decode it alone. Every rank calls it. ``main_only``: where only the main process goes on with
+    the model (it saves and samples it), the other processes take part in the gathers and get ``model`` back
+    as it is, sharded, keeping no copy."""
     from ..distill.probes import fully_sharded
 
     if not fully_sharded(model):
+        return model
+    if main_only and not is_main_process():
+        gathered_state(model, keep=False)
         return model
     state = gathered_state(model)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -491,7 +505,7 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
     )
     if resume is True:
         resume = _complete_checkpoint(out)
-    with transient_bars():  # the checkpoints' "Writing model shards" bars
+    with transient_bars(), checkpointed_layers(model, cfg.gradient_checkpointing, stage):
         trainer.train(resume_from_checkpoint=resume)  # a NaN/inf loss raises LinearizeError (compute_loss)
     per_step = cfg.batch_size * cfg.grad_accum * len(train_dataset[0]["input_ids"]) * trainer.args.world_size
     trainer.speed = clock.measured(per_step)
@@ -502,6 +516,30 @@ def train(model, train_dataset, eval_dataset, loss_fn: LossFn, cfg: TrainConfig,
             fh.write(json.dumps({"stage": stage, "step": trainer.state.global_step, "speed": trainer.speed}) + "\n")
     return trainer
 
+
+
+@contextmanager
+def checkpointed_layers(model, on: bool, stage: str):
+    """Inside, where ``on``, ``model``'s decoder layers (transformers' ``GradientCheckpointingLayer``) keep only
+    their inputs in a training forward and run again in the backward (non-reentrant ``torch.utils.checkpoint``:
+    frozen inputs need no gradient, and a loss may read tensors made inside a layer, as attention transfer's
+    probes do); off again afterwards, so evaluation and decoding run as before."""
+    if not on:
+        yield
+        return
+    # transformers 5.24 renamed the methods (activation_...), 5.17 has the older names only
+    names = next((pair for pair in (("activation_checkpointing_enable", "activation_checkpointing_disable"),
+                                    ("gradient_checkpointing_enable", "gradient_checkpointing_disable"))
+                  if callable(getattr(model, pair[0], None))), None)
+    if names is None or not getattr(unwrap(model), "supports_gradient_checkpointing", False):
+        raise LinearizeError(f"{stage}: --gradient-checkpointing: {type(unwrap(model)).__name__} has no checkpointed "
+                             "layers (transformers' gradient_checkpointing_enable)")
+    kwargs = {"use_reentrant": False}
+    getattr(model, names[0])(**{names[0].replace("enable", "kwargs"): kwargs})
+    try:
+        yield
+    finally:
+        getattr(model, names[1])()
 
 
 def _complete_checkpoint(out: Path) -> str | None:

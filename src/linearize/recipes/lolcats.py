@@ -77,7 +77,7 @@ def stage_config(cfg: LolcatsConfig, stage: str, output_dir: Path) -> TrainConfi
         max_steps=cfg.stage1_steps if first else cfg.stage2_steps,
         batch_size=cfg.batch_size, grad_accum=cfg.grad_accum, eval_steps=cfg.eval_steps,
         early_stopping_patience=cfg.patience, save_total_limit=cfg.keep_checkpoints,
-        profile_steps=cfg.profile_steps,
+        profile_steps=cfg.profile_steps, gradient_checkpointing=cfg.gradient_checkpointing,
         seed=cfg.seed, logging_steps=max(1, min(10, cfg.eval_steps)),
     )
 
@@ -98,7 +98,7 @@ def cuda_graphs(cfg: LolcatsConfig, stage: str) -> tuple[bool, str | None]:
                  "batch's teacher states into its block from outside the model (--block-inputs recompute can be "
                  "graphed)")
     return use_graphs(cfg.cuda_graph, cuda=torch.cuda.is_available(), uncapturable=uncapturable, fsdp=under_fsdp(),
-                      other=other)
+                      checkpointing=cfg.gradient_checkpointing, other=other)
 
 
 def _graph_decisions(cfg: LolcatsConfig) -> dict[str, tuple[bool, str | None]]:
@@ -302,6 +302,11 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
                 block_train, block_eval, feed, previous = stack.enter_context(
                     _block_from_cache(student, group[0], group[-1], train_ds, eval_ds, cfg.batch_size, previous))
                 loss = _feeding(loss, feed)
+            if cfg.gradient_checkpointing:  # the probes stay for the backward, where each layer runs again
+                from ..distill import transfer_probes
+
+                stack.enter_context(transfer_probes(student, group, with_xent=cfg.xent_factor > 0,
+                                                    tie=world_size() > 1))
             trainer = train(student, block_train, block_eval, loss, stage_config(cfg, "stage1", stage_dir),
                             stage=f"stage1[{b}]", resume=True if cfg.resume else None,
                             metrics_path=out / "metrics.jsonl", clock=clock)
@@ -695,7 +700,7 @@ def run(cfg: LolcatsConfig) -> dict:
         if fsdp:  # gathered whole on the CPU alone, where rank 0 saves it and decodes the sample (finish)
             from .engine import unsharded
 
-            student = unsharded(student, device="cpu")
+            student = unsharded(student, device="cpu", main_only="stage2" not in cfg.stages)
         _plot_layer_mse(results, out)
     if "stage2" in cfg.stages:
         with phase(results, "stage 2"):

@@ -44,7 +44,7 @@ def train_config(cfg: UptrainConfig, output_dir: Path, steps: int, warmup: int, 
         grad_accum=cfg.grad_accum, scheduler="cosine_with_min_lr", warmup_steps=warmup,
         weight_decay=cfg.weight_decay, adam_betas=(0.9, 0.95), eval_steps=cfg.eval_steps,
         early_stopping_patience=cfg.patience, save_total_limit=cfg.keep_checkpoints,
-        profile_steps=cfg.profile_steps,
+        profile_steps=cfg.profile_steps, gradient_checkpointing=cfg.gradient_checkpointing,
         seed=cfg.seed, logging_steps=max(1, min(10, cfg.eval_steps)),
         extra={"lr_scheduler_kwargs": {"min_lr": cfg.min_lr}}, compile=cfg.compile,
         cuda_graph=cuda_graphs(cfg)[0],
@@ -92,7 +92,8 @@ def cuda_graphs(cfg: UptrainConfig) -> tuple[bool, str | None]:
     uncapturable = ", ".join(names)
     return use_graphs(cfg.cuda_graph, cuda=torch.cuda.is_available(),
                       uncapturable=f"{uncapturable} in the loss {cfg.loss!r}" if uncapturable else None,
-                      fsdp=under_fsdp(), compile=cfg.compile, other=cfg.graphs_blocked())
+                      fsdp=under_fsdp(), compile=cfg.compile, checkpointing=cfg.gradient_checkpointing,
+                      other=cfg.graphs_blocked())
 
 
 def _align(student, frozen, train_ds, eval_ds, cfg: UptrainConfig, out: Path) -> dict:
@@ -200,19 +201,19 @@ def run(cfg: UptrainConfig) -> dict:
     results.setdefault("phases", {})["training"] = seconds  # the stages, with what runs between them
     with phase(results, "perplexity: students"):
         results["perplexity"]["student, after training"] = perplexity(student, eval_blocks)
-    student = _plain(student)
+    student = _plain(student, main_only=True)  # only the main process saves and samples it
     del trainer, frozen, objective  # their GPU memory (under FSDP the sharded model, optimizer state) goes before the sample
     return finish(student, tok, out, results, cfg.sample_prompt)
 
 
-def _plain(student):
+def _plain(student, main_only: bool = False):
     """Between stages and before saving: a student a stage left sharded (FSDP), gathered whole on the
     CPU (every rank takes part), so the next stage's Trainer shards a plain model afresh (it finds no
     decoder layer class in one already sharded) and rank 0 saves and decodes it alone; any other
-    student as it is (``engine.unsharded``)."""
+    student as it is (``engine.unsharded``; ``main_only``: the other ranks keep no copy)."""
     from .engine import unsharded
 
-    return unsharded(student, device="cpu")
+    return unsharded(student, device="cpu", main_only=main_only)
 
 
 def summary(results: dict, label: str) -> str:
