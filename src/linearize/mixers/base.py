@@ -199,7 +199,8 @@ class Mixer(nn.Module):
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, layer_past=None, cache=None, **kwargs):
-        if hidden_states.is_cuda and hidden_states.device.index != torch.cuda.current_device():
+        if (hidden_states.is_cuda and not torch.compiler.is_compiling()
+                and hidden_states.device.index != torch.cuda.current_device()):
             # a layer on another GPU than the current one (device_map="auto", a model moved to cuda:1): Triton
             # launches on the current device and cannot read another's memory
             with torch.cuda.device(hidden_states.device):
