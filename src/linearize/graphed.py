@@ -49,7 +49,8 @@ def use_graphs(mode: str, *, cuda: bool, uncapturable: str | None = None, fsdp: 
 
     The conditions: a CUDA device (``cuda``); a loss whose every term is capturable (``uncapturable``:
     what in it is not, e.g. "hidden_mse in the loss 'kl+hidden_mse'"); no FSDP (``fsdp``: its sharded
-    parameters); no ``compile``; no gradient checkpointing (``checkpointing``); and ``other``, a recipe's own reason (XATL's LIT under torchrun).
+    parameters); no ``compile``; no gradient checkpointing (``checkpointing``); and ``other``, a recipe's
+    own reason (XATL's LIT under torchrun).
     ``on`` raises one ``LinearizeError`` where one fails; ``auto`` returns it, and the run trains eagerly.
     """
     mode = graph_mode(mode)
