@@ -94,7 +94,7 @@ def test_attention_mse_trains_only_its_layers_and_matches_layer_mse(tiny_model):
 def test_attention_transfer_backward_stops_at_each_layer(tiny_model):
     """Each layer's MSE trains that layer alone: its backward computes nothing for the teacher's weights
     before it (an MLP weight made trainable gets no gradient at all, not a zero one), and each layer's
-    gradients are those of its MSE alone, with the layer probed by itself (the weight-0 ties that distributed
+    gradients are those of its MSE alone, with the layer probed by itself (the weight-0 ties that FSDP
     training adds change nothing)."""
     from linearize.distill import transfer_probes
 

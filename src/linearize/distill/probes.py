@@ -115,9 +115,9 @@ class AttentionTransferProbe(_Wrapper):
         pred = m.adapter.out(m, o)
         self.mse = F.mse_loss(pred.float(), target.float())
         self.xent = attention_weights_xent(m, q, k, position_embeddings) if self.with_xent else None
-        # tie the prediction to the layer's output with weight 0, so distributed training sees the
-        # mixer's parameters as used (their gradients come from the MSE alone); one process needs no tie,
-        # and without it the layers after keep no activations for a backward that never comes
+        # under FSDP tie the prediction to the layer's output with weight 0: FSDP gathers a layer's weights for
+        # its backward from hooks on the layer's outputs (``AttentionMSE``); untied, the layers after keep no
+        # activations for a backward that never comes
         return (target + 0.0 * pred if self.tie else target), None
 
 
@@ -146,20 +146,22 @@ def swapped(model: nn.Module, make):
 @contextmanager
 def transfer_probes(model: nn.Module, layers, with_xent: bool = False, tie: bool = True):
     """Attention transfer on ``layers`` (layer indices): each gets an ``AttentionTransferProbe``
-    (``tie``: its prediction tied to the layer's output with weight 0, what distributed training needs),
-    every other converted layer gives the teacher's output (``SoftmaxAttention``). Yields the probes
-    by layer index. Inside an outer call for the same layers, yields its probes: a stage whose decoder layers are
-    recomputed in the backward (gradient checkpointing) keeps them in place from its first forward to its last
-    backward, which runs after the loss's own call has returned."""
+    (``tie``: its prediction tied to the layer's output with weight 0, what FSDP needs), every other
+    converted layer gives the teacher's output (``SoftmaxAttention``). Yields the probes by layer index.
+    Inside an outer call for the same layers, yields its probes (with this call's ``tie``): a stage whose
+    decoder layers are recomputed in the backward (gradient checkpointing) keeps them in place from its
+    first forward to its last backward, which runs after the loss's own call has returned."""
     layers = set(layers)
     inner = unwrap(model)
     adapter = get_adapter(inner.config)
     present = {w.mixer.layer_idx: w for w in map(adapter.attention, adapter.layers(inner))
                if isinstance(w, AttentionTransferProbe)}
     if present:  # put in place by an outer call for a whole stage (a checkpointed layer recomputes in the backward)
-        if set(present) != layers or any((w.with_xent, w.tie) != (with_xent, tie) for w in present.values()):
+        if set(present) != layers or any(w.with_xent != with_xent for w in present.values()):
             raise LinearizeError(f"attention transfer probes are in place on layers {sorted(present)}; asked for "
-                                 f"{sorted(layers)} (xent {with_xent}, tie {tie})")
+                                 f"{sorted(layers)} (xent {with_xent})")
+        for w in present.values():  # the loss knows whether FSDP sharded the model by now
+            w.tie = tie
         yield present
         return
     with swapped(model, lambda m: AttentionTransferProbe(m, with_xent, tie) if m.layer_idx in layers

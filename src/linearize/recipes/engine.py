@@ -451,9 +451,9 @@ def training_arguments(cfg: TrainConfig, has_eval: bool) -> TrainingArguments:
         remove_unused_columns=False,
         dataloader_num_workers=0,
         dataloader_drop_last=cfg.cuda_graph,  # graphed steps keep one batch shape (a short last batch recaptures)
-        # every objective reaches each parameter it trains (attention transfer ties the mixers' outputs
-        # in with weight 0), so DDP skips the per-step search for unused ones (which the Trainer
-        # would otherwise turn on for PEFT models: LoRA stage 2)
+        # every objective reaches each parameter it trains (attention transfer through each layer's MSE),
+        # so DDP skips the per-step search for unused ones (which the Trainer would otherwise turn on for
+        # PEFT models: LoRA stage 2), and waits for every trained parameter's gradient
         ddp_find_unused_parameters=False,
         # CPU runs (tests, laptops) go multi-process through gloo when started with torchrun
         use_cpu=not torch.cuda.is_available(),

@@ -305,8 +305,7 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
             if cfg.gradient_checkpointing:  # the probes stay for the backward, where each layer runs again
                 from ..distill import transfer_probes
 
-                stack.enter_context(transfer_probes(student, group, with_xent=cfg.xent_factor > 0,
-                                                    tie=world_size() > 1))
+                stack.enter_context(transfer_probes(student, group, with_xent=cfg.xent_factor > 0))
             trainer = train(student, block_train, block_eval, loss, stage_config(cfg, "stage1", stage_dir),
                             stage=f"stage1[{b}]", resume=True if cfg.resume else None,
                             metrics_path=out / "metrics.jsonl", clock=clock)
