@@ -49,13 +49,14 @@ def test_supra_at_the_1b_shape_under_fsdp_on_two_gpus(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_a_student_on_the_second_gpu_runs_its_kernels_there():
+@pytest.mark.parametrize("spec", [{"kind": "lolcats", "window": 64, "feature_dim": 64}, {"kind": "retnet"}])
+def test_a_student_on_the_second_gpu_runs_its_kernels_there(spec):
     # the current device stays GPU 0 (device_map="auto" places layers so): each mixer launches on its own GPU
     import linearize
     from linearize.teacher import load_teacher
 
     teacher, _ = load_teacher("shape:llama-3.2-1b,layers=2", dtype=torch.bfloat16, device="cuda:1")
-    student = linearize.convert(teacher, {"kind": "lolcats", "window": 64, "feature_dim": 64}).eval()
+    student = linearize.convert(teacher, spec).eval()
     ids = torch.randint(0, 1000, (1, 256), device="cuda:1")
     assert torch.cuda.current_device() == 0
     with torch.no_grad():

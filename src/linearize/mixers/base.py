@@ -9,6 +9,7 @@ and ``step`` (one token from a state), both returning ``(o [B, H, T, D], state)`
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 from torch import nn
@@ -41,6 +42,22 @@ def key_padding_mask(attention_mask, q_len: int) -> torch.Tensor | None:
     if capturing():  # a CUDA graph cannot ask the host whether all are real: keep the mask as a tensor
         return valid
     return None if bool(valid.all()) else valid
+
+
+def on_input_gpu(forward):
+    """A mixer's ``forward`` that runs with its input's GPU current: a layer on another GPU than the current
+    one (``device_map="auto"``, a model moved to ``cuda:1``, a process whose GPU is not GPU 0) would have its
+    Triton kernels launched on the current device, which cannot read another's memory."""
+
+    @functools.wraps(forward)
+    def wrapped(self, hidden_states, *args, **kwargs):
+        if (hidden_states.is_cuda and not torch.compiler.is_compiling()
+                and hidden_states.device.index != torch.cuda.current_device()):
+            with torch.cuda.device(hidden_states.device):
+                return forward(self, hidden_states, *args, **kwargs)
+        return forward(self, hidden_states, *args, **kwargs)
+
+    return wrapped
 
 
 def capturing() -> bool:
@@ -197,15 +214,9 @@ class Mixer(nn.Module):
         (``distill.probes``) enter it."""
         yield
 
+    @on_input_gpu
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, layer_past=None, cache=None, **kwargs):
-        if (hidden_states.is_cuda and not torch.compiler.is_compiling()
-                and hidden_states.device.index != torch.cuda.current_device()):
-            # a layer on another GPU than the current one (device_map="auto", a model moved to cuda:1): Triton
-            # launches on the current device and cannot read another's memory
-            with torch.cuda.device(hidden_states.device):
-                return self.forward(hidden_states, position_embeddings, attention_mask, past_key_values,
-                                    layer_past, cache, **kwargs)
         cache = layer_cache(cache, past_key_values, layer_past)
         slot = recurrent_slot(cache, self.layer_idx) if cache is not None else None
         state = slot.state if slot is not None else None

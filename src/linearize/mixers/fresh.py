@@ -22,7 +22,7 @@ from torch import nn
 
 from ..cache import layer_cache, recurrent_slot
 from ..errors import LinearizeError
-from .base import Mixer, is_static, key_padding_mask
+from .base import Mixer, is_static, key_padding_mask, on_input_gpu
 
 
 def output_projection_name(adapter) -> str:
@@ -69,6 +69,7 @@ class FreshMixer(Mixer):
         """Set the ``teacher_qkv`` parameters from the teacher attention ``attn`` of this layer."""
         raise LinearizeError(f"{self.kind} has no counterpart of the teacher's q/k/v projections")
 
+    @on_input_gpu
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, layer_past=None, cache=None, **kwargs):
         cache = layer_cache(cache, past_key_values, layer_past)
