@@ -29,19 +29,36 @@ def test_the_module_prints_a_path_or_one_error_line():
     assert bad.returncode == 2 and bad.stderr.startswith("linearize: error:") and bad.stderr.count("\n") == 1
 
 
-def test_stage_two_under_fsdp_is_refused_before_the_teacher_loads(monkeypatch, capsys, tmp_path):
-    """LoRA under FSDP is not gathered for merging: refused with one line, before any model loads."""
+def test_stage_two_under_fsdp_merges_or_is_refused_before_the_teacher_loads(monkeypatch, capsys, tmp_path):
+    """Under FSDP stage 2's adapters are merged into the saved student; a run asking to keep them apart
+    (merge: false) is refused with one line, before any model loads."""
     import time
 
-    import linearize.recipes.lolcats  # noqa: F401  (imports are not what the bound measures)
-    from linearize.cli import main
+    from linearize.recipes import lolcats
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
     start = time.perf_counter()
-    assert main(["lolcats", "--teacher", str(tmp_path / "absent"), "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("linearize: error: stage 2 (LoRA) does not run under FSDP")
-    assert err.count("\n") == 1 and time.perf_counter() - start < 5
+    cfg = lolcats.LolcatsConfig(teacher=str(tmp_path / "absent"), out=str(tmp_path / "run"), merge=False)
+    with pytest.raises(LinearizeError, match="merge: false keeps stage 2's LoRA adapters apart") as err:
+        lolcats.run(cfg)
+    assert "\n" not in str(err.value) and time.perf_counter() - start < 5
+
+
+def test_lora_merged_under_fsdp_matches_one_process(tmp_path):
+    """Two gloo processes with a LoRA student's decoder layers and model sharded by FSDP2: the main process's
+    gathered, merged student equals one unsharded process's ``merge_and_unload``; the other keeps no copy."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from helpers import run_two_processes
+
+    script = Path(__file__).with_name("fsdp_lora_merge.py")
+    one = subprocess.run([sys.executable, str(script), str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "merged alike" in run_two_processes(script, str(tmp_path))
 
 
 def test_attention_transfer_under_fsdp_matches_one_process(tmp_path):
@@ -105,7 +122,7 @@ def test_under_fsdp_the_teacher_loads_on_the_cpu_and_nothing_is_measured_before_
     assert "skipped" not in results and results["perplexity"]["teacher"] > 1
 
 
-@pytest.mark.parametrize("recipe", ["supra", "xatl", "lolcats", "lolcats-checkpointed"])
+@pytest.mark.parametrize("recipe", ["supra", "xatl", "lolcats", "lolcats-checkpointed", "lolcats-both"])
 def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, tmp_path):
     """`accelerate launch` with the packaged FSDP config (on the CPU: gloo, no mixed precision): SUPRA or
     XATL with an alignment stage and KL distillation runs end to end on 2 processes, the frozen teacher
@@ -129,10 +146,11 @@ def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, 
     (tmp_path / "fsdp_cpu.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "LINEARIZE_HOME": str(tmp_path / "home")}
     checkpointed = recipe.endswith("-checkpointed")  # --gradient-checkpointing: the probes stay for the backward
-    recipe = recipe.removesuffix("-checkpointed")
+    both = recipe.endswith("-both")  # stage 2 too: its adapters merged into the gathered student
+    recipe = recipe.removesuffix("-checkpointed").removesuffix("-both")
     if recipe == "lolcats":
-        options = ["--rows", "stage1-only", "--stage1-steps", "4", "--window", "4", "--feature-dim", "8",
-                   *(["--gradient-checkpointing"] if checkpointed else [])]
+        options = [*([] if both else ["--rows", "stage1-only"]), "--stage1-steps", "4", "--stage2-steps", "3",
+                   "--window", "4", "--feature-dim", "8", *(["--gradient-checkpointing"] if checkpointed else [])]
     else:
         options = ["--steps", "4", "--loss", "kl+lm", "--align-steps", "2",
                    *(["--arch", "retnet", "--transfer", "embeddings,ffn"] if recipe == "xatl" else [])]
@@ -145,13 +163,14 @@ def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, 
         env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stderr.count("linearize: under FSDP the teacher loads on the CPU") == 1  # the main process's line
-    run = tmp_path / "run" / ("stage1-only" if recipe == "lolcats" else "")
+    run = tmp_path / "run" / ("stage1-only" if recipe == "lolcats" and not both else "")
     res = json.loads((run / "results.json").read_text())
     assert res["teacher_loaded_on"] == "cpu" and "teacher" not in res["perplexity"]
     if recipe == "lolcats":
         assert set(res["skipped"]) == {"perplexity: teacher", "perplexity: converted", "layer_mse_before"}
-        assert list(res["perplexity"]) == ["after_stage1"] and math.isfinite(res["perplexity"]["after_stage1"])
-        assert res["train"]["steps"] == 4 and len(res["layer_mse_after"]) == 3
+        stages = ["after_stage1", "after_stage2"] if both else ["after_stage1"]
+        assert list(res["perplexity"]) == stages and all(math.isfinite(res["perplexity"][s]) for s in stages)
+        assert res["train"]["steps"] == (7 if both else 4) and len(res["layer_mse_after"]) == 3
     else:
         assert "sharded over 2 processes" in done.stdout, done.stdout[-2000:]
         assert set(res["skipped"]) == {"perplexity: teacher", "perplexity: student, before training"}
@@ -159,7 +178,7 @@ def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, 
         assert res["teacher_sharded_over"] == 2 and res["train"]["steps"] == 6
         assert res["train"]["tokens"] == 6 * 2 * 32 * 2  # both processes' batches
     model, _ = linearize.load(run / "final", device="cpu")
-    assert linearize.mixers(model)
+    assert linearize.mixers(model) and not any("lora" in name for name, _ in model.named_parameters())  # merged
 
 
 def test_a_student_on_the_cpu_samples_on_the_gpu_where_it_fits(monkeypatch, capsys):

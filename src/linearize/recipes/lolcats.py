@@ -371,9 +371,20 @@ def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
                     stage="stage2", resume=True if cfg.resume else None, metrics_path=out / "metrics.jsonl")
     info = _timed({"steps": trainer.state.global_step, "lora_targets": targets,
                    "loss": "lm" if stage2_learns_from_lm(cfg) else cfg.loss}, start, cfg, [trainer.speed])
-    if cfg.merge:
+    if cfg.merge and not fully_sharded(peft_model):  # under FSDP merged after its perplexity (merged_student)
         return peft_model.merge_and_unload(), info
     return peft_model, info
+
+
+def merged_student(peft_model, cfg: LolcatsConfig):
+    """Stage 2's student under FSDP: its adapters merged into the weights gathered on the main process
+    (``lora.merged_from_shards``); any other run's as ``run_stage2`` returned it."""
+    from .lora import merged_from_shards
+
+    if not fully_sharded(peft_model):
+        return peft_model
+    targets = list(cfg.lora_targets or get_adapter(peft_model.get_base_model().config).lora_targets)
+    return merged_from_shards(peft_model, cfg.lora_r, cfg.lora_alpha, targets)
 
 
 # --- automatic softmax layers --------------------------------------------------------------------
@@ -613,10 +624,9 @@ def run(cfg: LolcatsConfig) -> dict:
         raise LinearizeError(f"stages must be a non-empty subset of stage1, stage2; got {list(cfg.stages)}")
     if "stage2" in cfg.stages and not stage2_learns_from_lm(cfg):
         check_options(cfg.loss, cfg.loss_options())
-    if "stage2" in cfg.stages and under_fsdp():
-        raise LinearizeError("stage 2 (LoRA) does not run under FSDP yet (the LoRA-wrapped model is not gathered "
-                             "for merging and saving); under FSDP run stage 1 (--rows stage1-only), or train "
-                             "data-parallel (torchrun, or python -m linearize.recipes.launch ddp)")
+    if "stage2" in cfg.stages and under_fsdp() and not cfg.merge:
+        raise LinearizeError("merge: false keeps stage 2's LoRA adapters apart, which a run under FSDP does not "
+                             "save; under FSDP the adapters are merged into the saved student")
     if cfg.layers_per_block and under_fsdp():
         raise LinearizeError("block-wise stage 1 (--layers-per-block) runs on one GPU or data-parallel (torchrun); "
                              "under FSDP train every layer jointly (leave --layers-per-block out)")
@@ -704,8 +714,9 @@ def run(cfg: LolcatsConfig) -> dict:
     if "stage2" in cfg.stages:
         with phase(results, "stage 2"):
             student, results["stage2"] = run_stage2(student, train_ds, eval_ds, cfg, out)
-        with phase(results, "perplexity: students"):
+        with phase(results, "perplexity: students"):  # under FSDP on the sharded student, every rank taking part
             ppl["after_stage2"] = perplexity(student, eval_blocks)
+        student = merged_student(student, cfg)
     stages = [results[s] for s in ("stage1", "stage2") if s in results]
     seconds = sum(s["seconds"] for s in stages)
     tokens = sum(s["tokens"] for s in stages)

@@ -93,3 +93,23 @@ def add_lora(model: nn.Module, r: int, alpha: int, targets: Sequence[str], fused
     if fused:
         fuse_lora_products(peft_model)
     return peft_model
+
+
+def merged_from_shards(peft_model, r: int, alpha: int, targets: Sequence[str]):
+    """The merged student of a LoRA model FSDP trained in place (every rank calls it: the gathers are
+    collectives). The main process gathers every tensor on the CPU, puts the same adapters on a plain copy
+    of the base model, loads the gathered weights into it and merges them there; the other processes keep
+    nothing and return the base model as it is, sharded (they neither save nor sample it)."""
+    from .engine import gathered_state
+    from .launch import is_main_process
+
+    base = peft_model.get_base_model()
+    main = is_main_process()
+    state = gathered_state(peft_model, keep=main)
+    if not main:
+        return base
+    dtype = next(t.dtype for name, t in state.items() if "lora_" not in name and t.is_floating_point())
+    fresh = add_lora(type(base)._from_config(base.config, dtype=dtype), r, alpha, targets)
+    fresh.load_state_dict(state, strict=True)
+    return fresh.merge_and_unload()
+
