@@ -847,3 +847,27 @@ def test_graphed_stages_train_through_the_graphed_loss(workspace, monkeypatch, t
     assert all(res["layer_mse_after"][i] < res["layer_mse_before"][i] for i in range(3))
     for stage in ("stage1/joint", "stage2"):
         assert json.loads((tmp_path / "run" / stage / "train_config.json").read_text())["cuda_graph"] is True
+
+
+def test_the_recall_score_runs_as_many_rows_a_forward_as_a_training_steps_tokens_allow(monkeypatch):
+    """A recall forward keeps no activations: it runs ``RECALL_TOKENS`` x a step's tokens, so the default's
+    1 x 8,192 a step takes all 8 rows of 1,088 (and of 4,288, the far tier's) in one forward, not one by one;
+    never fewer rows than the training batch, never more than the task has; the choice asks for that many."""
+    from linearize.recipes.settings import LolcatsConfig
+
+    tiers = LolcatsConfig(batch_size=1, block_len=8192)
+    assert lolcats.recall_rows(tiers, 1088) == lolcats.recall_rows(tiers, 4288) == lolcats.RECALL_SEQUENCES == 8
+    assert lolcats.recall_rows(LolcatsConfig(batch_size=2, block_len=256), 1088) == 2 * 8 * 256 // 1088 == 3
+    assert lolcats.recall_rows(LolcatsConfig(batch_size=4, block_len=32), 4288) == 4
+    asked = []
+    monkeypatch.setattr(lolcats, "recall_choice", lambda student, ids, labels, k, rows, candidates=None: (
+        asked.append((ids.shape[1], rows)) or ([0], [{"scores": {}, "loss": 0.0}])))
+    monkeypatch.setattr(lolcats, "copy_task", lambda tok, rows, distance, seed: (
+        torch.zeros(8, distance + 64, dtype=torch.long), None))
+    student = torch.nn.Module()
+    student.get_input_embeddings = lambda: torch.nn.Embedding(4, 2)
+    cfg = LolcatsConfig(batch_size=1, block_len=8192, auto_softmax_score="recall", auto_softmax_distance=1024,
+                        auto_softmax_long="1@4288")
+    lolcats.auto_softmax_choice(student, None, {}, 1, cfg)
+    lolcats.auto_long_choice(student, None, [0], cfg)
+    assert asked == [(1088, 8), (4288, 8)]

@@ -425,6 +425,16 @@ def choose_worst(scores: dict[int, float], k: int) -> list[int]:
 
 RECALL_SEQUENCES = 8  # copy-task sequences the recall score runs (one batch on a GPU)
 RECALL_SPAN = 64  # tokens of the copied span (fewer when the distance is shorter)
+RECALL_TOKENS = 8  # a recall forward may run this many times a training step's tokens: it keeps no activations
+
+
+def recall_rows(cfg: LolcatsConfig, length: int) -> int:
+    """Copy-task rows one forward of the recall score runs: ``RECALL_TOKENS`` times a training step's tokens
+    (``batch_size`` x ``block_len``) in rows of ``length``, at least ``batch_size``, at most every row.
+    A forward without gradients keeps no activations; at 1 x 8,192 a step, rows of 1,088 went one at a
+    time and the default's choice took 123 of an 8B run's 340 s."""
+    budget = RECALL_TOKENS * cfg.batch_size * cfg.block_len // max(length, 1)
+    return max(cfg.batch_size, min(RECALL_SEQUENCES, budget))
 
 
 def recall_distance(cfg: LolcatsConfig) -> int:
@@ -573,7 +583,7 @@ def auto_softmax_choice(student, tokenizer, mse: dict[int, float], k: int, cfg: 
     distance = recall_distance(cfg)
     rows = student.get_input_embeddings().num_embeddings
     ids, labels = copy_task(tokenizer, rows, distance, seed=cfg.seed)
-    chosen, rounds = recall_choice(student, ids, labels, k, cfg.batch_size)
+    chosen, rounds = recall_choice(student, ids, labels, k, recall_rows(cfg, ids.shape[1]))
     return chosen, {"k": k, "chosen": chosen,
                     "score": f"recall: the loss of copying a random span {distance} tokens back, every layer "
                              "linear, minus that with the layer softmax; the largest kept, greedily",
@@ -591,7 +601,7 @@ def auto_long_choice(student, tokenizer, chosen: list[int], cfg: LolcatsConfig) 
     distance = width - RECALL_SPAN
     rows = student.get_input_embeddings().num_embeddings
     ids, labels = copy_task(tokenizer, rows, distance, seed=cfg.seed + 1)
-    long, rounds = recall_choice(student, ids, labels, n, cfg.batch_size, candidates=chosen)
+    long, rounds = recall_choice(student, ids, labels, n, recall_rows(cfg, ids.shape[1]), candidates=chosen)
     return long, {"window": width, "k": n, "chosen": long, "distance": distance, "scores": rounds[0]["scores"],
                   "rounds": rounds,
                   "score": f"recall among the kept layers: the loss of copying a random span {distance} tokens back, "
