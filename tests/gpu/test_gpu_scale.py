@@ -36,14 +36,19 @@ def test_default_lolcats_recipe_at_the_1b_shape_runs_both_stages(tmp_path):
     assert (out / "final" / "config.json").exists()
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_supra_at_the_1b_shape_under_fsdp_on_two_gpus(tmp_path):
+def _fsdp_on_two(args, tmp_path):
+    """``linearize ARGS`` under accelerate's packaged FSDP config on two GPUs."""
     config = subprocess.run([sys.executable, "-m", "linearize.recipes.launch", "fsdp"], capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": SRC}).stdout.strip()
-    out = tmp_path / "supra"
     _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "2",
-          "-m", "linearize", "supra", "--teacher", "shape:llama-3.2-1b", "--data", "gutenberg", "--steps", "4",
-          "--block-len", "1024", "--batch-size", "2", "--eval-blocks", "2", "--out", str(out)], tmp_path)
+          "-m", "linearize", *args], tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_supra_at_the_1b_shape_under_fsdp_on_two_gpus(tmp_path):
+    out = tmp_path / "supra"
+    _fsdp_on_two(["supra", "--teacher", "shape:llama-3.2-1b", "--data", "gutenberg", "--steps", "4", "--block-len", "1024",
+                  "--batch-size", "2", "--eval-blocks", "2", "--out", str(out)], tmp_path)
     results = json.loads((out / "results.json").read_text())
     assert results["train"]["steps"] == 4
 
@@ -77,13 +82,10 @@ def test_the_default_lolcats_recipe_under_torchrun_on_two_gpus(tmp_path):
 def test_lolcats_under_fsdp_with_its_layers_recomputed_on_two_gpus(tmp_path):
     # what docs/scale.md plans for 70B: both stages sharded, each decoder layer recomputed in the backward, stage 2's
     # adapters merged into the weights gathered on the main process
-    config = subprocess.run([sys.executable, "-m", "linearize.recipes.launch", "fsdp"], capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": SRC}).stdout.strip()
     out = tmp_path / "fsdp"
-    _run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "--num_processes", "2",
-          "-m", "linearize", "lolcats", "--teacher", "shape:llama-3.2-1b,layers=4", "--config", "lolcats_mix",
-          "--data", "gutenberg", "--stage1-steps", "4", "--stage2-steps", "3", "--block-len", "2048",
-          "--batch-size", "1", "--gradient-checkpointing", "--eval-blocks", "2", "--out", str(out)], tmp_path)
+    _fsdp_on_two(["lolcats", "--teacher", "shape:llama-3.2-1b,layers=4", "--config", "lolcats_mix", "--data", "gutenberg",
+                  "--stage1-steps", "4", "--stage2-steps", "3", "--block-len", "2048", "--batch-size", "1",
+                  "--gradient-checkpointing", "--eval-blocks", "2", "--out", str(out)], tmp_path)
     results = json.loads((out / "results.json").read_text())
     assert results["stage1"]["steps"] == 4 and results["stage2"]["steps"] == 3 and len(results["layer_mse_after"]) == 4
     assert not any(results["cuda_graph"][stage]["graphed"] for stage in ("stage1", "stage2"))
