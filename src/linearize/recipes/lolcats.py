@@ -376,14 +376,13 @@ def run_stage2(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path):
     return peft_model, info
 
 
-def merged_student(peft_model, cfg: LolcatsConfig):
-    """Stage 2's student under FSDP: its adapters merged into the weights gathered on the main process
-    (``lora.merged_from_shards``); any other run's as ``run_stage2`` returned it."""
+def merged_student(peft_model, cfg: LolcatsConfig, targets: list[str]):
+    """Stage 2's student under FSDP: its adapters (on ``targets``) merged into the weights gathered on the
+    main process (``lora.merged_from_shards``); any other run's as ``run_stage2`` returned it."""
     from .lora import merged_from_shards
 
     if not fully_sharded(peft_model):
         return peft_model
-    targets = list(cfg.lora_targets or get_adapter(peft_model.get_base_model().config).lora_targets)
     return merged_from_shards(peft_model, cfg.lora_r, cfg.lora_alpha, targets)
 
 
@@ -726,7 +725,7 @@ def run(cfg: LolcatsConfig) -> dict:
             student, results["stage2"] = run_stage2(student, train_ds, eval_ds, cfg, out)
         with phase(results, "perplexity: students"):  # under FSDP on the sharded student, every rank taking part
             ppl["after_stage2"] = perplexity(student, eval_blocks)
-        student = merged_student(student, cfg)
+        student = merged_student(student, cfg, results["stage2"]["lora_targets"])
     stages = [results[s] for s in ("stage1", "stage2") if s in results]
     seconds = sum(s["seconds"] for s in stages)
     tokens = sum(s["tokens"] for s in stages)
