@@ -454,3 +454,28 @@ def test_sentencepiece_gguf_tokenizer_refused_under_transformers_5_17(tmp_path, 
     with pytest.raises(LinearizeError, match="SentencePiece"):
         teacher._check_gguf_tokenizer(path, _tokenizer_with_bos())
     teacher._check_gguf_tokenizer(_metadata_gguf(tmp_path / "bpe.gguf", "gpt2", add_bos=False), _tiny_tokenizer())
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads Linux's per-process memory counters")
+def test_a_bf16_checkpoint_loads_on_the_cpu_as_file_pages(tmp_path):
+    """Under FSDP every process loads the teacher on the CPU (docs/scale.md): from bf16 safetensors the load and
+    the conversion keep the weights as file pages, which the processes share through the page cache, instead of
+    each process's own anonymous memory (a 70B teacher: 141 GB a process otherwise)."""
+    import gc
+
+    import linearize
+
+    config = LlamaConfig(vocab_size=16, hidden_size=1024, intermediate_size=4096, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+    folder = _save_tiny(tmp_path / "bf16", LlamaForCausalLM(config).to(torch.bfloat16))
+    gc.collect()
+
+    def anonymous() -> int:
+        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("RssAnon")) << 10
+
+    before = anonymous()
+    model, _ = load_teacher(str(folder), dtype=torch.bfloat16, device="cpu")
+    student = linearize.convert(model, {"kind": "lolcats", "window": 16, "feature_dim": 16}, inplace=True)
+    weights = sum(p.numel() * p.element_size() for p in student.parameters())
+    assert weights > 200 * 2**20
+    assert anonymous() - before < weights / 4, (anonymous() - before, weights)
