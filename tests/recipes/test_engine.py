@@ -401,3 +401,5 @@ def test_gathered_state_keeps_nothing_where_asked(tiny_model):
     model = tiny_model("llama")
     assert gathered_state(model, keep=False) == {}
     assert gathered_state(model).keys() == model.state_dict().keys()
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert list(gathered_state(model, only={name})) == [name]  # a stage's trained weights alone

@@ -179,6 +179,12 @@ def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, 
         assert res["train"]["tokens"] == 6 * 2 * 32 * 2  # both processes' batches
     model, _ = linearize.load(run / "final", device="cpu")
     assert linearize.mixers(model) and not any("lora" in name for name, _ in model.named_parameters())  # merged
+    if both:  # stage 2 started from stage 1's saved weights on every process (no gather): its maps are those
+        from safetensors.torch import load_file
+
+        trained = load_file(str(run / "stage1" / "joint" / "trained.safetensors"))
+        state = model.state_dict()
+        assert trained and all(torch.equal(state[name], value.to(state[name].dtype)) for name, value in trained.items())
 
 
 def test_a_student_on_the_cpu_samples_on_the_gpu_where_it_fits(monkeypatch, capsys):

@@ -71,7 +71,6 @@ def begin_run(cfg, skip_under_fsdp: tuple[str, ...] = ()):
 
     from .. import load_teacher
     from ..eval import perplexity
-    from ..teacher import resolve_device, resolve_dtype
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -80,11 +79,7 @@ def begin_run(cfg, skip_under_fsdp: tuple[str, ...] = ()):
     fsdp = under_fsdp()
     timing: dict = {}
     with phase(timing, "teacher"):
-        if fsdp:  # on the CPU, in the dtype the process's own device would give it
-            teacher, tok = load_teacher(cfg.teacher, dtype=resolve_dtype(cfg.dtype, resolve_device(None)),
-                                        device="cpu")
-        else:
-            teacher, tok = load_teacher(cfg.teacher, dtype=cfg.dtype)
+        teacher, tok = fsdp_teacher(cfg) if fsdp else load_teacher(cfg.teacher, dtype=cfg.dtype)
     with phase(timing, "data"):
         train_ds, eval_ds, eval_blocks = datasets(cfg, tok)
     results: dict = {"config": asdict(cfg), "train_tokens_per_epoch": train_ds.blocks.numel(),
@@ -102,6 +97,16 @@ def begin_run(cfg, skip_under_fsdp: tuple[str, ...] = ()):
     if is_main_process():  # a run stopped before results.json still says what its curves mean
         (out / "run_config.json").write_text(json.dumps(results["config"], indent=1, default=str))
     return out, teacher, tok, train_ds, eval_ds, eval_blocks, results
+
+
+def fsdp_teacher(cfg):
+    """``cfg.teacher`` as a run under FSDP loads it: on the CPU, in the dtype the process's own device would give
+    it (a bf16 safetensors checkpoint stays file pages there, which the processes share; ``docs/scale.md``).
+    Returns ``(teacher, tokenizer)``."""
+    from .. import load_teacher
+    from ..teacher import resolve_device, resolve_dtype
+
+    return load_teacher(cfg.teacher, dtype=resolve_dtype(cfg.dtype, resolve_device(None)), device="cpu")
 
 
 CPU_SAMPLE_BYTES = 40 * 2**30  # past this a student's sample is not decoded on the CPU (an 8B fp32 one took 3 min)

@@ -354,14 +354,17 @@ def average_gradients(model: torch.nn.Module, bucket_bytes: int = 1 << 28) -> No
 
 
 
-def gathered_state(model, keep: bool = True) -> dict[str, torch.Tensor]:
+def gathered_state(model, keep: bool = True, only: set[str] | None = None) -> dict[str, torch.Tensor]:
     """``model``'s whole state dict on the CPU; FSDP-sharded tensors are gathered one at a time (a collective:
     every rank calls it), so no GPU holds the whole model at once. A process with ``keep`` False takes part in
-    the gathers and keeps nothing (``{}``): N copies of a 70B model would not fit one host's memory."""
+    the gathers and keeps nothing (``{}``): N copies of a 70B model would not fit one host's memory. ``only``:
+    these names alone (every rank the same), the rest neither gathered nor kept."""
     from torch.distributed.tensor import DTensor
 
     state = {}
     for name, t in model.state_dict().items():
+        if only is not None and name not in only:
+            continue
         full = t.full_tensor() if isinstance(t, DTensor) else t
         if keep:
             state[name] = full.detach().cpu()

@@ -236,8 +236,8 @@ def _trained_weights(student) -> dict[str, torch.Tensor]:
     from .engine import gathered_state
 
     names = {n for n, p in student.named_parameters() if p.requires_grad}
-    if fully_sharded(student):
-        return {n: t.contiguous() for n, t in gathered_state(student).items() if n in names}
+    if fully_sharded(student):  # those alone: the whole model on every rank's CPU would not fit a 70B host
+        return {n: t.contiguous() for n, t in gathered_state(student, only=names).items()}
     return {n: p.detach().cpu().contiguous() for n, p in student.named_parameters() if n in names}
 
 
@@ -324,6 +324,23 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
             _save_trained(trained, stage_dir)
             (stage_dir / "done").write_text("ok\n")
     return _timed({"blocks": len(groups), "steps": steps}, start, cfg, speeds)
+
+
+def _rebuilt_after_stage1(cfg: LolcatsConfig, out: Path):
+    """Under FSDP, between the stages: each process's student made again on the CPU, from the teacher loaded as
+    at the start (``common.fsdp_teacher``: a bf16 checkpoint's file pages, shared by the processes; a shape
+    teacher drawn again from the run's seed) and what stage 1 trained, which the main process saved for each
+    block (``_save_trained``), instead of every process gathering the whole trained student into its own
+    memory (141 GB each at 70B). Every process calls it."""
+    from .common import fsdp_teacher
+
+    torch.distributed.barrier()  # the main process has written every block's weights
+    torch.manual_seed(cfg.seed)  # as begin_run, before the teacher loads
+    teacher, _ = fsdp_teacher(cfg)
+    student = cfg.convert_teacher(teacher)
+    for stage_dir in sorted(p for p in (out / "stage1").iterdir() if (p / "done").exists()):
+        _load_trained(student, stage_dir)
+    return student
 
 
 def _start_clock() -> float:
@@ -715,10 +732,17 @@ def run(cfg: LolcatsConfig) -> dict:
         del teacher
         with phase(results, "perplexity: students"):
             ppl["after_stage1"] = perplexity(student, eval_blocks)
-        if fsdp:  # gathered whole on the CPU alone, where rank 0 saves it and decodes the sample (finish)
+        if fsdp and "stage2" in cfg.stages:  # every process: the student again, from files (no gather)
+            student = _rebuilt_after_stage1(cfg, out)
+            import gc
+
+            gc.collect()  # the sharded stage-1 student's GPU memory (FSDP's hooks hold it in cycles)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        elif fsdp:  # gathered whole on the CPU alone, where rank 0 saves it and decodes the sample (finish)
             from .engine import unsharded
 
-            student = unsharded(student, device="cpu", main_only="stage2" not in cfg.stages)
+            student = unsharded(student, device="cpu", main_only=True)
         _plot_layer_mse(results, out)
     if "stage2" in cfg.stages:
         with phase(results, "stage 2"):
