@@ -27,6 +27,7 @@ Paper defaults: Hedgehog maps, feature dim 64, window 64, lr 1e-2 (stage 1) and 
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 import typing
@@ -313,8 +314,6 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
         speeds.append(trainer.speed)
         if trainer.graphed is not None and len(groups) > 1:
             # the block's graphs (a reference cycle): their memory goes before the next block captures its own
-            import gc
-
             trainer.graphed = None
             gc.collect()
             torch.cuda.empty_cache()
@@ -734,8 +733,6 @@ def run(cfg: LolcatsConfig) -> dict:
             ppl["after_stage1"] = perplexity(student, eval_blocks)
         if fsdp and "stage2" in cfg.stages:  # every process: the student again, from files (no gather)
             student = _rebuilt_after_stage1(cfg, out)
-            import gc
-
             gc.collect()  # the sharded stage-1 student's GPU memory (FSDP's hooks hold it in cycles)
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
