@@ -22,6 +22,8 @@
 #            (6 x parameters x tok/s over 2 x 790 TFLOP/s)
 #   fsdp2-profile  (two GPUs) the same runs for FSDP_STEPS (8), the steps after the set-up profiled (--profile-steps
 #            ${PROFILE_STEPS:-3}): kernels by time, the collectives among them, the GPU's busy share, on rank 0
+#   sync-sites  (two GPUs) the same FSDP runs for FSDP_STEPS (6) under dev/sync_sites.py: where the host waits for the
+#            GPU each step, by Python call site, on rank 0
 #   ddp2     (two GPUs) LoLCATs (the default config) under torchrun, S1 + S2 steps: each stage's steady tok/s, for the
 #            ratio to the `train` part's one GPU
 #   fsdp2-lolcats  (two GPUs) LoLCATs under FSDP with --gradient-checkpointing (what docs/scale.md plans for 70B:
@@ -115,6 +117,19 @@ EOF
         fsdp_run $recipe "$S/fsdp2-profile-$recipe.log" ${FSDP_STEPS:-8} 2 --profile-steps ${PROFILE_STEPS:-3}
         quiet < "$S/fsdp2-profile-$recipe.log" | grep -E "^profile of|^\| nccl|^GPU busy|Error|rror:" | head -12
         cp "$R-$recipe/train/profile.json" "$S/fsdp2-profile-$recipe.json" 2>/dev/null
+        python3 -c "import json; t=json.load(open('$R-$recipe/results.json'))['train']; print('$recipe peak GiB a GPU', \
+[round(b / 2**30, 1) for b in t.get('peak_gpu_bytes_per_rank') or []], 'allocator retries', t.get('alloc_retries_per_rank'))"
+        rm -rf "$R-$recipe"
+      done ;;
+    sync-sites)
+      for recipe in ${FSDP_RECIPES:-supra xatl}; do
+        rm -rf "$R-$recipe"
+        timeout ${FSDP_S:-480} accelerate launch --config_file "$(python3 -m linearize.recipes.launch fsdp)" --num_processes 2 \
+          dev/sync_sites.py --after 2 $recipe --teacher "$T" --data gutenberg --steps ${FSDP_STEPS:-6} --block-len 4096 \
+          --batch-size 1 --warmup-steps 2 --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 --out "$R-$recipe" \
+          > "$S/sync-sites-$recipe.log" 2>&1
+        quiet < "$S/sync-sites-$recipe.log" | grep -E -A40 "^sync sites, rank 0" | head -60
+        quiet < "$S/sync-sites-$recipe.log" | grep -E "Error|rror:" | sort -u | head -3
         rm -rf "$R-$recipe"
       done ;;
     ddp2)
