@@ -27,8 +27,9 @@
 #   ddp2     (two GPUs) LoLCATs (the default config) under torchrun, S1 + S2 steps: each stage's steady tok/s, for the
 #            ratio to the `train` part's one GPU
 #   fsdp2-lolcats  (two GPUs) LoLCATs under FSDP with --gradient-checkpointing (what docs/scale.md plans for 70B:
-#            the default's spec without its window layers, whose choice FSDP refuses), S1 + S2 steps of 1 x 8,192 a
-#            GPU: each stage's steady tok/s and peak memory a GPU; e.g. SHAPE='llama-3-70b,layers=8'
+#            the default recipe, its window layers chosen on the sharded student; LOLCATS_ARGS='--config lolcats_mix'
+#            for the spec without them), S1 + S2 steps of 1 x 8,192 a GPU: each stage's steady tok/s and peak memory
+#            a GPU, the choice's time; e.g. SHAPE='llama-3-70b,layers=8'
 #   Checkpointing on one GPU: TRAIN_ARGS=--gradient-checkpointing ... train (the time and memory it costs or saves)
 # Rows land in $S (/tmp/runs/scale/SHAPE).
 set -uo pipefail
@@ -144,10 +145,10 @@ open('$S/ddp2.json', 'w'), indent=1); [print(s, 'x2 steady tok/s', (r[s].get('st
     fsdp2-lolcats)
       rm -rf "$R-lolcats"
       timeout ${FSDP_S:-600} accelerate launch --config_file "$(python3 -m linearize.recipes.launch fsdp)" --num_processes 2 \
-        -m linearize lolcats --teacher "$T" --config lolcats_mix --block-len 8192 --batch-size 1 --data gutenberg \
+        -m linearize lolcats --teacher "$T" ${LOLCATS_ARGS:-} --block-len 8192 --batch-size 1 --data gutenberg \
         --stage1-steps ${S1:-40} --stage2-steps ${S2:-30} --gradient-checkpointing \
         --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 --out "$R-lolcats" > "$S/fsdp2-lolcats.log" 2>&1
-      quiet < "$S/fsdp2-lolcats.log" | grep -E "stage[12]:|wall time|Error|rror:" | head -6
+      quiet < "$S/fsdp2-lolcats.log" | grep -E "stage[12]:|wall time|softmax kept|Error|rror:" | head -8
       cp "$R-lolcats/results.json" "$S/fsdp2-lolcats.json" 2>/dev/null
       rm -rf "$R-lolcats" ;;
     *) echo "unknown part $part" ;;

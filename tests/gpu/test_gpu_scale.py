@@ -79,14 +79,22 @@ def test_the_default_lolcats_recipe_under_torchrun_on_two_gpus(tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_lolcats_under_fsdp_with_its_layers_recomputed_on_two_gpus(tmp_path):
+@pytest.mark.parametrize("config", ["lolcats_mix", "default"])
+def test_lolcats_under_fsdp_with_its_layers_recomputed_on_two_gpus(config, tmp_path):
     # what docs/scale.md plans for 70B: both stages sharded, each decoder layer recomputed in the backward, stage 2's
-    # adapters merged into the weights gathered on the main process
+    # adapters merged into the weights gathered on the main process; the default recipe chooses its window layers
+    # on the sharded stage-1 student
+    import linearize
+
     out = tmp_path / "fsdp"
-    _fsdp_on_two(["lolcats", "--teacher", "shape:llama-3.2-1b,layers=4", "--config", "lolcats_mix", "--data", "gutenberg",
-                  "--stage1-steps", "4", "--stage2-steps", "3", "--block-len", "2048", "--batch-size", "1",
-                  "--gradient-checkpointing", "--eval-blocks", "2", "--out", str(out)], tmp_path)
+    _fsdp_on_two(["lolcats", "--teacher", "shape:llama-3.2-1b,layers=4", *(["--config", config] if config != "default"
+                  else []), "--data", "gutenberg", "--stage1-steps", "4", "--stage2-steps", "3", "--block-len", "2048",
+                  "--batch-size", "1", "--gradient-checkpointing", "--eval-blocks", "2", "--out", str(out)], tmp_path)
     results = json.loads((out / "results.json").read_text())
     assert results["stage1"]["steps"] == 4 and results["stage2"]["steps"] == 3 and len(results["layer_mse_after"]) == 4
     assert not any(results["cuda_graph"][stage]["graphed"] for stage in ("stage1", "stage2"))
     assert (out / "final" / "config.json").exists()
+    if config == "default":
+        kept = results["auto_softmax"]["chosen"]
+        model, _ = linearize.load(out / "final", device="cpu")
+        assert kept and model.config.linearize["auto_softmax"]["chosen"] == kept

@@ -81,17 +81,22 @@ def test_attention_transfer_under_fsdp_matches_one_process(tmp_path):
     assert "gradients agree" in run_two_processes(script, str(tmp_path))
 
 
-def test_auto_softmax_layers_under_fsdp_are_refused_before_the_teacher_loads(monkeypatch, capsys, tmp_path):
-    """keep_softmax auto:K chooses on the trained student whole, which FSDP never puts on one GPU: refused
-    with one line, before any model loads."""
-    import linearize.recipes.lolcats  # noqa: F401
-    from linearize.cli import main
+def test_the_softmax_layers_are_chosen_alike_on_a_sharded_student(tmp_path):
+    """keep_softmax auto:K under FSDP: two gloo processes, the student's decoder layers and model sharded by FSDP2,
+    make the greedy choice of ``recall_choice`` (the trunk and head called apart, layers resumed from recorded
+    outputs) with the same layers and round losses as one unsharded process."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    assert main(["lolcats", "--rows", "stage1-only", "--keep-softmax", "auto:1", "--teacher", str(tmp_path / "absent"),
-                 "--out", str(tmp_path / "run")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("linearize: error: keep_softmax auto:K runs on one GPU or data-parallel") and err.count("\n") == 1
+    from helpers import run_two_processes
+
+    script = Path(__file__).with_name("fsdp_recall_choice.py")
+    one = subprocess.run([sys.executable, str(script), str(tmp_path)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr[-3000:]
+    assert "chosen alike" in run_two_processes(script, str(tmp_path))
 
 
 def test_under_fsdp_the_teacher_loads_on_the_cpu_and_nothing_is_measured_before_sharding(monkeypatch, capsys,
@@ -122,7 +127,7 @@ def test_under_fsdp_the_teacher_loads_on_the_cpu_and_nothing_is_measured_before_
     assert "skipped" not in results and results["perplexity"]["teacher"] > 1
 
 
-@pytest.mark.parametrize("recipe", ["supra", "xatl", "lolcats", "lolcats-checkpointed", "lolcats-both"])
+@pytest.mark.parametrize("recipe", ["supra", "xatl", "lolcats", "lolcats-checkpointed", "lolcats-both", "lolcats-auto"])
 def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, tmp_path):
     """`accelerate launch` with the packaged FSDP config (on the CPU: gloo, no mixed precision): SUPRA or
     XATL with an alignment stage and KL distillation runs end to end on 2 processes, the frozen teacher
@@ -146,11 +151,13 @@ def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, 
     (tmp_path / "fsdp_cpu.yaml").write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "LINEARIZE_HOME": str(tmp_path / "home")}
     checkpointed = recipe.endswith("-checkpointed")  # --gradient-checkpointing: the probes stay for the backward
-    both = recipe.endswith("-both")  # stage 2 too: its adapters merged into the gathered student
-    recipe = recipe.removesuffix("-checkpointed").removesuffix("-both")
+    auto = recipe.endswith("-auto")  # both stages, keep_softmax auto:1: the chosen layer kept in the student made again
+    both = recipe.endswith("-both") or auto  # stage 2 too: its adapters merged into the gathered student
+    recipe = recipe.removesuffix("-checkpointed").removesuffix("-both").removesuffix("-auto")
     if recipe == "lolcats":
         options = [*([] if both else ["--rows", "stage1-only"]), "--stage1-steps", "4", "--stage2-steps", "3",
-                   "--window", "4", "--feature-dim", "8", *(["--gradient-checkpointing"] if checkpointed else [])]
+                   "--window", "4", "--feature-dim", "8", *(["--gradient-checkpointing"] if checkpointed else []),
+                   *(["--keep-softmax", "auto:1", "--auto-softmax-score", "recall"] if auto else [])]
     else:
         options = ["--steps", "4", "--loss", "kl+lm", "--align-steps", "2",
                    *(["--arch", "retnet", "--transfer", "embeddings,ffn"] if recipe == "xatl" else [])]
@@ -167,8 +174,12 @@ def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, 
     res = json.loads((run / "results.json").read_text())
     assert res["teacher_loaded_on"] == "cpu" and "teacher" not in res["perplexity"]
     if recipe == "lolcats":
-        assert set(res["skipped"]) == {"perplexity: teacher", "perplexity: converted", "layer_mse_before"}
+        skipped = {"perplexity: teacher", "perplexity: converted", "layer_mse_before"}
         stages = ["after_stage1", "after_stage2"] if both else ["after_stage1"]
+        if auto:  # measured on the sharded student before the choice; the chosen one is sharded by stage 2 first
+            skipped.add("perplexity: after_stage1")
+            stages = ["after_stage1, every layer linear", "after_stage2"]
+        assert set(res["skipped"]) == skipped
         assert list(res["perplexity"]) == stages and all(math.isfinite(res["perplexity"][s]) for s in stages)
         assert res["train"]["steps"] == (7 if both else 4) and len(res["layer_mse_after"]) == 3
     else:
@@ -184,6 +195,11 @@ def test_distillation_under_the_fsdp_config_on_two_processes(recipe, workspace, 
 
         trained = load_file(str(run / "stage1" / "joint" / "trained.safetensors"))
         state = model.state_dict()
+        if auto:  # the chosen layer kept softmax, recorded; every other layer's maps those stage 1 trained
+            kept = res["auto_softmax"]["chosen"]
+            assert len(kept) == 1 and model.config.linearize["auto_softmax"]["chosen"] == kept
+            assert sorted(linearize.mixers(model)) == [i for i in range(3) if i not in kept]
+            trained = {n: v for n, v in trained.items() if f"layers.{kept[0]}." not in n}
         assert trained and all(torch.equal(state[name], value.to(state[name].dtype)) for name, value in trained.items())
 
 

@@ -578,6 +578,7 @@ def test_recall_choice_takes_the_layers_before_a_candidate_from_the_rounds_forwa
     # round's forward from c, 2 candidates
     assert len(computed) == 3 + 3 + (3 + 2 + 1) + (3 - c) + sum(3 - i for i in range(3) if i != c) < 3 + 18
     assert all("forward" not in layer.__dict__ for layer in outputs.layers)
+    assert list(student.model.layers) == outputs.layers  # every layer back in its place
 
 
 def test_recall_score_is_the_same_for_a_seed(recall_teacher):

@@ -50,6 +50,27 @@ def fully_sharded(model) -> bool:
     return any(isinstance(m, FSDPModule) for m in model.modules())
 
 
+@contextmanager
+def root_unsharded(model: nn.Module):
+    """Inside, an FSDP2-sharded ``model``'s outermost unit holds its own weights whole (the embeddings, the final
+    norm and the output layer, which no decoder layer's unit holds): a call into the trunk or the head alone,
+    outside the model's own forward (``recipes.lolcats.copy_loss``), finds them; each decoder layer still
+    gathers its own as it runs. Nothing for a model FSDP has not sharded."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 shards nothing
+        yield
+        return
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
 def softmax_attention_of(mixer: Mixer, q, k, v, position_embeddings) -> torch.Tensor:
     """The softmax attention the mixer replaced, on its q/k/v (before RoPE): ``[B, H, T, D]``."""
     qr, kr = mixer.adapter.rope(mixer, q, k, position_embeddings)
@@ -191,13 +212,16 @@ class LayerOutputs:
 
     def __init__(self, model: nn.Module):
         inner = unwrap(model)
+        self.model = inner
         self.layers = list(get_adapter(inner.config).layers(inner))
+        self.slots = None
         self.outputs: dict = {}
 
     @contextmanager
     def recording(self, key):
-        """Inside, a forward records every layer's output under ``key`` (a later one replaces it)."""
-        kept = self.outputs[key] = [None] * len(self.layers)
+        """Inside, a forward records every layer's output under ``key`` (a later one replaces it; a layer a
+        resumed forward does not run keeps what it had)."""
+        kept = self.outputs[key] = list(self.outputs.get(key) or [None] * len(self.layers))
 
         def hook(index):
             def keep(module, args, output):
@@ -214,20 +238,40 @@ class LayerOutputs:
     @contextmanager
     def resuming(self, key, start: int):
         """Inside, layers before ``start`` give the outputs recorded under ``key`` (``start`` 0: nothing
-        changes)."""
+        changes). Each stands aside for a module that returns its recorded output, so nothing of it runs:
+        no compute, no hook (under FSDP no gather of its weights)."""
         kept = self.outputs.get(key) or [None] * len(self.layers)
         if any(kept[i] is None for i in range(start)):
             raise LinearizeError(f"no output of the layers before {start} recorded for {key!r}")
-        patched = []  # (layer, its own instance forward if it had one: an accelerate hook's, say)
+        if start and self.slots is None:  # where each layer sits: its parent module and its name there
+            where = {id(child): (parent, name) for parent in self.model.modules()
+                     for name, child in parent.named_children()}
+            self.slots = [where[id(layer)] for layer in self.layers]
         try:
             for i in range(start):
-                layer = self.layers[i]
-                patched.append((layer, layer.__dict__.get("forward")))
-                layer.forward = (lambda out: lambda *args, **kwargs: out)(kept[i])
+                parent, name = self.slots[i]
+                setattr(parent, name, _Recorded(self.layers[i], kept[i]))
             yield
         finally:
-            for layer, own in patched:
-                if own is None:
-                    del layer.forward
-                else:
-                    layer.forward = own
+            for i in range(start):
+                parent, name = self.slots[i]
+                setattr(parent, name, self.layers[i])
+
+
+class _Recorded(nn.Module):
+    """Stands in for a decoder layer: returns the output the layer gave in a recorded forward. What else the
+    model's loop reads of the layer (Gemma's and Qwen's ``attention_type``) is the layer's."""
+
+    def __init__(self, layer: nn.Module, output):
+        super().__init__()
+        object.__setattr__(self, "_layer", layer)  # not a child: its weights stay out of this module
+        self.output = output
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_layer"), name)
+
+    def forward(self, *args, **kwargs):
+        return self.output

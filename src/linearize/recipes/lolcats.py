@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import gc
 import json
+import re
 import time
 import typing
 from contextlib import ExitStack, contextmanager
@@ -256,7 +257,9 @@ def _save_trained(trained: dict[str, torch.Tensor], stage_dir: Path) -> None:
     tmp.replace(stage_dir / STAGE1_WEIGHTS)
 
 
-def _load_trained(student, stage_dir: Path) -> None:
+def _load_trained(student, stage_dir: Path, kept=()) -> None:
+    """What a finished stage-1 block saved (``_save_trained``) into ``student``, and the random state after it.
+    ``kept``: layers the student keeps softmax since (``auto:K``), whose trained mixer weights it has no place for."""
     from safetensors.torch import load_file
 
     path = stage_dir / STAGE1_WEIGHTS
@@ -264,8 +267,11 @@ def _load_trained(student, stage_dir: Path) -> None:
         raise LinearizeError(f"{stage_dir} is marked done but holds no {STAGE1_WEIGHTS} (a run of an older "
                              "linearize); start it again without --resume or in a new --out")
     params = dict(student.named_parameters())
+    kept_layer = re.compile(r"(^|\.)layers\.(" + "|".join(str(i) for i in kept) + r")\.") if kept else None
     with torch.no_grad():
         for name, value in load_file(str(path)).items():
+            if name not in params and kept_layer is not None and kept_layer.search(name):
+                continue
             if name not in params:
                 raise LinearizeError(f"{path} holds {name}, which this student does not have: resume with the "
                                      "settings the run started with")
@@ -325,21 +331,36 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
     return _timed({"blocks": len(groups), "steps": steps}, start, cfg, speeds)
 
 
-def _rebuilt_after_stage1(cfg: LolcatsConfig, out: Path):
-    """Under FSDP, between the stages: each process's student made again on the CPU, from the teacher loaded as
+def _rebuilt_after_stage1(cfg: LolcatsConfig, out: Path, teacher=None, chosen: list[int] | None = None,
+                          spec: dict | None = None, record: dict | None = None):
+    """Under FSDP, after stage 1: each process's student made again on the CPU, from the teacher loaded as
     at the start (``common.fsdp_teacher``: a bf16 checkpoint's file pages, shared by the processes; a shape
     teacher drawn again from the run's seed) and what stage 1 trained, which the main process saved for each
     block (``_save_trained``), instead of every process gathering the whole trained student into its own
-    memory (141 GB each at 70B). Every process calls it."""
+    memory (141 GB each at 70B). Every process calls it. ``teacher``: one loaded already, converted in place.
+    With ``keep_softmax: auto:K`` the ``chosen`` layers are kept softmax (``spec``: their windows too) and
+    ``record`` goes into the config, as ``keep_chosen_layers`` does; what stage 1 trained in them is left out."""
     from .common import fsdp_teacher
 
     torch.distributed.barrier()  # the main process has written every block's weights
-    torch.manual_seed(cfg.seed)  # as begin_run, before the teacher loads
-    teacher, _ = fsdp_teacher(cfg)
-    student = cfg.convert_teacher(teacher)
+    if teacher is None:
+        torch.manual_seed(cfg.seed)  # as begin_run, before the teacher loads
+        teacher, _ = fsdp_teacher(cfg)
+    if chosen is None:
+        student = cfg.convert_teacher(teacher)
+    else:
+        student = convert(teacher, spec, keep_softmax=chosen, inplace=True)
+        student.config.linearize = {**student.config.linearize, "auto_softmax": record}
     for stage_dir in sorted(p for p in (out / "stage1").iterdir() if (p / "done").exists()):
-        _load_trained(student, stage_dir)
+        _load_trained(student, stage_dir, kept=chosen or ())
     return student
+
+
+def _free_gpu() -> None:
+    """The sharded stage-1 student's GPU memory back, once nothing names it (FSDP's hooks hold it in cycles)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _start_clock() -> float:
@@ -553,6 +574,13 @@ def recall_choice(student, ids: torch.Tensor, labels: torch.Tensor, k: int, batc
     the next round's, which records again. Returns (chosen, in layer order; the rounds:
     the layers softmax before it, their loss and every candidate's score). ``candidates``: the layers it
     chooses among (default: every converted one)."""
+    from ..distill.probes import root_unsharded
+
+    with root_unsharded(student):  # under FSDP: the embeddings and the head whole, for the trunk and head calls
+        return _recall_choice(student, ids, labels, k, batch_size, candidates)
+
+
+def _recall_choice(student, ids, labels, k, batch_size, candidates):
     from tqdm.auto import tqdm
 
     from ..distill.probes import LayerOutputs
@@ -685,19 +713,15 @@ def run(cfg: LolcatsConfig) -> dict:
         raise LinearizeError("keep_softmax auto:K picks the layers by their attention-transfer error: it needs stage 1")
     decisions = _graph_decisions(cfg)  # --cuda-graph on where a stage cannot replay: refused here
     fsdp = under_fsdp()
-    if auto_k and fsdp:
-        raise LinearizeError("keep_softmax auto:K runs on one GPU or data-parallel (torchrun): under FSDP the "
-                             "choice would need the trained student whole on one device; give the layers "
-                             "(--keep-softmax 2,15) or leave them out")
     # under FSDP the teacher loads on the CPU and is converted there; nothing is measured before stage 1
     out, teacher, tok, train_ds, eval_ds, eval_blocks, results = begin_run(
         cfg, skip_under_fsdp=("perplexity: converted", "layer_mse_before"))
     ppl = results["perplexity"]
     results["cuda_graph"] = _graph_record(cfg, decisions)
     # auto:K: every layer the spec converts is converted for stage 1; the teacher stays whole to keep the chosen
-    # layers from
+    # layers from (under FSDP it is loaded again for that: a copy in every process would not fit at 70B)
     with phase(results, "convert"):
-        student = cfg.convert_teacher(teacher, inplace=not auto_k)
+        student = cfg.convert_teacher(teacher, inplace=not auto_k or fsdp)
     if auto_k:
         auto_k = auto_softmax_layers(auto_k, n_converted := len(mixers(student)))
     if auto_k and auto_k >= n_converted:
@@ -727,16 +751,24 @@ def run(cfg: LolcatsConfig) -> dict:
                 if cfg.auto_softmax_long:
                     long, results["auto_softmax"]["long"] = rank0s(auto_long_choice(student, tok, chosen, cfg))
                     spec["softmax_windows"] = {i: results["auto_softmax"]["long"]["window"] for i in long}
-                student = keep_chosen_layers(teacher, student, chosen, spec, results["auto_softmax"])
+                if fsdp:  # every process: the student again, from the teacher's files and stage 1's (no gather)
+                    del student, teacher
+                    _free_gpu()
+                    teacher = student = _rebuilt_after_stage1(cfg, out, None, chosen, spec, results["auto_softmax"])
+                else:
+                    student = keep_chosen_layers(teacher, student, chosen, spec, results["auto_softmax"])
         del teacher
-        with phase(results, "perplexity: students"):
-            ppl["after_stage1"] = perplexity(student, eval_blocks)
-        if fsdp and "stage2" in cfg.stages:  # every process: the student again, from files (no gather)
+        if fsdp and auto_k:  # the student with the chosen layers is whole on the CPU, not yet sharded
+            results.setdefault("skipped", {})["perplexity: after_stage1"] = (
+                "under FSDP the student with the chosen softmax layers is made again on the CPU after stage 1, "
+                "whole, and is first sharded by stage 2's training (its perplexity: after_stage2)")
+        else:
+            with phase(results, "perplexity: students"):
+                ppl["after_stage1"] = perplexity(student, eval_blocks)
+        if fsdp and not auto_k and "stage2" in cfg.stages:  # every process: the student again, from files (no gather)
             student = _rebuilt_after_stage1(cfg, out)
-            gc.collect()  # the sharded stage-1 student's GPU memory (FSDP's hooks hold it in cycles)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        elif fsdp:  # gathered whole on the CPU alone, where rank 0 saves it and decodes the sample (finish)
+            _free_gpu()
+        elif fsdp and not auto_k:  # gathered whole on the CPU alone, where rank 0 saves it and decodes the sample (finish)
             from .engine import unsharded
 
             student = unsharded(student, device="cpu", main_only=True)
