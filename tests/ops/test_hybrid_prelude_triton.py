@@ -13,10 +13,11 @@ def test_hedgehog_rope_kernels_equal_the_float64_reference_through_the_interpret
     float64: RoPE over every dim, part of them (cos/sin per sequence) or none, shared and per-head
     weights, strided x, lengths off the tile, without the rotated gradient, dW or dx alone, programs
     summing several tiles, fp16 products (over several of the 16-bit tiles); the features of x before RoPE
-    (``nope``: full and partial RoPE, fp16, dW alone); and the hybrid's backward with the switch on equals off."""
+    (``nope``: full and partial RoPE, fp16, dW alone); and the hybrid's backward with the switch on equals off,
+    also recomputed inside a checkpoint (--gradient-checkpointing: its saved tensors unpack once)."""
     run_triton_interpreter_script("triton_interpret_hedgehog_rope.py", "full", "partial", "norope", "nodrot",
                                   "weights", "dx_only", "steps", "half", "half_shared", "half_tiles", "nope",
-                                  "nope_partial", "nope_half", "nope_weights", "switch")
+                                  "nope_partial", "nope_half", "nope_weights", "switch", "switch_checkpointed")
 
 
 @pytest.mark.slow

@@ -92,10 +92,11 @@ def check(b, h, t, d, fh, r, shared, seed, dtype=torch.float32, cos_batch=False,
         assert dw is None
 
 
-def check_switch(dtype=torch.float32, rot=8, shared=False, weights_only=False):
+def check_switch(dtype=torch.float32, rot=8, shared=False, weights_only=False, checkpointed=False):
     """The hybrid's backward with the fused prelude equals the PyTorch prelude's: gradients of q, k,
     v, gamma (logits), wq and wk (or the weights' alone); GQA, RoPE over every dim, part of them or
-    none, left padding."""
+    none, left padding. ``checkpointed``: the fused one inside a non-reentrant checkpoint (a layer of
+    --gradient-checkpointing), whose saved tensors unpack only once."""
     b, h, hk, t, d, fh, window = 2, 4, 2, 13, 8, 5, 8  # 2 chunks, the last one partial
     g = torch.Generator().manual_seed(20)
     rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)  # noqa: E731
@@ -111,13 +112,17 @@ def check_switch(dtype=torch.float32, rot=8, shared=False, weights_only=False):
     key_mask[-1, :3] = False
     wy = rn(b, h, t, d) * key_mask[:, None, :, None]
 
-    def grads(fused):
+    def grads(fused, recomputed=False):
         kernels.FUSED_PRELUDE = fused
         try:
             mine = [x.detach().requires_grad_(not weights_only or i >= 4)
                     for i, x in enumerate((q, k, v, gamma, wq, wk))]
-            y, _ = hybrid_triton(*mine[:4], window=window, scale=d ** -0.5, key_mask=key_mask,
-                                 hedgehog=tuple(mine[4:]), rope=rope, logit=True)
+
+            def run(*xs):
+                return hybrid_triton(*xs[:4], window=window, scale=d ** -0.5, key_mask=key_mask,
+                                     hedgehog=tuple(xs[4:]), rope=rope, logit=True)[0]
+
+            y = torch.utils.checkpoint.checkpoint(run, *mine, use_reentrant=False) if recomputed else run(*mine)
             wanted = [x for x in mine if x.requires_grad]
             return torch.autograd.grad((y.double() * wy).sum(), wanted)
         finally:
@@ -125,7 +130,7 @@ def check_switch(dtype=torch.float32, rot=8, shared=False, weights_only=False):
 
     names = ("wq", "wk") if weights_only else ("q", "k", "v", "gamma", "wq", "wk")
     tol = {torch.float32: 2e-5, torch.float16: 5e-3}[dtype]
-    for name, a, e in zip(names, grads(True), grads(False)):
+    for name, a, e in zip(names, grads(True, checkpointed), grads(False)):
         assert a.dtype == e.dtype, (name, a.dtype, e.dtype)
         _close(a, e.double(), "d" + name + " (fused against PyTorch prelude)", tol,
                floor=1.0 if name == "gamma" else 1e-6)
@@ -152,6 +157,7 @@ CASES = {
     "switch_shared_norope": lambda: check_switch(rot=0, shared=True),
     "switch_weights": lambda: check_switch(rot=4, weights_only=True),
     "switch_half": lambda: check_switch(torch.float16),
+    "switch_checkpointed": lambda: check_switch(checkpointed=True),
 }
 
 for name in sys.argv[1:] or CASES:

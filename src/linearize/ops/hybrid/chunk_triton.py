@@ -977,10 +977,11 @@ class _HybridTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, y, *saved = ctx.saved_tensors
+        tensors = ctx.saved_tensors  # once: a checkpointed layer's saved tensors unpack only once
+        q, k, v, gamma, qf, kf, wq, wk, cos, sin, key_mask, y, *saved = tensors
         needs = ctx.needs_input_grad
         if FUSED_PRELUDE and wq is not None:
-            return _HybridTriton._fused_prelude_backward(ctx, dy)
+            return _HybridTriton._fused_prelude_backward(ctx, dy, tensors)
         inputs = (q, k, qf, kf, wq, wk)
         # the prelude the forward kernels fused (RoPE, feature maps), again in PyTorch with autograd
         leaves = [None if x is None else x.detach().requires_grad_(need)
@@ -1017,13 +1018,13 @@ class _HybridTriton(torch.autograd.Function):
                 None)
 
     @staticmethod
-    def _fused_prelude_backward(ctx, dy):
+    def _fused_prelude_backward(ctx, dy, tensors):
         """``backward`` with Hedgehog maps, the prelude as Triton kernels (``prelude_triton``):
         rotated q/k and their features in one launch each, then their gradients (of the unrotated
         q/k and the maps' weights) in one launch and a sum each, no autograd. With features before RoPE
         (``nope``) the launches compute the features of the unrotated q/k beside their rotation, and only
         the rotated q/k's gradients go back through the rotation."""
-        q, k, v, gamma, _, _, wq, wk, cos, sin, key_mask, y, *saved = ctx.saved_tensors
+        q, k, v, gamma, _, _, wq, wk, cos, sin, key_mask, y, *saved = tensors
         needs = ctx.needs_input_grad
         nope = ctx.nope
         qr, fq = hedgehog_rope_forward(q, cos, sin, wq, nope=nope)
