@@ -24,6 +24,8 @@
 #            ${PROFILE_STEPS:-3}): kernels by time, the collectives among them, the GPU's busy share, on rank 0
 #   sync-sites  (two GPUs) the same FSDP runs for FSDP_STEPS (6) under dev/sync_sites.py: where the host waits for the
 #            GPU each step, by Python call site, on rank 0
+#   peak-phases  which phase of stage 1 (the default's, S1 (8) steps, with and without --gradient-checkpointing) sets
+#            its peak memory: each training step, optimizer step, evaluation and what runs between (dev/peak_phases.py)
 #   ddp2     (two GPUs) LoLCATs (the default config) under torchrun, S1 + S2 steps: each stage's steady tok/s, for the
 #            ratio to the `train` part's one GPU
 #   fsdp2-lolcats  (two GPUs) LoLCATs under FSDP with --gradient-checkpointing (what docs/scale.md plans for 70B:
@@ -133,6 +135,15 @@ EOF
         quiet < "$S/sync-sites-$recipe.log" | grep -E "Error|rror:" | sort -u | head -3
         rm -rf "$R-$recipe"
       done ;;
+    peak-phases)
+      # stage 1 of the default, with and without --gradient-checkpointing: which phase sets its peak
+      for args in "" "--gradient-checkpointing"; do
+        rm -rf "$R-peak"
+        timeout ${PEAK_S:-200} python3 dev/peak_phases.py lolcats --teacher "$T" --data gutenberg --rows stage1-only \
+          --stage1-steps ${S1:-8} --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 --out "$R-peak" $args 2>&1 \
+          | quiet | grep -E "^peak phases|Error|rror:" | head -3
+      done
+      rm -rf "$R-peak" ;;
     ddp2)
       rm -rf "$R-ddp2"
       timeout ${TRAIN_S:-900} torchrun --standalone --nproc_per_node 2 -m linearize lolcats --teacher "$T" --data gutenberg \
