@@ -22,6 +22,8 @@
 #            (6 x parameters x tok/s over 2 x 790 TFLOP/s)
 #   fsdp2-profile  (two GPUs) the same runs for FSDP_STEPS (8), the steps after the set-up profiled (--profile-steps
 #            ${PROFILE_STEPS:-3}): kernels by time, the collectives among them, the GPU's busy share, on rank 0
+#   link     (NPROC GPUs, 2) NCCL's all-gather, reduce-scatter and all-reduce of 512 MiB shares: ms and bus GB/s
+#            (dev/link_bw.py), and nvidia-smi's topology: what FSDP's collectives can move on this host
 #   sync-sites  (two GPUs) the same FSDP runs for FSDP_STEPS (6) under dev/sync_sites.py: where the host waits for the
 #            GPU each step, by Python call site, on rank 0
 #   peak-phases  which phase of stage 1 (the default's, S1 (8) steps, with and without --gradient-checkpointing) sets
@@ -124,6 +126,9 @@ EOF
 [round(b / 2**30, 1) for b in t.get('peak_gpu_bytes_per_rank') or []], 'allocator retries', t.get('alloc_retries_per_rank'))"
         rm -rf "$R-$recipe"
       done ;;
+    link)
+      timeout 120 torchrun --standalone --nproc_per_node ${NPROC:-2} dev/link_bw.py 2>&1 | grep -E "^\{|rror" | tee "$S/link.json" \
+        | python3 -c "import json, sys; r = json.loads(sys.stdin.readline()); print(r.pop('topology')); print(r)" ;;
     sync-sites)
       for recipe in ${FSDP_RECIPES:-supra xatl}; do
         rm -rf "$R-$recipe"
