@@ -593,7 +593,8 @@ def _recall_choice(student, ids, labels, k, batch_size, candidates):
     loss = copy_loss(student, ids, labels, (), batch_size, layer_outputs=outputs, record=True, head=head)
     rounds = []
     total = sum(len(candidates) - r for r in range(k))
-    progress = tqdm(total=total, desc=f"choosing {k} of {len(candidates)} layers", unit="copy", leave=False)
+    progress = tqdm(total=total, desc=f"choosing {k} of {len(candidates)} layers", unit="copy", leave=False,
+                    disable=not is_main_process())  # under a launcher every process scores: one bar
     for r in range(k):
         losses = {}
         for i in candidates:
