@@ -35,6 +35,7 @@
 #            for the spec without them), S1 + S2 steps of 1 x 8,192 a GPU: each stage's steady tok/s and peak memory
 #            a GPU, the choice's time; e.g. SHAPE='llama-3-70b,layers=8'
 #   Checkpointing on one GPU: TRAIN_ARGS=--gradient-checkpointing ... train (the time and memory it costs or saves)
+# FSDP_NPROC (2): the processes of the FSDP parts (1: FSDP's code paths on one GPU).
 # Rows land in $S (/tmp/runs/scale/SHAPE).
 set -uo pipefail
 SHAPE=${SHAPE:-llama-3-8b}; T=shape:$SHAPE; S=${S:-/tmp/runs/scale/$SHAPE}; R=/tmp/ckpt/scale-$SHAPE; mkdir -p "$S"
@@ -43,7 +44,7 @@ quiet() { grep -v -E "Warning|warn\(|it/s\]|s/it\]"; }
 fsdp_run() {
   local recipe=$1 log=$2 steps=$3 warmup=$4; shift 4
   rm -rf "$R-$recipe"
-  timeout ${FSDP_S:-480} accelerate launch --config_file "$(python3 -m linearize.recipes.launch fsdp)" --num_processes 2 \
+  timeout ${FSDP_S:-480} accelerate launch --config_file "$(python3 -m linearize.recipes.launch fsdp)" --num_processes ${FSDP_NPROC:-2} \
     -m linearize $recipe --teacher "$T" --data gutenberg --steps $steps --block-len 4096 --batch-size ${FSDP_BATCH:-1} \
     --warmup-steps $warmup --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 --out "$R-$recipe" "$@" > "$log" 2>&1
 }
@@ -132,7 +133,7 @@ EOF
     sync-sites)
       for recipe in ${FSDP_RECIPES:-supra xatl}; do
         rm -rf "$R-$recipe"
-        timeout ${FSDP_S:-480} accelerate launch --config_file "$(python3 -m linearize.recipes.launch fsdp)" --num_processes 2 \
+        timeout ${FSDP_S:-480} accelerate launch --config_file "$(python3 -m linearize.recipes.launch fsdp)" --num_processes ${FSDP_NPROC:-2} \
           dev/sync_sites.py --after 2 $recipe --teacher "$T" --data gutenberg --steps ${FSDP_STEPS:-6} --block-len 4096 \
           --batch-size 1 --warmup-steps 2 --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 --out "$R-$recipe" \
           > "$S/sync-sites-$recipe.log" 2>&1
@@ -160,7 +161,7 @@ open('$S/ddp2.json', 'w'), indent=1); [print(s, 'x2 steady tok/s', (r[s].get('st
 'peak', r[s].get('peak_gpu_bytes_per_rank')) for s in ('stage1', 'stage2')]" ;;
     fsdp2-lolcats)
       rm -rf "$R-lolcats"
-      timeout ${FSDP_S:-600} accelerate launch --config_file "$(python3 -m linearize.recipes.launch fsdp)" --num_processes 2 \
+      timeout ${FSDP_S:-600} accelerate launch --config_file "$(python3 -m linearize.recipes.launch fsdp)" --num_processes ${FSDP_NPROC:-2} \
         -m linearize lolcats --teacher "$T" ${LOLCATS_ARGS:-} --block-len 8192 --batch-size 1 --data gutenberg \
         --stage1-steps ${S1:-40} --stage2-steps ${S2:-30} --gradient-checkpointing \
         --eval-steps 100000 --eval-blocks 2 --keep-checkpoints 0 --out "$R-lolcats" > "$S/fsdp2-lolcats.log" 2>&1
