@@ -331,21 +331,20 @@ def run_stage1(student, train_ds, eval_ds, cfg: LolcatsConfig, out: Path) -> dic
     return _timed({"blocks": len(groups), "steps": steps}, start, cfg, speeds)
 
 
-def _rebuilt_after_stage1(cfg: LolcatsConfig, out: Path, teacher=None, chosen: list[int] | None = None,
-                          spec: dict | None = None, record: dict | None = None):
+def _rebuilt_after_stage1(cfg: LolcatsConfig, out: Path, chosen: list[int] | None = None, spec: dict | None = None,
+                          record: dict | None = None):
     """Under FSDP, after stage 1: each process's student made again on the CPU, from the teacher loaded as
     at the start (``common.fsdp_teacher``: a bf16 checkpoint's file pages, shared by the processes; a shape
     teacher drawn again from the run's seed) and what stage 1 trained, which the main process saved for each
     block (``_save_trained``), instead of every process gathering the whole trained student into its own
-    memory (141 GB each at 70B). Every process calls it. ``teacher``: one loaded already, converted in place.
-    With ``keep_softmax: auto:K`` the ``chosen`` layers are kept softmax (``spec``: their windows too) and
-    ``record`` goes into the config, as ``keep_chosen_layers`` does; what stage 1 trained in them is left out."""
+    memory (141 GB each at 70B). Every process calls it. With ``keep_softmax: auto:K`` the ``chosen`` layers
+    are kept softmax (``spec``: their windows too) and ``record`` goes into the config, as
+    ``keep_chosen_layers`` does; what stage 1 trained in them is left out."""
     from .common import fsdp_teacher
 
     torch.distributed.barrier()  # the main process has written every block's weights
-    if teacher is None:
-        torch.manual_seed(cfg.seed)  # as begin_run, before the teacher loads
-        teacher, _ = fsdp_teacher(cfg)
+    torch.manual_seed(cfg.seed)  # as begin_run, before the teacher loads
+    teacher, _ = fsdp_teacher(cfg)
     if chosen is None:
         student = cfg.convert_teacher(teacher)
     else:
@@ -753,9 +752,9 @@ def run(cfg: LolcatsConfig) -> dict:
                     long, results["auto_softmax"]["long"] = rank0s(auto_long_choice(student, tok, chosen, cfg))
                     spec["softmax_windows"] = {i: results["auto_softmax"]["long"]["window"] for i in long}
                 if fsdp:  # every process: the student again, from the teacher's files and stage 1's (no gather)
-                    del student, teacher
+                    student = teacher = None  # the sharded stage-1 student (the teacher converted in place)
                     _free_gpu()
-                    teacher = student = _rebuilt_after_stage1(cfg, out, None, chosen, spec, results["auto_softmax"])
+                    student = _rebuilt_after_stage1(cfg, out, chosen, spec, results["auto_softmax"])
                 else:
                     student = keep_chosen_layers(teacher, student, chosen, spec, results["auto_softmax"])
         del teacher
