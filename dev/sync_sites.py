@@ -51,8 +51,6 @@ def main() -> None:
     import torch
     import transformers
 
-    global _HostReads
-    _HostReads = _host_reads()
     sites: collections.Counter = collections.Counter()
     steps = [0]
     shown = warnings.showwarning
@@ -92,7 +90,7 @@ def main() -> None:
                     reads.__exit__(None, None, None)
 
     counting = [False]
-    reads = _HostReads()
+    reads = _host_reads()()
     fit = transformers.Trainer.train
     transformers.Trainer.training_step = training_step
     transformers.Trainer.train = train

@@ -758,20 +758,20 @@ def run(cfg: LolcatsConfig) -> dict:
                 else:
                     student = keep_chosen_layers(teacher, student, chosen, spec, results["auto_softmax"])
         del teacher
-        if fsdp and auto_k:  # the student with the chosen layers is whole on the CPU, not yet sharded
+        if fsdp and auto_k:  # made again above: whole on the CPU, first sharded by stage 2's training
             results.setdefault("skipped", {})["perplexity: after_stage1"] = (
                 "under FSDP the student with the chosen softmax layers is made again on the CPU after stage 1, "
                 "whole, and is first sharded by stage 2's training (its perplexity: after_stage2)")
         else:
             with phase(results, "perplexity: students"):
                 ppl["after_stage1"] = perplexity(student, eval_blocks)
-        if fsdp and not auto_k and "stage2" in cfg.stages:  # every process: the student again, from files (no gather)
-            student = _rebuilt_after_stage1(cfg, out)
-            _free_gpu()
-        elif fsdp and not auto_k:  # gathered whole on the CPU alone, where rank 0 saves it and decodes the sample (finish)
-            from .engine import unsharded
+            if fsdp and "stage2" in cfg.stages:  # every process: the student again, from files (no gather)
+                student = _rebuilt_after_stage1(cfg, out)
+                _free_gpu()
+            elif fsdp:  # gathered whole on the CPU alone, where rank 0 saves it and decodes the sample (finish)
+                from .engine import unsharded
 
-            student = unsharded(student, device="cpu", main_only=True)
+                student = unsharded(student, device="cpu", main_only=True)
         _plot_layer_mse(results, out)
     if "stage2" in cfg.stages:
         with phase(results, "stage 2"):
