@@ -9,6 +9,11 @@
 #            new tokens, batch 1 / 64 / 256: ms a step and each student row's bandwidth floor (bench's floor_ms)
 #   prefill  1 x 32k and 1 x 128k (PREFILL_SHAPES), student's kernels beside the teacher's SDPA and flash
 #   ceiling  the teacher's prefill kernels at 32k (bench.profile prefill): attention's share bounds the prefill's gain
+#   profile-decode  where a decode step goes (kernels, bench.profile decode) at batch DECODE_PROFILE_BATCHES (64 256),
+#            1k prompts, for two untrained students converted from the shape (speed does not depend on training):
+#            lolcats_mix's and the default's layout (lolcats_tiers with KEEP (every other layer, 15 of 32) softmax
+#            layers over 1,280, LONG (4) of them over 4,288); then the fused hybrid step alone at the shape's heads
+#            (dev/step_bench.py, its warps and value parts swept)
 #   profile  where a graphed stage-1 and stage-2 step of the default student goes at 2 x 4,096 (bench.profile train)
 #   profile-uptrain  where an eager step of SUPRA's and XATL's (RetNet) student goes at the shape's width on its first
 #            UP_LAYERS (8) layers, 1 x 4,096 (bench.profile train): the FSDP rows' XATL ran at half SUPRA's MFU
@@ -78,6 +83,23 @@ EOF
     ceiling)
       timeout 200 python3 -m linearize.bench.profile prefill "$T" --batch 1 --prompt-len 32768 --top 8 \
         --out "$S/ceiling_teacher_32768.json" 2>&1 | quiet | tail -11 ;;
+    profile-decode)
+      n=$(python3 -c "from linearize.shapes import shape_config; print(shape_config('$SHAPE').num_hidden_layers)" 2>/dev/null || echo 32)
+      keep=${KEEP:-$(python3 -c "print(','.join(str(i) for i in range(0, $n, 2)[:15]))")}
+      long=${LONG:-$(python3 -c "k='$keep'.split(','); print(','.join(f'{i}:4288' for i in k[1::4][:4]))")}
+      python3 dev/step_bench.py --shape ${STEP_SHAPE:-$SHAPE} --batches 1 64 256 --warps 0 4 8 16 --splits 0 1 2 4 \
+        --out "$S/step_bench.json" 2>&1 | quiet | tail -50
+      for spec in mix tiers; do
+        ck=/tmp/ckpt/conv-$SHAPE-$spec; rm -rf "$ck"
+        if [ $spec = mix ]; then args="--config lolcats_mix"
+        else args="--config lolcats_tiers --keep-softmax $keep --softmax-window 1280,$long"; fi
+        timeout 300 python3 -m linearize convert --teacher "$T" $args --out "$ck" 2>&1 | quiet | tail -2
+        for b in ${DECODE_PROFILE_BATCHES:-64 256}; do
+          timeout 300 python3 -m linearize.bench.profile decode "$ck" --batch $b --prompt-len 1024 --tokens 16 \
+            --top ${TOP:-14} --out "$S/profile_decode_${spec}_$b.json" 2>&1 | quiet | grep -A17 "^decode:" | cut -c1-160
+        done
+        [ -n "${KEEP_CK:-}" ] || rm -rf "$ck"
+      done ;;
     profile)
       for m in lolcats-long-stage1 lolcats-long-stage2; do
         timeout 300 python3 -m linearize.bench.profile train --teacher "$T" --model $m --shape 2x4096 --cuda-graph \

@@ -4,16 +4,18 @@ batch's states do not sit in L2 between steps as they would not in the model), f
 each setting of the step's constants (warps, value parts).
 
     python dev/step_bench.py [--batches 1 64 256] [--warps 0 2 4 8] [--splits 0 1 2 4]
+                             [--shape smollm2-135m|llama-3.2-1b|llama-3-8b]
                              [--layout default|plain] [--module FILE ...] [--out FILE]
 
-Shapes are SmolLM2-135M's (9 query heads, 3 key heads, head dim 64, Hedgehog features 2 x 64,
-window 64). ``--layout default``: the default student's step (a gated linear state whose gate comes from
+Heads and head dim are the ``--shape``'s (default SmolLM2-135M's: 9 query heads, 3 key heads, head
+dim 64; Llama-3.2-1B 32 / 8 / 64; Llama-3-8B and 70B 32 / 8 / 128 and 64 / 8 / 128), Hedgehog
+features 2 x 64, window 64. ``--layout default``: the default student's step (a gated linear state whose gate comes from
 the projection's output, the features of q and k before RoPE); ``plain``: plain LoLCATs'.
 ``--warps 0`` and ``--splits 0`` are the module's defaults. ``--module`` adds another
 version of the module (e.g. one from an earlier commit, ``git show REV:src/linearize/ops/hybrid/step_triton.py``)
 to time beside the installed one. Each setting's output for one step from the same state is compared with
 the first setting's (largest absolute difference). Prints µs per step and effective GB/s of the state's
-bytes (window read, linear state read and written).
+bytes (window read, with its key features in the default layout; linear state read and written).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernel_bench import graph_us  # noqa: E402
 
 H, HK, D, FH, W = 9, 3, 64, 64, 64
+SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.2-1b": (32, 8, 64), "llama-3-8b": (32, 8, 128), "llama-3-70b": (64, 8, 128)}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -68,11 +71,14 @@ def main(argv=None) -> int:
     p.add_argument("--warps", nargs="+", type=int, default=[0, 2, 4, 8])
     p.add_argument("--splits", nargs="+", type=int, default=[0, 1, 2, 4])
     p.add_argument("--layout", choices=("default", "plain"), default="default")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="query heads, key heads, head dim")
     p.add_argument("--module", nargs="*", default=[])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out")
     args = p.parse_args(argv)
+    global H, HK, D
+    H, HK, D = SHAPES[args.shape]
     if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("step_bench.py needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -90,7 +96,8 @@ def main(argv=None) -> int:
         ang = 2000.0 * 10000.0 ** (-torch.arange(D // 2, device=DEV) / (D // 2))
         emb = torch.cat([ang, ang], -1)[None, None]
         pe = (emb.cos().bfloat16(), emb.sin().bfloat16())
-        state_bytes = b * HK * (2 * W * D * 2 + 2 * 2 * FH * (D + 1) * 4)  # window read, linear read + written
+        # window (and its key features) read, linear state read + written
+        state_bytes = b * HK * (2 * W * D * 2 + (W * 2 * FH * 2 if gated else 0) + 2 * 2 * FH * (D + 1) * 4)
         want = None
         for (name, mod), warps, splits in itertools.product(modules, args.warps, args.splits):
             parts = splits or mod.value_splits(b, H, D)
@@ -104,7 +111,7 @@ def main(argv=None) -> int:
                                                          **extra) for s in layers]
             us = graph_us(step, args.replays) / args.layers
             mod.STEP_WARPS = None
-            row = dict(module=name, layout=args.layout, batch=b, warps=warps or "default",
+            row = dict(module=name, layout=args.layout, shape=args.shape, batch=b, warps=warps or "default",
                        splits=parts, us_per_step=us, gb_per_s=state_bytes / us / 1e3, max_err=err)
             rows.append(row)
             print(f"| {name} | {b} | {row['warps']} | {parts} | {us:.1f} | "
