@@ -58,6 +58,43 @@ def test_attention_transfer_is_the_same_with_its_layers_recomputed(tiny_model):
         _loss_grads_saved(student, loss_fn, ids, True)
 
 
+def test_nothing_a_recomputed_layer_makes_outlives_the_backward(tiny_model):
+    """A layer's recompute in the backward builds a graph of its own; none of its tensors may be kept after the
+    backward (a probe that kept its recomputed loss terms held every layer's saved tensors between steps: 22 GB
+    at 8B)."""
+    import gc
+
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    student = _student(tiny_model)
+    for name, p in student.named_parameters():
+        p.requires_grad_("feature_map" in name or "window" in name)
+    loss_fn = build_objective("attention_mse", context=dict(layers=(0, 1, 2), mse_factor=1000.0, xent_factor=1.0))
+    ids = torch.randint(0, 97, (2, 24))
+    phase, made = ["forward"], {"forward": [], "backward": []}
+
+    def keep(module, args, output):
+        for t in output if isinstance(output, tuple) else (output,):
+            if isinstance(t, torch.Tensor):
+                made[phase[0]].append(StorageWeakRef(t.untyped_storage()))
+
+    with transfer_probes(student, (0, 1, 2), with_xent=True, tie=False) as probes:
+        handles = [m.register_forward_hook(keep) for m in student.modules()]
+        with checkpointed_layers(student, True, "test"):
+            loss = loss_fn(student, {"input_ids": ids, "labels": ids})
+            read = {i: (p.mse, p.xent) for i, p in probes.items()}
+            phase[0] = "backward"
+            loss.backward()
+        assert all(p.mse is read[i][0] and p.xent is read[i][1] for i, p in probes.items())  # the forward's terms
+        del loss, read
+        gc.collect()
+        for h in handles:
+            h.remove()
+        assert made["backward"], "no layer was recomputed"
+        alive = [r for r in made["backward"] if not r.expired()]
+        assert not alive, f"the memory of {len(alive)} of {len(made['backward'])} recomputed tensors outlives the backward"
+
+
 def test_probes_in_place_serve_the_same_layers_only(tiny_model):
     student = _student(tiny_model)
     with transfer_probes(student, (0, 1), tie=False) as outer:

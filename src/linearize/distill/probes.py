@@ -134,8 +134,14 @@ class AttentionTransferProbe(_Wrapper):
         with m.reading(hidden_states):
             o, _ = m.sequence(q, k, v, position_embeddings, None, want_state=False)
         pred = m.adapter.out(m, o)
-        self.mse = F.mse_loss(pred.float(), target.float())
-        self.xent = attention_weights_xent(m, q, k, position_embeddings) if self.with_xent else None
+        mse = F.mse_loss(pred.float(), target.float())
+        xent = attention_weights_xent(m, q, k, position_embeddings) if self.with_xent else None
+        # a checkpointed layer runs again in the backward to give its saved tensors back; the terms that
+        # recompute makes hold its whole graph (checkpoint's recompute keeps every tensor it saves), and
+        # the loss read this forward's terms long before: kept, they would hold each layer's activations
+        # until the next step (22 GB at 8B)
+        if torch._C._current_graph_task_id() == -1:  # not inside a backward
+            self.mse, self.xent = mse, xent
         # under FSDP tie the prediction to the layer's output with weight 0: FSDP gathers a layer's weights for
         # its backward from hooks on the layer's outputs (``AttentionMSE``); untied, the layers after keep no
         # activations for a backward that never comes
