@@ -5,7 +5,8 @@
 #            lolcats_tiers'; TRAIN_ARGS='--config lolcats_mix' for the rows measured before) for
 #            S1 + S2 steps (80 + 60) on the books: each stage's set-up / steady split and peak memory
 #            (results.json); its final checkpoint is the student the next parts time
-#   decode   the student's default fast path beside the teacher's static and fast paths, 1k prompts + NEW (256)
+#   decode   (CK: another student than the train part's, e.g. profile-decode's with KEEP_CK=1)
+#            the student's default fast path beside the teacher's static and fast paths, 1k prompts + NEW (256)
 #            new tokens, batch 1 / 64 / 256: ms a step and each student row's bandwidth floor (bench's floor_ms)
 #   prefill  1 x 32k and 1 x 128k (PREFILL_SHAPES), student's kernels beside the teacher's SDPA and flash
 #   ceiling  the teacher's prefill kernels at 32k (bench.profile prefill): attention's share bounds the prefill's gain
@@ -73,7 +74,7 @@ for stage in ("stage1", "stage2"):
 EOF
       ;;
     decode)
-      timeout ${DECODE_S:-540} python3 -m linearize bench "$R/final" --teacher "$T" --dtype bfloat16 --paths fast \
+      timeout ${DECODE_S:-540} python3 -m linearize bench "${CK:-$R/final}" --teacher "$T" --dtype bfloat16 --paths fast \
         --teacher-paths ${TEACHER_PATHS:-fast static} --batch-sizes ${BATCHES:-1 64 256} --new-tokens ${NEW:-256} \
         --prompt-len 1024 --out "$S/decode.json" 2>&1 | quiet | tee "$S/decode.log" | grep -E "^\| (student|teacher)|Error|error:" ;;
     prefill)

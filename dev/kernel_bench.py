@@ -116,6 +116,10 @@ def bench(module, names, sweep_values, case, label, *, sweep, kernels, runs) -> 
     return bad
 
 
+# query heads, key heads and head dim of the named shapes' attention, for the step benches' --shape
+HEADS = {"smollm2-135m": (9, 3, 64), "llama-3.2-1b": (32, 8, 64), "llama-3-8b": (32, 8, 128), "llama-3-70b": (64, 8, 128)}
+
+
 def graph_us(step, replays):
     """µs per replay of ``step`` captured in one CUDA graph (on the CPU: per plain call)."""
     if not torch.cuda.is_available():

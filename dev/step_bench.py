@@ -31,10 +31,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import graph_us  # noqa: E402
+from kernel_bench import HEADS, graph_us  # noqa: E402
 
 H, HK, D, FH, W = 9, 3, 64, 64, 64
-SHAPES = {"smollm2-135m": (9, 3, 64), "llama-3.2-1b": (32, 8, 64), "llama-3-8b": (32, 8, 128), "llama-3-70b": (64, 8, 128)}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -70,15 +69,17 @@ def main(argv=None) -> int:
     p.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256])
     p.add_argument("--warps", nargs="+", type=int, default=[0, 2, 4, 8])
     p.add_argument("--splits", nargs="+", type=int, default=[0, 1, 2, 4])
+    p.add_argument("--chunks", nargs="+", type=int, default=[0],
+                   help="value columns a program takes at a time (STEP_CHUNK, modules that have it; 0: its default)")
     p.add_argument("--layout", choices=("default", "plain"), default="default")
-    p.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m", help="query heads, key heads, head dim")
+    p.add_argument("--shape", choices=sorted(HEADS), default="smollm2-135m", help="query heads, key heads, head dim")
     p.add_argument("--module", nargs="*", default=[])
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out")
     args = p.parse_args(argv)
     global H, HK, D
-    H, HK, D = SHAPES[args.shape]
+    H, HK, D = HEADS[args.shape]
     if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("step_bench.py needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
     modules = [load(None), *(load(path) for path in args.module)]
     gated = args.layout == "default"
     rows = []
-    print("| module | batch | warps | splits | µs/step | GB/s | max err |\n|---|---|---|---|---|---|---|")
+    print("| module | batch | warps | splits | chunk | µs/step | GB/s | max err |\n|---|---|---|---|---|---|---|---|")
     for b in args.batches:
         qkv = r(b, 1, H + 2 * HK + 1, D).bfloat16()  # the last head's first column stands for the gate's input
         q, k, v = (x.transpose(1, 2) for x in qkv[:, :, : H + 2 * HK].split([H, HK, HK], dim=2))
@@ -99,9 +100,14 @@ def main(argv=None) -> int:
         # window (and its key features) read, linear state read + written
         state_bytes = b * HK * (2 * W * D * 2 + (W * 2 * FH * 2 if gated else 0) + 2 * 2 * FH * (D + 1) * 4)
         want = None
-        for (name, mod), warps, splits in itertools.product(modules, args.warps, args.splits):
+        for (name, mod), warps, splits, chunk in itertools.product(modules, args.warps, args.splits, args.chunks):
+            if chunk and not hasattr(mod, "STEP_CHUNK"):
+                continue
+            default_chunk = getattr(mod, "STEP_CHUNK", None)
             parts = splits or mod.value_splits(b, H, D)
             mod.STEP_WARPS = warps or None
+            if chunk:
+                mod.STEP_CHUNK = chunk
             ref = states(b, parts, 1, torch.Generator(device=DEV).manual_seed(1), gated)[0]  # the same for each
             y = mod.hybrid_step_fused_triton(q, k, v, pe, wq, wk, logit, ref, scale=D ** -0.5, **extra).float()
             want = y if want is None else want
@@ -111,10 +117,12 @@ def main(argv=None) -> int:
                                                          **extra) for s in layers]
             us = graph_us(step, args.replays) / args.layers
             mod.STEP_WARPS = None
+            if default_chunk is not None:
+                mod.STEP_CHUNK = default_chunk
             row = dict(module=name, layout=args.layout, shape=args.shape, batch=b, warps=warps or "default",
-                       splits=parts, us_per_step=us, gb_per_s=state_bytes / us / 1e3, max_err=err)
+                       splits=parts, chunk=chunk or default_chunk, us_per_step=us, gb_per_s=state_bytes / us / 1e3, max_err=err)
             rows.append(row)
-            print(f"| {name} | {b} | {row['warps']} | {parts} | {us:.1f} | "
+            print(f"| {name} | {b} | {row['warps']} | {parts} | {row['chunk']} | {us:.1f} | "
                   f"{row['gb_per_s']:.0f} | {err:.3g} |", flush=True)
             del layers
     if args.out:

@@ -6,9 +6,10 @@ PyTorch step (``window_softmax_step_ring`` with ``WINDOW_STEP_KERNEL`` off).
     python dev/window_step_bench.py [--batches 1 8 64 256] [--blocks 32 64 128] [--warps 2 4 8]
                                     [--programs 0 1 528] [--stages 0 2 3 4] [--fma] [--float8] [--hold]
                                     [--min-parts 0 2 3] [--merge-parts 0 1 16] [--layers 14] [--out FILE]
+                                    [--shape smollm2-135m|llama-3.2-1b|llama-3-8b|llama-3-70b]
 
-Shapes are a kept layer's of the SmolLM2-135M student (9 query heads, 3 key heads, head dim 64, a ring of
-``--window`` 1,280 slots, bf16). ``0`` means the module's default (``--programs 1``: never split the ring);
+Heads are the ``--shape``'s (default a kept layer's of the SmolLM2-135M student: 9 query heads, 3 key heads,
+head dim 64), a ring of ``--window`` 1,280 slots, bf16. ``0`` means the module's default (``--programs 1``: never split the ring);
 ``--fma`` adds the products as broadcast sums (``STEP_MMA = False``); ``--float8`` times float8 rings
 (``float8_window_step_ring``: the kernel quantising the new token itself, or its PyTorch path); ``--hold`` times
 each tensor-core setting of a float8 ring also with its values held converted where loaded (``STEP_HOLD_VALUES``:
@@ -32,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernel_bench import graph_us  # noqa: E402
+from kernel_bench import HEADS, graph_us  # noqa: E402
 
 H, HK, D = 9, 3, 64
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
     p.add_argument("--window", type=int, default=1280)
+    p.add_argument("--shape", choices=sorted(HEADS), default="smollm2-135m", help="query heads, key heads, head dim")
     p.add_argument("--blocks", nargs="+", type=int, default=[0])
     p.add_argument("--warps", nargs="+", type=int, default=[0])
     p.add_argument("--programs", nargs="+", type=int, default=[0])
@@ -77,6 +79,8 @@ def main(argv=None) -> int:
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--out")
     args = p.parse_args(argv)
+    global H, HK, D
+    H, HK, D = HEADS[args.shape]
     if DEV == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise SystemExit("window_step_bench.py needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
     defaults = {k: getattr(step_triton, k) for k in ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES",
@@ -135,7 +139,7 @@ def main(argv=None) -> int:
                          else 1 << 30)
                 mma, shown["block"], shown["warps"] = step_triton.step_tiles(b, HK, D, args.float8, aimed)
                 name = ("held" if args.float8 and step_triton.STEP_HOLD_VALUES else "kernel") if mma else "fma"
-            row = dict(step=name, batch=b, **shown, us_per_layer=us, gb_per_s=ring_bytes / us / 1e3, max_err=err)
+            row = dict(step=name, shape=args.shape, batch=b, **shown, us_per_layer=us, gb_per_s=ring_bytes / us / 1e3, max_err=err)
             rows.append(row)
             print(f"| {name} | {b} | {shown['block']} | {shown['warps']} | {shown['programs']} | {shown['stages']} | "
                   f"{shown['min_parts']} | {shown['merge_parts']} | {us:.1f} | {row['gb_per_s']:.0f} | {err:.3g} |",

@@ -4,8 +4,10 @@
 the new query and key, the query's features, the window softmax, the linear terms, the ring and
 linear-state updates and the slot bookkeeping (with RoPE and the feature maps in PyTorch around
 the ring-step kernel below, a layer's step was 27 launches). One program per (sequence, query
-head, part of the value columns); the state is laid out so that no program writes what another
-reads (``FusedRingState``). With attention sinks (a sparse cache of the first tokens, once every
+head, part of the value columns), which takes its part ``STEP_CHUNK`` columns at a time (the scores,
+features and normalisers first, then each chunk's values, linear-state rows and output; the owner's
+state update likewise); the state is laid out so that no program writes what another reads
+(``FusedRingState``). With attention sinks (a sparse cache of the first tokens, once every
 sequence's are cached: ``FusedSinkState``) the cached tokens join the window's softmax.
 
 ``hybrid_step_ring_triton`` is the twin of ``hybrid_attention_step_ring`` for other feature maps:
@@ -126,7 +128,7 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
                        scale, softcap, H, HK, W, D, FH, R, NS, S,
                        HAS_SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BF: tl.constexpr, BS: tl.constexpr, WINDOW_ANCHOR: tl.constexpr, GATED: tl.constexpr,
-                       NOPE: tl.constexpr, GATE_INPUT: tl.constexpr):
+                       NOPE: tl.constexpr, GATE_INPUT: tl.constexpr, BC: tl.constexpr):
     bi = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -135,8 +137,8 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     w = tl.arange(0, BW)
     d = tl.arange(0, BD)
     f = tl.arange(0, BF)
-    dv = c * BDV + tl.arange(0, BDV)  # this program's value columns
-    dm, dvm, fm = d < D, dv < D, f < FH
+    j = tl.arange(0, BC)  # a chunk of this program's value columns
+    dm, fm = d < D, f < FH
     tick = tl.load(ticks_ptr + (bi * H + h) * NS + c)
     s = tick % W  # the slot the new token takes; its old token is already in the linear state
     p = tick % 2  # the linear state read now; the other one is written
@@ -150,27 +152,24 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     else:
         q_pos, q_neg = _hedgehog(q, wq_ptr + h * swq, d, f, D, FH)
 
-    # the window after this step: slot s holds the new token (rounded as the ring stores it)
+    # the window's keys after this step: slot s holds the new key (rounded as the ring stores it)
     ring = (bi * HK + hk) * W * D
     k_new = _rope(k_ptr + bi * sk_b + hk * sk_h, sk_d, cos_ptr + bi * sc_b, sin_ptr + bi * sc_b, sc_d, d, D, R)
     k_new = k_new.to(keys_ptr.dtype.element_ty)
-    v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + dv * sv_d, mask=dvm, other=0.0).to(values_ptr.dtype.element_ty)
     keys = tl.load(keys_ptr + ring + w[:, None] * D + d[None, :], mask=old[:, None] & dm[None, :], other=0.0)
     keys = tl.where(here[:, None], k_new.to(tl.float32)[None, :], keys.to(tl.float32))
-    values = tl.load(values_ptr + ring + w[:, None] * D + dv[None, :], mask=old[:, None] & dvm[None, :], other=0.0)
-    values = tl.where(here[:, None], v_new.to(tl.float32)[None, :], values.to(tl.float32))
     live = tl.load(valid_ptr + bi * W + w, mask=old, other=0).to(tl.int1) | here
 
-    # softmax terms of the window and linear terms, one normaliser
+    # the scalars: softmax weights of the window (and sinks), the linear terms' normalisers, the gate
     scores = tl.sum(keys * q[None, :], axis=1) * scale
     if HAS_SOFTCAP:
         scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)  # softcap * tanh(scores / softcap)
     scores = tl.where(live, scores, float("-inf"))
     gamma = tl.sigmoid(tl.load(logit_ptr + h).to(tl.float32))
     top = tl.max(scores, axis=0)  # the window's largest score
+    e = tl.arange(0, BS if BS > 0 else 1)
+    cached = (bi * HK + hk) * S * D
     if BS > 0:  # a fixed exact cache of S tokens beside the window (attention sinks): one softmax with it
-        e = tl.arange(0, BS)
-        cached = (bi * HK + hk) * S * D
         sink_keys = tl.load(sinkk_ptr + cached + e[:, None] * D + d[None, :], mask=(e < S)[:, None] & dm[None, :],
                             other=0.0).to(tl.float32)
         sink_scores = tl.sum(sink_keys * q[None, :], axis=1) * scale
@@ -179,53 +178,66 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
         sink_live = tl.load(sinkm_ptr + (bi * HK + hk) * S + e, mask=e < S, other=0).to(tl.int1)
         sink_scores = tl.where(sink_live, sink_scores, float("-inf"))
         peak = tl.maximum(top, tl.max(sink_scores, axis=0))
+        a_sink = gamma * tl.exp(sink_scores - peak)
+        lift = tl.exp(top - peak)
     else:
         peak = top
+        a_sink = tl.zeros([1], tl.float32)
+        lift = 1.0
     a = gamma * tl.exp(scores - peak)
     width = D + 1  # a linear-state row: the values, then the normaliser
     cur = lin_ptr + ((bi * HK + hk) * 2 + p) * 2 * FH * width
     nxt = lin_ptr + ((bi * HK + hk) * 2 + 1 - p) * 2 * FH * width
-    rows = f[:, None] * width + dv[None, :]
-    lm = fm[:, None] & dvm[None, :]
-    s_pos = tl.load(cur + rows, mask=lm, other=0.0)
-    s_neg = tl.load(cur + FH * width + rows, mask=lm, other=0.0)
     n_pos = tl.load(cur + f * width + D, mask=fm, other=0.0)
     n_neg = tl.load(cur + (FH + f) * width + D, mask=fm, other=0.0)
-    lin_num = tl.sum(q_pos[:, None] * s_pos, axis=0) + tl.sum(q_neg[:, None] * s_neg, axis=0)
     lin_pos = tl.sum(q_pos * n_pos, axis=0)
     lin_neg = tl.sum(q_neg * n_neg, axis=0)
+    evict = ((bi * HK + hk) * 2 + p)
+    gate = 1.0
+    qe = 0.0
     if GATED:  # the state after the previous token, faded by this token's gate, plus the token this step evicts
         if GATE_INPUT:  # g = exp(-softplus(x + bias)) = sigmoid(-(x + bias)), x the gate's projection
             x = tl.load(lg_ptr + bi * sg_b + hk * sg_h).to(tl.float32) + tl.load(gb_ptr + hk).to(tl.float32)
             gate = tl.sigmoid(-x)
         else:
             gate = tl.exp(tl.load(lg_ptr + bi * sg_b + hk * sg_h).to(tl.float32))
-        evict = ((bi * HK + hk) * 2 + p)
         e_pos = tl.load(ek_ptr + evict * 2 * FH + f, mask=fm, other=0.0)
         e_neg = tl.load(ek_ptr + evict * 2 * FH + FH + f, mask=fm, other=0.0)
-        e_v = tl.load(ev_ptr + evict * D + dv, mask=dvm, other=0.0)
         qe_pos = tl.sum(q_pos * e_pos, axis=0)
         qe_neg = tl.sum(q_neg * e_neg, axis=0)
-        lin_num = gate * lin_num + (qe_pos + qe_neg) * e_v
+        qe = qe_pos + qe_neg
         lin_pos = gate * lin_pos + qe_pos
         lin_neg = gate * lin_neg + qe_neg
-    num = tl.sum(a[:, None] * values, axis=0)
-    den = tl.sum(a, axis=0)
-    if BS > 0:
-        if WINDOW_ANCHOR:  # the linear terms weigh against the window's softmax terms as without the cache
-            lift = tl.exp(top - peak)
-            lin_num *= lift
-            lin_pos *= lift
-            lin_neg *= lift
-        a_sink = gamma * tl.exp(sink_scores - peak)
-        sink_values = tl.load(sinkv_ptr + cached + e[:, None] * D + dv[None, :], mask=(e < S)[:, None] & dvm[None, :],
-                              other=0.0).to(tl.float32)
-        num += tl.sum(a_sink[:, None] * sink_values, axis=0)
-        den += tl.sum(a_sink, axis=0)
-    num += lin_num
-    den = den + lin_pos + lin_neg
-    tl.store(y_ptr + (bi * H + h) * D + dv, (num / tl.maximum(den, 1.1754943508222875e-38)).to(y_ptr.dtype.element_ty),
-             mask=dvm)
+    lin_scale = gate
+    if WINDOW_ANCHOR:  # the linear terms weigh against the window's softmax terms as without the cache
+        lin_pos *= lift
+        lin_neg *= lift
+        lin_scale = gate * lift
+        qe = qe * lift
+    den = tl.sum(a, axis=0) + tl.sum(a_sink, axis=0) + lin_pos + lin_neg
+    den = tl.maximum(den, 1.1754943508222875e-38)
+
+    # the value columns a chunk at a time: what a chunk holds at once stays small
+    for c0 in range(0, BDV, BC):
+        dv = c * BDV + c0 + j
+        dvm = (dv < D) & (c0 + j < BDV)
+        v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + dv * sv_d, mask=dvm, other=0.0).to(values_ptr.dtype.element_ty)
+        values = tl.load(values_ptr + ring + w[:, None] * D + dv[None, :], mask=old[:, None] & dvm[None, :], other=0.0)
+        values = tl.where(here[:, None], v_new.to(tl.float32)[None, :], values.to(tl.float32))
+        rows = f[:, None] * width + dv[None, :]
+        lm = fm[:, None] & dvm[None, :]
+        s_pos = tl.load(cur + rows, mask=lm, other=0.0)
+        s_neg = tl.load(cur + FH * width + rows, mask=lm, other=0.0)
+        lin_num = tl.sum(q_pos[:, None] * s_pos, axis=0) + tl.sum(q_neg[:, None] * s_neg, axis=0)
+        num = tl.sum(a[:, None] * values, axis=0) + lin_scale * lin_num
+        if GATED:
+            e_v = tl.load(ev_ptr + evict * D + dv, mask=dvm, other=0.0)
+            num += qe * e_v
+        if BS > 0:
+            sink_values = tl.load(sinkv_ptr + cached + e[:, None] * D + dv[None, :],
+                                  mask=(e < S)[:, None] & dvm[None, :], other=0.0).to(tl.float32)
+            num += tl.sum(a_sink[:, None] * sink_values, axis=0)
+        tl.store(y_ptr + (bi * H + h) * D + dv, (num / den).to(y_ptr.dtype.element_ty), mask=dvm)
     tl.store(ticks_ptr + (bi * H + h) * NS + c, (tick + 1) % (2 * W))
 
     if owner:
@@ -235,8 +247,6 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
         kept = s1 != s
         k_old = tl.load(keys_ptr + ring + s1 * D + d, mask=tl.where(kept, dm, False), other=0.0).to(tl.float32)
         k_old = tl.where(kept, k_old, k_new.to(tl.float32))
-        v_old = tl.load(values_ptr + ring + s1 * D + dv, mask=tl.where(kept, dvm, False), other=0.0).to(tl.float32)
-        v_old = tl.where(kept, v_old, v_new.to(tl.float32))
         real = tl.load(valid_ptr + bi * W + s1, mask=kept, other=1).to(tl.float32)  # empty slots hold no key
         first = c == 0
         if NOPE:  # the features of the keys before RoPE: the window keeps them; the new key's are computed
@@ -256,33 +266,50 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
             k_pos, k_neg = _hedgehog(k_old, wk_ptr + hk * swk, d, f, D, FH)
         k_pos, k_neg = k_pos * real, k_neg * real
         if GATED:
-            # the state after this token, and (apart) the token the next step evicts
-            tl.store(nxt + rows, gate * s_pos + e_pos[:, None] * e_v[None, :], mask=lm)
-            tl.store(nxt + FH * width + rows, gate * s_neg + e_neg[:, None] * e_v[None, :], mask=lm)
             tl.store(nxt + f * width + D, gate * n_pos + e_pos, mask=tl.where(first, fm, False))
             tl.store(nxt + (FH + f) * width + D, gate * n_neg + e_neg, mask=tl.where(first, fm, False))
             ahead = ((bi * HK + hk) * 2 + 1 - p)
             tl.store(ek_ptr + ahead * 2 * FH + f, k_pos, mask=tl.where(first, fm, False))
             tl.store(ek_ptr + ahead * 2 * FH + FH + f, k_neg, mask=tl.where(first, fm, False))
-            tl.store(ev_ptr + ahead * D + dv, v_old, mask=dvm)
         else:
-            tl.store(nxt + rows, s_pos + k_pos[:, None] * v_old[None, :], mask=lm)
-            tl.store(nxt + FH * width + rows, s_neg + k_neg[:, None] * v_old[None, :], mask=lm)
             # a vector mask and a scalar condition meet through tl.where: Triton 3.9's interpreter
             # turns `vector & scalar` into int32 and refuses it as a mask
             tl.store(nxt + f * width + D, n_pos + k_pos, mask=tl.where(first, fm, False))
             tl.store(nxt + (FH + f) * width + D, n_neg + k_neg, mask=tl.where(first, fm, False))
-        tl.store(values_ptr + ring + s * D + dv, v_new, mask=dvm)
+        for c0 in range(0, BDV, BC):
+            dv = c * BDV + c0 + j
+            dvm = (dv < D) & (c0 + j < BDV)
+            rows = f[:, None] * width + dv[None, :]
+            lm = fm[:, None] & dvm[None, :]
+            s_pos = tl.load(cur + rows, mask=lm, other=0.0)
+            s_neg = tl.load(cur + FH * width + rows, mask=lm, other=0.0)
+            v_old = tl.load(values_ptr + ring + s1 * D + dv, mask=tl.where(kept, dvm, False), other=0.0)
+            v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + dv * sv_d, mask=dvm, other=0.0).to(
+                values_ptr.dtype.element_ty)
+            v_old = tl.where(kept, v_old.to(tl.float32), v_new.to(tl.float32))
+            if GATED:  # the state after this token, and (apart) the token the next step evicts
+                e_v = tl.load(ev_ptr + evict * D + dv, mask=dvm, other=0.0)
+                tl.store(nxt + rows, gate * s_pos + e_pos[:, None] * e_v[None, :], mask=lm)
+                tl.store(nxt + FH * width + rows, gate * s_neg + e_neg[:, None] * e_v[None, :], mask=lm)
+                tl.store(ev_ptr + ((bi * HK + hk) * 2 + 1 - p) * D + dv, v_old, mask=dvm)
+            else:
+                tl.store(nxt + rows, s_pos + k_pos[:, None] * v_old[None, :], mask=lm)
+                tl.store(nxt + FH * width + rows, s_neg + k_neg[:, None] * v_old[None, :], mask=lm)
+            tl.store(values_ptr + ring + s * D + dv, v_new, mask=dvm)
         tl.store(keys_ptr + ring + s * D + d, k_new, mask=tl.where(first, dm, False))
         tl.store(valid_ptr + bi * W + s, tl.full([], 1, tl.int1), mask=first & (h == 0))
         tl.store(slot_ptr, ((s + 1) % W).to(tl.int64), mask=first & (h == 0) & (bi == 0))
 
 
 # The fused step's programs: value parts are added until a step has about this many (a batch-1 step
-# would otherwise leave most of the GPU idle); and its warps (None: by the tile, see below). Both are
-# module constants so that dev/step_bench.py can sweep them.
+# would otherwise leave most of the GPU idle); and its warps (None: by the tile, see below). Module
+# constants so that dev/step_bench.py can sweep them.
 SPLIT_PROGRAMS = 32
 STEP_WARPS: int | None = None
+# The value columns a program takes at a time (its window values and linear state rows of them, and the
+# state it writes): what a program holds at once stays small however wide its part. A module constant so
+# that dev/step_bench.py can sweep it.
+STEP_CHUNK = 32
 
 
 def value_splits(batch: int, n_heads: int, head_dim: int, programs: int | None = None, min_width: int = 16) -> int:
@@ -366,5 +393,6 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
         BDV=triton.next_power_of_2(triton.cdiv(d, splits)), BF=triton.next_power_of_2(fh),
         BS=triton.next_power_of_2(n_sinks) if n_sinks else 0, WINDOW_ANCHOR=sinks and anchor == "window",
         GATED=gated, NOPE=not feature_rope, GATE_INPUT=gate_input is not None,
+        BC=min(STEP_CHUNK, triton.next_power_of_2(triton.cdiv(d, splits))),
         num_warps=STEP_WARPS or min(16, max(2, bw * bd // 2048)))
     return y.transpose(1, 2)
