@@ -39,15 +39,18 @@ H, HK, D = 9, 3, 64
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def rings(b, w, layers, gen, float8=False):
+def rings(b, w, layers, gen, float8=False, filled=None):
     from linearize.ops import RingHybridState
     from linearize.ops.window import float8 as f8
 
     out = []
     for _ in range(layers):
         keys, values = (torch.randn(b, HK, w, D, device=DEV, generator=gen).bfloat16() for _ in range(2))
-        common = (torch.zeros(b, HK, 1, 1, D + 1, device=DEV), torch.ones(b, w, dtype=torch.bool, device=DEV))
-        slot = torch.zeros((), dtype=torch.long, device=DEV)
+        valid = torch.ones(b, w, dtype=torch.bool, device=DEV)
+        if filled is not None:  # as after a prompt of `filled` tokens: the slots past them empty
+            valid[:, filled:] = False
+        common = (torch.zeros(b, HK, 1, 1, D + 1, device=DEV), valid)
+        slot = torch.full((), min(filled or 0, w - 1), dtype=torch.long, device=DEV)
         if float8:  # e4m3 codes with a float32 scale per slot and key head
             (k8, ks), (v8, vs) = f8.quantize(keys), f8.quantize(values)
             out.append(f8.Float8RingState(k8.contiguous(), keys[..., :0], v8.contiguous(), *common, slot=slot,
@@ -64,6 +67,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8, 64, 256])
     p.add_argument("--window", type=int, default=1280)
+    p.add_argument("--filled", type=int, default=None, help="slots holding tokens (default: all)")
+    p.add_argument("--skip", nargs="+", type=int, default=[1],
+                   help="1: empty blocks are not read (STEP_SKIP_EMPTY), 0: every block is")
     p.add_argument("--shape", choices=sorted(HEADS), default="smollm2-135m", help="query heads, key heads, head dim")
     p.add_argument("--blocks", nargs="+", type=int, default=[0])
     p.add_argument("--warps", nargs="+", type=int, default=[0])
@@ -85,7 +91,7 @@ def main(argv=None) -> int:
         raise SystemExit("window_step_bench.py needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
     defaults = {k: getattr(step_triton, k) for k in ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES",
                                                       "STEP_MMA", "STEP_CROWDED_FP8", "STEP_HOLD_VALUES",
-                                                      "STEP_MIN_PARTS", "MERGE_PARTS")}
+                                                      "STEP_MIN_PARTS", "MERGE_PARTS", "STEP_SKIP_EMPTY")}
     from linearize.ops.window import float8 as f8
 
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -97,8 +103,8 @@ def main(argv=None) -> int:
     else:
         ring_step = window.window_softmax_step_ring
     rows = []
-    print("| step | batch | block | warps | programs | stages | min parts | merge | µs/layer | GB/s | max err |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| step | batch | block | warps | programs | stages | min parts | merge | skip empty | µs/layer | GB/s | max err |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
     for b in args.batches:
         q = torch.randn(b, H, 1, D, device=DEV, generator=gen).bfloat16()
         k, v = (torch.randn(b, HK, 1, D, device=DEV, generator=gen).bfloat16() for _ in range(2))
@@ -106,9 +112,9 @@ def main(argv=None) -> int:
         want = None
         settings = [("torch", {})]
         holds = [False, True] if args.hold and args.float8 else [defaults["STEP_HOLD_VALUES"]]
-        for mma, block, warps, programs, stages, hold, least, merge in itertools.product(
+        for mma, block, warps, programs, stages, hold, least, merge, skip in itertools.product(
                 [True, False] if args.fma else [True], args.blocks, args.warps, args.programs, args.stages, holds,
-                args.min_parts, args.merge_parts):
+                args.min_parts, args.merge_parts, args.skip):
             if hold and not mma:
                 continue  # broadcast sums read the values as they are
             name = ("held" if hold else "kernel") if mma else "fma"
@@ -116,7 +122,7 @@ def main(argv=None) -> int:
                 STEP_MMA=mma, STEP_BLOCK=block or defaults["STEP_BLOCK"], STEP_WARPS=warps or defaults["STEP_WARPS"],
                 STEP_PROGRAMS=programs or defaults["STEP_PROGRAMS"], STEP_STAGES=stages or defaults["STEP_STAGES"],
                 STEP_HOLD_VALUES=hold, STEP_MIN_PARTS=least or defaults["STEP_MIN_PARTS"],
-                MERGE_PARTS=merge or defaults["MERGE_PARTS"],
+                MERGE_PARTS=merge or defaults["MERGE_PARTS"], STEP_SKIP_EMPTY=bool(skip),
                 # tiles given (a block, warps, broadcast sums): those, crowded or not; none: the module's choice
                 # (its crowded tiles too)
                 STEP_CROWDED_FP8=None if block or warps or not mma else defaults["STEP_CROWDED_FP8"])))
@@ -125,15 +131,15 @@ def main(argv=None) -> int:
                 setattr(step_triton, key, value)
             window.WINDOW_STEP_KERNEL = name != "torch"
             seed = torch.Generator(device=DEV).manual_seed(1)
-            one = rings(b, args.window, 1, seed, args.float8)[0]  # the same ring for each setting
+            one = rings(b, args.window, 1, seed, args.float8, args.filled)[0]  # the same ring for each setting
             y = ring_step(q, k, v, one, **kw)[0].float()
             want = y if want is None else want
             err = (y - want).abs().max().item()
-            layers = rings(b, args.window, args.layers, gen, args.float8)
+            layers = rings(b, args.window, args.layers, gen, args.float8, args.filled)
             step = lambda: [ring_step(q, k, v, s, **kw) for s in layers]  # noqa: E731
             us = graph_us(step, args.replays) / args.layers
             shown = {k.removeprefix("STEP_").lower(): consts.get(k, "-") for k in
-                     ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES", "STEP_MIN_PARTS", "MERGE_PARTS")}
+                     ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES", "STEP_MIN_PARTS", "MERGE_PARTS", "STEP_SKIP_EMPTY")}
             if name != "torch":  # the tiles the step took (a crowded float8 ring's own, where they apply)
                 aimed = (step_triton._target_programs(q.device) if q.is_cuda or step_triton.STEP_PROGRAMS is not None
                          else 1 << 30)
@@ -142,7 +148,7 @@ def main(argv=None) -> int:
             row = dict(step=name, shape=args.shape, batch=b, **shown, us_per_layer=us, gb_per_s=ring_bytes / us / 1e3, max_err=err)
             rows.append(row)
             print(f"| {name} | {b} | {shown['block']} | {shown['warps']} | {shown['programs']} | {shown['stages']} | "
-                  f"{shown['min_parts']} | {shown['merge_parts']} | {us:.1f} | {row['gb_per_s']:.0f} | {err:.3g} |",
+                  f"{shown['min_parts']} | {shown['merge_parts']} | {shown['skip_empty']} | {us:.1f} | {row['gb_per_s']:.0f} | {err:.3g} |",
                   flush=True)
             del layers
         for key, value in defaults.items():

@@ -184,7 +184,7 @@ def check_length_options():
 
 if sys.argv[1:] == ["length"]:
     check_gate_input()
-    step_triton.STEP_CHUNK = 4  # the value columns four at a time: each program's chunk loops run several times
+    step_triton.STEP_CHUNK, step_triton.CHUNK_PROGRAMS = 4, 0  # four value columns at a time, however few programs
     check_length_options()
 elif sys.argv[1:] == ["kernel"]:
     # the ring wraps in every case (n > window); in the first one the ticks too (n > 2 x window)
@@ -199,7 +199,7 @@ elif sys.argv[1:] == ["kernel"]:
     for anchor in ("joint", "window"):
         check_sinks(1, 4, 2, 12, 5, window=5, cap=3, t=13, n=7, softcap=20.0, rot=8, splits=2, anchor=anchor, seed=5)
     check_sinks(1, 3, 1, 16, 4, window=2, cap=4, t=9, n=6, softcap=None, rot=0, splits=4, anchor="window", seed=6)
-    step_triton.STEP_CHUNK = 2  # the value columns two at a time: each program's chunk loops run several times
+    step_triton.STEP_CHUNK, step_triton.CHUNK_PROGRAMS = 2, 0  # two value columns at a time, however few programs
     check_kernel(2, 4, 2, 12, 5, window=5, t=9, n=6, softcap=None, rot=12, splits=1, seed=7)
     check_sinks(1, 4, 2, 12, 5, window=5, cap=3, t=13, n=7, softcap=20.0, rot=8, splits=2, anchor="window", seed=8)
 else:

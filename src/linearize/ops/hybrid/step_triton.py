@@ -307,9 +307,13 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
 SPLIT_PROGRAMS = 32
 STEP_WARPS: int | None = None
 # The value columns a program takes at a time (its window values and linear state rows of them, and the
-# state it writes): what a program holds at once stays small however wide its part. A module constant so
-# that dev/step_bench.py can sweep it.
+# state it writes) once a step has at least CHUNK_PROGRAMS programs: what a program holds at once stays
+# small however wide its part. Fewer programs take their part whole. On an H200 at Llama-3-8B's heads (32 on 8,
+# head dim 128; dev/step_bench.py --shape llama-3-8b, bab3af6) chunks of 32 took 431 / 112 us a layer at batch
+# 256 / 64 against 462 / 117 whole (16: 624 / 161; 64: 445 / 114), and at batch 1 18.3 against 14.0 whole.
+# Module constants so that dev/step_bench.py can sweep them.
 STEP_CHUNK = 32
+CHUNK_PROGRAMS = 2048
 
 
 def value_splits(batch: int, n_heads: int, head_dim: int, programs: int | None = None, min_width: int = 16) -> int:
@@ -358,6 +362,7 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
     cos, sin, rot, sc_b, sc_d = rope_arguments(position_embeddings, q)
     wq, wk = wq.contiguous(), wk.contiguous()
     bw, bd = triton.next_power_of_2(w), triton.next_power_of_2(d)
+    bdv = triton.next_power_of_2(triton.cdiv(d, splits))  # a program's value columns
     # warps: a window of 64 x head dim 64 takes 2. At 8, ptxas (sm_90) gives 255 registers a thread and
     # no spills, but that is one program per SM. On an H100 (dev/step_bench.py, 30 layers' states in
     # one graph) the step took 132 / 75 / 58 us at 8 / 4 / 2 warps at batch 256, 36 / 23 / 21 at
@@ -390,9 +395,9 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
         q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3), v.stride(0), v.stride(1), v.stride(3), sc_b,
         sc_d, wq.stride(0) if wq.shape[0] > 1 else 0, wk.stride(0) if wk.shape[0] > 1 else 0, sg_b, sg_h, float(scale), float(softcap or 1.0), h, hk, w, d, fh, rot, splits,
         max(n_sinks, 1), HAS_SOFTCAP=softcap is not None, BW=bw, BD=bd,
-        BDV=triton.next_power_of_2(triton.cdiv(d, splits)), BF=triton.next_power_of_2(fh),
+        BDV=bdv, BF=triton.next_power_of_2(fh),
         BS=triton.next_power_of_2(n_sinks) if n_sinks else 0, WINDOW_ANCHOR=sinks and anchor == "window",
         GATED=gated, NOPE=not feature_rope, GATE_INPUT=gate_input is not None,
-        BC=min(STEP_CHUNK, triton.next_power_of_2(triton.cdiv(d, splits))),
+        BC=min(STEP_CHUNK if b * h * splits >= CHUNK_PROGRAMS else bdv, bdv),
         num_warps=STEP_WARPS or min(16, max(2, bw * bd // 2048)))
     return y.transpose(1, 2)

@@ -85,6 +85,10 @@ MERGE_ELEMENTS = 8192
 # 1 reads a crowded batch's rings whole (one program per sequence and key head). The parts' merge costs no launch of
 # its own, so a crowded batch may gain from more programs reading shorter parts; ``dev/window_step_bench.py
 # --min-parts`` sweeps it.
+# Blocks of the ring with no valid slot are not read (their keys and values are not loaded): a ring that is not
+# full yet (a window longer than the context so far, e.g. 4,288 slots after a 1k prompt) costs what its tokens
+# take. False: every block read, as before (for dev/window_step_bench.py --skip).
+STEP_SKIP_EMPTY = True
 STEP_MIN_PARTS = 1  # 2, 4, 8 parts: 3-82 % slower at batch 256 on an H200 (gpu_hybrid.sh merge at 72a188b)
 
 
@@ -162,6 +166,7 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
                       D, L, R, S, reach, HAS_SOFTCAP: tl.constexpr, SPLIT: tl.constexpr, FP8: tl.constexpr,
                       NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
                       ROPE: tl.constexpr, SINK_Q: tl.constexpr, SINK_ROPE: tl.constexpr, HOLD_VALUES: tl.constexpr,
+                      SKIP_EMPTY: tl.constexpr,
                       BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
@@ -260,43 +265,50 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
         w = start + tl.arange(0, BW)
         old = (w < hi) & (w != s)
         live = tl.load(valid_ptr + bi * W + w, mask=old, other=0).to(tl.int1)
-        tile = w[:, None] * D + d[None, :]
-        if FP8:  # codes times the slot's scale in fp32, then rounded as ``dequantize`` rounds them
-            k_codes = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
-            v_codes = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
-            keys = (_e4m3_value(k_codes, NATIVE_FP8) * tl.load(ks_ptr + w, mask=old, other=0.0)[:, None]).to(k_ty)
-            values = (_e4m3_value(v_codes, NATIVE_FP8) * tl.load(vs_ptr + w, mask=old, other=0.0)[:, None]).to(v_ty)
-            if MMA and NATIVE_FP8 and HOLD_VALUES and not F32_DOT:  # 16-bit values only
-                values = _held(values)
+        if SKIP_EMPTY:  # a block with no token is not read
+            go = tl.max(live.to(tl.int32), axis=0) > 0
         else:
-            keys = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
-            values = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
-        if F32_DOT:
-            keys = keys.to(tl.float32)
-            values = values.to(tl.float32)
-        if MMA:
-            scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale  # [BG, BW]
-        else:
-            scores = tl.sum(q.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
-        if SINK_Q or SINK_ROPE:
-            if MMA:
-                lead = tl.dot(qs, tl.trans(keys), input_precision=PREC) * scale
+            go = tl.full([], 1, tl.int1)
+        if go:
+            tile = w[:, None] * D + d[None, :]
+            if FP8:  # codes times the slot's scale in fp32, then rounded as ``dequantize`` rounds them
+                k_codes = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
+                v_codes = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
+                k_scale = tl.load(ks_ptr + w, mask=old, other=0.0)
+                v_scale = tl.load(vs_ptr + w, mask=old, other=0.0)
+                keys = (_e4m3_value(k_codes, NATIVE_FP8) * k_scale[:, None]).to(k_ty)
+                values = (_e4m3_value(v_codes, NATIVE_FP8) * v_scale[:, None]).to(v_ty)
+                if MMA and NATIVE_FP8 and HOLD_VALUES and not F32_DOT:  # 16-bit values only
+                    values = _held(values)
             else:
-                lead = tl.sum(qs.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
-            scores = tl.where((w < S)[None, :], lead, scores)
-        if HAS_SOFTCAP:
-            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
-        scores = tl.where(live[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no live slot yet: nothing to weigh
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(scores - m_safe[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if MMA:  # the weights in the ring's dtype, as a flash kernel rounds them
-            acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
-        else:
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values.to(tl.float32)[None, :, :], axis=1)
-        m = m_new
+                keys = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
+                values = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
+            if F32_DOT:
+                keys = keys.to(tl.float32)
+                values = values.to(tl.float32)
+            if MMA:
+                scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale  # [BG, BW]
+            else:
+                scores = tl.sum(q.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
+            if SINK_Q or SINK_ROPE:
+                if MMA:
+                    lead = tl.dot(qs, tl.trans(keys), input_precision=PREC) * scale
+                else:
+                    lead = tl.sum(qs.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
+                scores = tl.where((w < S)[None, :], lead, scores)
+            if HAS_SOFTCAP:
+                scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+            scores = tl.where(live[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no live slot yet: nothing to weigh
+            alpha = tl.exp(m - m_safe)
+            p = tl.exp(scores - m_safe[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            if MMA:  # the weights in the ring's dtype, as a flash kernel rounds them
+                acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
+            else:
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values.to(tl.float32)[None, :, :], axis=1)
+            m = m_new
 
     # 4. the output; with the ring in parts, this part's terms ([B, Hk, P, G] and [B, Hk, P, G, D]), and the last
     #    part of the (sequence, key head) to arrive (counted in cnt[head]) merges them into the output
@@ -499,7 +511,7 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         positions.stride(0) if turn and positions.shape[0] > 1 else 0, float(scale), float(softcap or 1.0), hk, g, w,
         d, span, rot, state.sinks, int(reach), HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8,
         NATIVE_FP8=fp8 and _native_float8(q.device), MMA=mma, F32_DOT=f32_dot,
-        PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, SINK_Q=use_qs, SINK_ROPE=turn, HOLD_VALUES=STEP_HOLD_VALUES,
+        PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, SINK_Q=use_qs, SINK_ROPE=turn, HOLD_VALUES=STEP_HOLD_VALUES, SKIP_EMPTY=STEP_SKIP_EMPTY,
         BG=bg, BW=bw, BD=bd, BP=min(MERGE_PARTS, triton.next_power_of_2(parts), max(1, MERGE_ELEMENTS // (bg * bd))),
         num_warps=warps,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
