@@ -274,10 +274,10 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
             if FP8:  # codes times the slot's scale in fp32, then rounded as ``dequantize`` rounds them
                 k_codes = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
                 v_codes = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
-                k_scale = tl.load(ks_ptr + w, mask=old, other=0.0)
-                v_scale = tl.load(vs_ptr + w, mask=old, other=0.0)
-                keys = (_e4m3_value(k_codes, NATIVE_FP8) * k_scale[:, None]).to(k_ty)
-                values = (_e4m3_value(v_codes, NATIVE_FP8) * v_scale[:, None]).to(v_ty)
+                k_sc = tl.load(ks_ptr + w, mask=old, other=0.0)
+                v_sc = tl.load(vs_ptr + w, mask=old, other=0.0)
+                keys = (_e4m3_value(k_codes, NATIVE_FP8) * k_sc[:, None]).to(k_ty)
+                values = (_e4m3_value(v_codes, NATIVE_FP8) * v_sc[:, None]).to(v_ty)
                 if MMA and NATIVE_FP8 and HOLD_VALUES and not F32_DOT:  # 16-bit values only
                     values = _held(values)
             else:
