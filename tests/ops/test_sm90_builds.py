@@ -58,5 +58,5 @@ def test_fused_hybrid_step_builds_for_sm90(layout, chunk):
     one with attention sinks anchored to the window; value columns in chunks of 32 and whole."""
     default, sinks = layout == "default", layout == "sinks"
     consts = dict(HAS_SOFTCAP=sinks, BW=64, BD=128, BDV=128, BF=64, BS=4 if sinks else 0, WINDOW_ANCHOR=sinks,
-                  GATED=default, NOPE=default, GATE_INPUT=default, BC=chunk)
+                  GATED=default, NOPE=default, GATE_INPUT=default, BC=chunk, WIDTH=132)
     _build(hybrid_step._hybrid_fused_step, HYBRID_POINTERS, consts, 4)

@@ -195,13 +195,37 @@ def _leaving(state: RingHybridState, key_feature_map=None) -> torch.Tensor:
     return (old_f.transpose(-1, -2) @ old_v).unsqueeze(2)
 
 
+# The fused step's linear-state rows start every ROW_ALIGN elements (16 bytes of fp32): with rows of D + 1
+# (the values, then the normaliser) the kernel could only read and write them an element at a time
+# (sm_90 PTX of the step at head dim 128: scalar ``ld.global.b32`` for every state load). The padding
+# (3 elements a row at head dim 128, 2.3 %) is never read.
+ROW_ALIGN = 4
+
+
+def aligned_rows(linear: torch.Tensor) -> torch.Tensor:
+    """``linear`` ``[..., F, D + 1]`` as a view of a zero-padded buffer whose rows start every ``ROW_ALIGN``
+    elements (a copy; ``linear`` itself when it is laid out so already)."""
+    width = linear.shape[-1]
+    padded = -(-width // ROW_ALIGN) * ROW_ALIGN
+    strides, step = [1], padded  # innermost first: an element, a padded row, then rows one after another
+    for size in reversed(linear.shape[:-1]):
+        strides.append(step)
+        step *= size
+    if linear.stride() == tuple(reversed(strides)):
+        return linear
+    out = torch.zeros(*linear.shape[:-1], padded, dtype=linear.dtype, device=linear.device)
+    out[..., :width] = linear
+    return out[..., :width]
+
+
 @dataclass
 class FusedRingState(HybridState):
     """A ``RingHybridState`` laid out for the fused Triton decode step
     (``step_triton.hybrid_step_fused_triton``). That kernel's programs run at once, so
     none may write what another reads:
 
-    * ``linear`` ``[B, Hk, 2, F, D + 1]`` holds two linear states used by step parity. At tick ``t``
+    * ``linear`` ``[B, Hk, 2, F, D + 1]`` (a view of rows padded to ``ROW_ALIGN`` elements, ``aligned_rows``)
+      holds two linear states used by step parity. At tick ``t``
       the queries read buffer ``t % 2``: the ring's linear state *with* the token this step evicts
       (slot ``t % w``, which is therefore never read); the step writes buffer ``(t + 1) % 2``, the
       same plus the token the next step evicts. Between steps, buffer ``(t + 1) % 2`` is the ring's
@@ -222,6 +246,9 @@ class FusedRingState(HybridState):
     ticks: torch.Tensor | None = None
     evict_features: torch.Tensor | None = None
     evict_values: torch.Tensor | None = None
+
+    def __post_init__(self):
+        self.linear = aligned_rows(self.linear)  # however made (from_ring, map, a joined batch)
 
     @property
     def gated(self) -> bool:

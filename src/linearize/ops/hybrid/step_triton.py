@@ -128,7 +128,7 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
                        scale, softcap, H, HK, W, D, FH, R, NS, S,
                        HAS_SOFTCAP: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
                        BF: tl.constexpr, BS: tl.constexpr, WINDOW_ANCHOR: tl.constexpr, GATED: tl.constexpr,
-                       NOPE: tl.constexpr, GATE_INPUT: tl.constexpr, BC: tl.constexpr):
+                       NOPE: tl.constexpr, GATE_INPUT: tl.constexpr, BC: tl.constexpr, WIDTH: tl.constexpr):
     bi = tl.program_id(0)
     h = tl.program_id(1)
     c = tl.program_id(2)
@@ -185,7 +185,7 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
         a_sink = tl.zeros([1], tl.float32)
         lift = 1.0
     a = gamma * tl.exp(scores - peak)
-    width = D + 1  # a linear-state row: the values, then the normaliser
+    width = WIDTH  # a linear-state row's stride: the values, the normaliser, then padding to 16 bytes
     cur = lin_ptr + ((bi * HK + hk) * 2 + p) * 2 * FH * width
     nxt = lin_ptr + ((bi * HK + hk) * 2 + 1 - p) * 2 * FH * width
     n_pos = tl.load(cur + f * width + D, mask=fm, other=0.0)
@@ -358,6 +358,10 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
     if state.linear.shape[-2:] != (2 * fh, d + 1) or state.ticks.shape[:2] != (b, h):
         raise ValueError(f"a state for {tuple(state.ticks.shape[:2])} sequences x query heads and features "
                          f"{tuple(state.linear.shape[-2:])} does not fit {(b, h)} and Hedgehog features of {fh}")
+    width = state.linear.stride(-2)  # the rows' stride (FusedRingState pads them to 16 bytes)
+    if state.linear.stride() != (hk * 4 * fh * width, 4 * fh * width, 2 * fh * width, width, 1):
+        raise ValueError(f"the linear state's strides {state.linear.stride()} are not those of rows of {width} "
+                         "elements one after another (FusedRingState lays them out so)")
     y = torch.empty(b, 1, h, d, device=q.device, dtype=q.dtype)
     cos, sin, rot, sc_b, sc_d = rope_arguments(position_embeddings, q)
     wq, wk = wq.contiguous(), wk.contiguous()
@@ -398,6 +402,6 @@ def hybrid_step_fused_triton(q, k, v, position_embeddings, wq, wk, window_logit,
         BDV=bdv, BF=triton.next_power_of_2(fh),
         BS=triton.next_power_of_2(n_sinks) if n_sinks else 0, WINDOW_ANCHOR=sinks and anchor == "window",
         GATED=gated, NOPE=not feature_rope, GATE_INPUT=gate_input is not None,
-        BC=min(STEP_CHUNK if b * h * splits >= CHUNK_PROGRAMS else bdv, bdv),
+        BC=min(STEP_CHUNK if b * h * splits >= CHUNK_PROGRAMS else bdv, bdv), WIDTH=width,
         num_warps=STEP_WARPS or min(16, max(2, bw * bd // 2048)))
     return y.transpose(1, 2)
