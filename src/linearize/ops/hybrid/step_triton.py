@@ -220,7 +220,7 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
     # the value columns a chunk at a time: what a chunk holds at once stays small
     for c0 in range(0, BDV, BC):
         dv = c * BDV + c0 + j
-        dvm = (dv < D) & (c0 + j < BDV)
+        dvm = dv < D
         v_new = tl.load(v_ptr + bi * sv_b + hk * sv_h + dv * sv_d, mask=dvm, other=0.0).to(values_ptr.dtype.element_ty)
         values = tl.load(values_ptr + ring + w[:, None] * D + dv[None, :], mask=old[:, None] & dvm[None, :], other=0.0)
         values = tl.where(here[:, None], v_new.to(tl.float32)[None, :], values.to(tl.float32))
@@ -276,9 +276,9 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
             # turns `vector & scalar` into int32 and refuses it as a mask
             tl.store(nxt + f * width + D, n_pos + k_pos, mask=tl.where(first, fm, False))
             tl.store(nxt + (FH + f) * width + D, n_neg + k_neg, mask=tl.where(first, fm, False))
-        for c0 in range(0, BDV, BC):
+        for c0 in range(0, BDV, BC):  # the chunks' state rows again (this program read them just now: cached)
             dv = c * BDV + c0 + j
-            dvm = (dv < D) & (c0 + j < BDV)
+            dvm = dv < D
             rows = f[:, None] * width + dv[None, :]
             lm = fm[:, None] & dvm[None, :]
             s_pos = tl.load(cur + rows, mask=lm, other=0.0)
