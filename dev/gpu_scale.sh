@@ -13,8 +13,10 @@
 #   profile-decode  where a decode step goes (kernels, bench.profile decode) at batch DECODE_PROFILE_BATCHES (64 256),
 #            1k prompts, for two untrained students converted from the shape (speed does not depend on training):
 #            lolcats_mix's and the default's layout (lolcats_tiers with KEEP (every other layer, 15 of 32) softmax
-#            layers over 1,280, LONG (4) of them over 4,288); then the fused hybrid step alone at the shape's heads
-#            (dev/step_bench.py, its warps and value parts swept)
+#            layers over 1,280, LONG (4) of them over 4,288); first the fused hybrid step alone at the shape's heads
+#            (dev/step_bench.py: warps, value parts, chunks) and a float8 ring of 4,292 holding 1,280 tokens with its
+#            empty blocks skipped and read (dev/window_step_bench.py --filled --skip); KEEP_CK=1 keeps the students
+#            for `CK=/tmp/ckpt/conv-SHAPE-tiers ... decode`
 #   profile  where a graphed stage-1 and stage-2 step of the default student goes at 2 x 4,096 (bench.profile train)
 #   profile-uptrain  where an eager step of SUPRA's and XATL's (RetNet) student goes at the shape's width on its first
 #            UP_LAYERS (8) layers, 1 x 4,096 (bench.profile train): the FSDP rows' XATL ran at half SUPRA's MFU
@@ -88,8 +90,10 @@ EOF
       n=$(python3 -c "from linearize.shapes import shape_config; print(shape_config('$SHAPE').num_hidden_layers)" 2>/dev/null || echo 32)
       keep=${KEEP:-$(python3 -c "print(','.join(str(i) for i in range(0, $n, 2)[:15]))")}
       long=${LONG:-$(python3 -c "k='$keep'.split(','); print(','.join(f'{i}:4288' for i in k[1::4][:4]))")}
-      python3 dev/step_bench.py --shape ${STEP_SHAPE:-$SHAPE} --batches 1 64 256 --warps 0 4 8 16 --splits 0 1 2 4 \
-        --out "$S/step_bench.json" 2>&1 | quiet | tail -50
+      python3 dev/step_bench.py --shape ${STEP_SHAPE:-$SHAPE} --batches 1 64 256 --warps 0 8 --splits 0 2 --chunks 0 64 \
+        --out "$S/step_bench.json" 2>&1 | quiet | grep -E "^\||rror"
+      python3 dev/window_step_bench.py --shape ${STEP_SHAPE:-$SHAPE} --float8 --window 4292 --filled 1280 --skip 0 1 \
+        --batches 64 256 --layers 15 --out "$S/window_step_filled.json" 2>&1 | quiet | grep -E "^\| held|rror"
       for spec in mix tiers; do
         ck=/tmp/ckpt/conv-$SHAPE-$spec; rm -rf "$ck"
         if [ $spec = mix ]; then args="--config lolcats_mix"
