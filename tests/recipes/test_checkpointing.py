@@ -95,6 +95,27 @@ def test_nothing_a_recomputed_layer_makes_outlives_the_backward(tiny_model):
         assert not alive, f"the memory of {len(alive)} of {len(made['backward'])} recomputed tensors outlives the backward"
 
 
+def test_a_probed_students_state_dict_is_the_plain_students(tiny_model):
+    """A checkpointed stage 1 keeps its probes in place for the whole run, so its Trainer checkpoints are the
+    probed student's state dict: the same names and values as the plain student's, each loading (strictly)
+    into the other (before, the probes' ``mixer.`` level made a resume without the flag load nothing of the
+    maps, with a warning)."""
+    student = _student(tiny_model)
+    plain = {k: v.clone() for k, v in student.state_dict().items()}
+    with transfer_probes(student, (0, 1), tie=False):
+        probed = student.state_dict()
+        assert set(probed) == set(plain)
+        assert all(torch.equal(probed[k], plain[k]) for k in plain)
+        changed = {k: v + 1 if v.is_floating_point() else v for k, v in plain.items()}
+        student.load_state_dict(changed)  # strict: the plain names load into the probed student
+    assert all(torch.equal(student.state_dict()[k], changed[k]) for k in plain)
+    student.load_state_dict(plain)
+    with transfer_probes(student, (0, 1), tie=False):
+        saved = {k: v.clone() for k, v in student.state_dict().items()}
+    student.load_state_dict(saved)  # and the probed student's into the plain one
+    assert all(torch.equal(student.state_dict()[k], plain[k]) for k in plain)
+
+
 def test_probes_in_place_serve_the_same_layers_only(tiny_model):
     student = _student(tiny_model)
     with transfer_probes(student, (0, 1), tie=False) as outer:

@@ -90,7 +90,10 @@ def attention_weights_xent(mixer: Mixer, q, k, position_embeddings) -> torch.Ten
 
 
 class _Wrapper(nn.Module):
-    """Holds a mixer as its only child; decoder layers that read ``attn.config`` still find it."""
+    """Holds a mixer as its only child; decoder layers that read ``attn.config`` still find it. Its state dict
+    names the mixer's tensors as the mixer in place would (no ``mixer.`` level): a Trainer checkpoint written
+    while probes stand in (a checkpointed stage 1 keeps them for the whole run) loads into the plain student,
+    and the plain student's into a probed one."""
 
     def __init__(self, mixer: Mixer):
         super().__init__()
@@ -99,6 +102,20 @@ class _Wrapper(nn.Module):
                                  "cannot give the teacher's attention; use a separate teacher (distill_teacher: copy)")
         self.mixer = mixer
         self.config = mixer.config
+        self._register_state_dict_hook(_without_mixer_level)
+        self._register_load_state_dict_pre_hook(_with_mixer_level)
+
+
+def _without_mixer_level(module, state_dict, prefix, local_metadata):
+    inner = prefix + "mixer."
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner):]] = state_dict.pop(key)
+
+
+def _with_mixer_level(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    inner = prefix + "mixer."
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix):]] = state_dict.pop(key)
 
 
 class SoftmaxAttention(_Wrapper):
