@@ -35,11 +35,10 @@ WINDOW_POINTERS = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", ks_ptr="*fp3
 
 @pytest.mark.parametrize("float8", [False, True])
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("skip", [False, True])
-def test_window_ring_step_builds_for_sm90(float8, split, skip):
+def test_window_ring_step_builds_for_sm90(float8, split):
     ring = "*u8" if float8 else "*bf16"
     consts = dict(HAS_SOFTCAP=False, SPLIT=split, FP8=float8, NATIVE_FP8=float8, MMA=True, F32_DOT=False, PREC="tf32",
-                  ROPE=True, SINK_Q=False, SINK_ROPE=split, HOLD_VALUES=float8, SKIP_EMPTY=skip, BG=16, BW=64, BD=128,
+                  ROPE=True, SINK_Q=False, SINK_ROPE=split, HOLD_VALUES=float8, SKIP_EMPTY=True, BG=16, BW=64, BD=128,
                   BP=1)
     _build(window_step._window_ring_step, {**WINDOW_POINTERS, "keys_ptr": ring, "values_ptr": ring}, consts, 2)
 
@@ -51,11 +50,10 @@ HYBRID_POINTERS = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", cos_ptr="*bf
                        ev_ptr="*fp32", kf_ptr="*bf16")
 
 
-@pytest.mark.parametrize("layout", ["default", "plain", "sinks"])
-@pytest.mark.parametrize("chunk", [32, 128])
+@pytest.mark.parametrize("layout, chunk", [("default", 32), ("plain", 128), ("sinks", 32)])
 def test_fused_hybrid_step_builds_for_sm90(layout, chunk):
     """The default student's step (gated from the projection's output, features before RoPE), plain LoLCATs', and
-    one with attention sinks anchored to the window; value columns in chunks of 32 and whole."""
+    one with attention sinks anchored to the window; value columns in chunks of 32, or whole."""
     default, sinks = layout == "default", layout == "sinks"
     consts = dict(HAS_SOFTCAP=sinks, BW=64, BD=128, BDV=128, BF=64, BS=4 if sinks else 0, WINDOW_ANCHOR=sinks,
                   GATED=default, NOPE=default, GATE_INPUT=default, BC=chunk, WIDTH=132)
