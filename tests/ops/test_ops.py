@@ -245,6 +245,20 @@ def test_triton_fused_hybrid_decode_step_equals_rope_features_and_the_ring_step(
     run_triton_interpreter_script("triton_interpret_hybrid_fused.py", "kernel")
 
 
+def test_fused_step_value_parts_by_batch_and_head_width():
+    """The fused step's value parts: added until about ``SPLIT_PROGRAMS`` programs for heads up to 64 wide
+    (SmolLM2's 9 heads: 4 parts at batch 1 and 2, none at 4), ``(D / 64)^2`` times as many for wider ones
+    (Llama-3-8B's 32 heads of 128: 4 parts at batch 1, none at 4), each part at least 16 columns."""
+    pytest.importorskip("triton")
+    from linearize.ops.hybrid import step_triton as st
+
+    assert st.SPLIT_PROGRAMS == 32
+    assert [st.value_splits(b, 9, 64) for b in (1, 2, 4, 64)] == [4, 2, 1, 1]
+    assert [st.value_splits(b, 32, 128) for b in (1, 2, 4, 256)] == [4, 2, 1, 1]
+    assert st.value_splits(1, 32, 64) == 1 and st.value_splits(1, 1, 32) == 2  # Llama-3.2-1B; no part under 16
+    assert st.value_splits(1, 32, 128, programs=32) == 1
+
+
 def test_rotates_half_recognises_the_rope_fused_kernels_compute():
     from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb as llama
