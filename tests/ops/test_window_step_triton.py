@@ -141,8 +141,8 @@ def test_float8_step_dispatch_rule(monkeypatch):
 
 
 def test_ring_step_tiles_by_crowding(monkeypatch):
-    """The ring step's (tensor cores, block, warps): a float8 ring whose step has a program or more per aimed-for
-    one (batch 256 on 3 key heads against 528) takes the crowded tiles, a split one (batch 64) or a bf16 ring the
+    """The ring step's (tensor cores, block, warps): a float8 ring whose step has half a program or more per
+    aimed-for one (batch 88 to 256 on 3 key heads against 528) takes the crowded tiles, a split one (batch 64) or a bf16 ring the
     defaults; heads over 128 wide halve the block; ``STEP_CROWDED_FP8 = None`` keeps the defaults everywhere."""
     from linearize.ops.window import step_triton as st
 
@@ -151,8 +151,12 @@ def test_ring_step_tiles_by_crowding(monkeypatch):
     monkeypatch.setattr(st, "STEP_WARPS", 4)
     monkeypatch.setattr(st, "STEP_CROWDED_FP8", (False, 64, 2))
     assert st.step_tiles(256, 3, 64, True, 528) == (False, 64, 2)
-    assert st.step_tiles(176, 3, 64, True, 528) == (False, 64, 2)  # exactly one program per aimed-for one
-    assert st.step_tiles(175, 3, 64, True, 528) == (True, 128, 4)
+    assert st.step_tiles(88, 3, 64, True, 528) == (False, 64, 2)  # exactly half a program per aimed-for one
+    assert st.step_tiles(87, 3, 64, True, 528) == (True, 128, 4)
+    assert st.step_tiles(64, 8, 128, True, 528) == (False, 64, 2)  # Llama-3-8B's batch 64
+    monkeypatch.setattr(st, "STEP_CROWDED_SHARE", 1.0)
+    assert st.step_tiles(176, 3, 64, True, 528) == (False, 64, 2) and st.step_tiles(175, 3, 64, True, 528)[1] == 128
+    monkeypatch.setattr(st, "STEP_CROWDED_SHARE", 0.5)
     assert st.step_tiles(64, 3, 64, True, 528) == (True, 128, 4)
     assert st.step_tiles(256, 3, 64, False, 528) == (True, 128, 4)
     assert st.step_tiles(256, 3, 256, True, 528) == (False, 32, 2)

@@ -64,6 +64,13 @@ STEP_STAGES: int | None = None
 # Broadcast sums (``False``) read the value codes as words but took 5.8-15x as long (blocks 16-64, 2-4 warps: 1,232
 # to 3,210 µs at 4,164 slots). None: the defaults above always (sweeps set it).
 STEP_CROWDED_FP8: tuple[bool, int, int] | None = (True, 64, 2)
+# A step is crowded once its (sequence, key head) pairs reach this share of the programs it aims for. On an H200 at
+# Llama-3-8B's heads (8 key heads of 128), batch 64 has 512 pairs against 528 aimed for: the crowded tiles took 115
+# / 349 µs a layer against 140 / 399 for the defaults (float8 rings of 1,284 / 4,292 slots, full;
+# ``dev/window_step_bench.py --shape llama-3-8b --float8 --batches 16 64 256 --programs 0 256``), and the fast
+# decoder's batch-64 step 8.21 against 8.45 ms (``gpu_scale.sh decode``). SmolLM2's batch 64 (192 pairs) stays
+# below and is read in two parts: 28.9 µs, against 39.8 whole (``--programs 528`` / ``264``).
+STEP_CROWDED_SHARE = 0.5
 # On the tensor cores Triton moves a float8 ring's value decoding past shared memory: the codes are stored there and
 # read back into the product's (transposed) operand byte by byte, 64 ``ld.shared.b8`` a block, 186-225 registers
 # (``dev/sm90_compile.py --ptx``). True: the values are held decoded where they are loaded (``_held``), stored as
@@ -85,11 +92,15 @@ MERGE_ELEMENTS = 8192
 # 1 reads a crowded batch's rings whole (one program per sequence and key head). The parts' merge costs no launch of
 # its own, so a crowded batch may gain from more programs reading shorter parts; ``dev/window_step_bench.py
 # --min-parts`` sweeps it.
-# Blocks of the ring with no valid slot are not read (their keys and values are not loaded): a ring that is not
-# full yet (a window longer than the context so far, e.g. 4,288 slots after a 1k prompt) costs what its tokens
-# take. False: every block read, as before (for dev/window_step_bench.py --skip).
-STEP_SKIP_EMPTY = True
 STEP_MIN_PARTS = 1  # 2, 4, 8 parts: 3-82 % slower at batch 256 on an H200 (gpu_hybrid.sh merge at 72a188b)
+# Blocks of the ring before its part's first valid slot and after its last are not read: a ring that is not full yet
+# (a window longer than the context so far, e.g. 4,288 slots after a 1k prompt) costs what its tokens take. The
+# bounds come from a scan of the part's valid flags before the loop. 8f4ece1 skipped empty blocks by a branch inside
+# the loop instead; Triton then did not pipeline the loop's loads (no cp.async in the sm_90 PTX), and full float8
+# rings of 1,284 slots at Llama-3-8B's heads took 115 / 436 µs a layer at batch 64 / 256 on an H200, against 84 / 315
+# before it (dev/window_step_bench.py, 28353a7 against bab3af6). A 4,292-slot ring holding 1,280 tokens: 165 / 530 µs
+# with that skip, 283 / 969 without (--filled 1280 --skip 0 1). False: every block read (for the bench's --skip).
+STEP_SKIP_EMPTY = True
 
 
 @triton.jit
@@ -167,7 +178,7 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
                       NATIVE_FP8: tl.constexpr, MMA: tl.constexpr, F32_DOT: tl.constexpr, PREC: tl.constexpr,
                       ROPE: tl.constexpr, SINK_Q: tl.constexpr, SINK_ROPE: tl.constexpr, HOLD_VALUES: tl.constexpr,
                       SKIP_EMPTY: tl.constexpr,
-                      BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr):
+                      BG: tl.constexpr, BW: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, SCAN: tl.constexpr):
     bi = tl.program_id(0)
     hk = tl.program_id(1)
     part = tl.program_id(2)
@@ -260,55 +271,64 @@ def _window_ring_step(q_ptr, k_ptr, v_ptr, keys_ptr, values_ptr, ks_ptr, vs_ptr,
     l = tl.where(mine, 1.0, 0.0) + tl.zeros([BG], dtype=tl.float32)
     acc = tl.where(mine, v_new.to(tl.float32), 0.0)[None, :] + tl.zeros([BG, BD], dtype=tl.float32)
 
-    # 3. the part's other slots in blocks of BW (slot s is never read: its write may not have landed)
-    for start in range(lo, hi, BW):
+    # 3. the part's other slots in blocks of BW (slot s is never read: its write may not have landed); with
+    #    SKIP_EMPTY only the blocks from the first valid slot's to the last's: a ring not yet full (or a left-padded
+    #    sequence's) is read as far as it holds tokens. The bounds come from a scan of the valid flags first, so that
+    #    the loop itself has no branch (see STEP_SKIP_EMPTY).
+    begin = lo
+    top = hi
+    if SKIP_EMPTY:
+        first = hi
+        top = lo
+        for scan in range(lo, hi, SCAN):
+            ws = scan + tl.arange(0, SCAN)
+            lives = tl.load(valid_ptr + bi * W + ws, mask=(ws < hi) & (ws != s), other=0).to(tl.int1)
+            first = tl.minimum(first, tl.min(tl.where(lives, ws, hi), axis=0))
+            top = tl.maximum(top, tl.max(tl.where(lives, ws + 1, lo), axis=0))
+        begin = lo + ((first - lo) // BW) * BW
+    for start in range(begin, top, BW):
         w = start + tl.arange(0, BW)
         old = (w < hi) & (w != s)
         live = tl.load(valid_ptr + bi * W + w, mask=old, other=0).to(tl.int1)
-        if SKIP_EMPTY:  # a block with no token is not read
-            go = tl.max(live.to(tl.int32), axis=0) > 0
+        tile = w[:, None] * D + d[None, :]
+        if FP8:  # codes times the slot's scale in fp32, then rounded as ``dequantize`` rounds them
+            k_codes = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
+            v_codes = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
+            k_sc = tl.load(ks_ptr + w, mask=old, other=0.0)
+            v_sc = tl.load(vs_ptr + w, mask=old, other=0.0)
+            keys = (_e4m3_value(k_codes, NATIVE_FP8) * k_sc[:, None]).to(k_ty)
+            values = (_e4m3_value(v_codes, NATIVE_FP8) * v_sc[:, None]).to(v_ty)
+            if MMA and NATIVE_FP8 and HOLD_VALUES and not F32_DOT:  # 16-bit values only
+                values = _held(values)
         else:
-            go = tl.full([], 1, tl.int1)
-        if go:
-            tile = w[:, None] * D + d[None, :]
-            if FP8:  # codes times the slot's scale in fp32, then rounded as ``dequantize`` rounds them
-                k_codes = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
-                v_codes = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0)
-                k_sc = tl.load(ks_ptr + w, mask=old, other=0.0)
-                v_sc = tl.load(vs_ptr + w, mask=old, other=0.0)
-                keys = (_e4m3_value(k_codes, NATIVE_FP8) * k_sc[:, None]).to(k_ty)
-                values = (_e4m3_value(v_codes, NATIVE_FP8) * v_sc[:, None]).to(v_ty)
-                if MMA and NATIVE_FP8 and HOLD_VALUES and not F32_DOT:  # 16-bit values only
-                    values = _held(values)
-            else:
-                keys = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
-                values = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
-            if F32_DOT:
-                keys = keys.to(tl.float32)
-                values = values.to(tl.float32)
+            keys = tl.load(keys_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
+            values = tl.load(values_ptr + tile, mask=old[:, None] & dm[None, :], other=0.0)
+        if F32_DOT:
+            keys = keys.to(tl.float32)
+            values = values.to(tl.float32)
+        if MMA:
+            scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale  # [BG, BW]
+        else:
+            scores = tl.sum(q.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
+        if SINK_Q or SINK_ROPE:
             if MMA:
-                scores = tl.dot(q, tl.trans(keys), input_precision=PREC) * scale  # [BG, BW]
+                lead = tl.dot(qs, tl.trans(keys), input_precision=PREC) * scale
             else:
-                scores = tl.sum(q.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
-            if SINK_Q or SINK_ROPE:
-                if MMA:
-                    lead = tl.dot(qs, tl.trans(keys), input_precision=PREC) * scale
-                else:
-                    lead = tl.sum(qs.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
-                scores = tl.where((w < S)[None, :], lead, scores)
-            if HAS_SOFTCAP:
-                scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
-            scores = tl.where(live[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no live slot yet: nothing to weigh
-            alpha = tl.exp(m - m_safe)
-            p = tl.exp(scores - m_safe[:, None])
-            l = l * alpha + tl.sum(p, axis=1)
-            if MMA:  # the weights in the ring's dtype, as a flash kernel rounds them
-                acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
-            else:
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values.to(tl.float32)[None, :, :], axis=1)
-            m = m_new
+                lead = tl.sum(qs.to(tl.float32)[:, None, :] * keys.to(tl.float32)[None, :, :], axis=2) * scale
+            scores = tl.where((w < S)[None, :], lead, scores)
+        if HAS_SOFTCAP:
+            scores = softcap * (2.0 * tl.sigmoid(2.0 * scores / softcap) - 1.0)
+        scores = tl.where(live[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no live slot yet: nothing to weigh
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        if MMA:  # the weights in the ring's dtype, as a flash kernel rounds them
+            acc = tl.dot(p.to(values.dtype), values, acc * alpha[:, None], input_precision=PREC)
+        else:
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * values.to(tl.float32)[None, :, :], axis=1)
+        m = m_new
 
     # 4. the output; with the ring in parts, this part's terms ([B, Hk, P, G] and [B, Hk, P, G, D]), and the last
     #    part of the (sequence, key head) to arrive (counted in cnt[head]) merges them into the output
@@ -401,10 +421,10 @@ def _target_programs(device: torch.device) -> int:
 def step_tiles(batch: int, n_kv: int, d: int, fp8: bool, programs: int) -> tuple[bool, int, int]:
     """The ring step's ``(products on the tensor cores, block of slots, warps)`` for ``batch`` sequences of
     ``n_kv`` key heads of width ``d`` when a step aims for ``programs`` programs: ``STEP_CROWDED_FP8`` for a
-    float8 ring with a program or more per aimed-for one (the ring never split), else ``STEP_MMA`` /
+    float8 ring whose (sequence, key head) pairs reach ``STEP_CROWDED_SHARE`` of them, else ``STEP_MMA`` /
     ``STEP_BLOCK`` / ``STEP_WARPS``; the block halved for heads over 128 wide."""
     mma, block, warps = STEP_MMA, STEP_BLOCK, STEP_WARPS
-    if fp8 and STEP_CROWDED_FP8 is not None and batch * n_kv >= programs:
+    if fp8 and STEP_CROWDED_FP8 is not None and batch * n_kv >= STEP_CROWDED_SHARE * programs:
         mma, block, warps = STEP_CROWDED_FP8
     return mma, (block if d <= 128 else max(16, block // 2)), warps
 
@@ -512,6 +532,7 @@ def _step(q, k, v, state, keys, values, key_scale, value_scale, *, scale, softca
         d, span, rot, state.sinks, int(reach), HAS_SOFTCAP=softcap is not None, SPLIT=parts > 1, FP8=fp8,
         NATIVE_FP8=fp8 and _native_float8(q.device), MMA=mma, F32_DOT=f32_dot,
         PREC="ieee" if f32_dot else "tf32", ROPE=rot > 0, SINK_Q=use_qs, SINK_ROPE=turn, HOLD_VALUES=STEP_HOLD_VALUES, SKIP_EMPTY=STEP_SKIP_EMPTY,
+        SCAN=min(1024, triton.next_power_of_2(span)),
         BG=bg, BW=bw, BD=bd, BP=min(MERGE_PARTS, triton.next_power_of_2(parts), max(1, MERGE_ELEMENTS // (bg * bd))),
         num_warps=warps,
         **({} if STEP_STAGES is None else dict(num_stages=STEP_STAGES)))
