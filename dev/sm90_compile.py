@@ -108,7 +108,7 @@ def main() -> None:
                 consts = dict(HAS_SOFTCAP=False, SPLIT=split, FP8=fp8, NATIVE_FP8=fp8, MMA=not a.fma,
                               F32_DOT=False, PREC="tf32", ROPE=True, SINK_Q=sink_q, SINK_ROPE=sink_rope,
                               HOLD_VALUES=a.hold, BG=4 if a.fma else 16, BW=a.step_block, BD=a.head_dim,
-                              BP=a.merge_parts, SKIP_EMPTY=step_triton.STEP_SKIP_EMPTY)
+                              BP=a.merge_parts, SKIP_EMPTY=step_triton.STEP_SKIP_EMPTY, SCAN=1024)
                 print(f"step     float8={fp8!s:5} parts={split!s:5} own queries={sink_q!s:5} "
                       f"rotated here={sink_rope!s:5}:", build(step_triton._window_ring_step, step, consts,
                                                              a.step_warps, a.ptx))

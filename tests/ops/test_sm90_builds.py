@@ -39,7 +39,7 @@ def test_window_ring_step_builds_for_sm90(float8, split):
     ring = "*u8" if float8 else "*bf16"
     consts = dict(HAS_SOFTCAP=False, SPLIT=split, FP8=float8, NATIVE_FP8=float8, MMA=True, F32_DOT=False, PREC="tf32",
                   ROPE=True, SINK_Q=False, SINK_ROPE=split, HOLD_VALUES=float8, SKIP_EMPTY=True, BG=16, BW=64, BD=128,
-                  BP=1)
+                  BP=1, SCAN=1024)
     _build(window_step._window_ring_step, {**WINDOW_POINTERS, "keys_ptr": ring, "values_ptr": ring}, consts, 2)
 
 
