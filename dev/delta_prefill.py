@@ -188,7 +188,7 @@ def kernels(fn, top):
 def main(argv=None) -> int:
     import linearize
     from linearize.bench.prefill import prefill_once
-    from linearize.decode.fusion import fused_projections
+    from linearize.decode.fused import fused_projections
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model")

@@ -50,7 +50,7 @@ class Launches:
 
 def count(model, ids, layers: int) -> tuple[float, collections.Counter]:
     from linearize.bench.prefill import prefill_once
-    from linearize.decode.fusion import fused_projections
+    from linearize.decode.fused import fused_projections
 
     with fused_projections(model):
         prefill_once(model, ids)  # warm (lazy initialisation)

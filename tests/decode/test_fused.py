@@ -1,4 +1,4 @@
-"""Fused projections while decoding (``linearize.decode.fusion``): q/k/v and an MLP's gate/up as one product
+"""Fused projections while decoding (``linearize.decode.fused``): q/k/v and an MLP's gate/up as one product
 each, the same tokens and logits as the separate products, and every module restored afterwards."""
 
 import pytest

@@ -1,4 +1,4 @@
-"""The fast decoder's norm and activation kernels (``decode.fusion`` with ``kernels``): which modules they stand
+"""The fast decoder's norm and activation kernels (``decode.fused`` with ``kernels``): which modules they stand
 in for (exactly the kernels' function, checked on the CPU), swapped in for a call and restored after it,
 exceptions included; on by default only on CUDA and without ``compile``; and, through Triton's interpreter, the
 fast decoder with them forced on decodes generate()'s tokens."""
@@ -13,7 +13,7 @@ from helpers import plain_generate, run_triton_interpreter_script, tiny_student
 
 from linearize.convert import mixers
 from linearize.decode import FastDecoder, fast_generate, fused_projections
-from linearize.decode import fusion
+from linearize.decode import fused
 from linearize.models.fusion import (FusedGatedMLP, FusedRMSNorm, ResidualFusion, activation_kind, residual_fusable,
                                      rms_norm_kind)
 
@@ -220,7 +220,7 @@ def test_layers_that_are_not_the_plain_pre_norm_pair_keep_their_forward(tiny_mod
 
 def test_on_by_default_only_where_the_kernels_run_and_nothing_compiles(tiny_model, monkeypatch):
     model = tiny_student(tiny_model, "llama", LOLCATS)
-    assert not fusion.kernels_default(model)  # the CPU
+    assert not fused.kernels_default(model)  # the CPU
     assert FastDecoder(model).fuse_kernels is False
     from linearize.decode import loop
 
@@ -233,9 +233,9 @@ def test_on_by_default_only_where_the_kernels_run_and_nothing_compiles(tiny_mode
 
     monkeypatch.setattr(availability, "triton_available", lambda: True)
     on_cuda = SimpleNamespace(parameters=lambda: iter([SimpleNamespace(device=torch.device("cuda"))]))
-    assert fusion.kernels_default(on_cuda)
-    monkeypatch.setattr(fusion, "KERNELS", False)  # the switch for before-and-after benchmarks
-    assert not fusion.kernels_default(on_cuda)
+    assert fused.kernels_default(on_cuda)
+    monkeypatch.setattr(fused, "KERNELS", False)  # the switch for before-and-after benchmarks
+    assert not fused.kernels_default(on_cuda)
 
 
 def test_the_fast_decoder_with_the_kernels_decodes_generates_tokens():

@@ -1,4 +1,4 @@
-"""The fast decoder's RoPE tables (``decode.fusion.rope_table``, ``models.fusion.RopeTable``): the rotary embedding
+"""The fast decoder's RoPE tables (``decode.fused.rope_table``, ``models.fusion.RopeTable``): the rotary embedding
 read from tables of the positions below a call's total, built once by the module itself: the same bits as the
 module for every family and RoPE type it takes (one table per layer type for Gemma 3), none for the RoPE types whose
 frequencies follow the positions asked; in place for a decoding call, the module back after it; the same tokens."""
@@ -8,7 +8,7 @@ import torch
 
 from helpers import plain_generate, tiny_student
 
-from linearize.decode import FastDecoder, fusion
+from linearize.decode import FastDecoder, fused
 from linearize.models.fusion import RopeTable, rope_is_static
 
 LOLCATS = {"kind": "lolcats", "window": 4, "feature_dim": 8}
@@ -47,7 +47,7 @@ def test_no_tables_for_frequencies_that_follow_the_positions(tiny_model):
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     model = tiny_model("llama", rope_parameters=dynamic)
     assert not rope_is_static(model.base_model.rotary_emb) and _tables(model, 40, torch.float32) is None
-    with fusion.rope_table(model, 40) as used:
+    with fused.rope_table(model, 40) as used:
         assert not used and not isinstance(model.base_model.rotary_emb, RopeTable)
 
 
@@ -63,11 +63,11 @@ def test_decoding_reads_the_tables_and_gives_the_same_tokens(tiny_model, family,
     ids = ids.masked_fill(mask == 0, 0)
     calls = []
     rotary.register_forward_hook(lambda *a: calls.append(1))
-    monkeypatch.setattr(fusion, "ROPE_TABLE", False)
+    monkeypatch.setattr(fused, "ROPE_TABLE", False)
     without = FastDecoder(model, cuda_graph=False).generate(ids, mask, max_new_tokens=8, pad_token_id=0)
     per_call = len(calls)
     assert per_call >= 8  # the prefill and each of the 7 steps ask the module (once per layer type)
-    monkeypatch.setattr(fusion, "ROPE_TABLE", True)
+    monkeypatch.setattr(fused, "ROPE_TABLE", True)
     calls.clear()
     with_tables = FastDecoder(model, cuda_graph=False).generate(ids, mask, max_new_tokens=8, pad_token_id=0)
     types = len(set(getattr(model.config, "layer_types", None) or [None]))

@@ -100,7 +100,7 @@ def _students(tiny_model, dtype):
 def test_fast_decoder_with_the_kernels_on_cuda(tiny_model, monkeypatch):
     """The kernels (on by default here) in a CUDA graph = eagerly; fp32: the tokens of the decoder without them
     and of generate() (a rare near-tie may flip); bf16: a forward's logits with and without them to rounding."""
-    from linearize.decode import FastDecoder, fused_projections, fusion
+    from linearize.decode import FastDecoder, fused_projections, fused
     from linearize.ops import rms_norm_triton
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -113,7 +113,7 @@ def test_fast_decoder_with_the_kernels_on_cuda(tiny_model, monkeypatch):
     ids = ids.masked_fill(mask == 0, 0)
     for dtype in (torch.float32, torch.bfloat16):
         for name, model in _students(tiny_model, dtype):
-            assert fusion.kernels_default(model)
+            assert fused.kernels_default(model)
             calls.clear()
             graph = FastDecoder(model).generate(ids, mask, max_new_tokens=24, pad_token_id=0)
             assert calls, name  # the kernels ran (the prefill and the steps before the capture)
@@ -137,12 +137,12 @@ def test_the_kernels_cut_the_decode_steps_launches_on_cuda(tiny_model, monkeypat
     """bench.profile's CUDA kernels per decode step, bf16: with the kernels at least 6 fewer a norm (7 expected; two
     a layer and the final one), 1 fewer a gated MLP and 2 fewer a layer for its residual adds than without them."""
     from linearize.bench.profile import profile_decode
-    from linearize.decode import fusion
+    from linearize.decode import fused
 
     model = linearize.convert(tiny_model("llama", dtype=torch.bfloat16).cuda(), {"kind": "lolcats", "window": 4,
                                                                                "feature_dim": 8})
     with_kernels = profile_decode(model, batch=1, tokens=8, prompt_len=16, top=10**6)
-    monkeypatch.setattr(fusion, "KERNELS", False)
+    monkeypatch.setattr(fused, "KERNELS", False)
     without = profile_decode(model, batch=1, tokens=8, prompt_len=16, top=10**6)
     layers = model.config.num_hidden_layers
     saved = without["launches_per_step"] - with_kernels["launches_per_step"]
@@ -153,10 +153,10 @@ def test_the_kernels_cut_the_decode_steps_launches_on_cuda(tiny_model, monkeypat
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
 def test_rope_tables_give_the_modules_bits_and_the_decoders_tokens_on_cuda(tiny_model, family, monkeypatch):
-    """``decode.fusion.rope_table`` on CUDA: the tables are the rotary module's own values bit for bit (bf16), and the
+    """``decode.fused.rope_table`` on CUDA: the tables are the rotary module's own values bit for bit (bf16), and the
     fast decoder in a CUDA graph gives the same tokens with and without them."""
     from helpers import tiny_student
-    from linearize.decode import FastDecoder, fusion
+    from linearize.decode import FastDecoder, fused
     from linearize.models.fusion import RopeTable
 
     model = tiny_student(tiny_model, family, {"kind": "lolcats", "window": 4, "feature_dim": 8}).cuda().bfloat16()
@@ -171,6 +171,6 @@ def test_rope_tables_give_the_modules_bits_and_the_decoders_tokens_on_cuda(tiny_
     ids = torch.randint(2, 97, (3, 40), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     out = {}
     for on in (False, True):
-        monkeypatch.setattr(fusion, "ROPE_TABLE", on)
+        monkeypatch.setattr(fused, "ROPE_TABLE", on)
         out[on] = FastDecoder(model).generate(ids, max_new_tokens=24, pad_token_id=0)
     assert torch.equal(out[True], out[False])

@@ -226,7 +226,7 @@ def _launches_per_step(decoder, ids, mask):
 def check_decoder():
     import linearize
     from linearize.convert import mixers
-    from linearize.decode import fusion
+    from linearize.decode import fused as decode_fused
     from linearize.decode.route import plain_loop
     from linearize.fast import FastDecoder
 
@@ -247,7 +247,7 @@ def check_decoder():
         model.generation_config.eos_token_id = None
         n_norms = sum(type(m).__name__.endswith("RMSNorm") for m in model.modules())
         paired = 0 if family == "gemma" else len(model.model.layers)  # pre-norm layers: adds with their norms
-        with fusion.fused_projections(model, kernels=True) as n:
+        with decode_fused.fused_projections(model, kernels=True) as n:
             assert n == n_norms + len(mixers(model)) + len(model.model.layers) + paired, (family, n)
         plain = FastDecoder(model, fuse_kernels=False).generate(ids, mask, max_new_tokens=6)
         calls.update(norm=0, add=0, act=0)

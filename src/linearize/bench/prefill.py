@@ -9,7 +9,7 @@ cuDNN/flash pick theirs, the allocator grows), then timed passes (at least one, 
 ``repeats``, until ``budget_s`` seconds), of which the median counts; tokens/s = batch x length /
 that time, with the peak memory on CUDA. Every pass computes the logits of the last token only
 and fills the cache the first decode step would read, as ``linearize.fast``'s prefill does; q/k/v
-and a gated MLP's gate/up are computed as one product each (``linearize.decode.fusion``) for both models.
+and a gated MLP's gate/up are computed as one product each (``linearize.decode.fused``) for both models.
 
 Paths. The teacher: its forward through ``transformers`` with a ``DynamicCache`` and each
 requested attention implementation (``sdpa``; ``flash_attention_2`` where flash-attn is
@@ -95,7 +95,7 @@ def prefill_once(model, ids) -> None:
 
 def measure(model, label: str, path: str, batch: int, prompt_len: int, *, warmup: int = 2, repeats: int = 5,
             budget_s: float = 3.0, seed: int = 0) -> PrefillRow:
-    from ..decode.fusion import fused_projections
+    from ..decode.fused import fused_projections
 
     device = next(model.parameters()).device
     ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len),

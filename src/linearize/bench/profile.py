@@ -167,7 +167,7 @@ def profile_prefill(model, batch: int = 1, prompt_len: int = 1024, steps: int = 
 
     from torch.profiler import profile
 
-    from ..decode.fusion import fused_projections
+    from ..decode.fused import fused_projections
     from .prefill import prefill_once, student_backend
 
     device = next(model.parameters()).device

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import LinearizeError
-from . import cache
+from . import block_cache as cache
 from .mixture import mix, parse_mixture
 from .packing import check_block_len
 from .sources import resolve_source

@@ -8,7 +8,7 @@ removes that overhead. By job:
 * ``sampling``: greedy / temperature / top-k / top-p on the device (``Sampling``, ``next_tokens``);
 * ``buffers``: the static cache the steps update in place (ring windows, preallocated KV);
 * ``loop``: ``FastDecoder`` (prefill, buffers, the decode step, CUDA-graph capture and replay);
-* ``fusion``: q/k/v and gate/up as one product each during a call (the adapters' fused modules), and
+* ``fused``: q/k/v and gate/up as one product each during a call (the adapters' fused modules), and
   on CUDA the RMSNorms and gated activations as one Triton kernel each;
 * ``generate``: ``fast_generate(model, input_ids, ...)`` and ``decode``, for
   ``model.generate(..., custom_generate=decode)``;
@@ -17,7 +17,7 @@ removes that overhead. By job:
 """
 
 from .buffers import StaticCache, StaticKVLayer, StaticStateLayer, layer_tensors, static_cache
-from .fusion import fused_projections
+from .fused import fused_projections
 from .generate import decode, fast_generate
 from .loop import FastDecoder
 from .sampling import Sampling, filter_logits, next_tokens

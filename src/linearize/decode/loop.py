@@ -7,7 +7,7 @@
    advancing the positions — touches only those buffers and reads nothing back to the host, so on
    CUDA it is captured once as a CUDA graph and replayed per token. On the CPU it runs eagerly.
 4. During the call, q/k/v and gated MLPs' gate/up are one product each, and on CUDA the RMSNorms and
-   the gated activations one Triton kernel each (``decode.fusion``): the step is bound by kernel
+   the gated activations one Triton kernel each (``decode.fused``): the step is bound by kernel
    launches, and these were most of a layer's launches outside the attention and the products.
 
 Sequences that hit an EOS token continue as padding; the host checks for "all done" every
@@ -27,7 +27,7 @@ from ..cache import LinearizeCache, cache_keyword
 from ..errors import LinearizeError
 from ..mixers.window import positions_below
 from .buffers import StaticCache, StaticKVLayer, StaticRingKVLayer, join_caches, state_nbytes, static_cache
-from .fusion import fused_projections, kernels_default, rope_table
+from .fused import fused_projections, kernels_default, rope_table
 from .sampling import Sampling, next_tokens
 
 WARMUP_STEPS = 2  # eager decode steps before a CUDA graph is captured
@@ -230,12 +230,12 @@ class FastDecoder:
     ``compile``: compile the decode step with ``torch.compile`` (fewer, fused kernels; the first
     call pays the compilation). ``prefill_batch``: prefill that many prompts at a time (None: all).
     ``fuse_projections``: during each call, compute q/k/v with one matrix product per converted
-    layer and a gated MLP's gate/up with one (``decode.fusion``: fewer kernel launches per step,
+    layer and a gated MLP's gate/up with one (``decode.fused``: fewer kernel launches per step,
     the same function; weights concatenated afresh on every call, modules restored afterwards).
     ``fuse_kernels``: during each call, every RMSNorm module of the model and each fused gated MLP's
     ``act(gate) * up`` run as one Triton kernel each where the module computes exactly the kernel's
-    function (``decode.fusion``); None = on CUDA with Triton and without ``compile`` (whose own fusion
-    covers them), unless ``decode.fusion.KERNELS`` is False; True forces them (Triton's interpreter on
+    function (``decode.fused``); None = on CUDA with Triton and without ``compile`` (whose own fusion
+    covers them), unless ``decode.fused.KERNELS`` is False; True forces them (Triton's interpreter on
     the CPU, for tests). Triton compiles each kernel on its first use in a process (a fraction of a
     second, cached on disk for later processes), before any graph is captured.
     After each call, ``timings`` holds the seconds of prefill, setup (state buffers, the first

@@ -94,7 +94,7 @@ class Adapter:
         """[B, H, T, D] -> [B, T, hidden]."""
         raise NotImplementedError
 
-    # -- fewer products while decoding (``models.fusion``; ``linearize.decode.fusion`` applies them)
+    # -- fewer products while decoding (``models.fusion``; ``linearize.decode.fused`` applies them)
     def fuse_qkv(self, m: nn.Module) -> FusedLinear | None:
         """A module computing a converted layer's q, k and v projections with one product, which
         ``qkv`` uses while it is ``m``'s ``fused_qkv`` submodule; None where the family's q/k/v are one

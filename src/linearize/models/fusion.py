@@ -5,7 +5,7 @@ At batch 1 a decode step is bound by kernel launches, not arithmetic (each small
 about the same few microseconds whatever its width), so computing q, k and v from one weight
 ``[Wq; Wk; Wv]`` and a gated MLP's gate and up from ``[Wg; Wu]`` saves launches per layer. The
 adapters (``Adapter.fuse_qkv`` / ``Adapter.fuse_mlp``) build these modules for their family;
-``linearize.decode.fusion`` puts them in place for the length of a decoding call.
+``linearize.decode.fused`` puts them in place for the length of a decoding call.
 
 The concatenated weights are a snapshot of the parameters when the module is built (for inference:
 a later change to the weights is not seen) and cost memory of the size of the fused weights.
@@ -308,11 +308,11 @@ class ResidualFusion:
     as one launch: the attention's add with the layer's second norm, and the MLP's add with ``next_norm`` (the next
     layer's input norm or the model's final one, a ``FusedRMSNorm``; None: a plain add), whose call on the sum
     then returns the norm computed here. Two launches a layer fewer; the same function. Installed as the layer's
-    ``forward`` for a decoding call (``decode.fusion``); keyword arguments pass to the attention as the class's
+    ``forward`` for a decoding call (``decode.fused``); keyword arguments pass to the attention as the class's
     forward passes them (anything positional: the class's own forward)."""
 
     def __init__(self, layer: nn.Module, next_norm: FusedRMSNorm | None):
-        self.layer = layer  # a cycle through the layer's __dict__ for the call's length (decode.fusion removes it)
+        self.layer = layer  # a cycle through the layer's __dict__ for the call's length (decode.fused removes it)
         self.next_norm = next_norm
 
     def __call__(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
