@@ -5,7 +5,8 @@ PyTorch step (``window_softmax_step_ring`` with ``WINDOW_STEP_KERNEL`` off).
 
     python dev/window_step_bench.py [--batches 1 8 64 256] [--blocks 32 64 128] [--warps 2 4 8]
                                     [--programs 0 1 528] [--stages 0 2 3 4] [--fma] [--float8] [--hold]
-                                    [--min-parts 0 2 3] [--merge-parts 0 1 16] [--layers 14] [--out FILE]
+                                    [--min-parts 0 2 3] [--max-parts 0 16] [--merge-parts 0 1 16] [--layers 14]
+                                    [--out FILE]
                                     [--shape smollm2-135m|llama-3.2-1b|llama-3-8b|llama-3-70b]
 
 Heads are the ``--shape``'s (default a kept layer's of the SmolLM2-135M student: 9 query heads, 3 key heads,
@@ -14,8 +15,8 @@ head dim 64), a ring of ``--window`` 1,280 slots, bf16. ``0`` means the module's
 (``float8_window_step_ring``: the kernel quantising the new token itself, or its PyTorch path); ``--hold`` times
 each tensor-core setting of a float8 ring also with its values held converted where loaded (``STEP_HOLD_VALUES``:
 rows ``held``). ``--min-parts``: the fewest parts a ring is read in (``STEP_MIN_PARTS``: a crowded batch's rings
-in parts too); ``--merge-parts``: the parts the last one merges a tile at a time (``MERGE_PARTS``; 1: one by one, as
-before 3a5844e). Each setting's
+in parts too); ``--max-parts``: the most (``STEP_MAX_PARTS``: a long ring's merge at batch 1); ``--merge-parts``: the
+parts the last one merges a tile at a time (``MERGE_PARTS``; 1: one by one, as before 3a5844e). Each setting's
 output for one step
 from the same ring is compared with the PyTorch step's (largest absolute difference). Prints µs per layer
 step and the effective GB/s of the ring's bytes (keys and values read once).
@@ -76,6 +77,7 @@ def main(argv=None) -> int:
     p.add_argument("--programs", nargs="+", type=int, default=[0])
     p.add_argument("--stages", nargs="+", type=int, default=[0])
     p.add_argument("--min-parts", nargs="+", type=int, default=[0])
+    p.add_argument("--max-parts", nargs="+", type=int, default=[0])
     p.add_argument("--merge-parts", nargs="+", type=int, default=[0])
     p.add_argument("--fma", action="store_true")
     p.add_argument("--float8", action="store_true", help="float8 rings (the kernel quantising the new token itself)")
@@ -91,7 +93,7 @@ def main(argv=None) -> int:
         raise SystemExit("window_step_bench.py needs CUDA (or TRITON_INTERPRET=1 for a dry run on the CPU)")
     defaults = {k: getattr(step_triton, k) for k in ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES",
                                                       "STEP_MMA", "STEP_CROWDED_FP8", "STEP_HOLD_VALUES",
-                                                      "STEP_MIN_PARTS", "MERGE_PARTS", "STEP_SKIP_EMPTY")}
+                                                      "STEP_MIN_PARTS", "STEP_MAX_PARTS", "MERGE_PARTS", "STEP_SKIP_EMPTY")}
     from linearize.ops.window import float8 as f8
 
     gen = torch.Generator(device=DEV).manual_seed(0)
@@ -103,8 +105,8 @@ def main(argv=None) -> int:
     else:
         ring_step = window.window_softmax_step_ring
     rows = []
-    print("| step | batch | block | warps | programs | stages | min parts | merge | skip empty | µs/layer | GB/s | max err |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| step | batch | block | warps | programs | stages | min parts | max parts | merge | skip empty | µs/layer | GB/s | "
+          "max err |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for b in args.batches:
         q = torch.randn(b, H, 1, D, device=DEV, generator=gen).bfloat16()
         k, v = (torch.randn(b, HK, 1, D, device=DEV, generator=gen).bfloat16() for _ in range(2))
@@ -112,9 +114,9 @@ def main(argv=None) -> int:
         want = None
         settings = [("torch", {})]
         holds = [False, True] if args.hold and args.float8 else [defaults["STEP_HOLD_VALUES"]]
-        for mma, block, warps, programs, stages, hold, least, merge, skip in itertools.product(
+        for mma, block, warps, programs, stages, hold, least, most, merge, skip in itertools.product(
                 [True, False] if args.fma else [True], args.blocks, args.warps, args.programs, args.stages, holds,
-                args.min_parts, args.merge_parts, args.skip):
+                args.min_parts, args.max_parts, args.merge_parts, args.skip):
             if hold and not mma:
                 continue  # broadcast sums read the values as they are
             name = ("held" if hold else "kernel") if mma else "fma"
@@ -122,7 +124,7 @@ def main(argv=None) -> int:
                 STEP_MMA=mma, STEP_BLOCK=block or defaults["STEP_BLOCK"], STEP_WARPS=warps or defaults["STEP_WARPS"],
                 STEP_PROGRAMS=programs or defaults["STEP_PROGRAMS"], STEP_STAGES=stages or defaults["STEP_STAGES"],
                 STEP_HOLD_VALUES=hold, STEP_MIN_PARTS=least or defaults["STEP_MIN_PARTS"],
-                MERGE_PARTS=merge or defaults["MERGE_PARTS"], STEP_SKIP_EMPTY=bool(skip),
+                STEP_MAX_PARTS=most or defaults["STEP_MAX_PARTS"], MERGE_PARTS=merge or defaults["MERGE_PARTS"], STEP_SKIP_EMPTY=bool(skip),
                 # tiles given (a block, warps, broadcast sums): those, crowded or not; none: the module's choice
                 # (its crowded tiles too)
                 STEP_CROWDED_FP8=None if block or warps or not mma else defaults["STEP_CROWDED_FP8"])))
@@ -139,7 +141,7 @@ def main(argv=None) -> int:
             step = lambda: [ring_step(q, k, v, s, **kw) for s in layers]  # noqa: E731
             us = graph_us(step, args.replays) / args.layers
             shown = {k.removeprefix("STEP_").lower(): consts.get(k, "-") for k in
-                     ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES", "STEP_MIN_PARTS", "MERGE_PARTS", "STEP_SKIP_EMPTY")}
+                     ("STEP_BLOCK", "STEP_WARPS", "STEP_PROGRAMS", "STEP_STAGES", "STEP_MIN_PARTS", "STEP_MAX_PARTS", "MERGE_PARTS", "STEP_SKIP_EMPTY")}
             if name != "torch":  # the tiles the step took (a crowded float8 ring's own, where they apply)
                 aimed = (step_triton._target_programs(q.device) if q.is_cuda or step_triton.STEP_PROGRAMS is not None
                          else 1 << 30)
@@ -148,7 +150,7 @@ def main(argv=None) -> int:
             row = dict(step=name, shape=args.shape, batch=b, **shown, us_per_layer=us, gb_per_s=ring_bytes / us / 1e3, max_err=err)
             rows.append(row)
             print(f"| {name} | {b} | {shown['block']} | {shown['warps']} | {shown['programs']} | {shown['stages']} | "
-                  f"{shown['min_parts']} | {shown['merge_parts']} | {shown['skip_empty']} | {us:.1f} | {row['gb_per_s']:.0f} | {err:.3g} |",
+                  f"{shown['min_parts']} | {shown['max_parts']} | {shown['merge_parts']} | {shown['skip_empty']} | {us:.1f} | {row['gb_per_s']:.0f} | {err:.3g} |",
                   flush=True)
             del layers
         for key, value in defaults.items():

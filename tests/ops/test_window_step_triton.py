@@ -165,6 +165,9 @@ def test_ring_step_tiles_by_crowding(monkeypatch):
     monkeypatch.setattr(st, "STEP_MIN_PARTS", 3)  # a crowded batch's rings in parts too, never past their blocks
     assert st.ring_parts(256, 3, 4164, 64, 528) == 3 and st.ring_parts(64, 3, 4164, 128, 528) == 3
     assert st.ring_parts(256, 3, 100, 64, 528) == 2 and st.ring_parts(1, 3, 4164, 128, 528) == 33
+    monkeypatch.setattr(st, "STEP_MAX_PARTS", 16)  # at most 16, however few programs the batch gives
+    assert st.ring_parts(1, 3, 4164, 128, 528) == 16 and st.ring_parts(1, 3, 1284, 128, 528) == 11
+    monkeypatch.setattr(st, "STEP_MAX_PARTS", None)
     monkeypatch.setattr(st, "STEP_CROWDED_FP8", None)
     assert st.step_tiles(256, 3, 64, True, 528) == (True, 128, 4)
 

@@ -93,6 +93,13 @@ MERGE_ELEMENTS = 8192
 # its own, so a crowded batch may gain from more programs reading shorter parts; ``dev/window_step_bench.py
 # --min-parts`` sweeps it.
 STEP_MIN_PARTS = 1  # 2, 4, 8 parts: 3-82 % slower at batch 256 on an H200 (gpu_hybrid.sh merge at 72a188b)
+# The most parts a ring is read in (None: as many as the programs aimed for and its blocks give). Its last part merges
+# the parts one by one, so a long ring in many parts is bound by that merge: at Llama-3-8B's heads, batch 1, a full
+# float8 ring of 4,292 slots took 29.6 µs a layer in 34 parts and 23.9 in 16 (a 1,284-slot ring: 13.1 in 11 parts;
+# ``dev/window_step_bench.py --shape llama-3-8b --float8 --window 4292 --batches 1 --programs 0 128``, H200, 28353a7).
+# Not the default until SmolLM2's batch 1 (3 key heads: 102 programs in 34 parts, 48 in 16) is timed with it
+# (``--max-parts 0 16``).
+STEP_MAX_PARTS: int | None = None
 # Blocks of the ring before its part's first valid slot and after its last are not read: a ring that is not full yet
 # (a window longer than the context so far, e.g. 4,288 slots after a 1k prompt) costs what its tokens take. The
 # bounds come from a scan of the part's valid flags before the loop. 8f4ece1 skipped empty blocks by a branch inside
@@ -431,8 +438,11 @@ def step_tiles(batch: int, n_kv: int, d: int, fp8: bool, programs: int) -> tuple
 
 def ring_parts(batch: int, n_kv: int, window: int, block: int, programs: int) -> int:
     """Parts of the ring per (sequence, key head): about ``programs`` programs in all and at least
-    ``STEP_MIN_PARTS``, each part at least one block of ``block`` slots."""
-    return max(1, min(triton.cdiv(window, block), max(STEP_MIN_PARTS, programs // max(batch * n_kv, 1))))
+    ``STEP_MIN_PARTS`` (at most ``STEP_MAX_PARTS``), each part at least one block of ``block`` slots."""
+    parts = max(STEP_MIN_PARTS, programs // max(batch * n_kv, 1))
+    if STEP_MAX_PARTS is not None:
+        parts = min(parts, STEP_MAX_PARTS)
+    return max(1, min(triton.cdiv(window, block), parts))
 
 
 def window_step_ring_triton(q, k, v, state, *, scale: float, softcap=None, parts: int | None = None,
