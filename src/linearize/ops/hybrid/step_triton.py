@@ -301,13 +301,13 @@ def _hybrid_fused_step(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, wq_ptr, wk_ptr, lo
         tl.store(slot_ptr, ((s + 1) % W).to(tl.int64), mask=first & (h == 0) & (bi == 0))
 
 
-# The fused step's programs: value parts are added until a step has about this many (a batch-1 step
-# would otherwise leave most of the GPU idle) for heads up to 64 wide, (D / 64)^2 times as many for wider ones
-# (their state is as much larger); and its warps (None: by the tile, see below). On an H200 at Llama-3-8B's heads
+# The fused step's programs: value parts are added until a step has about this many (a batch-1 step would otherwise
+# leave most of the GPU idle) for heads up to 64 wide, (D / 64)^2 times as many for wider ones (a rule fitted to the
+# two widths measured, not derived); and its warps (None: by the tile, see below). On an H200 at Llama-3-8B's heads
 # (32 of 128; dev/step_bench.py --shape llama-3-8b --splits 1 2 4 8) batch 1 took 14.1 / 11.0 / 10.3 / 11.4 us a
-# layer in 1 / 2 / 4 / 8 parts (4: 128 programs) and batch 4 15.6 / 15.2 / 20.7 / 25.1 (1: 128 programs); the
-# fast decoder's batch-1 step 4.77 against 4.85 ms (gpu_scale.sh decode). Module constants so that
-# dev/step_bench.py can sweep them.
+# layer in 1 / 2 / 4 / 8 parts (4: 128 programs) and batch 4 15.6 / 15.2 / 20.7 / 25.1 (1: 128 programs); the fast
+# decoder's batch-1 step 4.77 against 4.85 ms (gpu_scale.sh decode). Module constants so that dev/step_bench.py can
+# sweep them.
 SPLIT_PROGRAMS = 32
 STEP_WARPS: int | None = None
 # The value columns a program takes at a time (its window values and linear state rows of them, and the
