@@ -129,14 +129,18 @@ class SoftmaxAttention(_Wrapper):
 
 
 class AttentionTransferProbe(_Wrapper):
-    """Attention transfer for one layer; after a forward, ``mse`` (and ``xent`` when ``with_xent``)
-    hold this layer's loss terms for that forward. Trains on unpadded blocks (no mask is read)."""
+    """Attention transfer for one layer; ``mse`` (and ``xent`` when ``with_xent``) hold this layer's loss terms
+    for the first forward since ``transfer_probes`` yielded the probe (a checkpointed layer's recompute in the
+    backward is a later one). Trains on unpadded blocks (no mask is read)."""
 
     def __init__(self, mixer: Mixer, with_xent: bool = False, tie: bool = True):
         super().__init__(mixer)
         self.with_xent, self.tie = with_xent, tie
         self.mse: torch.Tensor | None = None
         self.xent: torch.Tensor | None = None
+        # whether the next forward's loss terms are kept: set by ``transfer_probes`` each time it yields the probes,
+        # cleared by the forward that keeps them (see ``forward``)
+        self.armed = True
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         m = self.mixer
@@ -156,9 +160,10 @@ class AttentionTransferProbe(_Wrapper):
         # a checkpointed layer runs again in the backward to give its saved tensors back; the terms that
         # recompute makes hold its whole graph (checkpoint's recompute keeps every tensor it saves), and
         # the loss read this forward's terms long before: kept, they would hold each layer's activations
-        # until the next step (22 GB at 8B)
-        if torch._C._current_graph_task_id() == -1:  # not inside a backward
-            self.mse, self.xent = mse, xent
+        # until the next step (22 GB at 8B). Only the first forward after ``transfer_probes`` armed the probe
+        # keeps its terms; a recompute comes after it
+        if self.armed:
+            self.mse, self.xent, self.armed = mse, xent, False
         # under FSDP tie the prediction to the layer's output with weight 0: FSDP gathers a layer's weights for
         # its backward from hooks on the layer's outputs (``AttentionMSE``); untied, the layers after keep no
         # activations for a backward that never comes
@@ -205,7 +210,7 @@ def transfer_probes(model: nn.Module, layers, with_xent: bool = False, tie: bool
             raise LinearizeError(f"attention transfer probes are in place on layers {sorted(present)}; asked for "
                                  f"{sorted(layers)} (xent {with_xent})")
         for w in present.values():  # the loss knows whether FSDP sharded the model by now
-            w.tie = tie
+            w.tie, w.armed = tie, True
         yield present
         return
     with swapped(model, lambda m: AttentionTransferProbe(m, with_xent, tie) if m.layer_idx in layers
