@@ -17,6 +17,9 @@
 #            (dev/step_bench.py: warps, value parts, chunks) and a float8 ring of 4,292 holding 1,280 tokens with its
 #            empty blocks skipped and read (dev/window_step_bench.py --filled --skip); KEEP_CK=1 keeps the students
 #            for `CK=/tmp/ckpt/conv-SHAPE-tiers ... decode`
+#   window-parts  the float8 ring step at batch 1 / 4 / 64 with its parts capped at 16 or not (STEP_MAX_PARTS), on
+#            SmolLM2's heads and the shape's, rings of 1,284 and 4,292 slots, full and holding 1,280 tokens
+#            (dev/window_step_bench.py --max-parts 0 16): whether the cap becomes the default
 #   profile  where a graphed stage-1 and stage-2 step of the default student goes at 2 x 4,096 (bench.profile train)
 #   profile-uptrain  where an eager step of SUPRA's and XATL's (RetNet) student goes at the shape's width on its first
 #            UP_LAYERS (8) layers, 1 x 4,096 (bench.profile train): the FSDP rows' XATL ran at half SUPRA's MFU
@@ -104,6 +107,14 @@ EOF
             --top ${TOP:-14} --out "$S/profile_decode_${spec}_$b.json" 2>&1 | quiet | grep -A17 "^decode:" | cut -c1-160
         done
         [ -n "${KEEP_CK:-}" ] || rm -rf "$ck"
+      done ;;
+    window-parts)
+      for heads in smollm2-135m ${STEP_SHAPE:-$SHAPE}; do
+        for ring in "1284" "4292" "4292 --filled 1280"; do
+          python3 dev/window_step_bench.py --shape $heads --float8 --window $ring --batches 1 4 64 --max-parts 0 16 \
+            --layers 15 --out "$S/window_parts_${heads}_${ring// /_}.json" 2>&1 | quiet | grep -E "^\| held|rror" \
+            | sed "s/^/$heads $ring /"
+        done
       done ;;
     profile)
       for m in lolcats-long-stage1 lolcats-long-stage2; do
